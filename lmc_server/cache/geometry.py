@@ -1,0 +1,261 @@
+"""Engine-group geometry as a worker declares it, and the rules it must satisfy.
+
+A worker registers one :class:`GroupSpec` per engine KV cache group. Each group lists
+where its pages are (:class:`LayerSpec`: buffer, offset, block stride, page bytes).
+The server never interprets record bytes; it only needs sizes, strides and rules:
+
+* the chunk-size rule (:func:`check_chunk_size`): for every non-scratch group, the
+  chunk size is a multiple of tokens per block, and tokens per block is a multiple of
+  tokens per stored state;
+* record-format rules (:func:`check_record_format`): architecture-dependent formats
+  must match the architecture (``nvfp4_ds_mla`` only on SM100, the 584/528-byte
+  ``fp8_ds_mla`` records on their own architectures);
+* bounds (:func:`check_layer_bounds`): every page of every block lies inside its
+  buffer, pages of one layer do not overlap.
+
+Violations raise :class:`GeometryError` with a message naming the group and the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+GroupKind = Literal["full", "sliding_window", "scratch"]
+
+#: Largest number of groups, layers per group, buffers, and blocks per group a
+#: registration may declare. Bounds the work a single registration can cause.
+MAX_GROUPS = 64
+MAX_LAYERS_PER_GROUP = 1024
+MAX_BUFFERS = 4096
+MAX_BLOCKS_PER_GROUP = 1 << 24
+
+
+class GeometryError(ValueError):
+    """A registration's geometry breaks a rule; the message names group and numbers."""
+
+
+class ArchError(GeometryError):
+    """A record format is not valid on the registering device's architecture."""
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one layer's pages of one engine group live.
+
+    Page ``b`` (block id ``b``) of this layer occupies bytes
+    ``[offset + b * block_stride, offset + b * block_stride + page_bytes)`` of buffer
+    ``buffer`` (an index into the registration's buffer list).
+    """
+
+    buffer: int
+    offset: int
+    block_stride: int
+    page_bytes: int
+    name: str = ""
+
+
+class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine KV cache group: one block-id space, one block size.
+
+    ``tokens_per_block / states_per_block`` tokens are packed into one stored state
+    (2 for DeepSeek-V4.1's compressed KV). ``window_tokens`` is set only for
+    ``sliding_window`` groups. Scratch groups (per-request rings that are never
+    prefix-cacheable) are accepted and then skipped end to end.
+    """
+
+    name: str
+    kind: GroupKind
+    tokens_per_block: int
+    states_per_block: int
+    record_format: str
+    bytes_per_state: int
+    num_blocks: int
+    layers: list[LayerSpec]
+    window_tokens: int = 0
+
+    @property
+    def cached(self) -> bool:
+        return self.kind != "scratch"
+
+
+#: Architecture-dependent records: format -> {arch: required bytes per state}; the
+#: key ``"*"`` is the rule for every arch not listed. ``None`` means refused.
+_ARCH_RECORDS: dict[str, dict[str, int | None]] = {
+    "fp8_ds_mla": {"sm100": 528, "*": 584},
+}
+#: Formats that exist only on some architectures (size as the engine reports).
+_ARCH_ONLY: dict[str, frozenset[str]] = {
+    "nvfp4_ds_mla": frozenset({"sm100"}),
+}
+#: Formats whose size does not depend on the arch but is fixed.
+_FIXED_RECORDS: dict[str, int] = {"indexer_fp8": 132}
+
+
+def tokens_per_state(group: GroupSpec) -> int:
+    """Tokens packed into one stored state (1 for ordinary KV)."""
+    return group.tokens_per_block // group.states_per_block
+
+
+def smallest_chunk_size(groups: list[GroupSpec]) -> int:
+    """Least common multiple of the tokens per block of every cached group."""
+    sizes = [g.tokens_per_block for g in groups if g.cached and g.tokens_per_block > 0]
+    return math.lcm(*sizes) if sizes else 1
+
+
+def check_chunk_size(chunk_size: int, groups: list[GroupSpec]) -> None:
+    """Enforce the chunk-size rule; scratch groups are skipped.
+
+    Raises :class:`GeometryError` naming the first offending group, both numbers and
+    the smallest chunk size that satisfies every cached group.
+    """
+    for g in groups:
+        if not g.cached:
+            continue
+        if g.tokens_per_block <= 0 or g.states_per_block <= 0:
+            raise GeometryError(
+                f"group {g.name!r}: tokens_per_block ({g.tokens_per_block}) and "
+                f"states_per_block ({g.states_per_block}) must be positive"
+            )
+        if g.tokens_per_block % g.states_per_block:
+            raise GeometryError(
+                f"group {g.name!r}: tokens_per_block {g.tokens_per_block} is not a "
+                f"multiple of tokens per stored state (states_per_block "
+                f"{g.states_per_block} does not divide it)"
+            )
+        if chunk_size % g.tokens_per_block:
+            raise GeometryError(
+                f"chunk size {chunk_size} is not a multiple of group {g.name!r}'s "
+                f"tokens_per_block {g.tokens_per_block}; the smallest chunk size that "
+                f"works for every cached group is {smallest_chunk_size(groups)} "
+                f"(or any multiple of it)"
+            )
+
+
+def check_record_format(group: GroupSpec, arch: str) -> None:
+    """Refuse architecture-dependent records that do not match ``arch``."""
+    fmt = group.record_format
+    if fmt in _ARCH_ONLY and arch not in _ARCH_ONLY[fmt]:
+        allowed = ", ".join(sorted(_ARCH_ONLY[fmt]))
+        raise ArchError(
+            f"group {group.name!r}: record format {fmt!r} is only valid on {allowed}, "
+            f"not on {arch}"
+        )
+    if fmt in _ARCH_RECORDS:
+        rule = _ARCH_RECORDS[fmt]
+        want = rule.get(arch, rule.get("*"))
+        if want is not None and group.bytes_per_state != want:
+            raise ArchError(
+                f"group {group.name!r}: record format {fmt!r} on {arch} has {want} bytes "
+                f"per state, registration says {group.bytes_per_state}"
+            )
+    if fmt in _FIXED_RECORDS and group.bytes_per_state != _FIXED_RECORDS[fmt]:
+        raise GeometryError(
+            f"group {group.name!r}: record format {fmt!r} has {_FIXED_RECORDS[fmt]} bytes "
+            f"per state, registration says {group.bytes_per_state}"
+        )
+
+
+def check_layer_bounds(group: GroupSpec, buffer_sizes: list[int]) -> None:
+    """Every page of every block of every layer lies inside its buffer."""
+    if not 0 < group.num_blocks <= MAX_BLOCKS_PER_GROUP:
+        raise GeometryError(
+            f"group {group.name!r}: num_blocks {group.num_blocks} out of range "
+            f"1..{MAX_BLOCKS_PER_GROUP}"
+        )
+    min_page = group.states_per_block * group.bytes_per_state
+    for i, layer in enumerate(group.layers):
+        where = f"group {group.name!r} layer {i}{' (' + layer.name + ')' if layer.name else ''}"
+        if not 0 <= layer.buffer < len(buffer_sizes):
+            raise GeometryError(
+                f"{where}: buffer index {layer.buffer} out of range 0..{len(buffer_sizes) - 1}"
+            )
+        if layer.offset < 0 or layer.page_bytes <= 0:
+            raise GeometryError(f"{where}: offset must be >= 0 and page_bytes > 0")
+        if layer.page_bytes < min_page:
+            raise GeometryError(
+                f"{where}: page_bytes {layer.page_bytes} is smaller than states_per_block "
+                f"x bytes_per_state = {group.states_per_block} x {group.bytes_per_state} "
+                f"= {min_page}"
+            )
+        if group.num_blocks > 1 and layer.block_stride < layer.page_bytes:
+            raise GeometryError(
+                f"{where}: block_stride {layer.block_stride} is smaller than page_bytes "
+                f"{layer.page_bytes}: pages of consecutive blocks would overlap"
+            )
+        end = layer.offset + (group.num_blocks - 1) * layer.block_stride + layer.page_bytes
+        size = buffer_sizes[layer.buffer]
+        if end > size:
+            raise GeometryError(
+                f"{where}: last block ends at byte {end} but buffer {layer.buffer} has "
+                f"{size} bytes"
+            )
+
+
+def check_groups(groups: list[GroupSpec], chunk_size: int, arch: str,
+                 buffer_sizes: list[int] | None) -> None:
+    """All registration-time geometry rules, in the order a user would fix them.
+
+    ``buffer_sizes`` is ``None`` for a lookup-only registration (no buffers): layer
+    bounds are then not checked, since nothing will ever be copied.
+    """
+    if not groups:
+        raise GeometryError("registration declares no groups")
+    if len(groups) > MAX_GROUPS:
+        raise GeometryError(f"{len(groups)} groups declared; at most {MAX_GROUPS}")
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        raise GeometryError(f"group names must be unique, got {names}")
+    if not any(g.cached for g in groups):
+        raise GeometryError("every group is scratch: nothing to cache")
+    check_chunk_size(chunk_size, groups)
+    for g in groups:
+        if not g.cached:
+            continue
+        if g.kind == "sliding_window" and g.window_tokens <= 0:
+            raise GeometryError(
+                f"group {g.name!r}: sliding_window groups need window_tokens > 0"
+            )
+        if g.kind == "full" and g.window_tokens:
+            raise GeometryError(f"group {g.name!r}: window_tokens is only for sliding_window")
+        if not g.layers:
+            raise GeometryError(f"group {g.name!r} declares no layers")
+        if len(g.layers) > MAX_LAYERS_PER_GROUP:
+            raise GeometryError(
+                f"group {g.name!r}: {len(g.layers)} layers; at most {MAX_LAYERS_PER_GROUP}"
+            )
+        if g.bytes_per_state <= 0:
+            raise GeometryError(f"group {g.name!r}: bytes_per_state must be positive")
+        check_record_format(g, arch)
+        if buffer_sizes is not None:
+            check_layer_bounds(g, buffer_sizes)
+        elif not 0 < g.num_blocks <= MAX_BLOCKS_PER_GROUP:
+            raise GeometryError(f"group {g.name!r}: num_blocks {g.num_blocks} out of range")
+
+
+class ShmBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm"):
+    """A POSIX shared-memory segment standing in for GPU memory (CPU engine).
+
+    ``name`` is the segment name under ``/dev/shm`` (``lmc-`` prefix, no slashes).
+    """
+
+    name: str
+    size_bytes: int
+
+
+class CudaIpcBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cuda_ipc"):
+    """A CUDA allocation exported with ``cudaIpcGetMemHandle`` (CUDA engine).
+
+    The handle maps the whole allocation; the buffer is ``size_bytes`` bytes starting
+    ``offset`` bytes into it. ``device_uuid`` names the GPU (``GPU-...``) so the server
+    finds it whatever its own ``CUDA_VISIBLE_DEVICES`` says.
+    """
+
+    handle: bytes
+    device_uuid: str
+    offset: int
+    size_bytes: int
+
+
+BufferSpec = ShmBuffer | CudaIpcBuffer

@@ -1,0 +1,481 @@
+"""The L1 index: keys to object slots, the hit rule, store and retrieve bookkeeping.
+
+One :class:`L1Index` per server, driven from the event-loop thread only. It never
+copies bytes: a store is ``reserve_store`` (slots become WRITING, a copy plan comes
+back) then, once the transfer engine reports the copy complete, ``commit_store`` or
+``abort_store``. A retrieve is ``pin_retrieve`` (objects pinned, plan back) then
+``unpin_retrieve``. So a half-written object is never visible, and an object being
+read is never evicted.
+
+Keys. A key is ``namespace id (4 bytes) | chunk digest (32 bytes)``, looked up in the
+partition of the object group's layout; a non-empty cache salt replaces the digest by
+``blake2b(digest, key=salt)``. Namespaces with the same layout share a partition's
+slots but never a key.
+
+Hit rule (:meth:`L1Index.lookup`). A prefix of ``k`` chunks hits when every object
+group with full-prefix sections has chunks ``0..k-1`` committed, and every sliding
+window W has its sections present for the last ``ceil(W / chunk_size)`` chunks of the
+prefix. The largest such ``k`` is reported, and a lease pins exactly the objects a
+retrieve of that prefix reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lmc_server.cache.eviction import make_policy
+from lmc_server.cache.layout import (
+    ObjectGroupLayout,
+    RegistrationLayout,
+    RunCopy,
+    plan_copies,
+    section_block_ids,
+)
+from lmc_server.cache.leases import Lease, LeaseTable
+from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
+from lmc_server.cache.status import ChunkStatus
+
+DIGEST_BYTES = 32
+MAX_SALT_BYTES = 256
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Monotonic counters; the hot path only increments ints (exported at scrape)."""
+
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    stored_objects: int = 0
+    stored_bytes: int = 0
+    retrieved_objects: int = 0
+    retrieved_bytes: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    slabs_moved: int = 0
+    leases_taken: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    alloc_failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What one registration sees: its namespace and one partition per object group."""
+
+    ns_prefix: bytes
+    layout: RegistrationLayout
+    partitions: tuple[Partition, ...]
+
+
+@dataclass(slots=True, eq=False)
+class StoreTicket:
+    """A store in flight: reserved slots (WRITING) and the copies that fill them.
+
+    ``statuses[og]`` holds one :class:`ChunkStatus` per chunk; reserved chunks say
+    ``OK`` provisionally and become ``FAILED`` if the copy is aborted.
+    """
+
+    statuses: list[np.ndarray]
+    reserved: list[Reservation]
+    copies: list[RunCopy]
+    nbytes: int
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Slots reserved in one object group's partition: chunk index, slot, section mask."""
+
+    og_index: int
+    part: Partition
+    chunks: array
+    slots: array
+    masks: array
+
+
+@dataclass(slots=True, eq=False)
+class RetrieveTicket:
+    """A retrieve in flight: the objects it pinned and the copies that read them."""
+
+    statuses: list[np.ndarray]
+    pinned: list[tuple[Partition, array]]
+    copies: list[RunCopy]
+    nbytes: int
+    objects: int
+    done: bool = False
+
+
+def _split(digests: bytes) -> list[bytes]:
+    if len(digests) % DIGEST_BYTES:
+        raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
+    return [digests[i:i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)]
+
+
+class L1Index:
+    """Partitions, namespaces, leases and counters of the whole L1 tier."""
+
+    def __init__(self, pool: SlabPool, policy: str = "LRU") -> None:
+        make_policy(policy)  # validate the name early
+        self.pool = pool
+        self.policy_name = policy
+        self.partitions: dict[bytes, Partition] = {}
+        self._namespaces: dict[str, int] = {}
+        self.leases = LeaseTable()
+        self.stats = CacheStats()
+        self.tick = 0
+
+    # -- registration -----------------------------------------------------------------
+
+    def view(self, namespace: str, layout: RegistrationLayout) -> CacheView:
+        """Intern ``namespace`` and get (or create) a partition per object group."""
+        ns_id = self._namespaces.setdefault(namespace, len(self._namespaces) + 1)
+        parts = tuple(self._partition(og) for og in layout.object_groups)
+        return CacheView(ns_prefix=ns_id.to_bytes(4, "little"), layout=layout, partitions=parts)
+
+    def _partition(self, og: ObjectGroupLayout) -> Partition:
+        part = self.partitions.get(og.fingerprint)
+        if part is None:
+            part = Partition(len(self.partitions), og.fingerprint, og.name, og.object_bytes,
+                             self.pool, make_policy(self.policy_name))
+            self.partitions[og.fingerprint] = part
+        return part
+
+    def keys(self, view: CacheView, digests: bytes, salt: bytes = b"") -> list[bytes]:
+        """The index keys of a run of chunk digests (32 bytes each)."""
+        if len(salt) > MAX_SALT_BYTES:
+            raise ValueError(f"cache salt longer than {MAX_SALT_BYTES} bytes")
+        prefix = view.ns_prefix
+        if not salt:
+            return [prefix + d for d in _split(digests)]
+        key = hashlib.blake2b(salt, digest_size=32).digest() if len(salt) > 64 else salt
+        return [prefix + hashlib.blake2b(d, key=key, digest_size=32).digest()
+                for d in _split(digests)]
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def _committed(self, part: Partition, key: bytes) -> int:
+        slot = part.keys.get(key, -1)
+        if slot >= 0 and part.state[slot] != COMMITTED:
+            return -1
+        return slot
+
+    def _window_needs(self, view: CacheView, k: int) -> list[tuple[int, int, int]]:
+        """``(og index, first chunk, section mask)`` the window sections need at end k."""
+        out = []
+        for og in view.layout.object_groups:
+            needs: dict[int, int] = {}
+            for bit, sec in enumerate(og.sections):
+                if sec.is_window:
+                    first = max(0, k - view.layout.windows[sec.window_tokens])
+                    needs[first] = needs.get(first, 0) | (1 << bit)
+            for first, mask in needs.items():
+                out.append((og.index, first, mask))
+        return out
+
+    def hit_chunks(self, view: CacheView, keys: list[bytes]) -> tuple[int, list[list[int]]]:
+        """Length of the longest hit prefix, and per object group the slots found.
+
+        ``slots[og][i]`` is the committed slot of chunk ``i`` or -1 (scanned only as far
+        as the rule needs).
+        """
+        n = len(keys)
+        slots: list[list[int]] = []
+        limit = n
+        for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+            found: list[int] = []
+            for i, key in enumerate(keys):
+                s = self._committed(part, key)
+                if s < 0 and og.has_full:
+                    limit = min(limit, i)
+                    break
+                found.append(s)
+            slots.append(found + [-1] * (n - len(found)))
+        for k in range(limit, 0, -1):
+            if self._window_ok(view, slots, k):
+                return k, slots
+        return 0, slots
+
+    def _window_ok(self, view: CacheView, slots: list[list[int]], k: int) -> bool:
+        for og_index, first, mask in self._window_needs(view, k):
+            part = view.partitions[og_index]
+            for i in range(first, k):
+                s = slots[og_index][i]
+                if s < 0 or (part.mask[s] & mask) != mask:
+                    return False
+        return True
+
+    def _needed_slots(self, view: CacheView, slots: list[list[int]],
+                      k: int) -> list[tuple[Partition, array]]:
+        """Slots a retrieve of the ``k``-chunk prefix reads, per partition."""
+        out = []
+        for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+            if og.has_full:
+                first = 0
+            else:
+                first = min(max(0, k - view.layout.windows[s.window_tokens])
+                            for s in og.sections)
+            out.append((part, array("i", slots[og.index][first:k])))
+        return out
+
+    def lookup(self, view: CacheView, keys: list[bytes], owner: int, lease_ttl_s: float,
+               now_s: float, take_lease: bool = True) -> tuple[int, Lease | None]:
+        """Longest hit prefix (in chunks) and, if asked and non-empty, a lease on it."""
+        self.tick += 1
+        k, slots = self.hit_chunks(view, keys)
+        self.stats.lookups += 1
+        self.stats.lookup_chunks += len(keys)
+        self.stats.hit_chunks += k
+        if k == 0:
+            return 0, None
+        pins = self._needed_slots(view, slots, k)
+        for part, ss in pins:
+            for s in ss:
+                part.touch(s, self.tick)
+        if not take_lease:
+            return k, None
+        self.stats.leases_taken += 1
+        return k, self.leases.take(owner, now_s + lease_ttl_s, k, pins)
+
+    # -- allocation ---------------------------------------------------------------------
+
+    def _alloc(self, part: Partition) -> int | None:
+        """A free slot in ``part``: free list, new slab, colder partition, own victim."""
+        slot = part.pop_free()
+        if slot is not None:
+            return slot
+        slab = self.pool.take(part.pid)
+        if slab is not None:
+            part.add_slab(slab)
+            return part.pop_free()
+        own = part.policy.peek()
+        own_tick = part.tick[own] if own is not None else math.inf
+        donor: tuple[Partition, int] | None = None
+        donor_tick = own_tick
+        for other in self.partitions.values():
+            if other is part:
+                continue
+            v = other.policy.peek()
+            if v is None or other.tick[v] >= donor_tick:
+                continue
+            seg = other.releasable_segment(v)
+            if seg is not None:
+                donor, donor_tick = (other, seg), other.tick[v]
+        if donor is not None:
+            n, nbytes = donor[0].release_segment(donor[1])
+            self.stats.evictions += n
+            self.stats.evicted_bytes += nbytes
+            self.stats.slabs_moved += 1
+            slab = self.pool.take(part.pid)
+            assert slab is not None
+            part.add_slab(slab)
+            return part.pop_free()
+        if own is not None:
+            part.evict(own)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += part.object_bytes
+            return part.pop_free()
+        return None
+
+    # -- store --------------------------------------------------------------------------
+
+    def reserve_store(self, view: CacheView, keys: list[bytes],
+                      group_ids: dict[int, np.ndarray]) -> StoreTicket:
+        """Reserve a WRITING slot for every storable (object group, chunk).
+
+        ``group_ids[g]`` is engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids,
+        already bounds-checked, ``-1`` where the engine no longer has the block.
+        """
+        self.tick += 1
+        n = len(keys)
+        statuses: list[np.ndarray] = []
+        reserved: list[Reservation] = []
+        copies: list[RunCopy] = []
+        nbytes = 0
+        for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+            st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
+            avail: list[np.ndarray] = []
+            full_ok = np.ones(n, dtype=bool)
+            for sec in og.sections:
+                ok = np.asarray(
+                    (section_block_ids(sec, group_ids[sec.group_index]) >= 0).all(axis=1))
+                avail.append(ok)
+                if not sec.is_window:
+                    full_ok &= ok
+            any_window = np.zeros(n, dtype=bool)
+            for sec, ok in zip(og.sections, avail, strict=True):
+                if sec.is_window:
+                    any_window |= ok
+            storable = full_ok if og.has_full else any_window
+            chunks, slots, masks = array("i"), array("i"), array("B")
+            for i in np.flatnonzero(storable).tolist():
+                key = keys[i]
+                existing = part.keys.get(key)
+                if existing is not None:
+                    committed = part.state[existing] == COMMITTED
+                    st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
+                    if committed:
+                        part.touch(existing, self.tick)
+                    continue
+                slot = self._alloc(part)
+                if slot is None:
+                    st[i] = ChunkStatus.NO_SPACE
+                    self.stats.alloc_failures["no_space"] = (
+                        self.stats.alloc_failures.get("no_space", 0) + 1)
+                    continue
+                part.reserve(key, slot, self.tick)
+                mask = 0
+                for bit, ok in enumerate(avail):
+                    if ok[i]:
+                        mask |= 1 << bit
+                chunks.append(i)
+                slots.append(slot)
+                masks.append(mask)
+                st[i] = ChunkStatus.OK
+            statuses.append(st)
+            if not chunks:
+                continue
+            reserved.append(Reservation(og.index, part, chunks, slots, masks))
+            offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
+            chunk_idx = np.frombuffer(chunks, dtype=np.int32)
+            for bit, sec in enumerate(og.sections):
+                sel = avail[bit][chunk_idx]
+                if not sel.any():
+                    continue
+                ids = section_block_ids(sec, group_ids[sec.group_index])[chunk_idx[sel]]
+                for c in plan_copies(sec, ids, offsets[sel]):
+                    copies.append(c)
+                    nbytes += c.nbytes
+        return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
+
+    def commit_store(self, ticket: StoreTicket) -> None:
+        """The copy completed: every reserved object becomes visible."""
+        assert not ticket.done, "store ticket finished twice"
+        ticket.done = True
+        for r in ticket.reserved:
+            for s, m in zip(r.slots, r.masks, strict=True):
+                r.part.commit(s, m)
+            self.stats.stored_objects += len(r.slots)
+            self.stats.stored_bytes += len(r.slots) * r.part.object_bytes
+
+    def abort_store(self, ticket: StoreTicket) -> None:
+        """The copy failed or its writer is gone: free every reserved slot."""
+        assert not ticket.done, "store ticket finished twice"
+        ticket.done = True
+        for r in ticket.reserved:
+            st = ticket.statuses[r.og_index]
+            for i, s in zip(r.chunks, r.slots, strict=True):
+                r.part.abort(s)
+                st[i] = ChunkStatus.FAILED
+            self.stats.alloc_failures["aborted"] = (
+                self.stats.alloc_failures.get("aborted", 0) + len(r.slots))
+
+    # -- retrieve -----------------------------------------------------------------------
+
+    def pin_retrieve(self, view: CacheView, keys: list[bytes],
+                     group_ids: dict[int, np.ndarray]) -> RetrieveTicket:
+        """Pin what a retrieve of these chunks (a prefix ending at the last) reads.
+
+        Full sections are read for every chunk, window sections only for the chunks
+        in their window at the end. Blocks with id ``-1`` are left untouched.
+        """
+        self.tick += 1
+        n = len(keys)
+        statuses, pinned, copies = [], [], []
+        nbytes = objects = 0
+        for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+            st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
+            need = np.zeros((len(og.sections), n), dtype=bool)
+            for bit, sec in enumerate(og.sections):
+                if sec.is_window:
+                    need[bit, max(0, n - view.layout.windows[sec.window_tokens]):] = True
+                else:
+                    need[bit, :] = True
+                need[bit] &= (section_block_ids(sec, group_ids[sec.group_index]) >= 0).any(1)
+            chunks, slots = array("i"), array("i")
+            for i in np.flatnonzero(need.any(axis=0)).tolist():
+                s = self._committed(part, keys[i])
+                want = sum(1 << b for b in range(len(og.sections)) if need[b, i])
+                if s < 0 or (part.mask[s] & want) != want:
+                    st[i] = ChunkStatus.MISS
+                    need[:, i] = False
+                    continue
+                part.pin(s)
+                part.touch(s, self.tick)
+                chunks.append(i)
+                slots.append(s)
+                st[i] = ChunkStatus.OK
+            statuses.append(st)
+            if not chunks:
+                continue
+            pinned.append((part, slots))
+            objects += len(slots)
+            chunk_idx = np.frombuffer(chunks, dtype=np.int32)
+            offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
+            for bit, sec in enumerate(og.sections):
+                sel = need[bit][chunk_idx]
+                if not sel.any():
+                    continue
+                ids = section_block_ids(sec, group_ids[sec.group_index])[chunk_idx[sel]]
+                for c in plan_copies(sec, ids, offsets[sel]):
+                    copies.append(c)
+                    nbytes += c.nbytes
+        return RetrieveTicket(statuses=statuses, pinned=pinned, copies=copies, nbytes=nbytes,
+                              objects=objects)
+
+    def unpin_retrieve(self, ticket: RetrieveTicket, ok: bool) -> None:
+        """The copy finished (or failed: every pinned chunk then reports FAILED)."""
+        assert not ticket.done, "retrieve ticket finished twice"
+        ticket.done = True
+        for part, slots in ticket.pinned:
+            for s in slots:
+                part.unpin(s)
+        if ok:
+            self.stats.retrieved_objects += ticket.objects
+            self.stats.retrieved_bytes += ticket.nbytes
+        else:
+            for st in ticket.statuses:
+                st[st == ChunkStatus.OK] = ChunkStatus.FAILED
+
+    # -- leases and housekeeping -----------------------------------------------------------
+
+    def release(self, lease_id: int) -> bool:
+        released = self.leases.release(lease_id) is not None
+        self.stats.leases_released += released
+        return released
+
+    def expire_leases(self, now_s: float) -> int:
+        n = len(self.leases.expire(now_s))
+        self.stats.leases_expired += n
+        return n
+
+    def drop_owner(self, owner: int) -> int:
+        """Release the leases of a session that went away."""
+        n = self.leases.release_owner(owner)
+        self.stats.leases_released += n
+        return n
+
+    def clear(self) -> int:
+        """Evict every committed, unpinned object; give fully free slabs back."""
+        n = 0
+        for part in self.partitions.values():
+            while (v := part.policy.peek()) is not None:
+                part.evict(v)
+                n += 1
+            for seg, slab in enumerate(part.segments):
+                if slab < 0:
+                    continue
+                first = seg * part.slots_per_slab
+                if all(part.state[s] == 0 for s in range(first, first + part.slots_per_slab)):
+                    part.release_segment(seg)
+        return n
+
+    def check(self) -> None:
+        """Every partition's invariants, and pins == lease pins + in-flight reads."""
+        for part in self.partitions.values():
+            part.check()

@@ -1,0 +1,251 @@
+"""Object-group layout: which engine groups' pages of one chunk form one object.
+
+With ``separate=True`` (``--separate-object-groups``) there is one object group per
+distinct retention need: ``full`` (every full-attention group, e.g. DeepSeek-V4.1's
+compressed KV and its indexer) and ``window<W>`` per distinct sliding window W. Without
+it, one object group ``all`` holds every cached group of a chunk. Scratch groups never
+appear in any object.
+
+Inside an object, each *section* (one engine group) stores, layer by layer, the pages
+of the blocks a future hit can use: every block of the chunk for full groups, only the
+trailing ``ceil(W / tokens_per_block)`` blocks for a sliding window of W tokens (all of
+them if W >= chunk size). Object byte layout::
+
+    object = section_0 | section_1 | ...
+    section = layer_0 | layer_1 | ...          (in the order the worker declared)
+    layer   = page(block_first) | ... | page(block_last)
+
+Layers of one group that sit in the same buffer at a constant distance from each other
+(one buffer holding many layers with padded strides) are coalesced into one
+:class:`LayerRun`, so a copy touches ``runs x chunks`` descriptors, not pages.
+
+The *fingerprint* of an object group hashes everything that decides its byte layout
+and meaning (kinds, windows, tokens and states per block, record formats, page bytes per
+layer) but nothing about where the worker keeps its pages: two workers with the same
+model and geometry share objects even if their buffers are laid out differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lmc_server.cache.geometry import GroupSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRun:
+    """``n_layers`` layers of one group in one buffer, ``layer_stride`` bytes apart.
+
+    Page of layer ``i`` (of the run) and block id ``b`` is at buffer offset
+    ``base_offset + i * layer_stride + b * block_stride``. In the object, the run's
+    pages are laid out ``[layer][stored block][page_bytes]`` from ``object_offset``.
+    """
+
+    buffer: int
+    base_offset: int
+    layer_stride: int
+    n_layers: int
+    block_stride: int
+    page_bytes: int
+    object_offset: int
+    n_blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_layers * self.n_blocks * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SectionLayout:
+    """One engine group's part of an object.
+
+    ``window_tokens == 0`` marks a full-prefix section. ``first_block`` and
+    ``n_blocks`` select the blocks of the chunk that are stored (block indices
+    relative to the chunk, ``0 <= first_block < blocks_per_chunk``).
+    """
+
+    group_index: int
+    group_name: str
+    window_tokens: int
+    blocks_per_chunk: int
+    first_block: int
+    n_blocks: int
+    object_offset: int
+    nbytes: int
+    runs: tuple[LayerRun, ...]
+
+    @property
+    def is_window(self) -> bool:
+        return self.window_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectGroupLayout:
+    """The fixed byte layout of one object group's objects (one per chunk)."""
+
+    name: str
+    index: int
+    sections: tuple[SectionLayout, ...]
+    object_bytes: int
+    fingerprint: bytes
+
+    @property
+    def has_full(self) -> bool:
+        return any(not s.is_window for s in self.sections)
+
+    @property
+    def window_sections(self) -> tuple[SectionLayout, ...]:
+        return tuple(s for s in self.sections if s.is_window)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationLayout:
+    """All object groups of one registration, and the window rule per window size.
+
+    ``windows`` maps each sliding window size W to the number of trailing chunks of a
+    prefix that a hit needs for it (``ceil(W / chunk_size)``).
+    """
+
+    chunk_size: int
+    object_groups: tuple[ObjectGroupLayout, ...]
+    windows: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(og.object_bytes for og in self.object_groups)
+
+
+def _coalesce_runs(group: GroupSpec, n_blocks: int, start_offset: int) -> tuple[LayerRun, ...]:
+    runs: list[LayerRun] = []
+    offset = start_offset
+    layers = group.layers
+    i = 0
+    while i < len(layers):
+        first = layers[i]
+        n = 1
+        stride = 0
+        if i + 1 < len(layers):
+            nxt = layers[i + 1]
+            if (nxt.buffer == first.buffer and nxt.block_stride == first.block_stride
+                    and nxt.page_bytes == first.page_bytes and nxt.offset != first.offset):
+                stride = nxt.offset - first.offset
+                n = 2
+                while i + n < len(layers):
+                    cand = layers[i + n]
+                    if (cand.buffer != first.buffer or cand.block_stride != first.block_stride
+                            or cand.page_bytes != first.page_bytes
+                            or cand.offset != first.offset + n * stride):
+                        break
+                    n += 1
+        run = LayerRun(buffer=first.buffer, base_offset=first.offset, layer_stride=stride,
+                       n_layers=n, block_stride=first.block_stride, page_bytes=first.page_bytes,
+                       object_offset=offset, n_blocks=n_blocks)
+        runs.append(run)
+        offset += run.nbytes
+        i += n
+    return tuple(runs)
+
+
+def _section(group: GroupSpec, index: int, chunk_size: int, offset: int) -> SectionLayout:
+    bpc = chunk_size // group.tokens_per_block
+    if group.kind == "sliding_window":
+        n_blocks = min(bpc, math.ceil(group.window_tokens / group.tokens_per_block))
+        window = group.window_tokens
+    else:
+        n_blocks = bpc
+        window = 0
+    runs = _coalesce_runs(group, n_blocks, offset)
+    nbytes = sum(r.nbytes for r in runs)
+    return SectionLayout(group_index=index, group_name=group.name, window_tokens=window,
+                         blocks_per_chunk=bpc, first_block=bpc - n_blocks, n_blocks=n_blocks,
+                         object_offset=offset, nbytes=nbytes, runs=runs)
+
+
+def _fingerprint(name: str, groups: list[GroupSpec], sections: list[SectionLayout]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(name.encode())
+    for s in sections:
+        g = groups[s.group_index]
+        pages = ",".join(str(layer.page_bytes) for layer in g.layers)
+        h.update(
+            f"|{g.kind}:{g.window_tokens}:{g.tokens_per_block}:{g.states_per_block}:"
+            f"{g.record_format}:{g.bytes_per_state}:{s.first_block}:{s.n_blocks}:"
+            f"[{pages}]".encode()
+        )
+    return h.digest()
+
+
+def build_layout(groups: list[GroupSpec], chunk_size: int, separate: bool) -> RegistrationLayout:
+    """Partition cached groups into object groups and fix every object's byte layout.
+
+    Assumes :func:`lmc_server.cache.geometry.check_groups` passed. Object groups are
+    ordered ``full`` first, then windows ascending, so their order is stable.
+    """
+    buckets: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        if not g.cached:
+            continue
+        if not separate:
+            name = "all"
+        elif g.kind == "sliding_window":
+            name = f"window{g.window_tokens}"
+        else:
+            name = "full"
+        buckets.setdefault(name, []).append(i)
+
+    def order(name: str) -> tuple[int, int]:
+        return (0, 0) if name in ("full", "all") else (1, int(name[len("window"):]))
+
+    ogs: list[ObjectGroupLayout] = []
+    for og_index, name in enumerate(sorted(buckets, key=order)):
+        sections: list[SectionLayout] = []
+        offset = 0
+        for gi in buckets[name]:
+            sec = _section(groups[gi], gi, chunk_size, offset)
+            sections.append(sec)
+            offset += sec.nbytes
+        ogs.append(ObjectGroupLayout(name=name, index=og_index, sections=tuple(sections),
+                                     object_bytes=offset,
+                                     fingerprint=_fingerprint(name, groups, sections)))
+    windows = {g.window_tokens: math.ceil(g.window_tokens / chunk_size)
+               for g in groups if g.cached and g.kind == "sliding_window"}
+    return RegistrationLayout(chunk_size=chunk_size, object_groups=tuple(ogs), windows=windows)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCopy:
+    """One layer run copied for ``m`` chunks: the unit a transfer engine executes.
+
+    ``block_ids[c, j]`` is the engine block id of stored block ``j`` of chunk ``c``
+    (``-1``: leave that block alone, retrieve only). ``object_offsets[c]`` is the pool
+    byte offset of ``run.object_offset`` inside chunk ``c``'s object.
+    """
+
+    run: LayerRun
+    block_ids: np.ndarray
+    object_offsets: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.block_ids.shape[0]) * self.run.nbytes
+
+
+def section_block_ids(section: SectionLayout, group_ids: np.ndarray) -> np.ndarray:
+    """The stored blocks' ids per chunk: ``group_ids`` is ``(chunks, blocks_per_chunk)``."""
+    return group_ids[:, section.first_block:section.first_block + section.n_blocks]
+
+
+def plan_copies(section: SectionLayout, ids: np.ndarray,
+                object_offsets: np.ndarray) -> list[RunCopy]:
+    """Copy descriptors for one section of ``len(object_offsets)`` objects.
+
+    ``ids`` is the section's ``(m, n_blocks)`` stored block ids, ``object_offsets`` the
+    pool offsets of the ``m`` objects. Vectorized: no per-page Python objects.
+    """
+    return [RunCopy(run=r, block_ids=ids,
+                    object_offsets=object_offsets + np.int64(r.object_offset))
+            for r in section.runs]

@@ -1,0 +1,274 @@
+"""The slab pool and its partitions: fixed-size object slots with O(1) allocation.
+
+The L1 pool (one large host allocation owned by the transfer engine) is carved into
+``slab_bytes`` slabs. A slab is ``PENDING`` until the engine has made it usable (pinned
+or populated, in the background), then ``FREE``, then owned by exactly one
+:class:`Partition`. A partition serves one object layout (one fingerprint) and carves
+each of its slabs into ``slab_bytes // object_bytes`` equal slots, so there is no
+fragmentation and allocation is a pop from a free list.
+
+Slot states (``Partition.state``)::
+
+    FREE --reserve--> WRITING --commit--> COMMITTED --evict/clear--> FREE
+                         \\--abort-----------------------------------^
+    any slot of a slab given back to the pool --> DEAD (until the slab returns)
+
+Only ``COMMITTED`` slots are visible to lookups; only committed slots with no pins are
+in the eviction policy. Invariants (checked by :meth:`Partition.check`):
+``slot in policy`` iff ``state == COMMITTED and pins == 0``; every key in ``keys``
+maps to a ``WRITING`` or ``COMMITTED`` slot whose ``slot_key`` is that key.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from lmc_server.cache.eviction import EvictionPolicy
+
+FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
+PENDING_SLAB = -2
+FREE_SLAB = -1
+
+
+class SlabPool:
+    """Which slabs are ready and which partition owns each; no bytes are touched here.
+
+    ``owner[s]`` is ``PENDING_SLAB`` until :meth:`mark_ready`, then ``FREE_SLAB`` or
+    the id of the owning partition.
+    """
+
+    def __init__(self, size_bytes: int, slab_bytes: int) -> None:
+        if slab_bytes <= 0 or size_bytes < slab_bytes:
+            raise ValueError(
+                f"pool of {size_bytes} bytes cannot hold one slab of {slab_bytes} bytes"
+            )
+        self.slab_bytes = slab_bytes
+        self.n_slabs = size_bytes // slab_bytes
+        self.owner = array("i", [PENDING_SLAB] * self.n_slabs)
+        self._free: list[int] = []
+        self.ready_slabs = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slabs * self.slab_bytes
+
+    @property
+    def ready_bytes(self) -> int:
+        return self.ready_slabs * self.slab_bytes
+
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free)
+
+    def mark_ready(self, slab: int) -> None:
+        """The engine finished preparing ``slab``; it may now be handed out."""
+        assert self.owner[slab] == PENDING_SLAB, f"slab {slab} marked ready twice"
+        self.owner[slab] = FREE_SLAB
+        self.ready_slabs += 1
+        self._free.append(slab)
+
+    def take(self, partition_id: int) -> int | None:
+        """A ready free slab for ``partition_id``, or ``None`` when there is none."""
+        if not self._free:
+            return None
+        slab = self._free.pop()
+        self.owner[slab] = partition_id
+        return slab
+
+    def give_back(self, slab: int) -> None:
+        assert self.owner[slab] >= 0, f"slab {slab} is not owned"
+        self.owner[slab] = FREE_SLAB
+        self._free.append(slab)
+
+
+class Partition:
+    """Object slots of one layout: a key table, slot states, pins and a policy.
+
+    Slot ``i`` lives in segment ``i // slots_per_slab``; ``segments[seg]`` is the slab
+    backing it (or -1 after the slab was given back). Per slot the partition keeps a
+    handful of bytes in arrays and one reference to the key, so that 20,000 objects
+    cost about a megabyte of Python heap.
+    """
+
+    def __init__(self, pid: int, fingerprint: bytes, name: str, object_bytes: int,
+                 pool: SlabPool, policy: EvictionPolicy) -> None:
+        if object_bytes > pool.slab_bytes:
+            raise ValueError(
+                f"object group {name!r} objects are {object_bytes} bytes, larger than one "
+                f"slab ({pool.slab_bytes} bytes); raise --slab-size-mb"
+            )
+        self.pid = pid
+        self.fingerprint = fingerprint
+        self.name = name
+        self.object_bytes = object_bytes
+        self.pool = pool
+        self.policy = policy
+        self.slots_per_slab = pool.slab_bytes // object_bytes
+        self.segments: list[int] = []
+        self.keys: dict[bytes, int] = {}
+        self.slot_key: list[bytes | None] = []
+        self.state = array("b")
+        self.pins = array("i")
+        self.mask = array("B")
+        self.tick = array("q")
+        self._free: list[int] = []
+        self.n_committed = 0
+        self.n_writing = 0
+
+    # -- capacity -------------------------------------------------------------------
+
+    @property
+    def slabs(self) -> int:
+        return sum(1 for s in self.segments if s >= 0)
+
+    @property
+    def capacity_objects(self) -> int:
+        return self.slabs * self.slots_per_slab
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.n_committed + self.n_writing) * self.object_bytes
+
+    def add_slab(self, slab: int) -> None:
+        """Carve ``slab`` into slots, reusing a hole left by a given-back slab first."""
+        sps = self.slots_per_slab
+        try:
+            seg = self.segments.index(-1)
+            self.segments[seg] = slab
+        except ValueError:
+            seg = len(self.segments)
+            self.segments.append(slab)
+            n = sps
+            self.slot_key.extend([None] * n)
+            self.state.extend([DEAD] * n)
+            self.pins.extend([0] * n)
+            self.mask.extend([0] * n)
+            self.tick.extend([0] * n)
+            self.policy.grow(len(self.state))
+        first = seg * sps
+        for slot in range(first + sps - 1, first - 1, -1):
+            assert self.state[slot] == DEAD
+            self.state[slot] = FREE
+            self._free.append(slot)
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of ``slot``'s object in the pool."""
+        seg, idx = divmod(slot, self.slots_per_slab)
+        slab = self.segments[seg]
+        assert slab >= 0, f"slot {slot} is in a released segment"
+        return slab * self.pool.slab_bytes + idx * self.object_bytes
+
+    # -- slot life cycle --------------------------------------------------------------
+
+    def pop_free(self) -> int | None:
+        """A free slot, or ``None``. Entries of given-back segments are skipped lazily."""
+        while self._free:
+            slot = self._free.pop()
+            if self.state[slot] == FREE:
+                return slot
+        return None
+
+    def reserve(self, key: bytes, slot: int, tick: int) -> None:
+        """Bind a free ``slot`` to ``key`` in the WRITING state (invisible to lookups)."""
+        assert self.state[slot] == FREE, f"slot {slot} is not free"
+        assert key not in self.keys, "key already present"
+        self.state[slot] = WRITING
+        self.slot_key[slot] = key
+        self.keys[key] = slot
+        self.mask[slot] = 0
+        self.tick[slot] = tick
+        self.n_writing += 1
+
+    def commit(self, slot: int, mask: int) -> None:
+        """The copy into ``slot`` completed: make it visible and evictable."""
+        assert self.state[slot] == WRITING, f"slot {slot} is not being written"
+        self.state[slot] = COMMITTED
+        self.mask[slot] = mask
+        self.n_writing -= 1
+        self.n_committed += 1
+        if self.pins[slot] == 0:
+            self.policy.add(slot)
+
+    def abort(self, slot: int) -> None:
+        """The copy into ``slot`` failed or its writer died: forget it entirely."""
+        assert self.state[slot] == WRITING, f"slot {slot} is not being written"
+        assert self.pins[slot] == 0, "a slot being written cannot be pinned"
+        self.n_writing -= 1
+        self._release(slot)
+
+    def evict(self, slot: int) -> None:
+        """Drop a committed, unpinned object (its slot becomes free)."""
+        assert self.state[slot] == COMMITTED and self.pins[slot] == 0
+        self.policy.remove(slot)
+        self.n_committed -= 1
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        key = self.slot_key[slot]
+        assert key is not None
+        del self.keys[key]
+        self.slot_key[slot] = None
+        self.state[slot] = FREE
+        self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        assert self.state[slot] == COMMITTED, f"pinning slot {slot} that is not committed"
+        if self.pins[slot] == 0:
+            self.policy.remove(slot)
+        self.pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        assert self.pins[slot] > 0, f"unpinning slot {slot} that is not pinned"
+        self.pins[slot] -= 1
+        if self.pins[slot] == 0 and self.state[slot] == COMMITTED:
+            self.policy.add(slot)
+
+    def touch(self, slot: int, tick: int) -> None:
+        self.tick[slot] = tick
+        if slot in self.policy:
+            self.policy.touch(slot)
+
+    # -- giving slabs back --------------------------------------------------------------
+
+    def releasable_segment(self, slot: int) -> int | None:
+        """The segment of ``slot`` if none of its slots is pinned or being written."""
+        seg = slot // self.slots_per_slab
+        first = seg * self.slots_per_slab
+        for s in range(first, first + self.slots_per_slab):
+            if self.state[s] == WRITING or self.pins[s]:
+                return None
+        return seg
+
+    def release_segment(self, seg: int) -> tuple[int, int]:
+        """Evict every object of segment ``seg`` and give its slab back to the pool.
+
+        Returns ``(objects evicted, bytes evicted)``.
+        """
+        first = seg * self.slots_per_slab
+        evicted = 0
+        for s in range(first, first + self.slots_per_slab):
+            if self.state[s] == COMMITTED:
+                self.evict(s)
+                evicted += 1
+            assert self.state[s] == FREE, f"slot {s} busy in a released segment"
+            self.state[s] = DEAD
+        slab = self.segments[seg]
+        self.segments[seg] = -1
+        self.pool.give_back(slab)
+        return evicted, evicted * self.object_bytes
+
+    def check(self) -> None:
+        """Assert every invariant in the module docstring (tests; O(slots))."""
+        writing = committed = 0
+        for s, st in enumerate(self.state):
+            evictable = st == COMMITTED and self.pins[s] == 0
+            assert (s in self.policy) == evictable, f"slot {s}: policy membership wrong"
+            if st in (WRITING, COMMITTED):
+                key = self.slot_key[s]
+                assert key is not None and self.keys.get(key) == s, f"slot {s}: key table"
+                writing += st == WRITING
+                committed += st == COMMITTED
+            else:
+                assert self.pins[s] == 0, f"slot {s}: pinned while {st}"
+        assert writing == self.n_writing and committed == self.n_committed
+        assert len(self.keys) == writing + committed

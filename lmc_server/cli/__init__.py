@@ -1,0 +1,1 @@
+"""Command line: ``lmcache server | ping | stats | bench``. Builds configs, nothing else."""

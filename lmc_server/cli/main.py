@@ -1,0 +1,201 @@
+"""``lmcache``: the server daemon and its small admin commands.
+
+Settings come from flags, then ``LMCACHE_*`` environment variables, then a TOML file
+(``--config``), then defaults. Bad values are usage errors (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from lmc_server import __version__
+from lmc_server.cache.eviction import POLICIES
+from lmc_server.config import (
+    BACKENDS,
+    GIB,
+    LOG_LEVELS,
+    Config,
+    ConfigError,
+    default_l1_size_gb,
+    load_toml,
+    physical_memory_bytes,
+)
+
+_EXAMPLES = """
+\b
+Examples:
+  lmcache server --chunk-size 256 --separate-object-groups --l1-size-gb 100 \\
+      --eviction-policy LRU
+  LMCACHE_L1_SIZE_GB=16 lmcache server --backend cpu
+  lmcache server --config /etc/lmcache/server.toml
+"""
+
+
+def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value:
+        try:
+            ctx.default_map = {**(ctx.default_map or {}), **load_toml(value)}
+        except ConfigError as e:
+            raise click.BadParameter(str(e)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"],
+                               "show_default": True, "max_content_width": 100})
+@click.version_option(__version__, prog_name="lmcache")
+def cli() -> None:
+    """lmc-server: a KV-cache server that keeps vLLM's attention KV in host memory."""
+
+
+@cli.command(epilog=_EXAMPLES)
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config_file,
+              is_eager=True, expose_value=False, envvar="LMCACHE_CONFIG",
+              help="TOML file with settings (names as below, '-' or '_').")
+@click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
+              help="Address to listen on (tcp).")
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
+              help="TCP port for clients.")
+@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=256,
+              envvar="LMCACHE_CHUNK_SIZE",
+              help="Tokens per chunk (the caching unit); must be a multiple of every "
+                   "cached group's tokens per block.")
+@click.option("--separate-object-groups/--no-separate-object-groups", default=False,
+              envvar="LMCACHE_SEPARATE_OBJECT_GROUPS",
+              help="One object per chunk per retention need (full vs each sliding "
+                   "window) instead of one object per chunk.")
+@click.option("--l1-size-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+              envvar="LMCACHE_L1_SIZE_GB",
+              help=f"L1 pool size in GiB [default: a quarter of this machine's memory, "
+                   f"{default_l1_size_gb():.0f} here].")
+@click.option("--eviction-policy", type=click.Choice(list(POLICIES), case_sensitive=False),
+              default="LRU", envvar="LMCACHE_EVICTION_POLICY", help="Eviction policy.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto",
+              envvar="LMCACHE_BACKEND",
+              help="Transfer engine: cuda (GPU workers), cpu (shared memory), or auto "
+                   "(cuda when a GPU and CuPy are present).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              default="INFO", envvar="LMCACHE_LOG_LEVEL", help="Log level.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              envvar="LMCACHE_LOG_FORMAT", help="Log line format.")
+@click.option("--lease-ttl-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              envvar="LMCACHE_LEASE_TTL_S",
+              help="Seconds a lookup's lease keeps its chunks from eviction.")
+@click.option("--slab-size-mb", type=click.IntRange(1, 4096), default=64,
+              envvar="LMCACHE_SLAB_SIZE_MB",
+              help="Pool slab size in MiB (largest object; unit moved between partitions).")
+@click.option("--copy-threads", type=click.IntRange(0, 256), default=0,
+              envvar="LMCACHE_COPY_THREADS",
+              help="Copy threads of the cpu engine (0: min(4, cores)).")
+@click.option("--max-frame-bytes", type=click.IntRange(65536, 1 << 30),
+              default=Config.max_frame_bytes, envvar="LMCACHE_MAX_FRAME_BYTES",
+              help="Largest request frame answered; larger ones get too_large.")
+@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=10.0,
+              envvar="LMCACHE_DRAIN_TIMEOUT_S",
+              help="On SIGTERM, how long in-flight copies may take to finish.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9090,
+              envvar="LMCACHE_METRICS_PORT", help="Prometheus /metrics port (0: off).")
+@click.option("--metrics-host", default="127.0.0.1", envvar="LMCACHE_METRICS_HOST",
+              help="Address of the metrics endpoint.")
+def server(**kwargs: Any) -> None:
+    """Run the cache server in the foreground until SIGINT or SIGTERM."""
+    if kwargs["l1_size_gb"] is None:
+        kwargs["l1_size_gb"] = 0.0
+    config = Config(**kwargs)
+    try:
+        config.check()
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    from lmc_server.logs import setup_logging
+    from lmc_server.server.server import Server
+
+    setup_logging(config.log_level, config.log_format)
+    sys.exit(Server(config).run())
+
+
+def _endpoint_options(f: Any) -> Any:
+    f = click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=2.0,
+                     help="Seconds to wait for an answer.")(f)
+    f = click.option("--port", type=click.IntRange(1, 65535), default=5555,
+                     envvar="LMCACHE_PORT", help="Server port.")(f)
+    f = click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
+                     help="Server address.")(f)
+    return f
+
+
+def _client(host: str, port: int, timeout_s: float) -> Any:
+    from lmc_server.client.sync import Client
+
+    endpoint = Config(host=host, port=port).endpoint
+    return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=False)
+
+
+@cli.command()
+@_endpoint_options
+def ping(host: str, port: int, timeout_s: float) -> None:
+    """Exit 0 if the server answers within the timeout, 1 otherwise."""
+    with _client(host, port, timeout_s) as c:
+        try:
+            pong = c.ping()
+        except TimeoutError:
+            click.echo(f"no answer from {c.endpoint} within {timeout_s} s", err=True)
+            sys.exit(1)
+    click.echo(f"ok: lmcache server {pong.server_version} at {c.endpoint}"
+               f"{'' if pong.ready else ' (pool not ready yet)'}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@cli.command()
+@_endpoint_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw report as JSON.")
+def stats(host: str, port: int, timeout_s: float, as_json: bool) -> None:
+    """Chunk size, backend, L1 capacity and use per partition, registrations, counters."""
+    from lmc_server.client.sync import Client
+
+    endpoint = Config(host=host, port=port).endpoint
+    try:
+        with Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli") as c:
+            report = c.stats()
+    except TimeoutError:
+        click.echo(f"no answer from {endpoint} within {timeout_s} s", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        return
+    l1 = report["l1"]
+    click.echo(f"lmcache server {report['version']} at {endpoint}, backend "
+               f"{report['backend']}, up {report['uptime_s']:.0f} s")
+    click.echo(f"chunk size {report['chunk_size']}, object groups "
+               f"{'separate' if report['separate_object_groups'] else 'combined'}, "
+               f"eviction {report['eviction_policy']}")
+    click.echo(f"L1: {_gib(l1['used_bytes'])} used of {_gib(l1['capacity_bytes'])} "
+               f"({_gib(l1['ready_bytes'])} ready, {l1['free_slabs']} free slabs), "
+               f"{l1['objects']} objects")
+    click.echo(f"sessions {report['sessions']}, registrations {report['registrations']}, "
+               f"leases {report['leases']}")
+    if report["partitions"]:
+        click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
+                   f"{'capacity':>10}{'used':>14}")
+        for p in report["partitions"]:
+            click.echo(f"{p['name']:<14}{p['object_bytes']:>12}{p['slabs']:>8}"
+                       f"{p['objects']:>10}{p['capacity_objects']:>10}"
+                       f"{_gib(p['used_bytes']):>14}")
+    click.echo("")
+    for k, v in report["counters"].items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                click.echo(f"{k}.{k2:<30} {v2}")
+        else:
+            click.echo(f"{k:<38} {v}")
+
+
+def main() -> None:
+    cli(prog_name="lmcache")
+
+
+__all__ = ["cli", "main", "physical_memory_bytes"]

@@ -1,0 +1,156 @@
+"""What the sync and asyncio clients share: request building and reply checking.
+
+The clients differ only in how a frame travels; everything about message contents
+(block-id encoding, status decoding, error mapping) lives here once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.cache.status import SUCCESS, ChunkStatus
+from lmc_server.protocol import messages as m
+
+R = TypeVar("R", bound=m._Msg)
+
+BlockIds = Mapping[str, np.ndarray | Sequence[int]]
+
+
+class ServerError(Exception):
+    """The server refused a request; ``code`` is an :class:`ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registration as the client sees it; pass it to lookup/store/retrieve."""
+
+    registration_id: bytes
+    namespace: str
+    chunk_size: int
+    lookup_only: bool
+    object_groups: list[m.ObjectGroupInfo]
+    groups: list[GroupSpec]
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes one chunk occupies in L1 across object groups."""
+        return sum(og.object_bytes for og in self.object_groups)
+
+    def blocks_per_chunk(self, group: str | GroupSpec) -> int:
+        g = group if isinstance(group, GroupSpec) else self.group(group)
+        return self.chunk_size // g.tokens_per_block if g.cached else 0
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group {name!r} in this registration")
+
+    def encode_block_ids(self, block_ids: BlockIds, n_chunks: int) -> list[bytes]:
+        """Per registered group, ``n_chunks * blocks_per_chunk`` int32 ids (scratch: none).
+
+        ``block_ids`` maps cached group names to ids in chunk order; ``-1`` marks a
+        block the engine does not have (store) or already holds (retrieve).
+        """
+        out = []
+        unknown = set(block_ids) - {g.name for g in self.groups}
+        if unknown:
+            raise KeyError(f"unknown groups {sorted(unknown)}")
+        for g in self.groups:
+            if not g.cached:
+                out.append(b"")
+                continue
+            if g.name not in block_ids:
+                raise KeyError(f"block ids for group {g.name!r} are missing")
+            ids = np.asarray(block_ids[g.name], dtype="<i4").reshape(-1)
+            want = n_chunks * self.blocks_per_chunk(g)
+            if ids.size != want:
+                raise ValueError(f"group {g.name!r}: {ids.size} block ids for {n_chunks} "
+                                 f"chunks; expected {want}")
+            out.append(ids.tobytes())
+        return out
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """Per-chunk outcome of a store or retrieve, per object group."""
+
+    statuses: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(next(iter(self.statuses.values()))) if self.statuses else 0
+
+    @property
+    def ok(self) -> np.ndarray:
+        """Chunks whose every object group succeeded (or had nothing to do)."""
+        good = np.array(sorted(int(s) for s in SUCCESS), dtype=np.uint8)
+        out = np.ones(self.n_chunks, dtype=bool)
+        for st in self.statuses.values():
+            out &= np.isin(st, good)
+        return out
+
+    @property
+    def ok_prefix(self) -> int:
+        """Number of leading chunks that succeeded."""
+        bad = np.flatnonzero(~self.ok)
+        return int(bad[0]) if bad.size else self.n_chunks
+
+    @property
+    def failed_chunks(self) -> list[int]:
+        return np.flatnonzero(~self.ok).tolist()
+
+    def count(self, status: ChunkStatus) -> int:
+        return int(sum((st == status).sum() for st in self.statuses.values()))
+
+
+class RequestBuilder:
+    """Assigns request ids and turns replies into values or :class:`ServerError`."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    @staticmethod
+    def check(reply: m.Reply, expected: type[R]) -> R:
+        if isinstance(reply, m.Error):
+            raise ServerError(reply.code, reply.message)
+        if not isinstance(reply, expected):
+            raise ServerError("bad_request", f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    @staticmethod
+    def register_msg(req_id: int, *, model: str, kv_dtype: str, arch: str,
+                     groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),
+                     world_size: int = 1, rank: int = 0,
+                     replicated: bool = False) -> m.Register:
+        return m.Register(req_id=req_id, model=model, kv_dtype=kv_dtype, arch=arch,
+                          world_size=world_size, rank=rank, replicated=replicated,
+                          buffers=list(buffers), groups=list(groups))
+
+    @staticmethod
+    def registration(reply: m.Registered, groups: Sequence[GroupSpec]) -> Registration:
+        return Registration(reply.registration_id, reply.namespace, reply.chunk_size,
+                            reply.lookup_only, list(reply.object_groups), list(groups))
+
+    @staticmethod
+    def chunk_result(reg: Registration, statuses: list[bytes]) -> ChunkResult:
+        return ChunkResult({og.name: np.frombuffer(s, dtype=np.uint8)
+                            for og, s in zip(reg.object_groups, statuses, strict=True)})
+
+
+def stats_dict(reply: m.StatsResult) -> dict[str, Any]:
+    return dict(reply.stats)

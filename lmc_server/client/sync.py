@@ -1,0 +1,137 @@
+"""Blocking client over a zmq DEALER socket; one instance per thread.
+
+Each call sends one request and waits (up to ``timeout_s``) for the reply with the same
+``req_id``; replies to requests that timed out earlier are discarded when they arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from lmc_server import PROTOCOL_VERSION
+from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.client.core import (
+    BlockIds,
+    ChunkResult,
+    Registration,
+    RequestBuilder,
+    ServerError,
+    stats_dict,
+)
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import decode_reply, encode
+
+
+class Client:
+    """A connection to one server. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
+                 client_name: str = "", hello: bool = True,
+                 context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._b = RequestBuilder()
+        self.welcome: m.Welcome | None = None
+        if hello:
+            self.welcome = self._call(m.Hello(req_id=self._b.next_id(),
+                                              protocol_version=PROTOCOL_VERSION,
+                                              client_name=client_name), m.Welcome)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._sock.closed:
+            self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    # -- transport ----------------------------------------------------------------------
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Send arbitrary frames (tests of malformed input)."""
+        self._sock.send_multipart(frames)
+
+    def recv_reply(self, timeout_s: float | None = None) -> m.Reply:
+        """The next reply, whatever its ``req_id`` (tests of malformed input)."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(t * 1000)):
+            raise TimeoutError(f"no reply from {self.endpoint} within {t} s")
+        return decode_reply(self._sock.recv())
+
+    def _call(self, msg: m._Msg, expected: type[Any], timeout_s: float | None = None) -> Any:
+        self._sock.send(encode(msg))
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
+                raise TimeoutError(f"no reply from {self.endpoint} to "
+                                   f"{type(msg).__name__.lower()} within the timeout")
+            reply = decode_reply(self._sock.recv())
+            if reply.req_id == msg.req_id or (reply.req_id == 0 and isinstance(reply, m.Error)):
+                return RequestBuilder.check(reply, expected)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def ping(self, timeout_s: float | None = None) -> m.Pong:
+        return self._call(m.Ping(req_id=self._b.next_id()), m.Pong, timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return stats_dict(self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
+
+    def clear(self) -> int:
+        return int(self._call(m.Clear(req_id=self._b.next_id()), m.Cleared).evicted)
+
+    def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
+                 buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
+                 replicated: bool = False) -> Registration:
+        msg = RequestBuilder.register_msg(self._b.next_id(), model=model, kv_dtype=kv_dtype,
+                                          arch=arch, groups=groups, buffers=buffers,
+                                          world_size=world_size, rank=rank,
+                                          replicated=replicated)
+        return RequestBuilder.registration(self._call(msg, m.Registered), groups)
+
+    def unregister(self, reg: Registration) -> None:
+        self._call(m.Unregister(req_id=self._b.next_id(),
+                                registration_id=reg.registration_id), m.Unregistered)
+
+    def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
+               lease: bool = True) -> m.LookupResult:
+        return self._call(m.Lookup(req_id=self._b.next_id(),
+                                   registration_id=reg.registration_id, digests=digests,
+                                   salt=salt, lease=lease), m.LookupResult)
+
+    def release(self, lease_id: int) -> bool:
+        return bool(self._call(m.Release(req_id=self._b.next_id(), lease_id=lease_id),
+                               m.Released).released)
+
+    def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
+              salt: bytes = b"", wait_event: bytes = b"") -> ChunkResult:
+        n = len(digests) // 32
+        msg = m.Store(req_id=self._b.next_id(), registration_id=reg.registration_id,
+                      digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
+                      salt=salt, wait_event=wait_event)
+        return RequestBuilder.chunk_result(reg, self._call(msg, m.StoreResult).statuses)
+
+    def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
+                 salt: bytes = b"") -> ChunkResult:
+        n = len(digests) // 32
+        msg = m.Retrieve(req_id=self._b.next_id(), registration_id=reg.registration_id,
+                         digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
+                         salt=salt)
+        return RequestBuilder.chunk_result(reg, self._call(msg, m.RetrieveResult).statuses)
+
+
+__all__ = ["Client", "ServerError"]

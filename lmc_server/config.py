@@ -1,0 +1,152 @@
+"""Server configuration: values only; :meth:`Config.check` validates, nothing else.
+
+Precedence (highest first): command-line flags, ``LMCACHE_*`` environment variables,
+the TOML file given with ``--config``, the defaults below. The CLI resolves the first
+three with click; this module defines the fields, their defaults and the checks that
+need the machine (memory), and loads TOML files strictly (unknown keys refused).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lmc_server.cache.eviction import POLICIES
+from lmc_server.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+
+GIB = 1 << 30
+MIB = 1 << 20
+#: Memory left to the system when the pool size is checked against the machine.
+SYSTEM_RESERVE_BYTES = 2 * GIB
+BACKENDS = ("auto", "cuda", "cpu")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message says which and what is allowed."""
+
+
+def physical_memory_bytes() -> int:
+    """Total RAM of this machine (or of this cgroup, if that is smaller)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            raw = f.read().strip()
+        if raw != "max":
+            total = min(total, int(raw))
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def default_l1_size_gb() -> float:
+    """A quarter of this machine's memory, in whole GiB, at least 1."""
+    return float(max(1, physical_memory_bytes() // GIB // 4))
+
+
+@dataclass
+class Config:
+    """Every server setting. Units are in the names."""
+
+    host: str = "127.0.0.1"
+    port: int = 5555
+    chunk_size: int = 256
+    separate_object_groups: bool = False
+    l1_size_gb: float = 0.0  # 0: default_l1_size_gb()
+    eviction_policy: str = "LRU"
+    backend: str = "auto"
+    log_level: str = "INFO"
+    log_format: str = "text"
+    lease_ttl_s: float = 30.0
+    slab_size_mb: int = 64
+    copy_threads: int = 0  # 0: engine default
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    drain_timeout_s: float = 10.0
+    metrics_port: int = 9090  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    @property
+    def l1_size_bytes(self) -> int:
+        gb = self.l1_size_gb or default_l1_size_gb()
+        return int(gb * GIB)
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.slab_size_mb * MIB
+
+    def check(self, memory_bytes: int | None = None) -> None:
+        """Raise :class:`ConfigError` naming the first bad setting and what is allowed."""
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port {self.port} is not in 1..65535")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics port {self.metrics_port} is not in 0..65535")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ConfigError("metrics port and server port must differ")
+        if self.chunk_size <= 0 or self.chunk_size > 1 << 20:
+            raise ConfigError(f"chunk size {self.chunk_size} is not in 1..{1 << 20}")
+        if self.eviction_policy.upper() not in POLICIES:
+            raise ConfigError(f"eviction policy {self.eviction_policy!r}: choose one of "
+                              f"{', '.join(POLICIES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log level {self.log_level!r}: choose one of "
+                              f"{', '.join(LOG_LEVELS)}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log format {self.log_format!r}: choose text or json")
+        if self.lease_ttl_s <= 0:
+            raise ConfigError("lease TTL must be positive")
+        if not 1 <= self.slab_size_mb <= 4096:
+            raise ConfigError(f"slab size {self.slab_size_mb} MiB is not in 1..4096")
+        if self.l1_size_gb < 0:
+            raise ConfigError("L1 size must be positive")
+        if self.l1_size_bytes < self.slab_bytes:
+            raise ConfigError(f"L1 size {self.l1_size_bytes} bytes is smaller than one slab "
+                              f"({self.slab_size_mb} MiB)")
+        if self.max_frame_bytes < 64 * 1024:
+            raise ConfigError("max frame bytes must be at least 65536")
+        if not re.fullmatch(r"[A-Za-z0-9.:\-\[\]*]+", self.host):
+            raise ConfigError(f"host {self.host!r} is not an address")
+        mem = physical_memory_bytes() if memory_bytes is None else memory_bytes
+        usable = mem - SYSTEM_RESERVE_BYTES
+        if self.l1_size_bytes > usable:
+            raise ConfigError(
+                f"L1 size {self.l1_size_bytes / GIB:.1f} GiB does not fit this machine: "
+                f"{mem / GIB:.1f} GiB of memory, of which at most {max(usable, 0) / GIB:.1f} "
+                f"GiB can be used with {SYSTEM_RESERVE_BYTES // GIB} GiB left for the "
+                f"system; lower --l1-size-gb")
+
+
+CONFIG_KEYS = frozenset(f.name for f in fields(Config))
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file; keys are field names (``-`` or ``_``), unknown refused.
+
+    The file may hold the settings at top level or under a ``[server]`` table.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    if set(data) == {"server"} and isinstance(data["server"], dict):
+        data = data["server"]
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in CONFIG_KEYS:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}; known: "
+                              f"{', '.join(sorted(CONFIG_KEYS))}")
+        out[name] = value
+    return out

@@ -1,0 +1,121 @@
+"""Frame codec and limits: bytes in, typed messages out (and back), no I/O.
+
+A request that cannot be decoded still gets an answer: :func:`decode_request` raises
+:class:`ProtocolError` carrying the ``req_id`` when one can be recovered from the frame,
+so the client can match the error to its request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.protocol.messages import Error, Reply, Request
+
+#: Default largest frame accepted, in bytes. A 256-chunk lookup is ~8 KiB; a 4096-chunk
+#: store of a 5-group registration is ~0.7 MiB. The zmq socket drops peers that send
+#: frames over 4x this (hard limit, no reply possible); between the two the server
+#: answers TOO_LARGE.
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_CHUNKS_PER_REQUEST = 16384
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_chunks_per_request: int = MAX_CHUNKS_PER_REQUEST
+
+
+class _ReqIdOnly(msgspec.Struct):
+    req_id: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_req_id_decoder = msgspec.msgpack.Decoder(_ReqIdOnly)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _recover_req_id(frame: bytes) -> int:
+    try:
+        rid = _req_id_decoder.decode(frame).req_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    return rid if 0 <= rid < 1 << 63 else 0
+
+
+def decode_request(frames: list[bytes], limits: Limits) -> Request:
+    """Decode one request from the frames after the routing identity."""
+    if len(frames) != 1:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"expected exactly one frame per message, got {len(frames)}")
+    frame = frames[0]
+    if len(frame) > limits.max_frame_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"frame of {len(frame)} bytes exceeds the limit of "
+                            f"{limits.max_frame_bytes} bytes", _recover_req_id(frame))
+    try:
+        msg = _request_decoder.decode(frame)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"invalid message: {e}",
+                            _recover_req_id(frame)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {e}") from None
+    if not 0 <= msg.req_id < 1 << 63:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be in 0..2**63-1")
+    return msg
+
+
+def decode_reply(frame: bytes) -> Reply:
+    try:
+        return _reply_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable reply: {e}") from None
+
+
+def error_reply(err: ProtocolError) -> bytes:
+    return encode(Error(req_id=err.req_id, code=err.code.value, message=err.message))
+
+
+def chunk_count(digests: bytes, limits: Limits, req_id: int) -> int:
+    """Number of 32-byte digests, checked against the per-request limit."""
+    if len(digests) % DIGEST_BYTES:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"digests is {len(digests)} bytes, not a multiple of "
+                            f"{DIGEST_BYTES}", req_id)
+    n = len(digests) // DIGEST_BYTES
+    if n > limits.max_chunks_per_request:
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"{n} chunks in one request; at most "
+                            f"{limits.max_chunks_per_request}", req_id)
+    return n
+
+
+def block_id_array(raw: bytes, expected: int, num_blocks: int, group: str,
+                   req_id: int) -> np.ndarray:
+    """Decode and bounds-check one group's block ids (int32 LE, -1 allowed).
+
+    Raises BOUNDS for an id outside ``-1 .. num_blocks - 1`` and BAD_REQUEST for a
+    wrong length; nothing is copied when this raises.
+    """
+    if len(raw) != 4 * expected:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"group {group!r}: expected {expected} block ids "
+                            f"({4 * expected} bytes), got {len(raw)} bytes", req_id)
+    ids = np.frombuffer(raw, dtype="<i4")
+    if expected:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= num_blocks:
+            bad = lo if lo < -1 else hi
+            raise ProtocolError(ErrorCode.BOUNDS,
+                                f"group {group!r}: block id {bad} out of range "
+                                f"-1..{num_blocks - 1}", req_id)
+    return ids.astype(np.int64)

@@ -1,0 +1,181 @@
+"""Typed messages. One zmq frame carries one message (msgpack map with a ``type`` tag).
+
+Every request carries a client-chosen ``req_id`` echoed by its reply, so a client may
+pipeline requests on one connection. Digests are concatenated 32-byte chunk digests;
+block ids are little-endian int32 arrays, one per registered group in registration
+order (empty for scratch groups), ``blocks_per_chunk`` ids per chunk, ``-1`` meaning
+"no block" (store: skip; retrieve: leave that block alone). Per-chunk statuses come
+back as one byte per chunk (:class:`lmc_server.cache.status.ChunkStatus`), one
+``bytes`` per object group in the order of ``Registered.object_groups``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lmc_server.cache.geometry import BufferSpec, GroupSpec
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
+           kw_only=True):
+    req_id: int = 0
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+class Hello(_Msg, frozen=True, tag="hello"):
+    """First message on a connection: protocol version check."""
+
+    protocol_version: int
+    client_name: str = ""
+
+
+class Register(_Msg, frozen=True, tag="register"):
+    """Declare KV buffers and geometry; namespace fields decide what may be shared.
+
+    ``replicated`` marks KV that every tensor-parallel rank holds identically (MLA):
+    the namespace then omits the rank so one stored copy serves every rank. An empty
+    ``buffers`` list makes a lookup-only registration (a scheduler) that may look up
+    and release but not store or retrieve.
+    """
+
+    model: str
+    kv_dtype: str
+    arch: str
+    groups: list[GroupSpec]
+    world_size: int = 1
+    rank: int = 0
+    replicated: bool = False
+    buffers: list[BufferSpec] = []
+
+
+class Unregister(_Msg, frozen=True, tag="unregister"):
+    registration_id: bytes
+
+
+class Lookup(_Msg, frozen=True, tag="lookup"):
+    """Longest prefix of ``digests`` that hits; with ``lease``, pin it for a retrieve."""
+
+    registration_id: bytes
+    digests: bytes
+    salt: bytes = b""
+    lease: bool = True
+
+
+class Release(_Msg, frozen=True, tag="release"):
+    lease_id: int
+
+
+class Store(_Msg, frozen=True, tag="store"):
+    """Copy chunks from the registration's blocks into L1.
+
+    ``wait_event`` is an engine-specific handle (CUDA: an IPC event handle) that the
+    copy waits on before reading the pages.
+    """
+
+    registration_id: bytes
+    digests: bytes
+    block_ids: list[bytes]
+    salt: bytes = b""
+    wait_event: bytes = b""
+
+
+class Retrieve(_Msg, frozen=True, tag="retrieve"):
+    """Copy chunks from L1 into the registration's blocks; the last chunk ends the prefix."""
+
+    registration_id: bytes
+    digests: bytes
+    block_ids: list[bytes]
+    salt: bytes = b""
+
+
+class Ping(_Msg, frozen=True, tag="ping"):
+    pass
+
+
+class Stats(_Msg, frozen=True, tag="stats"):
+    pass
+
+
+class Clear(_Msg, frozen=True, tag="clear"):
+    """Evict every unpinned object (administration)."""
+
+
+Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Ping | Stats
+           | Clear)
+
+# -- replies ----------------------------------------------------------------------------
+
+
+class Welcome(_Msg, frozen=True, tag="welcome"):
+    protocol_version: int
+    server_version: str
+    chunk_size: int
+    backend: str
+    max_frame_bytes: int
+    max_chunks_per_request: int
+
+
+class ObjectGroupInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    object_bytes: int
+    groups: list[str]
+
+
+class Registered(_Msg, frozen=True, tag="registered"):
+    registration_id: bytes
+    namespace: str
+    chunk_size: int
+    lookup_only: bool
+    object_groups: list[ObjectGroupInfo]
+
+
+class Unregistered(_Msg, frozen=True, tag="unregistered"):
+    pass
+
+
+class LookupResult(_Msg, frozen=True, tag="lookup_result"):
+    """``hit_chunks`` leading chunks hit; ``lease_id`` is 0 when no lease was taken."""
+
+    hit_chunks: int
+    lease_id: int = 0
+    lease_ttl_s: float = 0.0
+
+
+class Released(_Msg, frozen=True, tag="released"):
+    released: bool
+
+
+class StoreResult(_Msg, frozen=True, tag="store_result"):
+    statuses: list[bytes]
+
+
+class RetrieveResult(_Msg, frozen=True, tag="retrieve_result"):
+    statuses: list[bytes]
+
+
+class Pong(_Msg, frozen=True, tag="pong"):
+    server_version: str
+    ready: bool
+
+
+class StatsResult(_Msg, frozen=True, tag="stats_result"):
+    """Free-form but stable report; the keys are documented in docs/protocol.md."""
+
+    stats: dict[str, Any]
+
+
+class Cleared(_Msg, frozen=True, tag="cleared"):
+    evicted: int
+
+
+class Error(_Msg, frozen=True, tag="error"):
+    code: str
+    message: str
+
+
+Reply = (Welcome | Registered | Unregistered | LookupResult | Released | StoreResult
+         | RetrieveResult | Pong | StatsResult | Cleared | Error)

@@ -1,0 +1,1 @@
+"""The daemon: asyncio (uvloop) event loop, zmq ROUTER, sessions, handlers, lifecycle."""

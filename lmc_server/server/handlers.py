@@ -1,0 +1,278 @@
+"""Request handlers: one method per message type, typed request in, typed reply out.
+
+Control requests (hello, register, lookup, release, ping, stats, clear) run to
+completion on the event-loop thread. Store and retrieve do their bookkeeping on the
+loop, run the copy on a worker thread, and finish the bookkeeping on the loop again,
+so the index is only ever touched from one thread.
+
+Every refusal raises :class:`ProtocolError` before anything is copied; the server
+turns it into an ``Error`` reply and goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from lmc_server import PROTOCOL_VERSION, __version__
+from lmc_server.cache.geometry import ArchError, GeometryError, check_groups
+from lmc_server.cache.index import L1Index
+from lmc_server.cache.layout import build_layout
+from lmc_server.config import Config
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.stats import ServerStats
+from lmc_server.transfer.base import TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:/@+\-]{1,256}$")
+_ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
+
+
+def namespace_of(msg: m.Register) -> str:
+    """Everything that must match for bytes to be reusable (salt aside)."""
+    rank = "replicated" if msg.replicated else str(msg.rank)
+    return (f"model={msg.model};kv_dtype={msg.kv_dtype};arch={msg.arch};"
+            f"world={msg.world_size};rank={rank}")
+
+
+class Handlers:
+    """Owns the request semantics; the :class:`Server` owns sockets and lifecycle."""
+
+    def __init__(self, config: Config, index: L1Index, engine: TransferEngine,
+                 sessions: SessionTable, stats: ServerStats, copy_executor: ThreadPoolExecutor,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.index = index
+        self.engine = engine
+        self.sessions = sessions
+        self.stats = stats
+        self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
+        self.copy_executor = copy_executor
+        self.clock = clock
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _registration(self, session: Session, msg: Any) -> Registration:
+        reg = self.sessions.find(session, msg.registration_id)
+        if reg is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
+                                "no such registration on this connection", msg.req_id)
+        return reg
+
+    def _block_ids(self, reg: Registration, msg: m.Store | m.Retrieve,
+                   n: int) -> dict[int, np.ndarray]:
+        groups = reg.groups
+        if len(msg.block_ids) != len(groups):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"block_ids has {len(msg.block_ids)} entries; the "
+                                f"registration has {len(groups)} groups", msg.req_id)
+        out: dict[int, np.ndarray] = {}
+        for gi, (g, raw) in enumerate(zip(groups, msg.block_ids, strict=True)):
+            if not g.cached:
+                if raw:
+                    raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                        f"group {g.name!r} is scratch and never cached; "
+                                        f"send no block ids for it", msg.req_id)
+                continue
+            bpc = reg.blocks_per_chunk[gi]
+            ids = block_id_array(raw, n * bpc, g.num_blocks, g.name, msg.req_id)
+            out[gi] = ids.reshape(n, bpc)
+        return out
+
+    # -- control ----------------------------------------------------------------------
+
+    def hello(self, session: Session, msg: m.Hello) -> m.Welcome:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.VERSION,
+                                f"protocol version {msg.protocol_version} not supported; "
+                                f"this server speaks {PROTOCOL_VERSION}", msg.req_id)
+        session.hello = True
+        session.client_name = msg.client_name[:128]
+        return m.Welcome(req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
+                         server_version=__version__, chunk_size=self.config.chunk_size,
+                         backend=self.engine.name, max_frame_bytes=self.limits.max_frame_bytes,
+                         max_chunks_per_request=self.limits.max_chunks_per_request)
+
+    def register(self, session: Session, msg: m.Register) -> m.Registered:
+        rid = msg.req_id
+        if not _NAME.match(msg.model) or not _NAME.match(msg.kv_dtype):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                "model and kv_dtype must be 1-256 characters of "
+                                "[A-Za-z0-9_.:/@+-]", rid)
+        if not _ARCH.match(msg.arch):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"arch {msg.arch!r} must look like sm90", rid)
+        if not 1 <= msg.world_size <= 1 << 16 or not 0 <= msg.rank < msg.world_size:
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"rank {msg.rank} / world size {msg.world_size} invalid", rid)
+        sizes = [b.size_bytes for b in msg.buffers] if msg.buffers else None
+        try:
+            check_groups(msg.groups, self.config.chunk_size, msg.arch, sizes)
+        except ArchError as e:
+            raise ProtocolError(ErrorCode.ARCH, str(e), rid) from None
+        except GeometryError as e:
+            raise ProtocolError(ErrorCode.GEOMETRY, str(e), rid) from None
+        layout = build_layout(msg.groups, self.config.chunk_size,
+                              self.config.separate_object_groups)
+        for og in layout.object_groups:
+            if og.object_bytes > self.index.pool.slab_bytes:
+                raise ProtocolError(
+                    ErrorCode.GEOMETRY,
+                    f"object group {og.name!r}: one chunk is {og.object_bytes} bytes, more "
+                    f"than a slab ({self.index.pool.slab_bytes} bytes); start the server "
+                    f"with a larger --slab-size-mb or a smaller --chunk-size", rid)
+        mapping = None
+        if msg.buffers:
+            try:
+                mapping = self.engine.open(msg.buffers)
+            except TransferError as e:
+                raise ProtocolError(ErrorCode.TRANSFER, str(e), rid) from None
+            dev_arch = mapping.device.arch
+            if dev_arch is not None and dev_arch != msg.arch:
+                mapping.close()
+                raise ProtocolError(ErrorCode.ARCH,
+                                    f"registration says arch {msg.arch} but its buffers are "
+                                    f"on {mapping.device.description} ({dev_arch})", rid)
+        namespace = namespace_of(msg)
+        view = self.index.view(namespace, layout)
+        bpc = [self.config.chunk_size // g.tokens_per_block if g.cached else 0
+               for g in msg.groups]
+        reg = Registration(self.sessions.new_registration_id(), session, namespace,
+                           list(msg.groups), view, mapping, bpc)
+        self.sessions.add(reg)
+        summary = ", ".join(f"{og.name}={og.object_bytes}B" for og in layout.object_groups)
+        log.info("registered %s for %s (%s): %d groups, %d buffers, objects per chunk: %s",
+                 reg.registration_id.hex()[:8], session.client_name or "client", namespace,
+                 len(msg.groups), len(msg.buffers), summary)
+        return m.Registered(
+            req_id=rid, registration_id=reg.registration_id, namespace=namespace,
+            chunk_size=self.config.chunk_size, lookup_only=mapping is None,
+            object_groups=[m.ObjectGroupInfo(name=og.name, object_bytes=og.object_bytes,
+                                             groups=[s.group_name for s in og.sections])
+                           for og in layout.object_groups])
+
+    def unregister(self, session: Session, msg: m.Unregister) -> m.Unregistered:
+        reg = self._registration(session, msg)
+        self.sessions.remove(reg)
+        log.info("unregistered %s", reg.registration_id.hex()[:8])
+        return m.Unregistered(req_id=msg.req_id)
+
+    def lookup(self, session: Session, msg: m.Lookup) -> m.LookupResult:
+        reg = self._registration(session, msg)
+        chunk_count(msg.digests, self.limits, msg.req_id)
+        try:
+            keys = self.index.keys(reg.view, msg.digests, msg.salt)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+        ttl = self.config.lease_ttl_s
+        hit, lease = self.index.lookup(reg.view, keys, session.sid, ttl, self.clock(),
+                                       take_lease=msg.lease)
+        self.stats.lookup_tokens += len(keys) * self.config.chunk_size
+        self.stats.hit_tokens += hit * self.config.chunk_size
+        return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
+                              lease_id=lease.lease_id if lease else 0,
+                              lease_ttl_s=ttl if lease else 0.0)
+
+    def release(self, session: Session, msg: m.Release) -> m.Released:
+        return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
+
+    def ping(self, session: Session, msg: m.Ping) -> m.Pong:
+        return m.Pong(req_id=msg.req_id, server_version=__version__,
+                      ready=self.index.pool.ready_slabs > 0)
+
+    def clear(self, session: Session, msg: m.Clear) -> m.Cleared:
+        n = self.index.clear()
+        log.info("clear: evicted %d objects", n)
+        return m.Cleared(req_id=msg.req_id, evicted=n)
+
+    # -- data path --------------------------------------------------------------------
+
+    def _data_request(self, session: Session,
+                      msg: m.Store | m.Retrieve) -> tuple[Registration, dict[int, np.ndarray],
+                                                          list[bytes]]:
+        reg = self._registration(session, msg)
+        if reg.lookup_only:
+            raise ProtocolError(ErrorCode.LOOKUP_ONLY,
+                                "this registration has no buffers (lookup-only)", msg.req_id)
+        n = chunk_count(msg.digests, self.limits, msg.req_id)
+        ids = self._block_ids(reg, msg, n)
+        try:
+            keys = self.index.keys(reg.view, msg.digests, msg.salt)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+        return reg, ids, keys
+
+    async def store(self, session: Session, msg: m.Store) -> m.StoreResult:
+        reg, ids, keys = self._data_request(session, msg)
+        ticket = self.index.reserve_store(reg.view, keys, ids)
+        if ticket.copies:
+            reg.begin_op()
+            mapping = reg.mapping
+            assert mapping is not None
+            t0 = time.perf_counter()
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.copy_executor, self.engine.store, mapping, ticket.copies,
+                    msg.wait_event)
+                ok, err = True, ""
+            except TransferError as e:
+                ok, err = False, str(e)
+            if ok and not reg.closing:
+                self.index.commit_store(ticket)
+                self.stats.observe_transfer("store", ticket.nbytes, time.perf_counter() - t0)
+            else:
+                self.index.abort_store(ticket)
+                log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
+                            err or "registration closed during the copy")
+            reg.end_op()
+        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
+
+    async def retrieve(self, session: Session, msg: m.Retrieve) -> m.RetrieveResult:
+        reg, ids, keys = self._data_request(session, msg)
+        ticket = self.index.pin_retrieve(reg.view, keys, ids)
+        if ticket.copies:
+            reg.begin_op()
+            mapping = reg.mapping
+            assert mapping is not None
+            t0 = time.perf_counter()
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.copy_executor, self.engine.retrieve, mapping, ticket.copies)
+                ok = True
+            except TransferError as e:
+                log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], e)
+                ok = False
+            self.index.unpin_retrieve(ticket, ok)
+            if ok:
+                self.stats.observe_transfer("retrieve", ticket.nbytes,
+                                            time.perf_counter() - t0)
+            reg.end_op()
+        else:
+            self.index.unpin_retrieve(ticket, True)
+        return m.RetrieveResult(req_id=msg.req_id,
+                                statuses=[s.tobytes() for s in ticket.statuses])
+
+    # -- session end ------------------------------------------------------------------
+
+    def drop_session(self, session: Session, reason: str) -> None:
+        """Reclaim everything a session held: registrations, mappings, leases, writes.
+
+        Stores still copying are not aborted here (their slots are being written by a
+        worker thread); their registration is closing, so they abort when the copy
+        returns, and the mapping is unmapped after the last copy.
+        """
+        regs = self.sessions.drop(session)
+        leases = self.index.drop_owner(session.sid)
+        log.info("session %d (%s) dropped: %s; %d registrations, %d leases reclaimed",
+                 session.sid, session.client_name or "client", reason, len(regs), leases)

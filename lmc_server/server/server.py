@@ -1,0 +1,398 @@
+"""The server lifecycle: ``serve -> startup -> main loop -> shutdown``.
+
+The zmq ROUTER socket is driven directly from the event loop (``add_reader`` on its
+file descriptor, non-blocking ``recv``/``send``) instead of through ``zmq.asyncio``:
+one readiness callback drains every queued message, so the control path costs one
+decode, one handler call and one send per request, with no future per message.
+zmq's descriptor is edge-triggered, hence :meth:`Server._after_io` after every send.
+
+Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
+``shutting_down``, in-flight copies finish within ``drain_timeout_s``, mappings are
+closed, the pool is freed), then the process exits 0. The previous handlers are
+restored on exit, so a server embedded in tests behaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from lmc_server import __version__
+from lmc_server.cache.index import L1Index
+from lmc_server.cache.pool import SlabPool
+from lmc_server.config import Config
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import decode_request, encode, error_reply
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.handlers import Handlers
+from lmc_server.server.sessions import Session, SessionTable
+from lmc_server.server.stats import ServerStats
+from lmc_server.transfer.base import HostPool, TransferEngine
+from lmc_server.transfer.select import make_engine
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_STARTUP_FAILURE = 3
+#: Messages handled per readiness callback before yielding to other tasks.
+DRAIN_BUDGET = 256
+#: How often leases are checked for expiry.
+LEASE_SWEEP_INTERVAL_S = 0.25
+#: How often idle sessions are looked for, and how long one holding nothing may idle.
+SESSION_SWEEP_INTERVAL_S = 5.0
+IDLE_SESSION_S = 60.0
+#: zmq drops (disconnects) peers whose frames exceed this multiple of max_frame_bytes.
+HARD_FRAME_FACTOR = 4
+
+_SYNC_HANDLERS: dict[type, str] = {
+    m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
+    m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
+}
+_ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
+
+
+class Server:
+    """One L1 cache daemon. ``run()`` blocks until shutdown and returns an exit code."""
+
+    def __init__(self, config: Config, engine: TransferEngine | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._engine = engine
+        self.clock = clock
+        self.should_exit = False
+        self.started = False
+        self.draining = False
+        self.stats = ServerStats()
+        self.sessions = SessionTable()
+        self.started_at_s = 0.0
+        self.pool_ready_at_s: float | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._timers: list[asyncio.TimerHandle] = []
+        self._exit_event: asyncio.Event | None = None
+        self._prev_signals: dict[int, Any] = {}
+        self.on_started: list[Callable[[Server], None]] = []
+        self.on_shutdown: list[Callable[[Server], None]] = []
+
+    # -- entry points -------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            import uvloop
+            runner: Callable[..., int] = uvloop.run
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            runner = asyncio.run
+        return runner(self.serve())
+
+    async def serve(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._exit_event = asyncio.Event()
+        self._install_signal_handlers()
+        try:
+            try:
+                await self.startup()
+            except (OSError, zmq.ZMQError, RuntimeError, ValueError) as e:
+                log.error("startup failed: %s", e)
+                await self._close_resources()
+                return EXIT_STARTUP_FAILURE
+            await self.main_loop()
+            await self.shutdown()
+            return EXIT_OK
+        finally:
+            self._restore_signal_handlers()
+
+    # -- startup ------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        cfg = self.config
+        self.started_at_s = self.clock()
+        log.info("lmcache server %s starting: %s", __version__, _describe(cfg))
+        self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads)
+        self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
+        self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
+        self.index = L1Index(self.slab_pool, cfg.eviction_policy)
+        self.copy_executor = ThreadPoolExecutor(16, thread_name_prefix="lmc-transfer")
+        self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
+                                 self.copy_executor, self.clock)
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * HARD_FRAME_FACTOR)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        self.sock = sock
+        sock.bind(cfg.endpoint)
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self.loop.add_reader(self._fd, self._drain)
+        self.host_pool.start(self._slab_ready_threadsafe)
+        self._schedule(LEASE_SWEEP_INTERVAL_S, self._sweep_leases)
+        self._schedule(SESSION_SWEEP_INTERVAL_S, self._sweep_sessions)
+        self.started = True
+        log.info("listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
+                 "eviction %s, chunk size %d, %s object groups)", cfg.endpoint,
+                 self.engine.name, self.host_pool.size_bytes / (1 << 30),
+                 self.slab_pool.n_slabs, cfg.slab_size_mb, cfg.eviction_policy,
+                 cfg.chunk_size, "separate" if cfg.separate_object_groups else "combined")
+        for cb in self.on_started:
+            cb(self)
+        self._drain()
+
+    def _slab_ready_threadsafe(self, slab: int) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            self.loop.call_soon_threadsafe(self._slab_ready, slab)
+
+    def _slab_ready(self, slab: int) -> None:
+        if self.draining:
+            return
+        self.slab_pool.mark_ready(slab)
+        if self.slab_pool.ready_slabs == self.slab_pool.n_slabs:
+            self.pool_ready_at_s = self.clock()
+            log.info("L1 pool ready: %d slabs (%.1f GiB) in %.2f s", self.slab_pool.n_slabs,
+                     self.slab_pool.capacity_bytes / (1 << 30),
+                     self.pool_ready_at_s - self.started_at_s)
+
+    def _schedule(self, delay_s: float, fn: Callable[[], None]) -> None:
+        def tick() -> None:
+            if self.should_exit:
+                return
+            fn()
+            self._timers.append(self.loop.call_later(delay_s, tick))
+        self._timers.append(self.loop.call_later(delay_s, tick))
+        if len(self._timers) > 64:
+            self._timers = [t for t in self._timers if not t.cancelled()][-8:]
+
+    def _sweep_leases(self) -> None:
+        n = self.index.expire_leases(self.clock())
+        if n:
+            log.debug("%d leases expired", n)
+
+    def _sweep_sessions(self) -> None:
+        """Forget sessions that hold no registration and said nothing for a while
+        (``lmcache ping``, crashed lookups-only tools): they own nothing to reclaim."""
+        cutoff = self.clock() - IDLE_SESSION_S
+        for s in self.sessions.sessions():
+            if not s.registrations and s.last_seen_s < cutoff:
+                self.handlers.drop_session(s, "idle")
+
+    # -- main loop ----------------------------------------------------------------------
+
+    async def main_loop(self) -> None:
+        assert self._exit_event is not None
+        await self._exit_event.wait()
+
+    def _drain(self) -> None:
+        """Handle every queued message (up to a budget, then yield and continue)."""
+        sock = self.sock
+        for _ in range(DRAIN_BUDGET):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if sock.closed:
+                    return
+                log.warning("receive failed: %s", e)
+                return
+            self._handle(frames)
+        self.loop.call_soon(self._drain)
+
+    def _after_io(self) -> None:
+        if not self.sock.closed and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self.loop.call_soon(self._drain)
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        if self.sock.closed:
+            return
+        try:
+            self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("reply dropped: peer %s is not reading (send queue full)",
+                        identity.hex()[:8])
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                log.debug("reply to a peer that is gone dropped")
+            else:
+                log.warning("send failed: %s", e)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        identity, payload = frames[0], frames[1:]
+        session = self.sessions.get_or_create(identity, self.clock())
+        op = "invalid"
+        try:
+            msg = decode_request(payload, self.handlers.limits)
+            op = type(msg).__name__.lower()
+            if not session.hello and not isinstance(msg, m.Hello | m.Ping):
+                raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
+            if self.draining:
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down",
+                                    msg.req_id)
+            if isinstance(msg, m.Stats):
+                reply: m.Reply = m.StatsResult(req_id=msg.req_id, stats=self.report())
+            elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
+                reply = getattr(self.handlers, name)(session, msg)
+            else:
+                task = self.loop.create_task(self._run_async(session, op, msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
+        except ProtocolError as e:
+            self.stats.count_request(op, e.code.value)
+            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
+                     e.code.value, e.message)
+            self._send(identity, error_reply(e))
+            return
+        except Exception:
+            log.exception("internal error handling %s", op)
+            self.stats.count_request(op, ErrorCode.INTERNAL.value)
+            self._send(identity, error_reply(ProtocolError(
+                ErrorCode.INTERNAL, "internal server error (logged)", 0)))
+            return
+        self.stats.count_request(op, "ok")
+        self._send(identity, encode(reply))
+
+    async def _run_async(self, session: Session, op: str, msg: Any) -> None:
+        try:
+            reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg)
+            payload = encode(reply)
+            self.stats.count_request(op, "ok")
+        except ProtocolError as e:
+            self.stats.count_request(op, e.code.value)
+            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
+                     e.code.value, e.message)
+            payload = error_reply(e)
+        except Exception:
+            log.exception("internal error handling %s", op)
+            self.stats.count_request(op, ErrorCode.INTERNAL.value)
+            payload = error_reply(ProtocolError(ErrorCode.INTERNAL,
+                                                "internal server error (logged)", msg.req_id))
+        self._send(session.identity, payload)
+        self._after_io()
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The ``stats`` reply: configuration, capacity and use, counters."""
+        idx, pool = self.index, self.slab_pool
+        parts = []
+        for p in idx.partitions.values():
+            parts.append({
+                "name": p.name, "fingerprint": p.fingerprint.hex(),
+                "object_bytes": p.object_bytes, "slabs": p.slabs,
+                "capacity_objects": p.capacity_objects, "objects": p.n_committed,
+                "writing": p.n_writing, "used_bytes": p.used_bytes,
+                "capacity_bytes": p.slabs * pool.slab_bytes,
+                "pinned_objects": sum(1 for x in p.pins if x),
+            })
+        s = idx.stats
+        return {
+            "version": __version__,
+            "backend": self.engine.name,
+            "chunk_size": self.config.chunk_size,
+            "separate_object_groups": self.config.separate_object_groups,
+            "eviction_policy": self.config.eviction_policy,
+            "uptime_s": round(self.clock() - self.started_at_s, 3),
+            "l1": {
+                "capacity_bytes": pool.capacity_bytes, "ready_bytes": pool.ready_bytes,
+                "slab_bytes": pool.slab_bytes, "slabs": pool.n_slabs,
+                "ready_slabs": pool.ready_slabs, "free_slabs": pool.free_slabs,
+                "used_bytes": sum(p.used_bytes for p in idx.partitions.values()),
+                "objects": sum(p.n_committed for p in idx.partitions.values()),
+            },
+            "partitions": parts,
+            "sessions": len(self.sessions),
+            "registrations": self.sessions.registrations,
+            "leases": len(idx.leases),
+            "counters": {
+                "lookups": s.lookups, "lookup_chunks": s.lookup_chunks,
+                "hit_chunks": s.hit_chunks, "lookup_tokens": self.stats.lookup_tokens,
+                "hit_tokens": self.stats.hit_tokens, "stored_objects": s.stored_objects,
+                "stored_bytes": s.stored_bytes, "retrieved_objects": s.retrieved_objects,
+                "retrieved_bytes": s.retrieved_bytes, "evictions": s.evictions,
+                "evicted_bytes": s.evicted_bytes, "slabs_moved": s.slabs_moved,
+                "leases_taken": s.leases_taken, "leases_released": s.leases_released,
+                "leases_expired": s.leases_expired,
+                "alloc_failures": dict(s.alloc_failures),
+                "requests": {f"{op}:{outcome}": n
+                             for (op, outcome), n in sorted(self.stats.requests.items())},
+            },
+        }
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    def handle_exit(self) -> None:
+        if not self.should_exit:
+            log.info("shutdown requested")
+        self.should_exit = True
+        if self._exit_event is not None:
+            self._exit_event.set()
+
+    def _install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._prev_signals[sig] = signal.getsignal(sig)
+                self.loop.add_signal_handler(sig, self.handle_exit)
+            except (ValueError, RuntimeError):  # not the main thread
+                self._prev_signals.pop(sig, None)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, prev in self._prev_signals.items():
+            with contextlib.suppress(ValueError, RuntimeError):
+                self.loop.remove_signal_handler(sig)
+                signal.signal(sig, prev)
+        self._prev_signals.clear()
+
+    async def shutdown(self) -> None:
+        """Stop taking work, let copies finish, answer the rest, release everything."""
+        self.draining = True
+        for cb in self.on_shutdown:
+            cb(self)
+        if self._tasks:
+            log.info("draining %d in-flight requests (up to %.0f s)", len(self._tasks),
+                     self.config.drain_timeout_s)
+            _, pending = await asyncio.wait(set(self._tasks),
+                                            timeout=self.config.drain_timeout_s)
+            for t in pending:
+                t.cancel()
+        await self._close_resources()
+        log.info("shutdown complete")
+
+    async def _close_resources(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        sock = getattr(self, "sock", None)
+        if sock is not None and not sock.closed:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._fd)
+            sock.close(linger=0)
+        executor = getattr(self, "copy_executor", None)
+        if executor is not None:
+            await self.loop.run_in_executor(None, executor.shutdown, True)
+        for session in self.sessions.sessions():
+            self.sessions.drop(session)
+        pool = getattr(self, "host_pool", None)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        elif pool is not None:
+            pool.close()
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None:
+            ctx.term()
+
+
+def _describe(cfg: Config) -> str:
+    return (f"endpoint={cfg.endpoint} chunk_size={cfg.chunk_size} "
+            f"separate_object_groups={cfg.separate_object_groups} "
+            f"l1_size_bytes={cfg.l1_size_bytes} eviction_policy={cfg.eviction_policy} "
+            f"backend={cfg.backend} lease_ttl_s={cfg.lease_ttl_s} "
+            f"slab_size_mb={cfg.slab_size_mb} max_frame_bytes={cfg.max_frame_bytes}")

@@ -1,0 +1,100 @@
+"""A worker's KV cache in shared memory: buffers, random contents, page access.
+
+``ShmKV`` creates one segment per buffer of a :class:`KVGeometry`, fills it with random
+bytes (seeded, so two processes can agree on contents), and reads or compares pages,
+which is what byte-exact tests and benchmarks need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmc_server.cache.geometry import GroupSpec
+from lmc_server.client.core import Registration
+from lmc_server.client.shm import ShmSegment
+from lmc_server.testing.presets import KVGeometry
+
+
+class ShmKV:
+    """Shared-memory buffers for ``geometry``; close (or use ``with``) to unlink them."""
+
+    def __init__(self, geometry: KVGeometry) -> None:
+        self.geometry = geometry
+        self.segments: list[ShmSegment] = []
+        try:
+            for size in geometry.buffer_sizes:
+                self.segments.append(ShmSegment(size))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def buffers(self) -> list[Any]:
+        return [s.spec for s in self.segments]
+
+    def fill_random(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for s in self.segments:
+            s.array[:] = rng.integers(0, 256, size=s.size_bytes, dtype=np.uint8)
+
+    def fill(self, value: int) -> None:
+        for s in self.segments:
+            s.array[:] = value
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.geometry.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def page(self, group: str, layer: int, block: int) -> np.ndarray:
+        """A view of one page (no copy)."""
+        g = self.group(group)
+        spec = g.layers[layer]
+        lo = spec.offset + block * spec.block_stride
+        return self.segments[spec.buffer].array[lo:lo + spec.page_bytes]
+
+    def pages(self, group: str, blocks: Sequence[int]) -> bytes:
+        """Concatenated pages of ``blocks`` over every layer of ``group``."""
+        g = self.group(group)
+        return b"".join(self.page(group, li, b).tobytes()
+                        for li in range(len(g.layers)) for b in blocks)
+
+    def register_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(model=self.geometry.model, kv_dtype=self.geometry.kv_dtype,
+                                  arch=self.geometry.arch, groups=self.geometry.groups,
+                                  buffers=self.buffers)
+        kw.update(overrides)
+        return kw
+
+    def close(self) -> None:
+        for s in self.segments:
+            s.close()
+        self.segments.clear()
+
+    def __enter__(self) -> ShmKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def block_ids_for(reg: Registration, n_chunks: int, rng: np.random.Generator | None = None,
+                  first_block: int = 0) -> dict[str, np.ndarray]:
+    """Block ids for ``n_chunks`` chunks per cached group: random distinct ids if ``rng``,
+    else consecutive from ``first_block``."""
+    out: dict[str, np.ndarray] = {}
+    for g in reg.groups:
+        if not g.cached:
+            continue
+        n = n_chunks * reg.blocks_per_chunk(g)
+        if n > g.num_blocks:
+            raise ValueError(f"group {g.name!r}: {n} blocks needed, {g.num_blocks} exist")
+        if rng is not None:
+            out[g.name] = rng.permutation(g.num_blocks)[:n].astype(np.int32)
+        else:
+            out[g.name] = (np.arange(n, dtype=np.int32) + first_block) % g.num_blocks
+    return out

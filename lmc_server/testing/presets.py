@@ -1,0 +1,115 @@
+"""Model presets: geometries shaped like real engines' KV caches.
+
+``dsv41_flash`` follows DeepSeek-V4.1-Flash as described in the design notes. The
+layer counts are illustrative (the model's card does not publish them) and are
+parameters; the defaults are 44 layers, all with a sliding-window cache of 128 tokens
+(32 tokens per block) split into two engine groups, every second layer a kv-source
+layer with a compressed-KV group (64 tokens per block, two tokens per stored state) and
+a sparse-indexer group, plus a compressor scratch ring that must never be cached.
+
+Records (bytes per stored state): ``fp8_ds_mla`` is 584 B on SM90 and every non-SM100
+arch (pages aligned to 576-byte rows), 528 B on SM100 (512-byte rows); the indexer key
+is 132 B. A page is one block of one layer:
+``round_up(states_per_block * bytes_per_state, alignment)`` bytes, and ``stride_pad``
+pads the block stride further, as engines may.
+
+Each group lives in its own buffer holding all its layers, ``num_blocks`` blocks per
+layer: layer ``l``, block ``b`` starts at ``l * num_blocks * block_stride +
+b * block_stride``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmc_server.cache.geometry import GroupSpec, LayerSpec
+
+MAIN_RECORD = {"sm100": (528, 512)}
+DEFAULT_MAIN_RECORD = (584, 576)
+INDEXER_BYTES = 132
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Groups plus the size of each buffer they index (buffer ``i`` = ``buffer_sizes[i]``)."""
+
+    model: str
+    kv_dtype: str
+    arch: str
+    groups: list[GroupSpec]
+    buffer_sizes: list[int]
+    notes: dict[str, int] = field(default_factory=dict)
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        """L1 bytes one chunk occupies (window groups store only their window)."""
+        total = 0
+        for g in self.groups:
+            if not g.cached:
+                continue
+            bpc = chunk_size // g.tokens_per_block
+            if g.kind == "sliding_window":
+                bpc = min(bpc, -(-g.window_tokens // g.tokens_per_block))
+            total += sum(layer.page_bytes for layer in g.layers) * bpc
+        return total
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _group(name: str, kind: str, buffer: int, n_layers: int, num_blocks: int,
+           tokens_per_block: int, states_per_block: int, record: str, bytes_per_state: int,
+           align: int, stride_pad: int, window: int = 0) -> tuple[GroupSpec, int]:
+    page = round_up(states_per_block * bytes_per_state, align)
+    stride = page + stride_pad
+    layer_stride = num_blocks * stride
+    layers = [LayerSpec(buffer=buffer, offset=i * layer_stride, block_stride=stride,
+                        page_bytes=page, name=f"{name}.{i}") for i in range(n_layers)]
+    spec = GroupSpec(name=name, kind=kind,  # type: ignore[arg-type]
+                     tokens_per_block=tokens_per_block, states_per_block=states_per_block,
+                     record_format=record, bytes_per_state=bytes_per_state,
+                     num_blocks=num_blocks, layers=layers, window_tokens=window)
+    return spec, n_layers * layer_stride
+
+
+def dsv41_flash(arch: str = "sm90", num_blocks: int = 64, layers: int = 44,
+                sliding_groups: int = 2, kv_source_every: int = 2, window_tokens: int = 128,
+                stride_pad: int = 0, scratch: bool = True,
+                model: str = "deepseek-ai/DeepSeek-V4.1-Flash") -> KVGeometry:
+    """The DeepSeek-V4.1-Flash preset (``fp8_ds_mla`` KV, MLA: replicated across ranks)."""
+    main_bytes, main_align = MAIN_RECORD.get(arch, DEFAULT_MAIN_RECORD)
+    groups: list[GroupSpec] = []
+    sizes: list[int] = []
+    per_group = [layers // sliding_groups + (1 if i < layers % sliding_groups else 0)
+                 for i in range(sliding_groups)]
+    for i, n in enumerate(per_group):
+        g, size = _group(f"swa{i}", "sliding_window", len(sizes), n, num_blocks, 32, 32,
+                         "fp8_ds_mla", main_bytes, main_align, stride_pad, window_tokens)
+        groups.append(g)
+        sizes.append(size)
+    kv_layers = layers // kv_source_every
+    g, size = _group("compressed", "full", len(sizes), kv_layers, num_blocks, 64, 32,
+                     "fp8_ds_mla", main_bytes, main_align, stride_pad)
+    groups.append(g)
+    sizes.append(size)
+    g, size = _group("indexer", "full", len(sizes), kv_layers, num_blocks, 64, 32,
+                     "indexer_fp8", INDEXER_BYTES, 1, stride_pad)
+    groups.append(g)
+    sizes.append(size)
+    if scratch:
+        g, size = _group("compressor_scratch", "scratch", len(sizes), kv_layers, num_blocks,
+                         8, 8, "bf16", 512, 1, 0)
+        groups.append(g)
+        sizes.append(size)
+    return KVGeometry(model=model, kv_dtype="fp8_ds_mla", arch=arch, groups=groups,
+                      buffer_sizes=sizes)
+
+
+def simple_model(arch: str = "sm90", num_blocks: int = 64, layers: int = 4,
+                 tokens_per_block: int = 16, bytes_per_token: int = 1024,
+                 model: str = "test/simple") -> KVGeometry:
+    """An ordinary full-attention model: one group, one page per layer per block."""
+    g, size = _group("full", "full", 0, layers, num_blocks, tokens_per_block,
+                     tokens_per_block, "bf16", bytes_per_token, 1, 0)
+    return KVGeometry(model=model, kv_dtype="bf16", arch=arch, groups=[g],
+                      buffer_sizes=[size])
