@@ -23,6 +23,7 @@ MIB = 1 << 20
 SYSTEM_RESERVE_BYTES = 2 * GIB
 BACKENDS = ("auto", "cuda", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+CUDA_COPY_MODES = ("staging", "mapped")
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,7 @@ class Config:
     lease_ttl_s: float = 30.0
     slab_size_mb: int = 64
     copy_threads: int = 0  # 0: engine default
+    cuda_copy_mode: str = "staging"  # staging (SM gather + one DMA) | mapped (kernel on host)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout_s: float = 10.0
     metrics_port: int = 9090  # 0: no metrics endpoint
@@ -102,6 +104,9 @@ class Config:
                               f"{', '.join(LOG_LEVELS)}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log format {self.log_format!r}: choose text or json")
+        if self.cuda_copy_mode not in CUDA_COPY_MODES:
+            raise ConfigError(f"cuda copy mode {self.cuda_copy_mode!r}: choose one of "
+                              f"{', '.join(CUDA_COPY_MODES)}")
         if self.lease_ttl_s <= 0:
             raise ConfigError("lease TTL must be positive")
         if not 1 <= self.slab_size_mb <= 4096:

@@ -16,6 +16,7 @@ from lmc_server import __version__
 from lmc_server.cache.eviction import POLICIES
 from lmc_server.config import (
     BACKENDS,
+    CUDA_COPY_MODES,
     GIB,
     LOG_LEVELS,
     Config,
@@ -89,6 +90,11 @@ def cli() -> None:
 @click.option("--copy-threads", type=click.IntRange(0, 256), default=0,
               envvar="LMCACHE_COPY_THREADS",
               help="Copy threads of the cpu engine (0: min(4, cores)).")
+@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES), default="staging",
+              envvar="LMCACHE_CUDA_COPY_MODE",
+              help="cuda engine: 'staging' gathers pages on the GPU into a staging buffer "
+                   "and moves it with one DMA; 'mapped' has a kernel read/write pinned host "
+                   "memory directly.")
 @click.option("--max-frame-bytes", type=click.IntRange(65536, 1 << 30),
               default=Config.max_frame_bytes, envvar="LMCACHE_MAX_FRAME_BYTES",
               help="Largest request frame answered; larger ones get too_large.")

@@ -114,7 +114,8 @@ class Server:
         cfg = self.config
         self.started_at_s = self.clock()
         log.info("lmcache server %s starting: %s", __version__, _describe(cfg))
-        self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads)
+        self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads,
+                                                 cfg.cuda_copy_mode)
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
         self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)

@@ -22,7 +22,8 @@ def cuda_available() -> bool:
         return False
 
 
-def make_engine(backend: str, copy_threads: int = 0) -> TransferEngine:
+def make_engine(backend: str, copy_threads: int = 0,
+                cuda_copy_mode: str = "staging") -> TransferEngine:
     """Instantiate the engine for ``--backend``; raises RuntimeError if unusable."""
     if backend == "auto":
         backend = "cuda" if cuda_available() else "cpu"
@@ -39,6 +40,6 @@ def make_engine(backend: str, copy_threads: int = 0) -> TransferEngine:
             from lmc_server.transfer.cuda import CudaEngine  # type: ignore[import-not-found]
         except ImportError as e:
             raise RuntimeError(f"--backend cuda is not available: {e}") from None
-        engine: TransferEngine = CudaEngine(copy_threads)
+        engine: TransferEngine = CudaEngine(copy_mode=cuda_copy_mode)
         return engine
     raise RuntimeError(f"unknown backend {backend!r}")
