@@ -1,0 +1,127 @@
+"""Run a real ``lmcache server`` process for tests and benchmarks.
+
+    with ServerProcess(["--l1-size-gb", "1"]) as srv:
+        Client(srv.endpoint).ping()
+
+The server runs as ``python -m lmc_server server`` on a free port with the CPU backend
+by default; leaving the block sends SIGTERM and checks the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import IO
+
+import zmq
+
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import decode_reply, encode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_ping(endpoint: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                  ready: bool = False) -> float:
+    """Seconds until the server at ``endpoint`` answers ping (and is ready, if asked)."""
+    t0 = time.monotonic()
+    ctx = zmq.Context()
+    try:
+        while True:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            try:
+                sock.send(encode(m.Ping(req_id=1)))
+                if sock.poll(100):
+                    reply = decode_reply(sock.recv())
+                    if isinstance(reply, m.Pong) and (reply.ready or not ready):
+                        return time.monotonic() - t0
+            finally:
+                sock.close(linger=0)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with status {proc.returncode} before "
+                                   "answering ping")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"server at {endpoint} did not answer within {timeout_s} s")
+            time.sleep(0.02)
+    finally:
+        ctx.term()
+
+
+class ServerProcess:
+    """A server subprocess; ``log()`` returns what it wrote to stderr so far."""
+
+    def __init__(self, args: Sequence[str] = (), port: int | None = None,
+                 backend: str = "cpu", l1_size_gb: float = 1.0, start_timeout_s: float = 20.0,
+                 env: dict[str, str] | None = None, metrics_port: int = 0) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), "--backend", backend, "--l1-size-gb",
+                     str(l1_size_gb), "--metrics-port", str(metrics_port), *args]
+        self.start_timeout_s = start_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.returncode: int | None = None
+
+    def start(self) -> ServerProcess:
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", *self.args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        try:
+            wait_for_ping(self.endpoint, self.start_timeout_s, self.proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        """Signal the server and wait; returns its exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc is not None:
+            self.returncode = self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            code = self.terminate()
+            if exc_type is None and code != 0:
+                raise RuntimeError(f"server exited with {code}:\n{self.log()}")
+        if self._log is not None:
+            self._log.close()

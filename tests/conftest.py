@@ -1,0 +1,45 @@
+"""Shared fixtures: real server processes and shared-memory KV caches.
+
+GPU tests (marker ``gpu``) skip without CUDA and CuPy, and fail instead when
+``LMC_REQUIRE_GPU=1`` (set on the GPU machine, so a broken CUDA setup cannot pass as
+skipped).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lmc_server.client import Client
+from lmc_server.testing.process import ServerProcess
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [i for i in items if i.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    from lmc_server.transfer.select import cuda_available
+
+    if cuda_available():
+        return
+    if os.environ.get("LMC_REQUIRE_GPU") == "1":
+        raise pytest.UsageError("LMC_REQUIRE_GPU=1 but no usable CUDA device and CuPy")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """One CPU-backend server per test module: 1 GiB, separate object groups."""
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
+                        "--eviction-policy", "LRU"], l1_size_gb=1) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[Client]:
+    with Client(server.endpoint, timeout_s=30, client_name="pytest") as c:
+        yield c
