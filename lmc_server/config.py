@@ -21,7 +21,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 #: Memory left to the system when the pool size is checked against the machine.
 SYSTEM_RESERVE_BYTES = 2 * GIB
-BACKENDS = ("auto", "cuda", "cpu")
+BACKENDS = ("auto", "cuda", "cpu", "null")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CUDA_COPY_MODES = ("staging", "mapped")
 

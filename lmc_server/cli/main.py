@@ -75,8 +75,9 @@ def cli() -> None:
               default="LRU", envvar="LMCACHE_EVICTION_POLICY", help="Eviction policy.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto",
               envvar="LMCACHE_BACKEND",
-              help="Transfer engine: cuda (GPU workers), cpu (shared memory), or auto "
-                   "(cuda when a GPU and CuPy are present).")
+              help="Transfer engine: cuda (GPU workers), cpu (shared memory), auto "
+                   "(cuda when a GPU and CuPy are present), or null (moves no bytes; "
+                   "trace-replay benchmarks only).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               default="INFO", envvar="LMCACHE_LOG_LEVEL", help="Log level.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",

@@ -32,6 +32,11 @@ def make_engine(backend: str, copy_threads: int = 0,
         from lmc_server.transfer.cpu import CpuEngine
 
         return CpuEngine(copy_threads)
+    if backend == "null":
+        from lmc_server.transfer.null import NullEngine
+
+        log.warning("backend null: no bytes are moved; for benchmarks only")
+        return NullEngine()
     if backend == "cuda":
         if not cuda_available():
             raise RuntimeError("--backend cuda: CuPy is not installed or sees no GPU "

@@ -1,0 +1,59 @@
+"""The null transfer engine: full server bookkeeping, no bytes moved (benchmarks only).
+
+Trace replays measure hit ratios of the index and eviction policies at L1 sizes of
+hundreds of GiB; copying the bytes would only slow them down. With ``--backend null``
+the pool is address space that is never touched, registrations map nothing, and copies
+return at once: every lookup, lease, store, eviction and counter behaves as on a real
+engine, but retrieved blocks hold whatever they held before. Never use it to serve an
+engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from lmc_server.cache.geometry import BufferSpec
+from lmc_server.cache.layout import RunCopy
+from lmc_server.transfer.base import DeviceInfo, HostPool, Mapping, TransferEngine
+
+
+class NullHostPool(HostPool):
+    """No memory at all; every slab is ready at once."""
+
+    def start(self, on_ready: Callable[[int], None]) -> None:
+        for slab in range(self.n_slabs):
+            on_ready(slab)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return bytes(nbytes)
+
+    def close(self) -> None:
+        pass
+
+
+class NullMapping(Mapping):
+    def __init__(self) -> None:
+        self.device = DeviceInfo(arch=None, description="null (no memory)")
+
+    def close(self) -> None:
+        pass
+
+
+class NullEngine(TransferEngine):
+    name = "null"
+
+    def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
+        return NullHostPool(size_bytes, slab_bytes)
+
+    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+        return NullMapping()
+
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy],
+              wait_event: bytes = b"") -> None:
+        pass
+
+    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
