@@ -61,6 +61,7 @@ class Config:
     backend: str = "auto"
     log_level: str = "INFO"
     log_format: str = "text"
+    log_file: str = ""  # empty: stderr (the journal under systemd); reopened on SIGHUP
     lease_ttl_s: float = 30.0
     slab_size_mb: int = 64
     copy_threads: int = 0  # 0: engine default
@@ -104,6 +105,8 @@ class Config:
                               f"{', '.join(LOG_LEVELS)}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log format {self.log_format!r}: choose text or json")
+        if self.log_file and not os.path.isdir(os.path.dirname(os.path.abspath(self.log_file))):
+            raise ConfigError(f"log file {self.log_file!r}: its directory does not exist")
         if self.cuda_copy_mode not in CUDA_COPY_MODES:
             raise ConfigError(f"cuda copy mode {self.cuda_copy_mode!r}: choose one of "
                               f"{', '.join(CUDA_COPY_MODES)}")

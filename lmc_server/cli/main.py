@@ -82,6 +82,9 @@ def cli() -> None:
               default="INFO", envvar="LMCACHE_LOG_LEVEL", help="Log level.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               envvar="LMCACHE_LOG_FORMAT", help="Log line format.")
+@click.option("--log-file", default="", envvar="LMCACHE_LOG_FILE",
+              help="Append logs to this file instead of stderr; SIGHUP reopens it "
+                   "(for logrotate).")
 @click.option("--lease-ttl-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
               envvar="LMCACHE_LEASE_TTL_S",
               help="Seconds a lookup's lease keeps its chunks from eviction.")
@@ -118,7 +121,11 @@ def server(**kwargs: Any) -> None:
     from lmc_server.logs import setup_logging
     from lmc_server.server.server import Server
 
-    setup_logging(config.log_level, config.log_format)
+    try:
+        setup_logging(config.log_level, config.log_format, config.log_file)
+    except OSError as e:
+        raise click.UsageError(f"cannot open log file {config.log_file}: {e.strerror}") \
+            from None
     sys.exit(Server(config).run())
 
 

@@ -7,9 +7,20 @@ decode, one handler call and one send per request, with no future per message.
 zmq's descriptor is edge-triggered, hence :meth:`Server._after_io` after every send.
 
 Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
-``shutting_down``, in-flight copies finish within ``drain_timeout_s``, mappings are
-closed, the pool is freed), then the process exits 0. The previous handlers are
-restored on exit, so a server embedded in tests behaves.
+``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
+closed, the pool is freed), then the process exits 0. Past the timeout, stores still
+copying are answered ``shutting_down`` at once (they are never committed visibly: no
+request is served after the drain); retrieves are answered when their copy stops,
+because it writes into the engine's memory and a reply before that would let the
+engine reuse blocks still being written. SIGHUP reopens the log file (see
+:mod:`lmc_server.logs`) and logs a one-line summary; nothing else is reloaded. The
+previous handlers are restored on exit, so a server embedded in tests behaves.
+
+Operations wiring: the metrics endpoint (``/metrics``, ``/healthz``) starts with the
+sockets; systemd is told ``READY=1`` as soon as both are bound (the pool is prepared
+in the background and reported with ``STATUS=`` lines), ``WATCHDOG=1`` from an
+event-loop timer (so a stuck loop is what trips the watchdog) and ``STOPPING=1`` when
+the drain starts.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from typing import Any
 
 import zmq
@@ -29,10 +41,19 @@ from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
 from lmc_server.config import Config
+from lmc_server.logs import reopen_logs
+from lmc_server.metrics import (
+    LiveState,
+    MetricsServer,
+    ServerCollector,
+    ServerInfo,
+    make_registry,
+)
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.handlers import Handlers
+from lmc_server.server.notify import Notifier
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import ServerStats
 from lmc_server.transfer.base import HostPool, TransferEngine
@@ -51,6 +72,14 @@ SESSION_SWEEP_INTERVAL_S = 5.0
 IDLE_SESSION_S = 60.0
 #: zmq drops (disconnects) peers whose frames exceed this multiple of max_frame_bytes.
 HARD_FRAME_FACTOR = 4
+#: The event loop's heartbeat period; /healthz fails once a beat is this late.
+HEARTBEAT_INTERVAL_S = 1.0
+HEALTH_STALL_S = 10.0
+#: How often systemd's STATUS= line is refreshed (pool preparation, then usage).
+STATUS_INTERVAL_S = 1.0
+SERVING_STATUS_INTERVAL_S = 10.0
+#: How often evictions and allocation failures are summarized in one log line.
+EVICTION_LOG_INTERVAL_S = 60.0
 
 _SYNC_HANDLERS: dict[type, str] = {
     m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
@@ -63,10 +92,21 @@ class Server:
     """One L1 cache daemon. ``run()`` blocks until shutdown and returns an exit code."""
 
     def __init__(self, config: Config, engine: TransferEngine | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 notifier: Notifier | None = None) -> None:
         self.config = config
         self._engine = engine
         self.clock = clock
+        self.notifier = Notifier.from_env() if notifier is None else notifier
+        self.metrics_server: MetricsServer | None = None
+        self._heartbeat_s = 0.0
+        self._heartbeat_handle: asyncio.TimerHandle | None = None
+        self._status_at_s = 0.0
+        self._eviction_mark = (0, 0, 0)
+        #: Tasks already answered ``shutting_down`` at the drain timeout (no second reply).
+        self._answered: set[asyncio.Task[None]] = set()
+        #: Who to answer for each store/retrieve task: (identity, operation, req_id).
+        self._task_requests: dict[asyncio.Task[None], tuple[bytes, str, int]] = {}
         self.should_exit = False
         self.started = False
         self.draining = False
@@ -100,6 +140,7 @@ class Server:
                 await self.startup()
             except (OSError, zmq.ZMQError, RuntimeError, ValueError) as e:
                 log.error("startup failed: %s", e)
+                self.notifier.status(f"startup failed: {e}")
                 await self._close_resources()
                 return EXIT_STARTUP_FAILURE
             await self.main_loop()
@@ -133,18 +174,93 @@ class Server:
         sock.bind(cfg.endpoint)
         self._fd = int(sock.getsockopt(zmq.FD))
         self.loop.add_reader(self._fd, self._drain)
+        if cfg.metrics_port:
+            self._start_metrics()
         self.host_pool.start(self._slab_ready_threadsafe)
         self._schedule(LEASE_SWEEP_INTERVAL_S, self._sweep_leases)
         self._schedule(SESSION_SWEEP_INTERVAL_S, self._sweep_sessions)
+        self._schedule(EVICTION_LOG_INTERVAL_S, self._log_evictions)
+        self._heartbeat()
         self.started = True
         log.info("listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
                  "eviction %s, chunk size %d, %s object groups)", cfg.endpoint,
                  self.engine.name, self.host_pool.size_bytes / (1 << 30),
                  self.slab_pool.n_slabs, cfg.slab_size_mb, cfg.eviction_policy,
                  cfg.chunk_size, "separate" if cfg.separate_object_groups else "combined")
+        self.notifier.ready(f"serving on {cfg.endpoint}; preparing L1 pool "
+                            f"({self.host_pool.size_bytes / (1 << 30):.1f} GiB)")
+        if self.notifier.enabled:
+            log.info("systemd notified: ready%s", "" if self.notifier.watchdog_interval_s
+                     is None else f", watchdog every {self.notifier.watchdog_interval_s:.1f} s")
         for cb in self.on_started:
             cb(self)
         self._drain()
+
+    def _start_metrics(self) -> None:
+        cfg = self.config
+        collector = ServerCollector(
+            ServerInfo(backend=self.engine.name, eviction_policy=cfg.eviction_policy,
+                       chunk_size=cfg.chunk_size,
+                       object_groups="separate" if cfg.separate_object_groups else "combined"),
+            self.index, self.slab_pool, self.stats, self.sessions,
+            LiveState(health=self.health, in_flight=lambda: len(self._tasks)))
+        self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
+                                            make_registry(collector), self.health)
+        self.metrics_server.start()
+
+    def health(self) -> tuple[bool, str]:
+        """``(serving, one-line reason)`` for /healthz; safe to call from any thread."""
+        if self.draining or self.should_exit:
+            return False, "draining: shutting down, new requests are refused"
+        if not self.started:
+            return False, "starting: sockets not bound yet"
+        pool = self.slab_pool
+        if pool.ready_slabs == 0:
+            return False, "starting: no L1 slab prepared yet"
+        late_s = self.clock() - self._heartbeat_s
+        if late_s > HEALTH_STALL_S:
+            return False, f"event loop unresponsive for {late_s:.0f} s"
+        return True, (f"serving on {self.config.endpoint}, L1 pool "
+                      f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
+                      f"{self.sessions.registrations} registrations")
+
+    def _heartbeat(self) -> None:
+        """Event-loop liveness for /healthz and the systemd watchdog; runs until closed
+        (also while draining, so a long drain does not trip the watchdog)."""
+        now = self.clock()
+        self._heartbeat_s = now
+        if self.notifier.watchdog_interval_s:
+            self.notifier.watchdog()
+        if (not self.draining and self.pool_ready_at_s is not None
+                and now - self._status_at_s >= SERVING_STATUS_INTERVAL_S):
+            self._status_at_s = now
+            self.notifier.status(self._status_line())
+        interval_s = HEARTBEAT_INTERVAL_S
+        if self.notifier.watchdog_interval_s:
+            interval_s = min(interval_s, self.notifier.watchdog_interval_s)
+        self._heartbeat_handle = self.loop.call_later(interval_s, self._heartbeat)
+
+    def _status_line(self) -> str:
+        idx, st = self.index, self.index.stats
+        used = sum(p.used_bytes for p in list(idx.partitions.values()))
+        ratio = st.hit_chunks / st.lookup_chunks if st.lookup_chunks else 0.0
+        return (f"serving: {self.sessions.registrations} registrations, L1 "
+                f"{used / (1 << 30):.1f} of {self.slab_pool.capacity_bytes / (1 << 30):.1f} "
+                f"GiB used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions")
+
+    def _log_evictions(self) -> None:
+        """One line per interval with evictions or allocation failures (none: silent)."""
+        st = self.index.stats
+        failures = sum(st.alloc_failures.values())
+        mark = (st.evictions, st.evicted_bytes, failures)
+        d_ev, d_bytes, d_fail = (a - b for a, b in zip(mark, self._eviction_mark, strict=True))
+        self._eviction_mark = mark
+        if d_ev or d_fail:
+            used = sum(p.used_bytes for p in self.index.partitions.values())
+            log.info("last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
+                     "L1 %.1f of %.1f GiB used, %d free slabs", EVICTION_LOG_INTERVAL_S,
+                     d_ev, d_bytes / (1 << 20), d_fail, used / (1 << 30),
+                     self.slab_pool.capacity_bytes / (1 << 30), self.slab_pool.free_slabs)
 
     def _slab_ready_threadsafe(self, slab: int) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown
@@ -153,12 +269,22 @@ class Server:
     def _slab_ready(self, slab: int) -> None:
         if self.draining:
             return
-        self.slab_pool.mark_ready(slab)
-        if self.slab_pool.ready_slabs == self.slab_pool.n_slabs:
+        pool = self.slab_pool
+        pool.mark_ready(slab)
+        if pool.ready_slabs == pool.n_slabs:
             self.pool_ready_at_s = self.clock()
-            log.info("L1 pool ready: %d slabs (%.1f GiB) in %.2f s", self.slab_pool.n_slabs,
-                     self.slab_pool.capacity_bytes / (1 << 30),
+            log.info("L1 pool ready: %d slabs (%.1f GiB) in %.2f s", pool.n_slabs,
+                     pool.capacity_bytes / (1 << 30),
                      self.pool_ready_at_s - self.started_at_s)
+            self._status_at_s = self.pool_ready_at_s
+            self.notifier.status(f"serving on {self.config.endpoint}; L1 pool ready "
+                                 f"({pool.capacity_bytes / (1 << 30):.1f} GiB)")
+        elif self.notifier.enabled and self.clock() - self._status_at_s >= STATUS_INTERVAL_S:
+            self._status_at_s = self.clock()
+            self.notifier.status(f"serving on {self.config.endpoint}; preparing L1 pool: "
+                                 f"{pool.ready_bytes / (1 << 30):.1f} of "
+                                 f"{pool.capacity_bytes / (1 << 30):.1f} GiB "
+                                 f"({pool.ready_slabs / pool.n_slabs:.0%})")
 
     def _schedule(self, delay_s: float, fn: Callable[[], None]) -> None:
         def tick() -> None:
@@ -244,7 +370,8 @@ class Server:
             else:
                 task = self.loop.create_task(self._run_async(session, op, msg))
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._task_requests[task] = (identity, op, msg.req_id)
+                task.add_done_callback(self._task_done)
                 return
         except ProtocolError as e:
             self.stats.count_request(op, e.code.value)
@@ -261,6 +388,10 @@ class Server:
         self.stats.count_request(op, "ok")
         self._send(identity, encode(reply))
 
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._task_requests.pop(task, None)
+
     async def _run_async(self, session: Session, op: str, msg: Any) -> None:
         try:
             reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg)
@@ -276,6 +407,9 @@ class Server:
             self.stats.count_request(op, ErrorCode.INTERNAL.value)
             payload = error_reply(ProtocolError(ErrorCode.INTERNAL,
                                                 "internal server error (logged)", msg.req_id))
+        task = asyncio.current_task()
+        if task is not None and task in self._answered:  # answered at the drain timeout
+            return
         self._send(session.identity, payload)
         self._after_io()
 
@@ -337,11 +471,20 @@ class Server:
         if self._exit_event is not None:
             self._exit_event.set()
 
+    def handle_hup(self) -> None:
+        """SIGHUP: reopen log files (after rotation) and log where the server stands."""
+        files = reopen_logs()
+        log.info("SIGHUP: %s; %s", f"reopened {', '.join(files)}" if files
+                 else "logging to stderr, nothing to reopen",
+                 self._status_line() if self.started else "starting")
+
     def _install_signal_handlers(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        handlers = {signal.SIGINT: self.handle_exit, signal.SIGTERM: self.handle_exit,
+                    signal.SIGHUP: self.handle_hup}
+        for sig, handler in handlers.items():
             try:
                 self._prev_signals[sig] = signal.getsignal(sig)
-                self.loop.add_signal_handler(sig, self.handle_exit)
+                self.loop.add_signal_handler(sig, handler)
             except (ValueError, RuntimeError):  # not the main thread
                 self._prev_signals.pop(sig, None)
 
@@ -355,6 +498,7 @@ class Server:
     async def shutdown(self) -> None:
         """Stop taking work, let copies finish, answer the rest, release everything."""
         self.draining = True
+        self.notifier.stopping(f"draining {len(self._tasks)} in-flight requests")
         for cb in self.on_shutdown:
             cb(self)
         if self._tasks:
@@ -362,14 +506,49 @@ class Server:
                      self.config.drain_timeout_s)
             _, pending = await asyncio.wait(set(self._tasks),
                                             timeout=self.config.drain_timeout_s)
-            for t in pending:
-                t.cancel()
+            if pending:
+                self._answer_unfinished(pending)
+                await asyncio.wait(pending)
+        self._drain()  # answer what is still queued with shutting_down
+        st = self.index.stats
+        log.info("served %d requests; %d of %d looked-up chunks hit; %d objects stored, "
+                 "%d retrieved, %d evicted", sum(dict(self.stats.requests).values()),
+                 st.hit_chunks, st.lookup_chunks, st.stored_objects, st.retrieved_objects,
+                 st.evictions)
         await self._close_resources()
         log.info("shutdown complete")
+
+    def _answer_unfinished(self, pending: set[asyncio.Task[None]]) -> None:
+        """At the drain timeout: answer stores now, wait for retrieves (module docstring).
+
+        Copies cannot be interrupted (a running DMA or memcpy); a store's reply only
+        says its chunks were not stored, which is true once nothing is served anymore.
+        """
+        waiting = 0
+        for task in pending:
+            info = self._task_requests.get(task)
+            if info is None:
+                continue
+            identity, op, req_id = info
+            if op != "store":
+                waiting += 1
+                continue
+            self._answered.add(task)
+            self.stats.count_request(op, ErrorCode.SHUTTING_DOWN.value)
+            self._send(identity, error_reply(ProtocolError(
+                ErrorCode.SHUTTING_DOWN, f"server shut down before this store finished "
+                f"(drain timeout {self.config.drain_timeout_s:g} s); nothing was stored",
+                req_id)))
+        log.warning("drain timeout: %d stores answered shutting_down, waiting for %d "
+                    "retrieves still copying into engine memory", len(self._answered), waiting)
 
     async def _close_resources(self) -> None:
         for t in self._timers:
             t.cancel()
+        if self._heartbeat_handle is not None:
+            self._heartbeat_handle.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         sock = getattr(self, "sock", None)
         if sock is not None and not sock.closed:
             with contextlib.suppress(Exception):
@@ -389,11 +568,12 @@ class Server:
         ctx = getattr(self, "ctx", None)
         if ctx is not None:
             ctx.term()
+        self.notifier.close()
 
 
 def _describe(cfg: Config) -> str:
-    return (f"endpoint={cfg.endpoint} chunk_size={cfg.chunk_size} "
-            f"separate_object_groups={cfg.separate_object_groups} "
-            f"l1_size_bytes={cfg.l1_size_bytes} eviction_policy={cfg.eviction_policy} "
-            f"backend={cfg.backend} lease_ttl_s={cfg.lease_ttl_s} "
-            f"slab_size_mb={cfg.slab_size_mb} max_frame_bytes={cfg.max_frame_bytes}")
+    """Every effective setting, ``name=value``, for the startup log line."""
+    values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["l1_size_bytes"] = cfg.l1_size_bytes
+    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+                    for k, v in values.items())

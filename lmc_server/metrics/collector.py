@@ -1,0 +1,229 @@
+"""The Prometheus collector: reads the server's plain counters at scrape time.
+
+The hot path only increments ints in :class:`~lmc_server.cache.index.CacheStats` and
+:class:`~lmc_server.server.stats.ServerStats`; nothing here is touched per request.
+:meth:`ServerCollector.collect` runs on the HTTP thread while the event loop keeps
+mutating those objects, so it copies every dict with one C-level call (atomic under
+the GIL: no "changed size during iteration") and derives histogram counts from the
+copied buckets, so a scrape is internally consistent even if a request lands mid-way.
+
+Names follow Prometheus conventions: prefix ``lmcache_``, counters end in ``_total``,
+units are suffixes, and label values are bounded sets (operation, outcome, direction,
+reason, object group and layout fingerprint): never a pid, request id or key.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from lmc_server import __version__
+from lmc_server.cache.index import L1Index
+from lmc_server.cache.pool import SlabPool
+from lmc_server.server.sessions import SessionTable
+from lmc_server.server.stats import TRANSFER_BUCKETS_S, ServerStats
+
+PREFIX = "lmcache_"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Settings exported once as ``lmcache_config_info`` labels (bounded, fixed)."""
+
+    backend: str
+    eviction_policy: str
+    chunk_size: int
+    object_groups: str  # "separate" or "combined"
+
+
+@dataclass
+class LiveState:
+    """Callables the collector asks about the server's state (run on the HTTP thread).
+
+    ``health()`` returns ``(serving, one-line reason)``; ``in_flight()`` the number of
+    store/retrieve requests being copied now.
+    """
+
+    health: Callable[[], tuple[bool, str]]
+    in_flight: Callable[[], int]
+
+
+class ServerCollector(Collector):
+    """Exports one server's counters and L1 occupancy; see docs/operations.md."""
+
+    def __init__(self, info: ServerInfo, index: L1Index, pool: SlabPool, stats: ServerStats,
+                 sessions: SessionTable, live: LiveState) -> None:
+        self.info = info
+        self.index = index
+        self.pool = pool
+        self.stats = stats
+        self.sessions = sessions
+        self.live = live
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._info()
+        yield from self._requests()
+        yield from self._cache_counters()
+        yield from self._transfers()
+        yield from self._pool()
+        yield from self._partitions()
+        yield from self._sessions()
+
+    # -- families -----------------------------------------------------------------------
+
+    def _info(self) -> Iterator[Metric]:
+        build = InfoMetricFamily(PREFIX + "build", "Version of lmc-server and its Python.")
+        build.add_metric([], {"version": __version__,
+                              "python_version": platform.python_version(),
+                              "python_implementation": sys.implementation.name})
+        yield build
+        cfg = InfoMetricFamily(PREFIX + "config", "Settings that shape what the cache stores.")
+        cfg.add_metric([], {"backend": self.info.backend,
+                            "eviction_policy": self.info.eviction_policy,
+                            "chunk_size": str(self.info.chunk_size),
+                            "object_groups": self.info.object_groups})
+        yield cfg
+        serving, _ = self.live.health()
+        yield GaugeMetricFamily(PREFIX + "serving",
+                                "1 while the server answers requests (what /healthz says).",
+                                value=1 if serving else 0)
+
+    def _requests(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            PREFIX + "requests", "Requests answered, by operation and outcome (ok or an "
+            "error code).", labels=["operation", "outcome"])
+        for (op, outcome), n in sorted(dict(self.stats.requests).items()):
+            requests.add_metric([op, outcome], n)
+        yield requests
+        yield GaugeMetricFamily(PREFIX + "requests_in_flight",
+                                "Store and retrieve requests whose copies are running.",
+                                value=self.live.in_flight())
+
+    def _cache_counters(self) -> Iterator[Metric]:
+        s, st = self.index.stats, self.stats
+        counters = (
+            ("lookups", "Lookup requests evaluated.", s.lookups),
+            ("lookup_chunks", "Chunks asked about by lookups.", s.lookup_chunks),
+            ("hit_chunks", "Chunks reported as hits (the hit prefix) by lookups.",
+             s.hit_chunks),
+            ("lookup_tokens", "Tokens asked about by lookups (chunks x chunk size).",
+             st.lookup_tokens),
+            ("hit_tokens", "Tokens reported as hits by lookups.", st.hit_tokens),
+            ("stored_objects", "Objects (one chunk of one object group) committed to L1.",
+             s.stored_objects),
+            ("stored_bytes", "Bytes of objects committed to L1.", s.stored_bytes),
+            ("retrieved_objects", "Objects read from L1 by retrieves.", s.retrieved_objects),
+            ("retrieved_bytes", "Bytes of objects read from L1 by retrieves.",
+             s.retrieved_bytes),
+            ("evictions", "Objects evicted from L1 to make room.", s.evictions),
+            ("evicted_bytes", "Bytes of objects evicted from L1.", s.evicted_bytes),
+            ("slabs_moved", "Slabs taken from a colder partition for another.", s.slabs_moved),
+            ("leases_taken", "Leases taken by lookups.", s.leases_taken),
+            ("leases_released", "Leases released explicitly or with their session.",
+             s.leases_released),
+            ("leases_expired", "Leases that reached their TTL unreleased.", s.leases_expired),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        failures = CounterMetricFamily(
+            PREFIX + "allocation_failures", "Objects that could not be stored, by reason "
+            "(no_space: nothing evictable; aborted: the copy failed or its writer left).",
+            labels=["reason"])
+        for reason, n in sorted(dict(s.alloc_failures).items()):
+            failures.add_metric([reason], n)
+        yield failures
+
+    def _transfers(self) -> Iterator[Metric]:
+        hist = HistogramMetricFamily(
+            PREFIX + "transfer_duration_seconds",
+            "Wall time of one request's copies, by direction (store: to L1, retrieve: "
+            "from L1).", labels=["direction"])
+        nbytes = CounterMetricFamily(PREFIX + "transfer_bytes",
+                                     "Bytes copied by completed transfers, by direction.",
+                                     labels=["direction"])
+        for direction, ts in sorted(dict(self.stats.transfers).items()):
+            counts = list(ts.buckets)
+            cumulative, buckets = 0, []
+            for bound, n in zip(TRANSFER_BUCKETS_S, counts, strict=False):
+                cumulative += n
+                buckets.append((repr(float(bound)), cumulative))
+            buckets.append(("+Inf", sum(counts)))
+            hist.add_metric([direction], buckets, ts.seconds)
+            nbytes.add_metric([direction], ts.nbytes)
+        yield hist
+        yield nbytes
+
+    def _pool(self) -> Iterator[Metric]:
+        pool = self.pool
+        ready_slabs, free_slabs = pool.ready_slabs, pool.free_slabs
+        yield GaugeMetricFamily(PREFIX + "l1_capacity_bytes",
+                                "Size of the L1 pool (all slabs, prepared or not).",
+                                value=pool.capacity_bytes)
+        yield GaugeMetricFamily(PREFIX + "l1_ready_bytes",
+                                "L1 bytes pinned (cuda) or populated (cpu) and usable.",
+                                value=ready_slabs * pool.slab_bytes)
+        yield GaugeMetricFamily(PREFIX + "l1_slab_bytes", "Size of one pool slab.",
+                                value=pool.slab_bytes)
+        slabs = GaugeMetricFamily(PREFIX + "l1_slabs", "Pool slabs by state (pending: not "
+                                  "prepared yet; free; owned by a partition).",
+                                  labels=["state"])
+        slabs.add_metric(["pending"], pool.n_slabs - ready_slabs)
+        slabs.add_metric(["free"], free_slabs)
+        slabs.add_metric(["owned"], ready_slabs - free_slabs)
+        yield slabs
+
+    def _partitions(self) -> Iterator[Metric]:
+        labels = ["object_group", "layout"]
+
+        def family(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+        capacity_b = family("l1_partition_capacity_bytes",
+                            "Bytes of the slabs a partition owns.")
+        used_b = family("l1_partition_used_bytes",
+                        "Bytes of committed and being-written objects of a partition.")
+        pinned_b = family("l1_partition_pinned_bytes",
+                          "Bytes of objects pinned by leases or retrieves (not evictable).")
+        capacity_o = family("l1_partition_capacity_objects",
+                            "Object slots in the slabs a partition owns.")
+        objects = family("l1_partition_objects", "Committed (visible) objects of a partition.")
+        writing = family("l1_partition_writing_objects", "Objects being written (invisible).")
+        pinned_o = family("l1_partition_pinned_objects",
+                          "Objects pinned by leases or retrieves.")
+        object_b = family("l1_partition_object_bytes", "Size of one object of a partition.")
+        slab_bytes = self.pool.slab_bytes
+        for p in list(self.index.partitions.values()):
+            lv = [p.name, p.fingerprint.hex()[:12]]
+            pins = p.pins
+            n_pinned = len(pins) - pins.count(0)
+            slabs = p.slabs
+            capacity_b.add_metric(lv, slabs * slab_bytes)
+            used_b.add_metric(lv, p.used_bytes)
+            pinned_b.add_metric(lv, n_pinned * p.object_bytes)
+            capacity_o.add_metric(lv, slabs * p.slots_per_slab)
+            objects.add_metric(lv, p.n_committed)
+            writing.add_metric(lv, p.n_writing)
+            pinned_o.add_metric(lv, n_pinned)
+            object_b.add_metric(lv, p.object_bytes)
+        yield from (capacity_b, used_b, pinned_b, capacity_o, objects, writing, pinned_o,
+                    object_b)
+
+    def _sessions(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(PREFIX + "sessions", "Client connections known.",
+                                value=len(self.sessions))
+        yield GaugeMetricFamily(PREFIX + "registrations",
+                                "Active worker registrations (mapped KV buffers).",
+                                value=self.sessions.registrations)
+        yield GaugeMetricFamily(PREFIX + "leases", "Active leases (chunks pinned for a "
+                                "retrieve that follows a lookup).", value=len(self.index.leases))
