@@ -50,10 +50,15 @@ class ShmSegment:
                 pass
 
     def close(self) -> None:
+        """Unlink, and unmap unless views of ``array`` are still alive elsewhere (the
+        mapping then goes away with the last view)."""
         self.unlink()
         if not self._mm.closed:
-            del self.array
-            self._mm.close()
+            self.array = np.empty(0, dtype=np.uint8)
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
 
     def __enter__(self) -> ShmSegment:
         return self

@@ -74,6 +74,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.returncode: int | None = None
+        self._final_log = ""
 
     def start(self) -> ServerProcess:
         self._log = tempfile.TemporaryFile()
@@ -88,9 +89,15 @@ class ServerProcess:
 
     def log(self) -> str:
         if self._log is None:
-            return ""
+            return self._final_log
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._final_log = self.log()
+            self._log.close()
+            self._log = None
 
     def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
         """Signal the server and wait; returns its exit status."""
@@ -103,7 +110,10 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 raise
+            finally:
+                self._close_log()
         self.returncode = self.proc.returncode
+        self._close_log()
         return self.returncode
 
     def kill(self) -> None:
@@ -112,6 +122,7 @@ class ServerProcess:
             self.proc.wait()
         if self.proc is not None:
             self.returncode = self.proc.returncode
+        self._close_log()
 
     def __enter__(self) -> ServerProcess:
         return self.start()
@@ -123,5 +134,4 @@ class ServerProcess:
             code = self.terminate()
             if exc_type is None and code != 0:
                 raise RuntimeError(f"server exited with {code}:\n{self.log()}")
-        if self._log is not None:
-            self._log.close()
+        self._close_log()

@@ -1,0 +1,45 @@
+"""A worker process for end-to-end tests: ``python tests/kvworker.py JSON``.
+
+It creates a DSV4.1-Flash-shaped KV cache in shared memory filled from ``seed``,
+registers it, stores ``chunks`` chunks (digests from ``token_seed``) into the blocks
+``block_ids_for(reg, chunks, default_rng(block_seed))`` picks, prints a JSON line with
+the per-object-group statuses, and exits (unlinking its segments). The test process
+regenerates the same bytes from the seeds to check what it retrieves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from lmc_server.client import Client, chunk_digests
+from lmc_server.testing import ShmKV, dsv41_flash
+from lmc_server.testing.kv import block_ids_for
+
+
+def tokens(token_seed: int, chunks: int, chunk_size: int = 256) -> np.ndarray:
+    return np.random.default_rng(token_seed).integers(0, 100_000, chunks * chunk_size)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    geo = dsv41_flash(arch=args.get("arch", "sm90"), num_blocks=args.get("num_blocks", 32),
+                      layers=args.get("layers", 44))
+    with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo) as kv:
+        kv.fill_random(args["seed"])
+        reg = c.register(**kv.register_kwargs(
+            world_size=args.get("world_size", 1), rank=args.get("rank", 0),
+            replicated=args.get("replicated", False)))
+        n = args["chunks"]
+        digests = chunk_digests(tokens(args["token_seed"], n), 256)
+        ids = block_ids_for(reg, n, np.random.default_rng(args["block_seed"]))
+        res = c.store(reg, digests, ids)
+        print(json.dumps({k: v.tolist() for k, v in res.statuses.items()}), flush=True)
+        if args.get("hang"):
+            sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

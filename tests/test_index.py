@@ -1,0 +1,302 @@
+"""The L1 index in process: hit rule, leases, eviction, slabs, invariants, memory."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from lmc_server.cache.index import CacheView, L1Index
+from lmc_server.cache.layout import build_layout
+from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.status import ChunkStatus
+from lmc_server.testing.presets import dsv41_flash, simple_model
+
+MIB = 1 << 20
+
+
+def digests(n: int, tag: bytes = b"") -> bytes:
+    out, prev = b"", bytes(32)
+    for i in range(n):
+        prev = hashlib.blake2b(prev + tag + i.to_bytes(4, "little"), digest_size=32).digest()
+        out += prev
+    return out
+
+
+def make_index(pool_mib: int = 64, slab_mib: int = 16, policy: str = "LRU") -> L1Index:
+    pool = SlabPool(pool_mib * MIB, slab_mib * MIB)
+    for s in range(pool.n_slabs):
+        pool.mark_ready(s)
+    return L1Index(pool, policy)
+
+
+def dsv_view(index: L1Index, separate: bool = True, ns: str = "ns", **kw: object) -> CacheView:
+    geo = dsv41_flash(**kw)  # type: ignore[arg-type]
+    return index.view(ns, build_layout(geo.groups, 256, separate))
+
+
+def ids_for(view: CacheView, n: int, missing: dict[int, list[int]] | None = None
+            ) -> dict[int, np.ndarray]:
+    """Consecutive block ids per cached group; ``missing`` sets chunks' blocks to -1."""
+    out = {}
+    for og in view.layout.object_groups:
+        for sec in og.sections:
+            bpc = sec.blocks_per_chunk
+            a = np.arange(n * bpc, dtype=np.int64).reshape(n, bpc) % 64
+            for c in (missing or {}).get(sec.group_index, []):
+                a[c] = -1
+            out[sec.group_index] = a
+    return out
+
+
+def store(index: L1Index, view: CacheView, keys: list[bytes],
+          ids: dict[int, np.ndarray] | None = None) -> list[np.ndarray]:
+    t = index.reserve_store(view, keys, ids if ids is not None else ids_for(view, len(keys)))
+    index.commit_store(t)
+    return t.statuses
+
+
+def test_store_then_lookup_hits_everything() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(4))
+    st = store(idx, v, keys)
+    assert all((s == ChunkStatus.OK).all() for s in st)
+    hit, lease = idx.lookup(v, keys, owner=1, lease_ttl_s=10, now_s=0)
+    assert hit == 4 and lease is not None
+    idx.check()
+
+
+def test_gap_in_the_middle_reports_only_the_prefix() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(6))
+    store(idx, v, keys[:2])
+    store(idx, v, keys[3:])
+    hit, _ = idx.lookup(v, keys, 1, 10, 0, take_lease=False)
+    assert hit == 2
+
+
+def test_window_object_only_needed_for_last_chunk() -> None:
+    """Sliding-window blocks of older chunks are gone in the engine: still a full hit."""
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(5))
+    swa = [g for g in range(2)]  # groups 0 and 1 are the sliding-window groups
+    st = store(idx, v, keys, ids_for(v, 5, {g: [0, 1, 2, 3] for g in swa}))
+    full, win = st
+    assert (full == ChunkStatus.OK).all()
+    assert list(win) == [ChunkStatus.NOT_AVAILABLE] * 4 + [ChunkStatus.OK]
+    assert idx.lookup(v, keys, 1, 10, 0, take_lease=False)[0] == 5
+    # a shorter prefix lacks its window: no hit at 3 chunks
+    assert idx.lookup(v, keys[:3], 1, 10, 0, take_lease=False)[0] == 0
+
+
+def test_combined_layout_tracks_window_sections_per_object() -> None:
+    idx = make_index()
+    v = dsv_view(idx, separate=False)
+    keys = idx.keys(v, digests(3))
+    store(idx, v, keys, ids_for(v, 3, {0: [0], 1: [0]}))
+    assert idx.lookup(v, keys, 1, 10, 0, take_lease=False)[0] == 3
+    assert idx.lookup(v, keys[:1], 1, 10, 0, take_lease=False)[0] == 0
+    assert idx.lookup(v, keys[:2], 1, 10, 0, take_lease=False)[0] == 2
+
+
+def test_missing_full_blocks_fail_only_that_chunk() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(3))
+    full, _ = store(idx, v, keys, ids_for(v, 3, {2: [1]}))  # compressed group, chunk 1
+    assert list(full) == [ChunkStatus.OK, ChunkStatus.NOT_AVAILABLE, ChunkStatus.OK]
+
+
+def test_namespaces_and_salts_never_share_keys() -> None:
+    idx = make_index()
+    a = dsv_view(idx, ns="a")
+    b = dsv_view(idx, ns="b")
+    d = digests(2)
+    store(idx, a, idx.keys(a, d))
+    assert a.partitions == b.partitions  # same layout: shared slots
+    assert idx.lookup(b, idx.keys(b, d), 1, 10, 0, False)[0] == 0
+    assert idx.lookup(a, idx.keys(a, d, salt=b"s"), 1, 10, 0, False)[0] == 0
+    assert idx.lookup(a, idx.keys(a, d), 1, 10, 0, False)[0] == 2
+
+
+def test_sm90_and_sm100_use_different_partitions() -> None:
+    idx = make_index()
+    a = dsv_view(idx, arch="sm90")
+    b = dsv_view(idx, arch="sm100")
+    assert not set(map(id, a.partitions)) & set(map(id, b.partitions))
+
+
+def test_store_is_idempotent_and_in_progress_is_reported() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(2))
+    t1 = idx.reserve_store(v, keys, ids_for(v, 2))
+    t2 = idx.reserve_store(v, keys, ids_for(v, 2))
+    assert (t2.statuses[0] == ChunkStatus.IN_PROGRESS).all() and not t2.copies
+    idx.commit_store(t1)
+    idx.commit_store(t2)
+    t3 = idx.reserve_store(v, keys, ids_for(v, 2))
+    assert (t3.statuses[0] == ChunkStatus.EXISTS).all()
+    idx.check()
+
+
+def test_writing_objects_are_invisible_and_abort_frees_them() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(2))
+    t = idx.reserve_store(v, keys, ids_for(v, 2))
+    assert idx.lookup(v, keys, 1, 10, 0, False)[0] == 0
+    used = sum(p.used_bytes for p in v.partitions)
+    assert used > 0
+    idx.abort_store(t)
+    assert all((s == ChunkStatus.FAILED).all() for s in t.statuses)
+    assert sum(p.used_bytes for p in v.partitions) == 0
+    assert idx.lookup(v, keys, 1, 10, 0, False)[0] == 0
+    idx.check()
+
+
+def test_lru_evicts_least_recently_used_under_a_small_pool() -> None:
+    idx = make_index(pool_mib=8, slab_mib=8)
+    geo = simple_model(layers=4, bytes_per_token=1024)  # 1 MiB objects at 256 tokens
+    v = idx.view("lru", build_layout(geo.groups, 256, True))
+    part = v.partitions[0]
+    assert part.object_bytes == MIB
+    keys = [idx.keys(v, digests(1, tag=bytes([i])))[0] for i in range(10)]
+
+    def put(k: bytes) -> list[np.ndarray]:
+        return store(idx, v, [k], {0: np.arange(16, dtype=np.int64).reshape(1, 16)})
+
+    for k in keys[:8]:
+        put(k)
+    idx.lookup(v, [keys[0]], 1, 10, 0, take_lease=False)  # touch 0: now most recent
+    put(keys[8])  # evicts 1
+    put(keys[9])  # evicts 2
+    present = [i for i, k in enumerate(keys) if k in part.keys]
+    assert present == [0, 3, 4, 5, 6, 7, 8, 9]
+    assert idx.stats.evictions == 2
+    idx.check()
+
+
+def test_leased_chunk_survives_pressure_until_released() -> None:
+    idx = make_index(pool_mib=8, slab_mib=8)
+    geo = simple_model(layers=4, bytes_per_token=1024)
+    v = idx.view("lease", build_layout(geo.groups, 256, True))
+    ids = {0: np.arange(16, dtype=np.int64).reshape(1, 16)}
+    keys = [idx.keys(v, digests(1, tag=bytes([i])))[0] for i in range(20)]
+    store(idx, v, [keys[0]], ids)
+    _, lease = idx.lookup(v, [keys[0]], owner=7, lease_ttl_s=5, now_s=100)
+    assert lease is not None
+    for k in keys[1:]:
+        store(idx, v, [k], ids)
+    assert keys[0] in v.partitions[0].keys  # survived 19 stores into 8 slots
+    assert idx.expire_leases(now_s=104) == 0
+    assert idx.expire_leases(now_s=105) == 1
+    assert idx.stats.leases_expired == 1
+    # unpinned = just used: it is now the most recent, evicted after the 7 others
+    for i in range(7):
+        store(idx, v, [idx.keys(v, digests(1, tag=b"x%d" % i))[0]], ids)
+        assert keys[0] in v.partitions[0].keys
+    store(idx, v, [idx.keys(v, digests(1, tag=b"y"))[0]], ids)
+    assert keys[0] not in v.partitions[0].keys
+    idx.check()
+
+
+def test_pool_full_of_pins_fails_cleanly_per_chunk() -> None:
+    idx = make_index(pool_mib=4, slab_mib=4)
+    geo = simple_model(layers=4, bytes_per_token=1024)
+    v = idx.view("full", build_layout(geo.groups, 256, True))
+    keys = idx.keys(v, digests(6))
+    ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
+    st = store(idx, v, keys[:4], ids)
+    assert (st[0] == ChunkStatus.OK).all()
+    _, lease = idx.lookup(v, keys[:4], 1, 10, 0)
+    assert lease is not None
+    t = idx.reserve_store(v, keys[4:6], {0: ids[0][:2]})
+    assert list(t.statuses[0]) == [ChunkStatus.NO_SPACE] * 2
+    idx.commit_store(t)
+    assert idx.stats.alloc_failures["no_space"] == 2
+    assert idx.lookup(v, keys[:4], 1, 10, 0, take_lease=False)[0] == 4
+    idx.release(lease.lease_id)
+    assert all(p == 0 for p in v.partitions[0].pins)
+    idx.check()
+
+
+def test_cold_partition_gives_a_slab_to_a_new_one() -> None:
+    idx = make_index(pool_mib=4, slab_mib=1)
+    old = idx.view("old", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
+                                       256, True))
+    new = idx.view("new", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
+                                       256, True))
+    ids1 = {0: np.arange(16, dtype=np.int64).reshape(1, 16)}
+    for i in range(16):  # 256 KiB objects: 4 per slab, fills all 4 slabs
+        store(idx, old, idx.keys(old, digests(1, tag=bytes([i]))), ids1)
+    assert idx.pool.free_slabs == 0
+    st = store(idx, new, idx.keys(new, digests(1, tag=b"n")), ids1)
+    assert st[0][0] == ChunkStatus.OK
+    assert idx.stats.slabs_moved == 1 and old.partitions[0].slabs == 3
+    idx.check()
+
+
+def test_clear_keeps_pinned_objects() -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(3))
+    store(idx, v, keys)
+    _, lease = idx.lookup(v, keys[:1], 1, 10, 0)
+    assert lease is not None
+    idx.clear()
+    assert idx.lookup(v, keys, 1, 10, 0, False)[0] == 1
+    idx.release(lease.lease_id)
+    idx.check()
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_retrieve_pins_and_plans_only_what_it_reads(separate: bool) -> None:
+    idx = make_index()
+    v = dsv_view(idx, separate=separate)
+    keys = idx.keys(v, digests(3))
+    store(idx, v, keys)
+    t = idx.pin_retrieve(v, keys, ids_for(v, 3))
+    assert any(p.pins[s] for p, ss in t.pinned for s in ss)
+    geo = dsv41_flash()
+    window_bytes = 44 * 4 * 19008  # last chunk only
+    full_bytes = 3 * (22 * 4 * 19008 + 22 * 4 * 4224)
+    assert t.nbytes == window_bytes + full_bytes
+    assert geo.chunk_bytes(256) * 3 > t.nbytes
+    idx.unpin_retrieve(t, ok=True)
+    assert all(p == 0 for part in v.partitions for p in part.pins)
+    idx.check()
+
+
+def test_metadata_is_at_most_256_bytes_per_object() -> None:
+    """20,000 cached objects must cost megabytes of Python heap, not gigabytes."""
+    n = 20_000
+    geo = simple_model(layers=1, bytes_per_token=64, tokens_per_block=16)  # 16 KiB objects
+    pool = SlabPool(20 * 16 * MIB, 16 * MIB)  # 20,480 slots of 16 KiB
+    idx = L1Index(pool, "LRU")
+    for s in range(pool.n_slabs):
+        pool.mark_ready(s)
+    v = idx.view("mem", build_layout(geo.groups, 256, True))
+    ids = {0: np.tile(np.arange(16, dtype=np.int64), (1000, 1))}
+    all_digests = digests(n)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i in range(0, n, 1000):
+        keys = idx.keys(v, all_digests[i * 32:(i + 1000) * 32])
+        idx.commit_store(idx.reserve_store(v, keys, ids))
+        del keys
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    per_object = grown / n
+    assert v.partitions[0].n_committed == n
+    print(f"python heap per cached object: {per_object:.0f} bytes")
+    assert per_object <= 256, per_object

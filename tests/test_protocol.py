@@ -1,0 +1,153 @@
+"""Bad input is a feature: every refusal gets a typed error and the server keeps serving.
+
+Each live test sends something malformed, checks the error code and message, then checks
+that another client is still served and that nothing stored earlier was lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from lmc_server import PROTOCOL_VERSION
+from lmc_server.client import Client, chunk_digests
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import Limits, block_id_array, decode_request, encode
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.process import ServerProcess
+
+MAX_FRAME = 65536
+
+
+def test_round_trip_every_request_type() -> None:
+    geo = simple_model()
+    msgs = [m.Hello(req_id=1, protocol_version=1), m.Ping(req_id=2), m.Stats(req_id=3),
+            m.Clear(req_id=4), m.Release(req_id=5, lease_id=9),
+            m.Register(req_id=6, model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups),
+            m.Lookup(req_id=7, registration_id=b"r" * 16, digests=b"d" * 64),
+            m.Store(req_id=8, registration_id=b"r" * 16, digests=b"d" * 32,
+                    block_ids=[b"\0" * 64]),
+            m.Retrieve(req_id=9, registration_id=b"r" * 16, digests=b"", block_ids=[]),
+            m.Unregister(req_id=10, registration_id=b"r" * 16)]
+    for msg in msgs:
+        assert decode_request([encode(msg)], Limits()) == msg
+
+
+@pytest.mark.parametrize("frame,code", [
+    (b"\xc1", ErrorCode.BAD_REQUEST),
+    (msgspec.msgpack.encode({"type": "nope", "req_id": 3}), ErrorCode.BAD_REQUEST),
+    (msgspec.msgpack.encode({"type": "ping", "req_id": 3, "extra": 1}), ErrorCode.BAD_REQUEST),
+    (msgspec.msgpack.encode({"type": "lease", "req_id": 3}), ErrorCode.BAD_REQUEST),
+    (msgspec.msgpack.encode({"type": "release", "req_id": 3, "lease_id": "x"}),
+     ErrorCode.BAD_REQUEST),
+    (msgspec.msgpack.encode([1, 2, 3]), ErrorCode.BAD_REQUEST),
+    (b"x" * (MAX_FRAME + 1), ErrorCode.TOO_LARGE),
+])
+def test_decoder_refuses_with_typed_errors(frame: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode_request([frame], Limits(max_frame_bytes=MAX_FRAME))
+    assert e.value.code == code
+
+
+def test_req_id_is_recovered_from_an_invalid_message() -> None:
+    frame = msgspec.msgpack.encode({"type": "ping", "req_id": 42, "bogus": True})
+    with pytest.raises(ProtocolError) as e:
+        decode_request([frame], Limits())
+    assert e.value.req_id == 42 and "bogus" in e.value.message
+
+
+def test_block_ids_are_checked_before_use() -> None:
+    ok = np.array([0, 5, -1, 7], "<i4").tobytes()
+    assert block_id_array(ok, 4, 8, "g", 1).tolist() == [0, 5, -1, 7]
+    with pytest.raises(ProtocolError, match="block id 8 out of range -1..7"):
+        block_id_array(np.array([8], "<i4").tobytes(), 1, 8, "g", 1)
+    with pytest.raises(ProtocolError, match="block id -2"):
+        block_id_array(np.array([-2], "<i4").tobytes(), 1, 8, "g", 1)
+    with pytest.raises(ProtocolError, match="expected 2 block ids"):
+        block_id_array(ok, 2, 8, "g", 1)
+
+
+@pytest.fixture(scope="module")
+def small_frames() -> Iterator[ServerProcess]:
+    with ServerProcess(["--max-frame-bytes", str(MAX_FRAME)], l1_size_gb=0.25) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def stored(small_frames: ServerProcess) -> Iterator[tuple[Client, object, bytes, ShmKV]]:
+    """A victim client with one stored chunk that must survive every bad input."""
+    with Client(small_frames.endpoint) as c, ShmKV(simple_model()) as kv:
+        kv.fill_random(1)
+        reg = c.register(**kv.register_kwargs())
+        digests = chunk_digests(np.arange(256), 256)
+        assert c.store(reg, digests, block_ids_for(reg, 1)).ok.all()
+        yield c, reg, digests, kv
+
+
+def still_serving(stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    c, reg, digests, _ = stored
+    assert c.ping().server_version
+    assert c.lookup(reg, digests, lease=False).hit_chunks == 1  # type: ignore[arg-type]
+
+
+BAD_FRAMES = [
+    ([b"\xc1\xc1\xc1"], "bad_request"),
+    ([msgspec.msgpack.encode({"type": "store", "req_id": 5})], "bad_request"),
+    ([msgspec.msgpack.encode({"type": "ping", "req_id": 6, "x": 1})], "bad_request"),
+    ([encode(m.Ping(req_id=7)), b"second frame"], "bad_request"),
+    ([b"\x00" * (MAX_FRAME + 10)], "too_large"),
+    ([msgspec.msgpack.encode({"type": "ping", "req_id": -1})], "bad_request"),
+]
+
+
+@pytest.mark.parametrize("frames,code", BAD_FRAMES)
+def test_malformed_frames_get_errors_and_others_keep_being_served(
+        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV],
+        frames: list[bytes], code: str) -> None:
+    with Client(small_frames.endpoint) as bad:
+        bad.send_raw(frames)
+        reply = bad.recv_reply(timeout_s=5)
+        assert isinstance(reply, m.Error) and reply.code == code, reply
+        assert bad.ping()
+    still_serving(stored)
+
+
+def test_requests_before_hello_are_refused(small_frames: ServerProcess,
+                                           stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    with Client(small_frames.endpoint, hello=False) as c:
+        c.send_raw([encode(m.Stats(req_id=3))])
+        reply = c.recv_reply(5)
+        assert isinstance(reply, m.Error) and reply.code == "handshake" and reply.req_id == 3
+        c.send_raw([encode(m.Hello(req_id=4, protocol_version=PROTOCOL_VERSION + 1))])
+        reply = c.recv_reply(5)
+        assert isinstance(reply, m.Error) and reply.code == "version"
+    still_serving(stored)
+
+
+def test_wrong_digest_length_and_too_many_block_ids(
+        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    c, reg, digests, _ = stored
+    with pytest.raises(Exception, match="not a multiple of 32"):
+        c._call(m.Lookup(req_id=50, registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                         digests=b"x" * 31), m.LookupResult)
+    with pytest.raises(Exception, match="expected 16 block ids"):
+        c._call(m.Retrieve(req_id=51, registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                           digests=digests, block_ids=[b"\0" * 4 * 17]), m.RetrieveResult)
+    with pytest.raises(Exception, match="registration has 1 groups"):
+        c._call(m.Retrieve(req_id=52, registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                           digests=digests, block_ids=[]), m.RetrieveResult)
+    still_serving(stored)
+
+
+def test_oversized_registration_is_refused_cleanly(
+        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    geo = simple_model(layers=1500)
+    with Client(small_frames.endpoint) as c:
+        with pytest.raises(Exception, match="too_large|layers"):
+            c.register(model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups)
+    still_serving(stored)
