@@ -1,0 +1,175 @@
+"""systemd integration: sd_notify over a fake NOTIFY_SOCKET, and the unit file.
+
+The test binds the datagram socket systemd would, runs a real server with
+``NOTIFY_SOCKET`` and ``WATCHDOG_USEC`` set, and checks what arrives: ``READY=1`` (with
+a ``STATUS=`` line) while serving, ``WATCHDOG=1`` pings at half the watchdog interval,
+and ``STOPPING=1`` on SIGTERM, in that order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmc_server.client import Client
+from lmc_server.server.notify import Notifier
+from lmc_server.testing.process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+UNIT = REPO / "deploy" / "lmcache-server.service"
+
+
+class FakeSystemd:
+    """A bound unix datagram socket collecting sd_notify messages on a thread."""
+
+    def __init__(self, abstract: bool = False) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._dir = tempfile.mkdtemp(prefix="lmc-notify-")
+        if abstract:
+            name = f"lmc-notify-{os.getpid()}-{id(self)}"
+            self.sock.bind(b"\0" + name.encode())
+            self.env_value = "@" + name
+        else:
+            path = os.path.join(self._dir, "notify")
+            self.sock.bind(path)
+            self.env_value = path
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, list[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            self.messages.append((time.monotonic(), data.decode().split("\n")))
+
+    def assignments(self) -> list[str]:
+        return [a for _, lines in list(self.messages) for a in lines]
+
+    def wait_for(self, assignment: str, timeout_s: float = 10.0) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for t, lines in list(self.messages):
+                if assignment in lines:
+                    return t
+            time.sleep(0.01)
+        raise AssertionError(f"{assignment} not received; got {self.assignments()}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@pytest.fixture(params=[False, True], ids=["path", "abstract"])
+def fake_systemd(request: pytest.FixtureRequest) -> Iterator[FakeSystemd]:
+    fs = FakeSystemd(abstract=request.param)
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def test_ready_status_watchdog_and_stopping_arrive(fake_systemd: FakeSystemd) -> None:
+    env = {"NOTIFY_SOCKET": fake_systemd.env_value, "WATCHDOG_USEC": "400000"}
+    srv = ServerProcess(["--l1-size-gb", "1"], env=env)
+    with srv:
+        ready_t = fake_systemd.wait_for("READY=1")
+        with Client(srv.endpoint, timeout_s=10) as c:
+            c.ping()  # READY=1 promised the socket was bound: it answers
+        ready = next(lines for _, lines in fake_systemd.messages if "READY=1" in lines)
+        assert any(a.startswith("STATUS=serving on ") for a in ready), ready
+        assert f"MAINPID={srv.proc.pid}" in ready  # type: ignore[union-attr]
+        time.sleep(1.0)
+        pings = [t for t, lines in fake_systemd.messages if "WATCHDOG=1" in lines]
+        assert len(pings) >= 3, pings  # every 0.2 s
+        assert srv.terminate() == 0
+    stop_t = fake_systemd.wait_for("STOPPING=1")
+    assert stop_t > ready_t
+    statuses = [a for a in fake_systemd.assignments() if a.startswith("STATUS=")]
+    assert any("L1 pool ready" in s for s in statuses), statuses
+    assert any(s.startswith("STATUS=draining") for s in statuses), statuses
+    assert "systemd notified: ready, watchdog every 0.2 s" in srv.log()
+
+
+def test_no_notify_socket_means_no_notifications() -> None:
+    n = Notifier.from_env({})
+    assert not n.enabled and n.watchdog_interval_s is None
+    assert n.ready("x") is False
+
+
+def test_watchdog_for_another_pid_is_ignored() -> None:
+    env = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000",
+           "WATCHDOG_PID": "1"}
+    assert Notifier.from_env(env, pid=1234).watchdog_interval_s is None
+    assert Notifier.from_env(env, pid=1).watchdog_interval_s == 15.0
+
+
+def test_unreachable_socket_does_not_raise(tmp_path: Path) -> None:
+    n = Notifier.from_env({"NOTIFY_SOCKET": str(tmp_path / "missing")})
+    assert n.enabled
+    assert n.send("READY=1") is False
+    assert n.stopping("bye") is False
+    n.close()
+
+
+def test_unit_file_has_the_promised_settings() -> None:
+    text = UNIT.read_text()
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z]+)=(.*)$", line)
+        if m:
+            settings.setdefault(m[1], []).append(m[2])
+    assert settings["Type"] == ["notify"]
+    assert settings["Restart"] == ["on-failure"]
+    assert settings["LimitMEMLOCK"] == ["infinity"]
+    assert "WatchdogSec" in settings and "EnvironmentFile" in settings
+    assert "DynamicUser" not in settings
+    assert settings.get("PrivateDevices", ["no"]) == ["no"]
+    assert settings.get("RemoveIPC", ["no"]) == ["no"]  # the engine shares the user's IPC
+    assert any("nvidia" in d for d in settings["DeviceAllow"])
+    assert any(e.startswith("CUPY_CACHE_DIR=") for e in settings["Environment"])
+    env_file = (REPO / "deploy" / "lmcache-server.env").read_text()
+    from lmc_server.cli.main import server as server_cmd
+
+    for p in server_cmd.params:
+        envvar = getattr(p, "envvar", None)
+        if envvar:
+            assert envvar in env_file, f"{envvar} is not documented in the env file"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze not installed")
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit as shipped, with ExecStart pointed at this environment's executable."""
+    lmcache = Path(sys.executable).with_name("lmcache")
+    text = UNIT.read_text()
+    text = re.sub(r"^ExecStart=\S+", f"ExecStart={lmcache}", text, flags=re.M)
+    unit = tmp_path / "lmcache-server.service"
+    unit.write_text(text)
+    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                         text=True, timeout=60)
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    problems = [ln for ln in lines if not _known_old_systemd_warning(ln)]
+    assert res.returncode == 0 and not problems, problems
+
+
+def _known_old_systemd_warning(line: str) -> bool:
+    """Restart backoff keys (systemd >= 254) are unknown, and ignored, on older ones."""
+    return bool(re.search(r"Unknown key '?(RestartSteps|RestartMaxDelaySec)'?", line))
