@@ -1,0 +1,165 @@
+"""``lmcache bench``: click commands that build a benchmark config, run it, report.
+
+Each command only parses options into its benchmark's config dataclass, calls
+``run``, then prints the table, writes ``--json`` and draws ``--plot``; the
+measuring lives in the benchmark modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from lmc_server.bench.common import (
+    GeometryArgs,
+    emit,
+    geometry_options,
+    parse_floats,
+    parse_ints,
+)
+
+
+def _ints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
+    return tuple(parse_ints(value))
+
+
+def _floats(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
+    return tuple(parse_floats(value))
+
+
+def _output_options(f: Any) -> Any:
+    f = click.option("--no-progress", is_flag=True, help="Hide the progress bar.")(f)
+    f = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+                     help="Write a PNG plot here.")(f)
+    f = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                     help="Write the full report as JSON here.")(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"],
+                               "show_default": True, "max_content_width": 100})
+def bench() -> None:
+    """Measure the server on this machine against this machine's own limits."""
+
+
+@bench.command()
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
+              help="Transfer engine of the server (and kind of KV memory).")
+@click.option("--batches", default="1,2,4,8,16,32,64", callback=_ints,
+              help="Chunks per request, comma-separated.")
+@geometry_options
+@click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=2.0,
+              help="Server pool size (must hold three of the largest batches).")
+@click.option("--separate-object-groups/--no-separate-object-groups", "separate",
+              default=True, help="Server object-group layout.")
+@click.option("--cuda-copy-mode", "copy_modes", default="staging,mapped",
+              help="cuda only: copy modes to measure, comma-separated (one server each).")
+@click.option("--concurrent/--no-concurrent", default=None,
+              help="Also time a store and a retrieve in flight at once "
+                   "[default: on for cuda].")
+@click.option("--min-time-s", type=click.FloatRange(min=0), default=0.5,
+              help="Least time spent timing each (mode, batch) point.")
+@click.option("--min-iters", type=click.IntRange(1), default=3,
+              help="Least requests timed per point.")
+@click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
+@_output_options
+def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
+               copy_modes: str, concurrent: bool | None, min_time_s: float, min_iters: int,
+               device: int, json_path: str | None, plot_path: str | None, no_progress: bool,
+               **geometry: Any) -> None:
+    """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
+    from lmc_server.bench import throughput as tp
+
+    modes = tuple(m.strip() for m in copy_modes.split(",") if m.strip())
+    bad = set(modes) - {"staging", "mapped"}
+    if bad:
+        raise click.BadParameter(f"unknown copy modes {sorted(bad)}",
+                                 param_hint="--cuda-copy-mode")
+    cfg = tp.ThroughputConfig(
+        backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
+        l1_size_gb=l1_size_gb, separate=separate, copy_modes=modes,
+        concurrent=backend == "cuda" if concurrent is None else concurrent,
+        min_time_s=min_time_s, min_iters=min_iters, device=device,
+        show_progress=not no_progress)
+    report = tp.run(cfg)
+    emit(report, tp.table(report), json_path)
+    if plot_path:
+        tp.plot(report, plot_path)
+    if report.summary["mismatched_bytes"] or report.summary["failed_chunks"]:
+        raise SystemExit(1)
+
+
+@bench.command()
+@click.option("--clients", default="1,8,64", callback=_ints,
+              help="Concurrent clients, comma-separated.")
+@click.option("--duration-s", type=click.FloatRange(min=0.01), default=1.0,
+              help="Seconds timed per (operation, clients) point, ours and echo each.")
+@_output_options
+def latency(clients: tuple[int, ...], duration_s: float, json_path: str | None,
+            plot_path: str | None, no_progress: bool) -> None:
+    """Round trips (p50, p99) and ops/s of ping, lookup and store/retrieve vs pyzmq echo."""
+    from lmc_server.bench import latency as lat
+
+    report = lat.run(lat.LatencyConfig(clients=clients, duration_s=duration_s,
+                                       show_progress=not no_progress))
+    emit(report, lat.table(report), json_path)
+    if plot_path:
+        lat.plot(report, plot_path)
+
+
+@bench.command()
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
+              help="Transfer engine of the server.")
+@click.option("--l1-size-gb", "sizes", default=None, callback=lambda c, p, v:
+              None if v is None else tuple(parse_floats(v)),
+              help="Pool sizes in GiB, comma-separated [default: 1,16; 1,16,100 on cuda].")
+@click.option("--repeats", type=click.IntRange(1), default=3, help="Cold starts per size.")
+@_output_options
+def startup(backend: str, sizes: tuple[float, ...] | None, repeats: int,
+            json_path: str | None, plot_path: str | None, no_progress: bool) -> None:
+    """Seconds from process start until ping answers and until the pool is ready."""
+    from lmc_server.bench import startup as st
+
+    if sizes is None:
+        sizes = (1.0, 16.0, 100.0) if backend == "cuda" else (1.0, 16.0)
+    report = st.run(st.StartupConfig(backend=backend, sizes_gb=sizes, repeats=repeats,
+                                     show_progress=not no_progress))
+    emit(report, st.table(report), json_path)
+    if plot_path:
+        st.plot(report, plot_path)
+
+
+@bench.command()
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
+              required=True,
+              help="Trace file (JSON lines: timestamp, input_length, hash_ids).")
+@click.option("--fractions", default="0.05,0.1,0.25,0.5", callback=_floats,
+              help="L1 sizes as fractions of the trace's distinct chunk bytes.")
+@click.option("--policies", default="LRU,FIFO",
+              help="Eviction policies, comma-separated.")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="Replay only the first N requests.")
+@click.option("--slab-size-mb", type=click.IntRange(1, 4096), default=64,
+              help="Server slab size (capacity is whole slabs of whole objects).")
+@geometry_options
+@_output_options
+def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: int | None,
+           slab_size_mb: int, json_path: str | None, plot_path: str | None,
+           no_progress: bool, **geometry: Any) -> None:
+    """Token hit ratio per eviction policy on a trace vs infinite-cache and Belady bounds."""
+    from lmc_server.bench import replay as rp
+    from lmc_server.cache.eviction import POLICIES
+
+    names = tuple(p.strip().upper() for p in policies.split(",") if p.strip())
+    bad = set(names) - set(POLICIES)
+    if bad or not names:
+        raise click.BadParameter(f"choose from {', '.join(POLICIES)}",
+                                 param_hint="--policies")
+    report = rp.run(rp.ReplayConfig(trace=trace_path, fractions=fractions, policies=names,
+                                    geometry=GeometryArgs.pop(geometry),
+                                    slab_size_mb=slab_size_mb, limit=limit,
+                                    show_progress=not no_progress))
+    emit(report, rp.table(report), json_path)
+    if plot_path:
+        rp.plot(report, plot_path)

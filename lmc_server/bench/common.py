@@ -1,0 +1,215 @@
+"""What every benchmark shares: geometry options, statistics, machine facts, output.
+
+A benchmark produces a :class:`Report`: a list of result rows (plain dicts), the exact
+command, the machine and the date, and notes the reader must see (what was and was not
+measured). ``emit`` prints the human table and writes ``--json``; plots are drawn by
+each benchmark from the same rows, so the table, the JSON and the picture never disagree.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import click
+import numpy as np
+
+from lmc_server import __version__
+from lmc_server.testing.presets import KVGeometry, dsv41_flash
+
+F = TypeVar("F", bound=Callable[..., Any])
+GB = 1e9
+
+
+def geometry_options(f: F) -> F:
+    """Click options that build a DSV4.1-Flash-shaped geometry (preset defaults)."""
+    opts = [
+        click.option("--arch", type=click.Choice(["sm90", "sm100"]), default="sm90",
+                     help="Record format of the preset (584 B/state on sm90, 528 on sm100)."),
+        click.option("--layers", type=click.IntRange(1, 512), default=44,
+                     help="Layers of the preset (illustrative; the model card has none)."),
+        click.option("--sliding-groups", type=click.IntRange(1, 16), default=2,
+                     help="Sliding-window engine groups the layers are split into."),
+        click.option("--kv-source-every", type=click.IntRange(1, 64), default=2,
+                     help="Every n-th layer has compressed KV and an indexer."),
+        click.option("--window-tokens", type=click.IntRange(1, 1 << 16), default=128,
+                     help="Sliding window in tokens."),
+        click.option("--stride-pad", type=click.IntRange(0, 1 << 20), default=0,
+                     help="Extra bytes between blocks (engines may pad strides)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+@dataclass(frozen=True)
+class GeometryArgs:
+    """The preset parameters given on the command line; ``build`` makes a geometry."""
+
+    arch: str = "sm90"
+    layers: int = 44
+    sliding_groups: int = 2
+    kv_source_every: int = 2
+    window_tokens: int = 128
+    stride_pad: int = 0
+
+    @classmethod
+    def pop(cls, kwargs: dict[str, Any]) -> GeometryArgs:
+        return cls(**{k: kwargs.pop(k) for k in ("arch", "layers", "sliding_groups",
+                                                   "kv_source_every", "window_tokens",
+                                                   "stride_pad")})
+
+    def build(self, num_blocks: int) -> KVGeometry:
+        return dsv41_flash(arch=self.arch, num_blocks=num_blocks, layers=self.layers,
+                           sliding_groups=self.sliding_groups,
+                           kv_source_every=self.kv_source_every,
+                           window_tokens=self.window_tokens, stride_pad=self.stride_pad)
+
+    def describe(self) -> str:
+        return (f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
+                f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
+                f"kv source every {self.kv_source_every}")
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (click callback helper)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers"
+                                 ) from None
+    if not out or min(out) <= 0:
+        raise click.BadParameter(f"{text!r}: give positive integers")
+    return out
+
+
+def parse_floats(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers"
+                                 ) from None
+    if not out or min(out) <= 0:
+        raise click.BadParameter(f"{text!r}: give positive numbers")
+    return out
+
+
+def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / mean of round trips, in microseconds."""
+    a = np.asarray(samples_s, dtype=np.float64) * 1e6
+    if a.size == 0:
+        return {"p50_us": float("nan"), "p99_us": float("nan"), "mean_us": float("nan")}
+    return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)),
+            "mean_us": float(a.mean())}
+
+
+def machine() -> dict[str, Any]:
+    """Facts a reader needs to compare numbers across machines."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    from lmc_server.config import physical_memory_bytes
+
+    return {"hostname": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+            "memory_bytes": physical_memory_bytes(), "python": platform.python_version(),
+            "platform": platform.platform(), "lmc_server": __version__}
+
+
+@dataclass
+class Report:
+    """Rows of one benchmark run plus everything needed to reproduce it."""
+
+    benchmark: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    command: str = field(default_factory=lambda: shlex.join(sys.argv))
+    date: str = field(default_factory=lambda: datetime.datetime.now(
+        datetime.UTC).isoformat(timespec="seconds"))
+    machine: dict[str, Any] = field(default_factory=machine)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"benchmark": self.benchmark, "command": self.command, "date": self.date,
+                "machine": self.machine, "config": self.config, "notes": self.notes,
+                "summary": self.summary, "rows": self.rows}
+
+
+def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]
+                 ) -> str:
+    """A fixed-width table; ``columns`` are ``(key, header, format spec)``."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        line = []
+        for key, _, spec in columns:
+            v = r.get(key)
+            if v is None:
+                line.append("-")
+            elif isinstance(v, float) and not np.isfinite(v):
+                line.append("-")
+            else:
+                line.append(format(v, spec))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    out = []
+    for n, line in enumerate(cells):
+        out.append("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def emit(report: Report, table: str, json_path: str | None) -> None:
+    """Print the header, the table and the notes; write the JSON report if asked."""
+    m = report.machine
+    click.echo(f"lmcache bench {report.benchmark}  ({report.date}, {m['cores']} cores, "
+               f"{m['memory_bytes'] / (1 << 30):.0f} GiB, {m['cpu']})")
+    click.echo(table)
+    for line in report.notes:
+        click.echo(f"note: {line}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report.to_json(), f, indent=2, sort_keys=False)
+            f.write("\n")
+        click.echo(f"wrote {json_path}")
+
+
+def progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr (hidden when ``enabled`` is false or stderr is no terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=None if enabled else True, leave=False,
+                file=sys.stderr, unit="step")
+
+
+def plot_figure() -> tuple[Any, Any]:
+    """A matplotlib figure on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    return fig, ax
+
+
+def save_figure(fig: Any, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    click.echo(f"wrote {path}")

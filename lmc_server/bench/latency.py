@@ -1,0 +1,261 @@
+"""``lmcache bench latency``: round trips of the control path vs a plain pyzmq echo.
+
+Operations, each at 1, 8 and 64 concurrent clients (one asyncio DEALER connection per
+client, all driven by one event loop in this process):
+
+- ``ping``;
+- ``lookup`` of 1 and of 256 digests, all hits (256 chunks are stored first), without
+  a lease (a lease costs a second round trip, ``release``, which would be measured
+  against nothing);
+- ``store/retrieve``: alternately a store of one fresh chunk and a retrieve of it, on a
+  tiny geometry (one 4 KiB chunk), so the copy is negligible and the request path is
+  what is timed.
+
+For every operation the same clients then time a pyzmq echo server (a separate process,
+same tcp transport) sending back a message of the same size as the request. Ratios are
+ours / echo throughout: for p50 and p99 latency lower is better, for operations per
+second higher is better (1.0 = as fast as the echo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from lmc_server.bench.common import Report, format_table, percentiles_us, progress
+from lmc_server.bench.echo import EchoServer
+from lmc_server.client.aio import AsyncClient
+from lmc_server.client.core import Registration
+from lmc_server.client.digests import hash_chain
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import encode
+from lmc_server.testing.kv import ShmKV
+from lmc_server.testing.presets import simple_model
+from lmc_server.testing.process import ServerProcess
+
+CHUNK_SIZE = 256
+LOOKUP_CHUNKS = 256
+OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", "store/retrieve")
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    clients: tuple[int, ...] = (1, 8, 64)
+    duration_s: float = 1.0
+    l1_size_gb: float = 1.0
+    show_progress: bool = True
+
+
+class _Echo:
+    """A DEALER on the echo server that sends ``payload`` and awaits it back."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, payload: bytes) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.payload = payload
+
+    async def call(self) -> None:
+        await self.sock.send(self.payload)
+        await self.sock.recv()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+async def _drive(calls: list[Callable[[], Awaitable[Any]]], duration_s: float
+                 ) -> tuple[list[float], float]:
+    """Run every client's call in a loop for ``duration_s``; latencies and wall time."""
+    samples: list[float] = []
+    for c in calls:  # warm-up: connections up, first-use costs paid
+        await c()
+    t_end = time.perf_counter() + duration_s
+
+    async def loop(call: Callable[[], Awaitable[Any]]) -> None:
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            await call()
+            samples.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(c) for c in calls))
+    return samples, time.perf_counter() - t0
+
+
+class _Bench:
+    """Clients on the server (with their registrations) and on the echo server."""
+
+    def __init__(self, endpoint: str, echo_endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.echo_endpoint = echo_endpoint
+        self.clients: list[AsyncClient] = []
+        self.regs: list[Registration] = []
+        self.kv: ShmKV | None = None
+        self.digests = hash_chain(i.to_bytes(8, "little") for i in range(LOOKUP_CHUNKS))
+
+    async def setup(self, n: int) -> None:
+        self.kv = ShmKV(simple_model(num_blocks=64, layers=1, tokens_per_block=16,
+                                     bytes_per_token=16))
+        self.kv.fill_random(1)
+        for i in range(n):
+            c = await AsyncClient.connect(self.endpoint, timeout_s=60,
+                                          client_name=f"bench-{i}")
+            self.clients.append(c)
+            self.regs.append(await c.register(**self.kv.register_kwargs()))
+        ids = {"full": np.arange(16, dtype=np.int32)}
+        for i in range(0, LOOKUP_CHUNKS):
+            res = await self.clients[0].store(self.regs[0], self.digests[32 * i:32 * i + 32],
+                                              ids)
+            assert res.ok.all(), "storing the lookup chunks failed"
+        hit = await self.clients[0].lookup(self.regs[0], self.digests, lease=False)
+        assert hit.hit_chunks == LOOKUP_CHUNKS, f"only {hit.hit_chunks} chunks hit"
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
+        if self.kv is not None:
+            self.kv.close()
+
+    def ours(self, op: str, n: int) -> list[Callable[[], Awaitable[Any]]]:
+        calls: list[Callable[[], Awaitable[Any]]] = []
+        ids = {"full": np.arange(16, dtype=np.int32)}
+        for c, reg in zip(self.clients[:n], self.regs[:n], strict=True):
+            if op == "ping":
+                calls.append(c.ping)
+            elif op.startswith("lookup"):
+                k = int(op.split("-")[1])
+                calls.append(_lookup_call(c, reg, self.digests[:32 * k], k))
+            else:
+                calls.append(_store_retrieve(c, reg, ids))
+        return calls
+
+    def request_bytes(self, op: str) -> int:
+        """Size of the request frame ``op`` sends (the echo sends the same size)."""
+        reg_id = self.regs[0].registration_id
+        if op == "ping":
+            return len(encode(m.Ping(req_id=1 << 20)))
+        if op.startswith("lookup"):
+            k = int(op.split("-")[1])
+            return len(encode(m.Lookup(req_id=1 << 20, registration_id=reg_id,
+                                       digests=self.digests[:32 * k], lease=False)))
+        ids = [np.arange(16, dtype="<i4").tobytes()]
+        return len(encode(m.Store(req_id=1 << 20, registration_id=reg_id,
+                                  digests=self.digests[:32], block_ids=ids)))
+
+
+def _lookup_call(c: AsyncClient, reg: Registration, d: bytes,
+                 k: int) -> Callable[[], Awaitable[Any]]:
+    async def call() -> None:
+        res = await c.lookup(reg, d, lease=False)
+        if res.hit_chunks != k:
+            raise RuntimeError(f"lookup hit {res.hit_chunks} of {k} chunks")
+    return call
+
+
+def _store_retrieve(c: AsyncClient, reg: Registration,
+                    ids: dict[str, np.ndarray]) -> Callable[[], Awaitable[Any]]:
+    """Alternately store a fresh chunk and retrieve it: one request per call."""
+    last: list[bytes] = []
+
+    async def call() -> None:
+        if last:
+            res = await c.retrieve(reg, last.pop(), ids)
+        else:
+            d = os.urandom(32)
+            res = await c.store(reg, d, ids)
+            last.append(d)
+        if not res.ok.all():
+            raise RuntimeError(f"store/retrieve failed: {res.statuses}")
+    return call
+
+
+async def _run(endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
+               ) -> list[dict[str, Any]]:
+    b = _Bench(endpoint, echo_endpoint)
+    ctx = zmq.asyncio.Context()
+    rows = []
+    try:
+        await b.setup(max(cfg.clients))
+        for op in OPS:
+            size = b.request_bytes(op)
+            for n in cfg.clients:
+                ours, wall = await _drive(b.ours(op, n), cfg.duration_s)
+                echoes = [_Echo(ctx, echo_endpoint, bytes(size)) for _ in range(n)]
+                try:
+                    base, base_wall = await _drive([e.call for e in echoes], cfg.duration_s)
+                finally:
+                    for e in echoes:
+                        e.close()
+                po, pe = percentiles_us(ours), percentiles_us(base)
+                ops, ops_echo = len(ours) / wall, len(base) / base_wall
+                rows.append({"op": op, "clients": n, "request_bytes": size,
+                             "p50_us": po["p50_us"], "p99_us": po["p99_us"], "ops_s": ops,
+                             "echo_p50_us": pe["p50_us"], "echo_p99_us": pe["p99_us"],
+                             "echo_ops_s": ops_echo,
+                             "p50_ratio": po["p50_us"] / pe["p50_us"],
+                             "p99_ratio": po["p99_us"] / pe["p99_us"],
+                             "ops_ratio": ops / ops_echo, "samples": len(ours)})
+                bar.update(1)
+    finally:
+        await b.close()
+        ctx.term()
+    return rows
+
+
+def run(cfg: LatencyConfig) -> Report:
+    report = Report("latency", {"clients": list(cfg.clients), "duration_s": cfg.duration_s,
+                                "chunk_size": CHUNK_SIZE, "transport": "tcp 127.0.0.1",
+                                "l1_size_gb": cfg.l1_size_gb})
+    with ServerProcess(["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups",
+                        "--log-level", "WARNING"], backend="cpu",
+                       l1_size_gb=cfg.l1_size_gb) as srv, EchoServer() as echo, \
+            progress(len(OPS) * len(cfg.clients), "latency", cfg.show_progress) as bar:
+        report.rows = asyncio.run(_run(srv.endpoint, echo.endpoint, cfg, bar))
+    by = {(r["op"], r["clients"]): r for r in report.rows}
+    key = (f"lookup-{LOOKUP_CHUNKS}", min(cfg.clients))
+    if key in by:
+        report.summary["lookup256_p50_ratio"] = by[key]["p50_ratio"]
+    report.notes += [
+        "echo = a plain pyzmq ROUTER process sending each request back, same tcp "
+        "transport, request-sized messages; ratios are ours / echo (latency: lower is "
+        "better, 1.0 = echo; ops/s: higher is better)",
+        f"lookups are all hits and take no lease; store/retrieve alternate on a "
+        f"{16 * 16 * 16} B chunk (copy negligible); clients share one event loop in the "
+        "benchmark process",
+    ]
+    return report
+
+
+COLUMNS = [("op", "op", ""), ("clients", "clients", "d"), ("request_bytes", "req B", "d"),
+           ("p50_us", "p50 us", ".0f"), ("p99_us", "p99 us", ".0f"), ("ops_s", "ops/s", ".0f"),
+           ("echo_p50_us", "echo p50", ".0f"), ("echo_p99_us", "echo p99", ".0f"),
+           ("echo_ops_s", "echo ops/s", ".0f"), ("p50_ratio", "p50 x", ".2f"),
+           ("p99_ratio", "p99 x", ".2f"), ("ops_ratio", "ops/s x", ".2f")]
+
+
+def table(report: Report) -> str:
+    return format_table(report.rows, COLUMNS)
+
+
+def plot(report: Report, path: str) -> None:
+    from lmc_server.bench.common import plot_figure, save_figure
+
+    fig, ax = plot_figure()
+    labels = [f"{r['op']}\n{r['clients']}c" for r in report.rows]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, [r["p50_us"] for r in report.rows], 0.4, label="ours p50")
+    ax.bar(x + 0.2, [r["echo_p50_us"] for r in report.rows], 0.4, label="pyzmq echo p50")
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel("round trip, us")
+    ax.set_title("lmcache bench latency (p50, ours vs pyzmq echo)")
+    ax.legend()
+    save_figure(fig, path)

@@ -1,0 +1,288 @@
+"""``lmcache bench throughput``: store/retrieve bandwidth of a real server vs a raw copy.
+
+For each batch size (chunks per request) the benchmark times, through a real server
+process and the asyncio client:
+
+- ``store``: fresh digests every request (so every chunk is copied), alternating
+  between two source regions of different random contents;
+- ``retrieve``: alternately the last batch stored from each source, into a third
+  region; after every request the written blocks are compared byte for byte with the
+  source (mismatches must be 0);
+- ``store+retrieve`` (on by default for cuda): one store and one retrieve in flight
+  at once, the figure over the bytes of both.
+
+Bytes are what the server moves: a store copies whole objects, a retrieve copies the
+full-prefix sections of every chunk but sliding-window sections only for the chunks in
+the window. The raw copy of the same bytes (:mod:`lmc_server.bench.rawcopy`) is timed in
+the same run; ``ratio`` is ours / raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
+from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
+from lmc_server.bench.rawcopy import CpuRawCopy
+from lmc_server.client.aio import AsyncClient
+from lmc_server.client.core import ChunkResult, Registration
+from lmc_server.testing.process import ServerProcess
+
+CHUNK_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    backend: str = "cpu"
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    geometry: GeometryArgs = GeometryArgs()
+    l1_size_gb: float = 2.0
+    separate: bool = True
+    copy_modes: tuple[str, ...] = ("staging",)
+    concurrent: bool = False
+    min_time_s: float = 0.5
+    min_iters: int = 3
+    max_iters: int = 50
+    raw_iters: int = 10
+    device: int = 0
+    seed: int = 0
+    show_progress: bool = True
+
+
+@contextmanager
+def _kv(cfg: ThroughputConfig, num_blocks: int) -> Iterator[Any]:
+    geometry = cfg.geometry.build(num_blocks)
+    if cfg.backend == "cuda":
+        from lmc_server.testing.cuda_kv import CudaKV, device_arch  # type: ignore[import-not-found, unused-ignore]
+
+        arch = device_arch(cfg.device)
+        if arch != geometry.arch:
+            geometry = GeometryArgs(**{**cfg.geometry.__dict__, "arch": arch}).build(num_blocks)
+        with CudaKV(geometry, device=cfg.device) as kv:
+            yield kv
+    else:
+        from lmc_server.testing.kv import ShmKV
+
+        with ShmKV(geometry) as kv:
+            yield kv
+
+
+class _Raw:
+    """Raw-copy figures for the backend, cached per (direction, bytes)."""
+
+    def __init__(self, cfg: ThroughputConfig, max_bytes: int) -> None:
+        self.cfg = cfg
+        self._cpu = CpuRawCopy(max_bytes) if cfg.backend != "cuda" else None
+        self._cache: dict[tuple[str, int, int], float] = {}
+
+    def gbps(self, direction: str, nbytes: int, nbytes2: int = 0) -> float:
+        key = (direction, nbytes, nbytes2)
+        if key not in self._cache:
+            if self._cpu is not None:
+                self._cache[key] = self._cpu.gbps(nbytes, direction, self.cfg.raw_iters,
+                                                  nbytes2)
+            else:
+                from lmc_server.testing.cuda_kv import raw_copy_gbps  # type: ignore[import-not-found, unused-ignore]
+
+                # "both" there copies one size each way at once: use the larger one
+                self._cache[key] = float(raw_copy_gbps(max(nbytes, nbytes2), direction,
+                                                       device=self.cfg.device,
+                                                       iters=self.cfg.raw_iters))
+        return self._cache[key]
+
+    def close(self) -> None:
+        if self._cpu is not None:
+            self._cpu.close()
+
+
+class _Session:
+    """One registration on one server, with the helpers every timed step needs."""
+
+    def __init__(self, client: AsyncClient, reg: Registration, kv: Any, regions: Regions,
+                 cuda: bool) -> None:
+        self.client = client
+        self.reg = reg
+        self.kv = kv
+        self.regions = regions
+        self.cuda = cuda
+
+    async def store(self, n: int, region: int) -> tuple[bytes, ChunkResult]:
+        digests = os.urandom(32 * n)
+        event = self.kv.record_event() if self.cuda else b""
+        res = await self.client.store(self.reg, digests, self.regions.ids(region, n),
+                                      wait_event=event)
+        return digests, res
+
+    async def retrieve(self, digests: bytes, n: int) -> ChunkResult:
+        return await self.client.retrieve(self.reg, digests, self.regions.ids(B, n))
+
+
+def _enough(times: list[float], cfg: ThroughputConfig) -> bool:
+    return len(times) >= cfg.max_iters or (len(times) >= cfg.min_iters
+                                           and sum(times) >= cfg.min_time_s)
+
+
+def _row(mode: str, copy_mode: str, n: int, nbytes: int, times: list[float], raw_gbps: float,
+         mismatched: int, failed: int) -> dict[str, Any]:
+    med = float(np.median(times))
+    ours = nbytes / med / 1e9
+    return {"mode": mode, "copy_mode": copy_mode, "chunks": n, "bytes": nbytes,
+            "iters": len(times), "p50_ms": med * 1e3, "ours_gbps": ours,
+            "raw_gbps": raw_gbps, "ratio": ours / raw_gbps if raw_gbps > 0 else float("nan"),
+            "mismatched_bytes": mismatched, "failed_chunks": failed}
+
+
+async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: str,
+                         raw: _Raw) -> list[dict[str, Any]]:
+    rows = []
+    regions = s.regions
+    # store: fresh digests, alternating sources; the last two batches stay for retrieve
+    await s.store(n, A1)  # warm-up
+    times: list[float] = []
+    failed = 0
+    last: dict[int, bytes] = {}
+    while not _enough(times, cfg) or len(last) < 2:
+        region = A1 if len(times) % 2 == 0 else A2
+        t0 = time.perf_counter()
+        digests, res = await s.store(n, region)
+        times.append(time.perf_counter() - t0)
+        failed += len(res.failed_chunks)
+        if res.ok.all():
+            last[region] = digests
+    st_bytes = regions.store_bytes(n)
+    rows.append(_row("store", copy_mode, n, st_bytes, times,
+                     raw.gbps("d2h", st_bytes), 0, failed))
+    # retrieve: alternate sources so every request changes region B, verify each
+    rt_bytes = regions.retrieve_bytes(n)
+    times, failed, bad = [], 0, 0
+    while not _enough(times, cfg):
+        src = A1 if len(times) % 2 == 0 else A2
+        t0 = time.perf_counter()
+        res = await s.retrieve(last[src], n)
+        times.append(time.perf_counter() - t0)
+        failed += len(res.failed_chunks)
+        bad += regions.mismatched_bytes(s.kv, src, B, n)
+    rows.append(_row("retrieve", copy_mode, n, rt_bytes, times,
+                     raw.gbps("h2d", rt_bytes), bad, failed))
+    if cfg.concurrent:
+        times, failed, bad = [], 0, 0
+        while not _enough(times, cfg):
+            src = A1 if len(times) % 2 == 0 else A2
+            t0 = time.perf_counter()
+            (_, st), rt = await asyncio.gather(s.store(n, A1), s.retrieve(last[src], n))
+            times.append(time.perf_counter() - t0)
+            failed += len(st.failed_chunks) + len(rt.failed_chunks)
+            bad += regions.mismatched_bytes(s.kv, src, B, n)
+        rows.append(_row("store+retrieve", copy_mode, n, st_bytes + rt_bytes, times,
+                         raw.gbps("both", st_bytes, rt_bytes), bad, failed))
+    return rows
+
+
+async def _run_server(endpoint: str, kv: Any, cfg: ThroughputConfig, copy_mode: str,
+                      raw: _Raw, bar: Any) -> list[dict[str, Any]]:
+    regions = Regions.build(kv.geometry, CHUNK_SIZE, max(cfg.batches), cfg.separate)
+    client = await AsyncClient.connect(endpoint, timeout_s=120, client_name="lmcache-bench")
+    try:
+        reg = await client.register(**kv.register_kwargs())
+        s = _Session(client, reg, kv, regions, cfg.backend == "cuda")
+        rows = []
+        for n in cfg.batches:
+            rows += await _measure_batch(s, n, cfg, copy_mode, raw)
+            bar.update(1)
+        await client.unregister(reg)
+        return rows
+    finally:
+        await client.close()
+
+
+def run(cfg: ThroughputConfig) -> Report:
+    max_batch = max(cfg.batches)
+    probe = cfg.geometry.build(1)
+    num_blocks = 3 * max_batch * max_blocks_per_chunk(probe, CHUNK_SIZE)
+    modes = cfg.copy_modes if cfg.backend == "cuda" else ("-",)
+    report = Report("throughput", {
+        "backend": cfg.backend, "batches": list(cfg.batches),
+        "geometry": cfg.geometry.describe(), "chunk_size": CHUNK_SIZE,
+        "separate_object_groups": cfg.separate, "l1_size_gb": cfg.l1_size_gb,
+        "copy_modes": list(modes), "concurrent": cfg.concurrent,
+        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters})
+    with _kv(cfg, num_blocks) as kv:
+        kv.fill_random(cfg.seed)
+        regions = Regions.build(kv.geometry, CHUNK_SIZE, max_batch, cfg.separate)
+        report.config["chunk_bytes"] = regions.layout.chunk_bytes
+        report.config["arch"] = kv.geometry.arch
+        raw = _Raw(cfg, regions.store_bytes(max_batch))
+        try:
+            with progress(len(modes) * len(cfg.batches), "throughput",
+                          cfg.show_progress) as bar:
+                for mode in modes:
+                    args = ["--chunk-size", str(CHUNK_SIZE), "--log-level", "WARNING",
+                            "--separate-object-groups" if cfg.separate
+                            else "--no-separate-object-groups"]
+                    if cfg.backend == "cuda":
+                        args += ["--cuda-copy-mode", mode]
+                    with ServerProcess(args, backend=cfg.backend,
+                                       l1_size_gb=cfg.l1_size_gb) as srv:
+                        report.rows += asyncio.run(_run_server(srv.endpoint, kv, cfg, mode,
+                                                               raw, bar))
+        finally:
+            raw.close()
+    report.summary = {
+        "mismatched_bytes": sum(r["mismatched_bytes"] for r in report.rows),
+        "failed_chunks": sum(r["failed_chunks"] for r in report.rows),
+        "min_ratio": {m: min(r["ratio"] for r in report.rows if r["mode"] == m)
+                      for m in sorted({r["mode"] for r in report.rows})},
+    }
+    raw_what = ("pinned cudaMemcpy (testing.cuda_kv.raw_copy_gbps)" if cfg.backend == "cuda"
+                else "one numpy.copyto between a /dev/shm segment and populated anonymous "
+                     "memory, single thread")
+    report.notes += [
+        f"raw = {raw_what}, same byte count, timed in this run; ratio = ours / raw",
+        "retrieve bytes: full-prefix sections of every chunk, sliding-window sections "
+        "only for the chunks in the window (what the server copies)",
+        "every retrieved byte is compared with its source after each request: "
+        f"{report.summary['mismatched_bytes']} mismatched bytes, "
+        f"{report.summary['failed_chunks']} failed chunks",
+    ]
+    return report
+
+
+COLUMNS = [("mode", "mode", ""), ("copy_mode", "copy", ""), ("chunks", "chunks", "d"),
+           ("bytes", "MB", ""), ("p50_ms", "p50 ms", ".2f"), ("ours_gbps", "ours GB/s", ".2f"),
+           ("raw_gbps", "raw GB/s", ".2f"), ("ratio", "ours/raw", ".2f"),
+           ("mismatched_bytes", "mismatch B", "d"), ("failed_chunks", "failed", "d")]
+
+
+def table(report: Report) -> str:
+    rows = [{**r, "bytes": f"{r['bytes'] / 1e6:.1f}"} for r in report.rows]
+    return format_table(rows, COLUMNS)
+
+
+def plot(report: Report, path: str) -> None:
+    from lmc_server.bench.common import plot_figure, save_figure
+
+    fig, ax = plot_figure()
+    keys = sorted({(r["mode"], r["copy_mode"]) for r in report.rows})
+    for mode, copy in keys:
+        rs = [r for r in report.rows if r["mode"] == mode and r["copy_mode"] == copy]
+        label = mode if copy == "-" else f"{mode} ({copy})"
+        line = ax.plot([r["chunks"] for r in rs], [r["ours_gbps"] for r in rs], "o-",
+                       label=f"ours: {label}")[0]
+        ax.plot([r["chunks"] for r in rs], [r["raw_gbps"] for r in rs], "--",
+                color=line.get_color(), alpha=0.6, label=f"raw: {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chunks per request")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"lmcache bench throughput ({report.config['backend']}, "
+                 f"{report.config['chunk_bytes'] / 1e6:.2f} MB/chunk)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
