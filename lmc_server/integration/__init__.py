@@ -1,1 +1,7 @@
-"""integration."""
+"""Engine integrations built on the client library.
+
+``lmc_server.integration.planning`` (what to look up, store and retrieve) and
+``lmc_server.integration.worker`` (transfer bookkeeping) are plain Python, tested in CI
+without any engine installed. ``lmc_server.integration.vllm`` is the thin vLLM adapter;
+importing this package never imports vLLM or torch.
+"""

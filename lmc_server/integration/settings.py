@@ -1,0 +1,67 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is documented in docs/vllm.md. Unknown ``lmcache.mp.*`` keys are refused (a
+typo must not silently fall back to a default); keys outside the prefix belong to
+others and are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "lmcache.mp."
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    host: str = "127.0.0.1"
+    port: int = 5555
+    timeout_s: float = 30.0
+    arch: str = ""
+    model: str = ""
+    store: bool = True
+    load: bool = True
+    store_rank: int = 0
+    fence_timeout_s: float = 60.0
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        known = {f: getattr(cls, f) for f in cls.__dataclass_fields__}
+        values: dict[str, Any] = {}
+        for key, raw in (extra or {}).items():
+            if not key.startswith(PREFIX):
+                continue
+            name = key[len(PREFIX):].replace(".", "_")
+            if name not in known:
+                raise ValueError(f"unknown connector setting {key!r}; known: "
+                                 f"{', '.join(PREFIX + k for k in sorted(known))}")
+            default = known[name]
+            values[name] = _convert(key, raw, type(default))
+        s = cls(**values)
+        if not 0 < s.port < 65536:
+            raise ValueError(f"{PREFIX}port {s.port} out of range 1..65535")
+        if s.timeout_s <= 0 or s.fence_timeout_s <= 0:
+            raise ValueError(f"{PREFIX}timeout_s and fence_timeout_s must be positive")
+        return s
+
+
+def _convert(key: str, raw: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key}: expected a boolean, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected {kind.__name__}, got {raw!r}") from None

@@ -1,0 +1,236 @@
+"""``LMCacheMPConnector``: the thin adapter between vLLM 0.33's KV connector API and the
+planning code (:mod:`lmc_server.integration.planning`, :mod:`lmc_server.integration.worker`).
+
+Scheduler role: a lookup-only registration; lookups run on a background thread and
+``get_num_new_matched_tokens`` answers ``None`` until the server replied. Hits load
+asynchronously (the request waits in ``WAITING_FOR_REMOTE_KVS`` and no forward pass
+computes it until every worker reported the load finished), so a load is always
+complete before any layer reads those blocks.
+
+Worker role: registers the KV tensors, starts the step's loads, and after the forward
+pass starts the step's stores with an event the server's copy waits on (CUDA), so the
+engine's stream never blocks on them. Replicated KV (MLA) is stored by one rank
+(``lmcache.mp.store_rank``) and retrieved by every rank; sharded KV is stored and
+retrieved by every rank for its own shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from lmc_server.integration.link import ServerLink
+from lmc_server.integration.planning import (
+    ChunkGeometry,
+    ScheduledRequest,
+    SchedulerPlanner,
+    StepPlan,
+)
+from lmc_server.integration.settings import ConnectorSettings
+from lmc_server.integration.vllm.geometry import build_groups
+from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class LMCacheMPMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _detect_arch() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm{major}{minor}"
+    except Exception as exc:  # no usable CUDA: the CPU engine
+        logger.debug("no CUDA device for arch detection: %s", exc)
+    return "cpu"
+
+
+class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector backed by an ``lmcache server`` on this host."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("LMCacheMPConnector needs vLLM's kv_cache_config")
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = ConnectorSettings.from_extra(extra)
+        self.kv_cache_config = kv_cache_config
+        parallel = vllm_config.parallel_config
+        self.world_size = int(parallel.tensor_parallel_size) * int(
+            parallel.pipeline_parallel_size)
+        self.model = self.settings.model or str(vllm_config.model_config.model)
+        self.arch = self.settings.arch or _detect_arch()
+        self.link = ServerLink(self.settings.endpoint, timeout_s=self.settings.timeout_s,
+                               client_name=f"vllm-{role.name.lower()}")
+        welcome = self.link._client.welcome
+        assert welcome is not None
+        vg = build_groups(kv_cache_config)
+        hash_block = int(kv_cache_config.hash_block_size
+                         or vllm_config.cache_config.block_size)
+        self.geometry = ChunkGeometry(welcome.chunk_size, hash_block, vg.engine_groups)
+        self.loaded_group_ids = tuple(i for i, g in enumerate(vg.engine_groups) if g.cached)
+        self.planner: SchedulerPlanner | None = None
+        self.transfers: WorkerTransfers | None = None
+        self._invalid_block_ids: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.link.register(model=self.model, kv_dtype=vg.kv_dtype, arch=self.arch,
+                               groups=vg.groups, world_size=self.world_size, rank=0,
+                               replicated=vg.replicated)
+            self.planner = SchedulerPlanner(self.geometry, self.link,
+                                            store=self.settings.store,
+                                            load=self.settings.load)
+
+    # -- worker side --------------------------------------------------------------------
+
+    def _rank(self) -> int:
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+        )
+
+        tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        return int(get_pp_group().rank_in_group) * tp + int(get_tensor_model_parallel_rank())
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        rank = self._rank() if self.world_size > 1 else 0
+        vg = build_groups(self.kv_cache_config, kv_caches)
+        self.link.register(model=self.model, kv_dtype=vg.kv_dtype, arch=self.arch,
+                           groups=vg.groups, buffers=vg.buffers,
+                           world_size=self.world_size, rank=rank, replicated=vg.replicated)
+        stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
+        tracker = TransferTracker(single_group=len(vg.groups) == 1)
+        self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
+                                         fence_timeout_s=self.settings.fence_timeout_s)
+
+    def _plan(self) -> StepPlan | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheMPMetadata)
+        return meta.plan
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.transfers is not None and isinstance(kv_connector_metadata, LMCacheMPMetadata):
+            self.transfers.fence(kv_connector_metadata.plan.fence_req_ids)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and self.transfers is not None:
+            self.transfers.start_loads(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request is computed only after its load finished."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Stores are issued once per step in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or self.transfers is None or not plan.stores:
+            return
+        event = b""
+        if self._exporter_event and self.transfers.stores:
+            from lmc_server.client.cuda import ipc_event
+
+            event = ipc_event()
+        self.transfers.start_stores(plan.stores, event)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.transfers is None:
+            return KVConnectorTransferResults()
+        rep = self.transfers.tracker.poll(finished_req_ids)
+        self._invalid_block_ids |= rep.invalid_block_ids
+        return KVConnectorTransferResults(finished_sending=rep.finished_sending,
+                                          finished_recving=rep.finished_recving,
+                                          failed_recving=rep.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_block_ids = self._invalid_block_ids, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.transfers is not None:
+            self.transfers.fence(())
+        self.link.close()
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self.loaded_group_ids
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.planner is not None
+        n = self.planner.matched_tokens(request.request_id, request.block_hashes,
+                                        request.num_tokens, request.num_prompt_tokens,
+                                        num_computed_tokens)
+        if n is None:
+            return None, False
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.planner is not None
+        self.planner.after_alloc(request.request_id, blocks.get_block_ids(),
+                                 num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.planner is not None
+        n_sched = scheduler_output.num_scheduled_tokens
+        scheduled = [ScheduledRequest(r.req_id, r.num_computed_tokens,
+                                      n_sched.get(r.req_id, 0), r.block_ids, True)
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            scheduled.append(ScheduledRequest(
+                req_id, cached.num_computed_tokens[i], n_sched.get(req_id, 0),
+                cached.new_block_ids[i], req_id in cached.resumed_req_ids))
+        plan = self.planner.build_step(scheduled, scheduler_output.preempted_req_ids or ())
+        return LMCacheMPMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.planner is not None
+        self.planner.transfers_finished(connector_output.finished_recving or (),
+                                        connector_output.finished_sending or ())
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.planner is not None
+        return self.planner.request_finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.planner is not None
+        return self.planner.request_finished(request.request_id), None

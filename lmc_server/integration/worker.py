@@ -1,0 +1,168 @@
+"""Worker-side connector runtime: issue loads and stores, report each outcome once.
+
+:class:`TransferTracker` is the bookkeeping (pure): which requests have loads or held
+stores in flight, and what to report to the engine. :class:`WorkerTransfers` drives a
+:class:`~lmc_server.integration.link.ServerLink` from a step's
+:class:`~lmc_server.integration.planning.StepPlan`.
+
+Reporting contract (what vLLM's KV output aggregator relies on):
+
+* ``finished_recving``: every load is reported exactly once, when its retrieve
+  finished, successfully or not. A failed load is also reported as failed: by block ids
+  (single-group engines) or in ``failed_recving`` (hybrid engines, whose block ids are
+  not unique across groups). A failed load is never reported as success.
+* ``finished_sending``: a request with a store planned is reported exactly once, after
+  the engine said it finished and every store this rank issued for it completed. Ranks
+  that do not store (replicated KV: only one rank stores) report it as soon as it
+  finished, so that every rank reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lmc_server.client.core import ChunkResult
+from lmc_server.integration.link import ServerLink
+from lmc_server.integration.planning import LoadSpec, StepPlan, StoreSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    spec: LoadSpec
+    future: Future[ChunkResult]
+
+
+@dataclass(slots=True)
+class Report:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+class TransferTracker:
+    """In-flight transfers per request and the exactly-once reports derived from them."""
+
+    def __init__(self, single_group: bool) -> None:
+        self.single_group = single_group
+        self._loads: dict[str, _Load] = {}
+        self._stores: dict[str, list[Future[ChunkResult]]] = {}
+        self._finished: set[str] = set()
+        self.failed_store_chunks = 0
+
+    def load_started(self, spec: LoadSpec, future: Future[ChunkResult]) -> None:
+        assert spec.req_id not in self._loads, f"two loads in flight for {spec.req_id}"
+        self._loads[spec.req_id] = _Load(spec, future)
+
+    def store_planned(self, req_id: str, future: Future[ChunkResult] | None) -> None:
+        """A store spec for ``req_id`` (``None``: this rank does not store it)."""
+        futs = self._stores.setdefault(req_id, [])
+        if future is not None:
+            futs.append(future)
+
+    def store_futures(self, req_ids: Iterable[str] | None = None) -> list[Future[ChunkResult]]:
+        ids = self._stores.keys() if req_ids is None else req_ids
+        return [f for r in ids for f in self._stores.get(r, ())]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._loads) or any(self._stores.values())
+
+    def _failed_blocks(self, spec: LoadSpec, result: ChunkResult | None) -> set[int]:
+        n = spec.n_chunks
+        bad = np.ones(n, dtype=bool) if result is None else ~result.ok
+        out: set[int] = set()
+        for ids in spec.block_ids.values():
+            per_chunk = ids.reshape(n, -1)
+            out.update(int(b) for b in per_chunk[bad].reshape(-1) if b >= 0)
+        return out
+
+    def poll(self, finished_req_ids: Iterable[str]) -> Report:
+        """What completed since the last poll; ``finished_req_ids`` ended this step."""
+        self._finished.update(finished_req_ids)
+        rep = Report()
+        for req_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[req_id]
+            exc = load.future.exception()
+            result = None if exc is not None else load.future.result()
+            if exc is not None:
+                logger.warning("load for request %s failed: %s", req_id, exc)
+            failed = self._failed_blocks(load.spec, result)
+            if failed or (result is None):
+                logger.warning("load for request %s: %d blocks failed", req_id, len(failed))
+                if self.single_group:
+                    rep.invalid_block_ids |= failed
+                else:
+                    rep.failed_recving.add(req_id)
+            rep.finished_recving.add(req_id)
+        for req_id, futs in list(self._stores.items()):
+            pending = []
+            for f in futs:
+                if not f.done():
+                    pending.append(f)
+                    continue
+                exc = f.exception()
+                if exc is not None:
+                    logger.warning("store for request %s failed: %s", req_id, exc)
+                else:
+                    self.failed_store_chunks += len(f.result().failed_chunks)
+            self._stores[req_id] = pending
+            if not pending and req_id in self._finished:
+                del self._stores[req_id]
+                rep.finished_sending.add(req_id)
+        self._finished &= set(self._stores)
+        return rep
+
+
+class WorkerTransfers:
+    """Issues a step's loads and stores through ``link`` and tracks them.
+
+    ``stores`` is False on ranks that never store (replicated KV on a rank other than
+    the storing one); those ranks still track store specs so they report
+    ``finished_sending`` for every held request.
+    """
+
+    def __init__(self, link: ServerLink, tracker: TransferTracker, stores: bool = True,
+                 fence_timeout_s: float = 60.0) -> None:
+        self.link = link
+        self.tracker = tracker
+        self.stores = stores
+        self.fence_timeout_s = fence_timeout_s
+        self._fenced: list[Future[ChunkResult]] = []
+
+    def fence(self, req_ids: Iterable[str]) -> None:
+        """Wait for stores that read blocks the engine is about to reuse."""
+        futs = self._fenced + self.tracker.store_futures(req_ids)
+        self._fenced = []
+        if futs:
+            done, pending = wait_futures(futs, timeout=self.fence_timeout_s)
+            if pending:
+                logger.error("%d stores still running after %.0f s at a fence",
+                             len(pending), self.fence_timeout_s)
+
+    def start_loads(self, loads: Iterable[LoadSpec]) -> None:
+        for spec in loads:
+            self.tracker.load_started(spec, self.link.retrieve(spec.digests, spec.block_ids))
+
+    def start_stores(self, stores: Iterable[StoreSpec], wait_event: bytes = b"") -> None:
+        for spec in stores:
+            fut = (self.link.store(spec.digests, spec.block_ids, wait_event)
+                   if self.stores else None)
+            self.tracker.store_planned(spec.req_id, fut)
+            if fut is not None and spec.fence:
+                self._fenced.append(fut)
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """Before the forward pass: fence, then start this step's loads."""
+        self.fence(plan.fence_req_ids)
+        self.start_loads(plan.loads)
