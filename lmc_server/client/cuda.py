@@ -1,0 +1,82 @@
+"""Worker side of the CUDA backend: export KV tensors and ordering events over CUDA IPC.
+
+``export_tensor(t)`` describes the memory of a CUDA tensor as a
+:class:`~lmc_server.cache.geometry.CudaIpcBuffer`: the IPC handle of the allocation
+that holds it (PyTorch's caching allocator carves tensors out of larger segments, so the
+handle names the segment and ``offset`` says where the tensor starts in it), the GPU's
+UUID (the server may number GPUs differently) and the tensor's byte extent. One buffer
+may hold many layers with padded strides; the registration's layer specs say where.
+The tensor must stay alive while the registration exists.
+
+``ipc_event(stream)`` records an interprocess event on ``stream`` after the engine's
+writes and returns its handle for ``Store.wait_event``: the server's copy waits for it
+on the server's own stream, so the worker never blocks. One event per stream is
+reused: re-recording it only makes a later store wait for later work, which is safe.
+
+torch is imported here (and in tests) only; the server never imports this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from lmc_server.cache.geometry import CudaIpcBuffer
+
+_events: dict[tuple[int, int], tuple[Any, bytes]] = {}
+_events_lock = threading.Lock()
+
+
+def device_uuid(device: torch.device | int) -> str:
+    """``GPU-xxxxxxxx-...`` of a device as this process numbers it."""
+    uuid = torch.cuda.get_device_properties(device).uuid
+    raw = getattr(uuid, "bytes", None)
+    if isinstance(raw, bytes) and len(raw) == 16:
+        h = raw.hex()
+        return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+    u = str(uuid)
+    return u if u.upper().startswith(("GPU-", "MIG-")) else f"GPU-{u}"
+
+
+def tensor_extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to the end of its last one."""
+    if t.numel() == 0:
+        return 0
+    if any(s < 0 for s in t.stride()):
+        raise ValueError("tensors with negative strides cannot be exported")
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def export_tensor(t: torch.Tensor) -> CudaIpcBuffer:
+    """The IPC description of ``t``'s memory (``t`` must live on a CUDA device)."""
+    if not t.is_cuda:
+        raise ValueError(f"export_tensor needs a CUDA tensor, got one on {t.device}")
+    size = tensor_extent_bytes(t)
+    if size <= 0:
+        raise ValueError("cannot export an empty tensor")
+    storage = t.untyped_storage()
+    shared = storage._share_cuda_()
+    handle, storage_offset_bytes = shared[1], int(shared[3])
+    offset = storage_offset_bytes + t.storage_offset() * t.element_size()
+    return CudaIpcBuffer(handle=bytes(handle), device_uuid=device_uuid(t.device),
+                         offset=offset, size_bytes=size)
+
+
+def ipc_event(stream: torch.cuda.Stream | None = None) -> bytes:
+    """Record an interprocess event on ``stream`` (default: current) and return its handle."""
+    s = stream if stream is not None else torch.cuda.current_stream()
+    key = (s.device.index if s.device.index is not None else torch.cuda.current_device(),
+           int(s.cuda_stream))
+    with _events_lock:
+        entry = _events.get(key)
+        if entry is None:
+            ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+            ev.record(s)
+            entry = (ev, bytes(ev.ipc_handle()))
+            _events[key] = entry
+        else:
+            entry[0].record(s)
+    return entry[1]

@@ -1,0 +1,144 @@
+"""A vLLM-like worker process for the GPU tests (run as a script, one JSON argument).
+
+Modes:
+
+``roundtrip``
+    Register GPU buffers with a real server, fill them, store ``chunks`` chunks (after
+    a slow engine write ordered by an interprocess event), wipe the buffers, retrieve
+    into *different* blocks (some marked -1), and check every stored page byte for byte
+    and every untouched page unchanged. Prints ``ROUNDTRIP OK`` or fails.
+``export``
+    Allocate and fill buffers, print them (msgspec JSON) and wait until stdin closes,
+    so the test process can map them into an in-process engine.
+``store-and-hang``
+    Register, queue a long GPU sleep before the pages' last write, send a store that
+    waits for it, print ``STORING``, and wait to be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+from lmc_server.client import Client
+from lmc_server.testing.cuda_kv import CudaKV, device_arch
+from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.presets import dsv41_flash
+
+
+def geometry(args: dict) -> object:
+    return dsv41_flash(arch=args.get("arch") or device_arch(0),
+                       num_blocks=args.get("num_blocks", 64), layers=args.get("layers", 8),
+                       stride_pad=args.get("stride_pad", 0))
+
+
+def slow_rewrite(kv: CudaKV, seed: int) -> None:
+    """Sleep ~0.3 s on the current stream, then overwrite every buffer (not synced)."""
+    torch.cuda._sleep(int(0.3 * 2e9))
+    gen = torch.Generator(device=kv.device)
+    gen.manual_seed(seed)
+    for t in kv.tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=kv.device,
+                              generator=gen))
+
+
+def roundtrip(args: dict) -> None:
+    geo = geometry(args)
+    n = args.get("chunks", 4)
+    rng = np.random.default_rng(args.get("seed", 0))
+    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
+                                       client_name="gpu-worker") as c:
+        reg = c.register(**kv.register_kwargs(replicated=True))
+        kv.fill_random(1)
+        slow_rewrite(kv, 2)  # queued, not finished: the store must wait for it
+        event = kv.record_event()
+        ids_a = block_ids_for(reg, n, rng)
+        digests = rng.bytes(32 * n)
+        res = c.store(reg, digests, ids_a, wait_event=event)
+        assert res.ok.all(), res.statuses
+        torch.cuda.synchronize()
+        stored: dict[str, list[int]] = {}
+        for g in geo.groups:
+            if not g.cached:
+                continue
+            bpc = reg.blocks_per_chunk(g)
+            keep = bpc if g.kind != "sliding_window" else -(-g.window_tokens //
+                                                           g.tokens_per_block)
+            stored[g.name] = list(range(bpc - min(bpc, keep), bpc))
+        expect = {}
+        for name, cols in stored.items():
+            a = np.asarray(ids_a[name]).reshape(n, -1)[:, cols]
+            expect[name] = [kv.pages(name, a[ci].tolist()) for ci in range(n)]
+        kv.fill(0xEE)
+        ids_b = {}
+        for name, a in ids_a.items():
+            others = np.setdiff1d(np.arange(geo.groups[[g.name for g in geo.groups]
+                                                       .index(name)].num_blocks), a)
+            b = rng.permutation(others)[:a.size].astype(np.int32)
+            assert b.size == a.size, "need more blocks for a disjoint retrieve"
+            ids_b[name] = b
+        holes = {name: b.copy() for name, b in ids_b.items()}
+        holes["compressed"].reshape(n, -1)[0, 1] = -1
+        res = c.retrieve(reg, digests, holes)
+        assert res.ok.all(), res.statuses
+        for name, cols in stored.items():
+            b = np.asarray(holes[name]).reshape(n, -1)[:, cols]
+            for ci in range(n):
+                row = b[ci].tolist()
+                got = kv.pages(name, [x for x in row if x >= 0])
+                want = b"".join(
+                    expect[name][ci][(li * len(row) + j) * pl:(li * len(row) + j + 1) * pl]
+                    for li, pl in enumerate(lay.page_bytes for lay in
+                                            geo.groups[[g.name for g in geo.groups]
+                                                       .index(name)].layers)
+                    for j, x in enumerate(row) if x >= 0)
+                assert got == want, f"group {name} chunk {ci}: retrieved bytes differ"
+        # Blocks never named in the retrieve, and the -1 hole, still hold 0xEE.
+        comp = geo.groups[[g.name for g in geo.groups].index("compressed")]
+        hole = int(ids_b["compressed"].reshape(n, -1)[0, 1])
+        for li in range(len(comp.layers)):
+            assert (kv.page("compressed", li, hole) == 0xEE).all(), "a -1 block was written"
+        untouched = np.setdiff1d(np.arange(comp.num_blocks),
+                                 np.concatenate([ids_b["compressed"]]))
+        assert (kv.page("compressed", 0, int(untouched[0])) == 0xEE).all()
+        c.unregister(reg)
+    print("ROUNDTRIP OK", flush=True)
+
+
+def export(args: dict) -> None:
+    with CudaKV(geometry(args), 0) as kv:
+        kv.fill_random(args.get("seed", 1))
+        print(msgspec.json.encode(kv.buffers).decode(), flush=True)
+        sys.stdin.read()
+
+
+def store_and_hang(args: dict) -> None:
+    geo = geometry(args)
+    n = args.get("chunks", 4)
+    rng = np.random.default_rng(5)
+    kv = CudaKV(geo, 0)
+    c = Client(args["endpoint"], timeout_s=600, client_name="doomed-worker")
+    reg = c.register(**kv.register_kwargs(replicated=True))
+    kv.fill_random(3)
+    torch.cuda._sleep(int(args.get("sleep_s", 3.0) * 2e9))
+    kv.tensors[0].add_(1)
+    event = kv.record_event()
+    ids = block_ids_for(reg, n, rng)
+    threading.Thread(target=c.store, args=(reg, bytes.fromhex(args["digests"]), ids),
+                     kwargs={"wait_event": event}, daemon=True).start()
+    time.sleep(0.3)
+    print("STORING", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    {"roundtrip": roundtrip, "export": export, "store-and-hang": store_and_hang}[a["mode"]](a)

@@ -1,0 +1,300 @@
+"""The CUDA engine in this process against buffers exported by a worker process.
+
+Both copy modes, both DeepSeek-V4.1 record formats (the engine never looks at record
+bytes, so SM100's 528-byte records are exercised here on any GPU; through the server
+they need an SM100 device, which registration enforces), padded block strides that
+force the 8-byte and the byte-wise kernel paths, refusal of out-of-range blocks before
+any copy, and the throughput of 64-chunk batches against a raw pinned copy (written to
+``$LMC_BENCH_OUT/engine.json`` when that is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from lmc_server.cache.geometry import CudaIpcBuffer
+from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
+from lmc_server.testing.presets import KVGeometry, dsv41_flash
+from lmc_server.transfer.base import TransferError
+from lmc_server.transfer.cpu import _copy_run
+
+pytestmark = pytest.mark.gpu
+
+WORKER = Path(__file__).with_name("cuda_worker.py")
+SLAB = 64 << 20
+
+
+class Exported:
+    """A worker process holding filled buffers until :meth:`close`."""
+
+    def __init__(self, arch: str, pad: int, num_blocks: int, layers: int) -> None:
+        self.geo: KVGeometry = dsv41_flash(arch=arch, num_blocks=num_blocks, layers=layers,
+                                           stride_pad=pad)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(
+                {"mode": "export", "arch": arch, "stride_pad": pad, "num_blocks": num_blocks,
+                 "layers": layers})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "worker exited before exporting"
+        self.buffers = msgspec.json.decode(line, type=list[CudaIpcBuffer])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def make_engine(mode: str, pool_bytes: int) -> tuple[object, object]:
+    from lmc_server.transfer.cuda import CudaEngine
+
+    engine = CudaEngine(copy_mode=mode)
+    pool = engine.create_pool(pool_bytes, SLAB)
+    done = threading.Event()
+    ready: list[int] = []
+
+    def on_ready(slab: int) -> None:
+        ready.append(slab)
+        if len(ready) == pool.n_slabs:
+            done.set()
+
+    pool.start(on_ready)
+    assert done.wait(120), "pool not pinned in time"
+    return engine, pool
+
+
+def read_buffers(mapping: object) -> list[np.ndarray]:
+    import cupy
+
+    out = []
+    for ptr, size in zip(mapping.ptrs.tolist(), mapping.sizes.tolist(), strict=True):
+        mem = cupy.cuda.UnownedMemory(ptr, size, None)
+        out.append(cupy.ndarray((size,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0)).get())
+    return out
+
+
+def write_buffers(mapping: object, value: int) -> None:
+    import cupy
+
+    for ptr, size in zip(mapping.ptrs.tolist(), mapping.sizes.tolist(), strict=True):
+        cupy.cuda.runtime.memset(ptr, value, size)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def batch(geo: KVGeometry, n: int, rng: np.random.Generator,
+          exclude: dict[str, np.ndarray] | None = None
+          ) -> tuple[list[RunCopy], dict[str, np.ndarray]]:
+    """Copies for ``n`` chunks: object group ``i`` in slabs from ``4 * i``, random blocks."""
+    layout = build_layout(geo.groups, 256, separate=True)
+    copies: list[RunCopy] = []
+    used: dict[str, np.ndarray] = {}
+    for oi, og in enumerate(layout.object_groups):
+        per = SLAB // og.object_bytes
+        c = np.arange(n)
+        offs = ((4 * oi + c // per) * SLAB + (c % per) * og.object_bytes).astype(np.int64)
+        for s in og.sections:
+            g = geo.groups[s.group_index]
+            bpc = 256 // g.tokens_per_block
+            pool = np.arange(g.num_blocks)
+            if exclude is not None:
+                pool = np.setdiff1d(pool, exclude[g.name])
+            gids = rng.permutation(pool)[:n * bpc].reshape(n, bpc)
+            used[g.name] = gids.ravel()
+            copies += plan_copies(s, section_block_ids(s, gids), offs)
+    return copies, used
+
+
+CASES = [("sm90", 0), ("sm100", 0), ("sm90", 72), ("sm100", 13)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-pad{p}" for a, p in CASES])
+def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
+    arch, pad = request.param
+    e = Exported(arch, pad, num_blocks=96, layers=8)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("mode", ["staging", "mapped"])
+def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
+    engine, pool = make_engine(mode, 8 * SLAB)
+    mapping = engine.open(exported.buffers)
+    try:
+        rng = np.random.default_rng(42)
+        src = read_buffers(mapping)
+        copies, used = batch(exported.geo, 6, rng)
+        engine.store(mapping, copies)
+        expect_pool = np.zeros(pool.size_bytes, np.uint8)
+        for c in copies:
+            _copy_run(c, src[c.run.buffer], expect_pool, True)
+        got_pool = pool.array.copy()
+        for c in copies:
+            for off in c.object_offsets.tolist():
+                a, b = off, off + c.run.nbytes
+                assert np.array_equal(got_pool[a:b], expect_pool[a:b]), "store differs"
+        # Retrieve into other blocks, some of them marked -1 (left alone).
+        other, _ = batch(exported.geo, 6, np.random.default_rng(43), exclude=used)
+        retrieve = []
+        for c, o in zip(copies, other, strict=True):
+            assert o.run == c.run
+            ids = o.block_ids.copy()
+            ids[rng.random(ids.shape) < 0.15] = -1
+            retrieve.append(RunCopy(c.run, ids, c.object_offsets))
+        write_buffers(mapping, 0xEE)
+        engine.retrieve(mapping, retrieve)
+        expect = [np.full(s, 0xEE, np.uint8) for s in mapping.sizes.tolist()]
+        for c in retrieve:
+            _copy_run(c, expect[c.run.buffer], pool.array, False)
+        got = read_buffers(mapping)
+        for i, (g, e) in enumerate(zip(got, expect, strict=True)):
+            assert np.array_equal(g, e), f"buffer {i} differs after retrieve"
+    finally:
+        mapping.close()
+        engine.close()
+
+
+def test_engine_refuses_out_of_range_before_copy(exported: Exported) -> None:
+    engine, pool = make_engine("staging", 8 * SLAB)
+    mapping = engine.open(exported.buffers)
+    try:
+        copies, _ = batch(exported.geo, 2, np.random.default_rng(1))
+        write_buffers(mapping, 0x11)
+        engine.store(mapping, copies)
+        before = pool.array.copy()
+        bufs_before = read_buffers(mapping)
+        bad = list(copies)
+        ids = bad[-1].block_ids.copy()
+        ids[-1, -1] = 96  # one past the last block of the group
+        bad[-1] = RunCopy(bad[-1].run, ids, bad[-1].object_offsets)
+        write_buffers(mapping, 0x22)
+        with pytest.raises(TransferError):
+            engine.store(mapping, bad)
+        assert np.array_equal(pool.array, before), "a refused store copied bytes"
+        write_buffers(mapping, 0x11)
+        with pytest.raises(TransferError):
+            engine.retrieve(mapping, bad)
+        after = read_buffers(mapping)
+        for a, b in zip(after, bufs_before, strict=True):
+            assert np.array_equal(a, b), "a refused retrieve copied bytes"
+    finally:
+        mapping.close()
+        engine.close()
+
+
+def test_mapping_released_on_close(exported: Exported) -> None:
+    engine, _ = make_engine("staging", 2 * SLAB)
+    try:
+        m1 = engine.open(exported.buffers)
+        m2 = engine.open(exported.buffers)  # same allocations: shared, counted
+        assert engine.open_handles > 0
+        m1.close()
+        assert engine.open_handles > 0
+        m2.close()
+        m2.close()
+        assert engine.open_handles == 0
+    finally:
+        engine.close()
+
+
+def _timed(fn: Callable[[], None], iters: int) -> float:
+    fn()  # warm-up
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
+    """GPU time of the staging gather kernels alone for one batch (the SM cost)."""
+    import cupy
+
+    from lmc_server.transfer import cuda_kernels
+    from lmc_server.transfer.cuda_plan import plan_staging
+
+    lanes = engine._lanes_of(mapping.device_index)
+    lane = lanes.take()
+    try:
+        with cupy.cuda.Device(mapping.device_index):
+            halves = lane.halves(max(c.run.nbytes for c in copies))
+            plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
+            desc = lane.upload(plan.desc, lane.sm)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(lane.sm)
+            for p in plan.pieces:
+                cuda_kernels.launch(lane.device, "gather_pages", desc, lane.desc_rows, p.first,
+                                    p.count, engine._blocks(lane.device, p.count), 256, lane.sm)
+            end.record(lane.sm)
+            end.synchronize()
+            return float(cupy.cuda.get_elapsed_time(start, end))
+    finally:
+        lanes.give(lane)
+
+
+def test_throughput_64_chunk_batches() -> None:
+    """Store and retrieve of 64-chunk DSV4.1 batches against a raw pinned copy."""
+    from lmc_server.testing.cuda_kv import device_arch, raw_copy_gbps
+    from lmc_server.transfer.cuda import CudaEngine
+
+    e = Exported(device_arch(0), 0, num_blocks=1100, layers=44)
+    results: dict[str, dict[str, float]] = {}
+    configs = [("staging", 0), ("mapped", 32), ("mapped", 64), ("mapped", 132), ("mapped", 264)]
+    try:
+        for mode, blocks in configs:
+            engine, _ = make_engine(mode, 16 * SLAB)
+            assert isinstance(engine, CudaEngine)
+            if blocks:
+                engine.mapped_blocks = blocks
+            mapping = engine.open(e.buffers)
+            try:
+                copies, _ = batch(e.geo, 64, np.random.default_rng(0))
+                nbytes = sum(c.nbytes for c in copies)
+                store_s = _timed(partial(engine.store, mapping, copies), 10)
+                retrieve_s = _timed(partial(engine.retrieve, mapping, copies), 10)
+                r = {"bytes": nbytes, "chunks": 64, "store_gbps": nbytes / store_s / 1e9,
+                     "retrieve_gbps": nbytes / retrieve_s / 1e9,
+                     "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3}
+                if mode == "staging":
+                    r["gather_kernel_ms"] = _gather_ms(engine, mapping, copies)
+                    with ThreadPoolExecutor(4) as ex:  # 4 concurrent 16-chunk stores
+                        quarter = [RunCopy(c.run, c.block_ids[q::4], c.object_offsets[q::4])
+                                   for q in range(4) for c in copies]
+                        parts = [quarter[q::4] for q in range(4)]
+                        t0 = time.perf_counter()
+                        for _ in range(5):
+                            list(ex.map(partial(engine.store, mapping), parts))
+                        r["store_4x16_concurrent_gbps"] = (
+                            5 * nbytes / (time.perf_counter() - t0) / 1e9)
+                results[f"{mode}{blocks or ''}"] = r
+            finally:
+                mapping.close()
+                engine.close()
+        nbytes = int(results["staging"]["bytes"])
+        raw = {d: raw_copy_gbps(nbytes, d, 0, 10) for d in ("d2h", "h2d", "both")}
+        results["raw"] = {"d2h_gbps": raw["d2h"], "h2d_gbps": raw["h2d"],
+                          "both_gbps": raw["both"], "bytes": nbytes}
+        for name, r in results.items():
+            if name != "raw":
+                r["store_ratio"] = r["store_gbps"] / raw["d2h"]
+                r["retrieve_ratio"] = r["retrieve_gbps"] / raw["h2d"]
+    finally:
+        e.close()
+    out = os.environ.get("LMC_BENCH_OUT")
+    if out:
+        Path(out, "engine.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    assert results["staging"]["store_ratio"] >= 0.90, results
+    assert results["staging"]["retrieve_ratio"] >= 0.90, results

@@ -1,0 +1,160 @@
+"""The CUDA engine's copy plans, executed by numpy on a simulated address space.
+
+Runs on any host (no GPU marker): every descriptor and DMA the engine would issue is
+applied to one numpy "memory" in which buffers, pool and staging halves sit at their
+addresses, and the resulting pool and page bytes are compared with the CPU engine's
+reference copy of the same :class:`RunCopy` list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
+from lmc_server.testing.presets import dsv41_flash
+from lmc_server.transfer.base import TransferError
+from lmc_server.transfer.cpu import _copy_run
+from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+
+SLAB = 16 << 20
+
+
+class Memory:
+    """Buffers, then the pool, then two staging halves, in one byte array."""
+
+    def __init__(self, sizes: list[int], pool_bytes: int, half_bytes: int) -> None:
+        self.bufs = []
+        at = 4096
+        for s in sizes:
+            self.bufs.append(at)
+            at += s + 4096 + 16 * 3  # gaps, and an address that is not 4 KiB aligned
+        self.pool = at
+        at += pool_bytes
+        self.halves = [at, at + half_bytes]
+        self.mem = np.zeros(at + 2 * half_bytes, dtype=np.uint8)
+        self.region = Region(np.asarray(self.bufs, np.int64), np.asarray(sizes, np.int64),
+                             self.pool, pool_bytes, SLAB)
+        self.sizes = sizes
+        self.half_bytes = half_bytes
+
+    def buf(self, i: int) -> np.ndarray:
+        return self.mem[self.bufs[i]:self.bufs[i] + self.sizes[i]]
+
+    def pool_view(self) -> np.ndarray:
+        return self.mem[self.pool:self.pool + self.region.pool_bytes]
+
+    def run(self, plan: Plan, to_pool: bool) -> None:
+        d = plan.desc.astype(np.int64)
+        for p in plan.pieces:
+            if not to_pool:
+                for stage, pool, n in p.segments.tolist():
+                    self.mem[stage:stage + n] = self.mem[pool:pool + n]
+            for page, obj, n in d[p.first:p.first + p.count].tolist():
+                if to_pool:
+                    self.mem[obj:obj + n] = self.mem[page:page + n]
+                else:
+                    self.mem[page:page + n] = self.mem[obj:obj + n]
+            if to_pool:
+                for stage, pool, n in p.segments.tolist():
+                    self.mem[pool:pool + n] = self.mem[stage:stage + n]
+
+
+def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator
+                 ) -> tuple[list[RunCopy], list[int], int]:
+    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad)
+    layout = build_layout(geo.groups, 256, separate=True)
+    copies: list[RunCopy] = []
+    slots_per_slab = {og.name: SLAB // og.object_bytes for og in layout.object_groups}
+    slab = 0
+    for og in layout.object_groups:
+        slots = rng.permutation(slots_per_slab[og.name])[:n_chunks]
+        offs = (slab * SLAB + slots * og.object_bytes).astype(np.int64)
+        slab += 1
+        for s in og.sections:
+            g = geo.groups[s.group_index]
+            bpc = 256 // g.tokens_per_block
+            gids = rng.permutation(g.num_blocks)[:n_chunks * bpc].reshape(n_chunks, bpc)
+            copies += plan_copies(s, section_block_ids(s, gids), offs)
+    return copies, geo.buffer_sizes, (slab + 1) * SLAB
+
+
+@pytest.mark.parametrize("mode", ["staging", "mapped"])
+@pytest.mark.parametrize(("arch", "pad"), [("sm90", 0), ("sm100", 0), ("sm90", 72)])
+def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int) -> None:
+    rng = np.random.default_rng(7)
+    copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng)
+    mem = Memory(sizes, pool_bytes, half_bytes=1 << 20)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+
+    def plan() -> Plan:
+        if mode == "mapped":
+            return plan_mapped(copies, mem.region)
+        return plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
+
+    p = plan()
+    assert p.nbytes == sum(c.nbytes for c in copies)
+    if mode == "staging":
+        assert len(p.pieces) > 1  # 1 MiB halves force several pieces
+    mem.run(p, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for c in copies:
+        _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
+    assert np.array_equal(mem.pool_view(), expect_pool)
+
+    # Retrieve into fresh buffers, with some blocks marked "leave alone" (-1).
+    originals = [mem.buf(i).copy() for i in range(len(sizes))]
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = 0xEE
+    holed = [RunCopy(c.run, np.where(rng.random(c.block_ids.shape) < 0.2, -1, c.block_ids),
+                     c.object_offsets) for c in copies]
+    copies[:] = holed
+    mem.run(plan(), to_pool=False)
+    expect = [np.full(s, 0xEE, np.uint8) for s in sizes]
+    for c in holed:
+        _copy_run(c, expect[c.run.buffer], mem.pool_view(), False)
+    for i in range(len(sizes)):
+        assert np.array_equal(mem.buf(i), expect[i])
+        touched = expect[i] != 0xEE
+        assert np.array_equal(mem.buf(i)[touched], originals[i][touched])
+
+
+def test_out_of_range_block_refused() -> None:
+    rng = np.random.default_rng(1)
+    copies, sizes, pool_bytes = dsv41_copies("sm90", 2, 0, rng)
+    mem = Memory(sizes, pool_bytes, 1 << 20)
+    c = copies[0]
+    ids = c.block_ids.copy()
+    ids[0, 0] = 128  # num_blocks is 128: one past the last block
+    bad = [RunCopy(c.run, ids, c.object_offsets)]
+    with pytest.raises(TransferError, match="buffer"):
+        plan_staging(bad, mem.region, mem.halves, mem.half_bytes)
+    with pytest.raises(TransferError, match="buffer"):
+        plan_mapped(bad, mem.region)
+    ids[0, 0] = -2
+    with pytest.raises(TransferError, match="negative"):
+        plan_mapped([RunCopy(c.run, ids, c.object_offsets)], mem.region)
+    offs = c.object_offsets.copy()
+    offs[0] = pool_bytes - 1
+    with pytest.raises(TransferError, match="pool"):
+        plan_mapped([RunCopy(c.run, c.block_ids, offs)], mem.region)
+
+
+def test_adjacent_objects_merge_into_one_dma() -> None:
+    rng = np.random.default_rng(3)
+    geo = dsv41_flash(num_blocks=64, layers=4)
+    layout = build_layout(geo.groups, 256, separate=False)
+    og = layout.object_groups[0]
+    n = 6
+    offs = np.arange(n, dtype=np.int64) * og.object_bytes
+    copies: list[RunCopy] = []
+    for s in og.sections:
+        g = geo.groups[s.group_index]
+        bpc = 256 // g.tokens_per_block
+        gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
+        copies += plan_copies(s, section_block_ids(s, gids), offs)
+    mem = Memory(geo.buffer_sizes, SLAB, 8 << 20)
+    p = plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
+    assert len(p.pieces) == 1
+    assert p.pieces[0].segments.tolist() == [[mem.halves[0], mem.pool, n * og.object_bytes]]

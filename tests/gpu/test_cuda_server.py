@@ -1,0 +1,181 @@
+"""The CUDA backend end to end: a real server process, workers in other processes.
+
+Run on a GPU machine (``scripts/gpu-check.sh``); skipped elsewhere, failed when
+``LMC_REQUIRE_GPU=1`` finds no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmc_server.client import Client, ServerError
+from lmc_server.testing.process import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+WORKER = Path(__file__).with_name("cuda_worker.py")
+SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
+
+
+def run_worker(args: dict, env: dict[str, str] | None = None, timeout_s: float = 180) -> str:
+    p = subprocess.run([sys.executable, str(WORKER), json.dumps(args)], capture_output=True,
+                       text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+    assert p.returncode == 0, f"worker failed:\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def cuda_server() -> Iterator[ServerProcess]:
+    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
+        yield srv
+
+
+def device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("stride_pad", [0, 72])
+def test_roundtrip_dsv41_all_groups(cuda_server: ServerProcess, stride_pad: int) -> None:
+    """Byte-exact store and retrieve into other blocks, ordered by the worker's event."""
+    out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 4,
+                      "num_blocks": 96, "layers": 8, "stride_pad": stride_pad,
+                      "seed": stride_pad})
+    assert "ROUNDTRIP OK" in out
+
+
+def test_roundtrip_full_batch(cuda_server: ServerProcess) -> None:
+    """A 64-chunk batch of the full 44-layer preset, several pieces of staging."""
+    out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 64,
+                      "num_blocks": 1100, "layers": 44, "seed": 9}, timeout_s=300)
+    assert "ROUNDTRIP OK" in out
+
+
+def test_sm100_records_refused_on_sm90_device(cuda_server: ServerProcess) -> None:
+    """The arch is the registering device's: 528-byte records from an H200 are refused."""
+    import torch
+
+    from lmc_server.testing.cuda_kv import CudaKV, device_arch
+    from lmc_server.testing.presets import dsv41_flash
+
+    if device_arch(0) == "sm100":
+        pytest.skip("this GPU is SM100")
+    with CudaKV(dsv41_flash(arch="sm100", num_blocks=8, layers=2), 0) as kv, \
+            Client(cuda_server.endpoint, timeout_s=30) as c:
+        with pytest.raises(ServerError) as e:
+            c.register(**kv.register_kwargs())
+        assert e.value.code == "arch"
+        torch.cuda.synchronize()
+
+
+def test_out_of_range_block_refused(cuda_server: ServerProcess) -> None:
+    from lmc_server.testing.cuda_kv import CudaKV
+    from lmc_server.testing.kv import block_ids_for
+    from lmc_server.testing.presets import dsv41_flash
+
+    geo = dsv41_flash(num_blocks=32, layers=4)
+    with CudaKV(geo, 0) as kv, Client(cuda_server.endpoint, timeout_s=30) as c:
+        reg = c.register(**kv.register_kwargs(model="oob/model"))
+        ids = block_ids_for(reg, 1, None)
+        ids["indexer"] = np.asarray(ids["indexer"]).copy()
+        ids["indexer"][-1] = 32
+        digest = os.urandom(32)
+        with pytest.raises(ServerError) as e:
+            c.store(reg, digest, ids)
+        assert e.value.code == "bounds"
+        assert c.lookup(reg, digest, lease=False).hit_chunks == 0
+        assert c.ping().ready
+
+
+def test_worker_on_gpu1_with_other_numbering() -> None:
+    """Worker sees only GPU 1 (as its device 0); the server sees both, in another order."""
+    if device_count() < 2:
+        pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
+    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=1, start_timeout_s=60,
+                       env={"CUDA_VISIBLE_DEVICES": "1,0"}) as srv:
+        out = run_worker({"mode": "roundtrip", "endpoint": srv.endpoint, "chunks": 4,
+                          "num_blocks": 96, "layers": 8, "seed": 11},
+                         env={"CUDA_VISIBLE_DEVICES": "1"})
+        assert "ROUNDTRIP OK" in out
+        assert "cuda device 0 of this server" in srv.log()
+
+
+def test_answers_at_once_with_a_large_pool() -> None:
+    """Pinning runs slab by slab in the background; ping answers long before it ends."""
+    t0 = time.monotonic()
+    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=16, start_timeout_s=60) as srv:
+        first_ping_s = time.monotonic() - t0
+        with Client(srv.endpoint, timeout_s=30) as c:
+            deadline = time.monotonic() + 60
+            while not c.ping().ready and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ready_s = time.monotonic() - t0
+            pool = c.stats()["l1"]
+        print(f"first ping {first_ping_s:.2f} s, first slab {ready_s:.2f} s, "
+              f"ready slabs {pool['ready_slabs']} of {pool['slabs']}")
+        assert first_ping_s < 5.0
+        assert pool["ready_slabs"] < pool["slabs"]  # still pinning in the background
+
+
+def _free_bytes(device: int = 0) -> int:
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
+    """The server keeps serving, the object never appears, the GPU memory comes back."""
+    from lmc_server.testing.cuda_kv import device_arch
+    from lmc_server.testing.presets import dsv41_flash
+
+    n = 8
+    layers, blocks = 44, 3000
+    geo = dsv41_flash(arch=device_arch(0), num_blocks=blocks, layers=layers)
+    kv_bytes = sum(geo.buffer_sizes)
+    assert kv_bytes > 2 << 30
+    digests = os.urandom(32 * n)
+    _free_bytes()
+    time.sleep(0.5)
+    baseline = _free_bytes()
+    with Client(cuda_server.endpoint, timeout_s=30, client_name="observer") as obs:
+        reg = obs.register(model=geo.model, kv_dtype=geo.kv_dtype, arch=geo.arch,
+                           groups=geo.groups, replicated=True)  # lookup-only, same namespace
+        proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(
+            {"mode": "store-and-hang", "endpoint": cuda_server.endpoint, "chunks": n,
+             "num_blocks": blocks, "layers": layers, "digests": digests.hex(),
+             "sleep_s": 3.0})], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "STORING" in line, line
+            assert _free_bytes() < baseline - kv_bytes // 2
+        finally:
+            proc.kill()
+            proc.wait()
+        assert obs.ping().ready
+        deadline = time.monotonic() + 45
+        released = False
+        while time.monotonic() < deadline:
+            assert obs.lookup(reg, digests, lease=False).hit_chunks == 0
+            if _free_bytes() > baseline - (256 << 20):
+                released = True
+                break
+            time.sleep(0.5)
+        assert released, (f"GPU memory not back: baseline {baseline}, now {_free_bytes()}"
+                          f"\n{cuda_server.log()[-3000:]}")
+        time.sleep(1.0)
+        assert obs.lookup(reg, digests, lease=False).hit_chunks == 0
+    out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 2,
+                      "num_blocks": 96, "layers": 8, "seed": 4})
+    assert "ROUNDTRIP OK" in out
