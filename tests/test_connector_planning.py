@@ -1,0 +1,339 @@
+"""Connector planning without vLLM: chunk arithmetic, the scheduler's lookup/lease/load/
+store state machine, and the worker's exactly-once reports, against a real server."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from lmc_server.client import Client
+from lmc_server.integration.link import ServerLink
+from lmc_server.integration.planning import (
+    ChunkGeometry,
+    EngineGroup,
+    LookupAnswer,
+    ScheduledRequest,
+    SchedulerPlanner,
+)
+from lmc_server.integration.settings import ConnectorSettings
+from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.testing.kv import ShmKV
+from lmc_server.testing.presets import dsv41_flash, simple_model
+from lmc_server.testing.process import ServerProcess
+
+CHUNK = 256
+
+
+def hashes(tokens: list[int], per: int = 16) -> list[bytes]:
+    """Chained block hashes like an engine's (one per ``per`` tokens)."""
+    out, prev = [], b""
+    for i in range(len(tokens) // per):
+        prev = hashlib.sha256(prev + np.asarray(tokens[i * per:(i + 1) * per],
+                                                dtype="<i4").tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+def dsv_groups() -> list[EngineGroup]:
+    return [EngineGroup("swa0", 32, window_tokens=128), EngineGroup("swa1", 32,
+                                                                    window_tokens=128),
+            EngineGroup("compressed", 64), EngineGroup("indexer", 64),
+            EngineGroup("compressor_scratch", 8, cached=False)]
+
+
+class FakeLookups:
+    """Lookups answered by hand: the test decides when a future completes."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[bytes, Future[LookupAnswer]]] = []
+        self.released: list[int] = []
+
+    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
+        fut: Future[LookupAnswer] = Future()
+        self.pending.append((digests, fut))
+        return fut
+
+    def release(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+
+
+# -- chunk geometry ---------------------------------------------------------------------
+
+
+def test_digests_follow_block_hashes_and_prefixes() -> None:
+    g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    a = list(range(1024))
+    b = a[:512] + [7] * 512
+    da, db = g.digests(hashes(a), 4), g.digests(hashes(b), 4)
+    assert len(da) == 4 * 32
+    assert da[:64] == db[:64] and da[64:96] != db[64:96]
+    assert g.digests(hashes(a), 2) == da[:64]
+    with pytest.raises(ValueError):
+        g.digests(hashes(a)[:15], 1)
+
+
+def test_max_chunks_never_claims_last_token() -> None:
+    g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    assert g.max_chunks(256, 16) == 0
+    assert g.max_chunks(257, 16) == 1
+    assert g.max_chunks(513, 32) == 2
+    assert g.max_chunks(513, 20) == 1  # only hashed chunks
+
+
+def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
+    g = ChunkGeometry(CHUNK, 32, dsv_groups())
+    tables = [list(range(100, 116)), list(range(200, 216)), list(range(300, 308)),
+              list(range(400, 408)), [9]]
+    tables[0][9] = 0  # vLLM's null block: a sliding-window block already dropped
+    ids = g.block_ids(tables, 1, 1)
+    assert set(ids) == {"swa0", "swa1", "compressed", "indexer"}
+    assert ids["swa0"].tolist() == [108, -1] + list(range(110, 116))
+    assert ids["compressed"].tolist() == [304, 305, 306, 307]
+    kept = g.block_ids(tables, 0, 2, keep_tokens=320)
+    assert kept["compressed"].tolist() == [-1] * 5 + [305, 306, 307]
+    assert kept["swa1"].tolist() == [-1] * 10 + list(range(210, 216))
+    short = g.block_ids([t[:3] for t in tables], 0, 1)
+    assert short["indexer"].tolist() == [400, 401, 402, -1]
+
+
+def test_chunk_size_must_fit_every_cached_group() -> None:
+    with pytest.raises(ValueError, match="'compressed'"):
+        ChunkGeometry(96, 32, dsv_groups())
+    with pytest.raises(ValueError, match="hash block size"):
+        ChunkGeometry(256, 48, [EngineGroup("full", 16)])
+
+
+def test_settings_from_extra_config() -> None:
+    s = ConnectorSettings.from_extra({"lmcache.mp.host": "::1", "lmcache.mp.port": "6000",
+                                      "lmcache.mp.store": "false", "other.key": 1})
+    assert s.endpoint == "tcp://[::1]:6000" and s.store is False
+    with pytest.raises(ValueError, match="lmcache.mp.prot"):
+        ConnectorSettings.from_extra({"lmcache.mp.prot": 1})
+    with pytest.raises(ValueError, match="boolean"):
+        ConnectorSettings.from_extra({"lmcache.mp.load": "maybe"})
+
+
+# -- scheduler planner (hand-driven lookups) ----------------------------------------------
+
+
+def test_lookup_is_async_rounded_and_leased() -> None:
+    svc = FakeLookups()
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc)
+    h = hashes(list(range(800)))
+    assert p.matched_tokens("r", h, 800, 800, 0) is None
+    assert p.matched_tokens("r", h, 800, 800, 0) is None
+    assert len(svc.pending) == 1 and len(svc.pending[0][0]) == 3 * 32
+    svc.pending[0][1].set_result(LookupAnswer(2, 11, 30.0))
+    assert p.matched_tokens("r", h, 800, 800, 0) == 512
+    assert p.matched_tokens("r", h, 800, 800, 0) == 512  # idempotent
+    assert p.matched_tokens("r", h, 800, 800, 256) == 256  # engine holds chunk 0
+    assert svc.released == []
+    # the engine's own prefix cache covers the hit: nothing to load, lease released
+    assert p.matched_tokens("r", h, 800, 800, 512) == 0
+    assert svc.released == [11]
+
+
+def test_stale_lease_is_refreshed() -> None:
+    now = [0.0]
+    svc = FakeLookups()
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
+                         clock=lambda: now[0])
+    h = hashes(list(range(600)))
+    p.matched_tokens("r", h, 600, 600, 0)
+    svc.pending[0][1].set_result(LookupAnswer(2, 5, 10.0))
+    assert p.matched_tokens("r", h, 600, 600, 0) == 512
+    now[0] = 6.0
+    assert p.matched_tokens("r", h, 600, 600, 0) is None
+    assert svc.released == [5] and len(svc.pending) == 2
+
+
+def test_abort_during_lookup_releases_the_late_lease() -> None:
+    svc = FakeLookups()
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc)
+    h = hashes(list(range(600)))
+    assert p.matched_tokens("r", h, 600, 600, 0) is None
+    assert p.request_finished("r") is False
+    svc.pending[0][1].set_result(LookupAnswer(2, 9, 30.0))
+    p.build_step([])
+    assert svc.released == [9] and p.tracked == 0
+
+
+def test_load_then_store_plan_and_hold_rules() -> None:
+    svc = FakeLookups()
+    g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    p = SchedulerPlanner(g, svc)
+    h = hashes(list(range(1100)))
+    p.matched_tokens("r", h, 1100, 1100, 256)
+    svc.pending[0][1].set_result(LookupAnswer(3, 4, 30.0))
+    assert p.matched_tokens("r", h, 1100, 1100, 256) == 512
+    blocks = [list(range(1, 70))]
+    p.after_alloc("r", blocks, 512)
+    plan = p.build_step([])
+    (load,) = plan.loads
+    assert load.n_chunks == 3 and load.lease_id == 4
+    assert load.block_ids["full"].tolist() == [-1] * 16 + list(range(17, 49))
+    # aborted while loading: blocks held until every worker reported the load
+    assert p.request_finished("r") is True
+    assert svc.released == []
+    p.transfers_finished(["r"], [])
+    assert svc.released == [4] and p.tracked == 0
+
+    # a fresh request: prefill in two steps stores each completed chunk once
+    svc2 = FakeLookups()
+    p2 = SchedulerPlanner(g, svc2)
+    p2.matched_tokens("s", h, 1100, 1100, 0)
+    svc2.pending[0][1].set_result(LookupAnswer(0, 0, 30.0))
+    assert p2.matched_tokens("s", h, 1100, 1100, 0) == 0
+    p2.after_alloc("s", [list(range(1, 33))], 0)
+    s1 = p2.build_step([ScheduledRequest("s", 0, 512, [list(range(1, 33))], True)])
+    assert [(s.first_chunk, s.n_chunks) for s in s1.stores] == [(0, 2)]
+    assert s1.stores[0].digests == g.digests(h, 2) and not s1.stores[0].fence
+    s2 = p2.build_step([ScheduledRequest("s", 512, 588, [list(range(33, 70))])])
+    assert [(s.first_chunk, s.n_chunks) for s in s2.stores] == [(2, 2)]
+    assert s2.stores[0].block_ids["full"].tolist() == list(range(33, 65))
+    assert p2.build_step([ScheduledRequest("s", 1100, 1, None)]).stores == []
+    assert p2.request_finished("s") is True
+    p2.transfers_finished([], ["s"])
+    assert p2.tracked == 0
+
+
+def test_window_stores_are_fenced_and_preemption_fences() -> None:
+    svc = FakeLookups()
+    g = ChunkGeometry(CHUNK, 32, dsv_groups())
+    p = SchedulerPlanner(g, svc)
+    h = hashes(list(range(700)), per=32)
+    p.matched_tokens("w", h, 700, 700, 0)
+    svc.pending[0][1].set_result(LookupAnswer(0, 0, 30.0))
+    p.matched_tokens("w", h, 700, 700, 0)
+    tables = [list(range(1, 23)), list(range(30, 52)), list(range(60, 71)),
+              list(range(80, 91)), [5]]
+    p.after_alloc("w", tables, 0)
+    plan = p.build_step([ScheduledRequest("w", 0, 700, tables, True)])
+    (st,) = plan.stores
+    assert st.n_chunks == 2 and st.fence  # window blocks may leave before the copy
+    assert "compressor_scratch" not in st.block_ids
+    assert p.build_step([], preempted_req_ids=["w"]).fence_req_ids == {"w"}
+
+
+# -- against a real server ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[ServerProcess]:
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
+                        "--eviction-policy", "LRU"], l1_size_gb=0.5) as s:
+        yield s
+
+
+def _link(srv: ServerProcess, kv: ShmKV, buffers: bool) -> ServerLink:
+    link = ServerLink(srv.endpoint, timeout_s=20)
+    link.register(**kv.register_kwargs(buffers=kv.buffers if buffers else [],
+                                       replicated=True))
+    return link
+
+
+@pytest.mark.parametrize("preset", ["dsv41", "simple"])
+def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
+    geo = (dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41"
+           else simple_model(num_blocks=128))
+    with ShmKV(geo) as kv:
+        kv.fill_random(1)
+        sched, work = _link(srv, kv, False), _link(srv, kv, True)
+        try:
+            groups = [EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
+                      for gs in geo.groups]
+            per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
+            g = ChunkGeometry(256, per, groups)
+            planner = SchedulerPlanner(g, sched)
+            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            wt = WorkerTransfers(work, tracker)
+            toks = list(range(5000, 5000 + 700))
+            h = hashes(toks, per)
+
+            def tables(offset: int) -> list[list[int]]:
+                return [list(range(offset, offset + 700 // gs.tokens_per_block + 1))
+                        if gs.cached else [1] for gs in geo.groups]
+
+            # request A computes its prompt; its two full chunks are stored
+            while (n := planner.matched_tokens("A", h, 700, 700, 0)) is None:
+                pass
+            assert n == 0
+            planner.after_alloc("A", tables(1), 0)
+            plan = planner.build_step([ScheduledRequest("A", 0, 700, tables(1), True)])
+            wt.begin_step(plan)
+            wt.start_stores(plan.stores)
+            wt.fence([])
+            wt.fence(["A"])
+            assert planner.request_finished("A") is True
+            rep = tracker.poll({"A"})
+            assert rep.finished_sending == {"A"}
+            assert tracker.poll(set()).finished_sending == set()  # exactly once
+            planner.transfers_finished([], rep.finished_sending)
+
+            # request B, same prompt: hit of 2 chunks, loaded into other blocks
+            while (n := planner.matched_tokens("B", h, 700, 700, 0)) is None:
+                pass
+            assert n == 512
+            planner.after_alloc("B", tables(64), 512)
+            plan = planner.build_step([])
+            wt.begin_step(plan)
+            (load,) = plan.loads
+            rep = tracker.poll(set())
+            while not rep.finished_recving:
+                tracker._loads["B"].future.result(10)
+                rep = tracker.poll(set())
+            assert rep.finished_recving == {"B"} and not rep.failed_recving
+            assert not rep.invalid_block_ids
+            for gs in geo.groups:
+                if not gs.cached:
+                    continue
+                src = g.block_ids(tables(1), 0, 2)[gs.name]
+                dst = load.block_ids[gs.name]
+                if gs.kind == "sliding_window":  # only the window of the last chunk
+                    nwin = gs.window_tokens // gs.tokens_per_block
+                    src, dst = src[-nwin:], dst[-nwin:]
+                assert kv.pages(gs.name, dst.tolist()) == kv.pages(gs.name, src.tolist())
+            planner.transfers_finished(rep.finished_recving, [])
+            assert planner.request_finished("B") is False
+            assert planner.tracked == 0
+        finally:
+            sched.close()
+            work.close()
+
+
+@pytest.mark.parametrize("preset", ["dsv41", "simple"])
+def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) -> None:
+    geo = (dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41"
+           else simple_model(num_blocks=128))
+    with ShmKV(geo) as kv:
+        work = _link(srv, kv, True)
+        try:
+            per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
+            g = ChunkGeometry(256, per, [EngineGroup(gs.name, gs.tokens_per_block, gs.cached,
+                                                     gs.window_tokens) for gs in geo.groups])
+            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            wt = WorkerTransfers(work, tracker)
+            digests = g.digests(hashes(list(range(9000, 9600)), per), 2)  # never stored
+            tables = [list(range(1, 30)) if gs.cached else [1] for gs in geo.groups]
+            from lmc_server.integration.planning import LoadSpec, StepPlan
+
+            spec = LoadSpec("C", digests, g.block_ids(tables, 0, 2), 0)
+            wt.begin_step(StepPlan(loads=[spec]))
+            tracker._loads["C"].future.result(10)
+            rep = tracker.poll(set())
+            assert rep.finished_recving == {"C"}
+            if len(geo.groups) == 1:
+                assert rep.invalid_block_ids == set(range(1, 33)) & set(
+                    spec.block_ids["full"].tolist())
+                assert not rep.failed_recving
+            else:
+                assert rep.failed_recving == {"C"}
+            assert tracker.poll(set()).finished_recving == set()
+        finally:
+            work.close()
+    with Client(srv.endpoint) as c:
+        assert c.stats()  # the server is still serving
