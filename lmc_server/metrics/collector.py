@@ -35,6 +35,9 @@ from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import TRANSFER_BUCKETS_S, ServerStats
 
 PREFIX = "lmcache_"
+#: Allocation-failure reasons :class:`~lmc_server.cache.index.L1Index` counts; exported
+#: as 0 before the first one, so that ``rate()`` and alerts see the series from the start.
+ALLOC_FAILURE_REASONS = ("aborted", "no_space")
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ class ServerCollector(Collector):
             PREFIX + "allocation_failures", "Objects that could not be stored, by reason "
             "(no_space: nothing evictable; aborted: the copy failed or its writer left).",
             labels=["reason"])
-        for reason, n in sorted(dict(s.alloc_failures).items()):
+        counted = {r: 0 for r in ALLOC_FAILURE_REASONS}
+        counted.update(dict(s.alloc_failures))
+        for reason, n in sorted(counted.items()):
             failures.add_metric([reason], n)
         yield failures
 
