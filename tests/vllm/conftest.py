@@ -1,7 +1,9 @@
 """Tests that drive LMCacheMPConnector through vLLM's real classes (marker ``vllm``).
 
 They run only where vLLM is importable (the optional environment made by
-scripts/make-vllm-env.sh); elsewhere every test here is skipped.
+scripts/make-vllm-env.sh); elsewhere every test here is skipped. This folder, being on
+pytest's import path, looks like a namespace package named ``vllm``; only a regular
+package (one with an origin file) counts as vLLM being installed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin not in (None, "namespace"):
         return
     skip = pytest.mark.skip(reason="vLLM is not installed (see docs/vllm.md)")
     for item in items:
