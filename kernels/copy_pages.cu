@@ -4,7 +4,7 @@
 // address points into a worker's KV buffer (mapped through CUDA IPC), the object
 // address into a contiguous object: a GPU staging buffer (copy mode "staging") or the
 // mapped pinned host pool (copy mode "mapped"). Every address was range-checked on the
-// host before launch (lmc_server.transfer.cuda_plan.check_descriptors).
+// host before launch (lmc_server.transfer.cuda_plan).
 //
 //   gather_pages:  page   -> object   (store: engine pages into an object)
 //   scatter_pages: object -> page     (retrieve: an object back into engine pages)

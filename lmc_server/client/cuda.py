@@ -25,6 +25,7 @@ import torch
 
 from lmc_server.cache.geometry import CudaIpcBuffer
 
+IPC_HANDLE_BYTES = 64
 _events: dict[tuple[int, int], tuple[Any, bytes]] = {}
 _events_lock = threading.Lock()
 
@@ -50,6 +51,24 @@ def tensor_extent_bytes(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def ipc_mem_handle(shared: bytes) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` inside PyTorch's shareable handle.
+
+    Recent PyTorch prefixes the handle with a version byte and a kind byte (``c``: a
+    cudaMalloc segment, ``e``: an expandable segment, which is not a cudaMalloc
+    allocation and cannot be opened with ``cudaIpcOpenMemHandle``); older releases
+    return the bare 64 bytes.
+    """
+    if len(shared) == IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    if len(shared) >= 2 and shared[1:2] == b"e":
+        raise ValueError("KV tensors in expandable segments cannot be exported over CUDA "
+                         "IPC; unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    raise ValueError(f"unrecognised PyTorch IPC handle ({len(shared)} bytes)")
+
+
 def export_tensor(t: torch.Tensor) -> CudaIpcBuffer:
     """The IPC description of ``t``'s memory (``t`` must live on a CUDA device)."""
     if not t.is_cuda:
@@ -59,9 +78,9 @@ def export_tensor(t: torch.Tensor) -> CudaIpcBuffer:
         raise ValueError("cannot export an empty tensor")
     storage = t.untyped_storage()
     shared = storage._share_cuda_()
-    handle, storage_offset_bytes = shared[1], int(shared[3])
+    handle, storage_offset_bytes = ipc_mem_handle(bytes(shared[1])), int(shared[3])
     offset = storage_offset_bytes + t.storage_offset() * t.element_size()
-    return CudaIpcBuffer(handle=bytes(handle), device_uuid=device_uuid(t.device),
+    return CudaIpcBuffer(handle=handle, device_uuid=device_uuid(t.device),
                          offset=offset, size_bytes=size)
 
 

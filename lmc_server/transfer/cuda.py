@@ -12,7 +12,10 @@ Two copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md):
     One kernel reads the pages and writes the mapped pinned pool directly over PCIe
     (or the reverse). No staging memory, but SMs are busy for the whole transfer.
 
-Each concurrent request takes a *lane* of its GPU (two streams, staging halves,
+A request is validated whole (every range, before anything is launched), then cut into
+parts of about one staging half: part ``i + 1`` is planned on the CPU (numpy) while the
+GPU copies part ``i``, so planning adds only one part's worth to the latency. Each
+concurrent request takes a *lane* of its GPU (two streams, staging halves,
 descriptor buffers, events), so the per-request objects are allocated once and reused.
 ``store``/``retrieve`` block until the copy is complete, waiting on a blocking-sync
 event (the thread sleeps; no core spins). Ordering with the worker: a store first makes
@@ -38,7 +41,14 @@ from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import HostPool, Mapping, TransferEngine, TransferError
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_plan import (
+    Plan,
+    Region,
+    plan_mapped,
+    plan_staging,
+    split,
+    validate,
+)
 from lmc_server.transfer.cuda_pool import CudaHostPool
 
 log = logging.getLogger(__name__)
@@ -86,22 +96,34 @@ class _Lane:
         assert self.staging is not None
         return int(self.staging.ptr), int(self.staging.ptr) + self.half_bytes
 
-    def upload(self, desc: np.ndarray, stream: cupy.cuda.Stream) -> int:
-        """Enqueue one copy of ``desc`` to the GPU on ``stream``; the device address."""
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` descriptors (host and device); grows, never shrinks."""
+        if rows <= self.desc_rows:
+            return
+        rows = max(4096, 1 << (rows - 1).bit_length())
+        self.desc_dev = self.desc_host = None
+        with cupy.cuda.Device(self.device):
+            self.desc_dev = cupy.cuda.memory.Memory(rows * cuda_kernels.DESC_BYTES)
+        self.desc_host = cupy.cuda.alloc_pinned_memory(rows * cuda_kernels.DESC_BYTES)
+        self.desc_host_view = np.frombuffer(self.desc_host, dtype=np.uint64,
+                                            count=rows * 3).reshape(rows, 3)
+        self.desc_rows = rows
+
+    def upload(self, desc: np.ndarray, row: int, stream: cupy.cuda.Stream) -> int:
+        """Enqueue the copy of ``desc`` to device rows ``row...`` on ``stream``.
+
+        Rows of one request never overlap, so a part's host rows are not rewritten
+        while an earlier part's upload may still be reading them. Returns the device
+        address of row 0.
+        """
         n = desc.shape[0]
-        if n > self.desc_rows:
-            rows = max(4096, 1 << (n - 1).bit_length())
-            self.desc_dev = self.desc_host = None
-            with cupy.cuda.Device(self.device):
-                self.desc_dev = cupy.cuda.memory.Memory(rows * cuda_kernels.DESC_BYTES)
-            self.desc_host = cupy.cuda.alloc_pinned_memory(rows * cuda_kernels.DESC_BYTES)
-            self.desc_host_view = np.frombuffer(self.desc_host, dtype=np.uint64,
-                                                count=rows * 3).reshape(rows, 3)
-            self.desc_rows = rows
-        assert self.desc_dev is not None
-        self.desc_host_view[:n] = desc
-        cupy.cuda.runtime.memcpyAsync(int(self.desc_dev.ptr), int(self.desc_host_view.ctypes.data),
-                                      n * cuda_kernels.DESC_BYTES, _MEMCPY_DEFAULT, stream.ptr)
+        assert self.desc_dev is not None and row + n <= self.desc_rows
+        self.desc_host_view[row:row + n] = desc
+        nbytes = n * cuda_kernels.DESC_BYTES
+        cupy.cuda.runtime.memcpyAsync(int(self.desc_dev.ptr) + row * cuda_kernels.DESC_BYTES,
+                                      int(self.desc_host_view.ctypes.data)
+                                      + row * cuda_kernels.DESC_BYTES,
+                                      nbytes, _MEMCPY_DEFAULT, stream.ptr)
         return int(self.desc_dev.ptr)
 
 
@@ -193,6 +215,7 @@ class CudaEngine(TransferEngine):
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         self.copy_mode = copy_mode
         self.mapped_blocks = mapped_blocks
+        self.part_bytes = STAGING_HALF_BYTES
         self._lanes_per_device = lanes_per_device
         self._lanes: dict[int, _Lanes] = {}
         self._lanes_lock = threading.Lock()
@@ -273,65 +296,88 @@ class CudaEngine(TransferEngine):
 
     def _mapped(self, lane: _Lane, mapping: _EngineMapping, copies: list[RunCopy],
                 to_pool: bool, wait_event: bytes) -> None:
-        plan = plan_mapped(copies, self._region(mapping))
-        if not plan.pieces:
-            return
+        region = self._region(mapping)
+        validate(copies, region)
+        lane.reserve(sum(c.block_ids.size * c.run.n_layers for c in copies))
         if wait_event:
             mapping.events.wait(wait_event, lane.sm)
-        desc = lane.upload(plan.desc, lane.sm)
-        cuda_kernels.launch(lane.device, "gather_pages" if to_pool else "scatter_pages",
-                            desc, lane.desc_rows, 0, plan.n_desc, self.mapped_blocks,
-                            MAPPED_THREADS, lane.sm)
+        kernel = "gather_pages" if to_pool else "scatter_pages"
+        row = 0
+        for part in split(copies, self.part_bytes):
+            plan = plan_mapped(part, region)
+            if not plan.n_desc:
+                continue
+            desc = lane.upload(plan.desc, row, lane.sm)
+            cuda_kernels.launch(lane.device, kernel, desc, lane.desc_rows, row, plan.n_desc,
+                                self.mapped_blocks, MAPPED_THREADS, lane.sm)
+            row += plan.n_desc
         lane.done.record(lane.sm)
         lane.done.synchronize()
 
     def _staging(self, lane: _Lane, mapping: _EngineMapping, copies: list[RunCopy],
                  to_pool: bool, wait_event: bytes) -> None:
-        biggest = max(c.run.nbytes for c in copies)
-        halves = lane.halves(biggest)
-        plan = plan_staging(copies, self._region(mapping), halves, lane.half_bytes)
-        if not plan.pieces:
-            return
-        sm, dma = lane.sm, lane.dma
+        region = self._region(mapping)
+        validate(copies, region)
+        halves = lane.halves(max(c.run.nbytes for c in copies))
+        lane.reserve(sum(c.block_ids.size * c.run.n_layers for c in copies))
         if wait_event:
-            mapping.events.wait(wait_event, sm)
-        desc = lane.upload(plan.desc, sm)
-        if to_pool:
-            self._store_pieces(lane, plan, desc)
-            lane.done.record(dma)
-        else:
-            self._retrieve_pieces(lane, plan, desc)
-            lane.done.record(sm)
+            mapping.events.wait(wait_event, lane.sm)
+        row, k = 0, 0
+        for part in split(copies, lane.half_bytes):
+            order = halves if k % 2 == 0 else halves[::-1]
+            plan = plan_staging(part, region, order, lane.half_bytes)
+            if not plan.pieces:
+                continue
+            desc = lane.upload(plan.desc, row, lane.sm)
+            if to_pool:
+                self._store_pieces(lane, plan, desc, row, k)
+            else:
+                self._retrieve_pieces(lane, plan, desc, row, k)
+            row += plan.n_desc
+            k += len(plan.pieces)
+        lane.done.record(lane.dma if to_pool else lane.sm)
         lane.done.synchronize()
 
     def _blocks(self, device: int, count: int) -> int:
         return max(1, min(count, 4 * self._sm_count[device]))
 
-    def _store_pieces(self, lane: _Lane, plan: Plan, desc: int) -> None:
+    def _store_pieces(self, lane: _Lane, plan: Plan, desc: int, row: int, k0: int) -> None:
+        """Gather piece into a staging half (SMs), then DMA it out (copy engine).
+
+        Piece ``k`` (counted over the whole request) uses half ``k % 2``; its gather
+        waits until the DMA of piece ``k - 2`` has drained that half.
+        """
         sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        for k, p in enumerate(plan.pieces):
+        for i, p in enumerate(plan.pieces):
+            k = k0 + i
+            h = k % 2
             if k >= 2:
-                sm.wait_event(lane.freed[p.half])
-            cuda_kernels.launch(lane.device, "gather_pages", desc, lane.desc_rows, p.first,
-                                p.count, self._blocks(lane.device, p.count), GATHER_THREADS, sm)
-            lane.filled[p.half].record(sm)
-            dma.wait_event(lane.filled[p.half])
+                sm.wait_event(lane.freed[h])
+            cuda_kernels.launch(lane.device, "gather_pages", desc, lane.desc_rows,
+                                row + p.first, p.count, self._blocks(lane.device, p.count),
+                                GATHER_THREADS, sm)
+            lane.filled[h].record(sm)
+            dma.wait_event(lane.filled[h])
             for stage, pool, n in p.segments.tolist():
                 memcpy(pool, stage, n, _MEMCPY_DEFAULT, dma.ptr)
-            lane.freed[p.half].record(dma)
+            lane.freed[h].record(dma)
 
-    def _retrieve_pieces(self, lane: _Lane, plan: Plan, desc: int) -> None:
+    def _retrieve_pieces(self, lane: _Lane, plan: Plan, desc: int, row: int, k0: int) -> None:
+        """DMA a piece into a staging half, then scatter it into the pages (SMs)."""
         sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        for k, p in enumerate(plan.pieces):
+        for i, p in enumerate(plan.pieces):
+            k = k0 + i
+            h = k % 2
             if k >= 2:
-                dma.wait_event(lane.freed[p.half])
+                dma.wait_event(lane.freed[h])
             for stage, pool, n in p.segments.tolist():
                 memcpy(stage, pool, n, _MEMCPY_DEFAULT, dma.ptr)
-            lane.filled[p.half].record(dma)
-            sm.wait_event(lane.filled[p.half])
-            cuda_kernels.launch(lane.device, "scatter_pages", desc, lane.desc_rows, p.first,
-                                p.count, self._blocks(lane.device, p.count), GATHER_THREADS, sm)
-            lane.freed[p.half].record(sm)
+            lane.filled[h].record(dma)
+            sm.wait_event(lane.filled[h])
+            cuda_kernels.launch(lane.device, "scatter_pages", desc, lane.desc_rows,
+                                row + p.first, p.count, self._blocks(lane.device, p.count),
+                                GATHER_THREADS, sm)
+            lane.freed[h].record(sm)
 
     def close(self) -> None:
         for lanes in list(self._lanes.values()):

@@ -5,7 +5,7 @@ process by NVRTC through ``cupy.RawModule`` (CuPy caches the binary on disk), an
 loaded once per device. :func:`launch` is the thin host wrapper: it checks the
 descriptor range and launch shape before every launch; the addresses inside the
 descriptors were checked when the plan was built
-(:func:`lmc_server.transfer.cuda_plan.check_descriptors`).
+(:mod:`lmc_server.transfer.cuda_plan`).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ CPU-only host. A plan has three parts:
 
 Invariants: every page range lies inside the registered buffer it belongs to, every
 object range inside the pool (one slab) or inside the staging half of its piece, and no
-unit (one run of one chunk) straddles two pieces. :func:`check_descriptors` verifies the
-first two on the final descriptors before any launch.
+unit (one run of one chunk) straddles two pieces. :func:`_expand` checks the first (the
+exact envelope of each run's pages: lowest and highest block of its first and last
+layer) and :func:`check_objects` the second, per unit, before anything is launched.
 """
 
 from __future__ import annotations
@@ -65,123 +66,160 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class _Units:
-    """One unit per (run copy, chunk): its pool offset and size, and its pages."""
+    """Units (one run of one chunk) and their pages, flat, in unit-major order.
 
-    pool_off: np.ndarray  # int64 (u,)
-    size: np.ndarray  # int64 (u,)
-    page_ptr: list[np.ndarray]  # per copy: (chunks, layers * blocks) int64
-    page_rel: list[np.ndarray]  # per copy: (layers * blocks,) offset inside the unit
-    page_bytes: list[int]
-    keep: list[np.ndarray]  # per copy: (chunks, layers * blocks) bool
-    buffer: list[int]
+    Unit ``u`` owns page rows ``[row_start[u], row_start[u] + n_pages[u])``; a row's
+    ``rel`` is its offset inside the unit's object range.
+    """
+
+    pool_off: np.ndarray  # (U,) int64
+    size: np.ndarray  # (U,) int64
+    n_pages: np.ndarray  # (U,) int64
+    row_start: np.ndarray  # (U,) int64
+    page_ptr: np.ndarray  # (R,) int64
+    rel: np.ndarray  # (R,) int64
+    nbytes: np.ndarray  # (R,) int64
+    keep: np.ndarray | None  # (R,) bool, None when no block is -1
+
+
+def _check_copy(ci: int, c: RunCopy, region: Region) -> tuple[np.ndarray, bool] | None:
+    """Check one copy's ranges; its ``block ids >= 0`` mask and whether any is -1.
+
+    ``None`` when the copy has nothing to do (no chunks, or every block -1).
+    """
+    r = c.run
+    ids, offs = c.block_ids, c.object_offsets
+    if ids.ndim != 2 or ids.shape[1] != r.n_blocks or offs.shape != (ids.shape[0],):
+        raise TransferError(f"copy {ci}: block ids {ids.shape} / object offsets "
+                            f"{offs.shape} do not match {r.n_blocks} blocks per chunk")
+    if not 0 <= r.buffer < len(region.buffer_ptrs):
+        raise TransferError(f"copy {ci}: buffer {r.buffer} is not registered")
+    if r.page_bytes <= 0 or r.n_layers <= 0 or r.n_blocks <= 0:
+        raise TransferError(f"copy {ci}: empty run")
+    if ids.shape[0] == 0:
+        return None
+    lo_id, hi_id = int(ids.min()), int(ids.max())
+    if lo_id < -1:
+        raise TransferError(f"copy {ci}: negative block id {lo_id}")
+    mask = ids >= 0
+    holes = lo_id == -1
+    if holes:
+        if hi_id < 0:
+            return None
+        lo_id = int(ids[mask].min())
+    last_layer = (r.n_layers - 1) * r.layer_stride
+    lo_b, hi_b = sorted((lo_id * r.block_stride, hi_id * r.block_stride))
+    lo = r.base_offset + min(0, last_layer) + lo_b
+    hi = r.base_offset + max(0, last_layer) + hi_b + r.page_bytes
+    if lo < 0 or hi > int(region.buffer_sizes[r.buffer]):
+        raise TransferError(
+            f"copy {ci}: pages span bytes [{lo}, {hi}) of buffer {r.buffer}, which has "
+            f"{int(region.buffer_sizes[r.buffer])} bytes (block ids {lo_id}..{hi_id})")
+    lo_off, hi_off = int(offs.min()), int(offs.max()) + r.nbytes
+    same_slab = (offs // region.slab_bytes) == ((offs + r.nbytes - 1) // region.slab_bytes)
+    if lo_off < 0 or hi_off > region.pool_bytes or not same_slab.all():
+        raise TransferError(f"copy {ci}: object range outside the pool or across a slab "
+                            "boundary")
+    return mask, holes
+
+
+def validate(copies: Sequence[RunCopy], region: Region) -> None:
+    """Check every range of a whole request (before any part of it is launched)."""
+    for ci, c in enumerate(copies):
+        _check_copy(ci, c, region)
 
 
 def _expand(copies: Sequence[RunCopy], region: Region) -> _Units:
-    """Page addresses per copy (vectorized) after checking every range."""
-    pool_off, size = [], []
-    page_ptr, page_rel, page_bytes, keep, buffer = [], [], [], [], []
-    n_buffers = len(region.buffer_ptrs)
+    """Page addresses of every copy (vectorized) after checking every range."""
+    pool_off, size, n_pages = [], [], []
+    page_ptr, rel, nbytes, keep = [], [], [], []
+    any_holes = False
     for ci, c in enumerate(copies):
+        checked = _check_copy(ci, c, region)
+        if checked is None:
+            continue
+        mask, holes = checked
         r = c.run
-        ids = np.asarray(c.block_ids, dtype=np.int64)
-        offs = np.asarray(c.object_offsets, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[1] != r.n_blocks or offs.shape != (ids.shape[0],):
-            raise TransferError(f"copy {ci}: block ids {ids.shape} / object offsets "
-                                f"{offs.shape} do not match {r.n_blocks} blocks per chunk")
-        if not 0 <= r.buffer < n_buffers:
-            raise TransferError(f"copy {ci}: buffer {r.buffer} is not registered")
-        if r.page_bytes <= 0 or r.n_layers <= 0 or r.n_blocks <= 0:
-            raise TransferError(f"copy {ci}: empty run")
-        if ids.size and int(ids.min()) < -1:
-            raise TransferError(f"copy {ci}: negative block id {int(ids.min())}")
-        mask = ids >= 0
+        m = c.block_ids.shape[0]
         layer_off = np.arange(r.n_layers, dtype=np.int64) * r.layer_stride
-        if mask.any():
-            valid = ids[mask]
-            lo = r.base_offset + int(layer_off.min()) + int(valid.min()) * r.block_stride
-            hi = (r.base_offset + int(layer_off.max()) + int(valid.max()) * r.block_stride
-                  + r.page_bytes)
-            if r.block_stride < 0:
-                lo = r.base_offset + int(layer_off.min()) + int(valid.max()) * r.block_stride
-                hi = (r.base_offset + int(layer_off.max()) + int(valid.min()) * r.block_stride
-                      + r.page_bytes)
-            if lo < 0 or hi > int(region.buffer_sizes[r.buffer]):
-                raise TransferError(
-                    f"copy {ci}: pages span bytes [{lo}, {hi}) of buffer {r.buffer}, which "
-                    f"has {int(region.buffer_sizes[r.buffer])} bytes (block ids "
-                    f"{int(valid.min())}..{int(valid.max())})")
-        if offs.size:
-            end = offs + r.nbytes
-            same_slab = (offs // region.slab_bytes) == ((end - 1) // region.slab_bytes)
-            if int(offs.min()) < 0 or int(end.max()) > region.pool_bytes or not same_slab.all():
-                raise TransferError(f"copy {ci}: object range outside the pool or across a "
-                                    "slab boundary")
         base = int(region.buffer_ptrs[r.buffer]) + r.base_offset
+        per = r.n_layers * r.n_blocks
         # (chunks, layers, blocks) page addresses; -1 blocks get a dummy address (masked).
-        ptr = base + layer_off[None, :, None] + np.maximum(ids, 0)[:, None, :] * r.block_stride
-        rel = (np.arange(r.n_layers * r.n_blocks, dtype=np.int64) * r.page_bytes)
-        pool_off.append(offs)
-        size.append(np.full(offs.shape, r.nbytes, dtype=np.int64))
-        page_ptr.append(ptr.reshape(ids.shape[0], -1))
-        page_rel.append(rel)
-        page_bytes.append(r.page_bytes)
-        keep.append(np.broadcast_to(mask[:, None, :], ptr.shape).reshape(ids.shape[0], -1))
-        buffer.append(r.buffer)
+        ids = np.maximum(c.block_ids, 0).astype(np.int64, copy=False)
+        ptr = base + layer_off[None, :, None] + ids[:, None, :] * r.block_stride
+        pool_off.append(c.object_offsets.astype(np.int64, copy=False))
+        size.append(np.full(m, r.nbytes, dtype=np.int64))
+        n_pages.append(np.full(m, per, dtype=np.int64))
+        page_ptr.append(ptr.ravel())
+        rel.append(np.tile(np.arange(per, dtype=np.int64) * r.page_bytes, m))
+        nbytes.append(np.full(m * per, r.page_bytes, dtype=np.int64))
+        keep.append(np.broadcast_to(mask[:, None, :], ptr.shape).ravel())
+        any_holes |= holes
+    if not pool_off:
+        z = np.zeros(0, np.int64)
+        return _Units(z, z, z, z, z, z, z, None)
     cat = np.concatenate
-    return _Units(cat(pool_off) if pool_off else np.zeros(0, np.int64),
-                  cat(size) if size else np.zeros(0, np.int64),
-                  page_ptr, page_rel, page_bytes, keep, buffer)
+    counts = cat(n_pages)
+    return _Units(cat(pool_off), cat(size), counts, np.cumsum(counts) - counts, cat(page_ptr),
+                  cat(rel), cat(nbytes), cat(keep) if any_holes else None)
 
 
-def _descriptors(u: _Units, unit_obj: np.ndarray, unit_piece: np.ndarray | None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows (page, object, bytes), each row's buffer index, each row's piece."""
-    rows, bufs, pieces = [], [], []
-    start = 0
-    for i, ptr in enumerate(u.page_ptr):
-        m = ptr.shape[0]
-        obj = unit_obj[start:start + m, None] + u.page_rel[i][None, :]
-        keep = u.keep[i]
-        d = np.empty((int(keep.sum()), 3), dtype=np.int64)
-        d[:, 0] = ptr[keep]
-        d[:, 1] = obj[keep]
-        d[:, 2] = u.page_bytes[i]
-        rows.append(d)
-        bufs.append(np.full(d.shape[0], u.buffer[i], dtype=np.int32))
-        if unit_piece is not None:
-            pieces.append(np.broadcast_to(unit_piece[start:start + m, None], keep.shape)[keep])
-        start += m
-    if not rows:
-        return (np.zeros((0, 3), np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
-    return (np.concatenate(rows), np.concatenate(bufs),
-            np.concatenate(pieces) if pieces else np.zeros(0, np.int32))
+def split(copies: Sequence[RunCopy], part_bytes: int) -> list[list[RunCopy]]:
+    """Cut a request into parts of about ``part_bytes`` by chunk rows (every copy alike).
 
-
-def check_descriptors(desc: np.ndarray, buffers: np.ndarray, region: Region,
-                      obj_lo: np.ndarray, obj_hi: np.ndarray) -> None:
-    """Every page inside its buffer and every object range inside ``[obj_lo, obj_hi)``.
-
-    ``obj_lo``/``obj_hi`` are per row (the staging half or the pool). Raises
-    :class:`TransferError` naming the first bad row; nothing has been launched yet.
+    The engine plans part ``i + 1`` on the CPU while the GPU copies part ``i``, so only
+    the first part's planning adds to the request's latency.
     """
-    if desc.size == 0:
-        return
-    page, obj, n = desc[:, 0], desc[:, 1], desc[:, 2]
-    blo = region.buffer_ptrs[buffers]
-    bhi = blo + region.buffer_sizes[buffers]
-    bad = (n <= 0) | (page < blo) | (page + n > bhi) | (obj < obj_lo) | (obj + n > obj_hi)
+    total = sum(c.nbytes for c in copies)
+    rows = max((c.block_ids.shape[0] for c in copies), default=0)
+    n = max(1, min(rows, -(-total // max(1, part_bytes))))
+    if n == 1:
+        return [list(copies)]
+    parts: list[list[RunCopy]] = []
+    for i in range(n):
+        part = []
+        for c in copies:
+            m = c.block_ids.shape[0]
+            lo, hi = i * m // n, (i + 1) * m // n
+            if hi > lo:
+                part.append(RunCopy(c.run, c.block_ids[lo:hi], c.object_offsets[lo:hi]))
+        if part:
+            parts.append(part)
+    return parts
+
+
+def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+    """Every unit's object range ``[start, start + size)`` lies inside ``[lo, hi)``.
+
+    With the per-run page envelope checked in :func:`_expand`, this bounds every
+    address a descriptor or DMA can name; it runs before anything is launched.
+    """
+    bad = (start < lo) | (start + size > hi)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise TransferError(f"descriptor {i} out of range: page {int(page[i]):#x} object "
-                            f"{int(obj[i]):#x} bytes {int(n[i])}")
+        raise TransferError(f"object range {i} [{int(start[i]):#x}, +{int(size[i])}) is "
+                            "outside its pool or staging area")
+
+
+def _rows(page: np.ndarray, obj: np.ndarray, n: np.ndarray) -> np.ndarray:
+    d = np.empty((page.shape[0], 3), dtype=np.int64)
+    d[:, 0] = page
+    d[:, 1] = obj
+    d[:, 2] = n
+    return d
 
 
 def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
     """One piece whose object addresses point straight into the (mapped) pool."""
     u = _expand(copies, region)
-    desc, bufs, _ = _descriptors(u, region.pool_ptr + u.pool_off, None)
-    lo = np.full(desc.shape[0], region.pool_ptr, dtype=np.int64)
-    check_descriptors(desc, bufs, region, lo, lo + region.pool_bytes)
+    start = region.pool_ptr + u.pool_off
+    check_objects(start, u.size, np.asarray(region.pool_ptr),
+                  np.asarray(region.pool_ptr + region.pool_bytes))
+    obj = np.repeat(start, u.n_pages) + u.rel
+    page, n = u.page_ptr, u.nbytes
+    if u.keep is not None:
+        page, obj, n = page[u.keep], obj[u.keep], n[u.keep]
+    desc = _rows(page, obj, n)
     pieces = (Piece(0, desc.shape[0], 0, np.zeros((0, 3), np.int64)),) if len(desc) else ()
     return Plan(desc.view(np.uint64), pieces, int(u.size.sum()))
 
@@ -192,57 +230,58 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
 
     ``halves`` are the device addresses of the lane's staging halves (used
     alternately: piece ``k`` uses half ``k % len(halves)``). A unit larger than a half
-    is refused (the engine sizes halves to at least one slab).
+    is refused (the engine sizes halves to the largest run of the request).
     """
     u = _expand(copies, region)
     n_units = len(u.pool_off)
-    if n_units and int(u.size.max()) > half_bytes:
+    if n_units == 0:
+        return Plan(np.zeros((0, 3), np.uint64), (), 0)
+    if int(u.size.max()) > half_bytes:
         raise TransferError(f"one object run is {int(u.size.max())} bytes, more than the "
                             f"{half_bytes}-byte staging half")
     order = np.argsort(u.pool_off, kind="stable")
-    sizes = u.size[order].tolist()
-    offs = u.pool_off[order].tolist()
-    unit_piece_sorted = np.empty(n_units, dtype=np.int32)
-    unit_stage_sorted = np.empty(n_units, dtype=np.int64)
-    segs: list[list[tuple[int, int, int]]] = []
-    piece, fill = 0, 0
-    seg_list: list[tuple[int, int, int]] = []
-    slab = region.slab_bytes
-    for k in range(n_units):
-        sz, off = sizes[k], offs[k]
-        if fill + sz > half_bytes:
-            segs.append(seg_list)
-            seg_list, piece, fill = [], piece + 1, 0
-        stage = int(halves[piece % len(halves)]) + fill
-        unit_piece_sorted[k] = piece
-        unit_stage_sorted[k] = stage
-        pool_addr = region.pool_ptr + off
-        if seg_list:
-            s_stage, s_pool, s_n = seg_list[-1]
-            if (s_pool + s_n == pool_addr and s_stage + s_n == stage
-                    and (s_pool - region.pool_ptr) // slab == off // slab):
-                seg_list[-1] = (s_stage, s_pool, s_n + sz)
-                fill += sz
-                continue
-        seg_list.append((stage, pool_addr, sz))
-        fill += sz
-    if seg_list:
-        segs.append(seg_list)
-    unit_piece = np.empty(n_units, dtype=np.int32)
-    unit_stage = np.empty(n_units, dtype=np.int64)
-    unit_piece[order] = unit_piece_sorted
-    unit_stage[order] = unit_stage_sorted
-    desc, bufs, row_piece = _descriptors(u, unit_stage, unit_piece)
-    by_piece = np.argsort(row_piece, kind="stable")
-    desc = desc[by_piece]
-    bufs = bufs[by_piece]
-    row_piece = row_piece[by_piece]
-    half_lo = np.asarray([int(halves[p % len(halves)]) for p in range(len(segs))],
-                         dtype=np.int64)
-    check_descriptors(desc, bufs, region, half_lo[row_piece], half_lo[row_piece] + half_bytes)
-    counts = np.bincount(row_piece, minlength=len(segs)) if len(segs) else np.zeros(0, int)
-    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(segs) else counts
-    pieces = tuple(Piece(int(firsts[p]), int(counts[p]), p % len(halves),
-                         np.asarray(segs[p], dtype=np.int64).reshape(-1, 3))
-                   for p in range(len(segs)))
+    s_off, s_size = u.pool_off[order], u.size[order]
+    cum_end = np.cumsum(s_size)
+    cum_start = cum_end - s_size
+    # Greedy packing at unit boundaries: one search per piece, not per unit.
+    firsts_u = [0]
+    while True:
+        k = int(np.searchsorted(cum_end, cum_start[firsts_u[-1]] + half_bytes, side="right"))
+        if k >= n_units:
+            break
+        firsts_u.append(k)
+    n_pieces = len(firsts_u)
+    units_per_piece = np.diff(np.asarray(firsts_u + [n_units], dtype=np.int64)).astype(np.int64)
+    unit_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), units_per_piece)
+    half_addr = np.asarray([int(halves[p % len(halves)]) for p in range(n_pieces)],
+                           dtype=np.int64)
+    unit_stage = half_addr[unit_piece] + cum_start - cum_start[firsts_u][unit_piece]
+    check_objects(unit_stage, s_size, half_addr[unit_piece], half_addr[unit_piece] + half_bytes)
+    # DMA segments: neighbours in pool and staging, same piece, same slab, merge.
+    slab = s_off // region.slab_bytes
+    joins = np.zeros(n_units, dtype=bool)
+    joins[1:] = ((s_off[1:] == s_off[:-1] + s_size[:-1]) & (unit_piece[1:] == unit_piece[:-1])
+                 & (slab[1:] == slab[:-1]))
+    seg_first = np.flatnonzero(~joins)
+    segments = np.empty((len(seg_first), 3), dtype=np.int64)
+    segments[:, 0] = unit_stage[seg_first]
+    segments[:, 1] = region.pool_ptr + s_off[seg_first]
+    segments[:, 2] = np.add.reduceat(s_size, seg_first)
+    seg_bounds = np.searchsorted(unit_piece[seg_first], np.arange(n_pieces + 1))
+    # Page rows in sorted-unit order (so rows of one piece are consecutive).
+    lens = u.n_pages[order]
+    idx = np.repeat(u.row_start[order] - (np.cumsum(lens) - lens), lens)
+    idx += np.arange(idx.shape[0], dtype=np.int64)
+    obj = np.repeat(unit_stage, lens) + u.rel[idx]
+    row_piece = np.repeat(unit_piece, lens)
+    page, n = u.page_ptr[idx], u.nbytes[idx]
+    if u.keep is not None:
+        k = u.keep[idx]
+        page, obj, n, row_piece = page[k], obj[k], n[k], row_piece[k]
+    desc = _rows(page, obj, n)
+    counts = np.bincount(row_piece, minlength=n_pieces)
+    row_first = np.cumsum(counts) - counts
+    pieces = tuple(Piece(int(row_first[p]), int(counts[p]), p % len(halves),
+                         segments[seg_bounds[p]:seg_bounds[p + 1]])
+                   for p in range(n_pieces))
     return Plan(desc.view(np.uint64), pieces, int(u.size.sum()))

@@ -56,14 +56,8 @@ def roundtrip(args: dict) -> None:
     with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
                                        client_name="gpu-worker") as c:
         reg = c.register(**kv.register_kwargs(replicated=True))
-        kv.fill_random(1)
-        slow_rewrite(kv, 2)  # queued, not finished: the store must wait for it
-        event = kv.record_event()
         ids_a = block_ids_for(reg, n, rng)
         digests = rng.bytes(32 * n)
-        res = c.store(reg, digests, ids_a, wait_event=event)
-        assert res.ok.all(), res.statuses
-        torch.cuda.synchronize()
         stored: dict[str, list[int]] = {}
         for g in geo.groups:
             if not g.cached:
@@ -72,10 +66,22 @@ def roundtrip(args: dict) -> None:
             keep = bpc if g.kind != "sliding_window" else -(-g.window_tokens //
                                                            g.tokens_per_block)
             stored[g.name] = list(range(bpc - min(bpc, keep), bpc))
-        expect = {}
-        for name, cols in stored.items():
-            a = np.asarray(ids_a[name]).reshape(n, -1)[:, cols]
-            expect[name] = [kv.pages(name, a[ci].tolist()) for ci in range(n)]
+
+        def expected() -> dict[str, list[bytes]]:
+            out = {}
+            for name, cols in stored.items():
+                a = np.asarray(ids_a[name]).reshape(n, -1)[:, cols]
+                out[name] = [kv.pages(name, a[ci].tolist()) for ci in range(n)]
+            return out
+
+        kv.fill_random(1)
+        before = expected()
+        slow_rewrite(kv, 2)  # queued, not finished: the store must wait for it
+        event = kv.record_event()
+        res = c.store(reg, digests, ids_a, wait_event=event)
+        assert res.ok.all(), res.statuses
+        torch.cuda.synchronize()
+        expect = expected()
         kv.fill(0xEE)
         ids_b = {}
         for name, a in ids_a.items():
@@ -99,7 +105,20 @@ def roundtrip(args: dict) -> None:
                                             geo.groups[[g.name for g in geo.groups]
                                                        .index(name)].layers)
                     for j, x in enumerate(row) if x >= 0)
-                assert got == want, f"group {name} chunk {ci}: retrieved bytes differ"
+                if got != want:
+                    old = b"".join(
+                        before[name][ci][(li * len(row) + j) * pl:(li * len(row) + j + 1) * pl]
+                        for li, pl in enumerate(lay.page_bytes for lay in
+                                                geo.groups[[g.name for g in geo.groups]
+                                                           .index(name)].layers)
+                        for j, x in enumerate(row) if x >= 0)
+                    g_arr = np.frombuffer(got, np.uint8)
+                    raise AssertionError(
+                        f"group {name} chunk {ci}: retrieved bytes differ: "
+                        f"{len(got)}/{len(want)} bytes, equal to the pages before the "
+                        f"engine's last write: {got == old}, share equal to expected "
+                        f"{(g_arr == np.frombuffer(want, np.uint8)).mean():.3f}, share "
+                        f"0xEE {(g_arr == 0xEE).mean():.3f}")
         # Blocks never named in the retrieve, and the -1 hole, still hold 0xEE.
         comp = geo.groups[[g.name for g in geo.groups].index("compressed")]
         hole = int(ids_b["compressed"].reshape(n, -1)[0, 1])

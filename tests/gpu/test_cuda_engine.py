@@ -53,9 +53,10 @@ class Exported:
         self.buffers = msgspec.json.decode(line, type=list[CudaIpcBuffer])
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+        self.proc.stdout.close()
 
 
 def make_engine(mode: str, pool_bytes: int) -> tuple[object, object]:
@@ -231,7 +232,8 @@ def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
         with cupy.cuda.Device(mapping.device_index):
             halves = lane.halves(max(c.run.nbytes for c in copies))
             plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
-            desc = lane.upload(plan.desc, lane.sm)
+            lane.reserve(plan.n_desc)
+            desc = lane.upload(plan.desc, 0, lane.sm)
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(lane.sm)
             for p in plan.pieces:
@@ -268,11 +270,17 @@ def test_throughput_64_chunk_batches() -> None:
                      "retrieve_gbps": nbytes / retrieve_s / 1e9,
                      "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3}
                 if mode == "staging":
+                    from lmc_server.transfer.cuda_plan import plan_staging
+
                     r["gather_kernel_ms"] = _gather_ms(engine, mapping, copies)
+                    r["plan_ms"] = 1e3 * _timed(partial(
+                        plan_staging, copies, engine._region(mapping), (1 << 50, 1 << 51),
+                        32 << 20), 10)
                     with ThreadPoolExecutor(4) as ex:  # 4 concurrent 16-chunk stores
                         quarter = [RunCopy(c.run, c.block_ids[q::4], c.object_offsets[q::4])
                                    for q in range(4) for c in copies]
                         parts = [quarter[q::4] for q in range(4)]
+                        list(ex.map(partial(engine.store, mapping), parts))
                         t0 = time.perf_counter()
                         for _ in range(5):
                             list(ex.map(partial(engine.store, mapping), parts))
