@@ -61,17 +61,20 @@ class CpuRawCopy:
         f1.result()
         f2.result()
 
-    def gbps(self, nbytes: int, direction: str, iters: int = 10, nbytes2: int = 0) -> float:
-        """GB/s (1e9 bytes) of copying ``nbytes`` (and ``nbytes2`` the other way, for
-        ``both``: the figure is then over both byte counts)."""
+    def seconds(self, direction: str, nbytes: int, nbytes2: int = 0) -> float:
+        """Seconds of one copy of ``nbytes`` (and ``nbytes2`` the other way, for
+        ``both``)."""
         assert direction in DIRECTIONS
         assert nbytes <= self.max_bytes and nbytes2 <= self.max_bytes
+        t0 = time.perf_counter()
         self._once(direction, nbytes, nbytes2)
-        times = []
-        for _ in range(max(1, iters)):
-            t0 = time.perf_counter()
-            self._once(direction, nbytes, nbytes2)
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def gbps(self, nbytes: int, direction: str, iters: int = 10, nbytes2: int = 0) -> float:
+        """GB/s (1e9 bytes) over both byte counts: the median of ``iters`` timed copies
+        after one warm-up copy."""
+        self.seconds(direction, nbytes, nbytes2)
+        times = [self.seconds(direction, nbytes, nbytes2) for _ in range(max(1, iters))]
         total = nbytes + (nbytes2 if direction == "both" else 0)
         return total / float(np.median(times)) / 1e9
 
