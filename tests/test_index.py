@@ -300,3 +300,40 @@ def test_metadata_is_at_most_256_bytes_per_object() -> None:
     assert v.partitions[0].n_committed == n
     print(f"python heap per cached object: {per_object:.0f} bytes")
     assert per_object <= 256, per_object
+
+
+def test_prefix_start_is_evicted_last() -> None:
+    """Chunk 0 of a prefix is needed by every longer hit: LRU must keep it longest."""
+    idx = make_index(pool_mib=4, slab_mib=4)
+    geo = simple_model(layers=4, bytes_per_token=1024)  # 1 MiB objects: 4 slots
+    v = idx.view("p", build_layout(geo.groups, 256, True))
+    keys = idx.keys(v, digests(4))
+    ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
+    store(idx, v, keys, ids)
+    store(idx, v, idx.keys(v, digests(1, tag=b"other")), {0: ids[0][:1]})
+    assert idx.lookup(v, keys, 1, 10, 0, take_lease=False)[0] == 3
+    idx.lookup(v, keys[:3], 1, 10, 0, take_lease=False)
+    store(idx, v, idx.keys(v, digests(1, tag=b"more")), {0: ids[0][:1]})
+    assert idx.lookup(v, keys, 1, 10, 0, take_lease=False)[0] == 3  # "other" went first
+
+
+def test_slab_moves_never_evict_what_was_just_stored() -> None:
+    """Two partitions filling one pool in turns: the newest batch of each stays whole."""
+    idx = make_index(pool_mib=8, slab_mib=1)
+    a = idx.view("a", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
+                                   256, True))  # 256 KiB objects
+    b = idx.view("b", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
+                                   256, True))  # 512 KiB objects
+    ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
+    for round_ in range(30):
+        batch = []
+        for view, tag in ((a, b"a"), (b, b"b")):
+            keys = idx.keys(view, digests(4, tag=tag + bytes([round_])))
+            st = store(idx, view, keys, ids)
+            assert (st[0] == ChunkStatus.OK).all(), (round_, tag)
+            batch.append((view, keys))
+        for view, keys in batch:  # a's batch survived b's store, whatever slabs moved
+            assert idx.lookup(view, keys, 1, 10, 0, take_lease=False)[0] == 4, round_
+        idx.check()
+    assert a.partitions[0].slabs >= 2 and b.partitions[0].slabs >= 2
+    assert idx.stats.slabs_moved > 0

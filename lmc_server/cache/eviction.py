@@ -1,19 +1,31 @@
 """Eviction policies over a partition's object slots.
 
-A policy only ever holds *evictable* slots: committed and not pinned by a lease or an
-in-flight read. The partition adds a slot when it becomes evictable and removes it when
-it gets pinned or freed, so :meth:`EvictionPolicy.pop_victim` is O(1) and never has to
-skip over pinned objects. Adding a policy is one subclass registered in
-:data:`POLICIES`; ``tests/test_eviction.py`` runs one contract suite over every class.
+A policy orders only *evictable* slots: committed and not pinned by a lease or an
+in-flight read. The partition tells it every transition, so :meth:`pop_victim` never has
+to skip over pinned objects:
+
+    admit  -- a new object was committed (evictable, and unpinned)
+    pin    -- an evictable object got its first pin (no longer evictable)
+    unpin  -- a pinned object lost its last pin (evictable again)
+    touch  -- an evictable object was used
+    forget -- an evictable object is being dropped (evicted, cleared)
+
+Adding a policy is one subclass registered in :data:`POLICIES`; ``tests/test_eviction.py``
+runs one contract suite over every class.
+
+Callers touch, admit and unpin the chunks of one prefix from the last chunk to the first,
+so that chunk 0 (which every longer hit needs) is the most recent of its prefix.
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from array import array
 from typing import ClassVar
 
 _NIL = -1
+_SLOT_BITS = 32
 
 
 class EvictionPolicy(ABC):
@@ -26,16 +38,24 @@ class EvictionPolicy(ABC):
         """Allow slots up to ``capacity - 1``; capacity never shrinks."""
 
     @abstractmethod
-    def add(self, slot: int) -> None:
-        """``slot`` became evictable (just committed or unpinned): it is most recent."""
+    def admit(self, slot: int) -> None:
+        """A new object in ``slot`` became evictable. ``slot`` must not be present."""
 
     @abstractmethod
-    def remove(self, slot: int) -> None:
-        """``slot`` is no longer evictable (pinned or freed). Must be present."""
+    def pin(self, slot: int) -> None:
+        """``slot`` stops being evictable (first pin). Must be present."""
+
+    @abstractmethod
+    def unpin(self, slot: int) -> None:
+        """``slot`` is evictable again (last pin released). Must not be present."""
 
     @abstractmethod
     def touch(self, slot: int) -> None:
         """``slot`` was used while evictable. Must be present."""
+
+    @abstractmethod
+    def forget(self, slot: int) -> None:
+        """``slot``'s object is dropped by the caller. Must be present."""
 
     @abstractmethod
     def pop_victim(self) -> int | None:
@@ -45,6 +65,11 @@ class EvictionPolicy(ABC):
     def peek(self) -> int | None:
         """The slot :meth:`pop_victim` would return, without removing it."""
 
+    def first(self, k: int) -> list[int]:
+        """Up to ``k`` slots from the front of the order (at least :meth:`peek`'s)."""
+        v = self.peek()
+        return [] if v is None else [v]
+
     @abstractmethod
     def __contains__(self, slot: int) -> bool: ...
 
@@ -52,14 +77,17 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int: ...
 
 
-class _LinkedOrder(EvictionPolicy):
-    """A doubly linked list threaded through two int arrays, head = evict first.
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first; a lookup, a retrieve and a released lease are uses.
 
-    Hand-made rather than an ``OrderedDict`` so that membership costs 9 bytes per slot
-    (two int32 links and a flag) and no Python object is allocated per operation.
-    Invariant: ``slot in self`` iff ``self._in[slot]``, and the list from ``_head``
-    following ``_next`` visits exactly those slots, ending at ``_tail``.
+    A doubly linked list threaded through two int32 arrays, head = evict first. Hand-made
+    rather than an ``OrderedDict`` so that membership costs 9 bytes per slot and no
+    Python object is allocated per operation. Invariant: ``slot in self`` iff
+    ``self._in[slot]``, and the list from ``_head`` following ``_next`` visits exactly
+    those slots, ending at ``_tail``.
     """
+
+    name = "LRU"
 
     def __init__(self, capacity: int = 0) -> None:
         self._prev = array("i")
@@ -78,7 +106,7 @@ class _LinkedOrder(EvictionPolicy):
             self._in.extend([0] * extra)
 
     def _append(self, slot: int) -> None:
-        assert not self._in[slot], f"slot {slot} is already in the {self.name} order"
+        assert not self._in[slot], f"slot {slot} is already in the LRU order"
         self._prev[slot] = self._tail
         self._next[slot] = _NIL
         if self._tail == _NIL:
@@ -90,7 +118,7 @@ class _LinkedOrder(EvictionPolicy):
         self._len += 1
 
     def _unlink(self, slot: int) -> None:
-        assert self._in[slot], f"slot {slot} is not in the {self.name} order"
+        assert self._in[slot], f"slot {slot} is not in the LRU order"
         p, n = self._prev[slot], self._next[slot]
         if p == _NIL:
             self._head = n
@@ -103,11 +131,17 @@ class _LinkedOrder(EvictionPolicy):
         self._in[slot] = 0
         self._len -= 1
 
-    def add(self, slot: int) -> None:
-        self._append(slot)
+    admit = _append
+    unpin = _append
+    pin = _unlink
+    forget = _unlink
 
-    def remove(self, slot: int) -> None:
-        self._unlink(slot)
+    def touch(self, slot: int) -> None:
+        if slot != self._tail:
+            self._unlink(slot)
+            self._append(slot)
+        else:
+            assert self._in[slot], f"slot {slot} is not in the LRU order"
 
     def pop_victim(self) -> int | None:
         if self._head == _NIL:
@@ -119,6 +153,14 @@ class _LinkedOrder(EvictionPolicy):
     def peek(self) -> int | None:
         return None if self._head == _NIL else self._head
 
+    def first(self, k: int) -> list[int]:
+        out: list[int] = []
+        s = self._head
+        while s != _NIL and len(out) < k:
+            out.append(s)
+            s = self._next[s]
+        return out
+
     def __contains__(self, slot: int) -> bool:
         return 0 <= slot < len(self._in) and bool(self._in[slot])
 
@@ -126,7 +168,7 @@ class _LinkedOrder(EvictionPolicy):
         return self._len
 
     def order(self) -> list[int]:
-        """Slots from first to last victim (for tests and debugging; O(n))."""
+        """Slots from first to last victim (tests and debugging; O(n))."""
         out: list[int] = []
         s = self._head
         while s != _NIL:
@@ -135,27 +177,83 @@ class _LinkedOrder(EvictionPolicy):
         return out
 
 
-class LRUPolicy(_LinkedOrder):
-    """Least recently used first: a touch moves the slot to the back."""
+class FIFOPolicy(EvictionPolicy):
+    """First in, first out by commit time; uses and pins do not change the order.
 
-    name = "LRU"
-
-    def touch(self, slot: int) -> None:
-        self._unlink(slot)
-        self._append(slot)
-
-
-class FIFOPolicy(_LinkedOrder):
-    """First in, first out: the order objects became evictable; touches are ignored.
-
-    Note that unpinning re-adds a slot at the back, so an object that was leased and
-    released counts as newly inserted.
+    A min-heap of ``seq << 32 | slot`` ints with lazy deletion: a pinned slot keeps its
+    sequence number and re-enters at its old place when unpinned. An entry is live iff
+    the slot is present and the entry's sequence is the slot's current one. The heap is
+    rebuilt when dead entries outnumber live ones.
     """
 
     name = "FIFO"
 
+    def __init__(self, capacity: int = 0) -> None:
+        self._seq = array("q")
+        self._in = array("b")
+        self._heap: list[int] = []
+        self._next_seq = 0
+        self._len = 0
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        extra = capacity - len(self._in)
+        if extra > 0:
+            self._seq.extend([0] * extra)
+            self._in.extend([0] * extra)
+
+    def _push(self, slot: int) -> None:
+        assert not self._in[slot], f"slot {slot} is already in the FIFO order"
+        self._in[slot] = 1
+        self._len += 1
+        heapq.heappush(self._heap, self._seq[slot] << _SLOT_BITS | slot)
+        if len(self._heap) > 2 * self._len + 64:
+            self._heap = [self._seq[s] << _SLOT_BITS | s
+                          for s in range(len(self._in)) if self._in[s]]
+            heapq.heapify(self._heap)
+
+    def _drop(self, slot: int) -> None:
+        assert self._in[slot], f"slot {slot} is not in the FIFO order"
+        self._in[slot] = 0
+        self._len -= 1
+
+    def admit(self, slot: int) -> None:
+        self._seq[slot] = self._next_seq
+        self._next_seq += 1
+        self._push(slot)
+
+    unpin = _push
+    pin = _drop
+    forget = _drop
+
     def touch(self, slot: int) -> None:
         assert self._in[slot], f"slot {slot} is not in the FIFO order"
+
+    def _live_head(self) -> int | None:
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            slot = entry & ((1 << _SLOT_BITS) - 1)
+            if self._in[slot] and self._seq[slot] == entry >> _SLOT_BITS:
+                return slot
+            heapq.heappop(heap)
+        return None
+
+    def pop_victim(self) -> int | None:
+        slot = self._live_head()
+        if slot is not None:
+            heapq.heappop(self._heap)
+            self._drop(slot)
+        return slot
+
+    def peek(self) -> int | None:
+        return self._live_head()
+
+    def __contains__(self, slot: int) -> bool:
+        return 0 <= slot < len(self._in) and bool(self._in[slot])
+
+    def __len__(self) -> int:
+        return self._len
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, FIFOPolicy)}

@@ -42,6 +42,9 @@ from lmc_server.cache.status import ChunkStatus
 
 DIGEST_BYTES = 32
 MAX_SALT_BYTES = 256
+#: How many of another partition's coldest objects are tried as the way to a slab it
+#: could give back (the slab holding one of them must hold nothing hotter).
+DONOR_CANDIDATES = 8
 
 
 @dataclass(slots=True)
@@ -235,7 +238,7 @@ class L1Index:
             return 0, None
         pins = self._needed_slots(view, slots, k)
         for part, ss in pins:
-            for s in ss:
+            for s in reversed(ss):  # chunk 0 ends most recent: every longer hit needs it
                 part.touch(s, self.tick)
         if not take_lease:
             return k, None
@@ -245,7 +248,13 @@ class L1Index:
     # -- allocation ---------------------------------------------------------------------
 
     def _alloc(self, part: Partition) -> int | None:
-        """A free slot in ``part``: free list, new slab, colder partition, own victim."""
+        """A free slot in ``part``: free list, new slab, colder partition, own victim.
+
+        Another partition gives a slab back only if every object in that slab was last
+        used before this partition's own victim: moving a slab never evicts anything
+        hotter than what plain eviction here would. A partition with nothing to evict
+        (new, or all pinned) takes any slab free of pins and writers.
+        """
         slot = part.pop_free()
         if slot is not None:
             return slot
@@ -260,12 +269,13 @@ class L1Index:
         for other in self.partitions.values():
             if other is part:
                 continue
-            v = other.policy.peek()
-            if v is None or other.tick[v] >= donor_tick:
-                continue
-            seg = other.releasable_segment(v)
-            if seg is not None:
-                donor, donor_tick = (other, seg), other.tick[v]
+            for v in other.policy.first(DONOR_CANDIDATES):
+                if other.tick[v] >= donor_tick:
+                    break
+                seg = other.releasable_segment(v, colder_than=own_tick)
+                if seg is not None:
+                    donor, donor_tick = (other, seg), other.tick[v]
+                    break
         if donor is not None:
             n, nbytes = donor[0].release_segment(donor[1])
             self.stats.evictions += n
@@ -358,8 +368,8 @@ class L1Index:
         assert not ticket.done, "store ticket finished twice"
         ticket.done = True
         for r in ticket.reserved:
-            for s, m in zip(r.slots, r.masks, strict=True):
-                r.part.commit(s, m)
+            for i in range(len(r.slots) - 1, -1, -1):  # chunk 0 ends most recent
+                r.part.commit(r.slots[i], r.masks[i])
             self.stats.stored_objects += len(r.slots)
             self.stats.stored_bytes += len(r.slots) * r.part.object_bytes
 
@@ -433,7 +443,7 @@ class L1Index:
         assert not ticket.done, "retrieve ticket finished twice"
         ticket.done = True
         for part, slots in ticket.pinned:
-            for s in slots:
+            for s in reversed(slots):
                 part.unpin(s)
         if ok:
             self.stats.retrieved_objects += ticket.objects

@@ -66,7 +66,7 @@ class LeaseTable:
         if lease is None:
             return None
         for part, slots in lease.pins:
-            for s in slots:
+            for s in reversed(slots):  # chunk 0 ends most recent
                 part.unpin(s)
         owned = self._by_owner.get(lease.owner)
         if owned is not None:

@@ -187,7 +187,7 @@ class Partition:
         self.n_writing -= 1
         self.n_committed += 1
         if self.pins[slot] == 0:
-            self.policy.add(slot)
+            self.policy.admit(slot)
 
     def abort(self, slot: int) -> None:
         """The copy into ``slot`` failed or its writer died: forget it entirely."""
@@ -199,7 +199,7 @@ class Partition:
     def evict(self, slot: int) -> None:
         """Drop a committed, unpinned object (its slot becomes free)."""
         assert self.state[slot] == COMMITTED and self.pins[slot] == 0
-        self.policy.remove(slot)
+        self.policy.forget(slot)
         self.n_committed -= 1
         self._release(slot)
 
@@ -214,14 +214,14 @@ class Partition:
     def pin(self, slot: int) -> None:
         assert self.state[slot] == COMMITTED, f"pinning slot {slot} that is not committed"
         if self.pins[slot] == 0:
-            self.policy.remove(slot)
+            self.policy.pin(slot)
         self.pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
         assert self.pins[slot] > 0, f"unpinning slot {slot} that is not pinned"
         self.pins[slot] -= 1
         if self.pins[slot] == 0 and self.state[slot] == COMMITTED:
-            self.policy.add(slot)
+            self.policy.unpin(slot)
 
     def touch(self, slot: int, tick: int) -> None:
         self.tick[slot] = tick
@@ -230,12 +230,16 @@ class Partition:
 
     # -- giving slabs back --------------------------------------------------------------
 
-    def releasable_segment(self, slot: int) -> int | None:
-        """The segment of ``slot`` if none of its slots is pinned or being written."""
+    def releasable_segment(self, slot: int, colder_than: float) -> int | None:
+        """The segment of ``slot`` if it can be given back without evicting anything
+        pinned, being written, or used at or after tick ``colder_than``."""
         seg = slot // self.slots_per_slab
         first = seg * self.slots_per_slab
         for s in range(first, first + self.slots_per_slab):
-            if self.state[s] == WRITING or self.pins[s]:
+            st = self.state[s]
+            if st == WRITING or self.pins[s]:
+                return None
+            if st == COMMITTED and self.tick[s] >= colder_than:
                 return None
         return seg
 
