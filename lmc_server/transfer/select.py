@@ -42,7 +42,7 @@ def make_engine(backend: str, copy_threads: int = 0,
             raise RuntimeError("--backend cuda: CuPy is not installed or sees no GPU "
                                "(pip install 'lmc-server[gpu]')")
         try:
-            from lmc_server.transfer.cuda import CudaEngine  # type: ignore[import-not-found]
+            from lmc_server.transfer.cuda import CudaEngine
         except ImportError as e:
             raise RuntimeError(f"--backend cuda is not available: {e}") from None
         engine: TransferEngine = CudaEngine(copy_mode=cuda_copy_mode)
