@@ -13,8 +13,9 @@ Two copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md):
     (or the reverse). No staging memory, but SMs are busy for the whole transfer.
 
 A request is validated whole (every range, before anything is launched), then cut into
-parts of about one staging half: part ``i + 1`` is planned on the CPU (numpy) while the
-GPU copies part ``i``, so planning adds only one part's worth to the latency. Each
+a few parts of growing size (one staging half, then three times the previous): part
+``i + 1`` is planned on the CPU (numpy) while the GPU copies part ``i``, so only the
+first, small part's planning adds to the latency. Each
 concurrent request takes a *lane* of its GPU (two streams, staging halves,
 descriptor buffers, events), so the per-request objects are allocated once and reused.
 ``store``/``retrieve`` block until the copy is complete, waiting on a blocking-sync
@@ -210,12 +211,13 @@ class CudaEngine(TransferEngine):
     name = "cuda"
 
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
-                 mapped_blocks: int = MAPPED_BLOCKS) -> None:
+                 mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc") -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         self.copy_mode = copy_mode
         self.mapped_blocks = mapped_blocks
         self.part_bytes = STAGING_HALF_BYTES
+        self.pinning = pinning
         self._lanes_per_device = lanes_per_device
         self._lanes: dict[int, _Lanes] = {}
         self._lanes_lock = threading.Lock()
@@ -233,7 +235,7 @@ class CudaEngine(TransferEngine):
     # -- resources ----------------------------------------------------------------------
 
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
-        self._pool = CudaHostPool(size_bytes, slab_bytes)
+        self._pool = CudaHostPool(size_bytes, slab_bytes, pinning=self.pinning)
         return self._pool
 
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
@@ -262,7 +264,8 @@ class CudaEngine(TransferEngine):
     def _region(self, mapping: CudaMapping) -> Region:
         pool = self._pool
         assert pool is not None, "create_pool first"
-        return Region(mapping.ptrs, mapping.sizes, pool.ptr, pool.size_bytes, pool.slab_bytes)
+        return Region(mapping.ptrs, mapping.sizes, pool.slab_ptrs, pool.size_bytes,
+                      pool.slab_bytes)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -304,7 +307,7 @@ class CudaEngine(TransferEngine):
         kernel = "gather_pages" if to_pool else "scatter_pages"
         row = 0
         for part in split(copies, self.part_bytes):
-            plan = plan_mapped(part, region)
+            plan = plan_mapped(part, region, checked=True)
             if not plan.n_desc:
                 continue
             desc = lane.upload(plan.desc, row, lane.sm)
@@ -325,7 +328,7 @@ class CudaEngine(TransferEngine):
         row, k = 0, 0
         for part in split(copies, lane.half_bytes):
             order = halves if k % 2 == 0 else halves[::-1]
-            plan = plan_staging(part, region, order, lane.half_bytes)
+            plan = plan_staging(part, region, order, lane.half_bytes, checked=True)
             if not plan.pieces:
                 continue
             desc = lane.upload(plan.desc, row, lane.sm)

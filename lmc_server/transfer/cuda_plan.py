@@ -38,9 +38,17 @@ class Region:
 
     buffer_ptrs: np.ndarray  # int64 device address of each registered buffer
     buffer_sizes: np.ndarray  # int64 bytes
-    pool_ptr: int
+    slab_ptrs: np.ndarray  # int64 address of each pool slab (0: not ready)
     pool_bytes: int
     slab_bytes: int
+
+    def pool_addr(self, offsets: np.ndarray) -> np.ndarray:
+        """Addresses of pool byte offsets (no offset range spans two slabs)."""
+        slab = offsets // self.slab_bytes
+        base = self.slab_ptrs[slab]
+        if not base.all():
+            raise TransferError("an object lies in a pool slab that is not ready")
+        return base + offsets % self.slab_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +137,23 @@ def validate(copies: Sequence[RunCopy], region: Region) -> None:
         _check_copy(ci, c, region)
 
 
-def _expand(copies: Sequence[RunCopy], region: Region) -> _Units:
-    """Page addresses of every copy (vectorized) after checking every range."""
+def _expand(copies: Sequence[RunCopy], region: Region, checked: bool) -> _Units:
+    """Page addresses of every copy (vectorized); ranges checked unless ``checked``
+    says :func:`validate` already passed on a request holding these copies."""
     pool_off, size, n_pages = [], [], []
     page_ptr, rel, nbytes, keep = [], [], [], []
     any_holes = False
     for ci, c in enumerate(copies):
-        checked = _check_copy(ci, c, region)
-        if checked is None:
-            continue
-        mask, holes = checked
+        if checked:
+            if c.block_ids.shape[0] == 0:
+                continue
+            mask = c.block_ids >= 0
+            holes = not mask.all()
+        else:
+            ok = _check_copy(ci, c, region)
+            if ok is None:
+                continue
+            mask, holes = ok
         r = c.run
         m = c.block_ids.shape[0]
         layer_off = np.arange(r.n_layers, dtype=np.int64) * r.layer_stride
@@ -164,23 +179,30 @@ def _expand(copies: Sequence[RunCopy], region: Region) -> _Units:
                   cat(rel), cat(nbytes), cat(keep) if any_holes else None)
 
 
-def split(copies: Sequence[RunCopy], part_bytes: int) -> list[list[RunCopy]]:
-    """Cut a request into parts of about ``part_bytes`` by chunk rows (every copy alike).
+def split(copies: Sequence[RunCopy], first_bytes: int, growth: int = 3
+          ) -> list[list[RunCopy]]:
+    """Cut a request by chunk rows into parts of about ``first_bytes``, then ``growth``
+    times the previous part (the last takes the rest), every copy alike.
 
-    The engine plans part ``i + 1`` on the CPU while the GPU copies part ``i``, so only
-    the first part's planning adds to the request's latency.
+    The engine plans part ``i + 1`` on the CPU while the GPU copies part ``i``: a small
+    first part starts the GPU early, and each part's copy lasts long enough to hide the
+    planning of the next, larger one; few parts keep numpy's per-call overhead low.
     """
     total = sum(c.nbytes for c in copies)
-    rows = max((c.block_ids.shape[0] for c in copies), default=0)
-    n = max(1, min(rows, -(-total // max(1, part_bytes))))
-    if n == 1:
+    bounds = [0.0]
+    size = float(first_bytes)
+    while total and bounds[-1] + size < total:
+        bounds.append(bounds[-1] + size)
+        size *= growth
+    if len(bounds) == 1:
         return [list(copies)]
+    fractions = [b / total for b in bounds] + [1.0]
     parts: list[list[RunCopy]] = []
-    for i in range(n):
+    for i in range(len(fractions) - 1):
         part = []
         for c in copies:
             m = c.block_ids.shape[0]
-            lo, hi = i * m // n, (i + 1) * m // n
+            lo, hi = round(fractions[i] * m), round(fractions[i + 1] * m)
             if hi > lo:
                 part.append(RunCopy(c.run, c.block_ids[lo:hi], c.object_offsets[lo:hi]))
         if part:
@@ -209,12 +231,12 @@ def _rows(page: np.ndarray, obj: np.ndarray, n: np.ndarray) -> np.ndarray:
     return d
 
 
-def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
+def plan_mapped(copies: Sequence[RunCopy], region: Region, checked: bool = False) -> Plan:
     """One piece whose object addresses point straight into the (mapped) pool."""
-    u = _expand(copies, region)
-    start = region.pool_ptr + u.pool_off
-    check_objects(start, u.size, np.asarray(region.pool_ptr),
-                  np.asarray(region.pool_ptr + region.pool_bytes))
+    u = _expand(copies, region, checked)
+    start = region.pool_addr(u.pool_off)
+    slab_lo = region.slab_ptrs[u.pool_off // region.slab_bytes]
+    check_objects(start, u.size, slab_lo, slab_lo + region.slab_bytes)
     obj = np.repeat(start, u.n_pages) + u.rel
     page, n = u.page_ptr, u.nbytes
     if u.keep is not None:
@@ -225,14 +247,14 @@ def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
 
 
 def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int],
-                 half_bytes: int) -> Plan:
+                 half_bytes: int, checked: bool = False) -> Plan:
     """Units in pool order, packed into staging halves; one piece per half-fill.
 
     ``halves`` are the device addresses of the lane's staging halves (used
     alternately: piece ``k`` uses half ``k % len(halves)``). A unit larger than a half
     is refused (the engine sizes halves to the largest run of the request).
     """
-    u = _expand(copies, region)
+    u = _expand(copies, region, checked)
     n_units = len(u.pool_off)
     if n_units == 0:
         return Plan(np.zeros((0, 3), np.uint64), (), 0)
@@ -265,7 +287,7 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     seg_first = np.flatnonzero(~joins)
     segments = np.empty((len(seg_first), 3), dtype=np.int64)
     segments[:, 0] = unit_stage[seg_first]
-    segments[:, 1] = region.pool_ptr + s_off[seg_first]
+    segments[:, 1] = region.pool_addr(s_off[seg_first])
     segments[:, 2] = np.add.reduceat(s_size, seg_first)
     seg_bounds = np.searchsorted(unit_piece[seg_first], np.arange(n_pieces + 1))
     # Page rows in sorted-unit order (so rows of one piece are consecutive).

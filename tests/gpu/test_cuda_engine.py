@@ -59,10 +59,10 @@ class Exported:
         self.proc.stdout.close()
 
 
-def make_engine(mode: str, pool_bytes: int) -> tuple[object, object]:
+def make_engine(mode: str, pool_bytes: int, pinning: str = "alloc") -> tuple[object, object]:
     from lmc_server.transfer.cuda import CudaEngine
 
-    engine = CudaEngine(copy_mode=mode)
+    engine = CudaEngine(copy_mode=mode, pinning=pinning)
     pool = engine.create_pool(pool_bytes, SLAB)
     done = threading.Event()
     ready: list[int] = []
@@ -141,7 +141,7 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         expect_pool = np.zeros(pool.size_bytes, np.uint8)
         for c in copies:
             _copy_run(c, src[c.run.buffer], expect_pool, True)
-        got_pool = pool.array.copy()
+        got_pool = np.frombuffer(pool.read(0, pool.size_bytes), np.uint8)
         for c in copies:
             for off in c.object_offsets.tolist():
                 a, b = off, off + c.run.nbytes
@@ -158,7 +158,7 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         engine.retrieve(mapping, retrieve)
         expect = [np.full(s, 0xEE, np.uint8) for s in mapping.sizes.tolist()]
         for c in retrieve:
-            _copy_run(c, expect[c.run.buffer], pool.array, False)
+            _copy_run(c, expect[c.run.buffer], got_pool, False)
         got = read_buffers(mapping)
         for i, (g, e) in enumerate(zip(got, expect, strict=True)):
             assert np.array_equal(g, e), f"buffer {i} differs after retrieve"
@@ -174,7 +174,7 @@ def test_engine_refuses_out_of_range_before_copy(exported: Exported) -> None:
         copies, _ = batch(exported.geo, 2, np.random.default_rng(1))
         write_buffers(mapping, 0x11)
         engine.store(mapping, copies)
-        before = pool.array.copy()
+        before = pool.read(0, pool.size_bytes)
         bufs_before = read_buffers(mapping)
         bad = list(copies)
         ids = bad[-1].block_ids.copy()
@@ -183,7 +183,7 @@ def test_engine_refuses_out_of_range_before_copy(exported: Exported) -> None:
         write_buffers(mapping, 0x22)
         with pytest.raises(TransferError):
             engine.store(mapping, bad)
-        assert np.array_equal(pool.array, before), "a refused store copied bytes"
+        assert pool.read(0, pool.size_bytes) == before, "a refused store copied bytes"
         write_buffers(mapping, 0x11)
         with pytest.raises(TransferError):
             engine.retrieve(mapping, bad)
@@ -246,6 +246,35 @@ def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
         lanes.give(lane)
 
 
+def _pool_dma_gbps(pool: object, nbytes: int) -> tuple[float, float]:
+    """Plain DMAs between one device buffer and the pool's slabs (no kernels, no plan)."""
+    import cupy
+
+    rates = []
+    with cupy.cuda.Device(0):
+        dev = cupy.cuda.memory.Memory(nbytes)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for d2h in (True, False):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            for it in range(3):
+                if it == 1:
+                    start.record(stream)
+                done = 0
+                for slab in range(pool.n_slabs):
+                    n = min(pool.slab_bytes, nbytes - done)
+                    if n <= 0:
+                        break
+                    src, dst = int(dev.ptr) + done, int(pool.slab_ptrs[slab])
+                    if not d2h:
+                        src, dst = dst, src
+                    cupy.cuda.runtime.memcpyAsync(dst, src, n, 4, stream.ptr)
+                    done += n
+            end.record(stream)
+            end.synchronize()
+            rates.append(2 * nbytes / (cupy.cuda.get_elapsed_time(start, end) / 1e3) / 1e9)
+    return rates[0], rates[1]
+
+
 def test_throughput_64_chunk_batches() -> None:
     """Store and retrieve of 64-chunk DSV4.1 batches against a raw pinned copy."""
     from lmc_server.testing.cuda_kv import device_arch, raw_copy_gbps
@@ -253,10 +282,11 @@ def test_throughput_64_chunk_batches() -> None:
 
     e = Exported(device_arch(0), 0, num_blocks=1100, layers=44)
     results: dict[str, dict[str, float]] = {}
-    configs = [("staging", 0), ("mapped", 32), ("mapped", 64), ("mapped", 132), ("mapped", 264)]
+    configs = [("staging", 0, "alloc"), ("staging", 0, "register"), ("mapped", 32, "alloc"),
+               ("mapped", 64, "alloc"), ("mapped", 132, "alloc"), ("mapped", 132, "register")]
     try:
-        for mode, blocks in configs:
-            engine, _ = make_engine(mode, 16 * SLAB)
+        for mode, blocks, pinning in configs:
+            engine, pool = make_engine(mode, 16 * SLAB, pinning)
             assert isinstance(engine, CudaEngine)
             if blocks:
                 engine.mapped_blocks = blocks
@@ -269,7 +299,10 @@ def test_throughput_64_chunk_batches() -> None:
                 r = {"bytes": nbytes, "chunks": 64, "store_gbps": nbytes / store_s / 1e9,
                      "retrieve_gbps": nbytes / retrieve_s / 1e9,
                      "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3}
-                if mode == "staging":
+                one = [RunCopy(c.run, c.block_ids[:1], c.object_offsets[:1]) for c in copies]
+                r["store_1chunk_ms"] = 1e3 * _timed(partial(engine.store, mapping, one), 20)
+                r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool, nbytes)
+                if mode == "staging" and pinning == "alloc":
                     from lmc_server.transfer.cuda_plan import plan_staging
 
                     r["gather_kernel_ms"] = _gather_ms(engine, mapping, copies)
@@ -286,11 +319,11 @@ def test_throughput_64_chunk_batches() -> None:
                             list(ex.map(partial(engine.store, mapping), parts))
                         r["store_4x16_concurrent_gbps"] = (
                             5 * nbytes / (time.perf_counter() - t0) / 1e9)
-                results[f"{mode}{blocks or ''}"] = r
+                results[f"{mode}{blocks or ''}-{pinning}"] = r
             finally:
                 mapping.close()
                 engine.close()
-        nbytes = int(results["staging"]["bytes"])
+        nbytes = int(results["staging-alloc"]["bytes"])
         raw = {d: raw_copy_gbps(nbytes, d, 0, 10) for d in ("d2h", "h2d", "both")}
         results["raw"] = {"d2h_gbps": raw["d2h"], "h2d_gbps": raw["h2d"],
                           "both_gbps": raw["both"], "bytes": nbytes}
@@ -304,5 +337,6 @@ def test_throughput_64_chunk_batches() -> None:
     if out:
         Path(out, "engine.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    assert results["staging"]["store_ratio"] >= 0.90, results
-    assert results["staging"]["retrieve_ratio"] >= 0.90, results
+    best = results["staging-alloc"]
+    assert best["store_ratio"] >= 0.90, results
+    assert best["retrieve_ratio"] >= 0.90, results

@@ -33,8 +33,9 @@ class Memory:
         at += pool_bytes
         self.halves = [at, at + half_bytes]
         self.mem = np.zeros(at + 2 * half_bytes, dtype=np.uint8)
+        slabs = self.pool + np.arange(pool_bytes // SLAB, dtype=np.int64) * SLAB
         self.region = Region(np.asarray(self.bufs, np.int64), np.asarray(sizes, np.int64),
-                             self.pool, pool_bytes, SLAB)
+                             slabs, pool_bytes, SLAB)
         self.sizes = sizes
         self.half_bytes = half_bytes
 
