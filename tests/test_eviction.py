@@ -134,3 +134,22 @@ def test_pin_unpin_churn_keeps_fifo_heap_bounded() -> None:
 def test_unknown_policy_names_choices() -> None:
     with pytest.raises(ValueError, match="LRU, FIFO"):
         make_policy("random")
+
+
+def test_touch_run_equals_touching_one_by_one(policy: EvictionPolicy) -> None:
+    rng = random.Random(3)
+    ref = make_policy(policy.name, 32)
+    policy.grow(32)
+    for s in range(32):
+        policy.admit(s)
+        ref.admit(s)
+    for _ in range(300):
+        start = rng.randrange(32)
+        run = [(start + i) % 32 for i in range(rng.randint(1, 8))]
+        if rng.random() < 0.5:
+            run.reverse()
+        policy.touch_run(run)
+        for s in run:
+            ref.touch(s)
+        assert policy.first(32) == ref.first(32) or policy.name != "LRU"
+    assert [policy.pop_victim() for _ in range(32)] == [ref.pop_victim() for _ in range(32)]

@@ -65,6 +65,11 @@ class EvictionPolicy(ABC):
     def peek(self) -> int | None:
         """The slot :meth:`pop_victim` would return, without removing it."""
 
+    def touch_run(self, slots: list[int]) -> None:
+        """Touch ``slots`` in this order (all present, distinct)."""
+        for s in slots:
+            self.touch(s)
+
     def first(self, k: int) -> list[int]:
         """Up to ``k`` slots from the front of the order (at least :meth:`peek`'s)."""
         v = self.peek()
@@ -142,6 +147,32 @@ class LRUPolicy(EvictionPolicy):
             self._append(slot)
         else:
             assert self._in[slot], f"slot {slot} is not in the LRU order"
+
+    def touch_run(self, slots: list[int]) -> None:
+        """Move ``slots`` to the back in this order. O(1) when they already form a
+        contiguous run in that order (the usual case: a prefix stored or looked up
+        together), else one move per slot."""
+        if not slots:
+            return
+        nxt = self._next
+        first, last = slots[0], slots[-1]
+        if all(nxt[a] == b for a, b in zip(slots, slots[1:])):
+            assert self._in[first] and self._in[last], "touching a slot not in LRU order"
+            if last == self._tail:
+                return
+            p, n = self._prev[first], nxt[last]
+            if p == _NIL:
+                self._head = n
+            else:
+                nxt[p] = n
+            self._prev[n] = p  # n != _NIL since last is not the tail
+            self._prev[first] = self._tail
+            nxt[self._tail] = first
+            nxt[last] = _NIL
+            self._tail = last
+            return
+        for s in slots:
+            self.touch(s)
 
     def pop_victim(self) -> int | None:
         if self._head == _NIL:
@@ -228,6 +259,9 @@ class FIFOPolicy(EvictionPolicy):
 
     def touch(self, slot: int) -> None:
         assert self._in[slot], f"slot {slot} is not in the FIFO order"
+
+    def touch_run(self, slots: list[int]) -> None:
+        pass
 
     def _live_head(self) -> int | None:
         heap = self._heap

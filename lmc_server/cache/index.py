@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
+from itertools import repeat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,7 +156,10 @@ class L1Index:
             raise ValueError(f"cache salt longer than {MAX_SALT_BYTES} bytes")
         prefix = view.ns_prefix
         if not salt:
-            return [prefix + d for d in _split(digests)]
+            if len(digests) % DIGEST_BYTES:
+                raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
+            return [prefix + digests[i:i + DIGEST_BYTES]
+                    for i in range(0, len(digests), DIGEST_BYTES)]
         key = hashlib.blake2b(salt, digest_size=32).digest() if len(salt) > 64 else salt
         return [prefix + hashlib.blake2b(d, key=key, digest_size=32).digest()
                 for d in _split(digests)]
@@ -181,39 +185,55 @@ class L1Index:
                 out.append((og.index, first, mask))
         return out
 
-    def hit_chunks(self, view: CacheView, keys: list[bytes]) -> tuple[int, list[list[int]]]:
+    def _slots(self, part: Partition, keys: list[bytes]) -> np.ndarray:
+        """Committed slot of each key, or -1 (one C-level dict pass, then numpy)."""
+        slots = np.array(list(map(part.keys.get, keys, repeat(-1))), dtype=np.int64)
+        present = slots >= 0
+        if present.any():
+            state = np.frombuffer(part.state, dtype=np.int8)
+            present[present] = state[slots[present]] == COMMITTED
+            slots[~present] = -1
+        return slots
+
+    def hit_chunks(self, view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
         """Length of the longest hit prefix, and per object group the slots found.
 
-        ``slots[og][i]`` is the committed slot of chunk ``i`` or -1 (scanned only as far
-        as the rule needs).
+        ``slots[og][i]`` is the committed slot of chunk ``i`` or -1. Object groups with
+        full sections are resolved for every chunk; window-only object groups only for
+        the chunks the window rule looks at (filled lazily, -1 elsewhere).
         """
         n = len(keys)
-        slots: list[list[int]] = []
         limit = n
+        slots: list[np.ndarray] = []
         for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
-            found: list[int] = []
-            for i, key in enumerate(keys):
-                s = self._committed(part, key)
-                if s < 0 and og.has_full:
-                    limit = min(limit, i)
-                    break
-                found.append(s)
-            slots.append(found + [-1] * (n - len(found)))
+            if og.has_full:
+                found = self._slots(part, keys)
+                missing = np.flatnonzero(found < 0)
+                if missing.size:
+                    limit = min(limit, int(missing[0]))
+            else:
+                found = np.full(n, -2, dtype=np.int64)  # -2: not looked up yet
+            slots.append(found)
         for k in range(limit, 0, -1):
-            if self._window_ok(view, slots, k):
+            if self._window_ok(view, keys, slots, k):
                 return k, slots
         return 0, slots
 
-    def _window_ok(self, view: CacheView, slots: list[list[int]], k: int) -> bool:
+    def _window_ok(self, view: CacheView, keys: list[bytes], slots: list[np.ndarray],
+                   k: int) -> bool:
         for og_index, first, mask in self._window_needs(view, k):
             part = view.partitions[og_index]
+            row = slots[og_index]
             for i in range(first, k):
-                s = slots[og_index][i]
+                s = int(row[i])
+                if s == -2:
+                    s = self._committed(part, keys[i])
+                    row[i] = s
                 if s < 0 or (part.mask[s] & mask) != mask:
                     return False
         return True
 
-    def _needed_slots(self, view: CacheView, slots: list[list[int]],
+    def _needed_slots(self, view: CacheView, slots: list[np.ndarray],
                       k: int) -> list[tuple[Partition, array]]:
         """Slots a retrieve of the ``k``-chunk prefix reads, per partition."""
         out = []
@@ -223,7 +243,7 @@ class L1Index:
             else:
                 first = min(max(0, k - view.layout.windows[s.window_tokens])
                             for s in og.sections)
-            out.append((part, array("i", slots[og.index][first:k])))
+            out.append((part, array("i", slots[og.index][first:k].astype(np.int32).tobytes())))
         return out
 
     def lookup(self, view: CacheView, keys: list[bytes], owner: int, lease_ttl_s: float,
@@ -238,8 +258,7 @@ class L1Index:
             return 0, None
         pins = self._needed_slots(view, slots, k)
         for part, ss in pins:
-            for s in reversed(ss):  # chunk 0 ends most recent: every longer hit needs it
-                part.touch(s, self.tick)
+            part.touch_prefix(ss, self.tick)
         if not take_lease:
             return k, None
         self.stats.leases_taken += 1

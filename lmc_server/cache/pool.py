@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from lmc_server.cache.eviction import EvictionPolicy
 
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
@@ -227,6 +229,21 @@ class Partition:
         self.tick[slot] = tick
         if slot in self.policy:
             self.policy.touch(slot)
+
+    def touch_prefix(self, slots: array, tick: int) -> None:
+        """Touch the objects of chunks ``0..k-1`` of one prefix, ending with chunk 0
+        (the most recent: every longer hit needs it). Vectorized tick update."""
+        if not slots:
+            return
+        idx = np.frombuffer(slots, dtype=np.int32)
+        np.frombuffer(self.tick, dtype=np.int64)[idx] = tick
+        pins = np.frombuffer(self.pins, dtype=np.int32)[idx]
+        if pins.any():
+            evictable = [s for s, p in zip(slots, pins.tolist(), strict=True) if p == 0]
+        else:
+            evictable = list(slots)
+        evictable.reverse()
+        self.policy.touch_run(evictable)
 
     # -- giving slabs back --------------------------------------------------------------
 
