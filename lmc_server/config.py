@@ -123,6 +123,8 @@ class Config:
             raise ConfigError("max frame bytes must be at least 65536")
         if not re.fullmatch(r"[A-Za-z0-9.:\-\[\]*]+", self.host):
             raise ConfigError(f"host {self.host!r} is not an address")
+        if self.backend == "null":
+            return  # the null engine allocates no pool memory (trace replays only)
         mem = physical_memory_bytes() if memory_bytes is None else memory_bytes
         usable = mem - SYSTEM_RESERVE_BYTES
         if self.l1_size_bytes > usable:

@@ -208,6 +208,15 @@ def stats(host: str, port: int, timeout_s: float, as_json: bool) -> None:
             click.echo(f"{k:<38} {v}")
 
 
+def _add_bench() -> None:
+    from lmc_server.bench.cli import bench
+
+    cli.add_command(bench)
+
+
+_add_bench()
+
+
 def main() -> None:
     cli(prog_name="lmcache")
 
