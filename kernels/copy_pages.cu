@@ -1,22 +1,38 @@
 // Page gather / scatter for the lmc-server CUDA transfer engine.
 //
-// A descriptor is three 64-bit words: {page address, object address, bytes}. The page
-// address points into a worker's KV buffer (mapped through CUDA IPC), the object
-// address into a contiguous object: a GPU staging buffer (copy mode "staging") or the
-// mapped pinned host pool (copy mode "mapped"). Every address was range-checked on the
-// host before launch (lmc_server.transfer.cuda_plan).
+// The host uploads one *unit* row per (layer run, chunk) and the chunk's block ids; the
+// kernels compute every page address themselves, so the host never expands a request
+// into per-page descriptors. A unit row is eight 64-bit words:
 //
-//   gather_pages:  page   -> object   (store: engine pages into an object)
-//   scatter_pages: object -> page     (retrieve: an object back into engine pages)
+//   0 page_base     device address of the run's layer 0, block 0 (buffer + base offset)
+//   1 layer_stride  bytes between the run's layers (signed)
+//   2 block_stride  bytes between consecutive block ids (signed)
+//   3 page_bytes    bytes per page
+//   4 object        address of the unit's object bytes: a GPU staging buffer (copy mode
+//                   "staging") or the mapped pinned host pool (copy mode "mapped")
+//   5 ids_offset    index of the unit's first block id in the block-id array
+//   6 n_layers
+//   7 n_blocks
 //
-// Thread block b handles descriptors b, b + gridDim.x, ...; its threads split one
-// descriptor's bytes. 16-byte vector loads/stores when both addresses and the length
-// are 16-byte aligned (every DeepSeek-V4.1 page is: 19008, 16896 and 4224 bytes),
-// 8- and 4-byte words when that is the widest common alignment, bytes otherwise.
-// The 16-byte loop keeps four loads in flight per thread before storing, which is what
-// a kernel reading mapped host memory over PCIe needs to hide its latency.
+// Page (layer i, stored block j) of a unit is at
+//   page_base + i * layer_stride + ids[ids_offset + j] * block_stride
+// and at object + (i * n_blocks + j) * page_bytes in the object. Block id -1 means
+// "leave this page alone". Every page and object range was checked on the host before
+// launch (lmc_server.transfer.cuda_plan), from the very arrays that were uploaded.
+//
+//   gather_units:  page   -> object   (store: engine pages into an object)
+//   scatter_units: object -> page     (retrieve: an object back into engine pages)
+//
+// Pages are numbered unit-major over a (units, max_layers, max_blocks) box; thread
+// block b copies pages b, b + gridDim.x, ... (slots outside a unit's own layers/blocks
+// are skipped); its threads split one page's bytes. 16-byte vector loads/stores when
+// both addresses and the length are 16-byte aligned (every DeepSeek-V4.1 page is:
+// 19008, 16896 and 4224 bytes), 8- and 4-byte words when that is the widest common
+// alignment, bytes otherwise. The 16-byte loop keeps four loads in flight per thread
+// before storing, which is what a kernel reading mapped host memory over PCIe needs.
 
 typedef unsigned long long u64;
+typedef long long i64;
 
 template <typename T>
 __device__ __forceinline__ void copy_words(const char* __restrict__ src, char* __restrict__ dst,
@@ -56,16 +72,48 @@ __device__ __forceinline__ void copy_range(const char* src, char* dst, u64 nbyte
     }
 }
 
-extern "C" __global__ void gather_pages(const u64* __restrict__ desc, long long n_desc) {
-    for (long long k = blockIdx.x; k < n_desc; k += gridDim.x) {
-        const u64* d = desc + 3 * k;
-        copy_range(reinterpret_cast<const char*>(d[0]), reinterpret_cast<char*>(d[1]), d[2]);
+template <bool kToObject>
+__device__ __forceinline__ void copy_units(const u64* __restrict__ units,
+                                           const i64* __restrict__ ids, i64 n_units,
+                                           i64 max_layers, i64 max_blocks) {
+    const i64 per_unit = max_layers * max_blocks;
+    const i64 total = n_units * per_unit;
+    for (i64 k = blockIdx.x; k < total; k += gridDim.x) {
+        const i64 u = k / per_unit;
+        const i64 rem = k - u * per_unit;
+        const i64 layer = rem / max_blocks;
+        const i64 j = rem - layer * max_blocks;
+        const u64* row = units + 8 * u;
+        const i64 n_layers = static_cast<i64>(row[6]);
+        const i64 n_blocks = static_cast<i64>(row[7]);
+        if (layer >= n_layers || j >= n_blocks) {
+            continue;
+        }
+        const i64 block = ids[static_cast<i64>(row[5]) + j];
+        if (block < 0) {
+            continue;
+        }
+        const u64 page_bytes = row[3];
+        char* page = reinterpret_cast<char*>(row[0] + static_cast<u64>(
+            layer * static_cast<i64>(row[1]) + block * static_cast<i64>(row[2])));
+        char* object = reinterpret_cast<char*>(
+            row[4] + static_cast<u64>(layer * n_blocks + j) * page_bytes);
+        if (kToObject) {
+            copy_range(page, object, page_bytes);
+        } else {
+            copy_range(object, page, page_bytes);
+        }
     }
 }
 
-extern "C" __global__ void scatter_pages(const u64* __restrict__ desc, long long n_desc) {
-    for (long long k = blockIdx.x; k < n_desc; k += gridDim.x) {
-        const u64* d = desc + 3 * k;
-        copy_range(reinterpret_cast<const char*>(d[1]), reinterpret_cast<char*>(d[0]), d[2]);
-    }
+extern "C" __global__ void gather_units(const u64* __restrict__ units,
+                                        const i64* __restrict__ ids, i64 n_units,
+                                        i64 max_layers, i64 max_blocks) {
+    copy_units<true>(units, ids, n_units, max_layers, max_blocks);
+}
+
+extern "C" __global__ void scatter_units(const u64* __restrict__ units,
+                                         const i64* __restrict__ ids, i64 n_units,
+                                         i64 max_layers, i64 max_blocks) {
+    copy_units<false>(units, ids, n_units, max_layers, max_blocks);
 }

@@ -12,18 +12,19 @@ Two copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md):
     One kernel reads the pages and writes the mapped pinned pool directly over PCIe
     (or the reverse). No staging memory, but SMs are busy for the whole transfer.
 
-A request is validated whole (every range, before anything is launched), then cut into
-a few parts of growing size (one staging half, then three times the previous): part
-``i + 1`` is planned on the CPU (numpy) while the GPU copies part ``i``, so only the
-first, small part's planning adds to the latency. Each
-concurrent request takes a *lane* of its GPU (two streams, staging halves,
-descriptor buffers, events), so the per-request objects are allocated once and reused.
-``store``/``retrieve`` block until the copy is complete, waiting on a blocking-sync
-event (the thread sleeps; no core spins). Ordering with the worker: a store first makes
-its own stream wait on the interprocess event the worker recorded after writing the
-pages; the worker's stream is never made to wait on the server. A retrieve returns only
-after its last write completed, so the reply itself tells the worker the pages are
-ready.
+A request is planned whole before anything is launched: every range is checked, and
+the plan is one row per (layer run, chunk) plus the block ids (``cuda_plan``); the
+kernels compute page addresses on the GPU, so planning costs a fixed ~0.1 ms whatever
+the batch size, and the whole request is enqueued at once (one upload, then per staging
+piece: gather, DMA(s), events). Each concurrent request takes a *lane* of its GPU (two
+streams, staging halves, pinned and device unit buffers, events), so the per-request
+objects are allocated once and reused. ``store``/``retrieve`` block until the copy is
+complete, by default sleeping on a blocking-sync event (no core spins; ``wait="hybrid"``
+sleeps until shortly before the expected end and then polls briefly). Ordering with the
+worker: a store first makes its own stream wait on the interprocess event the worker
+recorded after writing the pages; the worker's stream is never made to wait on the
+server. A retrieve returns only after its last write completed, so the reply itself
+tells the worker the pages are ready.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -42,14 +44,7 @@ from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import HostPool, Mapping, TransferEngine, TransferError
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
-from lmc_server.transfer.cuda_plan import (
-    Plan,
-    Region,
-    plan_mapped,
-    plan_staging,
-    split,
-    validate,
-)
+from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
 
 log = logging.getLogger(__name__)
@@ -63,6 +58,16 @@ GATHER_THREADS = 256
 MAPPED_THREADS = 512
 #: Thread blocks of the mapped-mode kernel: enough loads in flight to fill PCIe.
 MAPPED_BLOCKS = 64
+#: The first staging piece: a short gather, so the first DMA starts early.
+FIRST_PIECE_BYTES = 8 * MIB
+#: How ``store``/``retrieve`` wait for the GPU: ``block`` sleeps in
+#: ``cudaEventSynchronize`` on a blocking-sync event; ``hybrid`` sleeps (``time.sleep``)
+#: until shortly before the copy's expected end at ``EXPECTED_BPS`` and then polls the
+#: event for at most ``SPIN_S`` before falling back to the blocking wait.
+WAIT_MODES = ("block", "hybrid")
+EXPECTED_BPS = 55e9
+SPIN_S = 300e-6
+WAKE_MARGIN_S = 150e-6
 #: Interprocess events kept open per mapping (a worker reuses one per stream).
 EVENT_CACHE = 64
 _MEMCPY_DEFAULT = 4
@@ -70,7 +75,13 @@ _CUDA_ERRORS = (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverE
 
 
 class _Lane:
-    """What one in-flight request on one GPU needs, allocated once and reused."""
+    """What one in-flight request on one GPU needs, allocated once and reused.
+
+    The unit rows and block ids of a plan go to one pinned host buffer and from there
+    to the device in one copy per request; a lane serves one request at a time and a
+    request returns only after its GPU work is complete, so the host buffer is never
+    rewritten while a copy may still read it.
+    """
 
     def __init__(self, device: int) -> None:
         self.device = device
@@ -80,12 +91,13 @@ class _Lane:
             self.filled = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
             self.freed = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
             self.done = cupy.cuda.Event(block=True, disable_timing=True)
+            self.timing = (cupy.cuda.Event(), cupy.cuda.Event())
         self.half_bytes = 0
         self.staging: cupy.cuda.memory.Memory | None = None
-        self.desc_rows = 0
-        self.desc_dev: cupy.cuda.memory.Memory | None = None
-        self.desc_host: cupy.cuda.PinnedMemoryPointer | None = None
-        self.desc_host_view = np.zeros((0, 3), dtype=np.uint64)
+        self.words = 0
+        self.dev: cupy.cuda.memory.Memory | None = None
+        self.host: cupy.cuda.PinnedMemoryPointer | None = None
+        self.host_view = np.zeros(0, dtype=np.int64)
 
     def halves(self, need_bytes: int) -> tuple[int, int]:
         if need_bytes > self.half_bytes:
@@ -97,35 +109,38 @@ class _Lane:
         assert self.staging is not None
         return int(self.staging.ptr), int(self.staging.ptr) + self.half_bytes
 
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` descriptors (host and device); grows, never shrinks."""
-        if rows <= self.desc_rows:
-            return
-        rows = max(4096, 1 << (rows - 1).bit_length())
-        self.desc_dev = self.desc_host = None
-        with cupy.cuda.Device(self.device):
-            self.desc_dev = cupy.cuda.memory.Memory(rows * cuda_kernels.DESC_BYTES)
-        self.desc_host = cupy.cuda.alloc_pinned_memory(rows * cuda_kernels.DESC_BYTES)
-        self.desc_host_view = np.frombuffer(self.desc_host, dtype=np.uint64,
-                                            count=rows * 3).reshape(rows, 3)
-        self.desc_rows = rows
+    def upload(self, plan: Plan, stream: cupy.cuda.Stream) -> tuple[int, int]:
+        """Enqueue the copy of the plan's unit rows and block ids on ``stream``.
 
-    def upload(self, desc: np.ndarray, row: int, stream: cupy.cuda.Stream) -> int:
-        """Enqueue the copy of ``desc`` to device rows ``row...`` on ``stream``.
-
-        Rows of one request never overlap, so a part's host rows are not rewritten
-        while an earlier part's upload may still be reading them. Returns the device
-        address of row 0.
+        Grows the buffers (never shrinks). Returns the device addresses of unit row 0
+        and of block id 0.
         """
-        n = desc.shape[0]
-        assert self.desc_dev is not None and row + n <= self.desc_rows
-        self.desc_host_view[row:row + n] = desc
-        nbytes = n * cuda_kernels.DESC_BYTES
-        cupy.cuda.runtime.memcpyAsync(int(self.desc_dev.ptr) + row * cuda_kernels.DESC_BYTES,
-                                      int(self.desc_host_view.ctypes.data)
-                                      + row * cuda_kernels.DESC_BYTES,
-                                      nbytes, _MEMCPY_DEFAULT, stream.ptr)
-        return int(self.desc_dev.ptr)
+        unit_words, n_ids = plan.units.size, plan.ids.size
+        words = unit_words + n_ids
+        if words > self.words:
+            size = max(1 << 16, 1 << (words - 1).bit_length())
+            self.dev = self.host = None
+            with cupy.cuda.Device(self.device):
+                self.dev = cupy.cuda.memory.Memory(size * 8)
+            self.host = cupy.cuda.alloc_pinned_memory(size * 8)
+            self.host_view = np.frombuffer(self.host, dtype=np.int64, count=size)
+            self.words = size
+        assert self.dev is not None
+        view = self.host_view
+        view[:unit_words] = plan.units.reshape(-1)
+        view[unit_words:words] = plan.ids
+        dev = int(self.dev.ptr)
+        cupy.cuda.runtime.memcpyAsync(dev, int(view.ctypes.data), words * 8,
+                                      _MEMCPY_DEFAULT, stream.ptr)
+        return dev, dev + unit_words * 8
+
+    def drain(self) -> None:
+        """Wait for whatever this lane enqueued (after a failure part-way through)."""
+        for s in (self.sm, self.dma):
+            try:
+                s.synchronize()
+            except _CUDA_ERRORS as e:
+                log.warning("lane stream on device %d failed: %s", self.device, e)
 
 
 class _Lanes:
@@ -211,13 +226,21 @@ class CudaEngine(TransferEngine):
     name = "cuda"
 
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
-                 mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc") -> None:
+                 mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
+                 wait: str = "block", first_piece_bytes: int = FIRST_PIECE_BYTES) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
+        if wait not in WAIT_MODES:
+            raise ValueError(f"wait mode {wait!r}: expected one of {WAIT_MODES}")
         self.copy_mode = copy_mode
         self.mapped_blocks = mapped_blocks
-        self.part_bytes = STAGING_HALF_BYTES
         self.pinning = pinning
+        self.wait = wait
+        self.first_piece_bytes = first_piece_bytes
+        #: When set, each copy records CUDA timing events and fills :attr:`last_profile`
+        #: (benchmarks only: it adds two event records and one stream wait per copy).
+        self.profile = False
+        self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
         self._lanes: dict[int, _Lanes] = {}
         self._lanes_lock = threading.Lock()
@@ -278,6 +301,7 @@ class CudaEngine(TransferEngine):
 
     def _copy(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
               wait_event: bytes) -> None:
+        t_enter = time.perf_counter()
         if not isinstance(mapping, _EngineMapping) or mapping.closed:
             raise TransferError("registration has no open CUDA mapping")
         copies = [c for c in copies if c.block_ids.size]
@@ -286,100 +310,112 @@ class CudaEngine(TransferEngine):
         device = mapping.device_index
         lanes = self._lanes_of(device)
         lane = lanes.take()
+        launched = False
         try:
             with cupy.cuda.Device(device):
+                region = self._region(mapping)
                 if self.copy_mode == "staging":
-                    self._staging(lane, mapping, copies, to_pool, wait_event)
+                    halves = lane.halves(max(c.run.nbytes for c in copies))
+                    plan = plan_staging(copies, region, halves, lane.half_bytes,
+                                        self.first_piece_bytes)
                 else:
-                    self._mapped(lane, mapping, copies, to_pool, wait_event)
+                    plan = plan_mapped(copies, region)
+                if not plan.pieces:
+                    return
+                t_planned = time.perf_counter()
+                launched = True
+                if self.profile:
+                    lane.timing[0].record(lane.sm)
+                    lane.dma.wait_event(lane.timing[0])
+                units, ids = lane.upload(plan, lane.sm)
+                if wait_event:
+                    mapping.events.wait(wait_event, lane.sm)
+                if self.copy_mode == "mapped":
+                    cuda_kernels.launch(device, "gather_units" if to_pool else "scatter_units",
+                                        units, ids, plan.n_units, 0, plan.n_units,
+                                        plan.max_layers, plan.max_blocks, self.mapped_blocks,
+                                        MAPPED_THREADS, lane.sm)
+                    last = lane.sm
+                elif to_pool:
+                    self._store_pieces(lane, plan, units, ids)
+                    last = lane.dma
+                else:
+                    self._retrieve_pieces(lane, plan, units, ids)
+                    last = lane.sm
+                if self.profile:
+                    lane.timing[1].record(last)
+                lane.done.record(last)
+                t_launched = time.perf_counter()
+                self._wait(lane, plan.nbytes, t_planned)
+                launched = False
+                if self.profile:
+                    t_done = time.perf_counter()
+                    self.last_profile = {
+                        "wall_ms": 1e3 * (t_done - t_enter),
+                        "plan_ms": 1e3 * (t_planned - t_enter),
+                        "launch_ms": 1e3 * (t_launched - t_planned),
+                        "gpu_ms": float(cupy.cuda.get_elapsed_time(*lane.timing)),
+                        "pieces": float(len(plan.pieces)),
+                        "dmas": float(sum(len(p.segments) for p in plan.pieces)),
+                    }
         except _CUDA_ERRORS as e:
             raise TransferError(f"CUDA copy failed: {e}") from None
         finally:
+            if launched:
+                lane.drain()
             lanes.give(lane)
 
-    def _mapped(self, lane: _Lane, mapping: _EngineMapping, copies: list[RunCopy],
-                to_pool: bool, wait_event: bytes) -> None:
-        region = self._region(mapping)
-        validate(copies, region)
-        lane.reserve(sum(c.block_ids.size * c.run.n_layers for c in copies))
-        if wait_event:
-            mapping.events.wait(wait_event, lane.sm)
-        kernel = "gather_pages" if to_pool else "scatter_pages"
-        row = 0
-        for part in split(copies, self.part_bytes):
-            plan = plan_mapped(part, region, checked=True)
-            if not plan.n_desc:
-                continue
-            desc = lane.upload(plan.desc, row, lane.sm)
-            cuda_kernels.launch(lane.device, kernel, desc, lane.desc_rows, row, plan.n_desc,
-                                self.mapped_blocks, MAPPED_THREADS, lane.sm)
-            row += plan.n_desc
-        lane.done.record(lane.sm)
+    def _wait(self, lane: _Lane, nbytes: int, t_start: float) -> None:
+        """Block until ``lane.done`` has completed (see ``WAIT_MODES``)."""
+        if self.wait == "hybrid":
+            sleep_s = t_start + nbytes / EXPECTED_BPS - WAKE_MARGIN_S - time.perf_counter()
+            if sleep_s > 0:
+                time.sleep(sleep_s)
+            deadline = time.perf_counter() + SPIN_S
+            while time.perf_counter() < deadline:
+                if lane.done.done:
+                    return
         lane.done.synchronize()
 
-    def _staging(self, lane: _Lane, mapping: _EngineMapping, copies: list[RunCopy],
-                 to_pool: bool, wait_event: bytes) -> None:
-        region = self._region(mapping)
-        validate(copies, region)
-        halves = lane.halves(max(c.run.nbytes for c in copies))
-        lane.reserve(sum(c.block_ids.size * c.run.n_layers for c in copies))
-        if wait_event:
-            mapping.events.wait(wait_event, lane.sm)
-        row, k = 0, 0
-        for part in split(copies, lane.half_bytes):
-            order = halves if k % 2 == 0 else halves[::-1]
-            plan = plan_staging(part, region, order, lane.half_bytes, checked=True)
-            if not plan.pieces:
-                continue
-            desc = lane.upload(plan.desc, row, lane.sm)
-            if to_pool:
-                self._store_pieces(lane, plan, desc, row, k)
-            else:
-                self._retrieve_pieces(lane, plan, desc, row, k)
-            row += plan.n_desc
-            k += len(plan.pieces)
-        lane.done.record(lane.dma if to_pool else lane.sm)
-        lane.done.synchronize()
+    def _blocks(self, device: int, pages: int) -> int:
+        return max(1, min(pages, 4 * self._sm_count[device]))
 
-    def _blocks(self, device: int, count: int) -> int:
-        return max(1, min(count, 4 * self._sm_count[device]))
+    def _store_pieces(self, lane: _Lane, plan: Plan, units: int, ids: int) -> None:
+        """Gather each piece into a staging half (SMs), then DMA it out (copy engine).
 
-    def _store_pieces(self, lane: _Lane, plan: Plan, desc: int, row: int, k0: int) -> None:
-        """Gather piece into a staging half (SMs), then DMA it out (copy engine).
-
-        Piece ``k`` (counted over the whole request) uses half ``k % 2``; its gather
-        waits until the DMA of piece ``k - 2`` has drained that half.
+        Piece ``k`` uses half ``k % 2``; its gather waits until the DMA of piece
+        ``k - 2`` has drained that half.
         """
         sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        for i, p in enumerate(plan.pieces):
-            k = k0 + i
+        launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
+        for k, p in enumerate(plan.pieces):
             h = k % 2
             if k >= 2:
                 sm.wait_event(lane.freed[h])
-            cuda_kernels.launch(lane.device, "gather_pages", desc, lane.desc_rows,
-                                row + p.first, p.count, self._blocks(lane.device, p.count),
-                                GATHER_THREADS, sm)
+            launch(device, "gather_units", units, ids, n, p.first, p.count, plan.max_layers,
+                   plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
+                   GATHER_THREADS, sm)
             lane.filled[h].record(sm)
             dma.wait_event(lane.filled[h])
-            for stage, pool, n in p.segments.tolist():
-                memcpy(pool, stage, n, _MEMCPY_DEFAULT, dma.ptr)
+            for stage, pool, nbytes in p.segments.tolist():
+                memcpy(pool, stage, nbytes, _MEMCPY_DEFAULT, dma.ptr)
             lane.freed[h].record(dma)
 
-    def _retrieve_pieces(self, lane: _Lane, plan: Plan, desc: int, row: int, k0: int) -> None:
-        """DMA a piece into a staging half, then scatter it into the pages (SMs)."""
+    def _retrieve_pieces(self, lane: _Lane, plan: Plan, units: int, ids: int) -> None:
+        """DMA each piece into a staging half, then scatter it into the pages (SMs)."""
         sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        for i, p in enumerate(plan.pieces):
-            k = k0 + i
+        launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
+        for k, p in enumerate(plan.pieces):
             h = k % 2
             if k >= 2:
                 dma.wait_event(lane.freed[h])
-            for stage, pool, n in p.segments.tolist():
-                memcpy(stage, pool, n, _MEMCPY_DEFAULT, dma.ptr)
+            for stage, pool, nbytes in p.segments.tolist():
+                memcpy(stage, pool, nbytes, _MEMCPY_DEFAULT, dma.ptr)
             lane.filled[h].record(dma)
             sm.wait_event(lane.filled[h])
-            cuda_kernels.launch(lane.device, "scatter_pages", desc, lane.desc_rows,
-                                row + p.first, p.count, self._blocks(lane.device, p.count),
-                                GATHER_THREADS, sm)
+            launch(device, "scatter_units", units, ids, n, p.first, p.count, plan.max_layers,
+                   plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
+                   GATHER_THREADS, sm)
             lane.freed[h].record(sm)
 
     def close(self) -> None:

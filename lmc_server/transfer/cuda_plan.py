@@ -1,24 +1,32 @@
-"""Copy plans for the CUDA engine: run descriptors expanded into page descriptors.
+"""Copy plans for the CUDA engine: a request as *unit* rows the kernels expand on the GPU.
 
 Pure numpy (no CuPy), so every address computation and range check is testable on a
-CPU-only host. A plan has three parts:
+CPU-only host. A *unit* is one layer run of one chunk. The host never expands a request
+into per-page descriptors: it uploads one row of eight ``int64`` words per unit
+(``UNIT_WORDS``, layout in ``kernels/copy_pages.cu``) plus the chunks' block ids, and the
+kernels compute each page's address from them. Planning therefore costs a fixed number
+of numpy operations per request (one per copy for the checks, a few dozen in all),
+independent of the number of pages: about 0.1 ms for a 64-chunk DeepSeek-V4.1 batch,
+small enough to plan a whole request before launching it.
 
-* ``desc``: one row ``(page address, object address, bytes)`` per page, ``uint64``,
-  uploaded to the GPU in one copy; the kernels in ``kernels/copy_pages.cu`` read it.
-* ``pieces``: consecutive descriptor ranges. In copy mode ``staging`` each piece fills
-  one half of a lane's double-buffered staging area; in mode ``mapped`` the object
-  addresses point straight into the pinned pool and there is one piece.
+A plan has:
+
+* ``units``: ``(U, 8)`` rows, in launch order; ``ids``: the block ids the rows point into.
+* ``pieces``: consecutive unit ranges. In copy mode ``staging`` each piece fills one
+  half of a lane's double-buffered staging area (the first piece may be smaller, so the
+  first DMA starts sooner); in mode ``mapped`` object addresses point straight into the
+  pinned pool and there is one piece.
 * ``segments``: per piece, the DMA copies between staging and pool
-  ``(staging address, pool address, bytes)``; an object run is one contiguous pool
-  range, and runs that are contiguous in the pool (sections of one object, neighbour
-  slots of one slab) are merged into one DMA. A DMA never crosses a slab, because slabs
-  are page-locked one by one.
+  ``(staging address, pool address, bytes)``; a unit's object bytes are one contiguous
+  pool range, and units that are contiguous in the pool (sections of one object,
+  neighbour slots of one slab) merge into one DMA. A DMA never crosses a slab, because
+  slabs are page-locked one by one.
 
-Invariants: every page range lies inside the registered buffer it belongs to, every
-object range inside the pool (one slab) or inside the staging half of its piece, and no
-unit (one run of one chunk) straddles two pieces. :func:`_expand` checks the first (the
-exact envelope of each run's pages: lowest and highest block of its first and last
-layer) and :func:`check_objects` the second, per unit, before anything is launched.
+Invariants, checked before anything is launched and on the very arrays that are
+uploaded: every page a unit names lies inside its registered buffer (the exact envelope
+of each copy's pages: lowest and highest block of its first and last layer), and every
+unit's object range lies inside one pool slab and, in mode ``staging``, inside the
+staging half of its piece (:func:`check_objects`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ import numpy as np
 
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import TransferError
+
+#: int64 words per unit row; column meanings match ``kernels/copy_pages.cu``.
+UNIT_WORDS = 8
+PAGE_BASE, LAYER_STRIDE, BLOCK_STRIDE, PAGE_BYTES, OBJECT, IDS_OFFSET, N_LAYERS, N_BLOCKS = (
+    range(UNIT_WORDS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +66,7 @@ class Region:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Descriptors ``[first, first + count)``; ``segments`` rows are DMAs of this piece."""
+    """Unit rows ``[first, first + count)``; ``segments`` rows are DMAs of this piece."""
 
     first: int
     count: int
@@ -63,58 +76,51 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    desc: np.ndarray  # (n, 3) uint64
+    units: np.ndarray  # (U, UNIT_WORDS) int64
+    ids: np.ndarray  # (N,) int64 block ids the rows' IDS_OFFSET point into
     pieces: tuple[Piece, ...]
     nbytes: int
+    max_layers: int
+    max_blocks: int
 
     @property
-    def n_desc(self) -> int:
-        return int(self.desc.shape[0])
+    def n_units(self) -> int:
+        return int(self.units.shape[0])
+
+    def box_pages(self, count: int) -> int:
+        """Page slots the kernels walk for ``count`` units (the launch's work items)."""
+        return count * self.max_layers * self.max_blocks
 
 
-@dataclass(frozen=True, slots=True)
-class _Units:
-    """Units (one run of one chunk) and their pages, flat, in unit-major order.
-
-    Unit ``u`` owns page rows ``[row_start[u], row_start[u] + n_pages[u])``; a row's
-    ``rel`` is its offset inside the unit's object range.
-    """
-
-    pool_off: np.ndarray  # (U,) int64
-    size: np.ndarray  # (U,) int64
-    n_pages: np.ndarray  # (U,) int64
-    row_start: np.ndarray  # (U,) int64
-    page_ptr: np.ndarray  # (R,) int64
-    rel: np.ndarray  # (R,) int64
-    nbytes: np.ndarray  # (R,) int64
-    keep: np.ndarray | None  # (R,) bool, None when no block is -1
+_EMPTY = Plan(np.zeros((0, UNIT_WORDS), np.int64), np.zeros(0, np.int64), (), 0, 0, 0)
 
 
-def _check_copy(ci: int, c: RunCopy, region: Region) -> tuple[np.ndarray, bool] | None:
-    """Check one copy's ranges; its ``block ids >= 0`` mask and whether any is -1.
-
-    ``None`` when the copy has nothing to do (no chunks, or every block -1).
-    """
+def _check_shape(ci: int, c: RunCopy, n_buffers: int) -> None:
     r = c.run
     ids, offs = c.block_ids, c.object_offsets
     if ids.ndim != 2 or ids.shape[1] != r.n_blocks or offs.shape != (ids.shape[0],):
         raise TransferError(f"copy {ci}: block ids {ids.shape} / object offsets "
                             f"{offs.shape} do not match {r.n_blocks} blocks per chunk")
-    if not 0 <= r.buffer < len(region.buffer_ptrs):
+    if ids.dtype.kind not in "iu" or offs.dtype.kind not in "iu":
+        raise TransferError(f"copy {ci}: block ids and object offsets must be integers")
+    if not 0 <= r.buffer < n_buffers:
         raise TransferError(f"copy {ci}: buffer {r.buffer} is not registered")
     if r.page_bytes <= 0 or r.n_layers <= 0 or r.n_blocks <= 0:
         raise TransferError(f"copy {ci}: empty run")
-    if ids.shape[0] == 0:
-        return None
+
+
+def _check_ranges(ci: int, c: RunCopy, ids: np.ndarray, offs: np.ndarray,
+                  region: Region) -> bool:
+    """Check one copy's page envelope and object ranges; ``False``: nothing to copy
+    (every block id is -1)."""
+    r = c.run
     lo_id, hi_id = int(ids.min()), int(ids.max())
     if lo_id < -1:
         raise TransferError(f"copy {ci}: negative block id {lo_id}")
-    mask = ids >= 0
-    holes = lo_id == -1
-    if holes:
+    if lo_id == -1:
         if hi_id < 0:
-            return None
-        lo_id = int(ids[mask].min())
+            return False
+        lo_id = int(ids[ids >= 0].min())
     last_layer = (r.n_layers - 1) * r.layer_stride
     lo_b, hi_b = sorted((lo_id * r.block_stride, hi_id * r.block_stride))
     lo = r.base_offset + min(0, last_layer) + lo_b
@@ -128,93 +134,66 @@ def _check_copy(ci: int, c: RunCopy, region: Region) -> tuple[np.ndarray, bool] 
     if lo_off < 0 or hi_off > region.pool_bytes or not same_slab.all():
         raise TransferError(f"copy {ci}: object range outside the pool or across a slab "
                             "boundary")
-    return mask, holes
+    return True
 
 
-def validate(copies: Sequence[RunCopy], region: Region) -> None:
-    """Check every range of a whole request (before any part of it is launched)."""
-    for ci, c in enumerate(copies):
-        _check_copy(ci, c, region)
+@dataclass(frozen=True, slots=True)
+class _Units:
+    table: np.ndarray  # (U, UNIT_WORDS) int64, OBJECT column not filled yet
+    ids: np.ndarray  # (N,) int64
+    pool_off: np.ndarray  # (U,) int64
+    size: np.ndarray  # (U,) int64 object bytes per unit
 
 
-def _expand(copies: Sequence[RunCopy], region: Region, checked: bool) -> _Units:
-    """Page addresses of every copy (vectorized); ranges checked unless ``checked``
-    says :func:`validate` already passed on a request holding these copies."""
-    pool_off, size, n_pages = [], [], []
-    page_ptr, rel, nbytes, keep = [], [], [], []
-    any_holes = False
-    for ci, c in enumerate(copies):
-        if checked:
-            if c.block_ids.shape[0] == 0:
-                continue
-            mask = c.block_ids >= 0
-            holes = not mask.all()
-        else:
-            ok = _check_copy(ci, c, region)
-            if ok is None:
-                continue
-            mask, holes = ok
-        r = c.run
-        m = c.block_ids.shape[0]
-        layer_off = np.arange(r.n_layers, dtype=np.int64) * r.layer_stride
-        base = int(region.buffer_ptrs[r.buffer]) + r.base_offset
-        per = r.n_layers * r.n_blocks
-        # (chunks, layers, blocks) page addresses; -1 blocks get a dummy address (masked).
-        ids = np.maximum(c.block_ids, 0).astype(np.int64, copy=False)
-        ptr = base + layer_off[None, :, None] + ids[:, None, :] * r.block_stride
-        pool_off.append(c.object_offsets.astype(np.int64, copy=False))
-        size.append(np.full(m, r.nbytes, dtype=np.int64))
-        n_pages.append(np.full(m, per, dtype=np.int64))
-        page_ptr.append(ptr.ravel())
-        rel.append(np.tile(np.arange(per, dtype=np.int64) * r.page_bytes, m))
-        nbytes.append(np.full(m * per, r.page_bytes, dtype=np.int64))
-        keep.append(np.broadcast_to(mask[:, None, :], ptr.shape).ravel())
-        any_holes |= holes
-    if not pool_off:
-        z = np.zeros(0, np.int64)
-        return _Units(z, z, z, z, z, z, z, None)
-    cat = np.concatenate
-    counts = cat(n_pages)
-    return _Units(cat(pool_off), cat(size), counts, np.cumsum(counts) - counts, cat(page_ptr),
-                  cat(rel), cat(nbytes), cat(keep) if any_holes else None)
+def _units(copies: Sequence[RunCopy], region: Region) -> _Units | None:
+    """Unit rows of every copy, checked; ``None`` when there is nothing to copy.
 
-
-def split(copies: Sequence[RunCopy], first_bytes: int, growth: int = 3
-          ) -> list[list[RunCopy]]:
-    """Cut a request by chunk rows into parts of about ``first_bytes``, then ``growth``
-    times the previous part (the last takes the rest), every copy alike.
-
-    The engine plans part ``i + 1`` on the CPU while the GPU copies part ``i``: a small
-    first part starts the GPU early, and each part's copy lasts long enough to hide the
-    planning of the next, larger one; few parts keep numpy's per-call overhead low.
+    The block ids and object offsets are concatenated first and checked from the
+    concatenated arrays, which are the ones the rows point into and that get uploaded.
     """
-    total = sum(c.nbytes for c in copies)
-    bounds = [0.0]
-    size = float(first_bytes)
-    while total and bounds[-1] + size < total:
-        bounds.append(bounds[-1] + size)
-        size *= growth
-    if len(bounds) == 1:
-        return [list(copies)]
-    fractions = [b / total for b in bounds] + [1.0]
-    parts: list[list[RunCopy]] = []
-    for i in range(len(fractions) - 1):
-        part = []
-        for c in copies:
-            m = c.block_ids.shape[0]
-            lo, hi = round(fractions[i] * m), round(fractions[i + 1] * m)
-            if hi > lo:
-                part.append(RunCopy(c.run, c.block_ids[lo:hi], c.object_offsets[lo:hi]))
-        if part:
-            parts.append(part)
-    return parts
+    n_buffers = len(region.buffer_ptrs)
+    live = []
+    for ci, c in enumerate(copies):
+        _check_shape(ci, c, n_buffers)
+        if c.block_ids.shape[0]:
+            live.append((ci, c))
+    if not live:
+        return None
+    ids = np.concatenate([c.block_ids.reshape(-1) for _, c in live]).astype(np.int64,
+                                                                           copy=False)
+    offs = np.concatenate([c.object_offsets for _, c in live]).astype(np.int64, copy=False)
+    rows: list[tuple[int, ...]] = []
+    counts: list[int] = []
+    keep_offs: list[np.ndarray] = []
+    id_at = off_at = 0
+    for ci, c in live:
+        r = c.run
+        m = int(c.block_ids.shape[0])
+        c_ids = ids[id_at:id_at + m * r.n_blocks].reshape(m, r.n_blocks)
+        c_offs = offs[off_at:off_at + m]
+        if _check_ranges(ci, c, c_ids, c_offs, region):
+            rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
+                         r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks))
+            counts.append(m)
+            keep_offs.append(c_offs)
+        id_at += m * r.n_blocks
+        off_at += m
+    if not rows:
+        return None
+    n = np.asarray(counts, dtype=np.int64)
+    table = np.repeat(np.asarray(rows, dtype=np.int64), n, axis=0)
+    local = np.arange(table.shape[0], dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    table[:, IDS_OFFSET] += local * table[:, N_BLOCKS]
+    size = table[:, PAGE_BYTES] * table[:, N_LAYERS] * table[:, N_BLOCKS]
+    pool_off = keep_offs[0] if len(keep_offs) == 1 else np.concatenate(keep_offs)
+    return _Units(table, ids, pool_off, size)
 
 
 def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
     """Every unit's object range ``[start, start + size)`` lies inside ``[lo, hi)``.
 
-    With the per-run page envelope checked in :func:`_expand`, this bounds every
-    address a descriptor or DMA can name; it runs before anything is launched.
+    With the per-copy page envelope checked in :func:`_units`, this bounds every
+    address a kernel or DMA can name; it runs before anything is launched.
     """
     bad = (start < lo) | (start + size > hi)
     if bad.any():
@@ -223,62 +202,64 @@ def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.nd
                             "outside its pool or staging area")
 
 
-def _rows(page: np.ndarray, obj: np.ndarray, n: np.ndarray) -> np.ndarray:
-    d = np.empty((page.shape[0], 3), dtype=np.int64)
-    d[:, 0] = page
-    d[:, 1] = obj
-    d[:, 2] = n
-    return d
+def _finish(u: _Units, table: np.ndarray, pieces: tuple[Piece, ...]) -> Plan:
+    return Plan(table, u.ids, pieces, int(u.size.sum()), int(table[:, N_LAYERS].max()),
+                int(table[:, N_BLOCKS].max()))
 
 
-def plan_mapped(copies: Sequence[RunCopy], region: Region, checked: bool = False) -> Plan:
+def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
     """One piece whose object addresses point straight into the (mapped) pool."""
-    u = _expand(copies, region, checked)
+    u = _units(copies, region)
+    if u is None:
+        return _EMPTY
     start = region.pool_addr(u.pool_off)
     slab_lo = region.slab_ptrs[u.pool_off // region.slab_bytes]
     check_objects(start, u.size, slab_lo, slab_lo + region.slab_bytes)
-    obj = np.repeat(start, u.n_pages) + u.rel
-    page, n = u.page_ptr, u.nbytes
-    if u.keep is not None:
-        page, obj, n = page[u.keep], obj[u.keep], n[u.keep]
-    desc = _rows(page, obj, n)
-    pieces = (Piece(0, desc.shape[0], 0, np.zeros((0, 3), np.int64)),) if len(desc) else ()
-    return Plan(desc.view(np.uint64), pieces, int(u.size.sum()))
+    table = u.table
+    table[:, OBJECT] = start
+    return _finish(u, table, (Piece(0, table.shape[0], 0, np.zeros((0, 3), np.int64)),))
 
 
 def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int],
-                 half_bytes: int, checked: bool = False) -> Plan:
+                 half_bytes: int, first_piece_bytes: int = 0) -> Plan:
     """Units in pool order, packed into staging halves; one piece per half-fill.
 
     ``halves`` are the device addresses of the lane's staging halves (used
-    alternately: piece ``k`` uses half ``k % len(halves)``). A unit larger than a half
-    is refused (the engine sizes halves to the largest run of the request).
+    alternately: piece ``k`` uses half ``k % len(halves)``). The first piece holds
+    about ``first_piece_bytes`` (``0``: a whole half, at least one unit), so the first
+    DMA waits only for a short gather. A unit larger than a half is refused (the engine
+    sizes halves to the largest run of the request).
     """
-    u = _expand(copies, region, checked)
-    n_units = len(u.pool_off)
-    if n_units == 0:
-        return Plan(np.zeros((0, 3), np.uint64), (), 0)
+    u = _units(copies, region)
+    if u is None:
+        return _EMPTY
+    n_units = u.table.shape[0]
     if int(u.size.max()) > half_bytes:
         raise TransferError(f"one object run is {int(u.size.max())} bytes, more than the "
                             f"{half_bytes}-byte staging half")
     order = np.argsort(u.pool_off, kind="stable")
+    table = u.table[order]
     s_off, s_size = u.pool_off[order], u.size[order]
     cum_end = np.cumsum(s_size)
     cum_start = cum_end - s_size
     # Greedy packing at unit boundaries: one search per piece, not per unit.
     firsts_u = [0]
+    cap = min(first_piece_bytes, half_bytes) if first_piece_bytes > 0 else half_bytes
     while True:
-        k = int(np.searchsorted(cum_end, cum_start[firsts_u[-1]] + half_bytes, side="right"))
+        k = int(np.searchsorted(cum_end, cum_start[firsts_u[-1]] + cap, side="right"))
+        k = max(k, firsts_u[-1] + 1)
         if k >= n_units:
             break
         firsts_u.append(k)
+        cap = half_bytes
     n_pieces = len(firsts_u)
-    units_per_piece = np.diff(np.asarray(firsts_u + [n_units], dtype=np.int64)).astype(np.int64)
-    unit_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), units_per_piece)
+    first_arr = np.asarray(firsts_u + [n_units], dtype=np.int64)
+    unit_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), np.diff(first_arr))
     half_addr = np.asarray([int(halves[p % len(halves)]) for p in range(n_pieces)],
                            dtype=np.int64)
-    unit_stage = half_addr[unit_piece] + cum_start - cum_start[firsts_u][unit_piece]
-    check_objects(unit_stage, s_size, half_addr[unit_piece], half_addr[unit_piece] + half_bytes)
+    unit_half = half_addr[unit_piece]
+    unit_stage = unit_half + cum_start - cum_start[first_arr[:-1]][unit_piece]
+    check_objects(unit_stage, s_size, unit_half, unit_half + half_bytes)
     # DMA segments: neighbours in pool and staging, same piece, same slab, merge.
     slab = s_off // region.slab_bytes
     joins = np.zeros(n_units, dtype=bool)
@@ -289,21 +270,10 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     segments[:, 0] = unit_stage[seg_first]
     segments[:, 1] = region.pool_addr(s_off[seg_first])
     segments[:, 2] = np.add.reduceat(s_size, seg_first)
-    seg_bounds = np.searchsorted(unit_piece[seg_first], np.arange(n_pieces + 1))
-    # Page rows in sorted-unit order (so rows of one piece are consecutive).
-    lens = u.n_pages[order]
-    idx = np.repeat(u.row_start[order] - (np.cumsum(lens) - lens), lens)
-    idx += np.arange(idx.shape[0], dtype=np.int64)
-    obj = np.repeat(unit_stage, lens) + u.rel[idx]
-    row_piece = np.repeat(unit_piece, lens)
-    page, n = u.page_ptr[idx], u.nbytes[idx]
-    if u.keep is not None:
-        k = u.keep[idx]
-        page, obj, n, row_piece = page[k], obj[k], n[k], row_piece[k]
-    desc = _rows(page, obj, n)
-    counts = np.bincount(row_piece, minlength=n_pieces)
-    row_first = np.cumsum(counts) - counts
-    pieces = tuple(Piece(int(row_first[p]), int(counts[p]), p % len(halves),
+    seg_bounds = np.searchsorted(unit_piece[seg_first], np.arange(n_pieces + 1)).tolist()
+    table[:, OBJECT] = unit_stage
+    counts = np.diff(first_arr).tolist()
+    pieces = tuple(Piece(firsts_u[p], counts[p], p % len(halves),
                          segments[seg_bounds[p]:seg_bounds[p + 1]])
                    for p in range(n_pieces))
-    return Plan(desc.view(np.uint64), pieces, int(u.size.sum()))
+    return _finish(u, table, pieces)

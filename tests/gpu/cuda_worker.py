@@ -10,6 +10,11 @@ Modes:
 ``export``
     Allocate and fill buffers, print them (msgspec JSON) and wait until stdin closes,
     so the test process can map them into an in-process engine.
+``bench``
+    Register, then time (wall clock) the client's ``store`` and ``retrieve`` calls for
+    1-, 16- and 64-chunk batches: what a vLLM worker waits for, socket and server
+    included. Prints one line ``BENCH <json>`` with the raw pinned copy of the same bytes
+    for reference; asserts nothing about speed.
 ``store-and-hang``
     Register, queue a long GPU sleep before the pages' last write, send a store that
     waits for it, print ``STORING``, and wait to be killed.
@@ -140,6 +145,53 @@ def roundtrip(args: dict) -> None:
     print("ROUNDTRIP OK", flush=True)
 
 
+def bench(args: dict) -> None:
+    from lmc_server.testing.cuda_kv import raw_copy_gbps
+
+    geo = geometry(args)
+    iters = args.get("iters", 10)
+    rng = np.random.default_rng(args.get("seed", 0))
+    out: dict[str, dict[str, float]] = {}
+    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
+                                       client_name="gpu-bench") as c:
+        reg = c.register(**kv.register_kwargs(replicated=True))
+        kv.fill_random(1)
+        for n in args.get("chunks", [1, 16, 64]):
+            ids = block_ids_for(reg, n, rng)
+            nbytes = n * reg.chunk_bytes
+            store_s = []
+            for it in range(iters + 2):
+                digests = rng.bytes(32 * n)  # new chunks: every store copies
+                t0 = time.perf_counter()
+                res = c.store(reg, digests, ids)
+                if it >= 2:
+                    store_s.append(time.perf_counter() - t0)
+                assert res.ok.all(), res.statuses
+            retrieve_s = []
+            moved = 0
+            for it in range(iters + 2):
+                t0 = time.perf_counter()
+                res = c.retrieve(reg, digests, ids)
+                if it >= 2:
+                    retrieve_s.append(time.perf_counter() - t0)
+                assert res.ok.all(), res.statuses
+                # Window objects load only for the chunks the window covers.
+                moved = sum(int((np.asarray(res.statuses[og.name]) == ChunkStatus.OK).sum())
+                            * og.object_bytes for og in reg.object_groups)
+            store, retrieve = float(np.mean(store_s)), float(np.mean(retrieve_s))
+            raw_d2h = raw_copy_gbps(nbytes, "d2h")
+            raw_h2d = raw_copy_gbps(moved, "h2d")
+            out[str(n)] = {"chunks": n, "store_bytes": nbytes, "retrieve_bytes": moved,
+                           "store_ms": 1e3 * store, "retrieve_ms": 1e3 * retrieve,
+                           "store_gbps": nbytes / store / 1e9,
+                           "retrieve_gbps": moved / retrieve / 1e9,
+                           "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
+                           "store_ratio": nbytes / store / 1e9 / raw_d2h,
+                           "retrieve_ratio": moved / retrieve / 1e9 / raw_h2d}
+        c.unregister(reg)
+    print("BENCH " + json.dumps(out), flush=True)
+
+
 def export(args: dict) -> None:
     with CudaKV(geometry(args), 0) as kv:
         kv.fill_random(args.get("seed", 1))
@@ -169,4 +221,6 @@ def store_and_hang(args: dict) -> None:
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    {"roundtrip": roundtrip, "export": export, "store-and-hang": store_and_hang}[a["mode"]](a)
+    modes = {"roundtrip": roundtrip, "export": export, "bench": bench,
+             "store-and-hang": store_and_hang}
+    modes[a["mode"]](a)

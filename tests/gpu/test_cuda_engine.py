@@ -4,8 +4,8 @@ Both copy modes, both DeepSeek-V4.1 record formats (the engine never looks at re
 bytes, so SM100's 528-byte records are exercised here on any GPU; through the server
 they need an SM100 device, which registration enforces), padded block strides that
 force the 8-byte and the byte-wise kernel paths, refusal of out-of-range blocks before
-any copy, and the throughput of 64-chunk batches against a raw pinned copy (written to
-``$LMC_BENCH_OUT/engine.json`` when that is set).
+any copy. ``test_engine_benchmark`` measures (never asserts) 1/16/64-chunk batches against
+a raw pinned copy (``$LMC_BENCH_OUT/engine.json`` when that is set).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -219,6 +220,20 @@ def _timed(fn: Callable[[], None], iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _profiled(engine: object, fn: Callable[[], None], iters: int) -> dict[str, float]:
+    """Mean of the engine's per-copy breakdown (host planning, enqueue, GPU span)."""
+    engine.profile = True
+    try:
+        fn()
+        rows = []
+        for _ in range(iters):
+            fn()
+            rows.append(dict(engine.last_profile))
+    finally:
+        engine.profile = False
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
 def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
     """GPU time of the staging gather kernels alone for one batch (the SM cost)."""
     import cupy
@@ -232,13 +247,14 @@ def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
         with cupy.cuda.Device(mapping.device_index):
             halves = lane.halves(max(c.run.nbytes for c in copies))
             plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
-            lane.reserve(plan.n_desc)
-            desc = lane.upload(plan.desc, 0, lane.sm)
+            units, ids = lane.upload(plan, lane.sm)
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(lane.sm)
             for p in plan.pieces:
-                cuda_kernels.launch(lane.device, "gather_pages", desc, lane.desc_rows, p.first,
-                                    p.count, engine._blocks(lane.device, p.count), 256, lane.sm)
+                cuda_kernels.launch(lane.device, "gather_units", units, ids, plan.n_units,
+                                    p.first, p.count, plan.max_layers, plan.max_blocks,
+                                    engine._blocks(lane.device, plan.box_pages(p.count)), 256,
+                                    lane.sm)
             end.record(lane.sm)
             end.synchronize()
             return float(cupy.cuda.get_elapsed_time(start, end))
@@ -275,43 +291,63 @@ def _pool_dma_gbps(pool: object, nbytes: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def test_throughput_64_chunk_batches() -> None:
-    """Store and retrieve of 64-chunk DSV4.1 batches against a raw pinned copy."""
+#: (name, copy mode, mapped thread blocks, wait mode) measured by the benchmark.
+BENCH_CONFIGS = [("staging", "staging", 0, "block"), ("staging-hybrid", "staging", 0, "hybrid"),
+                 ("mapped64", "mapped", 64, "block"), ("mapped132", "mapped", 132, "block")]
+BENCH_CHUNKS = (1, 16, 64)
+
+
+def test_engine_benchmark() -> None:
+    """Store and retrieve of 1-, 16- and 64-chunk DSV4.1 batches against a raw pinned copy.
+
+    A measurement, not a check: speed is reported (``$LMC_BENCH_OUT/engine.json`` and
+    the test output), never asserted. Wall time of ``engine.store``/``engine.retrieve``
+    (planning, launches and the wait included), 10 iterations after 2 warm-ups; the
+    breakdown comes from separate profiled iterations.
+    """
     from lmc_server.testing.cuda_kv import device_arch, raw_copy_gbps
     from lmc_server.transfer.cuda import CudaEngine
 
     e = Exported(device_arch(0), 0, num_blocks=1100, layers=44)
-    results: dict[str, dict[str, float]] = {}
-    configs = [("staging", 0, "alloc"), ("staging", 0, "register"), ("mapped", 32, "alloc"),
-               ("mapped", 64, "alloc"), ("mapped", 132, "alloc"), ("mapped", 132, "register")]
+    results: dict[str, Any] = {}
     try:
-        for mode, blocks, pinning in configs:
-            engine, pool = make_engine(mode, 16 * SLAB, pinning)
+        for name, mode, blocks, wait in BENCH_CONFIGS:
+            engine, pool = make_engine(mode, 16 * SLAB)
             assert isinstance(engine, CudaEngine)
+            engine.wait = wait
             if blocks:
                 engine.mapped_blocks = blocks
             mapping = engine.open(e.buffers)
             try:
-                copies, _ = batch(e.geo, 64, np.random.default_rng(0))
-                nbytes = sum(c.nbytes for c in copies)
-                store_s = _timed(partial(engine.store, mapping, copies), 10)
-                retrieve_s = _timed(partial(engine.retrieve, mapping, copies), 10)
-                r = {"bytes": nbytes, "chunks": 64, "store_gbps": nbytes / store_s / 1e9,
-                     "retrieve_gbps": nbytes / retrieve_s / 1e9,
-                     "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3}
-                one = [RunCopy(c.run, c.block_ids[:1], c.object_offsets[:1]) for c in copies]
-                r["store_1chunk_ms"] = 1e3 * _timed(partial(engine.store, mapping, one), 20)
-                r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool, nbytes)
-                if mode == "staging" and pinning == "alloc":
+                full, _ = batch(e.geo, 64, np.random.default_rng(0))
+                by_size: dict[str, Any] = {}
+                for n in BENCH_CHUNKS:
+                    copies = [RunCopy(c.run, c.block_ids[:n], c.object_offsets[:n])
+                              for c in full]
+                    nbytes = sum(c.nbytes for c in copies)
+                    store = partial(engine.store, mapping, copies)
+                    retrieve = partial(engine.retrieve, mapping, copies)
+                    store_s, retrieve_s = _timed(store, 10), _timed(retrieve, 10)
+                    by_size[str(n)] = {
+                        "chunks": n, "bytes": nbytes, "store_gbps": nbytes / store_s / 1e9,
+                        "retrieve_gbps": nbytes / retrieve_s / 1e9,
+                        "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3,
+                        "store_profile": _profiled(engine, store, 5),
+                        "retrieve_profile": _profiled(engine, retrieve, 5)}
+                r: dict[str, Any] = {"mode": mode, "wait": wait, "chunks": by_size}
+                if name == "staging":
                     from lmc_server.transfer.cuda_plan import plan_staging
 
-                    r["gather_kernel_ms"] = _gather_ms(engine, mapping, copies)
-                    r["plan_ms"] = 1e3 * _timed(partial(
-                        plan_staging, copies, engine._region(mapping), (1 << 50, 1 << 51),
-                        32 << 20), 10)
+                    nbytes = sum(c.nbytes for c in full)
+                    r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool,
+                                                                                    nbytes)
+                    r["gather_kernel_ms"] = _gather_ms(engine, mapping, full)
+                    r["plan_64_ms"] = 1e3 * _timed(partial(
+                        plan_staging, full, engine._region(mapping), (1 << 50, 1 << 51),
+                        32 << 20, 8 << 20), 20)
                     with ThreadPoolExecutor(4) as ex:  # 4 concurrent 16-chunk stores
                         quarter = [RunCopy(c.run, c.block_ids[q::4], c.object_offsets[q::4])
-                                   for q in range(4) for c in copies]
+                                   for q in range(4) for c in full]
                         parts = [quarter[q::4] for q in range(4)]
                         list(ex.map(partial(engine.store, mapping), parts))
                         t0 = time.perf_counter()
@@ -319,24 +355,28 @@ def test_throughput_64_chunk_batches() -> None:
                             list(ex.map(partial(engine.store, mapping), parts))
                         r["store_4x16_concurrent_gbps"] = (
                             5 * nbytes / (time.perf_counter() - t0) / 1e9)
-                results[f"{mode}{blocks or ''}-{pinning}"] = r
+                results[name] = r
             finally:
                 mapping.close()
                 engine.close()
-        nbytes = int(results["staging-alloc"]["bytes"])
-        raw = {d: raw_copy_gbps(nbytes, d, 0, 10) for d in ("d2h", "h2d", "both")}
-        results["raw"] = {"d2h_gbps": raw["d2h"], "h2d_gbps": raw["h2d"],
-                          "both_gbps": raw["both"], "bytes": nbytes}
+        raw: dict[str, Any] = {}
+        for n in BENCH_CHUNKS:
+            nbytes = int(results["staging"]["chunks"][str(n)]["bytes"])
+            raw[str(n)] = {d: raw_copy_gbps(nbytes, d, 0, 10) for d in ("d2h", "h2d", "both")}
+        results["raw"] = raw
         for name, r in results.items():
-            if name != "raw":
-                r["store_ratio"] = r["store_gbps"] / raw["d2h"]
-                r["retrieve_ratio"] = r["retrieve_gbps"] / raw["h2d"]
+            if name == "raw":
+                continue
+            for n, row in r["chunks"].items():
+                row["store_ratio"] = row["store_gbps"] / raw[n]["d2h"]
+                row["retrieve_ratio"] = row["retrieve_gbps"] / raw[n]["h2d"]
     finally:
         e.close()
     out = os.environ.get("LMC_BENCH_OUT")
     if out:
         Path(out, "engine.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    best = results["staging-alloc"]
-    assert best["store_ratio"] >= 0.90, results
-    assert best["retrieve_ratio"] >= 0.90, results
+    summary = {name: {n: (round(row["store_ratio"], 3), round(row["retrieve_ratio"], 3))
+                      for n, row in r["chunks"].items()}
+               for name, r in results.items() if name != "raw"}
+    print("store/retrieve ratio to raw, by chunks:", json.dumps(summary))

@@ -1,6 +1,7 @@
 """The CUDA engine's copy plans, executed by numpy on a simulated address space.
 
-Runs on any host (no GPU marker): every descriptor and DMA the engine would issue is
+Runs on any host (no GPU marker): every kernel launch (emulated slot by slot, with the
+index arithmetic of ``kernels/copy_pages.cu``) and every DMA the engine would issue is
 applied to one numpy "memory" in which buffers, pool and staging halves sit at their
 addresses, and the resulting pool and page bytes are compared with the CPU engine's
 reference copy of the same :class:`RunCopy` list.
@@ -46,19 +47,33 @@ class Memory:
         return self.mem[self.pool:self.pool + self.region.pool_bytes]
 
     def run(self, plan: Plan, to_pool: bool) -> None:
-        d = plan.desc.astype(np.int64)
+        """Each piece as the engine issues it: DMAs in, the kernel, DMAs out."""
         for p in plan.pieces:
             if not to_pool:
                 for stage, pool, n in p.segments.tolist():
                     self.mem[stage:stage + n] = self.mem[pool:pool + n]
-            for page, obj, n in d[p.first:p.first + p.count].tolist():
-                if to_pool:
-                    self.mem[obj:obj + n] = self.mem[page:page + n]
-                else:
-                    self.mem[page:page + n] = self.mem[obj:obj + n]
+            self.kernel(plan, p.first, p.count, to_pool)
             if to_pool:
                 for stage, pool, n in p.segments.tolist():
                     self.mem[pool:pool + n] = self.mem[stage:stage + n]
+
+    def kernel(self, plan: Plan, first: int, count: int, to_object: bool) -> None:
+        """``copy_units`` of kernels/copy_pages.cu, slot by slot, on this memory."""
+        per_unit = plan.max_layers * plan.max_blocks
+        rows = plan.units[first:first + count].tolist()
+        ids = plan.ids.tolist()
+        for k in range(plan.box_pages(count)):
+            u, rem = divmod(k, per_unit)
+            layer, j = divmod(rem, plan.max_blocks)
+            base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks = rows[u]
+            if layer >= n_layers or j >= n_blocks or ids[ids_off + j] < 0:
+                continue
+            page = base + layer * l_stride + ids[ids_off + j] * b_stride
+            o = obj + (layer * n_blocks + j) * n
+            if to_object:
+                self.mem[o:o + n] = self.mem[page:page + n]
+            else:
+                self.mem[page:page + n] = self.mem[o:o + n]
 
 
 def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator
@@ -92,12 +107,20 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int) -> None:
     def plan() -> Plan:
         if mode == "mapped":
             return plan_mapped(copies, mem.region)
-        return plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
+        return plan_staging(copies, mem.region, mem.halves, mem.half_bytes,
+                            first_piece_bytes=256 << 10)
 
     p = plan()
     assert p.nbytes == sum(c.nbytes for c in copies)
     if mode == "staging":
         assert len(p.pieces) > 1  # 1 MiB halves force several pieces
+        sizes_of = (p.units[:, 3] * p.units[:, 6] * p.units[:, 7]).tolist()
+        fill = [sum(sizes_of[q.first:q.first + q.count]) for q in p.pieces]
+        assert fill[0] <= max(256 << 10, sizes_of[0])  # the short first piece
+        assert all(f <= mem.half_bytes for f in fill)
+        assert [q.first for q in p.pieces] == np.cumsum([0] + [q.count for q in p.pieces[:-1]]
+                                                        ).tolist()
+        assert sum(q.count for q in p.pieces) == p.n_units
     mem.run(p, to_pool=True)
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for c in copies:
@@ -159,3 +182,38 @@ def test_adjacent_objects_merge_into_one_dma() -> None:
     p = plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
     assert len(p.pieces) == 1
     assert p.pieces[0].segments.tolist() == [[mem.halves[0], mem.pool, n * og.object_bytes]]
+
+
+def test_plan_uses_its_own_copy_of_the_ids() -> None:
+    """The uploaded block ids are the checked ones: later edits of the caller's arrays
+    change nothing in a plan."""
+    rng = np.random.default_rng(5)
+    copies, sizes, pool_bytes = dsv41_copies("sm90", 3, 0, rng)
+    mem = Memory(sizes, pool_bytes, 1 << 20)
+    p = plan_mapped(copies[:1], mem.region)
+    before = p.ids.copy()
+    copies[0].block_ids[:] = 10 ** 9
+    assert np.array_equal(p.ids, before)
+
+
+def test_all_holes_copy_is_skipped_and_mixed_runs_share_a_box() -> None:
+    rng = np.random.default_rng(9)
+    copies, sizes, pool_bytes = dsv41_copies("sm90", 3, 0, rng)
+    mem = Memory(sizes, pool_bytes, 1 << 20)
+    # A copy with fewer layers and blocks than the others: its slots in the
+    # (units, max_layers, max_blocks) box must be skipped, not copied.
+    c = copies[0]
+    small_run = type(c.run)(c.run.buffer, c.run.base_offset, c.run.layer_stride, 1,
+                            c.run.block_stride, c.run.page_bytes, c.run.object_offset, 1)
+    small = RunCopy(small_run, c.block_ids[:, :1], c.object_offsets)
+    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1),
+                    copies[1].object_offsets)
+    plan = plan_staging([small, holes] + copies[2:], mem.region, mem.halves, mem.half_bytes)
+    assert plan.n_units == 3 * (len(copies) - 1)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+    mem.run(plan, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for cc in [small] + copies[2:]:
+        _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
+    assert np.array_equal(mem.pool_view(), expect_pool)

@@ -61,6 +61,20 @@ def test_roundtrip_full_batch(cuda_server: ServerProcess) -> None:
     assert "ROUNDTRIP OK" in out
 
 
+def test_server_benchmark(cuda_server: ServerProcess) -> None:
+    """Wall time of the client's store/retrieve through a real server (what a worker
+    sees), 1/16/64 chunks; reported in ``$LMC_BENCH_OUT/server.json``, not asserted."""
+    out = run_worker({"mode": "bench", "endpoint": cuda_server.endpoint,
+                      "num_blocks": 1100, "layers": 44, "seed": 3}, timeout_s=300)
+    line = next(x for x in out.splitlines() if x.startswith("BENCH "))
+    results = json.loads(line[len("BENCH "):])
+    dest = os.environ.get("LMC_BENCH_OUT")
+    if dest:
+        Path(dest, "server.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    assert sorted(results, key=int) == ["1", "16", "64"]
+
+
 def test_sm100_records_refused_on_sm90_device(cuda_server: ServerProcess) -> None:
     """The arch is the registering device's: 528-byte records from an H200 are refused."""
     import torch
