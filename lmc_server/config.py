@@ -70,6 +70,12 @@ class Config:
     drain_timeout_s: float = 10.0
     metrics_port: int = 9090  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
+    heartbeat_timeout_s: float = 4.0  # a silent peer is disconnected and reaped after this
+    max_inflight_per_client: int = 64  # concurrent store/retrieve per connection
+    ipc_path: str = ""  # also listen on ipc://PATH (parent dir created 0700 / 0770)
+    ipc_group: str = ""  # group that may use the ipc socket (the engine's)
+    curve_secret_key_file: str = ""  # zmq CURVE server certificate (lmcache keygen)
+    curve_clients_dir: str = ""  # public certificates of the clients allowed in
 
     @property
     def endpoint(self) -> str:
@@ -123,6 +129,18 @@ class Config:
             raise ConfigError("max frame bytes must be at least 65536")
         if not re.fullmatch(r"[A-Za-z0-9.:\-\[\]*]+", self.host):
             raise ConfigError(f"host {self.host!r} is not an address")
+        if not 0.5 <= self.heartbeat_timeout_s <= 3600:
+            raise ConfigError("heartbeat timeout must be in 0.5..3600 s")
+        if not 1 <= self.max_inflight_per_client <= 65536:
+            raise ConfigError("max in-flight requests per client must be in 1..65536")
+        if bool(self.curve_secret_key_file) != bool(self.curve_clients_dir):
+            raise ConfigError("CURVE needs both --curve-secret-key-file and "
+                              "--curve-clients-dir (see 'lmcache keygen')")
+        if not self.curve_secret_key_file and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host}: clients could map and read any KV "
+                f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
+                f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
         if self.backend == "null":
             return  # the null engine allocates no pool memory (trace replays only)
         mem = physical_memory_bytes() if memory_bytes is None else memory_bytes
@@ -133,6 +151,12 @@ class Config:
                 f"{mem / GIB:.1f} GiB of memory, of which at most {max(usable, 0) / GIB:.1f} "
                 f"GiB can be used with {SYSTEM_RESERVE_BYTES // GIB} GiB left for the "
                 f"system; lower --l1-size-gb")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach."""
+    h = host.strip("[]")
+    return h == "localhost" or h == "::1" or h.startswith("127.")
 
 
 CONFIG_KEYS = frozenset(f.name for f in fields(Config))

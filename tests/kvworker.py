@@ -5,6 +5,12 @@ registers it, stores ``chunks`` chunks (digests from ``token_seed``) into the bl
 ``block_ids_for(reg, chunks, default_rng(block_seed))`` picks, prints a JSON line with
 the per-object-group statuses, and exits (unlinking its segments). The test process
 regenerates the same bytes from the seeds to check what it retrieves.
+
+Modes for failure tests: ``hang`` waits on stdin after storing (to be killed between
+operations); ``loop`` stores batches of ``chunks`` fresh chunks forever, printing
+``storing <batch>`` before each (to be killed mid-store); ``lookup_then_hang`` looks the
+chunks up with a lease, prints the lease, and waits (to be killed between lookup and
+retrieve); ``retrieve_loop`` retrieves the stored chunks forever (killed mid-retrieve).
 """
 
 from __future__ import annotations
@@ -32,12 +38,24 @@ def main() -> None:
         reg = c.register(**kv.register_kwargs(
             world_size=args.get("world_size", 1), rank=args.get("rank", 0),
             replicated=args.get("replicated", False)))
+        kv.unlink()  # the server has mapped it; nothing is left in /dev/shm if killed
         n = args["chunks"]
-        digests = chunk_digests(tokens(args["token_seed"], n), 256)
         ids = block_ids_for(reg, n, np.random.default_rng(args["block_seed"]))
+        if args.get("loop"):
+            for batch in range(1_000_000):
+                print(f"storing {batch}", flush=True)
+                c.store(reg, chunk_digests(tokens(args["token_seed"] + batch, n), 256), ids)
+        digests = chunk_digests(tokens(args["token_seed"], n), 256)
         res = c.store(reg, digests, ids)
         print(json.dumps({k: v.tolist() for k, v in res.statuses.items()}), flush=True)
-        if args.get("hang"):
+        if args.get("lookup_then_hang"):
+            print(json.dumps({"lease": c.lookup(reg, digests).lease_id}), flush=True)
+        if args.get("retrieve_loop"):
+            other = block_ids_for(reg, n, np.random.default_rng(args["block_seed"] + 1))
+            for i in range(1_000_000):
+                print(f"retrieving {i}", flush=True)
+                c.retrieve(reg, digests, other)
+        if args.get("hang") or args.get("lookup_then_hang"):
             sys.stdin.read()
 
 

@@ -109,6 +109,23 @@ def cli() -> None:
               envvar="LMCACHE_METRICS_PORT", help="Prometheus /metrics port (0: off).")
 @click.option("--metrics-host", default="127.0.0.1", envvar="LMCACHE_METRICS_HOST",
               help="Address of the metrics endpoint.")
+@click.option("--heartbeat-timeout-s", type=click.FloatRange(0.5, 3600), default=4.0,
+              envvar="LMCACHE_HEARTBEAT_TIMEOUT_S",
+              help="A client whose connection is silent this long (zmq heartbeats) is "
+                   "dropped and its registrations, mappings and leases reclaimed.")
+@click.option("--max-inflight-per-client", type=click.IntRange(1, 65536), default=64,
+              envvar="LMCACHE_MAX_INFLIGHT_PER_CLIENT",
+              help="Concurrent stores and retrieves per connection; more get 'busy'.")
+@click.option("--ipc-path", default="", envvar="LMCACHE_IPC_PATH",
+              help="Also listen on ipc://PATH; its folder is created mode 0700 (0770 with "
+                   "--ipc-group).")
+@click.option("--ipc-group", default="", envvar="LMCACHE_IPC_GROUP",
+              help="Group (the engine's) allowed to use the ipc socket.")
+@click.option("--curve-secret-key-file", default="", envvar="LMCACHE_CURVE_SECRET_KEY_FILE",
+              help="zmq CURVE server certificate (from 'lmcache keygen'); required to "
+                   "listen on a non-loopback address.")
+@click.option("--curve-clients-dir", default="", envvar="LMCACHE_CURVE_CLIENTS_DIR",
+              help="Folder of client public certificates allowed to connect with CURVE.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:
@@ -127,6 +144,27 @@ def server(**kwargs: Any) -> None:
         raise click.UsageError(f"cannot open log file {config.log_file}: {e.strerror}") \
             from None
     sys.exit(Server(config).run())
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="server", show_default=True,
+              help="Certificate base name (server, or a client's name).")
+def keygen(directory: str, name: str) -> None:
+    """Create a zmq CURVE key pair: NAME.key (public) and NAME.key_secret (keep private).
+
+    The server takes server.key_secret with --curve-secret-key-file; each client's
+    NAME.key goes into the server's --curve-clients-dir; clients need server.key and
+    their own NAME.key_secret.
+    """
+    import os
+
+    import zmq.auth
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    click.echo(f"public: {public}\nsecret: {secret}")
 
 
 def _endpoint_options(f: Any) -> Any:

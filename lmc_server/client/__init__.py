@@ -6,9 +6,9 @@
         hit = c.lookup(reg, digests)
 """
 
-from lmc_server.client.core import ChunkResult, Registration, ServerError
+from lmc_server.client.core import ChunkResult, CurveKeys, Registration, ServerError
 from lmc_server.client.digests import chunk_digests, hash_chain
 from lmc_server.client.sync import Client
 
-__all__ = ["ChunkResult", "Client", "Registration", "ServerError", "chunk_digests",
+__all__ = ["ChunkResult", "Client", "CurveKeys", "Registration", "ServerError", "chunk_digests",
            "hash_chain"]

@@ -20,8 +20,10 @@ from lmc_server.cache.geometry import BufferSpec, GroupSpec
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
+    CurveKeys,
     Registration,
     RequestBuilder,
+    configure_socket,
     stats_dict,
 )
 from lmc_server.protocol import messages as m
@@ -31,12 +33,13 @@ from lmc_server.protocol.codec import decode_reply, encode
 class AsyncClient:
     """Create with ``await AsyncClient.connect(endpoint)``; close with ``await close()``."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 30.0,
+                 curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
         self._pending: dict[int, asyncio.Future[m.Reply]] = {}
@@ -45,8 +48,8 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
-                      client_name: str = "") -> AsyncClient:
-        self = cls(endpoint, timeout_s)
+                      client_name: str = "", curve: CurveKeys | None = None) -> AsyncClient:
+        self = cls(endpoint, timeout_s, curve)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.welcome = await self._call(m.Hello(req_id=self._b.next_id(),
                                                 protocol_version=PROTOCOL_VERSION,

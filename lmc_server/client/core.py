@@ -22,6 +22,45 @@ R = TypeVar("R", bound=m._Msg)
 BlockIds = Mapping[str, np.ndarray | Sequence[int]]
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """zmq CURVE keys of a client: the server's public key and this client's key pair
+    (z85 bytes, as ``zmq.auth.load_certificate`` returns them)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_cert: str, client_secret_cert: str) -> CurveKeys:
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_cert)
+        public, secret = zmq.auth.load_certificate(client_secret_cert)
+        if not secret:
+            raise ValueError(f"{client_secret_cert} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+#: Client-side heartbeats let a client notice a dead server (and the server a dead
+#: client) even while no request is in flight.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 4000
+
+
+def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
+    """Options every client DEALER socket gets: no linger, heartbeats, CURVE if given."""
+    import zmq
+
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if curve is not None:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+
+
 class ServerError(Exception):
     """The server refused a request; ``code`` is an :class:`ErrorCode` value."""
 

@@ -17,9 +17,11 @@ from lmc_server.cache.geometry import BufferSpec, GroupSpec
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
+    CurveKeys,
     Registration,
     RequestBuilder,
     ServerError,
+    configure_socket,
     stats_dict,
 )
 from lmc_server.protocol import messages as m
@@ -31,13 +33,13 @@ class Client:
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
                  client_name: str = "", hello: bool = True,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve: CurveKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
         self.welcome: m.Welcome | None = None

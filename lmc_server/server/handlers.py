@@ -60,6 +60,10 @@ class Handlers:
         self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
         self.copy_executor = copy_executor
         self.clock = clock
+        #: Called after a store's copy returns and before it commits: the server handles
+        #: queued socket events here, so a writer that died during the copy is seen
+        #: (its registration closes) and its object is aborted, not committed.
+        self.before_commit: Callable[[], None] = lambda: None
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -228,14 +232,19 @@ class Handlers:
                 ok, err = True, ""
             except TransferError as e:
                 ok, err = False, str(e)
-            if ok and not reg.closing:
-                self.index.commit_store(ticket)
-                self.stats.observe_transfer("store", ticket.nbytes, time.perf_counter() - t0)
-            else:
-                self.index.abort_store(ticket)
-                log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
-                            err or "registration closed during the copy")
-            reg.end_op()
+            try:
+                if ok:
+                    self.before_commit()
+                if ok and not reg.closing:
+                    self.index.commit_store(ticket)
+                    self.stats.observe_transfer("store", ticket.nbytes,
+                                                time.perf_counter() - t0)
+                else:
+                    self.index.abort_store(ticket)
+                    log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
+                                err or "registration closed during the copy")
+            finally:
+                reg.end_op()
         return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
 
     async def retrieve(self, session: Session, msg: m.Retrieve) -> m.RetrieveResult:
@@ -253,11 +262,13 @@ class Handlers:
             except TransferError as e:
                 log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], e)
                 ok = False
-            self.index.unpin_retrieve(ticket, ok)
-            if ok:
-                self.stats.observe_transfer("retrieve", ticket.nbytes,
-                                            time.perf_counter() - t0)
-            reg.end_op()
+            try:
+                self.index.unpin_retrieve(ticket, ok)
+                if ok:
+                    self.stats.observe_transfer("retrieve", ticket.nbytes,
+                                                time.perf_counter() - t0)
+            finally:
+                reg.end_op()
         else:
             self.index.unpin_retrieve(ticket, True)
         return m.RetrieveResult(req_id=msg.req_id,

@@ -36,6 +36,7 @@ from dataclasses import fields
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
@@ -54,6 +55,7 @@ from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.notify import Notifier
+from lmc_server.server.security import bind_ipc, start_curve
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import ServerStats
 from lmc_server.transfer.base import HostPool, TransferEngine
@@ -70,6 +72,8 @@ LEASE_SWEEP_INTERVAL_S = 0.25
 #: How often idle sessions are looked for, and how long one holding nothing may idle.
 SESSION_SWEEP_INTERVAL_S = 5.0
 IDLE_SESSION_S = 60.0
+#: Messages a peer may send before hello; past that it is ignored (no amplification).
+PRE_HELLO_MESSAGES = 16
 #: zmq drops (disconnects) peers whose frames exceed this multiple of max_frame_bytes.
 HARD_FRAME_FACTOR = 4
 #: The event loop's heartbeat period; /healthz fails once a beat is this late.
@@ -115,6 +119,9 @@ class Server:
         self.started_at_s = 0.0
         self.pool_ready_at_s: float | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._fd_gen: dict[int, int] = {}
+        self._conn_peers: dict[tuple[int, int], list[bytes]] = {}
+        self._auth: Any = None
         self._timers: list[asyncio.TimerHandle] = []
         self._exit_event: asyncio.Event | None = None
         self._prev_signals: dict[int, Any] = {}
@@ -163,6 +170,7 @@ class Server:
         self.copy_executor = ThreadPoolExecutor(16, thread_name_prefix="lmc-transfer")
         self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
                                  self.copy_executor, self.clock)
+        self.handlers.before_commit = self._drain
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -170,8 +178,20 @@ class Server:
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * HARD_FRAME_FACTOR)
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.RCVHWM, 10000)
+        hb_ms = int(cfg.heartbeat_timeout_s * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, hb_ms // 4))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
         self.sock = sock
+        if cfg.curve_secret_key_file:
+            self._auth = start_curve(self.ctx, sock, cfg.curve_secret_key_file,
+                                     cfg.curve_clients_dir)
         sock.bind(cfg.endpoint)
+        if cfg.ipc_path:
+            bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._monitor_fd = int(self.monitor.getsockopt(zmq.FD))
+        self.loop.add_reader(self._monitor_fd, self._drain_monitor)
         self._fd = int(sock.getsockopt(zmq.FD))
         self.loop.add_reader(self._fd, self._drain)
         if cfg.metrics_port:
@@ -318,9 +338,11 @@ class Server:
     def _drain(self) -> None:
         """Handle every queued message (up to a budget, then yield and continue)."""
         sock = self.sock
+        if not sock.closed:
+            self._drain_monitor()
         for _ in range(DRAIN_BUDGET):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as e:
@@ -349,13 +371,55 @@ class Server:
             else:
                 log.warning("send failed: %s", e)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _drain_monitor(self) -> None:
+        """Connection events: a connection that goes away (crash, kill -9, closed
+        socket, or silent past the heartbeat timeout) takes its sessions with it, and
+        everything they held is reclaimed at once.
+
+        zmq tells the file descriptor, not the peer identity, so each message's source
+        descriptor is recorded with a per-descriptor generation that every accept bumps
+        (descriptor numbers are reused). Monitor events are drained before data, so a
+        message is never attributed to a connection the server has not seen accepted.
+        """
+        mon = self.monitor
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._fd_gen[fd] = self._fd_gen.get(fd, 0) + 1
+                continue
+            conn = (fd, self._fd_gen.get(fd, 0))
+            for identity in self._conn_peers.pop(conn, ()):
+                session = self.sessions.get(identity)
+                if session is not None and session.conn == conn:
+                    self.stats.sessions_reaped += 1
+                    self.handlers.drop_session(session, "connection closed")
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             return
-        identity, payload = frames[0], frames[1:]
+        identity = frames[0].bytes
+        payload = [f.bytes for f in frames[1:]]
         session = self.sessions.get_or_create(identity, self.clock())
+        if session.conn is None:
+            self._drain_monitor()  # its accept may have been queued after this drain began
+            fd = int(frames[0].get(zmq.SRCFD))
+            session.conn = (fd, self._fd_gen.get(fd, 0))
+            self._conn_peers.setdefault(session.conn, []).append(identity)
         op = "invalid"
         try:
+            if not session.hello:
+                session.pre_hello += 1
+                if session.pre_hello > PRE_HELLO_MESSAGES:
+                    if session.pre_hello == PRE_HELLO_MESSAGES + 1:
+                        log.warning("peer %s sent %d messages without hello: ignoring it",
+                                    identity.hex()[:8], PRE_HELLO_MESSAGES)
+                    return
             msg = decode_request(payload, self.handlers.limits)
             op = type(msg).__name__.lower()
             if not session.hello and not isinstance(msg, m.Hello | m.Ping):
@@ -368,6 +432,12 @@ class Server:
             elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
                 reply = getattr(self.handlers, name)(session, msg)
             else:
+                if session.inflight >= self.config.max_inflight_per_client:
+                    raise ProtocolError(
+                        ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
+                        f"connection; at most {self.config.max_inflight_per_client}",
+                        msg.req_id)
+                session.inflight += 1
                 task = self.loop.create_task(self._run_async(session, op, msg))
                 self._tasks.add(task)
                 self._task_requests[task] = (identity, op, msg.req_id)
@@ -407,6 +477,8 @@ class Server:
             self.stats.count_request(op, ErrorCode.INTERNAL.value)
             payload = error_reply(ProtocolError(ErrorCode.INTERNAL,
                                                 "internal server error (logged)", msg.req_id))
+        finally:
+            session.inflight -= 1
         task = asyncio.current_task()
         if task is not None and task in self._answered:  # answered at the drain timeout
             return
@@ -553,6 +625,10 @@ class Server:
         if sock is not None and not sock.closed:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self._fd)
+                self.loop.remove_reader(self._monitor_fd)
+            with contextlib.suppress(Exception):
+                sock.disable_monitor()
+                self.monitor.close(linger=0)
             sock.close(linger=0)
         executor = getattr(self, "copy_executor", None)
         if executor is not None:
@@ -565,6 +641,9 @@ class Server:
             engine.close()
         elif pool is not None:
             pool.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         ctx = getattr(self, "ctx", None)
         if ctx is not None:
             ctx.term()

@@ -69,6 +69,8 @@ class Session:
     identity: bytes
     last_seen_s: float
     hello: bool = False
+    pre_hello: int = 0
+    conn: tuple[int, int] | None = None  # (socket descriptor, accept generation)
     client_name: str = ""
     registrations: dict[bytes, Registration] = field(default_factory=dict)
     inflight: int = 0
@@ -91,6 +93,9 @@ class SessionTable:
 
     def sessions(self) -> list[Session]:
         return list(self._by_identity.values())
+
+    def get(self, identity: bytes) -> Session | None:
+        return self._by_identity.get(identity)
 
     def get_or_create(self, identity: bytes, now_s: float) -> Session:
         s = self._by_identity.get(identity)

@@ -70,6 +70,13 @@ class ShmKV:
         kw.update(overrides)
         return kw
 
+    def unlink(self) -> None:
+        """Remove the segments' names (after registering: the server has mapped them).
+        The memory lives on in every mapping, and nothing is left behind in /dev/shm
+        if this process is killed."""
+        for s in self.segments:
+            s.unlink()
+
     def close(self) -> None:
         for s in self.segments:
             s.close()

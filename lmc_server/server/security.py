@@ -1,0 +1,57 @@
+"""Exposure controls for the listening sockets: ipc:// permissions and zmq CURVE.
+
+A client that can talk to the server can map the KV buffers it names and read what the
+cache holds for its namespace, so the default is loopback tcp only (``Config.check``
+refuses anything else without CURVE). ``ipc://`` sockets live in a folder only the
+server's user (and, with ``--ipc-group``, the engine's group) can enter. CURVE encrypts
+and authenticates: only clients whose public certificate is in ``--curve-clients-dir``
+get in (checked by a ZAP authenticator thread).
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
+
+
+def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> None:
+    """Bind ``ipc://path`` with its folder 0700 (0770 and chgrp'd with ``group``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    gid = grp.getgrnam(group).gr_gid if group else -1
+    mode = 0o770 if group else 0o700
+    if gid >= 0:
+        os.chown(folder, -1, gid)
+    os.chmod(folder, mode)
+    sock.bind(f"ipc://{os.path.abspath(path)}")
+    if gid >= 0:
+        os.chown(path, -1, gid)
+    os.chmod(path, 0o660 if group else 0o600)
+    log.info("listening on ipc://%s (folder mode %o%s)", path, mode,
+             f", group {group}" if group else "")
+
+
+def start_curve(ctx: zmq.Context[Any], sock: zmq.Socket[Any], secret_file: str,
+                clients_dir: str) -> ThreadAuthenticator:
+    """Make ``sock`` a CURVE server that admits only the certificates in ``clients_dir``."""
+    if not os.path.isdir(clients_dir):
+        raise ValueError(f"CURVE clients folder {clients_dir} does not exist")
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if not secret:
+        raise ValueError(f"{secret_file} holds no secret key (use NAME.key_secret)")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=clients_dir)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+    log.info("CURVE on: clients admitted from %s", clients_dir)
+    return auth
