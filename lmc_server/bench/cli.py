@@ -163,3 +163,46 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
     emit(report, rp.table(report), json_path)
     if plot_path:
         rp.plot(report, plot_path)
+
+
+@bench.command()
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
+              help="Transfer engine of the server; cuda: ranks round-robin over the GPUs.")
+@click.option("--ranks", type=click.IntRange(1, 256), default=8,
+              help="Worker processes, one registration each (tensor-parallel ranks).")
+@click.option("--chunks", type=click.IntRange(1), default=1000,
+              help="Chunks rank 0 stores in phase 1 (and slots of each KV region).")
+@click.option("--duration-s", type=click.FloatRange(min=0.1), default=60.0,
+              help="Seconds of concurrent store/retrieve on every rank (phase 2).")
+@click.option("--kill-one/--no-kill-one", default=True,
+              help="SIGKILL the last rank halfway through phase 2 (phase 3).")
+@geometry_options
+@click.option("--num-blocks", type=click.IntRange(1), default=None,
+              help="Blocks per KV group [default: the least two regions of --chunks need].")
+@click.option("--batch", type=click.IntRange(1), default=16,
+              help="Chunks per request in phase 1 stores and phase 2.")
+@click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=None,
+              help="Server pool [default: twice the phase-1 bytes plus 1 GiB].")
+@click.option("--verify-every", type=click.IntRange(1), default=8,
+              help="Phase 2: compare every n-th successful retrieve byte for byte.")
+@click.option("--raw-s", type=click.FloatRange(min=0.01), default=1.0,
+              help="Seconds of each raw-copy baseline direction.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the full report as JSON here.")
+def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bool,
+          num_blocks: int | None, batch: int, l1_size_gb: float | None, verify_every: int,
+          raw_s: float, json_path: str | None, **geometry: Any) -> None:
+    """Tensor-parallel ranks with replicated KV on one server: bytes, GB/s, a dead rank."""
+    from lmc_server.bench import ranks as rk
+
+    cfg = rk.RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
+                         kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
+                         num_blocks=num_blocks, batch=min(batch, chunks),
+                         l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s)
+    try:
+        report = rk.run(cfg)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    emit(report, rk.table(report), json_path)
+    if not report.summary["ok"]:
+        raise SystemExit(1)

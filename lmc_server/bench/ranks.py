@@ -1,0 +1,932 @@
+"""``lmcache bench ranks``: tensor-parallel ranks with replicated KV against one server.
+
+The target deployment is one server shared by eight worker processes, one per GPU,
+each registering the same DeepSeek-V4.1-Flash-shaped KV cache as rank ``r`` of
+``world_size`` with replicated KV (MLA: every rank holds identical bytes). This
+benchmark runs exactly that with real processes: one ``lmcache server`` and one worker
+subprocess per rank (round-robin over the visible GPUs for ``cuda``, POSIX shared
+memory for ``cpu``). Every worker fills its KV with the same seeded random bytes, so
+any rank can check bytes another rank stored. The parent talks to workers through JSON
+lines on their stdin/stdout (no pickle anywhere).
+
+Phase 1: rank 0 stores ``chunks`` chunks from region A; every other rank stores the
+same chunks (all must be ``EXISTS``: replicated KV is stored once, L1 used bytes equal
+one copy); every rank retrieves every chunk into region B (single-chunk requests, so
+every stored byte, window sections included, is written) and compares every byte.
+
+Raw baseline: every GPU at once (one process per GPU) runs pinned ``cudaMemcpy`` per
+direction (``testing.cuda_kv.raw_copy_gbps``); on cpu every rank process runs numpy
+copies at once. The aggregate is the sum.
+
+Phase 2: for ``duration_s`` every rank runs a store loop (fresh chunks, the same
+sequence on every rank: the first to store a chunk copies, the others get ``EXISTS`` or
+``IN_PROGRESS``) and a retrieve loop (chunks it saw committed, into other blocks of
+region B; every ``verify_every``-th retrieve is poisoned first and compared byte for
+byte) on one connection. Bytes copied = OK statuses x object bytes; aggregate GB/s per
+direction = bytes of all ranks / phase seconds. L1: the server's stored bytes must be
+the distinct chunks stored, once (up to what eviction or a killed rank's unfinished
+writes make unknowable, reported separately).
+
+Phase 3 (``kill_one``): halfway through phase 2 the last rank gets SIGKILL; the other
+ranks must finish with no error, and within ``KILL_DETECT_S`` the server's
+registrations drop by one (on cpu, its maps of the victim's segments are gone too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from lmc_server.bench.common import GeometryArgs, Report, format_table
+from lmc_server.cache.layout import RegistrationLayout, build_layout
+from lmc_server.cache.status import ChunkStatus
+from lmc_server.client.core import ChunkResult, Registration, ServerError
+from lmc_server.client.shm import SHM_DIR
+from lmc_server.client.sync import Client
+from lmc_server.testing.presets import KVGeometry
+from lmc_server.testing.process import ServerProcess
+
+log = logging.getLogger(__name__)
+
+CHUNK_SIZE = 256
+REGION_A, REGION_B = 0, 1
+KILL_DETECT_S = 5.0
+POOL_READY_TIMEOUT_S = 600.0
+MAX_ERRORS_KEPT = 5
+#: Raw copies are at least this large, so that a small geometry is not timed in cache.
+RAW_MIN_BYTES = 64 << 20
+#: Phase 2 stores a chunk again while another rank is writing it, so that every chunk
+#: ends committed or failed (exact single-copy accounting), this often, this long.
+IN_PROGRESS_POLL_S = 0.002
+IN_PROGRESS_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class RanksConfig:
+    backend: str = "cpu"
+    ranks: int = 8
+    chunks: int = 1000
+    duration_s: float = 60.0
+    kill_one: bool = True
+    geometry: GeometryArgs = GeometryArgs()
+    num_blocks: int | None = None
+    batch: int = 16
+    l1_size_gb: float | None = None
+    verify_every: int = 8
+    raw_s: float = 1.0
+    seed: int = 0
+
+
+def blocks_needed(geometry: KVGeometry, chunks: int) -> int:
+    """Blocks per group for regions A and B of ``chunks`` chunk slots each."""
+    return 2 * chunks * max(CHUNK_SIZE // g.tokens_per_block
+                            for g in geometry.groups if g.cached)
+
+
+def digests(seed: int, phase: str, indices: Sequence[int] | np.ndarray) -> bytes:
+    """32-byte keys of chunk ``indices`` of a phase; the same on every rank."""
+    return b"".join(hashlib.blake2b(f"{seed}:{phase}:{int(i)}".encode(), digest_size=32
+                                    ).digest() for i in indices)
+
+
+def auto_l1_size_gb(chunk_bytes: int, chunks: int) -> float:
+    """Room for phase 1 twice over plus 1 GiB, so phase 1 never evicts."""
+    return round(-(-(2 * chunks * chunk_bytes + (1 << 30)) // (1 << 28)) / 4, 2)
+
+
+# -- worker side --------------------------------------------------------------------------
+
+
+class _Slots:
+    """Block ids of chunk slots: slot ``s`` of region ``R`` in a group of ``bpc`` blocks
+    per chunk is blocks ``(R * chunks + s) * bpc ..+ bpc``."""
+
+    def __init__(self, geometry: KVGeometry, chunks: int) -> None:
+        self.chunks = chunks
+        self.bpc = {g.name: CHUNK_SIZE // g.tokens_per_block for g in geometry.groups
+                    if g.cached}
+
+    def blocks(self, group: str, region: int, slots: np.ndarray, first: int = 0,
+               count: int | None = None) -> np.ndarray:
+        bpc = self.bpc[group]
+        n = bpc - first if count is None else count
+        base = (region * self.chunks + np.asarray(slots, dtype=np.int64)) * bpc + first
+        return (base[:, None] + np.arange(n)).reshape(-1)
+
+    def ids(self, region: int, slots: np.ndarray) -> dict[str, np.ndarray]:
+        return {g: self.blocks(g, region, slots).astype(np.int32) for g in self.bpc}
+
+
+class _Counts:
+    """Outcomes of one direction on one rank: statuses, bytes copied, errors."""
+
+    def __init__(self, object_bytes: dict[str, int]) -> None:
+        self.object_bytes = object_bytes
+        self.requests = 0
+        self.status: dict[str, int] = {s.name.lower(): 0 for s in ChunkStatus}
+        self.copied_bytes = 0
+        self.busy_s = 0.0
+        self.errors: list[str] = []
+        self.n_errors = 0
+
+    def add(self, res: ChunkResult, seconds: float) -> None:
+        self.requests += 1
+        self.busy_s += seconds
+        for og, st in res.statuses.items():
+            counts = np.bincount(st, minlength=len(ChunkStatus))
+            for s in ChunkStatus:
+                self.status[s.name.lower()] += int(counts[s])
+            self.copied_bytes += int(counts[ChunkStatus.OK]) * self.object_bytes[og]
+
+    def error(self, e: BaseException) -> None:
+        self.n_errors += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "status": self.status,
+                "copied_bytes": self.copied_bytes, "busy_s": self.busy_s,
+                "errors": self.n_errors, "error_samples": self.errors}
+
+
+class _Worker:
+    """One rank: its KV, its registration, and the commands the parent sends."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rank: int = cfg["rank"]
+        self.chunks: int = cfg["chunks"]
+        self.batch: int = cfg["batch"]
+        self.seed: int = cfg["seed"]
+        self.cuda = cfg["backend"] == "cuda"
+        gargs = GeometryArgs(**cfg["geometry"])
+        self.device = 0
+        self.device_count = 0
+        if self.cuda:
+            import torch
+
+            from lmc_server.testing.cuda_kv import CudaKV, device_arch
+
+            self.device_count = torch.cuda.device_count()
+            self.device = self.rank % self.device_count
+            torch.cuda.set_device(self.device)
+            gargs = GeometryArgs(**{**cfg["geometry"], "arch": device_arch(self.device)})
+            self.kv: Any = CudaKV(gargs.build(cfg["num_blocks"]), device=self.device)
+        else:
+            from lmc_server.testing.kv import ShmKV
+
+            self.kv = ShmKV(gargs.build(cfg["num_blocks"]))
+        self.kv.fill_random(self.seed)
+        self.slots = _Slots(self.kv.geometry, self.chunks)
+        self.layout: RegistrationLayout = build_layout(self.kv.geometry.groups, CHUNK_SIZE,
+                                                       separate=True)
+        self.client: Any = None
+        self.reg: Registration | None = None
+        self.raw: Any = None
+        self.raw_iters = 0
+        self.raw_nbytes = 0
+
+    # -- byte checks ----------------------------------------------------------------------
+
+    def _views(self, group: str) -> list[Any]:
+        g = self.kv.group(group)
+        out = []
+        for spec in g.layers:
+            if self.cuda:
+                t = self.kv.tensors[spec.buffer]
+                out.append(t.as_strided((g.num_blocks, spec.page_bytes),
+                                        (spec.block_stride, 1), spec.offset))
+            else:
+                arr = self.kv.segments[spec.buffer].array
+                out.append(np.ndarray((g.num_blocks, spec.page_bytes), np.uint8, arr,
+                                      spec.offset, (spec.block_stride, 1)))
+        return out
+
+    def _written(self, n: int, one_request: bool) -> list[tuple[Any, range]]:
+        """``(section, chunk positions)`` written by one retrieve of ``n`` chunks
+        (``one_request``), or by ``n`` single-chunk retrieves (every section)."""
+        out = []
+        for og in self.layout.object_groups:
+            for sec in og.sections:
+                first = 0
+                if sec.is_window and one_request:
+                    first = max(0, n - self.layout.windows[sec.window_tokens])
+                out.append((sec, range(first, n)))
+        return out
+
+    def _section_blocks(self, sec: Any, region: int, slots: np.ndarray) -> np.ndarray:
+        return self.slots.blocks(sec.group_name, region, slots, sec.first_block, sec.n_blocks)
+
+    def mismatch(self, src: np.ndarray, dst: np.ndarray, one_request: bool = True
+                 ) -> tuple[int, int]:
+        """``(mismatched, checked)`` bytes of B[dst] against A[src] where a retrieve of
+        these chunks writes (see :meth:`_written`)."""
+        bad, checked = 0, 0
+        acc: Any = None
+        for sec, pos in self._written(len(src), one_request):
+            if not len(pos):
+                continue
+            a = self._section_blocks(sec, REGION_A, src[pos.start:])
+            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
+            for view in self._views(sec.group_name):
+                checked += a.size * view.shape[1]
+                if self.cuda:
+                    import torch
+
+                    ia = torch.as_tensor(a, device=view.device)
+                    ib = torch.as_tensor(b, device=view.device)
+                    d = (view.index_select(0, ia) != view.index_select(0, ib)).sum()
+                    acc = d if acc is None else acc + d
+                else:
+                    bad += int(np.count_nonzero(view[a] != view[b]))
+        if acc is not None:
+            bad += int(acc.item())
+        return bad, checked
+
+    def poison(self, dst: np.ndarray) -> None:
+        """Zero B[dst] so that a retrieve that writes nothing cannot pass the check."""
+        for sec, pos in self._written(len(dst), True):
+            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
+            for view in self._views(sec.group_name):
+                if self.cuda:
+                    import torch
+
+                    view.index_fill_(0, torch.as_tensor(b, device=view.device), 0)
+                else:
+                    view[b] = 0
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _object_bytes(self) -> dict[str, int]:
+        assert self.reg is not None
+        return {og.name: og.object_bytes for og in self.reg.object_groups}
+
+    async def _store(self, phase: str, idx: np.ndarray, counts: _Counts) -> ChunkResult | None:
+        assert self.reg is not None
+        event = self.kv.record_event() if self.cuda else b""
+        t0 = time.perf_counter()
+        try:
+            res: ChunkResult = await self.client.store(
+                self.reg, digests(self.seed, phase, idx),
+                self.slots.ids(REGION_A, idx % self.chunks), wait_event=event)
+        except (ServerError, TimeoutError, ConnectionError) as e:
+            counts.error(e)
+            return None
+        counts.add(res, time.perf_counter() - t0)
+        return res
+
+    async def _store_settled(self, idx: np.ndarray, counts: _Counts, until: float
+                             ) -> dict[str, np.ndarray]:
+        """Store chunks ``idx`` of phase 2, storing again the ones another rank was
+        writing (``IN_PROGRESS``) until each is committed (``EXISTS``), failed, or
+        ``until`` passes. Returns the last status per object group (255: no reply)."""
+        final = {og: np.full(idx.size, 255, dtype=np.uint8) for og in self._object_bytes()}
+        todo = np.arange(idx.size)
+        while True:
+            res = await self._store("p2", idx[todo], counts)
+            if res is None:
+                return final
+            busy = np.zeros(todo.size, dtype=bool)
+            for og, st in res.statuses.items():
+                final[og][todo] = st
+                busy |= st == ChunkStatus.IN_PROGRESS
+            if not busy.any() or time.monotonic() > until:
+                return final
+            todo = todo[busy]
+            await asyncio.sleep(IN_PROGRESS_POLL_S)
+
+    async def _retrieve(self, phase: str, idx: np.ndarray, dst: np.ndarray,
+                        counts: _Counts) -> ChunkResult | None:
+        assert self.reg is not None
+        t0 = time.perf_counter()
+        try:
+            res: ChunkResult = await self.client.retrieve(
+                self.reg, digests(self.seed, phase, idx), self.slots.ids(REGION_B, dst))
+        except (ServerError, TimeoutError, ConnectionError) as e:
+            counts.error(e)
+            return None
+        counts.add(res, time.perf_counter() - t0)
+        return res
+
+    async def init(self) -> dict[str, Any]:
+        from lmc_server.client.aio import AsyncClient
+
+        self.client = await AsyncClient.connect(self.cfg["endpoint"], timeout_s=120,
+                                                client_name=f"bench-rank{self.rank}")
+        self.reg = await self.client.register(**self.kv.register_kwargs(
+            world_size=self.cfg["ranks"], rank=self.rank, replicated=True))
+        assert self.reg.chunk_bytes == self.layout.chunk_bytes, "layouts agree"
+        names = [s.name for s in self.kv.segments] if not self.cuda else []
+        return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
+                "namespace": self.reg.namespace, "arch": self.kv.geometry.arch,
+                "device": self.device, "device_count": self.device_count,
+                "segments": names, "pid": os.getpid()}
+
+    async def p1_store(self) -> dict[str, Any]:
+        counts = _Counts(self._object_bytes())
+        t0 = time.perf_counter()
+        for start in range(0, self.chunks, self.batch):
+            await self._store("p1", np.arange(start, min(start + self.batch, self.chunks)),
+                              counts)
+        return {"seconds": time.perf_counter() - t0, **counts.to_json()}
+
+    async def p1_retrieve(self) -> dict[str, Any]:
+        counts = _Counts(self._object_bytes())
+        src = np.arange(self.chunks)
+        dst = (src + self.rank) % self.chunks
+        t0 = time.perf_counter()
+        for i in range(self.chunks):
+            await self._retrieve("p1", src[i:i + 1], dst[i:i + 1], counts)
+        seconds = time.perf_counter() - t0
+        bad, checked = 0, 0
+        for lo in range(0, self.chunks, 64):
+            b, c = await asyncio.to_thread(self.mismatch, src[lo:lo + 64], dst[lo:lo + 64],
+                                          False)
+            bad, checked = bad + b, checked + c
+        return {"seconds": seconds, "mismatched_bytes": bad, "checked_bytes": checked,
+                **counts.to_json()}
+
+    async def p2(self, duration_s: float, verify_every: int) -> dict[str, Any]:
+        """Store and retrieve loops on one connection until ``duration_s`` has passed."""
+        ob = self._object_bytes()
+        st, rt = _Counts(ob), _Counts(ob)
+        committed: list[int] = []
+        stored_ok: dict[str, list[np.ndarray]] = {og: [] for og in ob}
+        stored_pending: dict[str, list[np.ndarray]] = {og: [] for og in ob}
+        verify = {"mismatched_bytes": 0, "checked_bytes": 0, "verified_requests": 0}
+        rng = np.random.default_rng(self.seed * 1000 + self.rank)
+        t0 = time.monotonic()
+        deadline = t0 + duration_s
+        next_chunk = 0
+
+        async def store_loop() -> None:
+            nonlocal next_chunk
+            while time.monotonic() < deadline:
+                idx = np.arange(next_chunk, next_chunk + self.batch)
+                next_chunk += self.batch
+                final = await self._store_settled(idx, st, deadline + IN_PROGRESS_RETRY_S)
+                ok = np.ones(self.batch, dtype=bool)
+                for og in ob:
+                    good = (final[og] == ChunkStatus.OK) | (final[og] == ChunkStatus.EXISTS)
+                    stored_ok[og].append(good)
+                    stored_pending[og].append(final[og] == ChunkStatus.IN_PROGRESS)
+                    ok &= good
+                if ok.all():
+                    committed.append(int(idx[0]))
+                await asyncio.sleep(0)
+
+        async def retrieve_loop() -> None:
+            n_ok = 0
+            while time.monotonic() < deadline:
+                if not committed:
+                    await asyncio.sleep(0.001)
+                    continue
+                start = committed[-1 - int(rng.integers(0, min(8, len(committed))))]
+                idx = np.arange(start, start + self.batch)
+                src = idx % self.chunks
+                shift = int(rng.integers(1, self.chunks)) if self.chunks > 1 else 0
+                dst = (src + shift) % self.chunks
+                check = n_ok % verify_every == 0
+                if check:
+                    await asyncio.to_thread(self.poison, dst)
+                res = await self._retrieve("p2", idx, dst, rt)
+                if res is None or not res.ok.all():
+                    continue
+                n_ok += 1
+                if check:
+                    b, c = await asyncio.to_thread(self.mismatch, src, dst)
+                    verify["mismatched_bytes"] += b
+                    verify["checked_bytes"] += c
+                    verify["verified_requests"] += 1
+
+        await asyncio.gather(store_loop(), retrieve_loop())
+        seconds = time.monotonic() - t0
+
+        def bits(parts: list[np.ndarray]) -> str:
+            a = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+            return base64.b64encode(np.packbits(a).tobytes()).decode()
+
+        return {"seconds": seconds, "store": st.to_json(), "retrieve": rt.to_json(),
+                "stored_chunks": next_chunk, **verify,
+                "committed_bits": {og: bits(v) for og, v in stored_ok.items()},
+                "pending_bits": {og: bits(v) for og, v in stored_pending.items()}}
+
+    def raw_prepare(self, nbytes: int, raw_s: float) -> dict[str, Any]:
+        self.raw_nbytes = nbytes
+        if self.cuda:
+            from lmc_server.testing.cuda_kv import raw_copy_gbps
+
+            gbps = raw_copy_gbps(nbytes, "d2h", device=self.device, iters=3)
+            self.raw_iters = max(3, int(raw_s * gbps * 1e9 / nbytes))
+        else:
+            from lmc_server.bench.rawcopy import CpuRawCopy
+
+            self.raw = CpuRawCopy(nbytes)
+            self.raw.seconds("d2h", nbytes)
+        return {}
+
+    def raw_go(self, direction: str, raw_s: float) -> dict[str, Any]:
+        if self.cuda:
+            from lmc_server.testing.cuda_kv import raw_copy_gbps
+
+            return {"gbps": raw_copy_gbps(self.raw_nbytes, direction, device=self.device,
+                                          iters=self.raw_iters)}
+        total, spent = 0, 0.0
+        while spent < raw_s or total == 0:
+            spent += self.raw.seconds(direction, self.raw_nbytes)
+            total += self.raw_nbytes
+        return {"gbps": total / spent / 1e9}
+
+    async def close(self) -> None:
+        if self.client is not None:
+            if self.reg is not None:
+                await self.client.unregister(self.reg)
+            await self.client.close()
+        if self.raw is not None:
+            self.raw.close()
+        self.kv.close()
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(first: dict[str, Any]) -> None:
+    worker = _Worker(first)
+    loop = asyncio.get_running_loop()
+    try:
+        _reply(await worker.init())
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            op = cmd["cmd"]
+            if op == "p1_store":
+                _reply(await worker.p1_store())
+            elif op == "p1_retrieve":
+                _reply(await worker.p1_retrieve())
+            elif op == "raw_prepare":
+                _reply(worker.raw_prepare(cmd["nbytes"], cmd["raw_s"]))
+            elif op == "raw_go":
+                _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
+            elif op == "p2":
+                _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
+            elif op == "exit":
+                break
+            else:
+                raise ValueError(f"unknown command {op!r}")
+    finally:
+        await worker.close()
+    _reply({"bye": True})
+
+
+def worker_main() -> int:
+    """Entry point of a rank process: config on the first stdin line, then commands."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks end
+    first = json.loads(sys.stdin.readline())
+    try:
+        asyncio.run(_serve(first))
+    except Exception as e:
+        log.exception("rank %s failed", first.get("rank"))
+        _reply({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    return 0
+
+
+# -- parent side --------------------------------------------------------------------------
+
+
+class _Rank:
+    """A rank subprocess and a thread that turns its stdout lines into dicts."""
+
+    def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
+        self.rank = rank
+        self.log: IO[bytes] = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server.bench.ranks"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log)
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name=f"lmc-bench-rank{rank}",
+                                        daemon=True)
+        self._reader.start()
+        self.info: dict[str, Any] = {}
+        self.killed = False
+        self.send(cfg)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(json.loads(line))
+        self._lines.put(None)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"rank {self.rank}: no reply within {timeout_s:.0f} s"
+                               ) from None
+        if reply is None or "error" in reply:
+            what = "exited" if reply is None else reply["error"]
+            raise RuntimeError(f"rank {self.rank} failed: {what}\n{self.stderr()}")
+        return reply
+
+    def call(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.send(obj)
+        return self.recv(timeout_s)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None and not self.killed:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:  # stdin of a killed rank: nothing to flush into
+                    pass
+        if self.killed:  # it could not unlink its segments (KV and raw-copy buffers)
+            prefix = f"lmc-{self.proc.pid}-"
+            for name in os.listdir(SHM_DIR):
+                if name.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(SHM_DIR, name))
+        self.log.close()
+
+
+def _gather(ranks: Sequence[_Rank], cmd: dict[str, Any], timeout_s: float
+            ) -> list[dict[str, Any]]:
+    """Send ``cmd`` to every rank first, then collect the replies (they run at once)."""
+    for r in ranks:
+        r.send(cmd)
+    return [r.recv(timeout_s) for r in ranks]
+
+
+def _wait_pool_ready(admin: Client, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while True:
+        l1 = admin.stats()["l1"]
+        if l1["ready_bytes"] == l1["capacity_bytes"]:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")
+        time.sleep(0.05)
+
+
+def _maps_hold(pid: int, names: Sequence[str]) -> bool | None:
+    """Whether process ``pid`` still maps any of the shm segments ``names``."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    return any(n in maps for n in names)
+
+
+def _union_bits(replies: Sequence[dict[str, Any]], key: str, og: str) -> np.ndarray:
+    n = max((r["stored_chunks"] for r in replies), default=0)
+    out = np.zeros(n, dtype=bool)
+    for r in replies:
+        bits = np.unpackbits(np.frombuffer(base64.b64decode(r[key][og]), dtype=np.uint8))
+        bits = bits[:r["stored_chunks"]].astype(bool)
+        out[:bits.size] |= bits
+    return out
+
+
+def _counter(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
+    return int(after["counters"][name]) - int(before["counters"][name])
+
+
+class _Run:
+    """State of one benchmark run; methods are the phases, in order."""
+
+    def __init__(self, cfg: RanksConfig, report: Report, srv: ServerProcess,
+                 admin: Client) -> None:
+        self.cfg, self.report, self.srv, self.admin = cfg, report, srv, admin
+        self.ranks: list[_Rank] = []
+        self.s: dict[str, Any] = report.summary
+        self.checks: dict[str, bool] = {}
+        self.chunk_bytes = 0
+        self.object_bytes: dict[str, int] = {}
+
+    def start_ranks(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        base = {"endpoint": self.srv.endpoint, "backend": cfg.backend, "ranks": cfg.ranks,
+                "chunks": cfg.chunks, "batch": cfg.batch, "seed": cfg.seed,
+                "geometry": asdict(cfg.geometry), "num_blocks": num_blocks}
+        for rank in range(cfg.ranks):
+            self.ranks.append(_Rank(rank, {**base, "rank": rank}))
+        for r in self.ranks:
+            r.info = r.recv(POOL_READY_TIMEOUT_S)
+        info = self.ranks[0].info
+        self.chunk_bytes, self.object_bytes = info["chunk_bytes"], info["object_bytes"]
+        assert len({r.info["namespace"] for r in self.ranks}) == 1, "one replicated namespace"
+        self.report.config.update(chunk_bytes=self.chunk_bytes, arch=info["arch"],
+                                  namespace=info["namespace"],
+                                  devices=[r.info["device"] for r in self.ranks])
+        self.checks["all ranks registered"] = (self.admin.stats()["registrations"]
+                                               == cfg.ranks)
+
+    def phase1(self) -> None:
+        cfg, n_og = self.cfg, len(self.object_bytes)
+        one_copy = cfg.chunks * self.chunk_bytes
+        s0 = self.admin.stats()
+        first = self.ranks[0].call({"cmd": "p1_store"}, 3600)
+        s1 = self.admin.stats()
+        rest = _gather(self.ranks[1:], {"cmd": "p1_store"}, 3600)
+        s2 = self.admin.stats()
+        got = _gather(self.ranks, {"cmd": "p1_retrieve"}, 3600)
+        p1 = {"store_rank0": first, "store_others_exists": [r["status"]["exists"] for r in rest],
+              "one_copy_bytes": one_copy, "l1_used_after_rank0": s1["l1"]["used_bytes"],
+              "l1_used_after_all": s2["l1"]["used_bytes"],
+              "stored_bytes_rank0": _counter(s0, s1, "stored_bytes"),
+              "stored_bytes_others": _counter(s1, s2, "stored_bytes"),
+              "mismatched_bytes": sum(r["mismatched_bytes"] for r in got),
+              "checked_bytes": sum(r["checked_bytes"] for r in got),
+              "retrieve_errors": sum(r["errors"] + r["status"]["miss"] + r["status"]["failed"]
+                                     for r in got),
+              "retrieve_s": max(r["seconds"] for r in got)}
+        self.s["phase1"] = p1
+        for r, g in zip(self.ranks, got, strict=True):
+            self.report.rows.append({"rank": r.rank, "pid": r.info["pid"],
+                                     "device": r.info["device"],
+                                     "p1_checked_bytes": g["checked_bytes"],
+                                     "p1_mismatched_bytes": g["mismatched_bytes"]})
+        self.checks.update({
+            "p1 rank 0 stored every chunk once": (
+                first["status"]["ok"] == cfg.chunks * n_og and first["errors"] == 0
+                and p1["stored_bytes_rank0"] == one_copy),
+            "p1 other ranks: every chunk EXISTS": all(
+                r["status"]["exists"] == cfg.chunks * n_og and r["status"]["ok"] == 0
+                and r["errors"] == 0 for r in rest) and p1["stored_bytes_others"] == 0,
+            "p1 L1 used == one copy": s1["l1"]["used_bytes"] == s2["l1"]["used_bytes"]
+            == one_copy,
+            "p1 every byte on every rank": p1["mismatched_bytes"] == 0
+            and p1["retrieve_errors"] == 0
+            and p1["checked_bytes"] == cfg.ranks * one_copy,
+        })
+
+    def raw(self) -> None:
+        cfg = self.cfg
+        if cfg.backend == "cuda":
+            first_on: dict[int, _Rank] = {}
+            for r in self.ranks:
+                first_on.setdefault(r.info["device"], r)
+            part = list(first_on.values())
+        else:
+            part = list(self.ranks)
+        nbytes = max(cfg.batch * self.chunk_bytes, RAW_MIN_BYTES)
+        _gather(part, {"cmd": "raw_prepare", "nbytes": nbytes, "raw_s": cfg.raw_s}, 600)
+        raw: dict[str, Any] = {"processes": len(part), "bytes_per_copy": nbytes}
+        for d in ("d2h", "h2d"):
+            per = [g["gbps"] for g in _gather(part, {"cmd": "raw_go", "direction": d,
+                                                     "raw_s": cfg.raw_s}, 600)]
+            raw[f"{d}_gbps"] = sum(per)
+            raw[f"{d}_gbps_per_process"] = per
+        self.s["raw"] = raw
+
+    def phase2(self) -> None:
+        cfg = self.cfg
+        s0 = self.admin.stats()
+        victim = self.ranks[-1] if cfg.kill_one and cfg.ranks > 1 else None
+        for r in self.ranks:
+            r.send({"cmd": "p2", "duration_s": cfg.duration_s,
+                    "verify_every": cfg.verify_every})
+        t0 = time.monotonic()
+        if victim is not None:
+            time.sleep(cfg.duration_s / 2)
+            self.phase3(victim)
+        survivors = [r for r in self.ranks if r is not victim]
+        got = [r.recv(cfg.duration_s + 600) for r in survivors]
+        wall_s = time.monotonic() - t0
+        s1 = self.admin.stats()
+        seconds = max(g["seconds"] for g in got)
+        store_b = sum(g["store"]["copied_bytes"] for g in got)
+        ret_b = sum(g["retrieve"]["copied_bytes"] for g in got)
+        raw = self.s["raw"]
+        distinct = {og: _union_bits(got, "committed_bits", og) for og in self.object_bytes}
+        pending = {og: _union_bits(got, "pending_bits", og) & ~distinct[og]
+                   for og in self.object_bytes}
+        distinct_b = sum(int(distinct[og].sum()) * b for og, b in self.object_bytes.items())
+        unknown_b = sum(int(pending[og].sum()) * b for og, b in self.object_bytes.items())
+        copies_b = _counter(s0, s1, "stored_bytes")
+        evicted_b = _counter(s0, s1, "evicted_bytes")
+        evicted_total = int(s1["counters"]["evicted_bytes"])
+        stored_total = int(s1["counters"]["stored_bytes"])
+        p2 = {"seconds": seconds, "wall_s": wall_s, "ranks_reporting": len(got),
+              "store_bytes": store_b, "retrieve_bytes": ret_b,
+              "store_gbps": store_b / seconds / 1e9, "retrieve_gbps": ret_b / seconds / 1e9,
+              "mismatched_bytes": sum(g["mismatched_bytes"] for g in got),
+              "checked_bytes": sum(g["checked_bytes"] for g in got),
+              "verified_requests": sum(g["verified_requests"] for g in got),
+              "errors": sum(g["store"]["errors"] + g["retrieve"]["errors"] for g in got),
+              "failed_statuses": sum(g["store"]["status"]["failed"]
+                                     + g["store"]["status"]["no_space"]
+                                     + g["retrieve"]["status"]["failed"] for g in got),
+              "retrieve_misses": sum(g["retrieve"]["status"]["miss"] for g in got),
+              "store_in_progress": sum(g["store"]["status"]["in_progress"] for g in got),
+              "error_samples": [e for g in got for d in ("store", "retrieve")
+                                for e in g[d]["error_samples"]][:MAX_ERRORS_KEPT]}
+        p2["store_ratio"] = p2["store_gbps"] / raw["d2h_gbps"] if raw["d2h_gbps"] else None
+        p2["retrieve_ratio"] = (p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"]
+                                else None)
+        l1 = {"used_bytes": s1["l1"]["used_bytes"], "capacity_bytes": s1["l1"]["capacity_bytes"],
+              "distinct_bytes_phase2": distinct_b, "copied_bytes_phase2": copies_b,
+              "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
+              "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
+              "evicted_bytes_phase2": evicted_b, "unknown_bytes_phase2": unknown_b,
+              "single_copy_bytes": (cfg.chunks * self.chunk_bytes + distinct_b
+                                    - evicted_total),
+              "writing_objects": sum(p["writing"] for p in s1["partitions"])}
+        self.s["phase2"], self.s["l1"] = p2, l1
+        by_rank = {r.rank: g for r, g in zip(survivors, got, strict=True)}
+        for row in self.report.rows:
+            g = by_rank.get(row["rank"])
+            row.update(alive=g is not None,
+                       p2_store_gbps=g["store"]["copied_bytes"] / g["seconds"] / 1e9
+                       if g else None,
+                       p2_retrieve_gbps=g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
+                       if g else None,
+                       p2_errors=(g["store"]["errors"] + g["retrieve"]["errors"]) if g else None,
+                       p2_mismatched_bytes=g["mismatched_bytes"] if g else None)
+        self.checks.update({
+            "p2 survivors: no errors": p2["errors"] == 0 and p2["failed_statuses"] == 0,
+            "p2 verified bytes match": p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0,
+            "p2 replicated KV copied once": (
+                distinct_b <= copies_b <= distinct_b + unknown_b + evicted_b),
+            "p2 L1 used == stored - evicted": (
+                l1["used_bytes"] == stored_total - evicted_total),
+            "p2 no unfinished writes left": l1["writing_objects"] == 0,
+        })
+        if evicted_total == 0 and unknown_b == 0:
+            self.checks["p2 L1 used == distinct chunks x chunk bytes"] = (
+                l1["used_bytes"] == l1["single_copy_bytes"])
+
+    def phase3(self, victim: _Rank) -> None:
+        before = self.admin.stats()["registrations"]
+        victim.kill()
+        t0 = time.monotonic()
+        pid = self.srv.proc.pid if self.srv.proc is not None else 0
+        names = victim.info.get("segments", [])
+        detect_s = unmapped_s = None
+        while time.monotonic() - t0 < KILL_DETECT_S:
+            now = time.monotonic() - t0
+            if detect_s is None and self.admin.stats()["registrations"] == before - 1:
+                detect_s = now
+            if names and unmapped_s is None and _maps_hold(pid, names) is False:
+                unmapped_s = now
+            if detect_s is not None and (unmapped_s is not None or not names):
+                break
+            time.sleep(0.05)
+        p3 = {"victim_rank": victim.rank, "registrations_before": before,
+              "registrations_after": self.admin.stats()["registrations"],
+              "detected_s": detect_s, "unmapped_s": unmapped_s,
+              "limit_s": KILL_DETECT_S}
+        self.s["phase3"] = p3
+        self.checks["p3 dead rank's registration dropped within 5 s"] = detect_s is not None
+        if names:
+            self.checks["p3 dead rank's segments unmapped within 5 s"] = unmapped_s is not None
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
+
+
+def run(cfg: RanksConfig) -> Report:
+    if cfg.ranks < 1 or cfg.chunks < 1 or cfg.batch < 1 or cfg.batch > cfg.chunks:
+        raise ValueError("need ranks >= 1, chunks >= 1 and 1 <= batch <= chunks")
+    probe = cfg.geometry.build(1)
+    need = blocks_needed(probe, cfg.chunks)
+    num_blocks = cfg.num_blocks or need
+    if num_blocks < need:
+        raise ValueError(f"--num-blocks {num_blocks}: {cfg.chunks} chunks in two regions "
+                         f"need {need}")
+    chunk_bytes = build_layout(probe.groups, CHUNK_SIZE, separate=True).chunk_bytes
+    l1_gb = cfg.l1_size_gb or auto_l1_size_gb(chunk_bytes, cfg.chunks)
+    if l1_gb * (1 << 30) < 1.1 * cfg.chunks * chunk_bytes:
+        raise ValueError(f"--l1-size-gb {l1_gb}: phase 1 needs "
+                         f"{cfg.chunks * chunk_bytes / (1 << 30):.2f} GiB and some room")
+    report = Report("ranks", {
+        "backend": cfg.backend, "ranks": cfg.ranks, "chunks": cfg.chunks,
+        "duration_s": cfg.duration_s, "kill_one": cfg.kill_one, "batch": cfg.batch,
+        "geometry": cfg.geometry.describe(), "num_blocks": num_blocks,
+        "chunk_size": CHUNK_SIZE, "l1_size_gb": l1_gb, "verify_every": cfg.verify_every,
+        "separate_object_groups": True, "eviction_policy": "LRU"})
+    args = ["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups",
+            "--eviction-policy", "LRU", "--log-level", "WARNING"]
+    with ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb,
+                       start_timeout_s=120) as srv, Client(srv.endpoint, timeout_s=60) as admin:
+        report.summary["pool_ready_s"] = _wait_pool_ready(admin, POOL_READY_TIMEOUT_S)
+        r = _Run(cfg, report, srv, admin)
+        try:
+            r.start_ranks(num_blocks)
+            r.phase1()
+            r.raw()
+            r.phase2()
+        finally:
+            r.close()
+        report.summary["registrations_at_end"] = admin.stats()["registrations"]
+    report.summary["checks"] = r.checks
+    report.summary["ok"] = all(r.checks.values())
+    _notes(report, cfg)
+    return report
+
+
+def _notes(report: Report, cfg: RanksConfig) -> None:
+    raw = ("pinned cudaMemcpy on every GPU at once (testing.cuda_kv.raw_copy_gbps, one "
+           "process per GPU), summed" if cfg.backend == "cuda" else
+           "numpy copies shm <-> populated anonymous memory in every rank process at "
+           "once, summed")
+    report.notes += [
+        f"raw = {raw}; ours = bytes copied by the server for all ranks (OK statuses x "
+        "object bytes) / phase seconds",
+        "phase 2: every rank stores the same fresh chunk sequence (the first copies, the "
+        "others get EXISTS or IN_PROGRESS) and retrieves chunks it saw committed",
+        "p2 single copy: distinct <= server stored bytes <= distinct + unknown (a killed "
+        "rank's in-flight writes) + evicted (re-stored after eviction)",
+    ]
+    for name, ok in report.summary["checks"].items():
+        report.notes.append(f"check {'PASS' if ok else 'FAIL'}: {name}")
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def table(report: Report) -> str:
+    """Per-rank rows, then the aggregate figures."""
+    ranks = format_table(report.rows, [
+        ("rank", "rank", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
+        ("p1_checked_bytes", "p1 checked B", "d"),
+        ("p1_mismatched_bytes", "p1 mismatch B", "d"),
+        ("p2_store_gbps", "p2 store GB/s", ".2f"),
+        ("p2_retrieve_gbps", "p2 retr GB/s", ".2f"),
+        ("p2_errors", "p2 errors", "d"), ("p2_mismatched_bytes", "p2 mismatch B", "d")])
+    s = report.summary
+    p2, raw, l1 = s.get("phase2", {}), s.get("raw", {}), s.get("l1", {})
+    agg = [
+        {"what": "store GB/s (D2H), all ranks", "ours": p2.get("store_gbps"),
+         "ref": raw.get("d2h_gbps"), "ratio": p2.get("store_ratio")},
+        {"what": "retrieve GB/s (H2D), all ranks", "ours": p2.get("retrieve_gbps"),
+         "ref": raw.get("h2d_gbps"), "ratio": p2.get("retrieve_ratio")},
+        {"what": "L1 used bytes vs one copy", "ours": l1.get("used_bytes"),
+         "ref": l1.get("single_copy_bytes"), "ratio": None},
+        {"what": "p2 bytes copied vs distinct", "ours": l1.get("copied_bytes_phase2"),
+         "ref": l1.get("distinct_bytes_phase2"), "ratio": l1.get("copies_per_distinct_chunk")},
+        {"what": "dead rank detected (s)", "ours": s.get("phase3", {}).get("detected_s"),
+         "ref": KILL_DETECT_S, "ratio": None},
+    ]
+    rows = [{k: (_fmt(v) if k != "what" else v) for k, v in a.items()} for a in agg]
+    totals = format_table(rows, [("what", "aggregate", ""), ("ours", "ours", ""),
+                                 ("ref", "raw / expected", ""), ("ratio", "ratio", "")])
+    return f"{ranks}\n\n{totals}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
