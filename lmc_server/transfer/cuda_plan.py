@@ -31,6 +31,7 @@ staging half of its piece (:func:`check_objects`).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -145,33 +146,120 @@ class _Units:
     size: np.ndarray  # (U,) int64 object bytes per unit
 
 
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """What depends only on a request's shape (runs, chunks per copy) and the mapping's
+    buffers: unit rows with everything but OBJECT, and per-copy constants for the
+    vectorized range checks. Built once per shape, reused by every later request."""
+
+    table: np.ndarray  # (U, UNIT_WORDS) int64, OBJECT 0
+    size: np.ndarray  # (U,) int64
+    id_starts: np.ndarray  # (C,) first id of each copy in the concatenated ids
+    off_starts: np.ndarray  # (C,) first unit of each copy
+    block_stride: np.ndarray  # (C,) int64
+    lo_extent: np.ndarray  # (C,) base_offset + lowest layer offset
+    hi_extent: np.ndarray  # (C,) base_offset + highest layer offset + page_bytes
+    buffer_bytes: np.ndarray  # (C,) int64
+    run_bytes: np.ndarray  # (C,) int64
+
+
+_TEMPLATES: dict[tuple[object, ...], _Template] = {}
+_TEMPLATES_MAX = 256
+#: Block ids and strides below this keep every envelope product inside int64.
+_SAFE = 1 << 31
+
+
+def _template(live: list[RunCopy], region: Region) -> _Template:
+    key = (tuple((c.run, int(c.block_ids.shape[0])) for c in live),
+           region.buffer_ptrs.tobytes(), region.buffer_sizes.tobytes())
+    t = _TEMPLATES.get(key)
+    if t is not None:
+        return t
+    rows, counts, id_starts, off_starts, consts = [], [], [], [], []
+    id_at = off_at = 0
+    for c in live:
+        r = c.run
+        m = int(c.block_ids.shape[0])
+        rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
+                     r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks))
+        counts.append(m)
+        id_starts.append(id_at)
+        off_starts.append(off_at)
+        last_layer = (r.n_layers - 1) * r.layer_stride
+        consts.append((r.block_stride, r.base_offset + min(0, last_layer),
+                       r.base_offset + max(0, last_layer) + r.page_bytes,
+                       int(region.buffer_sizes[r.buffer]), r.nbytes))
+        id_at += m * r.n_blocks
+        off_at += m
+    n = np.asarray(counts, dtype=np.int64)
+    table = np.repeat(np.asarray(rows, dtype=np.int64), n, axis=0)
+    local = np.arange(table.shape[0], dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    table[:, IDS_OFFSET] += local * table[:, N_BLOCKS]
+    size = table[:, PAGE_BYTES] * table[:, N_LAYERS] * table[:, N_BLOCKS]
+    k = np.asarray(consts, dtype=np.int64)
+    t = _Template(table, size, np.asarray(id_starts, np.int64), np.asarray(off_starts, np.int64),
+                  k[:, 0], k[:, 1], k[:, 2], k[:, 3], k[:, 4])
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+    _TEMPLATES[key] = t
+    return t
+
+
 def _units(copies: Sequence[RunCopy], region: Region) -> _Units | None:
     """Unit rows of every copy, checked; ``None`` when there is nothing to copy.
 
     The block ids and object offsets are concatenated first and checked from the
     concatenated arrays, which are the ones the rows point into and that get uploaded.
+    The common case is checked for all copies at once against a cached per-shape
+    template (a few dozen numpy operations whatever the batch); a copy whose block ids
+    are all -1, or values large enough that int64 products could overflow, take the
+    exact per-copy path (:func:`_units_exact`).
     """
     n_buffers = len(region.buffer_ptrs)
     live = []
     for ci, c in enumerate(copies):
         _check_shape(ci, c, n_buffers)
         if c.block_ids.shape[0]:
-            live.append((ci, c))
+            live.append(c)
     if not live:
         return None
-    ids = np.concatenate([c.block_ids.reshape(-1) for _, c in live]).astype(np.int64,
-                                                                           copy=False)
-    offs = np.concatenate([c.object_offsets for _, c in live]).astype(np.int64, copy=False)
+    ids = np.concatenate([c.block_ids.reshape(-1) for c in live]).astype(np.int64,
+                                                                         copy=False)
+    offs = np.concatenate([c.object_offsets for c in live]).astype(np.int64, copy=False)
+    t = _template(live, region)
+    lo_id = np.minimum.reduceat(ids, t.id_starts)
+    hi_id = np.maximum.reduceat(ids, t.id_starts)
+    if (int(lo_id.min()) < -1 or int(hi_id.min()) < 0 or int(hi_id.max()) >= _SAFE
+            or int(np.abs(t.block_stride).max()) >= _SAFE):
+        return _units_exact(copies, live, ids, offs, region)
+    if int(lo_id.min()) == -1:
+        lo_id = np.minimum.reduceat(np.where(ids < 0, hi_id.max(), ids), t.id_starts)
+    a, b = lo_id * t.block_stride, hi_id * t.block_stride
+    bad = ((t.lo_extent + np.minimum(a, b) < 0)
+           | (t.hi_extent + np.maximum(a, b) > t.buffer_bytes))
+    lo_off = np.minimum.reduceat(offs, t.off_starts)
+    hi_off = np.maximum.reduceat(offs, t.off_starts) + t.run_bytes
+    bad |= (lo_off < 0) | (hi_off > region.pool_bytes)
+    slab = region.slab_bytes
+    if bad.any() or not ((offs // slab) == ((offs + t.size - 1) // slab)).all():
+        return _units_exact(copies, live, ids, offs, region)  # raises with the details
+    return _Units(t.table.copy(), ids, offs, t.size)
+
+
+def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray,
+                 offs: np.ndarray, region: Region) -> _Units | None:
+    """Per-copy checks in Python integers (exact, with the offending copy named)."""
+    index = {id(c): ci for ci, c in enumerate(copies)}
     rows: list[tuple[int, ...]] = []
     counts: list[int] = []
     keep_offs: list[np.ndarray] = []
     id_at = off_at = 0
-    for ci, c in live:
+    for c in live:
         r = c.run
         m = int(c.block_ids.shape[0])
         c_ids = ids[id_at:id_at + m * r.n_blocks].reshape(m, r.n_blocks)
         c_offs = offs[off_at:off_at + m]
-        if _check_ranges(ci, c, c_ids, c_offs, region):
+        if _check_ranges(index[id(c)], c, c_ids, c_offs, region):
             rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
                          r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks))
             counts.append(m)
@@ -242,12 +330,13 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     s_off, s_size = u.pool_off[order], u.size[order]
     cum_end = np.cumsum(s_size)
     cum_start = cum_end - s_size
-    # Greedy packing at unit boundaries: one search per piece, not per unit.
+    # Greedy packing at unit boundaries: one bisection per piece, not per unit.
+    ends = cum_end.tolist()
     firsts_u = [0]
     cap = min(first_piece_bytes, half_bytes) if first_piece_bytes > 0 else half_bytes
     while True:
-        k = int(np.searchsorted(cum_end, cum_start[firsts_u[-1]] + cap, side="right"))
-        k = max(k, firsts_u[-1] + 1)
+        f = firsts_u[-1]
+        k = max(bisect.bisect_right(ends, ends[f] - int(s_size[f]) + cap), f + 1)
         if k >= n_units:
             break
         firsts_u.append(k)

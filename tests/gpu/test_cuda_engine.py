@@ -292,8 +292,8 @@ def _pool_dma_gbps(pool: object, nbytes: int) -> tuple[float, float]:
 
 
 #: (name, copy mode, mapped thread blocks, wait mode) measured by the benchmark.
-BENCH_CONFIGS = [("staging", "staging", 0, "block"), ("staging-hybrid", "staging", 0, "hybrid"),
-                 ("mapped64", "mapped", 64, "block"), ("mapped132", "mapped", 132, "block")]
+BENCH_CONFIGS = [("staging", "staging", 0, "hybrid"), ("staging-block", "staging", 0, "block"),
+                 ("mapped64", "mapped", 64, "hybrid"), ("mapped132", "mapped", 132, "hybrid")]
 BENCH_CHUNKS = (1, 16, 64)
 
 
