@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from itertools import repeat
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -119,6 +119,27 @@ def _split(digests: bytes) -> list[bytes]:
     if len(digests) % DIGEST_BYTES:
         raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
     return [digests[i:i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)]
+
+
+def _plan(og: ObjectGroupLayout, part: Partition, chunks: array, slots: array,
+          sections: list[np.ndarray], group_ids: dict[int, np.ndarray],
+          out: list[RunCopy]) -> int:
+    """Append the copies of ``chunks`` (held in ``slots``) to ``out``; returns their bytes.
+
+    ``sections[bit][i]`` says whether section ``bit`` of chunk ``i`` is copied.
+    """
+    nbytes = 0
+    offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
+    chunk_idx = np.frombuffer(chunks, dtype=np.int32)
+    for bit, sec in enumerate(og.sections):
+        sel = sections[bit][chunk_idx]
+        if not sel.any():
+            continue
+        ids = section_block_ids(sec, group_ids[sec.group_index])[chunk_idx[sel]]
+        for c in plan_copies(sec, ids, offsets[sel]):
+            out.append(c)
+            nbytes += c.nbytes
+    return nbytes
 
 
 class L1Index:
@@ -370,16 +391,7 @@ class L1Index:
             if not chunks:
                 continue
             reserved.append(Reservation(og.index, part, chunks, slots, masks))
-            offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
-            chunk_idx = np.frombuffer(chunks, dtype=np.int32)
-            for bit, sec in enumerate(og.sections):
-                sel = avail[bit][chunk_idx]
-                if not sel.any():
-                    continue
-                ids = section_block_ids(sec, group_ids[sec.group_index])[chunk_idx[sel]]
-                for c in plan_copies(sec, ids, offsets[sel]):
-                    copies.append(c)
-                    nbytes += c.nbytes
+            nbytes += _plan(og, part, chunks, slots, avail, group_ids, copies)
         return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
 
     def commit_store(self, ticket: StoreTicket) -> None:
@@ -415,7 +427,9 @@ class L1Index:
         """
         self.tick += 1
         n = len(keys)
-        statuses, pinned, copies = [], [], []
+        statuses: list[np.ndarray] = []
+        pinned: list[tuple[Partition, array]] = []
+        copies: list[RunCopy] = []
         nbytes = objects = 0
         for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
             st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
@@ -444,16 +458,7 @@ class L1Index:
                 continue
             pinned.append((part, slots))
             objects += len(slots)
-            chunk_idx = np.frombuffer(chunks, dtype=np.int32)
-            offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
-            for bit, sec in enumerate(og.sections):
-                sel = need[bit][chunk_idx]
-                if not sel.any():
-                    continue
-                ids = section_block_ids(sec, group_ids[sec.group_index])[chunk_idx[sel]]
-                for c in plan_copies(sec, ids, offsets[sel]):
-                    copies.append(c)
-                    nbytes += c.nbytes
+            nbytes += _plan(og, part, chunks, slots, list(need), group_ids, copies)
         return RetrieveTicket(statuses=statuses, pinned=pinned, copies=copies, nbytes=nbytes,
                               objects=objects)
 

@@ -217,25 +217,27 @@ class Handlers:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
         return reg, ids, keys
 
+    async def _copy(self, fn: Callable[..., None], *args: Any) -> str:
+        """Run one engine copy on a worker thread; returns "" or the failure."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.copy_executor, fn, *args)
+        except TransferError as e:
+            return str(e)
+        return ""
+
     async def store(self, session: Session, msg: m.Store) -> m.StoreResult:
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.reserve_store(reg.view, keys, ids)
         if ticket.copies:
+            assert reg.mapping is not None
             reg.begin_op()
-            mapping = reg.mapping
-            assert mapping is not None
             t0 = time.perf_counter()
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.copy_executor, self.engine.store, mapping, ticket.copies,
-                    msg.wait_event)
-                ok, err = True, ""
-            except TransferError as e:
-                ok, err = False, str(e)
-            try:
-                if ok:
+                err = await self._copy(self.engine.store, reg.mapping, ticket.copies,
+                                       msg.wait_event)
+                if not err:
                     self.before_commit()
-                if ok and not reg.closing:
+                if not err and not reg.closing:
                     self.index.commit_store(ticket)
                     self.stats.observe_transfer("store", ticket.nbytes,
                                                 time.perf_counter() - t0)
@@ -250,27 +252,23 @@ class Handlers:
     async def retrieve(self, session: Session, msg: m.Retrieve) -> m.RetrieveResult:
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.pin_retrieve(reg.view, keys, ids)
-        if ticket.copies:
+        if not ticket.copies:
+            self.index.unpin_retrieve(ticket, True)
+        else:
+            assert reg.mapping is not None
             reg.begin_op()
-            mapping = reg.mapping
-            assert mapping is not None
             t0 = time.perf_counter()
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.copy_executor, self.engine.retrieve, mapping, ticket.copies)
-                ok = True
-            except TransferError as e:
-                log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], e)
-                ok = False
-            try:
-                self.index.unpin_retrieve(ticket, ok)
-                if ok:
+                err = await self._copy(self.engine.retrieve, reg.mapping, ticket.copies)
+                if err:
+                    log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8],
+                                err)
+                self.index.unpin_retrieve(ticket, not err)
+                if not err:
                     self.stats.observe_transfer("retrieve", ticket.nbytes,
                                                 time.perf_counter() - t0)
             finally:
                 reg.end_op()
-        else:
-            self.index.unpin_retrieve(ticket, True)
         return m.RetrieveResult(req_id=msg.req_id,
                                 statuses=[s.tobytes() for s in ticket.statuses])
 
