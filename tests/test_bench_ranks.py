@@ -19,7 +19,8 @@ from click.testing import CliRunner
 
 from lmc_server.bench.cli import bench
 from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks import REGION_A, REGION_B, _Worker, blocks_needed
+from lmc_server.bench.ranks import REGION_A, REGION_B, blocks_needed
+from lmc_server.bench.ranks_worker import _Worker
 
 
 def test_byte_checker_sees_unwritten_and_wrong_blocks() -> None:

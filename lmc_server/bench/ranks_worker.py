@@ -1,0 +1,447 @@
+"""Worker side of ``lmcache bench ranks``: one process per rank, driven over JSON lines.
+
+``python -m lmc_server.bench.ranks_worker`` reads commands on stdin (``init``, phase-1
+store and retrieve, raw-copy baseline, phase 2) and answers one JSON line each on stdout;
+see :mod:`lmc_server.bench.ranks` for the phases and what the parent checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from lmc_server.bench.common import GeometryArgs
+from lmc_server.bench.ranks import (
+    CHUNK_SIZE,
+    IN_PROGRESS_POLL_S,
+    IN_PROGRESS_RETRY_S,
+    MAX_ERRORS_KEPT,
+    REGION_A,
+    REGION_B,
+    digests,
+)
+from lmc_server.cache.layout import RegistrationLayout, build_layout
+from lmc_server.cache.status import ChunkStatus
+from lmc_server.client.core import ChunkResult, Registration, ServerError
+from lmc_server.testing.presets import KVGeometry
+
+log = logging.getLogger(__name__)
+
+class _Slots:
+    """Block ids of chunk slots: slot ``s`` of region ``R`` in a group of ``bpc`` blocks
+    per chunk is blocks ``(R * chunks + s) * bpc ..+ bpc``."""
+
+    def __init__(self, geometry: KVGeometry, chunks: int) -> None:
+        self.chunks = chunks
+        self.bpc = {g.name: CHUNK_SIZE // g.tokens_per_block for g in geometry.groups
+                    if g.cached}
+
+    def blocks(self, group: str, region: int, slots: np.ndarray, first: int = 0,
+               count: int | None = None) -> np.ndarray:
+        bpc = self.bpc[group]
+        n = bpc - first if count is None else count
+        base = (region * self.chunks + np.asarray(slots, dtype=np.int64)) * bpc + first
+        return (base[:, None] + np.arange(n)).reshape(-1)
+
+    def ids(self, region: int, slots: np.ndarray) -> dict[str, np.ndarray]:
+        return {g: self.blocks(g, region, slots).astype(np.int32) for g in self.bpc}
+
+
+class _Counts:
+    """Outcomes of one direction on one rank: statuses, bytes copied, errors."""
+
+    def __init__(self, object_bytes: dict[str, int]) -> None:
+        self.object_bytes = object_bytes
+        self.requests = 0
+        self.status: dict[str, int] = {s.name.lower(): 0 for s in ChunkStatus}
+        self.copied_bytes = 0
+        self.busy_s = 0.0
+        self.errors: list[str] = []
+        self.n_errors = 0
+
+    def add(self, res: ChunkResult, seconds: float) -> None:
+        self.requests += 1
+        self.busy_s += seconds
+        for og, st in res.statuses.items():
+            counts = np.bincount(st, minlength=len(ChunkStatus))
+            for s in ChunkStatus:
+                self.status[s.name.lower()] += int(counts[s])
+            self.copied_bytes += int(counts[ChunkStatus.OK]) * self.object_bytes[og]
+
+    def error(self, e: BaseException) -> None:
+        self.n_errors += 1
+        if len(self.errors) < MAX_ERRORS_KEPT:
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "status": self.status,
+                "copied_bytes": self.copied_bytes, "busy_s": self.busy_s,
+                "errors": self.n_errors, "error_samples": self.errors}
+
+
+class _Worker:
+    """One rank: its KV, its registration, and the commands the parent sends."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rank: int = cfg["rank"]
+        self.chunks: int = cfg["chunks"]
+        self.batch: int = cfg["batch"]
+        self.seed: int = cfg["seed"]
+        self.cuda = cfg["backend"] == "cuda"
+        gargs = GeometryArgs(**cfg["geometry"])
+        self.device = 0
+        self.device_count = 0
+        if self.cuda:
+            import torch
+
+            from lmc_server.testing.cuda_kv import CudaKV, device_arch
+
+            self.device_count = torch.cuda.device_count()
+            self.device = self.rank % self.device_count
+            torch.cuda.set_device(self.device)
+            gargs = GeometryArgs(**{**cfg["geometry"], "arch": device_arch(self.device)})
+            self.kv: Any = CudaKV(gargs.build(cfg["num_blocks"]), device=self.device)
+        else:
+            from lmc_server.testing.kv import ShmKV
+
+            self.kv = ShmKV(gargs.build(cfg["num_blocks"]))
+        self.kv.fill_random(self.seed)
+        self.slots = _Slots(self.kv.geometry, self.chunks)
+        self.layout: RegistrationLayout = build_layout(self.kv.geometry.groups, CHUNK_SIZE,
+                                                       separate=True)
+        self.client: Any = None
+        self.reg: Registration | None = None
+        self.raw: Any = None
+        self.raw_iters = 0
+        self.raw_nbytes = 0
+
+    # -- byte checks ----------------------------------------------------------------------
+
+    def _views(self, group: str) -> list[Any]:
+        g = self.kv.group(group)
+        out = []
+        for spec in g.layers:
+            if self.cuda:
+                t = self.kv.tensors[spec.buffer]
+                out.append(t.as_strided((g.num_blocks, spec.page_bytes),
+                                        (spec.block_stride, 1), spec.offset))
+            else:
+                arr = self.kv.segments[spec.buffer].array
+                out.append(np.ndarray((g.num_blocks, spec.page_bytes), np.uint8, arr,
+                                      spec.offset, (spec.block_stride, 1)))
+        return out
+
+    def _written(self, n: int, one_request: bool) -> list[tuple[Any, range]]:
+        """``(section, chunk positions)`` written by one retrieve of ``n`` chunks
+        (``one_request``), or by ``n`` single-chunk retrieves (every section)."""
+        out = []
+        for og in self.layout.object_groups:
+            for sec in og.sections:
+                first = 0
+                if sec.is_window and one_request:
+                    first = max(0, n - self.layout.windows[sec.window_tokens])
+                out.append((sec, range(first, n)))
+        return out
+
+    def _section_blocks(self, sec: Any, region: int, slots: np.ndarray) -> np.ndarray:
+        return self.slots.blocks(sec.group_name, region, slots, sec.first_block, sec.n_blocks)
+
+    def mismatch(self, src: np.ndarray, dst: np.ndarray, one_request: bool = True
+                 ) -> tuple[int, int]:
+        """``(mismatched, checked)`` bytes of B[dst] against A[src] where a retrieve of
+        these chunks writes (see :meth:`_written`)."""
+        bad, checked = 0, 0
+        acc: Any = None
+        for sec, pos in self._written(len(src), one_request):
+            if not len(pos):
+                continue
+            a = self._section_blocks(sec, REGION_A, src[pos.start:])
+            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
+            for view in self._views(sec.group_name):
+                checked += a.size * view.shape[1]
+                if self.cuda:
+                    import torch
+
+                    ia = torch.as_tensor(a, device=view.device)
+                    ib = torch.as_tensor(b, device=view.device)
+                    d = (view.index_select(0, ia) != view.index_select(0, ib)).sum()
+                    acc = d if acc is None else acc + d
+                else:
+                    bad += int(np.count_nonzero(view[a] != view[b]))
+        if acc is not None:
+            bad += int(acc.item())
+        return bad, checked
+
+    def poison(self, dst: np.ndarray) -> None:
+        """Zero B[dst] so that a retrieve that writes nothing cannot pass the check."""
+        for sec, pos in self._written(len(dst), True):
+            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
+            for view in self._views(sec.group_name):
+                if self.cuda:
+                    import torch
+
+                    view.index_fill_(0, torch.as_tensor(b, device=view.device), 0)
+                else:
+                    view[b] = 0
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _object_bytes(self) -> dict[str, int]:
+        assert self.reg is not None
+        return {og.name: og.object_bytes for og in self.reg.object_groups}
+
+    async def _store(self, phase: str, idx: np.ndarray, counts: _Counts) -> ChunkResult | None:
+        assert self.reg is not None
+        event = self.kv.record_event() if self.cuda else b""
+        t0 = time.perf_counter()
+        try:
+            res: ChunkResult = await self.client.store(
+                self.reg, digests(self.seed, phase, idx),
+                self.slots.ids(REGION_A, idx % self.chunks), wait_event=event)
+        except (ServerError, TimeoutError, ConnectionError) as e:
+            counts.error(e)
+            return None
+        counts.add(res, time.perf_counter() - t0)
+        return res
+
+    async def _store_settled(self, idx: np.ndarray, counts: _Counts, until: float
+                             ) -> dict[str, np.ndarray]:
+        """Store chunks ``idx`` of phase 2, storing again the ones another rank was
+        writing (``IN_PROGRESS``) until each is committed (``EXISTS``), failed, or
+        ``until`` passes. Returns the last status per object group (255: no reply)."""
+        final = {og: np.full(idx.size, 255, dtype=np.uint8) for og in self._object_bytes()}
+        todo = np.arange(idx.size)
+        while True:
+            res = await self._store("p2", idx[todo], counts)
+            if res is None:
+                return final
+            busy = np.zeros(todo.size, dtype=bool)
+            for og, st in res.statuses.items():
+                final[og][todo] = st
+                busy |= st == ChunkStatus.IN_PROGRESS
+            if not busy.any() or time.monotonic() > until:
+                return final
+            todo = todo[busy]
+            await asyncio.sleep(IN_PROGRESS_POLL_S)
+
+    async def _retrieve(self, phase: str, idx: np.ndarray, dst: np.ndarray,
+                        counts: _Counts) -> ChunkResult | None:
+        assert self.reg is not None
+        t0 = time.perf_counter()
+        try:
+            res: ChunkResult = await self.client.retrieve(
+                self.reg, digests(self.seed, phase, idx), self.slots.ids(REGION_B, dst))
+        except (ServerError, TimeoutError, ConnectionError) as e:
+            counts.error(e)
+            return None
+        counts.add(res, time.perf_counter() - t0)
+        return res
+
+    async def init(self) -> dict[str, Any]:
+        from lmc_server.client.aio import AsyncClient
+
+        self.client = await AsyncClient.connect(self.cfg["endpoint"], timeout_s=120,
+                                                client_name=f"bench-rank{self.rank}")
+        self.reg = await self.client.register(**self.kv.register_kwargs(
+            world_size=self.cfg["ranks"], rank=self.rank, replicated=True))
+        assert self.reg.chunk_bytes == self.layout.chunk_bytes, "layouts agree"
+        names = [s.name for s in self.kv.segments] if not self.cuda else []
+        return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
+                "namespace": self.reg.namespace, "arch": self.kv.geometry.arch,
+                "device": self.device, "device_count": self.device_count,
+                "segments": names, "pid": os.getpid()}
+
+    async def p1_store(self) -> dict[str, Any]:
+        counts = _Counts(self._object_bytes())
+        t0 = time.perf_counter()
+        for start in range(0, self.chunks, self.batch):
+            await self._store("p1", np.arange(start, min(start + self.batch, self.chunks)),
+                              counts)
+        return {"seconds": time.perf_counter() - t0, **counts.to_json()}
+
+    async def p1_retrieve(self) -> dict[str, Any]:
+        counts = _Counts(self._object_bytes())
+        src = np.arange(self.chunks)
+        dst = (src + self.rank) % self.chunks
+        t0 = time.perf_counter()
+        for i in range(self.chunks):
+            await self._retrieve("p1", src[i:i + 1], dst[i:i + 1], counts)
+        seconds = time.perf_counter() - t0
+        bad, checked = 0, 0
+        for lo in range(0, self.chunks, 64):
+            b, c = await asyncio.to_thread(self.mismatch, src[lo:lo + 64], dst[lo:lo + 64],
+                                          False)
+            bad, checked = bad + b, checked + c
+        return {"seconds": seconds, "mismatched_bytes": bad, "checked_bytes": checked,
+                **counts.to_json()}
+
+    async def p2(self, duration_s: float, verify_every: int) -> dict[str, Any]:
+        """Store and retrieve loops on one connection until ``duration_s`` has passed."""
+        ob = self._object_bytes()
+        st, rt = _Counts(ob), _Counts(ob)
+        committed: list[int] = []
+        stored_ok: dict[str, list[np.ndarray]] = {og: [] for og in ob}
+        stored_pending: dict[str, list[np.ndarray]] = {og: [] for og in ob}
+        verify = {"mismatched_bytes": 0, "checked_bytes": 0, "verified_requests": 0}
+        rng = np.random.default_rng(self.seed * 1000 + self.rank)
+        t0 = time.monotonic()
+        deadline = t0 + duration_s
+        next_chunk = 0
+
+        async def store_loop() -> None:
+            nonlocal next_chunk
+            while time.monotonic() < deadline:
+                idx = np.arange(next_chunk, next_chunk + self.batch)
+                next_chunk += self.batch
+                final = await self._store_settled(idx, st, deadline + IN_PROGRESS_RETRY_S)
+                ok = np.ones(self.batch, dtype=bool)
+                for og in ob:
+                    good = (final[og] == ChunkStatus.OK) | (final[og] == ChunkStatus.EXISTS)
+                    stored_ok[og].append(good)
+                    stored_pending[og].append(final[og] == ChunkStatus.IN_PROGRESS)
+                    ok &= good
+                if ok.all():
+                    committed.append(int(idx[0]))
+                await asyncio.sleep(0)
+
+        async def retrieve_loop() -> None:
+            n_ok = 0
+            while time.monotonic() < deadline:
+                if not committed:
+                    await asyncio.sleep(0.001)
+                    continue
+                start = committed[-1 - int(rng.integers(0, min(8, len(committed))))]
+                idx = np.arange(start, start + self.batch)
+                src = idx % self.chunks
+                shift = int(rng.integers(1, self.chunks)) if self.chunks > 1 else 0
+                dst = (src + shift) % self.chunks
+                check = n_ok % verify_every == 0
+                if check:
+                    await asyncio.to_thread(self.poison, dst)
+                res = await self._retrieve("p2", idx, dst, rt)
+                if res is None or not res.ok.all():
+                    continue
+                n_ok += 1
+                if check:
+                    b, c = await asyncio.to_thread(self.mismatch, src, dst)
+                    verify["mismatched_bytes"] += b
+                    verify["checked_bytes"] += c
+                    verify["verified_requests"] += 1
+
+        await asyncio.gather(store_loop(), retrieve_loop())
+        seconds = time.monotonic() - t0
+
+        def bits(parts: list[np.ndarray]) -> str:
+            a = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+            return base64.b64encode(np.packbits(a).tobytes()).decode()
+
+        return {"seconds": seconds, "store": st.to_json(), "retrieve": rt.to_json(),
+                "stored_chunks": next_chunk, **verify,
+                "committed_bits": {og: bits(v) for og, v in stored_ok.items()},
+                "pending_bits": {og: bits(v) for og, v in stored_pending.items()}}
+
+    def raw_prepare(self, nbytes: int, raw_s: float) -> dict[str, Any]:
+        self.raw_nbytes = nbytes
+        if self.cuda:
+            from lmc_server.testing.cuda_kv import raw_copy_gbps
+
+            gbps = raw_copy_gbps(nbytes, "d2h", device=self.device, iters=3)
+            self.raw_iters = max(3, int(raw_s * gbps * 1e9 / nbytes))
+        else:
+            from lmc_server.bench.rawcopy import CpuRawCopy
+
+            self.raw = CpuRawCopy(nbytes)
+            self.raw.seconds("d2h", nbytes)
+        return {}
+
+    def raw_go(self, direction: str, raw_s: float) -> dict[str, Any]:
+        if self.cuda:
+            from lmc_server.testing.cuda_kv import raw_copy_gbps
+
+            return {"gbps": raw_copy_gbps(self.raw_nbytes, direction, device=self.device,
+                                          iters=self.raw_iters)}
+        total, spent = 0, 0.0
+        while spent < raw_s or total == 0:
+            spent += self.raw.seconds(direction, self.raw_nbytes)
+            total += self.raw_nbytes
+        return {"gbps": total / spent / 1e9}
+
+    async def close(self) -> None:
+        if self.client is not None:
+            if self.reg is not None:
+                await self.client.unregister(self.reg)
+            await self.client.close()
+        if self.raw is not None:
+            self.raw.close()
+        self.kv.close()
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(first: dict[str, Any]) -> None:
+    worker = _Worker(first)
+    loop = asyncio.get_running_loop()
+    try:
+        _reply(await worker.init())
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            op = cmd["cmd"]
+            if op == "p1_store":
+                _reply(await worker.p1_store())
+            elif op == "p1_retrieve":
+                _reply(await worker.p1_retrieve())
+            elif op == "raw_prepare":
+                _reply(worker.raw_prepare(cmd["nbytes"], cmd["raw_s"]))
+            elif op == "raw_go":
+                _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
+            elif op == "p2":
+                _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
+            elif op == "exit":
+                break
+            else:
+                raise ValueError(f"unknown command {op!r}")
+    finally:
+        await worker.close()
+    _reply({"bye": True})
+
+
+def worker_main() -> int:
+    """Entry point of a rank process: config on the first stdin line, then commands."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks end
+    first = json.loads(sys.stdin.readline())
+    try:
+        asyncio.run(_serve(first))
+    except Exception as e:
+        log.exception("rank %s failed", first.get("rank"))
+        _reply({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    return 0
+
+
+# -- parent side --------------------------------------------------------------------------
+
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
