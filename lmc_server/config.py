@@ -76,6 +76,7 @@ class Config:
     ipc_group: str = ""  # group that may use the ipc socket (the engine's)
     curve_secret_key_file: str = ""  # zmq CURVE server certificate (lmcache keygen)
     curve_clients_dir: str = ""  # public certificates of the clients allowed in
+    memory_check: bool = True  # refuse an L1 pool larger than this machine's memory
 
     @property
     def endpoint(self) -> str:
@@ -141,7 +142,7 @@ class Config:
                 f"refusing to listen on {self.host}: clients could map and read any KV "
                 f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
                 f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
-        if self.backend == "null":
+        if self.backend == "null" or not self.memory_check:
             return  # the null engine allocates no pool memory (trace replays only)
         mem = physical_memory_bytes() if memory_bytes is None else memory_bytes
         usable = mem - SYSTEM_RESERVE_BYTES

@@ -126,6 +126,11 @@ def cli() -> None:
                    "listen on a non-loopback address.")
 @click.option("--curve-clients-dir", default="", envvar="LMCACHE_CURVE_CLIENTS_DIR",
               help="Folder of client public certificates allowed to connect with CURVE.")
+@click.option("--memory-check/--no-memory-check", default=True,
+              envvar="LMCACHE_MEMORY_CHECK",
+              help="Refuse an --l1-size-gb larger than this machine's memory (less 2 GiB). "
+                   "Turn off only where the reported memory understates what the machine "
+                   "really has (memory that grows on use, as in some VMs).")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:
