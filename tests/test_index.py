@@ -336,4 +336,19 @@ def test_slab_moves_never_evict_what_was_just_stored() -> None:
             assert idx.lookup(view, keys, 1, 10, 0, take_lease=False)[0] == 4, round_
         idx.check()
     assert a.partitions[0].slabs >= 2 and b.partitions[0].slabs >= 2
-    assert idx.stats.slabs_moved > 0
+
+
+def test_an_idle_partition_gives_its_slabs_to_a_busy_one() -> None:
+    idx = make_index(pool_mib=8, slab_mib=1)
+    idle = idx.view("idle", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
+                                         256, True))
+    busy = idx.view("busy", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
+                                         256, True))
+    ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
+    for i in range(4):  # 16 objects of 256 KiB: 4 slabs
+        store(idx, idle, idx.keys(idle, digests(4, tag=b"i%d" % i)), ids)
+    for i in range(40):  # busy keeps storing; idle never touches its objects again
+        store(idx, busy, idx.keys(busy, digests(4, tag=b"b%d" % i)), ids)
+    assert idx.stats.slabs_moved >= 3
+    assert idle.partitions[0].slabs <= 1 and busy.partitions[0].slabs >= 7
+    idx.check()

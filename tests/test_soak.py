@@ -1,9 +1,10 @@
 """Soak: workers come and go (many killed with SIGKILL mid-operation) for a while.
 
 Afterwards the server's memory and file descriptors are back where they were, it maps no
-worker's shared memory and no worker left a segment in /dev/shm, no worker ever read a wrong byte, no survivor saw an error, and the index
-holds nothing half-written or pinned. The short configuration runs in CI; the long one
-(a few minutes) runs with ``pytest -m soak``; ``LMC_SOAK_S`` overrides its length.
+worker's shared memory and no worker left a segment in /dev/shm, no worker ever read a
+wrong byte, no survivor saw an error, and the index holds nothing half-written or pinned.
+The short configuration runs in CI; the long one (a few minutes) runs with
+``pytest -m soak``; ``LMC_SOAK_S`` overrides its length.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class LRUPolicy(EvictionPolicy):
             return
         nxt = self._next
         first, last = slots[0], slots[-1]
-        if all(nxt[a] == b for a, b in zip(slots, slots[1:])):
+        if all(nxt[a] == b for a, b in zip(slots, slots[1:], strict=False)):
             assert self._in[first] and self._in[last], "touching a slot not in LRU order"
             if last == self._tail:
                 return

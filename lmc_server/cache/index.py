@@ -46,6 +46,9 @@ MAX_SALT_BYTES = 256
 #: How many of another partition's coldest objects are tried as the way to a slab it
 #: could give back (the slab holding one of them must hold nothing hotter).
 DONOR_CANDIDATES = 8
+#: A partition gives a slab to another only if its coldest object is at least this many
+#: times older (in index ticks) than the other's own victim.
+DONOR_AGE_RATIO = 2
 
 
 @dataclass(slots=True)
@@ -290,10 +293,11 @@ class L1Index:
     def _alloc(self, part: Partition) -> int | None:
         """A free slot in ``part``: free list, new slab, colder partition, own victim.
 
-        Another partition gives a slab back only if every object in that slab was last
-        used before this partition's own victim: moving a slab never evicts anything
-        hotter than what plain eviction here would. A partition with nothing to evict
-        (new, or all pinned) takes any slab free of pins and writers.
+        Another partition gives a slab back only if its coldest object is at least
+        ``DONOR_AGE_RATIO`` times older than this partition's victim and every object in
+        that slab was last used before this partition's victim: moving a slab never
+        evicts anything hotter than what plain eviction here would. A partition with
+        nothing to evict (new, or all pinned) takes any slab free of pins and writers.
         """
         slot = part.pop_free()
         if slot is not None:
@@ -304,8 +308,12 @@ class L1Index:
             return part.pop_free()
         own = part.policy.peek()
         own_tick = part.tick[own] if own is not None else math.inf
+        # Only a partition whose coldest object is much older than ours is worth a look:
+        # partitions written in step (full and window objects of the same chunks) age
+        # alike, and scanning their slabs on every eviction would be wasted work.
+        donor_tick = (self.tick - DONOR_AGE_RATIO * (self.tick - own_tick)
+                      if own is not None else math.inf)
         donor: tuple[Partition, int] | None = None
-        donor_tick = own_tick
         for other in self.partitions.values():
             if other is part:
                 continue
