@@ -125,7 +125,11 @@ class Client:
         msg = m.Store(req_id=self._b.next_id(), registration_id=reg.registration_id,
                       digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
                       salt=salt, wait_event=wait_event)
-        return RequestBuilder.chunk_result(reg, self._call(msg, m.StoreResult).statuses)
+        reply = self._call(msg, m.StoreResult)
+        if reply.confirm_token:  # fire and forget: its reply is discarded when it comes
+            self._sock.send(encode(m.Confirm(req_id=self._b.next_id(),
+                                             token=reply.confirm_token)))
+        return RequestBuilder.chunk_result(reg, reply.statuses)
 
     def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
                  salt: bytes = b"") -> ChunkResult:

@@ -92,6 +92,19 @@ class Retrieve(_Msg, frozen=True, tag="retrieve"):
     salt: bytes = b""
 
 
+class Confirm(_Msg, frozen=True, tag="confirm"):
+    """The client received a ``StoreResult`` with a ``confirm_token``: commit it.
+
+    A store that waited on an engine event (``wait_event``) is copied but not yet
+    visible when its reply goes out: the event would also have completed if the engine
+    process had died mid-write. A confirmation sent after the reply proves the engine
+    was alive after the copy, so its write was whole. Clients send it without waiting
+    for its (``confirmed``) reply.
+    """
+
+    token: int
+
+
 class Ping(_Msg, frozen=True, tag="ping"):
     pass
 
@@ -104,8 +117,8 @@ class Clear(_Msg, frozen=True, tag="clear"):
     """Evict every unpinned object (administration)."""
 
 
-Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Ping | Stats
-           | Clear)
+Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Confirm | Ping
+           | Stats | Clear)
 
 # -- replies ----------------------------------------------------------------------------
 
@@ -150,7 +163,15 @@ class Released(_Msg, frozen=True, tag="released"):
 
 
 class StoreResult(_Msg, frozen=True, tag="store_result"):
+    """``confirm_token`` != 0: the copied objects become visible when the client sends
+    ``Confirm(token)`` (stores with a ``wait_event`` only)."""
+
     statuses: list[bytes]
+    confirm_token: int = 0
+
+
+class Confirmed(_Msg, frozen=True, tag="confirmed"):
+    committed: bool
 
 
 class RetrieveResult(_Msg, frozen=True, tag="retrieve_result"):
@@ -178,4 +199,4 @@ class Error(_Msg, frozen=True, tag="error"):
 
 
 Reply = (Welcome | Registered | Unregistered | LookupResult | Released | StoreResult
-         | RetrieveResult | Pong | StatsResult | Cleared | Error)
+         | Confirmed | RetrieveResult | Pong | StatsResult | Cleared | Error)

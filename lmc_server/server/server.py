@@ -88,6 +88,7 @@ EVICTION_LOG_INTERVAL_S = 60.0
 _SYNC_HANDLERS: dict[type, str] = {
     m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
     m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
+    m.Confirm: "confirm",
 }
 _ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
 
@@ -317,6 +318,7 @@ class Server:
             self._timers = [t for t in self._timers if not t.cancelled()][-8:]
 
     def _sweep_leases(self) -> None:
+        self.handlers.expire_unconfirmed(self.clock())
         n = self.index.expire_leases(self.clock())
         if n:
             log.debug("%d leases expired", n)
