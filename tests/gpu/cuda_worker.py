@@ -211,8 +211,13 @@ def store_and_hang(args: dict) -> None:
     kv.tensors[0].add_(1)
     event = kv.record_event()
     ids = block_ids_for(reg, n, rng)
-    threading.Thread(target=c.store, args=(reg, bytes.fromhex(args["digests"]), ids),
-                     kwargs={"wait_event": event}, daemon=True).start()
+    t0 = time.monotonic()
+
+    def store() -> None:
+        res = c.store(reg, bytes.fromhex(args["digests"]), ids, wait_event=event)
+        print(f"STORED after {time.monotonic() - t0:.3f} s: {res.statuses}", flush=True)
+
+    threading.Thread(target=store, daemon=True).start()
     time.sleep(0.3)
     print("STORING", flush=True)
     time.sleep(600)

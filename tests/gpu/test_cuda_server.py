@@ -178,7 +178,10 @@ def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
             proc.kill()
             proc.wait()
             if proc.stdout is not None:
+                rest = proc.stdout.read()
                 proc.stdout.close()
+                if "STORED" in rest:
+                    pytest.fail(f"the store finished before the worker was killed: {rest}")
         assert obs.ping().ready
         deadline = time.monotonic() + 30
         visible = released = False
@@ -193,5 +196,6 @@ def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
     out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 2,
                       "num_blocks": 96, "layers": 8, "seed": 4})
     assert "ROUNDTRIP OK" in out
-    assert not visible, "a store whose worker died mid-copy became visible"
+    assert not visible, ("a store whose worker died mid-copy became visible; server log:\n"
+                         + cuda_server.log()[-3000:])
     assert released, "the dead worker's GPU memory was not released (mapping kept)"
