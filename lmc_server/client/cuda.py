@@ -19,6 +19,7 @@ torch is imported here (and in tests) only; the server never imports this module
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,31 @@ def ipc_event(stream: torch.cuda.Stream | None = None) -> bytes:
             ev.record(s)
             entry = (ev, bytes(ev.ipc_handle()))
             _events[key] = entry
+            # A server opening an imported event does not see records made before it
+            # opened it (seen on H200: the first store with a fresh event did not wait),
+            # so the first record of each event is made safe by finishing the stream.
+            s.synchronize()
         else:
             entry[0].record(s)
+    # Submit the record now: the driver may hold it in the stream's command buffer, and a
+    # server waiting on the imported event before it is submitted sees the previous
+    # (completed) record and does not wait (seen on H200: one store in five read pages
+    # before the write that preceded the record). Querying the event flushes the stream.
+    entry[0].query()
     return entry[1]
+
+
+def stream_done(stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
+    """A callable that blocks (sleeping, not spinning) until the work queued on ``stream``
+    (default: current) so far has finished.
+
+    Workers call it on a background thread before sending a store, so the server never
+    reads pages the engine is still writing, without blocking the engine's stream or the
+    forward pass. This is what the vLLM connector does. The alternative, passing
+    :func:`ipc_event` as ``Store.wait_event``, was seen on the H200 not to order the
+    server's copy after the write in some sequences (docs/gpu.md).
+    """
+    s = stream if stream is not None else torch.cuda.current_stream()
+    ev = torch.cuda.Event(enable_timing=False, blocking=True)
+    ev.record(s)
+    return ev.synchronize

@@ -7,8 +7,7 @@ that whole allocation plus the allocation's base address, so layers become
 share it.
 
 * :class:`CudaExporter`: CUDA tensors, exported as IPC handles
-  (:mod:`lmc_server.client.cuda`, imported lazily); stores wait on an IPC event
-  recorded on the engine's current stream.
+  (:mod:`lmc_server.client.cuda`, imported lazily).
 * :class:`ShmExporter`: CPU tensors that are views of POSIX shared-memory segments
   (the CPU engine: tests and CPU-only hosts). The process that allocates the KV cache
   registers each segment with :func:`register_shm_segment`; a tensor outside every
@@ -38,8 +37,6 @@ class ExportedBuffer:
 
 class TensorExporter(Protocol):
     def export(self, tensor: Any) -> ExportedBuffer: ...
-
-    def wait_event(self) -> bytes: ...
 
 
 _segments: dict[int, ShmSegment] = {}
@@ -71,9 +68,6 @@ class ShmExporter:
         raise ValueError(f"tensor at 0x{ptr:x} is not inside a registered shared-memory "
                          "segment; allocate CPU KV caches with register_shm_segment()")
 
-    def wait_event(self) -> bytes:
-        return b""
-
 
 class CudaExporter:
     """CUDA tensors: the whole caching-allocator storage behind a tensor, via IPC."""
@@ -87,11 +81,6 @@ class CudaExporter:
         whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         spec = export_tensor(whole)
         return ExportedBuffer(spec, int(storage.data_ptr()), int(storage.nbytes()))
-
-    def wait_event(self) -> bytes:
-        from lmc_server.client.cuda import ipc_event
-
-        return ipc_event()
 
 
 def exporter_for(tensor: Any) -> TensorExporter:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -81,9 +81,15 @@ class ServerLink:
     # -- transfers ----------------------------------------------------------------------
 
     def store(self, digests: bytes, block_ids: BlockIds,
-              wait_event: bytes = b"") -> Future[ChunkResult]:
-        return self.submit(self._client.store(self.reg, digests, block_ids,
-                                              wait_event=wait_event))
+              ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
+        """Store once ``ready()`` (blocking: the engine's writes finished) returned; it
+        runs on a worker thread, so neither the engine nor this link's loop waits."""
+        async def run() -> ChunkResult:
+            if ready is not None:
+                await asyncio.get_running_loop().run_in_executor(None, ready)
+            return await self._client.store(self.reg, digests, block_ids)
+
+        return self.submit(run())
 
     def retrieve(self, digests: bytes, block_ids: BlockIds) -> Future[ChunkResult]:
         return self.submit(self._client.retrieve(self.reg, digests, block_ids))

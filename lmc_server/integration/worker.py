@@ -20,7 +20,7 @@ Reporting contract (what vLLM's KV output aggregator relies on):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -154,9 +154,10 @@ class WorkerTransfers:
         for spec in loads:
             self.tracker.load_started(spec, self.link.retrieve(spec.digests, spec.block_ids))
 
-    def start_stores(self, stores: Iterable[StoreSpec], wait_event: bytes = b"") -> None:
+    def start_stores(self, stores: Iterable[StoreSpec],
+                     ready: Callable[[], None] | None = None) -> None:
         for spec in stores:
-            fut = (self.link.store(spec.digests, spec.block_ids, wait_event)
+            fut = (self.link.store(spec.digests, spec.block_ids, ready)
                    if self.stores else None)
             self.tracker.store_planned(spec.req_id, fut)
             if fut is not None and spec.fence:

@@ -207,10 +207,13 @@ def store_and_hang(args: dict) -> None:
     c = Client(args["endpoint"], timeout_s=600, client_name="doomed-worker")
     reg = c.register(**kv.register_kwargs(replicated=True))
     kv.fill_random(3)
+    ids = block_ids_for(reg, n, rng)
+    # The server imports the stream's event at its first store and sees only later
+    # records (the first record finishes the stream instead); so store once first.
+    c.store(reg, os.urandom(32 * n), ids, wait_event=kv.record_event())
     torch.cuda._sleep(int(args.get("sleep_s", 3.0) * 2e9))
     kv.tensors[0].add_(1)
     event = kv.record_event()
-    ids = block_ids_for(reg, n, rng)
     t0 = time.monotonic()
 
     def store() -> None:

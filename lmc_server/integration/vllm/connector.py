@@ -8,10 +8,11 @@ computes it until every worker reported the load finished), so a load is always
 complete before any layer reads those blocks.
 
 Worker role: registers the KV tensors, starts the step's loads, and after the forward
-pass starts the step's stores with an event the server's copy waits on (CUDA), so the
-engine's stream never blocks on them. Replicated KV (MLA) is stored by one rank
-(``lmcache.mp.store_rank``) and retrieved by every rank; sharded KV is stored and
-retrieved by every rank for its own shard.
+pass starts the step's stores; on CUDA each store is sent from a background thread once
+an event recorded after the forward pass has completed, so neither the engine's stream
+nor the forward pass waits for it, and the server never reads a page mid-write.
+Replicated KV (MLA) is stored by one rank (``lmcache.mp.store_rank``) and retrieved by
+every rank; sharded KV is stored and retrieved by every rank for its own shard.
 """
 
 from __future__ import annotations
@@ -155,12 +156,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self._plan()
         if plan is None or self.transfers is None or not plan.stores:
             return
-        event = b""
+        ready = None
         if self._exporter_event and self.transfers.stores:
-            from lmc_server.client.cuda import ipc_event
+            from lmc_server.client.cuda import stream_done
 
-            event = ipc_event()
-        self.transfers.start_stores(plan.stores, event)
+            ready = stream_done()  # awaited off-thread before each store is sent
+        self.transfers.start_stores(plan.stores, ready)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.transfers is None:
