@@ -11,13 +11,13 @@ the same kind of GPU agree on them), and host copies of pages for byte-exact che
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
-from lmc_server.cache.geometry import CudaIpcBuffer, GroupSpec
+from lmc_server.cache.geometry import CudaIpcBuffer
 from lmc_server.client.cuda import export_tensor, ipc_event
+from lmc_server.testing.kv import KVCache
 from lmc_server.testing.presets import KVGeometry
 
 
@@ -27,7 +27,7 @@ def device_arch(device: int = 0) -> str:
     return "sm100" if major == 10 else f"sm{major}{minor}"
 
 
-class CudaKV:
+class CudaKV(KVCache):
     """GPU buffers for ``geometry`` on ``device``; close (or ``with``) to free them."""
 
     def __init__(self, geometry: KVGeometry, device: int = 0) -> None:
@@ -55,12 +55,6 @@ class CudaKV:
             t.fill_(value)
         torch.cuda.synchronize(self.device)
 
-    def group(self, name: str) -> GroupSpec:
-        for g in self.geometry.groups:
-            if g.name == name:
-                return g
-        raise KeyError(name)
-
     def page_tensor(self, group: str, layer: int, block: int) -> torch.Tensor:
         """The page on the GPU (a view, no copy)."""
         spec = self.group(group).layers[layer]
@@ -83,13 +77,6 @@ class CudaKV:
             parts.append(view.index_select(0, idx).reshape(-1))
         return bytes(torch.cat(parts).cpu().numpy().tobytes())
 
-    def register_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(model=self.geometry.model, kv_dtype=self.geometry.kv_dtype,
-                                  arch=self.geometry.arch, groups=self.geometry.groups,
-                                  buffers=self.buffers)
-        kw.update(overrides)
-        return kw
-
     def record_event(self) -> bytes:
         """An interprocess event recorded on this device's current stream (Store.wait_event)."""
         with torch.cuda.device(self.device):
@@ -100,12 +87,6 @@ class CudaKV:
         self.tensors.clear()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-
-    def __enter__(self) -> CudaKV:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def raw_copy_gbps(nbytes: int, direction: str, device: int = 0, iters: int = 10) -> float:

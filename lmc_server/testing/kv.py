@@ -8,7 +8,7 @@ which is what byte-exact tests and benchmarks need.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -18,7 +18,43 @@ from lmc_server.client.shm import ShmSegment
 from lmc_server.testing.presets import KVGeometry
 
 
-class ShmKV:
+class KVCache:
+    """What every test KV cache shares: its geometry, groups, registration arguments.
+
+    Subclasses hold the buffers (shared memory here, GPU memory in
+    :class:`lmc_server.testing.cuda_kv.CudaKV`) and define ``buffers`` and ``close``.
+    """
+
+    geometry: KVGeometry
+
+    @property
+    def buffers(self) -> list[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.geometry.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def register_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(model=self.geometry.model, kv_dtype=self.geometry.kv_dtype,
+                                  arch=self.geometry.arch, groups=self.geometry.groups,
+                                  buffers=self.buffers)
+        kw.update(overrides)
+        return kw
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShmKV(KVCache):
     """Shared-memory buffers for ``geometry``; close (or use ``with``) to unlink them."""
 
     def __init__(self, geometry: KVGeometry) -> None:
@@ -44,12 +80,6 @@ class ShmKV:
         for s in self.segments:
             s.array[:] = value
 
-    def group(self, name: str) -> GroupSpec:
-        for g in self.geometry.groups:
-            if g.name == name:
-                return g
-        raise KeyError(name)
-
     def page(self, group: str, layer: int, block: int) -> np.ndarray:
         """A view of one page (no copy)."""
         g = self.group(group)
@@ -63,13 +93,6 @@ class ShmKV:
         return b"".join(self.page(group, li, b).tobytes()
                         for li in range(len(g.layers)) for b in blocks)
 
-    def register_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(model=self.geometry.model, kv_dtype=self.geometry.kv_dtype,
-                                  arch=self.geometry.arch, groups=self.geometry.groups,
-                                  buffers=self.buffers)
-        kw.update(overrides)
-        return kw
-
     def unlink(self) -> None:
         """Remove the segments' names (after registering: the server has mapped them).
         The memory lives on in every mapping, and nothing is left behind in /dev/shm
@@ -81,12 +104,6 @@ class ShmKV:
         for s in self.segments:
             s.close()
         self.segments.clear()
-
-    def __enter__(self) -> ShmKV:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def block_ids_for(reg: Registration, n_chunks: int, rng: np.random.Generator | None = None,
