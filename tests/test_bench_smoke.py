@@ -34,10 +34,12 @@ def _run(args: list[str], tmp_path: Path) -> dict[str, Any]:
 
 def test_throughput_cpu(tmp_path: Path) -> None:
     r = _run(["throughput", "--layers", "4", "--batches", "1,3", "--min-time-s", "0.05",
-              "--min-iters", "2", "--l1-size-gb", "1", "--concurrent"], tmp_path)
+              "--min-iters", "2", "--l1-size-gb", "1", "--concurrent", "--inflight", "2"],
+             tmp_path)
     rows = r["rows"]
     assert {(x["mode"], x["chunks"]) for x in rows} == {
-        (m, n) for m in ("store", "retrieve", "store+retrieve") for n in (1, 3)}
+        (m, n) for m in ("store", "retrieve", "store+retrieve", "store x2", "retrieve x2")
+        for n in (1, 3)}
     chunk = r["config"]["chunk_bytes"]
     for x in rows:
         assert x["mismatched_bytes"] == 0 and x["failed_chunks"] == 0
@@ -45,6 +47,8 @@ def test_throughput_cpu(tmp_path: Path) -> None:
         assert x["ratio"] == pytest.approx(x["ours_gbps"] / x["raw_gbps"])
         if x["mode"] == "store":
             assert x["bytes"] == x["chunks"] * chunk
+        if x["mode"] == "store x2":
+            assert x["bytes"] == 2 * x["chunks"] * chunk
         if x["mode"] == "retrieve":  # window sections only for the last chunk
             assert 0 < x["bytes"] <= x["chunks"] * chunk
     assert r["summary"]["mismatched_bytes"] == 0

@@ -58,6 +58,9 @@ def bench() -> None:
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
                    "[default: on for cuda].")
+@click.option("--inflight", type=click.IntRange(1, 64), default=1,
+              help="Also time N requests of the same kind in flight at once (sustained "
+                   "throughput of a pipelining engine); 1: single requests only.")
 @click.option("--min-time-s", type=click.FloatRange(min=0), default=0.5,
               help="Least time spent timing each (mode, batch) point.")
 @click.option("--min-iters", type=click.IntRange(1), default=3,
@@ -65,9 +68,9 @@ def bench() -> None:
 @click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
 @_output_options
 def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
-               copy_modes: str, concurrent: bool | None, min_time_s: float, min_iters: int,
-               device: int, json_path: str | None, plot_path: str | None, no_progress: bool,
-               **geometry: Any) -> None:
+               copy_modes: str, concurrent: bool | None, inflight: int, min_time_s: float,
+               min_iters: int, device: int, json_path: str | None, plot_path: str | None,
+               no_progress: bool, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
     from lmc_server.bench import throughput as tp
 
@@ -80,7 +83,7 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
         backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
         l1_size_gb=l1_size_gb, separate=separate, copy_modes=modes,
         concurrent=backend == "cuda" if concurrent is None else concurrent,
-        min_time_s=min_time_s, min_iters=min_iters, device=device,
+        inflight=inflight, min_time_s=min_time_s, min_iters=min_iters, device=device,
         show_progress=not no_progress)
     report = tp.run(cfg)
     emit(report, tp.table(report), json_path)

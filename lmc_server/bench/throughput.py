@@ -49,6 +49,7 @@ class ThroughputConfig:
     separate: bool = True
     copy_modes: tuple[str, ...] = ("staging",)
     concurrent: bool = False
+    inflight: int = 1
     min_time_s: float = 0.5
     min_iters: int = 3
     max_iters: int = 200
@@ -121,10 +122,14 @@ class _Session:
         self.cuda = cuda
 
     async def store(self, n: int, region: int) -> tuple[bytes, ChunkResult]:
+        """A store as the vLLM connector sends one: after the engine's writes finished
+        (on cuda: an event recorded now, waited for off the event loop)."""
         digests = os.urandom(32 * n)
-        event = self.kv.record_event() if self.cuda else b""
-        res = await self.client.store(self.reg, digests, self.regions.ids(region, n),
-                                      wait_event=event)
+        if self.cuda:
+            from lmc_server.client.cuda import stream_done
+
+            await asyncio.get_running_loop().run_in_executor(None, stream_done())
+        res = await self.client.store(self.reg, digests, self.regions.ids(region, n))
         return digests, res
 
     async def retrieve(self, digests: bytes, n: int) -> ChunkResult:
@@ -188,6 +193,8 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
             bad += regions.mismatched_bytes(s.kv, src, B, n)
     rows.append(_row("retrieve", copy_mode, n, rt_bytes, times,
                      raw.gbps("h2d", rt_bytes, 0, raw_times), bad, failed))
+    if cfg.inflight > 1:
+        rows += await _measure_inflight(s, n, cfg, copy_mode, raw, last)
     if cfg.concurrent:
         times, raw_times, failed, bad = [], [], 0, 0
         while not _enough(times, cfg):
@@ -201,6 +208,44 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
                 bad += regions.mismatched_bytes(s.kv, src, B, n)
         rows.append(_row("store+retrieve", copy_mode, n, st_bytes + rt_bytes, times,
                          raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed))
+    return rows
+
+
+async def _measure_inflight(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: str,
+                           raw: _Raw, last: dict[int, bytes]) -> list[dict[str, Any]]:
+    """``cfg.inflight`` stores (then retrieves) in flight at once: sustained throughput.
+
+    Concurrent retrieves all read the same source into the same blocks, so the bytes
+    they write agree and can still be verified.
+    """
+    k, rows = cfg.inflight, []
+    regions = s.regions
+    source = last[A1]
+    st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
+    for mode, nbytes, direction in (("store", st_bytes, "d2h"), ("retrieve", rt_bytes, "h2d")):
+        times: list[float] = []
+        raw_times: list[float] = []
+        failed = bad = 0
+        while not _enough(times, cfg):
+            t0 = time.perf_counter()
+            if mode == "store":
+                pairs = await asyncio.gather(*(s.store(n, A1 if i % 2 else A2)
+                                               for i in range(k)))
+                results = [r for _, r in pairs]
+                if pairs[1][1].ok.all():  # request 1 read region A1: retrieve it next
+                    source = pairs[1][0]
+            else:
+                results = list(await asyncio.gather(*(s.retrieve(source, n)
+                                                      for _ in range(k))))
+            times.append(time.perf_counter() - t0)
+            t = raw.sample(direction, nbytes)  # the raw rate of one request's bytes
+            if t is not None:
+                raw_times.append(t)
+            failed += sum(len(r.failed_chunks) for r in results)
+            if mode == "retrieve" and all(r.ok.all() for r in results):
+                bad += regions.mismatched_bytes(s.kv, A1, B, n)
+        rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes * k, times,
+                         raw.gbps(direction, nbytes, 0, raw_times), bad, failed))
     return rows
 
 
