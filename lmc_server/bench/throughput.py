@@ -122,14 +122,13 @@ class _Session:
         self.cuda = cuda
 
     async def store(self, n: int, region: int) -> tuple[bytes, ChunkResult]:
-        """A store as the vLLM connector sends one: after the engine's writes finished
-        (on cuda: an event recorded now, waited for off the event loop)."""
+        """On cuda the store carries an IPC event (``wait_event``), as in the H200 run
+        in docs/benchmarks.md; the pages are static here, so the ordering question of
+        docs/gpu.md does not affect what is measured."""
         digests = os.urandom(32 * n)
-        if self.cuda:
-            from lmc_server.client.cuda import stream_done
-
-            await asyncio.get_running_loop().run_in_executor(None, stream_done())
-        res = await self.client.store(self.reg, digests, self.regions.ids(region, n))
+        event = self.kv.record_event() if self.cuda else b""
+        res = await self.client.store(self.reg, digests, self.regions.ids(region, n),
+                                      wait_event=event)
         return digests, res
 
     async def retrieve(self, digests: bytes, n: int) -> ChunkResult:
