@@ -25,6 +25,7 @@ from lmc_server import __version__
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
 F = TypeVar("F", bound=Callable[..., Any])
+N = TypeVar("N", int, float)
 GB = 1e9
 
 
@@ -78,27 +79,25 @@ class GeometryArgs:
                 f"kv source every {self.kv_source_every}")
 
 
-def parse_ints(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (click callback helper)."""
+def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [conv(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers"
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}"
                                  ) from None
     if not out or min(out) <= 0:
-        raise click.BadParameter(f"{text!r}: give positive integers")
+        raise click.BadParameter(f"{text!r}: give positive {what}")
     return out
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (click callback helper)."""
+    return _parse_positive(text, int, "integers")
 
 
 def parse_floats(text: str) -> list[float]:
-    try:
-        out = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers"
-                                 ) from None
-    if not out or min(out) <= 0:
-        raise click.BadParameter(f"{text!r}: give positive numbers")
-    return out
+    """``"0.05,0.1"`` -> ``[0.05, 0.1]`` (click callback helper)."""
+    return _parse_positive(text, float, "numbers")
 
 
 def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:
