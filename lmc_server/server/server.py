@@ -55,6 +55,8 @@ from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.notify import Notifier
+from lmc_server.server.peers import ConnectionTracker
+from lmc_server.server.report import build_report
 from lmc_server.server.security import bind_ipc, start_curve
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import ServerStats
@@ -120,8 +122,7 @@ class Server:
         self.started_at_s = 0.0
         self.pool_ready_at_s: float | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._fd_gen: dict[int, int] = {}
-        self._conn_peers: dict[tuple[int, int], list[bytes]] = {}
+        self.peers = ConnectionTracker()
         self._auth: Any = None
         self._timers: list[asyncio.TimerHandle] = []
         self._exit_event: asyncio.Event | None = None
@@ -376,27 +377,19 @@ class Server:
     def _drain_monitor(self) -> None:
         """Connection events: a connection that goes away (crash, kill -9, closed
         socket, or silent past the heartbeat timeout) takes its sessions with it, and
-        everything they held is reclaimed at once.
-
-        zmq tells the file descriptor, not the peer identity, so each message's source
-        descriptor is recorded with a per-descriptor generation that every accept bumps
-        (descriptor numbers are reused). Monitor events are drained before data, so a
-        message is never attributed to a connection the server has not seen accepted.
+        everything they held is reclaimed at once (see :mod:`lmc_server.server.peers`).
         """
-        mon = self.monitor
         while True:
             try:
-                ev = recv_monitor_message(mon, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
+                ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again included: nothing queued
                 return
             fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
-                self._fd_gen[fd] = self._fd_gen.get(fd, 0) + 1
+                self.peers.accepted(fd)
                 continue
-            conn = (fd, self._fd_gen.get(fd, 0))
-            for identity in self._conn_peers.pop(conn, ()):
+            conn, identities = self.peers.closed(fd)
+            for identity in identities:
                 session = self.sessions.get(identity)
                 if session is not None and session.conn == conn:
                     self.stats.sessions_reaped += 1
@@ -410,9 +403,7 @@ class Server:
         session = self.sessions.get_or_create(identity, self.clock())
         if session.conn is None:
             self._drain_monitor()  # its accept may have been queued after this drain began
-            fd = int(frames[0].get(zmq.SRCFD))
-            session.conn = (fd, self._fd_gen.get(fd, 0))
-            self._conn_peers.setdefault(session.conn, []).append(identity)
+            session.conn = self.peers.attribute(identity, int(frames[0].get(zmq.SRCFD)))
         op = "invalid"
         try:
             if not session.hello:
@@ -490,51 +481,9 @@ class Server:
     # -- reporting ----------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        """The ``stats`` reply: configuration, capacity and use, counters."""
-        idx, pool = self.index, self.slab_pool
-        parts = []
-        for p in idx.partitions.values():
-            parts.append({
-                "name": p.name, "fingerprint": p.fingerprint.hex(),
-                "object_bytes": p.object_bytes, "slabs": p.slabs,
-                "capacity_objects": p.capacity_objects, "objects": p.n_committed,
-                "writing": p.n_writing, "used_bytes": p.used_bytes,
-                "capacity_bytes": p.slabs * pool.slab_bytes,
-                "pinned_objects": sum(1 for x in p.pins if x),
-            })
-        s = idx.stats
-        return {
-            "version": __version__,
-            "backend": self.engine.name,
-            "chunk_size": self.config.chunk_size,
-            "separate_object_groups": self.config.separate_object_groups,
-            "eviction_policy": self.config.eviction_policy,
-            "uptime_s": round(self.clock() - self.started_at_s, 3),
-            "l1": {
-                "capacity_bytes": pool.capacity_bytes, "ready_bytes": pool.ready_bytes,
-                "slab_bytes": pool.slab_bytes, "slabs": pool.n_slabs,
-                "ready_slabs": pool.ready_slabs, "free_slabs": pool.free_slabs,
-                "used_bytes": sum(p.used_bytes for p in idx.partitions.values()),
-                "objects": sum(p.n_committed for p in idx.partitions.values()),
-            },
-            "partitions": parts,
-            "sessions": len(self.sessions),
-            "registrations": self.sessions.registrations,
-            "leases": len(idx.leases),
-            "counters": {
-                "lookups": s.lookups, "lookup_chunks": s.lookup_chunks,
-                "hit_chunks": s.hit_chunks, "lookup_tokens": self.stats.lookup_tokens,
-                "hit_tokens": self.stats.hit_tokens, "stored_objects": s.stored_objects,
-                "stored_bytes": s.stored_bytes, "retrieved_objects": s.retrieved_objects,
-                "retrieved_bytes": s.retrieved_bytes, "evictions": s.evictions,
-                "evicted_bytes": s.evicted_bytes, "slabs_moved": s.slabs_moved,
-                "leases_taken": s.leases_taken, "leases_released": s.leases_released,
-                "leases_expired": s.leases_expired,
-                "alloc_failures": dict(s.alloc_failures),
-                "requests": {f"{op}:{outcome}": n
-                             for (op, outcome), n in sorted(self.stats.requests.items())},
-            },
-        }
+        """The ``stats`` reply (see :mod:`lmc_server.server.report`)."""
+        return build_report(self.config, self.engine.name, self.index, self.sessions,
+                            self.stats, self.clock() - self.started_at_s)
 
     # -- shutdown -----------------------------------------------------------------------
 
