@@ -10,4 +10,4 @@ zmq, torch or cupy, so the core is testable without sockets or a GPU.
 """
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

@@ -31,7 +31,7 @@ CHUNK = 256
 #: Label names allowed on lmcache_ metrics: every one has a small, fixed value set.
 BOUNDED_LABELS = {"operation", "outcome", "direction", "reason", "object_group", "layout",
                   "state", "le", "version", "python_version", "python_implementation",
-                  "backend", "chunk_size", "eviction_policy", "object_groups"}
+                  "backend", "chunk_size", "eviction_policy", "object_groups", "phase"}
 
 
 def get(port: int, path: str) -> tuple[int, str, str]:

@@ -271,3 +271,30 @@ def test_nvfp4_on_sm90_refused_with_arch_error(client: Client) -> None:
             client.register(**kv.register_kwargs(groups=groups))
         assert e.value.code == "arch" and "sm100" in e.value.message
     client.ping()
+
+
+def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
+    """Each store and retrieve adds one sample to every phase it went through; the
+    phases of a copying request cover its whole time in the server, in order."""
+    def phases() -> dict[str, dict[str, float]]:
+        return dict(client.stats()["phases"])
+
+    with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as kv:
+        kv.fill_random(8)
+        reg = client.register(**kv.register_kwargs())
+        digests = np.random.default_rng(8).bytes(32 * 2)
+        ids = block_ids_for(reg, 2)
+        before = phases()
+        assert client.store(reg, digests, ids).ok.all()
+        assert (client.store(reg, digests, ids).statuses["full"] == ChunkStatus.EXISTS).all()
+        assert client.retrieve(reg, digests, ids).ok.all()
+        after = phases()
+        client.unregister(reg)
+
+    def count(key: str) -> int:
+        return int(after.get(key, {}).get("count", 0) - before.get(key, {}).get("count", 0))
+
+    copying = ("queue", "prepare", "hop_in", "copy", "hop_out", "finish")
+    assert [count(f"store:{p}") for p in copying] == [2, 1, 1, 1, 1, 2]  # 2nd: all EXISTS
+    assert [count(f"retrieve:{p}") for p in copying] == [1] * 6
+    assert all(after[k]["seconds"] >= before.get(k, {}).get("seconds", 0.0) for k in after)

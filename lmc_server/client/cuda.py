@@ -1,4 +1,4 @@
-"""Worker side of the CUDA backend: export KV tensors and ordering events over CUDA IPC.
+"""Worker side of the CUDA backend: export KV tensors over CUDA IPC, order stores.
 
 ``export_tensor(t)`` describes the memory of a CUDA tensor as a
 :class:`~lmc_server.cache.geometry.CudaIpcBuffer`: the IPC handle of the allocation
@@ -8,27 +8,22 @@ UUID (the server may number GPUs differently) and the tensor's byte extent. One 
 may hold many layers with padded strides; the registration's layer specs say where.
 The tensor must stay alive while the registration exists.
 
-``ipc_event(stream)`` records an interprocess event on ``stream`` after the engine's
-writes and returns its handle for ``Store.wait_event``: the server's copy waits for it
-on the server's own stream, so the worker never blocks. One event per stream is
-reused: re-recording it only makes a later store wait for later work, which is safe.
+``stream_done(stream)`` is how a worker orders a store after its writes: it records an
+event behind them and returns the blocking wait for it, which the worker runs off its
+engine thread (the vLLM connector runs it on its link thread) before sending the store.
 
 torch is imported here (and in tests) only; the server never imports this module.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from lmc_server.cache.geometry import CudaIpcBuffer
 
 IPC_HANDLE_BYTES = 64
-_events: dict[tuple[int, int], tuple[Any, bytes]] = {}
-_events_lock = threading.Lock()
 
 
 def device_uuid(device: torch.device | int) -> str:
@@ -85,41 +80,15 @@ def export_tensor(t: torch.Tensor) -> CudaIpcBuffer:
                          offset=offset, size_bytes=size)
 
 
-def ipc_event(stream: torch.cuda.Stream | None = None) -> bytes:
-    """Record an interprocess event on ``stream`` (default: current) and return its handle."""
-    s = stream if stream is not None else torch.cuda.current_stream()
-    key = (s.device.index if s.device.index is not None else torch.cuda.current_device(),
-           int(s.cuda_stream))
-    with _events_lock:
-        entry = _events.get(key)
-        if entry is None:
-            ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-            ev.record(s)
-            entry = (ev, bytes(ev.ipc_handle()))
-            _events[key] = entry
-            # A server opening an imported event does not see records made before it
-            # opened it (seen on H200: the first store with a fresh event did not wait),
-            # so the first record of each event is made safe by finishing the stream.
-            s.synchronize()
-        else:
-            entry[0].record(s)
-    # Submit the record now: the driver may hold it in the stream's command buffer, and a
-    # server waiting on the imported event before it is submitted sees the previous
-    # (completed) record and does not wait (seen on H200: one store in five read pages
-    # before the write that preceded the record). Querying the event flushes the stream.
-    entry[0].query()
-    return entry[1]
-
-
 def stream_done(stream: torch.cuda.Stream | None = None) -> Callable[[], None]:
     """A callable that blocks (sleeping, not spinning) until the work queued on ``stream``
     (default: current) so far has finished.
 
     Workers call it on a background thread before sending a store, so the server never
     reads pages the engine is still writing, without blocking the engine's stream or the
-    forward pass. This is what the vLLM connector does. The alternative, passing
-    :func:`ipc_event` as ``Store.wait_event``, was seen on the H200 not to order the
-    server's copy after the write in some sequences (docs/gpu.md).
+    forward pass. This is what the vLLM connector does. (An interprocess event for
+    the server to wait on instead was seen on the H200 not to order the server's copy
+    after the write in some sequences, so the protocol has none; docs/gpu.md.)
     """
     s = stream if stream is not None else torch.cuda.current_stream()
     ev = torch.cuda.Event(enable_timing=False, blocking=True)

@@ -120,15 +120,12 @@ class Client:
                                m.Released).released)
 
     def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-              salt: bytes = b"", wait_event: bytes = b"") -> ChunkResult:
+              salt: bytes = b"") -> ChunkResult:
         n = len(digests) // 32
         msg = m.Store(req_id=self._b.next_id(), registration_id=reg.registration_id,
                       digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                      salt=salt, wait_event=wait_event)
+                      salt=salt)
         reply = self._call(msg, m.StoreResult)
-        if reply.confirm_token:  # fire and forget: its reply is discarded when it comes
-            self._sock.send(encode(m.Confirm(req_id=self._b.next_id(),
-                                             token=reply.confirm_token)))
         return RequestBuilder.chunk_result(reg, reply.statuses)
 
     def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,

@@ -25,6 +25,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -168,6 +169,14 @@ class ServerCollector(Collector):
             nbytes.add_metric([direction], ts.nbytes)
         yield hist
         yield nbytes
+        phases = SummaryMetricFamily(
+            PREFIX + "request_phase_seconds",
+            "Where a store's or retrieve's time goes inside the server, by phase: queue, "
+            "prepare, hop_in (waiting for a copy thread), copy, hop_out, finish.",
+            labels=["operation", "phase"])
+        for (op, phase), (count, seconds) in sorted(dict(self.stats.phases).items()):
+            phases.add_metric([op, phase], count_value=int(count), sum_value=seconds)
+        yield phases
 
     def _pool(self) -> Iterator[Metric]:
         pool = self.pool

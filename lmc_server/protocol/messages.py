@@ -72,15 +72,16 @@ class Release(_Msg, frozen=True, tag="release"):
 class Store(_Msg, frozen=True, tag="store"):
     """Copy chunks from the registration's blocks into L1.
 
-    ``wait_event`` is an engine-specific handle (CUDA: an IPC event handle) that the
-    copy waits on before reading the pages.
+    The client sends it only once the engine's writes to those blocks are complete (on
+    CUDA: after an event recorded behind them has completed, waited for off the
+    engine's thread, see :func:`lmc_server.client.cuda.stream_done`). The server reads
+    the pages at once and makes the objects visible when its copy is done.
     """
 
     registration_id: bytes
     digests: bytes
     block_ids: list[bytes]
     salt: bytes = b""
-    wait_event: bytes = b""
 
 
 class Retrieve(_Msg, frozen=True, tag="retrieve"):
@@ -90,19 +91,6 @@ class Retrieve(_Msg, frozen=True, tag="retrieve"):
     digests: bytes
     block_ids: list[bytes]
     salt: bytes = b""
-
-
-class Confirm(_Msg, frozen=True, tag="confirm"):
-    """The client received a ``StoreResult`` with a ``confirm_token``: commit it.
-
-    A store that waited on an engine event (``wait_event``) is copied but not yet
-    visible when its reply goes out: the event would also have completed if the engine
-    process had died mid-write. A confirmation sent after the reply proves the engine
-    was alive after the copy, so its write was whole. Clients send it without waiting
-    for its (``confirmed``) reply.
-    """
-
-    token: int
 
 
 class Ping(_Msg, frozen=True, tag="ping"):
@@ -117,8 +105,8 @@ class Clear(_Msg, frozen=True, tag="clear"):
     """Evict every unpinned object (administration)."""
 
 
-Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Confirm | Ping
-           | Stats | Clear)
+Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Ping | Stats
+           | Clear)
 
 # -- replies ----------------------------------------------------------------------------
 
@@ -163,15 +151,7 @@ class Released(_Msg, frozen=True, tag="released"):
 
 
 class StoreResult(_Msg, frozen=True, tag="store_result"):
-    """``confirm_token`` != 0: the copied objects become visible when the client sends
-    ``Confirm(token)`` (stores with a ``wait_event`` only)."""
-
     statuses: list[bytes]
-    confirm_token: int = 0
-
-
-class Confirmed(_Msg, frozen=True, tag="confirmed"):
-    committed: bool
 
 
 class RetrieveResult(_Msg, frozen=True, tag="retrieve_result"):
@@ -199,4 +179,4 @@ class Error(_Msg, frozen=True, tag="error"):
 
 
 Reply = (Welcome | Registered | Unregistered | LookupResult | Released | StoreResult
-         | Confirmed | RetrieveResult | Pong | StatsResult | Cleared | Error)
+         | RetrieveResult | Pong | StatsResult | Cleared | Error)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +30,11 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.sessions import Registration, Session, SessionTable
-from lmc_server.server.stats import ServerStats
+from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
 
-#: A store waiting for its client's Confirm longer than this is aborted.
-CONFIRM_TIMEOUT_S = 30.0
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+\-]{1,256}$")
 _ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
 
@@ -63,8 +60,6 @@ class Handlers:
         self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
         self.copy_executor = copy_executor
         self.clock = clock
-        #: Stores copied and awaiting their client's Confirm, by token.
-        self.unconfirmed: dict[int, Registration] = {}
         #: Called after a store's copy returns and before it commits: the server handles
         #: queued socket events here, so a writer that died during the copy is seen
         #: (its registration closes) and its object is aborted, not committed.
@@ -173,8 +168,6 @@ class Handlers:
 
     def unregister(self, session: Session, msg: m.Unregister) -> m.Unregistered:
         reg = self._registration(session, msg)
-        for token in list(reg.unconfirmed):  # an orderly goodbye proves the writes whole
-            self._settle(reg, token, commit=True)
         self.sessions.remove(reg)
         log.info("unregistered %s", reg.registration_id.hex()[:8])
         return m.Unregistered(req_id=msg.req_id)
@@ -197,35 +190,6 @@ class Handlers:
 
     def release(self, session: Session, msg: m.Release) -> m.Released:
         return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
-
-    def confirm(self, session: Session, msg: m.Confirm) -> m.Confirmed:
-        reg = self.unconfirmed.get(msg.token)
-        if reg is None or reg.session is not session or msg.token not in reg.unconfirmed:
-            return m.Confirmed(req_id=msg.req_id, committed=False)
-        return m.Confirmed(req_id=msg.req_id, committed=self._settle(reg, msg.token, True))
-
-    def _settle(self, reg: Registration, token: int, commit: bool) -> bool:
-        """Commit (or abort) one unconfirmed store; returns whether it was committed."""
-        self.unconfirmed.pop(token, None)
-        entry = reg.unconfirmed.pop(token, None)
-        if entry is None:
-            return False
-        ticket = entry[0]
-        if commit and not reg.closing:
-            self.index.commit_store(ticket)
-            return True
-        self.index.abort_store(ticket)
-        return False
-
-    def expire_unconfirmed(self, now_s: float) -> int:
-        """Abort stores whose client never confirmed within ``CONFIRM_TIMEOUT_S``."""
-        late = [(reg, t) for t, reg in self.unconfirmed.items()
-                if reg.unconfirmed.get(t, (None, now_s))[1] < now_s]
-        for reg, token in late:
-            self._settle(reg, token, commit=False)
-            log.warning("store by %s aborted: not confirmed within %.0f s",
-                        reg.registration_id.hex()[:8], CONFIRM_TIMEOUT_S)
-        return len(late)
 
     def ping(self, session: Session, msg: m.Ping) -> m.Pong:
         return m.Pong(req_id=msg.req_id, server_version=__version__,
@@ -253,46 +217,56 @@ class Handlers:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
         return reg, ids, keys
 
-    async def _copy(self, fn: Callable[..., None], *args: Any) -> str:
-        """Run one engine copy on a worker thread; returns "" or the failure."""
+    async def _copy(self, clock: PhaseClock, fn: Callable[..., None], *args: Any) -> str:
+        """Run one engine copy on a worker thread; returns "" or the failure.
+
+        Marks ``hop_in`` (waiting for the thread) and ``copy`` on that thread, and
+        ``hop_out`` (back on the event loop) here: the loop is suspended in this await
+        while the thread marks, so the marks never race.
+        """
+        def run() -> None:
+            clock.mark("hop_in")
+            try:
+                fn(*args)
+            finally:
+                clock.mark("copy")
+
+        clock.mark("prepare")
         try:
-            await asyncio.get_running_loop().run_in_executor(self.copy_executor, fn, *args)
+            await asyncio.get_running_loop().run_in_executor(self.copy_executor, run)
         except TransferError as e:
             return str(e)
+        finally:
+            clock.mark("hop_out")
         return ""
 
-    async def store(self, session: Session, msg: m.Store) -> m.StoreResult:
+    async def store(self, session: Session, msg: m.Store, clock: PhaseClock) -> m.StoreResult:
+        clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.reserve_store(reg.view, keys, ids)
-        token = 0
         if ticket.copies:
             assert reg.mapping is not None
             reg.begin_op()
             t0 = time.perf_counter()
             try:
-                err = await self._copy(self.engine.store, reg.mapping, ticket.copies,
-                                       msg.wait_event)
+                err = await self._copy(clock, self.engine.store, reg.mapping, ticket.copies)
                 if not err:
                     self.before_commit()
                 if not err and not reg.closing:
                     self.stats.observe_transfer("store", ticket.nbytes,
                                                 time.perf_counter() - t0)
-                    if msg.wait_event:
-                        token = secrets.randbits(63) or 1
-                        reg.unconfirmed[token] = (ticket, self.clock() + CONFIRM_TIMEOUT_S)
-                        self.unconfirmed[token] = reg
-                    else:
-                        self.index.commit_store(ticket)
+                    self.index.commit_store(ticket)
                 else:
                     self.index.abort_store(ticket)
                     log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
                                 err or "registration closed during the copy")
             finally:
                 reg.end_op()
-        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses],
-                             confirm_token=token)
+        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
 
-    async def retrieve(self, session: Session, msg: m.Retrieve) -> m.RetrieveResult:
+    async def retrieve(self, session: Session, msg: m.Retrieve,
+                       clock: PhaseClock) -> m.RetrieveResult:
+        clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.pin_retrieve(reg.view, keys, ids)
         if not ticket.copies:
@@ -302,7 +276,7 @@ class Handlers:
             reg.begin_op()
             t0 = time.perf_counter()
             try:
-                err = await self._copy(self.engine.retrieve, reg.mapping, ticket.copies)
+                err = await self._copy(clock, self.engine.retrieve, reg.mapping, ticket.copies)
                 if err:
                     log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8],
                                 err)
@@ -325,9 +299,6 @@ class Handlers:
         returns, and the mapping is unmapped after the last copy.
         """
         regs = self.sessions.drop(session)
-        for reg in regs:  # copied but never confirmed: the writer may have died mid-write
-            for token in list(reg.unconfirmed):
-                self._settle(reg, token, commit=False)
         leases = self.index.drop_owner(session.sid)
         log.info("session %d (%s) dropped: %s; %d registrations, %d leases reclaimed",
                  session.sid, session.client_name or "client", reason, len(regs), leases)

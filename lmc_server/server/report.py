@@ -60,4 +60,6 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
             "requests": {f"{op}:{outcome}": n
                          for (op, outcome), n in sorted(stats.requests.items())},
         },
+        "phases": {f"{op}:{phase}": {"count": int(n), "seconds": seconds}
+                   for (op, phase), (n, seconds) in sorted(stats.phases.items())},
     }

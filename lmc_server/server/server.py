@@ -59,7 +59,7 @@ from lmc_server.server.peers import ConnectionTracker
 from lmc_server.server.report import build_report
 from lmc_server.server.security import bind_ipc, start_curve
 from lmc_server.server.sessions import Session, SessionTable
-from lmc_server.server.stats import ServerStats
+from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import HostPool, TransferEngine
 from lmc_server.transfer.select import make_engine
 
@@ -90,7 +90,6 @@ EVICTION_LOG_INTERVAL_S = 60.0
 _SYNC_HANDLERS: dict[type, str] = {
     m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
     m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
-    m.Confirm: "confirm",
 }
 _ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
 
@@ -319,7 +318,6 @@ class Server:
             self._timers = [t for t in self._timers if not t.cancelled()][-8:]
 
     def _sweep_leases(self) -> None:
-        self.handlers.expire_unconfirmed(self.clock())
         n = self.index.expire_leases(self.clock())
         if n:
             log.debug("%d leases expired", n)
@@ -398,6 +396,7 @@ class Server:
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             return
+        clock = PhaseClock(time.perf_counter())
         identity = frames[0].bytes
         payload = [f.bytes for f in frames[1:]]
         session = self.sessions.get_or_create(identity, self.clock())
@@ -431,7 +430,7 @@ class Server:
                         f"connection; at most {self.config.max_inflight_per_client}",
                         msg.req_id)
                 session.inflight += 1
-                task = self.loop.create_task(self._run_async(session, op, msg))
+                task = self.loop.create_task(self._run_async(session, op, msg, clock))
                 self._tasks.add(task)
                 self._task_requests[task] = (identity, op, msg.req_id)
                 task.add_done_callback(self._task_done)
@@ -455,9 +454,11 @@ class Server:
         self._tasks.discard(task)
         self._task_requests.pop(task, None)
 
-    async def _run_async(self, session: Session, op: str, msg: Any) -> None:
+    async def _run_async(self, session: Session, op: str, msg: Any,
+                         clock: PhaseClock) -> None:
         try:
-            reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg)
+            reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg,
+                                                                            clock)
             payload = encode(reply)
             self.stats.count_request(op, "ok")
         except ProtocolError as e:
@@ -476,6 +477,8 @@ class Server:
         if task is not None and task in self._answered:  # answered at the drain timeout
             return
         self._send(session.identity, payload)
+        clock.mark("finish")
+        self.stats.observe_phases(op, clock)
         self._after_io()
 
     # -- reporting ----------------------------------------------------------------------

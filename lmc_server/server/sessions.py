@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from lmc_server.cache.geometry import GroupSpec
-from lmc_server.cache.index import CacheView, StoreTicket
+from lmc_server.cache.index import CacheView
 from lmc_server.transfer.base import Mapping
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,6 @@ class Registration:
     blocks_per_chunk: list[int]
     inflight: int = 0
     closing: bool = False
-    #: Stores copied but awaiting the client's Confirm: token -> (ticket, deadline_s).
-    unconfirmed: dict[int, tuple[StoreTicket, float]] = field(default_factory=dict)
 
     @property
     def lookup_only(self) -> bool:

@@ -7,6 +7,7 @@ scrape time (no Prometheus objects are touched per request).
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 #: Upper bounds (seconds) of the transfer-duration histogram buckets.
@@ -30,6 +31,34 @@ class TransferStats:
         self.buckets[bisect.bisect_left(TRANSFER_BUCKETS_S, seconds)] += 1
 
 
+#: Phases of a store or retrieve, in order; each ends at a :meth:`PhaseClock.mark`.
+#: ``queue``: from the request's arrival (before decoding) until its handler runs;
+#: ``prepare``: checks, index bookkeeping and planning up to the copy's submission;
+#: ``hop_in``: waiting for a copy thread; ``copy``: the engine call (launch and wait);
+#: ``hop_out``: back to the event loop; ``finish``: commit, encode and send the reply.
+#: Requests that copy nothing have no ``prepare``/``hop_in``/``copy``/``hop_out``.
+PHASES = ("queue", "prepare", "hop_in", "copy", "hop_out", "finish")
+
+
+class PhaseClock:
+    """Where one data request's time goes inside the server.
+
+    ``mark(phase)`` ends ``phase`` at the current time. Marks are made by the event
+    loop, or by the copy thread while the loop awaits that copy, never by both at once.
+    """
+
+    __slots__ = ("last", "spans")
+
+    def __init__(self, start_s: float) -> None:
+        self.last = start_s
+        self.spans: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spans.append((phase, now - self.last))
+        self.last = now
+
+
 @dataclass
 class ServerStats:
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -38,6 +67,8 @@ class ServerStats:
     transfers: dict[str, TransferStats] = field(
         default_factory=lambda: {"store": TransferStats(), "retrieve": TransferStats()})
     sessions_reaped: int = 0
+    #: (op, phase) -> [requests, seconds], see ``PHASES``.
+    phases: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def count_request(self, op: str, outcome: str) -> None:
         key = (op, outcome)
@@ -45,3 +76,12 @@ class ServerStats:
 
     def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfers[direction].observe(nbytes, seconds)
+
+    def observe_phases(self, op: str, clock: PhaseClock) -> None:
+        for phase, seconds in clock.spans:
+            acc = self.phases.get((op, phase))
+            if acc is None:
+                self.phases[(op, phase)] = [1, seconds]
+            else:
+                acc[0] += 1
+                acc[1] += seconds

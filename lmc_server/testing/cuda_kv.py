@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from lmc_server.cache.geometry import CudaIpcBuffer
-from lmc_server.client.cuda import export_tensor, ipc_event
+from lmc_server.client.cuda import export_tensor
 from lmc_server.testing.kv import KVCache
 from lmc_server.testing.presets import KVGeometry
 
@@ -76,11 +76,6 @@ class CudaKV(KVCache):
             view = t.as_strided((n, spec.page_bytes), (spec.block_stride, 1), spec.offset)
             parts.append(view.index_select(0, idx).reshape(-1))
         return bytes(torch.cat(parts).cpu().numpy().tobytes())
-
-    def record_event(self) -> bytes:
-        """An interprocess event recorded on this device's current stream (Store.wait_event)."""
-        with torch.cuda.device(self.device):
-            return ipc_event(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
         self._buffers.clear()

@@ -75,12 +75,11 @@ class TransferEngine(ABC):
         """Map a registration's buffers; raise :class:`TransferError` if impossible."""
 
     @abstractmethod
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy],
-              wait_event: bytes = b"") -> None:
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
         """Copy pages into the pool; returns once every byte has landed.
 
-        ``wait_event`` is an engine-specific handle the copy must wait for first
-        (the engine's write of those pages); empty means nothing to wait for.
+        The worker sends a store only after its writes to the pages are complete
+        (protocol: ``Store``), so the copy starts at once.
         """
 
     @abstractmethod

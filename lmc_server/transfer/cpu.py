@@ -227,10 +227,7 @@ class CpuEngine(TransferEngine):
                     out.append(RunCopy(c.run, c.block_ids[lo:hi], c.object_offsets[lo:hi]))
         return out
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy],
-              wait_event: bytes = b"") -> None:
-        if wait_event:
-            raise TransferError("the cpu backend takes no wait event")
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
         self._run(mapping, copies, to_pool=True)
 
     def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:

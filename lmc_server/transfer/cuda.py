@@ -22,10 +22,13 @@ objects are allocated once and reused. ``store``/``retrieve`` block until the co
 complete: by default (``wait="hybrid"``) the thread sleeps until shortly before the
 expected end and then polls the event for at most 0.3 ms; ``wait="block"`` sleeps on a
 blocking-sync event throughout (no polling, ~0.15 ms later wake-up). Ordering with the
-worker: a store first makes its own stream wait on the interprocess event the worker
-recorded after writing the pages; the worker's stream is never made to wait on the
-server. A retrieve returns only after its last write completed, so the reply itself
-tells the worker the pages are ready.
+worker: a worker sends a store only once its writes to the pages are complete (it waits
+for an event behind them off its engine thread, ``client.cuda.stream_done``), so a
+store's copy starts at once; the server never touches the worker's streams. A
+retrieve returns only after its last write completed, so the reply itself tells the
+worker the pages are ready. (Passing an interprocess event for the server's stream to
+wait on was tried and dropped: on the H200 the imported event did not reliably order
+the copy after the worker's write; docs/gpu.md.)
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import cupy
@@ -72,8 +74,6 @@ WAIT_MODES = ("block", "hybrid")
 EXPECTED_BPS = 55e9
 SPIN_S = 300e-6
 WAKE_MARGIN_S = 150e-6
-#: Interprocess events kept open per mapping (a worker reuses one per stream).
-EVENT_CACHE = 64
 _MEMCPY_DEFAULT = 4
 _CUDA_ERRORS = (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError)
 
@@ -173,57 +173,6 @@ class _Lanes:
         self._free.put(lane)
 
 
-class _EventCache:
-    """A mapping's opened interprocess events by handle (closed with the mapping)."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self._lock = threading.Lock()
-        self._events: OrderedDict[bytes, int] = OrderedDict()
-
-    def wait(self, handle: bytes, stream: cupy.cuda.Stream) -> None:
-        """Make ``stream`` wait for the event's last record (enqueued, not blocking)."""
-        if len(handle) != 64:
-            raise TransferError(f"wait_event must be a 64-byte CUDA IPC event handle, "
-                                f"got {len(handle)} bytes")
-        with self._lock:
-            ev = self._events.get(handle)
-            if ev is None:
-                try:
-                    ev = int(cupy.cuda.runtime.ipcOpenEventHandle(handle))
-                except _CUDA_ERRORS as e:
-                    raise TransferError(f"cannot open the wait event: {e}") from None
-                self._events[handle] = ev
-                if len(self._events) > EVENT_CACHE:
-                    _, old = self._events.popitem(last=False)
-                    cupy.cuda.runtime.eventDestroy(old)
-            else:
-                self._events.move_to_end(handle)
-            cupy.cuda.runtime.streamWaitEvent(stream.ptr, ev, 0)
-
-    def close(self) -> None:
-        with self._lock:
-            with cupy.cuda.Device(self.device):
-                for ev in self._events.values():
-                    try:
-                        cupy.cuda.runtime.eventDestroy(ev)
-                    except _CUDA_ERRORS as e:
-                        log.debug("destroying an imported event failed: %s", e)
-            self._events.clear()
-
-
-class _EngineMapping(CudaMapping):
-    def __init__(self, table: IpcTable, buffers: list[BufferSpec]) -> None:
-        super().__init__(table, buffers)
-        self.events = _EventCache(self.device_index)
-
-    def close(self) -> None:
-        events = getattr(self, "events", None)
-        if events is not None:
-            events.close()
-        super().close()
-
-
 class CudaEngine(TransferEngine):
     """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
 
@@ -267,7 +216,7 @@ class CudaEngine(TransferEngine):
 
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         try:
-            return _EngineMapping(self._ipc, list(buffers))
+            return CudaMapping(self._ipc, list(buffers))
         except _CUDA_ERRORS as e:
             raise TransferError(f"cannot map the buffers: {e}") from None
 
@@ -296,17 +245,15 @@ class CudaEngine(TransferEngine):
 
     # -- copies -------------------------------------------------------------------------
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy],
-              wait_event: bytes = b"") -> None:
-        self._copy(mapping, copies, to_pool=True, wait_event=wait_event)
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+        self._copy(mapping, copies, to_pool=True)
 
     def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        self._copy(mapping, copies, to_pool=False, wait_event=b"")
+        self._copy(mapping, copies, to_pool=False)
 
-    def _copy(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-              wait_event: bytes) -> None:
+    def _copy(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool) -> None:
         t_enter = time.perf_counter()
-        if not isinstance(mapping, _EngineMapping) or mapping.closed:
+        if not isinstance(mapping, CudaMapping) or mapping.closed:
             raise TransferError("registration has no open CUDA mapping")
         copies = [c for c in copies if c.block_ids.size]
         if not copies:
@@ -332,8 +279,6 @@ class CudaEngine(TransferEngine):
                     lane.timing[0].record(lane.sm)
                     lane.dma.wait_event(lane.timing[0])
                 units, ids = lane.upload(plan, lane.sm)
-                if wait_event:
-                    mapping.events.wait(wait_event, lane.sm)
                 if self.copy_mode == "mapped":
                     cuda_kernels.launch(device, "gather_units" if to_pool else "scatter_units",
                                         units, ids, plan.n_units, 0, plan.n_units,

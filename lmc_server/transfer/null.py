@@ -48,8 +48,7 @@ class NullEngine(TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         return NullMapping()
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy],
-              wait_event: bytes = b"") -> None:
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
         pass
 
     def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
