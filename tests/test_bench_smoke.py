@@ -34,7 +34,7 @@ def _run(args: list[str], tmp_path: Path) -> dict[str, Any]:
 
 def test_throughput_cpu(tmp_path: Path) -> None:
     r = _run(["throughput", "--layers", "4", "--batches", "1,3", "--min-time-s", "0.05",
-              "--min-iters", "2", "--l1-size-gb", "1", "--concurrent", "--inflight", "2"],
+              "--min-iters", "2", "--l1-size-gb", "1", "--concurrent", "--inflight", "1,2"],
              tmp_path)
     rows = r["rows"]
     assert {(x["mode"], x["chunks"]) for x in rows} == {
@@ -47,8 +47,9 @@ def test_throughput_cpu(tmp_path: Path) -> None:
         assert x["ratio"] == pytest.approx(x["ours_gbps"] / x["raw_gbps"])
         if x["mode"] == "store":
             assert x["bytes"] == x["chunks"] * chunk
-        if x["mode"] == "store x2":
-            assert x["bytes"] == 2 * x["chunks"] * chunk
+        if x["mode"] == "store x2":  # sustained: bytes of one request, rate of all
+            assert x["bytes"] == x["chunks"] * chunk
+            assert x["ours_gbps"] >= x["bytes"] / (x["p50_ms"] / 1e3) / 1e9 / 4
         if x["mode"] == "retrieve":  # window sections only for the last chunk
             assert 0 < x["bytes"] <= x["chunks"] * chunk
     assert r["summary"]["mismatched_bytes"] == 0

@@ -58,9 +58,11 @@ def bench() -> None:
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
                    "[default: on for cuda].")
-@click.option("--inflight", type=click.IntRange(1, 64), default=1,
-              help="Also time N requests of the same kind in flight at once (sustained "
-                   "throughput of a pipelining engine); 1: single requests only.")
+@click.option("--inflight", default="1", callback=_ints,
+              help="Also time sustained throughput with N requests of the same kind "
+                   "kept in flight (a new one as soon as one completes, as a pipelining "
+                   "engine does), for each N > 1 of a comma-separated list; 1: single "
+                   "requests only.")
 @click.option("--min-time-s", type=click.FloatRange(min=0), default=0.5,
               help="Least time spent timing each (mode, batch) point.")
 @click.option("--min-iters", type=click.IntRange(1), default=3,
@@ -68,7 +70,8 @@ def bench() -> None:
 @click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
 @_output_options
 def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
-               copy_modes: str, concurrent: bool | None, inflight: int, min_time_s: float,
+               copy_modes: str, concurrent: bool | None, inflight: tuple[int, ...],
+               min_time_s: float,
                min_iters: int, device: int, json_path: str | None, plot_path: str | None,
                no_progress: bool, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
@@ -83,7 +86,8 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
         backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
         l1_size_gb=l1_size_gb, separate=separate, copy_modes=modes,
         concurrent=backend == "cuda" if concurrent is None else concurrent,
-        inflight=inflight, min_time_s=min_time_s, min_iters=min_iters, device=device,
+        inflight=tuple(k for k in inflight if k > 1), min_time_s=min_time_s,
+        min_iters=min_iters, device=device,
         show_progress=not no_progress)
     report = tp.run(cfg)
     emit(report, tp.table(report), json_path)

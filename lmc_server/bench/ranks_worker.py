@@ -206,12 +206,11 @@ class _Worker:
 
     async def _store(self, phase: str, idx: np.ndarray, counts: _Counts) -> ChunkResult | None:
         assert self.reg is not None
-        event = self.kv.record_event() if self.cuda else b""
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.store(
                 self.reg, digests(self.seed, phase, idx),
-                self.slots.ids(REGION_A, idx % self.chunks), wait_event=event)
+                self.slots.ids(REGION_A, idx % self.chunks))
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None

@@ -10,11 +10,19 @@ process and the asyncio client:
   source (mismatches must be 0);
 - ``store+retrieve`` (on by default for cuda): one store and one retrieve in flight
   at once, the figure over the bytes of both.
+- ``store xN`` / ``retrieve xN`` (``--inflight N``): sustained throughput with N
+  requests kept in flight, GB/s over the wall time of the whole run.
 
 Bytes are what the server moves: a store copies whole objects, a retrieve copies the
 full-prefix sections of every chunk but sliding-window sections only for the chunks in
 the window. The raw copy of the same bytes (:mod:`lmc_server.bench.rawcopy`) is timed in
 the same run; ``ratio`` is ours / raw.
+
+Each row also says where the time went inside the server: the mean per request of the
+server's phases (``stats`` ``phases``: queue, prepare, hop_in, copy, hop_out, finish,
+docs/protocol.md) over the timed requests. ``srv ms`` is their sum and ``copy ms`` the
+engine call; the rest of ``p50 ms`` is the client, the sockets and the wake-ups between
+them.
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ class ThroughputConfig:
     separate: bool = True
     copy_modes: tuple[str, ...] = ("staging",)
     concurrent: bool = False
-    inflight: int = 1
+    #: Sustained runs, one per number of requests kept in flight (each > 1).
+    inflight: tuple[int, ...] = ()
     min_time_s: float = 0.5
     min_iters: int = 3
     max_iters: int = 200
@@ -122,17 +131,31 @@ class _Session:
         self.cuda = cuda
 
     async def store(self, n: int, region: int) -> tuple[bytes, ChunkResult]:
-        """On cuda the store carries an IPC event (``wait_event``), as in the H200 run
-        in docs/benchmarks.md; the pages are static here, so the ordering question of
-        docs/gpu.md does not affect what is measured."""
+        """The pages were written and synchronized at setup, so (as a worker that
+        waited for its writes) the store goes out at once."""
         digests = os.urandom(32 * n)
-        event = self.kv.record_event() if self.cuda else b""
-        res = await self.client.store(self.reg, digests, self.regions.ids(region, n),
-                                      wait_event=event)
+        res = await self.client.store(self.reg, digests, self.regions.ids(region, n))
         return digests, res
 
     async def retrieve(self, digests: bytes, n: int) -> ChunkResult:
         return await self.client.retrieve(self.reg, digests, self.regions.ids(B, n))
+
+    async def phases(self) -> dict[str, dict[str, float]]:
+        """The server's cumulative phase sums (``stats`` ``phases``)."""
+        return dict((await self.client.stats()).get("phases", {}))
+
+
+def _phase_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+                 ) -> dict[str, dict[str, float]]:
+    """op -> phase -> mean ms per request, over the requests between two snapshots."""
+    out: dict[str, dict[str, float]] = {}
+    for key, a in after.items():
+        b = before.get(key, {"count": 0, "seconds": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            op, phase = key.split(":", 1)
+            out.setdefault(op, {})[phase] = 1e3 * (a["seconds"] - b["seconds"]) / n
+    return out
 
 
 def _enough(times: list[float], cfg: ThroughputConfig) -> bool:
@@ -141,13 +164,20 @@ def _enough(times: list[float], cfg: ThroughputConfig) -> bool:
 
 
 def _row(mode: str, copy_mode: str, n: int, nbytes: int, times: list[float], raw_gbps: float,
-         mismatched: int, failed: int) -> dict[str, Any]:
+         mismatched: int, failed: int, server_ms: dict[str, dict[str, float]],
+         seconds_per_request: float | None = None) -> dict[str, Any]:
+    """One table row; GB/s is ``nbytes`` over the median of ``times`` or, for sustained
+    runs, over ``seconds_per_request`` (wall time / requests)."""
     med = float(np.median(times))
-    ours = nbytes / med / 1e9
+    ours = nbytes / (seconds_per_request or med) / 1e9
+    one_op = next(iter(server_ms.values())) if len(server_ms) == 1 else None
     return {"mode": mode, "copy_mode": copy_mode, "chunks": n, "bytes": nbytes,
             "iters": len(times), "p50_ms": med * 1e3, "ours_gbps": ours,
             "raw_gbps": raw_gbps, "ratio": ours / raw_gbps if raw_gbps > 0 else float("nan"),
-            "mismatched_bytes": mismatched, "failed_chunks": failed}
+            "mismatched_bytes": mismatched, "failed_chunks": failed,
+            "srv_ms": sum(one_op.values()) if one_op else float("nan"),
+            "copy_ms": one_op.get("copy", 0.0) if one_op else float("nan"),
+            "server_ms": server_ms}
 
 
 async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: str,
@@ -168,6 +198,7 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
     raw_times: list[float] = []
     failed = 0
     last: dict[int, bytes] = {}
+    before = await s.phases()
     while not _enough(times, cfg) or len(last) < 2:
         region = A1 if len(times) % 2 == 0 else A2
         t0 = time.perf_counter()
@@ -177,10 +208,13 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
         failed += len(res.failed_chunks)
         if res.ok.all():
             last[region] = digests
+    after = await s.phases()
     rows.append(_row("store", copy_mode, n, st_bytes, times,
-                     raw.gbps("d2h", st_bytes, 0, raw_times), 0, failed))
+                     raw.gbps("d2h", st_bytes, 0, raw_times), 0, failed,
+                     _phase_means(before, after)))
     # retrieve: alternate sources so every request changes region B, verify each
     times, raw_times, failed, bad = [], [], 0, 0
+    before = after
     while not _enough(times, cfg):
         src = A1 if len(times) % 2 == 0 else A2
         t0 = time.perf_counter()
@@ -190,12 +224,13 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
         failed += len(res.failed_chunks)
         if res.ok.all():  # a failed chunk is reported, not written (fail closed)
             bad += regions.mismatched_bytes(s.kv, src, B, n)
+    after = await s.phases()
     rows.append(_row("retrieve", copy_mode, n, rt_bytes, times,
-                     raw.gbps("h2d", rt_bytes, 0, raw_times), bad, failed))
-    if cfg.inflight > 1:
-        rows += await _measure_inflight(s, n, cfg, copy_mode, raw, last)
+                     raw.gbps("h2d", rt_bytes, 0, raw_times), bad, failed,
+                     _phase_means(before, after)))
     if cfg.concurrent:
         times, raw_times, failed, bad = [], [], 0, 0
+        before = await s.phases()
         while not _enough(times, cfg):
             src = A1 if len(times) % 2 == 0 else A2
             t0 = time.perf_counter()
@@ -206,45 +241,69 @@ async def _measure_batch(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: 
             if rt.ok.all():
                 bad += regions.mismatched_bytes(s.kv, src, B, n)
         rows.append(_row("store+retrieve", copy_mode, n, st_bytes + rt_bytes, times,
-                         raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed))
+                         raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
+                         _phase_means(before, await s.phases())))
+    for k in cfg.inflight:  # last: their stores evict what the rows above read
+        rows += await _measure_inflight(s, n, k, cfg, copy_mode, raw)
     return rows
 
 
-async def _measure_inflight(s: _Session, n: int, cfg: ThroughputConfig, copy_mode: str,
-                           raw: _Raw, last: dict[int, bytes]) -> list[dict[str, Any]]:
-    """``cfg.inflight`` stores (then retrieves) in flight at once: sustained throughput.
+async def _sustained(s: _Session, n: int, k: int, cfg: ThroughputConfig, mode: str,
+                     source: bytes) -> tuple[list[float], list[ChunkResult], float]:
+    """Keep ``k`` requests in flight; returns latencies, results, wall time."""
+    latencies: list[float] = []
+    results: list[ChunkResult] = []
+    t_start = time.perf_counter()
+    deadline = t_start + cfg.min_time_s
+    issued = 0
 
-    Concurrent retrieves all read the same source into the same blocks, so the bytes
-    they write agree and can still be verified.
-    """
-    k, rows = cfg.inflight, []
-    regions = s.regions
-    source = last[A1]
-    st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
-    for mode, nbytes, direction in (("store", st_bytes, "d2h"), ("retrieve", rt_bytes, "h2d")):
-        times: list[float] = []
-        raw_times: list[float] = []
-        failed = bad = 0
-        while not _enough(times, cfg):
+    async def slot() -> None:
+        nonlocal issued
+        while issued < cfg.max_iters * k and (issued < cfg.min_iters * k
+                                              or time.perf_counter() < deadline):
+            issued += 1
             t0 = time.perf_counter()
             if mode == "store":
-                pairs = await asyncio.gather(*(s.store(n, A1 if i % 2 else A2)
-                                               for i in range(k)))
-                results = [r for _, r in pairs]
-                if pairs[1][1].ok.all():  # request 1 read region A1: retrieve it next
-                    source = pairs[1][0]
+                _, res = await s.store(n, A1 if issued % 2 else A2)
             else:
-                results = list(await asyncio.gather(*(s.retrieve(source, n)
-                                                      for _ in range(k))))
-            times.append(time.perf_counter() - t0)
-            t = raw.sample(direction, nbytes)  # the raw rate of one request's bytes
-            if t is not None:
-                raw_times.append(t)
-            failed += sum(len(r.failed_chunks) for r in results)
-            if mode == "retrieve" and all(r.ok.all() for r in results):
-                bad += regions.mismatched_bytes(s.kv, A1, B, n)
-        rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes * k, times,
-                         raw.gbps(direction, nbytes, 0, raw_times), bad, failed))
+                res = await s.retrieve(source, n)
+            latencies.append(time.perf_counter() - t0)
+            results.append(res)
+
+    await asyncio.gather(*(slot() for _ in range(k)))
+    return latencies, results, time.perf_counter() - t_start
+
+
+async def _measure_inflight(s: _Session, n: int, k: int, cfg: ThroughputConfig,
+                            copy_mode: str, raw: _Raw) -> list[dict[str, Any]]:
+    """Sustained throughput with ``k`` requests in flight.
+
+    A new request goes out as soon as one completes (what a pipelining worker does), for
+    at least ``min_time_s`` and ``min_iters`` requests per slot; GB/s is the bytes of
+    every request over the wall time from the first send to the last reply, and
+    ``p50 ms`` the median latency of one request. Stores alternate between the two
+    source regions; the retrieves all read one batch stored just before them into the
+    same blocks (the bytes they write agree, so they are verified after the run).
+    """
+    rows = []
+    regions = s.regions
+    st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
+    for mode, nbytes, direction in (("store", st_bytes, "d2h"), ("retrieve", rt_bytes, "h2d")):
+        source, res0 = await s.store(n, A1)  # the most recent: never evicted by the run
+        assert res0.ok.all(), "the source batch of the retrieves was not stored"
+        before = await s.phases()
+        latencies, results, wall = await _sustained(s, n, k, cfg, mode, source)
+        issued = len(latencies)
+        after = await s.phases()
+        raw_times = [t for t in (raw.sample(direction, nbytes) for _ in range(3))
+                     if t is not None]
+        failed = sum(len(r.failed_chunks) for r in results)
+        bad = 0
+        if mode == "retrieve" and all(r.ok.all() for r in results):
+            bad = regions.mismatched_bytes(s.kv, A1, B, n)
+        rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes, latencies,
+                         raw.gbps(direction, nbytes, 0, raw_times), bad, failed,
+                         _phase_means(before, after), seconds_per_request=wall / issued))
     return rows
 
 
@@ -326,6 +385,7 @@ def run(cfg: ThroughputConfig) -> Report:
 COLUMNS = [("mode", "mode", ""), ("copy_mode", "copy", ""), ("chunks", "chunks", "d"),
            ("bytes", "MB", ""), ("p50_ms", "p50 ms", ".2f"), ("ours_gbps", "ours GB/s", ".2f"),
            ("raw_gbps", "raw GB/s", ".2f"), ("ratio", "ours/raw", ".2f"),
+           ("srv_ms", "srv ms", ".2f"), ("copy_ms", "copy ms", ".2f"),
            ("mismatched_bytes", "mismatch B", "d"), ("failed_chunks", "failed", "d")]
 
 
