@@ -4,9 +4,9 @@ Modes:
 
 ``roundtrip``
     Register GPU buffers with a real server, fill them, store ``chunks`` chunks (after
-    a slow engine write ordered by an interprocess event), wipe the buffers, retrieve
-    into *different* blocks (some marked -1), and check every stored page byte for byte
-    and every untouched page unchanged. Prints ``ROUNDTRIP OK`` or fails.
+    a slow engine write, waited for with ``stream_done`` as a worker does), wipe the
+    buffers, retrieve into *different* blocks (some marked -1), and check every stored
+    page byte for byte and every untouched page unchanged. Prints ``ROUNDTRIP OK`` or fails.
 ``export``
     Allocate and fill buffers, print them (msgspec JSON) and wait until stdin closes,
     so the test process can map them into an in-process engine.
@@ -15,17 +15,23 @@ Modes:
     1-, 16- and 64-chunk batches: what a vLLM worker waits for, socket and server
     included. Prints one line ``BENCH <json>`` with the raw pinned copy of the same bytes
     for reference; asserts nothing about speed.
-``store-and-hang``
-    Register, queue a long GPU sleep before the pages' last write, send a store that
-    waits for it, print ``STORING``, and wait to be killed.
+``store-until-killed``
+    Register, fill the buffers (seeded), print the block ids as ``IDS <json>``, then
+    store the same blocks under fresh digests (``kill_digests(i)``), two requests in
+    flight at a time, until killed; prints ``STORING`` after the first reply.
+``verify-kill``
+    Register the same geometry, recreate the seeded contents, and for each digest set
+    ``kill_digests(i)`` that the server reports as a hit, retrieve it into other blocks
+    and compare with the killed worker's pages. Prints ``VERIFIED <json>``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
 import sys
-import threading
 import time
 
 import msgspec
@@ -34,6 +40,8 @@ import torch
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client
+from lmc_server.client.aio import AsyncClient
+from lmc_server.client.cuda import stream_done
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.presets import dsv41_flash
@@ -82,9 +90,9 @@ def roundtrip(args: dict) -> None:
 
         kv.fill_random(1)
         before = expected()
-        slow_rewrite(kv, 2)  # queued, not finished: the store must wait for it
-        event = kv.record_event()
-        res = c.store(reg, digests, ids_a, wait_event=event)
+        slow_rewrite(kv, 2)  # queued, not finished: the store must come after it
+        stream_done()()  # what the connector runs off the engine thread
+        res = c.store(reg, digests, ids_a)
         assert res.ok.all(), res.statuses
         torch.cuda.synchronize()
         expect = expected()
@@ -199,36 +207,87 @@ def export(args: dict) -> None:
         sys.stdin.read()
 
 
-def store_and_hang(args: dict) -> None:
+def kill_digests(i: int, n: int) -> bytes:
+    """The digests of the ``i``-th store of ``store-until-killed`` (reproducible)."""
+    return b"".join(hashlib.sha256(f"kill-{i}-{c}".encode()).digest() for c in range(n))
+
+
+def store_until_killed(args: dict) -> None:
     geo = geometry(args)
-    n = args.get("chunks", 4)
-    rng = np.random.default_rng(5)
-    kv = CudaKV(geo, 0)
-    c = Client(args["endpoint"], timeout_s=600, client_name="doomed-worker")
-    reg = c.register(**kv.register_kwargs(replicated=True))
-    kv.fill_random(3)
-    ids = block_ids_for(reg, n, rng)
-    # The server imports the stream's event at its first store and sees only later
-    # records (the first record finishes the stream instead); so store once first.
-    c.store(reg, os.urandom(32 * n), ids, wait_event=kv.record_event())
-    torch.cuda._sleep(int(args.get("sleep_s", 3.0) * 2e9))
-    kv.tensors[0].add_(1)
-    event = kv.record_event()
-    t0 = time.monotonic()
+    n = args["chunks"]
 
-    def store() -> None:
-        res = c.store(reg, bytes.fromhex(args["digests"]), ids, wait_event=event)
-        print(f"STORED after {time.monotonic() - t0:.3f} s: {res.statuses}", flush=True)
+    async def main() -> None:
+        kv = CudaKV(geo, 0)
+        client = await AsyncClient.connect(args["endpoint"], timeout_s=600,
+                                           client_name="doomed-worker")
+        reg = await client.register(**kv.register_kwargs(replicated=True))
+        kv.fill_random(args["seed"])  # synchronized: the pages are final from here on
+        ids = block_ids_for(reg, n, np.random.default_rng(5))
+        print("IDS " + json.dumps({k: np.asarray(v).tolist() for k, v in ids.items()}),
+              flush=True)
+        i = 0
+        while True:
+            await asyncio.gather(*(client.store(reg, kill_digests(i + j, n), ids)
+                                   for j in range(2)))
+            if i == 0:
+                print("STORING", flush=True)
+            i += 2
 
-    threading.Thread(target=store, daemon=True).start()
-    time.sleep(0.3)
-    print("STORING", flush=True)
-    time.sleep(600)
+    asyncio.run(main())
+
+
+def verify_kill(args: dict) -> None:
+    """Every digest set the server reports must hold exactly the killed worker's bytes."""
+    geo = geometry(args)
+    n = args["chunks"]
+    ids_a = {k: np.asarray(v, dtype=np.int32) for k, v in args["ids"].items()}
+    visible, misses, i = [], 0, 0
+    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
+                                       client_name="verifier") as c:
+        reg = c.register(**kv.register_kwargs(replicated=True))
+        kv.fill_random(args["seed"])
+        og_of = {gname: og.name for og in reg.object_groups for gname in og.groups}
+        ids_b = {}
+        for g in geo.groups:
+            if g.name not in ids_a:
+                continue
+            others = np.setdiff1d(np.arange(g.num_blocks), ids_a[g.name])
+            ids_b[g.name] = others[:ids_a[g.name].size].astype(np.int32)
+            assert ids_b[g.name].size == ids_a[g.name].size, "need more blocks"
+        want = {name: [kv.pages(name, ids_a[name].reshape(n, -1)[ci].tolist())
+                       for ci in range(n)] for name in ids_a}
+        # Stores went out in order, two at a time; the oldest were evicted by the newest
+        # (the pool holds a few batches), so scan until well past the last hit.
+        while i < 20000 and not (visible and misses >= 64):
+            digests = kill_digests(i, n)
+            hit = c.lookup(reg, digests, lease=True)
+            if hit.hit_chunks == 0:
+                misses += 1
+                i += 1
+                continue
+            misses = 0
+            kv.fill(0xEE)
+            res = c.retrieve(reg, digests[:32 * hit.hit_chunks],
+                             {k: v.reshape(n, -1)[:hit.hit_chunks].reshape(-1)
+                              for k, v in ids_b.items()})
+            c.release(hit.lease_id)
+            for name, b in ids_b.items():
+                status = res.statuses[og_of[name]]
+                rows = b.reshape(n, -1)
+                for ci in range(hit.hit_chunks):
+                    if status[ci] != ChunkStatus.OK:
+                        continue  # window objects load only where the window needs them
+                    got = kv.pages(name, rows[ci].tolist())
+                    assert got == want[name][ci], f"store {i} group {name} chunk {ci} differs"
+            visible.append(i)
+            i += 1
+        c.unregister(reg)
+    print("VERIFIED " + json.dumps({"visible": visible, "tried": i}), flush=True)
 
 
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     modes = {"roundtrip": roundtrip, "export": export, "bench": bench,
-             "store-and-hang": store_and_hang}
+             "store-until-killed": store_until_killed, "verify-kill": verify_kill}
     modes[a["mode"]](a)
