@@ -352,3 +352,20 @@ def test_an_idle_partition_gives_its_slabs_to_a_busy_one() -> None:
     assert idx.stats.slabs_moved >= 3
     assert idle.partitions[0].slabs <= 1 and busy.partitions[0].slabs >= 7
     idx.check()
+
+
+def test_a_request_in_a_full_pool_takes_ascending_contiguous_slots() -> None:
+    """Eviction frees an older request's neighbouring slots (its chunks in reverse, as
+    LRU orders them); the new request gets them in ascending order along its chunks,
+    so its objects form a few contiguous pool ranges (one DMA each on CUDA)."""
+    index = make_index(pool_mib=256, slab_mib=16)
+    view = dsv_view(index)
+    for r in range(12):  # well past the pool's capacity: every reservation evicts
+        t = index.reserve_store(view, index.keys(view, digests(16, b"%d" % r), b""),
+                                ids_for(view, 16))
+        index.commit_store(t)
+        for res in t.reserved:
+            steps = np.diff(np.asarray(res.slots))
+            assert (steps > 0).all(), f"request {r}: slots not ascending: {list(res.slots)}"
+            assert (steps == 1).sum() >= len(steps) - 2, f"request {r}: {list(res.slots)}"
+    assert index.stats.evictions > 0

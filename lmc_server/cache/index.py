@@ -371,6 +371,8 @@ class L1Index:
                     any_window |= ok
             storable = full_ok if og.has_full else any_window
             chunks, slots, masks = array("i"), array("i"), array("B")
+            fresh: list[int] = []
+            fresh_keys: set[bytes] = set()
             for i in np.flatnonzero(storable).tolist():
                 key = keys[i]
                 existing = part.keys.get(key)
@@ -380,19 +382,29 @@ class L1Index:
                     if committed:
                         part.touch(existing, self.tick)
                     continue
+                if key in fresh_keys:  # the same digest twice in one request
+                    st[i] = ChunkStatus.IN_PROGRESS
+                    continue
                 slot = self._alloc(part)
                 if slot is None:
                     st[i] = ChunkStatus.NO_SPACE
                     self.stats.alloc_failures["no_space"] = (
                         self.stats.alloc_failures.get("no_space", 0) + 1)
                     continue
-                part.reserve(key, slot, self.tick)
+                fresh.append(i)
+                fresh_keys.add(key)
+                slots.append(slot)
+            # Slots in ascending order along the chunks: victims of one older request are
+            # neighbours in the pool, so the request's objects land in a few contiguous
+            # runs (one DMA each) instead of one run per object in descending order.
+            slots = array("i", sorted(slots))
+            for i, slot in zip(fresh, slots, strict=True):
+                part.reserve(keys[i], slot, self.tick)
                 mask = 0
                 for bit, ok in enumerate(avail):
                     if ok[i]:
                         mask |= 1 << bit
                 chunks.append(i)
-                slots.append(slot)
                 masks.append(mask)
                 st[i] = ChunkStatus.OK
             statuses.append(st)
