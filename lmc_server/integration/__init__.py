@@ -1,7 +1,9 @@
 """Engine integrations built on the client library.
 
-``lmc_server.integration.planning`` (what to look up, store and retrieve) and
-``lmc_server.integration.worker`` (transfer bookkeeping) are plain Python, tested in CI
-without any engine installed. ``lmc_server.integration.vllm`` is the thin vLLM adapter;
+``lmc_server.integration.planning`` (what to look up, store and retrieve),
+``lmc_server.integration.worker`` (transfer bookkeeping) and
+``lmc_server.integration.kvlayout`` (an engine's KV cache as plain descriptors, and the
+registration derived from them) are plain Python, tested in CI without any engine
+installed. ``lmc_server.integration.vllm`` is the thin vLLM adapter;
 importing this package never imports vLLM or torch.
 """

@@ -49,13 +49,22 @@ class EngineGroup:
     """One engine KV cache group as the planner needs it.
 
     ``cached`` is False for scratch groups (never stored, never sent block ids).
-    ``window_tokens`` > 0 marks a sliding-window group.
+    ``window_tokens`` > 0 marks a sliding-window group. ``server_groups`` names the
+    server groups this block table drives when there are several (layers with
+    different records under one block table, :mod:`lmc_server.integration.kvlayout`);
+    empty means one server group named ``name``.
     """
 
     name: str
     tokens_per_block: int
     cached: bool = True
     window_tokens: int = 0
+    server_groups: tuple[str, ...] = ()
+
+    @property
+    def block_id_keys(self) -> tuple[str, ...]:
+        """The server groups that receive this group's block ids."""
+        return self.server_groups or (self.name,)
 
 
 class ChunkGeometry:
@@ -98,11 +107,12 @@ class ChunkGeometry:
 
     def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
                   n_chunks: int, keep_tokens: int = 0) -> dict[str, np.ndarray]:
-        """Per cached group, the block ids of chunks ``first_chunk..+n_chunks``.
+        """Per cached server group, the block ids of chunks ``first_chunk..+n_chunks``.
 
-        ``group_blocks[i]`` is the request's block table of engine group ``i``. Blocks
-        whose tokens all lie below ``keep_tokens`` (the engine already holds them), the
-        null block and blocks past the table's end become ``-1``.
+        ``group_blocks[i]`` is the request's block table of engine group ``i``; every
+        server group of an engine group gets the same ids. Blocks whose tokens all lie
+        below ``keep_tokens`` (the engine already holds them), the null block and blocks
+        past the table's end become ``-1``.
         """
         out: dict[str, np.ndarray] = {}
         for gi, g in enumerate(self.groups):
@@ -117,7 +127,8 @@ class ChunkGeometry:
             keep_blocks = keep_tokens // g.tokens_per_block - lo
             if keep_blocks > 0:
                 ids[:keep_blocks] = -1
-            out[g.name] = ids
+            for key in g.block_id_keys:
+                out[key] = ids
         return out
 
 

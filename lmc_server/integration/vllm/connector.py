@@ -124,7 +124,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                            groups=vg.groups, buffers=vg.buffers,
                            world_size=self.world_size, rank=rank, replicated=vg.replicated)
         stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
-        tracker = TransferTracker(single_group=len(vg.groups) == 1)
+        tracker = TransferTracker(single_group=len(vg.engine_groups) == 1)
         self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
                                          fence_timeout_s=self.settings.fence_timeout_s)

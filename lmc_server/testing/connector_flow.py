@@ -1,0 +1,189 @@
+"""The vLLM connector's machinery driven over a fixture's KV cache, without vLLM.
+
+:class:`ConnectorFlow` wires what ``LMCacheMPConnector`` wires (see
+``lmc_server/integration/vllm/connector.py``), from the same vLLM-free parts:
+
+* scheduler: a lookup-only :class:`~lmc_server.integration.link.ServerLink` registered
+  with :func:`~lmc_server.integration.kvlayout.derive_registration` of the fixture's
+  descriptors, and a :class:`~lmc_server.integration.planning.SchedulerPlanner`;
+* worker: a second link registered with the derivation over the backing's tensors
+  (exported as shared memory or CUDA IPC), a
+  :class:`~lmc_server.integration.worker.WorkerTransfers` and its tracker; each store
+  is sent once ``backing.ready()`` returned (``stream_done`` on CUDA), as the
+  connector sends its stores once the forward pass's writes are done.
+
+Block ids come from one pool shared by every engine group, as vLLM's block pool hands
+them out (groups overlay one allocation, so a block id belongs to one group at a time);
+block 0 is vLLM's null block and never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Self
+
+import numpy as np
+
+from lmc_server.integration.exporters import TensorExporter
+from lmc_server.integration.kvlayout import RegistrationPlan, derive_registration
+from lmc_server.integration.link import ServerLink
+from lmc_server.integration.planning import (
+    ChunkGeometry,
+    LoadSpec,
+    ScheduledRequest,
+    SchedulerPlanner,
+    StepPlan,
+)
+from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
+from lmc_server.testing.kvfixture import Backing, KVFixture, PageCopy, expected_copies
+
+
+def block_hashes(tokens: list[int], per: int) -> list[bytes]:
+    """Chained hashes of every ``per`` tokens, standing in for vLLM's block hashes."""
+    out, prev = [], b""
+    for i in range(len(tokens) // per):
+        prev = hashlib.sha256(prev + np.asarray(tokens[i * per:(i + 1) * per],
+                                                dtype="<i4").tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+def _merge(into: Report, rep: Report) -> None:
+    into.finished_sending |= rep.finished_sending
+    into.finished_recving |= rep.finished_recving
+    into.failed_recving |= rep.failed_recving
+    into.invalid_block_ids |= rep.invalid_block_ids
+
+
+class ConnectorFlow:
+    """One scheduler and one worker of the connector over ``backing``'s tensors."""
+
+    def __init__(self, fx: KVFixture, backing: Backing, endpoint: str, arch: str, *,
+                 exporter: TensorExporter | None = None, rank: int = 0,
+                 world_size: int = 1, timeout_s: float = 30.0) -> None:
+        self.fx = fx
+        self.backing = backing
+        self.timeout_s = timeout_s
+        self.tensors = backing.views(fx)
+        self.plan: RegistrationPlan = derive_registration(fx.layout, self.tensors, exporter)
+        self.lookup_plan = derive_registration(fx.layout)
+        kw: dict[str, Any] = dict(model=fx.model, kv_dtype=self.plan.kv_dtype, arch=arch,
+                                  world_size=world_size, rank=rank,
+                                  replicated=self.plan.replicated)
+        self.sched = ServerLink(endpoint, timeout_s=timeout_s, client_name="flow-scheduler")
+        try:
+            self.work = ServerLink(endpoint, timeout_s=timeout_s, client_name="flow-worker")
+        except BaseException:
+            self.sched.close()
+            raise
+        try:
+            self.sched.register(groups=self.lookup_plan.groups, **kw)
+            self.work.register(groups=self.plan.groups, buffers=self.plan.buffers, **kw)
+        except BaseException:
+            self.close()
+            raise
+        cached = [g for g in self.plan.engine_groups if g.cached]
+        self.hash_block = min(g.tokens_per_block for g in cached)
+        self.geometry = ChunkGeometry(self.work.reg.chunk_size, self.hash_block,
+                                      self.plan.engine_groups)
+        self.planner = SchedulerPlanner(self.geometry, self.sched)
+        self.tracker = TransferTracker(single_group=len(self.plan.engine_groups) == 1)
+        self.transfers = WorkerTransfers(self.work, self.tracker)
+        self._next_block = 1
+
+    @property
+    def chunk_size(self) -> int:
+        return self.geometry.chunk_size
+
+    def tables(self, num_tokens: int) -> list[list[int]]:
+        """A request's block table per engine group, fresh ids from the shared pool
+        (a scratch group holds one block per request)."""
+        out = []
+        for g in self.plan.engine_groups:
+            n = -(-num_tokens // g.tokens_per_block) if g.cached else 1
+            if self._next_block + n > self.fx.layout.num_blocks:
+                raise ValueError(f"{self.fx.name}: {self.fx.layout.num_blocks} blocks are "
+                                 "too few for this test")
+            out.append(list(range(self._next_block, self._next_block + n)))
+            self._next_block += n
+        return out
+
+    def _matched(self, req_id: str, tokens: list[int]) -> int:
+        hashes = block_hashes(tokens, self.hash_block)
+        deadline = time.monotonic() + self.timeout_s
+        while (n := self.planner.matched_tokens(req_id, hashes, len(tokens), len(tokens),
+                                                0)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lookup for {req_id} never answered")
+            time.sleep(0.002)
+        return n
+
+    def _poll(self, finished: set[str], want: str) -> Report:
+        rep = Report()
+        deadline = time.monotonic() + self.timeout_s
+        while not getattr(rep, want):
+            _merge(rep, self.tracker.poll(finished))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {want} reported")
+            time.sleep(0.002)
+        _merge(rep, self.tracker.poll(set()))
+        return rep
+
+    def prefill(self, req_id: str, tokens: list[int], tables: list[list[int]]) -> tuple[
+            StepPlan, Report]:
+        """A miss, then one step computing the whole prompt: its whole chunks are
+        stored once the engine's writes are done; returns the step and the report."""
+        if self._matched(req_id, tokens):
+            raise RuntimeError(f"{req_id}: a hit where the test expects a miss")
+        self.planner.after_alloc(req_id, tables, 0)
+        plan = self.planner.build_step([ScheduledRequest(req_id, 0, len(tokens), tables, True)])
+        self.transfers.begin_step(plan)
+        self.transfers.start_stores(plan.stores, self.backing.ready())
+        self.transfers.fence([req_id])
+        held = self.planner.request_finished(req_id)
+        rep = self._poll({req_id}, "finished_sending") if held else Report()
+        self.planner.transfers_finished([], rep.finished_sending)
+        return plan, rep
+
+    def load_hit(self, req_id: str, tokens: list[int], tables: list[list[int]]) -> tuple[
+            int, LoadSpec | None, Report]:
+        """Look up ``tokens``; on a hit, load it into ``tables`` and wait for the report."""
+        n = self._matched(req_id, tokens)
+        self.planner.after_alloc(req_id, tables, n)
+        plan = self.planner.build_step([])
+        if not plan.loads:
+            return n, None, Report()
+        (spec,) = plan.loads
+        rep = self.load(spec)
+        self.planner.transfers_finished(rep.finished_recving, [])
+        self.planner.request_finished(req_id)
+        return n, spec, rep
+
+    def load(self, spec: LoadSpec) -> Report:
+        """Run one load and wait for the worker's report of it."""
+        self.transfers.start_loads([spec])
+        return self._poll(set(), "finished_recving")
+
+    def unstored_load(self, req_id: str, tokens: list[int], tables: list[list[int]]
+                      ) -> LoadSpec:
+        """A load of chunks the server never stored (no lookup, no lease)."""
+        n = len(tokens) // self.chunk_size
+        digests = self.geometry.digests(block_hashes(tokens, self.hash_block), n)
+        return LoadSpec(req_id, digests, self.geometry.block_ids(tables, 0, n), 0)
+
+    def copies(self, spec: LoadSpec, src_tables: list[list[int]]) -> list[PageCopy]:
+        """The pages ``spec`` must write: those stored from ``src_tables``."""
+        src = self.geometry.block_ids(src_tables, 0, spec.n_chunks)
+        return expected_copies(self.plan.groups, self.chunk_size, spec.n_chunks, src,
+                               spec.block_ids)
+
+    def close(self) -> None:
+        self.work.close()
+        self.sched.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,202 @@
+"""The connector's worker path over KV caches exactly as vLLM 0.33 allocates them (CPU).
+
+The CPU twin of ``tests/gpu/test_connector_gpu.py``: the same fixtures
+(``tests/fixtures/vllm-*.json``, made from vLLM's own classes by
+``scripts/vllm-kv-fixture.py``) and the same flow
+(:class:`lmc_server.testing.connector_flow.ConnectorFlow`), with the backing allocation
+in shared memory and a server on the CPU engine, so every CI run checks the
+fixture-driven path without vLLM, torch or a GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmc_server.cache.geometry import ShmBuffer
+from lmc_server.integration.exporters import ExportedBuffer
+from lmc_server.integration.kvlayout import GroupDesc, KVLayout, LayerDesc, derive_registration
+from lmc_server.integration.planning import ChunkGeometry, EngineGroup
+from lmc_server.testing.connector_flow import ConnectorFlow
+from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking, describe_byte
+from lmc_server.testing.process import ServerProcess
+
+FIXTURES = Path(__file__).with_name("fixtures")
+NAMES = ["vllm-dsv41-sm90", "vllm-dsv41-sm100", "vllm-llama"]
+SEED = 7
+
+
+def fixture(name: str) -> KVFixture:
+    return KVFixture.load(FIXTURES / f"{name}.json")
+
+
+def prompt(salt: int) -> list[int]:
+    """Two whole 256-token chunks and a tail: a hit is 512 tokens, never the last one."""
+    return [salt * 100_000 + i for i in range(2 * 256 + 60)]
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[ServerProcess]:
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
+                        "--eviction-policy", "LRU"], l1_size_gb=0.5) as s:
+        yield s
+
+
+def cpu_arch(fx: KVFixture) -> str:
+    """The CPU engine does not interpret records: register as the fixture's arch."""
+    return fx.arch or "cpu"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_rebuilds_vllm_allocation(name: str) -> None:
+    """Views rebuilt from the fixture derive exactly the registration derived from
+    vLLM's own tensors: same groups, offsets, strides, pages; one buffer for all."""
+    fx = fixture(name)
+    assert KVLayout.from_dict(fx.layout.to_dict()) == fx.layout
+    with ShmBacking(fx.backing_size_bytes) as mem:
+        plan = derive_registration(fx.layout, mem.views(fx))
+        assert len(plan.buffers) == 1 == fx.raw["registration"]["buffers"]
+        assert plan.groups == fx.groups
+        assert (plan.kv_dtype, plan.replicated) == (fx.kv_dtype, fx.replicated)
+        assert plan.engine_groups == [
+            EngineGroup(**{**g, "server_groups": tuple(g["server_groups"])})
+            for g in fx.raw["registration"]["engine_groups"]]
+        lookup = derive_registration(fx.layout)
+        assert [(g.name, [layer.page_bytes for layer in g.layers]) for g in lookup.groups] == [
+            (g.name, [layer.page_bytes for layer in g.layers]) for g in plan.groups]
+
+
+def test_dsv41_fixture_has_every_kind_of_group() -> None:
+    """What the GPU test relies on: sliding windows, a compressed group whose indexer
+    layers register as a second server group, scratch rings; MLA, so replicated."""
+    fx = fixture("vllm-dsv41-sm90")
+    kinds = [g.kind for g in fx.layout.groups]
+    assert kinds.count("sliding_window") >= 1 and "full" in kinds and "scratch" in kinds
+    formats = {(g.record_format, g.bytes_per_state) for g in fx.groups if g.cached}
+    assert ("fp8_ds_mla", 584) in formats and ("uint8", 132) in formats
+    assert fx.replicated and fx.scratch_groups
+    sm100 = fixture("vllm-dsv41-sm100")
+    assert {g.bytes_per_state for g in sm100.groups if g.record_format == "fp8_ds_mla"} == {528}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_store_then_load_byte_exact(srv: ServerProcess, name: str) -> None:
+    """Stores leave the engine's memory alone; a hit loaded into other blocks writes
+    exactly the stored pages of every cached group and layer, and nothing else (the
+    scratch rings, which share the allocation, keep their bytes)."""
+    fx = fixture(name)
+    with ShmBacking(fx.backing_size_bytes) as mem, \
+            ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
+        mem.fill_random(SEED)
+        tokens = prompt(1)
+        a, b = flow.tables(len(tokens)), flow.tables(len(tokens))
+        before = mem.snapshot()
+        step, rep = flow.prefill("A", tokens, a)
+        assert [s.n_chunks for s in step.stores] == [2]
+        assert rep.finished_sending == {"A"} and flow.tracker.failed_store_chunks == 0
+        scratch = {g.name for g in fx.scratch_groups}
+        assert not scratch & set(step.stores[0].block_ids)
+        assert mem.first_difference(mem.snapshot(), before) is None
+
+        n, load, rep = flow.load_hit("B", tokens, b)
+        assert n == 2 * flow.chunk_size and load is not None
+        assert rep.finished_recving == {"B"}
+        assert not rep.failed_recving and not rep.invalid_block_ids
+        assert not scratch & set(load.block_ids)
+        copies = flow.copies(load, a)
+        cached = {(g.name, layer.name) for g in fx.groups if g.cached for layer in g.layers}
+        assert {(c.group, c.layer) for c in copies} == cached
+        expected = mem.apply(before, copies)
+        assert mem.first_difference(expected, before) is not None
+        bad = mem.first_difference(mem.snapshot(), expected)
+        assert bad is None, f"byte {bad} differs: {describe_byte(fx.groups, bad)}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_failed_load_is_reported_not_success(srv: ServerProcess, name: str) -> None:
+    """Chunks never stored: the load finishes as failed (block ids for one engine group,
+    the request for several, as vLLM 0.33 requires), and no byte changes."""
+    fx = fixture(name)
+    with ShmBacking(fx.backing_size_bytes) as mem, \
+            ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
+        mem.fill_random(SEED + 1)
+        tokens = prompt(2)
+        tables = flow.tables(len(tokens))
+        before = mem.snapshot()
+        spec = flow.unstored_load("C", tokens, tables)
+        rep = flow.load(spec)
+        assert rep.finished_recving == {"C"}
+        sent = {int(b) for ids in spec.block_ids.values() for b in ids if b >= 0}
+        if len(flow.plan.engine_groups) == 1:
+            assert rep.invalid_block_ids == sent and not rep.failed_recving
+        else:
+            assert rep.failed_recving == {"C"}
+        assert mem.first_difference(mem.snapshot(), before) is None
+
+
+# -- the derivation's refusals ------------------------------------------------------------
+
+
+class OneBuffer:
+    """Exports every tensor as part of one host array (its first byte is the base)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def export(self, tensor: object) -> ExportedBuffer:
+        return ExportedBuffer(ShmBuffer(name="lmc-test", size_bytes=self.array.size),
+                              int(self.array.ctypes.data), self.array.size)
+
+
+def one_layer(**overrides: object) -> KVLayout:
+    layer = dict(name="l0", record_format="bf16", states_per_block=4, bytes_per_state=16,
+                 page_bytes=64, block_stride=64, offset=0)
+    layer.update(overrides)
+    return KVLayout(num_blocks=8, groups=(GroupDesc("full", 4, (LayerDesc(**layer),)),))
+
+
+def test_derivation_checks_placement_against_the_plan() -> None:
+    mem = np.zeros(8 * 64 * 2, dtype=np.uint8)
+    blocks = HostTensor(mem[64 * 8:].reshape(8, 64))  # the second half, 512 bytes in
+    plan = derive_registration(one_layer(offset=512), {"l0": blocks}, OneBuffer(mem))
+    assert plan.groups[0].layers[0].offset == 512
+    with pytest.raises(ValueError, match="planned block 0 at byte 0"):
+        derive_registration(one_layer(), {"l0": blocks}, OneBuffer(mem))
+    with pytest.raises(KeyError, match="l0"):
+        derive_registration(one_layer(), {}, OneBuffer(mem))
+
+
+def test_derivation_refuses_pages_that_are_not_contiguous() -> None:
+    """A head-outer layout ([H, B, N, C]): one block's bytes are spread over the heads."""
+    mem = np.zeros(8 * 64, dtype=np.uint8)
+    heads_outer = HostTensor(mem.reshape(2, 8, 2, 16).transpose(1, 0, 2, 3))
+    with pytest.raises(ValueError, match="not contiguous"):
+        derive_registration(one_layer(block_stride=32), {"l0": heads_outer}, OneBuffer(mem))
+
+
+def test_one_block_table_drives_every_record_of_its_group() -> None:
+    fx = fixture("vllm-dsv41-sm90")
+    plan = derive_registration(fx.layout)
+    (mixed,) = [g for g in plan.engine_groups if g.server_groups]
+    geometry = ChunkGeometry(256, 32, plan.engine_groups)
+    tables = [list(range(100 * i + 1, 100 * i + 20)) for i in range(len(plan.engine_groups))]
+    ids = geometry.block_ids(tables, 0, 2)
+    first, *rest = mixed.server_groups
+    assert rest and all(ids[name].tolist() == ids[first].tolist() for name in rest)
+    assert {g.name for g in plan.groups if g.cached} == set(ids)
+
+
+def test_the_derivation_imports_neither_vllm_nor_torch() -> None:
+    """What the GPU machine (no vLLM) and CI (no torch) rely on; a fresh interpreter,
+    since this one may have imported either for other tests."""
+    code = ("import sys, lmc_server.integration.kvlayout, lmc_server.testing.connector_flow, "
+            "lmc_server.integration.vllm; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
