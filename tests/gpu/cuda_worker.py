@@ -247,14 +247,19 @@ def verify_kill(args: dict) -> None:
         reg = c.register(**kv.register_kwargs(replicated=True))
         kv.fill_random(args["seed"])
         og_of = {gname: og.name for og in reg.object_groups for gname in og.groups}
-        ids_b = {}
+        ids_b, cols = {}, {}
         for g in geo.groups:
             if g.name not in ids_a:
                 continue
             others = np.setdiff1d(np.arange(g.num_blocks), ids_a[g.name])
             ids_b[g.name] = others[:ids_a[g.name].size].astype(np.int32)
             assert ids_b[g.name].size == ids_a[g.name].size, "need more blocks"
-        want = {name: [kv.pages(name, ids_a[name].reshape(n, -1)[ci].tolist())
+            # A sliding-window object holds only the blocks the window reaches.
+            bpc = ids_a[g.name].size // n
+            keep = (bpc if g.kind != "sliding_window"
+                    else min(bpc, -(-g.window_tokens // g.tokens_per_block)))
+            cols[g.name] = list(range(bpc - keep, bpc))
+        want = {name: [kv.pages(name, ids_a[name].reshape(n, -1)[ci, cols[name]].tolist())
                        for ci in range(n)] for name in ids_a}
         # Stores went out in order, two at a time; the oldest were evicted by the newest
         # (the pool holds a few batches), so scan until well past the last hit.
@@ -277,7 +282,7 @@ def verify_kill(args: dict) -> None:
                 for ci in range(hit.hit_chunks):
                     if status[ci] != ChunkStatus.OK:
                         continue  # window objects load only where the window needs them
-                    got = kv.pages(name, rows[ci].tolist())
+                    got = kv.pages(name, rows[ci, cols[name]].tolist())
                     assert got == want[name][ci], f"store {i} group {name} chunk {ci} differs"
             visible.append(i)
             i += 1
