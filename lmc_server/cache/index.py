@@ -132,7 +132,7 @@ def _plan(og: ObjectGroupLayout, part: Partition, chunks: array, slots: array,
     ``sections[bit][i]`` says whether section ``bit`` of chunk ``i`` is copied.
     """
     nbytes = 0
-    offsets = np.array([part.offset(s) for s in slots], dtype=np.int64)
+    offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
     chunk_idx = np.frombuffer(chunks, dtype=np.int32)
     for bit, sec in enumerate(og.sections):
         sel = sections[bit][chunk_idx]
@@ -290,22 +290,43 @@ class L1Index:
 
     # -- allocation ---------------------------------------------------------------------
 
-    def _alloc(self, part: Partition) -> int | None:
-        """A free slot in ``part``: free list, new slab, colder partition, own victim.
+    def _alloc_many(self, part: Partition, m: int) -> list[int]:
+        """Up to ``m`` free slots in ``part``: free list, new slabs, a colder partition's
+        slab, own victims (fewer only when nothing else can be evicted).
 
         Another partition gives a slab back only if its coldest object is at least
         ``DONOR_AGE_RATIO`` times older than this partition's victim and every object in
         that slab was last used before this partition's victim: moving a slab never
         evicts anything hotter than what plain eviction here would. A partition with
         nothing to evict (new, or all pinned) takes any slab free of pins and writers.
+        Once no partition qualifies, the rest of the batch evicts here without asking
+        again (the donors' ages do not change within one request).
         """
-        slot = part.pop_free()
-        if slot is not None:
-            return slot
-        slab = self.pool.take(part.pid)
-        if slab is not None:
-            part.add_slab(slab)
-            return part.pop_free()
+        out: list[int] = []
+        donors_tried = False
+        while len(out) < m:
+            slot = part.pop_free()
+            if slot is not None:
+                out.append(slot)
+                continue
+            slab = self.pool.take(part.pid)
+            if slab is not None:
+                part.add_slab(slab)
+                continue
+            if not donors_tried:
+                if self._take_donor_slab(part):
+                    continue
+                donors_tried = True
+            own = part.policy.peek()
+            if own is None:
+                break
+            part.evict(own)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += part.object_bytes
+        return out
+
+    def _take_donor_slab(self, part: Partition) -> bool:
+        """Move a slab from a much colder partition to ``part``; whether one moved."""
         own = part.policy.peek()
         own_tick = part.tick[own] if own is not None else math.inf
         # Only a partition whose coldest object is much older than ours is worth a look:
@@ -324,21 +345,16 @@ class L1Index:
                 if seg is not None:
                     donor, donor_tick = (other, seg), other.tick[v]
                     break
-        if donor is not None:
-            n, nbytes = donor[0].release_segment(donor[1])
-            self.stats.evictions += n
-            self.stats.evicted_bytes += nbytes
-            self.stats.slabs_moved += 1
-            slab = self.pool.take(part.pid)
-            assert slab is not None
-            part.add_slab(slab)
-            return part.pop_free()
-        if own is not None:
-            part.evict(own)
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += part.object_bytes
-            return part.pop_free()
-        return None
+        if donor is None:
+            return False
+        n, nbytes = donor[0].release_segment(donor[1])
+        self.stats.evictions += n
+        self.stats.evicted_bytes += nbytes
+        self.stats.slabs_moved += 1
+        slab = self.pool.take(part.pid)
+        assert slab is not None
+        part.add_slab(slab)
+        return True
 
     # -- store --------------------------------------------------------------------------
 
@@ -370,12 +386,12 @@ class L1Index:
                 if sec.is_window:
                     any_window |= ok
             storable = full_ok if og.has_full else any_window
-            chunks, slots, masks = array("i"), array("i"), array("B")
             fresh: list[int] = []
             fresh_keys: set[bytes] = set()
+            get = part.keys.get
             for i in np.flatnonzero(storable).tolist():
                 key = keys[i]
-                existing = part.keys.get(key)
+                existing = get(key)
                 if existing is not None:
                     committed = part.state[existing] == COMMITTED
                     st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
@@ -385,28 +401,25 @@ class L1Index:
                 if key in fresh_keys:  # the same digest twice in one request
                     st[i] = ChunkStatus.IN_PROGRESS
                     continue
-                slot = self._alloc(part)
-                if slot is None:
-                    st[i] = ChunkStatus.NO_SPACE
-                    self.stats.alloc_failures["no_space"] = (
-                        self.stats.alloc_failures.get("no_space", 0) + 1)
-                    continue
                 fresh.append(i)
                 fresh_keys.add(key)
-                slots.append(slot)
             # Slots in ascending order along the chunks: victims of one older request are
             # neighbours in the pool, so the request's objects land in a few contiguous
             # runs (one DMA each) instead of one run per object in descending order.
-            slots = array("i", sorted(slots))
+            slots = array("i", sorted(self._alloc_many(part, len(fresh))))
+            if len(slots) < len(fresh):
+                st[fresh[len(slots):]] = ChunkStatus.NO_SPACE
+                self.stats.alloc_failures["no_space"] = (
+                    self.stats.alloc_failures.get("no_space", 0) + len(fresh) - len(slots))
+                del fresh[len(slots):]
+            bits = np.zeros(n, dtype=np.uint8)
+            for bit, ok in enumerate(avail):
+                bits |= ok.astype(np.uint8) << bit
+            chunks = array("i", fresh)
+            masks = array("B", bits[fresh].tobytes())
             for i, slot in zip(fresh, slots, strict=True):
                 part.reserve(keys[i], slot, self.tick)
-                mask = 0
-                for bit, ok in enumerate(avail):
-                    if ok[i]:
-                        mask |= 1 << bit
-                chunks.append(i)
-                masks.append(mask)
-                st[i] = ChunkStatus.OK
+            st[fresh] = ChunkStatus.OK
             statuses.append(st)
             if not chunks:
                 continue
@@ -460,19 +473,26 @@ class L1Index:
                 else:
                     need[bit, :] = True
                 need[bit] &= (section_block_ids(sec, group_ids[sec.group_index]) >= 0).any(1)
-            chunks, slots = array("i"), array("i")
-            for i in np.flatnonzero(need.any(axis=0)).tolist():
-                s = self._committed(part, keys[i])
-                want = sum(1 << b for b in range(len(og.sections)) if need[b, i])
-                if s < 0 or (part.mask[s] & want) != want:
-                    st[i] = ChunkStatus.MISS
-                    need[:, i] = False
-                    continue
-                part.pin(s)
-                part.touch(s, self.tick)
-                chunks.append(i)
-                slots.append(s)
-                st[i] = ChunkStatus.OK
+            cand = np.flatnonzero(need.any(axis=0))
+            get = part.keys.get
+            found = np.array([get(keys[i], -1) for i in cand.tolist()], dtype=np.int64)
+            want = (need[:, cand].astype(np.uint8)
+                    << np.arange(len(og.sections), dtype=np.uint8)[:, None]).sum(
+                        axis=0, dtype=np.uint8)
+            hit = found >= 0
+            if hit.any():  # (a partition may have no slots at all yet)
+                at = np.maximum(found, 0)
+                hit &= ((np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED)
+                        & ((np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want))
+            missed = cand[~hit]
+            st[missed] = ChunkStatus.MISS
+            need[:, missed] = False
+            chunks = array("i", cand[hit].tolist())
+            slots = array("i", found[hit].tolist())
+            for s in slots:
+                part.pin(s)  # pinned objects leave the eviction order: no touch needed
+            np.frombuffer(part.tick, dtype=np.int64)[found[hit]] = self.tick
+            st[cand[hit]] = ChunkStatus.OK
             statuses.append(st)
             if not chunks:
                 continue

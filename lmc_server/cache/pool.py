@@ -160,6 +160,13 @@ class Partition:
         assert slab >= 0, f"slot {slot} is in a released segment"
         return slab * self.pool.slab_bytes + idx * self.object_bytes
 
+    def offsets(self, slots: np.ndarray) -> np.ndarray:
+        """Byte offsets of many slots' objects (vectorized :meth:`offset`)."""
+        seg, idx = np.divmod(slots.astype(np.int64), self.slots_per_slab)
+        slab = np.asarray(self.segments, dtype=np.int64)[seg]
+        assert (slab >= 0).all(), "a slot is in a released segment"
+        return slab * self.pool.slab_bytes + idx * self.object_bytes
+
     # -- slot life cycle --------------------------------------------------------------
 
     def pop_free(self) -> int | None:
