@@ -23,7 +23,7 @@ from lmc_server.integration.exporters import ExportedBuffer
 from lmc_server.integration.kvlayout import GroupDesc, KVLayout, LayerDesc, derive_registration
 from lmc_server.integration.planning import ChunkGeometry, EngineGroup
 from lmc_server.testing.connector_flow import ConnectorFlow
-from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking, describe_byte
+from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess
 
 FIXTURES = Path(__file__).with_name("fixtures")
@@ -92,29 +92,7 @@ def test_store_then_load_byte_exact(srv: ServerProcess, name: str) -> None:
     fx = fixture(name)
     with ShmBacking(fx.backing_size_bytes) as mem, \
             ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
-        mem.fill_random(SEED)
-        tokens = prompt(1)
-        a, b = flow.tables(len(tokens)), flow.tables(len(tokens))
-        before = mem.snapshot()
-        step, rep = flow.prefill("A", tokens, a)
-        assert [s.n_chunks for s in step.stores] == [2]
-        assert rep.finished_sending == {"A"} and flow.tracker.failed_store_chunks == 0
-        scratch = {g.name for g in fx.scratch_groups}
-        assert not scratch & set(step.stores[0].block_ids)
-        assert mem.first_difference(mem.snapshot(), before) is None
-
-        n, load, rep = flow.load_hit("B", tokens, b)
-        assert n == 2 * flow.chunk_size and load is not None
-        assert rep.finished_recving == {"B"}
-        assert not rep.failed_recving and not rep.invalid_block_ids
-        assert not scratch & set(load.block_ids)
-        copies = flow.copies(load, a)
-        cached = {(g.name, layer.name) for g in fx.groups if g.cached for layer in g.layers}
-        assert {(c.group, c.layer) for c in copies} == cached
-        expected = mem.apply(before, copies)
-        assert mem.first_difference(expected, before) is not None
-        bad = mem.first_difference(mem.snapshot(), expected)
-        assert bad is None, f"byte {bad} differs: {describe_byte(fx.groups, bad)}"
+        flow.check_store_then_load(SEED, prompt(1))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -124,19 +102,7 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, name: str) -> N
     fx = fixture(name)
     with ShmBacking(fx.backing_size_bytes) as mem, \
             ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
-        mem.fill_random(SEED + 1)
-        tokens = prompt(2)
-        tables = flow.tables(len(tokens))
-        before = mem.snapshot()
-        spec = flow.unstored_load("C", tokens, tables)
-        rep = flow.load(spec)
-        assert rep.finished_recving == {"C"}
-        sent = {int(b) for ids in spec.block_ids.values() for b in ids if b >= 0}
-        if len(flow.plan.engine_groups) == 1:
-            assert rep.invalid_block_ids == sent and not rep.failed_recving
-        else:
-            assert rep.failed_recving == {"C"}
-        assert mem.first_difference(mem.snapshot(), before) is None
+        flow.check_failed_load(SEED + 1, prompt(2))
 
 
 # -- the derivation's refusals ------------------------------------------------------------

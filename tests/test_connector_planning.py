@@ -3,11 +3,9 @@ store state machine, and the worker's exactly-once reports, against a real serve
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
 
 from lmc_server.client import Client
@@ -21,6 +19,7 @@ from lmc_server.integration.planning import (
 )
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.testing.connector_flow import block_hashes
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
 from lmc_server.testing.process import ServerProcess
@@ -30,12 +29,7 @@ CHUNK = 256
 
 def hashes(tokens: list[int], per: int = 16) -> list[bytes]:
     """Chained block hashes like an engine's (one per ``per`` tokens)."""
-    out, prev = [], b""
-    for i in range(len(tokens) // per):
-        prev = hashlib.sha256(prev + np.asarray(tokens[i * per:(i + 1) * per],
-                                                dtype="<i4").tobytes()).digest()
-        out.append(prev)
-    return out
+    return block_hashes(tokens, per)
 
 
 def dsv_groups() -> list[EngineGroup]:

@@ -36,7 +36,13 @@ from lmc_server.integration.planning import (
     StepPlan,
 )
 from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
-from lmc_server.testing.kvfixture import Backing, KVFixture, PageCopy, expected_copies
+from lmc_server.testing.kvfixture import (
+    Backing,
+    KVFixture,
+    PageCopy,
+    describe_byte,
+    expected_copies,
+)
 
 
 def block_hashes(tokens: list[int], per: int) -> list[bytes]:
@@ -177,6 +183,56 @@ class ConnectorFlow:
         src = self.geometry.block_ids(src_tables, 0, spec.n_chunks)
         return expected_copies(self.plan.groups, self.chunk_size, spec.n_chunks, src,
                                spec.block_ids)
+
+    # -- scenarios shared by the CPU and GPU tests ------------------------------------
+
+    def check_store_then_load(self, seed: int, tokens: list[int]) -> None:
+        """Prefill request ``A`` (a miss, two whole chunks stored), then load the hit into
+        request ``B``'s other blocks. Checks: the stores leave the engine's memory alone;
+        the load writes exactly the stored pages of every cached group and layer and no
+        other byte (scratch groups, which overlay the same allocation, keep theirs); no
+        block ids are ever sent for a scratch group. Raises ``AssertionError``."""
+        fx, mem = self.fx, self.backing
+        mem.fill_random(seed)
+        a, b = self.tables(len(tokens)), self.tables(len(tokens))
+        before = mem.snapshot()
+        step, rep = self.prefill("A", tokens, a)
+        assert [s.n_chunks for s in step.stores] == [2]
+        assert rep.finished_sending == {"A"} and self.tracker.failed_store_chunks == 0
+        scratch = {g.name for g in fx.scratch_groups}
+        assert not scratch & set(step.stores[0].block_ids)
+        assert mem.first_difference(mem.snapshot(), before) is None
+
+        n, load, rep = self.load_hit("B", tokens, b)
+        assert n == 2 * self.chunk_size and load is not None
+        assert rep.finished_recving == {"B"}
+        assert not rep.failed_recving and not rep.invalid_block_ids
+        assert not scratch & set(load.block_ids)
+        copies = self.copies(load, a)
+        cached = {(g.name, layer.name) for g in fx.groups if g.cached for layer in g.layers}
+        assert {(c.group, c.layer) for c in copies} == cached
+        expected = mem.apply(before, copies)
+        assert mem.first_difference(expected, before) is not None
+        bad = mem.first_difference(mem.snapshot(), expected)
+        assert bad is None, f"byte {bad} differs: {describe_byte(fx.groups, bad)}"
+
+    def check_failed_load(self, seed: int, tokens: list[int]) -> None:
+        """A load of chunks never stored finishes as failed, never as success: block
+        ids with one engine group, the request with several (as vLLM 0.33 requires);
+        no byte changes. Raises ``AssertionError``."""
+        mem = self.backing
+        mem.fill_random(seed)
+        tables = self.tables(len(tokens))
+        before = mem.snapshot()
+        spec = self.unstored_load("C", tokens, tables)
+        rep = self.load(spec)
+        assert rep.finished_recving == {"C"}
+        sent = {int(b) for ids in spec.block_ids.values() for b in ids if b >= 0}
+        if len(self.plan.engine_groups) == 1:
+            assert rep.invalid_block_ids == sent and not rep.failed_recving
+        else:
+            assert rep.failed_recving == {"C"}
+        assert mem.first_difference(mem.snapshot(), before) is None
 
     def close(self) -> None:
         self.work.close()

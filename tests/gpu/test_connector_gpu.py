@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from lmc_server.client import ServerError
-from lmc_server.testing.kvfixture import KVFixture, describe_byte
+from lmc_server.testing.kvfixture import KVFixture
 from lmc_server.testing.process import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -80,29 +80,7 @@ def test_store_then_load_byte_exact_on_gpu(cuda_server: ServerProcess, kind: str
                           exporter=CudaExporter()) as flow:
         assert flow.plan.groups == fx.groups
         assert len(flow.plan.buffers) == 1 and isinstance(flow.plan.buffers[0], CudaIpcBuffer)
-        mem.fill_random(SEED)
-        tokens = prompt(1)
-        a, b = flow.tables(len(tokens)), flow.tables(len(tokens))
-        before = mem.snapshot()
-        step, rep = flow.prefill("A", tokens, a)
-        assert [s.n_chunks for s in step.stores] == [2]
-        assert rep.finished_sending == {"A"} and flow.tracker.failed_store_chunks == 0
-        scratch = {g.name for g in fx.scratch_groups}
-        assert not scratch & set(step.stores[0].block_ids)
-        assert mem.first_difference(mem.snapshot(), before) is None
-
-        n, load, rep = flow.load_hit("B", tokens, b)
-        assert n == 512 and load is not None
-        assert rep.finished_recving == {"B"}
-        assert not rep.failed_recving and not rep.invalid_block_ids
-        assert not scratch & set(load.block_ids)
-        copies = flow.copies(load, a)
-        cached = {(g.name, layer.name) for g in fx.groups if g.cached for layer in g.layers}
-        assert {(c.group, c.layer) for c in copies} == cached
-        expected = mem.apply(before, copies)
-        assert mem.first_difference(expected, before) is not None
-        bad = mem.first_difference(mem.snapshot(), expected)
-        assert bad is None, f"byte {bad} differs: {describe_byte(fx.groups, bad)}"
+        flow.check_store_then_load(SEED, prompt(1))
 
 
 @pytest.mark.parametrize("kind", ["dsv41", "llama"])
@@ -119,19 +97,7 @@ def test_failed_load_is_reported_not_success_on_gpu(cuda_server: ServerProcess,
     with CudaBacking(fx.backing_size_bytes) as mem, \
             ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0),
                           exporter=CudaExporter()) as flow:
-        mem.fill_random(SEED + 1)
-        tokens = prompt(2)
-        tables = flow.tables(len(tokens))
-        before = mem.snapshot()
-        spec = flow.unstored_load("C", tokens, tables)
-        rep = flow.load(spec)
-        assert rep.finished_recving == {"C"}
-        sent = {int(x) for ids in spec.block_ids.values() for x in ids if x >= 0}
-        if len(flow.plan.engine_groups) == 1:
-            assert rep.invalid_block_ids == sent and not rep.failed_recving
-        else:
-            assert rep.failed_recving == {"C"}
-        assert mem.first_difference(mem.snapshot(), before) is None
+        flow.check_failed_load(SEED + 1, prompt(2))
 
 
 def test_other_arch_records_refused(cuda_server: ServerProcess) -> None:
