@@ -288,6 +288,9 @@ def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
         assert client.store(reg, digests, ids).ok.all()
         assert (client.store(reg, digests, ids).statuses["full"] == ChunkStatus.EXISTS).all()
         assert client.retrieve(reg, digests, ids).ok.all()
+        bad = {k: np.full_like(v, NUM_BLOCKS) for k, v in ids.items()}
+        with pytest.raises(ServerError, match="out of range"):
+            client.store(reg, digests, bad)  # refused: not counted in any phase
         after = phases()
         client.unregister(reg)
 

@@ -456,11 +456,13 @@ class Server:
 
     async def _run_async(self, session: Session, op: str, msg: Any,
                          clock: PhaseClock) -> None:
+        ok = False
         try:
             reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg,
                                                                             clock)
             payload = encode(reply)
             self.stats.count_request(op, "ok")
+            ok = True
         except ProtocolError as e:
             self.stats.count_request(op, e.code.value)
             log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
@@ -477,8 +479,9 @@ class Server:
         if task is not None and task in self._answered:  # answered at the drain timeout
             return
         self._send(session.identity, payload)
-        clock.mark("finish")
-        self.stats.observe_phases(op, clock)
+        if ok:  # refusals are cheap and would skew the phase means
+            clock.mark("finish")
+            self.stats.observe_phases(op, clock)
         self._after_io()
 
     # -- reporting ----------------------------------------------------------------------

@@ -36,7 +36,8 @@ class TransferStats:
 #: ``prepare``: checks, index bookkeeping and planning up to the copy's submission;
 #: ``hop_in``: waiting for a copy thread; ``copy``: the engine call (launch and wait);
 #: ``hop_out``: back to the event loop; ``finish``: commit, encode and send the reply.
-#: Requests that copy nothing have no ``prepare``/``hop_in``/``copy``/``hop_out``.
+#: Requests that copy nothing have no ``prepare``/``hop_in``/``copy``/``hop_out``;
+#: refused requests are not counted.
 PHASES = ("queue", "prepare", "hop_in", "copy", "hop_out", "finish")
 
 
