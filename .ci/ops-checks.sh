@@ -114,6 +114,8 @@ for fam in text_string_to_metric_families(scrape):
     known.update(s.name for s in fam.samples)
     if fam.type == "counter":  # a counter with no labelled sample yet still has a name
         known.add(fam.name + "_total")
+    if fam.type == "summary":  # likewise a summary's series before its first sample
+        known.update((fam.name + "_sum", fam.name + "_count"))
 json.load(open(sys.argv[2]))  # the dashboard is valid JSON
 used = set()
 for path in sys.argv[2:]:
