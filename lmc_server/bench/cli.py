@@ -58,7 +58,7 @@ def bench() -> None:
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
                    "[default: on for cuda].")
-@click.option("--inflight", default="1", callback=_ints,
+@click.option("--inflight", default="1,2", callback=_ints,
               help="Also time sustained throughput with N requests of the same kind "
                    "kept in flight (a new one as soon as one completes, as a pipelining "
                    "engine does), for each N > 1 of a comma-separated list; 1: single "
