@@ -122,13 +122,12 @@ class _Raw:
 class _Session:
     """One registration on one server, with the helpers every timed step needs."""
 
-    def __init__(self, client: AsyncClient, reg: Registration, kv: Any, regions: Regions,
-                 cuda: bool) -> None:
+    def __init__(self, client: AsyncClient, reg: Registration, kv: Any,
+                 regions: Regions) -> None:
         self.client = client
         self.reg = reg
         self.kv = kv
         self.regions = regions
-        self.cuda = cuda
 
     async def store(self, n: int, region: int) -> tuple[bytes, ChunkResult]:
         """The pages were written and synchronized at setup, so (as a worker that
@@ -289,8 +288,10 @@ async def _measure_inflight(s: _Session, n: int, k: int, cfg: ThroughputConfig,
     regions = s.regions
     st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
     for mode, nbytes, direction in (("store", st_bytes, "d2h"), ("retrieve", rt_bytes, "h2d")):
-        source, res0 = await s.store(n, A1)  # the most recent: never evicted by the run
-        assert res0.ok.all(), "the source batch of the retrieves was not stored"
+        source = b""
+        if mode == "retrieve":
+            source, res0 = await s.store(n, A1)  # the most recent: never evicted by the run
+            assert res0.ok.all(), "the source batch of the retrieves was not stored"
         before = await s.phases()
         latencies, results, wall = await _sustained(s, n, k, cfg, mode, source)
         issued = len(latencies)
@@ -318,7 +319,7 @@ async def _run_server(endpoint: str, kv: Any, cfg: ThroughputConfig, copy_mode: 
                 break
             await asyncio.sleep(0.05)
         reg = await client.register(**kv.register_kwargs())
-        s = _Session(client, reg, kv, regions, cfg.backend == "cuda")
+        s = _Session(client, reg, kv, regions)
         rows = []
         for n in cfg.batches:
             rows += await _measure_batch(s, n, cfg, copy_mode, raw)

@@ -153,15 +153,8 @@ class Partition:
             self.state[slot] = FREE
             self._free.append(slot)
 
-    def offset(self, slot: int) -> int:
-        """Byte offset of ``slot``'s object in the pool."""
-        seg, idx = divmod(slot, self.slots_per_slab)
-        slab = self.segments[seg]
-        assert slab >= 0, f"slot {slot} is in a released segment"
-        return slab * self.pool.slab_bytes + idx * self.object_bytes
-
     def offsets(self, slots: np.ndarray) -> np.ndarray:
-        """Byte offsets of many slots' objects (vectorized :meth:`offset`)."""
+        """Byte offsets in the pool of the objects in ``slots``."""
         seg, idx = np.divmod(slots.astype(np.int64), self.slots_per_slab)
         slab = np.asarray(self.segments, dtype=np.int64)[seg]
         assert (slab >= 0).all(), "a slot is in a released segment"

@@ -396,7 +396,7 @@ class Server:
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             return
-        clock = PhaseClock(time.perf_counter())
+        t_recv = time.perf_counter()
         identity = frames[0].bytes
         payload = [f.bytes for f in frames[1:]]
         session = self.sessions.get_or_create(identity, self.clock())
@@ -430,7 +430,8 @@ class Server:
                         f"connection; at most {self.config.max_inflight_per_client}",
                         msg.req_id)
                 session.inflight += 1
-                task = self.loop.create_task(self._run_async(session, op, msg, clock))
+                task = self.loop.create_task(
+                    self._run_async(session, op, msg, PhaseClock(t_recv)))
                 self._tasks.add(task)
                 self._task_requests[task] = (identity, op, msg.req_id)
                 task.add_done_callback(self._task_done)

@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
+from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client
 from lmc_server.client.aio import AsyncClient
@@ -51,6 +52,14 @@ def geometry(args: dict) -> object:
     return dsv41_flash(arch=args.get("arch") or device_arch(0),
                        num_blocks=args.get("num_blocks", 64), layers=args.get("layers", 8),
                        stride_pad=args.get("stride_pad", 0))
+
+
+def stored_blocks(g: GroupSpec, bpc: int) -> list[int]:
+    """Which of a chunk's ``bpc`` blocks its object holds: all of them, or for a
+    sliding window only the last ones the window reaches."""
+    keep = bpc if g.kind != "sliding_window" else min(bpc, -(-g.window_tokens
+                                                            // g.tokens_per_block))
+    return list(range(bpc - keep, bpc))
 
 
 def slow_rewrite(kv: CudaKV, seed: int) -> None:
@@ -77,9 +86,7 @@ def roundtrip(args: dict) -> None:
             if not g.cached:
                 continue
             bpc = reg.blocks_per_chunk(g)
-            keep = bpc if g.kind != "sliding_window" else -(-g.window_tokens //
-                                                           g.tokens_per_block)
-            stored[g.name] = list(range(bpc - min(bpc, keep), bpc))
+            stored[g.name] = stored_blocks(g, bpc)
 
         def expected() -> dict[str, list[bytes]]:
             out = {}
@@ -254,11 +261,7 @@ def verify_kill(args: dict) -> None:
             others = np.setdiff1d(np.arange(g.num_blocks), ids_a[g.name])
             ids_b[g.name] = others[:ids_a[g.name].size].astype(np.int32)
             assert ids_b[g.name].size == ids_a[g.name].size, "need more blocks"
-            # A sliding-window object holds only the blocks the window reaches.
-            bpc = ids_a[g.name].size // n
-            keep = (bpc if g.kind != "sliding_window"
-                    else min(bpc, -(-g.window_tokens // g.tokens_per_block)))
-            cols[g.name] = list(range(bpc - keep, bpc))
+            cols[g.name] = stored_blocks(g, ids_a[g.name].size // n)
         want = {name: [kv.pages(name, ids_a[name].reshape(n, -1)[ci, cols[name]].tolist())
                        for ci in range(n)] for name in ids_a}
         # Stores went out in order, two at a time; the oldest were evicted by the newest
