@@ -194,17 +194,6 @@ def _gather(ranks: Sequence[_Rank], cmd: dict[str, Any], timeout_s: float
     return [r.recv(timeout_s) for r in ranks]
 
 
-def _wait_pool_ready(admin: Client, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while True:
-        l1 = admin.stats()["l1"]
-        if l1["ready_bytes"] == l1["capacity_bytes"]:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")
-        time.sleep(0.05)
-
-
 def _maps_hold(pid: int, names: Sequence[str]) -> bool | None:
     """Whether process ``pid`` still maps any of the shm segments ``names``."""
     try:
@@ -448,7 +437,7 @@ def run(cfg: RanksConfig) -> Report:
             "--eviction-policy", "LRU", "--log-level", "WARNING"]
     with ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb,
                        start_timeout_s=120) as srv, Client(srv.endpoint, timeout_s=60) as admin:
-        report.summary["pool_ready_s"] = _wait_pool_ready(admin, POOL_READY_TIMEOUT_S)
+        report.summary["pool_ready_s"] = srv.wait_pool_ready(POOL_READY_TIMEOUT_S)
         r = _Run(cfg, report, srv, admin)
         try:
             r.start_ranks(num_blocks)

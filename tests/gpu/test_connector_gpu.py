@@ -59,6 +59,7 @@ def prompt(salt: int) -> list[int]:
 @pytest.fixture(scope="module")
 def cuda_server() -> Iterator[ServerProcess]:
     with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=1, start_timeout_s=60) as srv:
+        srv.wait_pool_ready()  # stores right after start must not meet unpinned slabs
         yield srv
 
 

@@ -36,6 +36,7 @@ def run_worker(args: dict, env: dict[str, str] | None = None, timeout_s: float =
 @pytest.fixture(scope="module")
 def cuda_server() -> Iterator[ServerProcess]:
     with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
+        srv.wait_pool_ready()  # stores right after start must not meet unpinned slabs
         yield srv
 
 
