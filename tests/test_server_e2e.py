@@ -297,7 +297,7 @@ def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
     def count(key: str) -> int:
         return int(after.get(key, {}).get("count", 0) - before.get(key, {}).get("count", 0))
 
-    copying = ("queue", "prepare", "hop_in", "copy", "hop_out", "finish")
-    assert [count(f"store:{p}") for p in copying] == [2, 1, 1, 1, 1, 2]  # 2nd: all EXISTS
+    copying = ("queue", "prepare", "submit", "copy", "hop_out", "finish")
+    assert [count(f"store:{p}") for p in copying] == [2, 2, 1, 1, 1, 2]  # 2nd: all EXISTS
     assert [count(f"retrieve:{p}") for p in copying] == [1] * 6
     assert all(after[k]["seconds"] >= before.get(k, {}).get("seconds", 0.0) for k in after)

@@ -4,7 +4,8 @@ Benchmarks run the server as a separate process (:class:`ServerProcess`), as use
 The one exception: the configuration check refuses an L1 size larger than this
 machine's memory even for ``--backend null``, which allocates nothing; a trace replay
 at hundreds of GiB then runs the very same :class:`Server` on a thread of the benchmark
-process, behind the same zmq socket, and says so in its notes.
+process, behind the same zmq socket, and says so in its notes. Tests use it too, to
+run a server with an engine of their own (a fake that fails on purpose).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 from lmc_server.config import Config, ConfigError
 from lmc_server.testing.process import ServerProcess, free_port, wait_for_ping
+from lmc_server.transfer.base import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,9 @@ class RunningServer(Protocol):
 class ThreadServer:
     """A :class:`Server` on a background thread with its own event loop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, engine: TransferEngine | None = None) -> None:
         self.config = config
+        self.engine = engine
         self.endpoint = config.endpoint
         self._thread: threading.Thread | None = None
         self._server: object | None = None
@@ -40,7 +43,7 @@ class ThreadServer:
     def start(self, timeout_s: float = 30.0) -> ThreadServer:
         from lmc_server.server.server import Server
 
-        server = Server(self.config)
+        server = Server(self.config, engine=self.engine)
         self._server = server
         started = threading.Event()
 

@@ -19,7 +19,7 @@ the window. The raw copy of the same bytes (:mod:`lmc_server.bench.rawcopy`) is 
 the same run; ``ratio`` is ours / raw.
 
 Each row also says where the time went inside the server: the mean per request of the
-server's phases (``stats`` ``phases``: queue, prepare, hop_in, copy, hop_out, finish,
+server's phases (``stats`` ``phases``: queue, prepare, submit, copy, hop_out, finish,
 docs/protocol.md) over the timed requests. ``srv ms`` is their sum and ``copy ms`` the
 engine call; the rest of ``p50 ms`` is the client, the sockets and the wake-ups between
 them.

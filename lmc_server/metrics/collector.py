@@ -172,7 +172,8 @@ class ServerCollector(Collector):
         phases = SummaryMetricFamily(
             PREFIX + "request_phase_seconds",
             "Where a store's or retrieve's time goes inside the server, by phase: queue, "
-            "prepare, hop_in (waiting for a copy thread), copy, hop_out, finish.",
+            "prepare (index work), submit (engine planning and launch), copy, hop_out "
+            "(engine completion to the event loop), finish.",
             labels=["operation", "phase"])
         for (op, phase), (count, seconds) in sorted(dict(self.stats.phases).items()):
             phases.add_metric([op, phase], count_value=int(count), sum_value=seconds)

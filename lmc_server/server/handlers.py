@@ -16,24 +16,27 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from lmc_server import PROTOCOL_VERSION, __version__
 from lmc_server.cache.geometry import ArchError, GeometryError, check_groups
-from lmc_server.cache.index import L1Index
-from lmc_server.cache.layout import build_layout
+from lmc_server.cache.index import L1Index, StoreTicket
+from lmc_server.cache.layout import RunCopy, build_layout, split_copies
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
+
+#: Most sub-batches one request is cut into (each takes one copy lane of its GPU).
+MAX_PARTS = 4
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+\-]{1,256}$")
 _ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
@@ -50,7 +53,7 @@ class Handlers:
     """Owns the request semantics; the :class:`Server` owns sockets and lifecycle."""
 
     def __init__(self, config: Config, index: L1Index, engine: TransferEngine,
-                 sessions: SessionTable, stats: ServerStats, copy_executor: ThreadPoolExecutor,
+                 sessions: SessionTable, stats: ServerStats,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.index = index
@@ -58,7 +61,6 @@ class Handlers:
         self.sessions = sessions
         self.stats = stats
         self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
-        self.copy_executor = copy_executor
         self.clock = clock
         #: Called after a store's copy returns and before it commits: the server handles
         #: queued socket events here, so a writer that died during the copy is seen
@@ -217,73 +219,107 @@ class Handlers:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
         return reg, ids, keys
 
-    async def _copy(self, clock: PhaseClock, fn: Callable[..., None], *args: Any) -> str:
-        """Run one engine copy on a worker thread; returns "" or the failure.
+    def _parts(self, nbytes: int, n: int) -> list[tuple[int, int]]:
+        """Chunk ranges of a request's sub-batches (see the module docstring)."""
+        step = self.engine.pipeline_bytes
+        parts = 1 if step <= 0 else min(MAX_PARTS, n, -(-nbytes // step))
+        if parts <= 1:
+            return [(0, n)]
+        bounds = [n * i // parts for i in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
-        Marks ``hop_in`` (waiting for the thread) and ``copy`` on that thread, and
-        ``hop_out`` (back on the event loop) here: the loop is suspended in this await
-        while the thread marks, so the marks never race.
-        """
-        def run() -> None:
-            clock.mark("hop_in")
-            try:
-                fn(*args)
-            finally:
-                clock.mark("copy")
-
-        clock.mark("prepare")
+    def _submit(self, reg: Registration, copies: list[RunCopy], to_pool: bool,
+                completion: Completion) -> None:
+        """Hand one sub-batch to the engine; a refusal is reported as that part's error."""
+        done = completion.part()
+        assert reg.mapping is not None
         try:
-            await asyncio.get_running_loop().run_in_executor(self.copy_executor, run)
+            self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
-            return str(e)
-        finally:
-            clock.mark("hop_out")
-        return ""
+            done(str(e) or "copy failed")
+
+    async def _wait(self, completion: Completion, clock: PhaseClock) -> list[str]:
+        errors = await completion.wait()
+        clock.mark_at("copy", completion.done_at)
+        clock.mark("hop_out")
+        return errors
 
     async def store(self, session: Session, msg: m.Store, clock: PhaseClock) -> m.StoreResult:
+        """Reserve, copy, commit; a large store is reserved and submitted in sub-batches,
+        so the first sub-batch copies while the next is being reserved and planned."""
         clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
-        ticket = self.index.reserve_store(reg.view, keys, ids)
-        if ticket.copies:
-            assert reg.mapping is not None
-            reg.begin_op()
-            t0 = time.perf_counter()
-            try:
-                err = await self._copy(clock, self.engine.store, reg.mapping, ticket.copies)
-                if not err:
-                    self.before_commit()
-                if not err and not reg.closing:
-                    self.stats.observe_transfer("store", ticket.nbytes,
-                                                time.perf_counter() - t0)
+        n = len(keys)
+        parts = self._parts(n * reg.view.layout.chunk_bytes, n)
+        completion = Completion(asyncio.get_running_loop())
+        tickets: list[StoreTicket] = []
+        submitted: list[bool] = []
+        reg.begin_op()
+        try:
+            for lo, hi in parts:
+                sub = ids if len(parts) == 1 else {g: a[lo:hi] for g, a in ids.items()}
+                ticket = self.index.reserve_store(reg.view, keys[lo:hi], sub)
+                tickets.append(ticket)
+                submitted.append(bool(ticket.copies))
+                clock.mark("prepare")
+                if ticket.copies:
+                    self._submit(reg, ticket.copies, True, completion)
+                    clock.mark("submit")
+            if any(submitted):
+                errors = iter(await self._wait(completion, clock))
+                self.before_commit()
+                nbytes = 0
+                for ticket, copied in zip(tickets, submitted, strict=True):
+                    err = next(errors) if copied else ""
+                    if err or reg.closing:
+                        self.index.abort_store(ticket)
+                        if copied:
+                            log.warning("store by %s failed: %s",
+                                        reg.registration_id.hex()[:8],
+                                        err or "registration closed during the copy")
+                    else:
+                        self.index.commit_store(ticket)
+                        nbytes += ticket.nbytes
+                if nbytes:
+                    self.stats.observe_transfer("store", nbytes,
+                                                completion.done_at - completion.started_at)
+            else:
+                for ticket in tickets:
                     self.index.commit_store(ticket)
-                else:
-                    self.index.abort_store(ticket)
-                    log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
-                                err or "registration closed during the copy")
-            finally:
-                reg.end_op()
-        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
+        finally:
+            reg.end_op()
+        statuses = [t.statuses for t in tickets]
+        return m.StoreResult(req_id=msg.req_id, statuses=[
+            (s[0] if len(s) == 1 else np.concatenate(s)).tobytes() for s in zip(*statuses,
+                                                                              strict=True)])
 
     async def retrieve(self, session: Session, msg: m.Retrieve,
                        clock: PhaseClock) -> m.RetrieveResult:
+        """Pin the whole prefix (the window rule looks at its end), then copy it in
+        sub-batches of chunks; any failed sub-batch fails every chunk of the request."""
         clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.pin_retrieve(reg.view, keys, ids)
+        clock.mark("prepare")
         if not ticket.copies:
             self.index.unpin_retrieve(ticket, True)
         else:
-            assert reg.mapping is not None
+            completion = Completion(asyncio.get_running_loop())
             reg.begin_op()
-            t0 = time.perf_counter()
             try:
-                err = await self._copy(clock, self.engine.retrieve, reg.mapping, ticket.copies)
+                for copies in split_copies(ticket.copies,
+                                           self._parts(ticket.nbytes, len(keys))):
+                    self._submit(reg, copies, False, completion)
+                clock.mark("submit")
+                errors = await self._wait(completion, clock)
+                err = next((e for e in errors if e), "")
                 if err:
                     log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8],
                                 err)
                 self.index.unpin_retrieve(ticket, not err)
                 if not err:
                     self.stats.observe_transfer("retrieve", ticket.nbytes,
-                                                time.perf_counter() - t0)
+                                                completion.done_at - completion.started_at)
             finally:
                 reg.end_op()
         return m.RetrieveResult(req_id=msg.req_id,

@@ -31,7 +31,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -168,9 +167,8 @@ class Server:
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
         self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)
-        self.copy_executor = ThreadPoolExecutor(16, thread_name_prefix="lmc-transfer")
         self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
-                                 self.copy_executor, self.clock)
+                                 self.clock)
         self.handlers.before_commit = self._drain
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
@@ -588,9 +586,6 @@ class Server:
                 sock.disable_monitor()
                 self.monitor.close(linger=0)
             sock.close(linger=0)
-        executor = getattr(self, "copy_executor", None)
-        if executor is not None:
-            await self.loop.run_in_executor(None, executor.shutdown, True)
         for session in self.sessions.sessions():
             self.sessions.drop(session)
         pool = getattr(self, "host_pool", None)

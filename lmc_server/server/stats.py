@@ -33,31 +33,37 @@ class TransferStats:
 
 #: Phases of a store or retrieve, in order; each ends at a :meth:`PhaseClock.mark`.
 #: ``queue``: from the request's arrival (before decoding) until its handler runs;
-#: ``prepare``: checks, index bookkeeping and planning up to the copy's submission;
-#: ``hop_in``: waiting for a copy thread; ``copy``: the engine call (launch and wait);
-#: ``hop_out``: back to the event loop; ``finish``: commit, encode and send the reply.
-#: Requests that copy nothing have no ``prepare``/``hop_in``/``copy``/``hop_out``;
-#: refused requests are not counted.
-PHASES = ("queue", "prepare", "hop_in", "copy", "hop_out", "finish")
+#: ``prepare``: checks and index bookkeeping; ``submit``: the engine's planning and
+#: launch (both on the event loop; a large request alternates the two, one sub-batch
+#: at a time, and each phase is the sum of its spans); ``copy``: from the last
+#: submission until the engine reported the last byte landed; ``hop_out``: from that
+#: report until the event loop resumed the request; ``finish``: commit, encode and send
+#: the reply. Requests that copy nothing have only ``queue``, ``prepare`` and
+#: ``finish``; refused requests are not counted.
+PHASES = ("queue", "prepare", "submit", "copy", "hop_out", "finish")
 
 
 class PhaseClock:
     """Where one data request's time goes inside the server.
 
-    ``mark(phase)`` ends ``phase`` at the current time. Marks are made by the event
-    loop, or by the copy thread while the loop awaits that copy, never by both at once.
+    ``mark(phase)`` adds the time since the previous mark to ``phase``; ``mark_at``
+    does the same up to a time taken elsewhere (the engine thread's completion).
+    Only the event loop marks.
     """
 
     __slots__ = ("last", "spans")
 
     def __init__(self, start_s: float) -> None:
         self.last = start_s
-        self.spans: list[tuple[str, float]] = []
+        self.spans: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.spans.append((phase, now - self.last))
-        self.last = now
+        self.mark_at(phase, time.perf_counter())
+
+    def mark_at(self, phase: str, t: float) -> None:
+        t = max(t, self.last)
+        self.spans[phase] = self.spans.get(phase, 0.0) + (t - self.last)
+        self.last = t
 
 
 @dataclass
@@ -79,7 +85,7 @@ class ServerStats:
         self.transfers[direction].observe(nbytes, seconds)
 
     def observe_phases(self, op: str, clock: PhaseClock) -> None:
-        for phase, seconds in clock.spans:
+        for phase, seconds in clock.spans.items():
             acc = self.phases.get((op, phase))
             if acc is None:
                 self.phases[(op, phase)] = [1, seconds]

@@ -59,6 +59,26 @@ def wait_for_ping(endpoint: str, timeout_s: float, proc: subprocess.Popen[bytes]
         ctx.term()
 
 
+def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
+    """Seconds until every slab of the pool is prepared (pinned, on cuda).
+
+    The server answers as soon as one slab is ready and prepares the rest in the
+    background; a test that must not see ``NO_SPACE`` from a pool still being prepared
+    waits here first.
+    """
+    from lmc_server.client import Client
+
+    t0 = time.monotonic()
+    with Client(endpoint, timeout_s=timeout_s, client_name="pool-wait") as c:
+        while True:
+            l1 = c.stats()["l1"]
+            if l1["ready_bytes"] == l1["capacity_bytes"]:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")
+            time.sleep(0.05)
+
+
 class ServerProcess:
     """A server subprocess; ``log()`` returns what it wrote to stderr so far."""
 
@@ -88,23 +108,8 @@ class ServerProcess:
         return self
 
     def wait_pool_ready(self, timeout_s: float = 120.0) -> float:
-        """Seconds until every slab of the pool is prepared (pinned, on cuda).
-
-        The server answers as soon as one slab is ready and prepares the rest in the
-        background; a test that must not see ``NO_SPACE`` from a pool still being
-        prepared waits here first.
-        """
-        from lmc_server.client import Client
-
-        t0 = time.monotonic()
-        with Client(self.endpoint, timeout_s=timeout_s, client_name="pool-wait") as c:
-            while True:
-                l1 = c.stats()["l1"]
-                if l1["ready_bytes"] == l1["capacity_bytes"]:
-                    return time.monotonic() - t0
-                if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")
-                time.sleep(0.05)
+        """Seconds until every slab of the pool is prepared (see :func:`wait_pool_ready`)."""
+        return wait_pool_ready(self.endpoint, timeout_s)
 
     def log(self) -> str:
         if self._log is None:

@@ -1,13 +1,22 @@
 """The transfer-engine contract shared by the CPU and CUDA engines.
 
-Threading: ``store``/``retrieve`` block until the copy is complete and are called from
-worker threads, several at once; ``open``/``close`` of mappings come from the event
-loop thread. An engine never touches the index: the caller commits objects only after
-``store`` returned, so a failed or interrupted copy never becomes visible.
+The server drives copies with :meth:`TransferEngine.submit`: it is called on the event
+loop thread, starts the copy (plans and launches it, or hands it to the engine's own
+threads) and returns at once; the engine later calls ``done(error)`` exactly once, from
+whatever thread saw the copy finish, with ``""`` when every byte has landed. So a
+request costs the event loop its planning and launch and one wake-up at completion,
+with no thread-pool hop in between (the earlier contract ran a blocking call on a
+server thread: two hops, each waiting for the GIL behind the loop). ``store`` and
+``retrieve`` stay as blocking conveniences for tests and benchmarks.
+
+``open``/``close`` of mappings come from the event loop thread. An engine never
+touches the index: the caller commits objects only after ``done("")``, so a failed or
+interrupted copy never becomes visible.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,10 +71,18 @@ class Mapping(ABC):
         """Unmap everything. Idempotent."""
 
 
+#: ``done(error)``: ``""`` when the copy completed, else why it failed (safe to send to
+#: the client). Called exactly once per :meth:`TransferEngine.submit`.
+DoneCallback = Callable[[str], None]
+
+
 class TransferEngine(ABC):
     """Copies pages between mapped buffers and the pool."""
 
     name: str
+    #: Requests larger than this are submitted in sub-batches of about this many bytes
+    #: (at most four), so the first one copies while the next is prepared; 0: whole.
+    pipeline_bytes: int = 0
 
     @abstractmethod
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool: ...
@@ -75,19 +92,39 @@ class TransferEngine(ABC):
         """Map a registration's buffers; raise :class:`TransferError` if impossible."""
 
     @abstractmethod
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        """Copy pages into the pool; returns once every byte has landed.
+    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        """Start copying pages into the pool (``to_pool``) or out of it; never blocks.
 
-        The worker sends a store only after its writes to the pages are complete
-        (protocol: ``Store``), so the copy starts at once.
-        """
-
-    @abstractmethod
-    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        """Copy pages from the pool; returns once every byte is visible to the worker.
-
+        Called on the event loop thread. Raises :class:`TransferError` only when
+        nothing was started (then ``done`` is never called); otherwise ``done`` is
+        called exactly once, from any thread, after every byte has landed (a store's
+        objects may be committed; a retrieve's pages are visible to the worker) or
+        with the reason the copy failed. A worker sends a store only after its writes
+        to the pages are complete (protocol: ``Store``), so the copy starts at once.
         Blocks whose id is ``-1`` are left untouched.
         """
+
+    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+        """Blocking store (tests, benchmarks): returns once every byte has landed."""
+        self._blocking(mapping, copies, True)
+
+    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+        """Blocking retrieve (tests, benchmarks): returns once the pages are written."""
+        self._blocking(mapping, copies, False)
+
+    def _blocking(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool) -> None:
+        finished = threading.Event()
+        errors: list[str] = []
+
+        def done(err: str) -> None:
+            errors.append(err)
+            finished.set()
+
+        self.submit(mapping, copies, to_pool, done)
+        finished.wait()
+        if errors[0]:
+            raise TransferError(errors[0])
 
     @abstractmethod
     def close(self) -> None: ...

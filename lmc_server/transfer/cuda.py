@@ -37,7 +37,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -45,7 +47,13 @@ import numpy as np
 from lmc_server.cache.geometry import BufferSpec
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer import cuda_kernels
-from lmc_server.transfer.base import HostPool, Mapping, TransferEngine, TransferError
+from lmc_server.transfer.base import (
+    DoneCallback,
+    HostPool,
+    Mapping,
+    TransferEngine,
+    TransferError,
+)
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
@@ -102,6 +110,9 @@ class _Lane:
         self.dev: cupy.cuda.memory.Memory | None = None
         self.host: cupy.cuda.PinnedMemoryPointer | None = None
         self.host_view = np.zeros(0, dtype=np.int64)
+        #: The launched job this lane's waiter thread waits for (``None`` stops it).
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.waiter: threading.Thread | None = None
 
     def halves(self, need_bytes: int) -> tuple[int, int]:
         if need_bytes > self.half_bytes:
@@ -147,36 +158,64 @@ class _Lane:
                 log.warning("lane stream on device %d failed: %s", self.device, e)
 
 
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One submitted copy; the timestamps feed :attr:`CudaEngine.last_profile`."""
+
+    mapping: CudaMapping
+    copies: list[RunCopy]
+    to_pool: bool
+    done: DoneCallback
+    t_enter: float
+    nbytes: int = 0
+    t_planned: float = 0.0
+    t_launched: float = 0.0
+    pieces: int = 0
+    dmas: int = 0
+
+
 class _Lanes:
-    """Up to ``LANES_PER_DEVICE`` lanes per GPU, created on demand."""
+    """Up to ``limit`` lanes of one GPU, created on demand, each with a waiter thread.
+
+    A submission takes a free lane or, when every lane is busy, waits in ``pending``
+    (FIFO) until a waiter gives its lane back and launches it: the event loop never
+    blocks on a lane. ``take_or_queue`` and ``give`` decide under one lock, so a job is
+    never queued while a lane sits free.
+    """
 
     def __init__(self, device: int, limit: int) -> None:
         self.device = device
         self.limit = limit
-        self._free: queue.LifoQueue[_Lane] = queue.LifoQueue()
+        self._free: list[_Lane] = []
+        self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
         self.all: list[_Lane] = []
 
-    def take(self) -> _Lane:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
+    def take_or_queue(self, job: _Job) -> _Lane | None:
         with self._lock:
-            if len(self.all) < self.limit:
-                lane = _Lane(self.device)
-                self.all.append(lane)
-                return lane
-        return self._free.get()
+            if self._free:
+                return self._free.pop()
+            if len(self.all) >= self.limit:
+                self._pending.append(job)
+                return None
+            lane = _Lane(self.device)
+            self.all.append(lane)
+            return lane
 
-    def give(self, lane: _Lane) -> None:
-        self._free.put(lane)
+    def give(self, lane: _Lane) -> _Job | None:
+        """Return ``lane``, or keep it for the oldest queued job (returned)."""
+        with self._lock:
+            if self._pending:
+                return self._pending.popleft()
+            self._free.append(lane)
+            return None
 
 
 class CudaEngine(TransferEngine):
     """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
 
     name = "cuda"
+    pipeline_bytes = 64 * MIB
 
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
                  mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
@@ -245,35 +284,55 @@ class CudaEngine(TransferEngine):
 
     # -- copies -------------------------------------------------------------------------
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        self._copy(mapping, copies, to_pool=True)
+    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        """Plan and launch on the calling thread, then hand the lane to its waiter.
 
-    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        self._copy(mapping, copies, to_pool=False)
-
-    def _copy(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool) -> None:
+        Planning and launching are Python work under the GIL wherever they run, so
+        doing them here costs the event loop no more than a worker thread would, and
+        saves the hop to that thread. The lane's waiter thread waits for the GPU
+        (``WAIT_MODES``), calls ``done`` and gives the lane to the next queued job.
+        """
         t_enter = time.perf_counter()
         if not isinstance(mapping, CudaMapping) or mapping.closed:
             raise TransferError("registration has no open CUDA mapping")
-        copies = [c for c in copies if c.block_ids.size]
-        if not copies:
+        live = [c for c in copies if c.block_ids.size]
+        if not live:
+            done("")
             return
-        device = mapping.device_index
-        lanes = self._lanes_of(device)
-        lane = lanes.take()
+        job = _Job(mapping, live, to_pool, done, t_enter)
+        lanes = self._lanes_of(mapping.device_index)
+        lane = lanes.take_or_queue(job)
+        if lane is None:
+            return  # launched by the waiter that frees a lane
+        try:
+            launched = self._launch(lane, job)
+        except TransferError:
+            self._release(lanes, lane)
+            raise
+        if not launched:
+            self._release(lanes, lane)
+
+    def _launch(self, lane: _Lane, job: _Job) -> bool:
+        """Plan ``job`` and enqueue its GPU work on ``lane``; ``False``: nothing to copy
+        (``done`` was called). Raises :class:`TransferError` with the lane drained."""
+        device, to_pool = lane.device, job.to_pool
+        if job.mapping.closed:
+            raise TransferError("registration closed before its copy started")
         launched = False
         try:
             with cupy.cuda.Device(device):
-                region = self._region(mapping)
+                region = self._region(job.mapping)
                 if self.copy_mode == "staging":
-                    halves = lane.halves(max(c.run.nbytes for c in copies))
-                    plan = plan_staging(copies, region, halves, lane.half_bytes,
+                    halves = lane.halves(max(c.run.nbytes for c in job.copies))
+                    plan = plan_staging(job.copies, region, halves, lane.half_bytes,
                                         self.first_piece_bytes)
                 else:
-                    plan = plan_mapped(copies, region)
+                    plan = plan_mapped(job.copies, region)
                 if not plan.pieces:
-                    return
-                t_planned = time.perf_counter()
+                    job.done("")
+                    return False
+                job.t_planned = time.perf_counter()
                 launched = True
                 if self.profile:
                     lane.timing[0].record(lane.sm)
@@ -294,25 +353,57 @@ class CudaEngine(TransferEngine):
                 if self.profile:
                     lane.timing[1].record(last)
                 lane.done.record(last)
-                t_launched = time.perf_counter()
-                self._wait(lane, plan.nbytes, t_planned)
-                launched = False
-                if self.profile:
-                    t_done = time.perf_counter()
-                    self.last_profile = {
-                        "wall_ms": 1e3 * (t_done - t_enter),
-                        "plan_ms": 1e3 * (t_planned - t_enter),
-                        "launch_ms": 1e3 * (t_launched - t_planned),
-                        "gpu_ms": float(cupy.cuda.get_elapsed_time(*lane.timing)),
-                        "pieces": float(len(plan.pieces)),
-                        "dmas": float(sum(len(p.segments) for p in plan.pieces)),
-                    }
         except _CUDA_ERRORS as e:
-            raise TransferError(f"CUDA copy failed: {e}") from None
-        finally:
             if launched:
                 lane.drain()
-            lanes.give(lane)
+            raise TransferError(f"CUDA copy failed: {e}") from None
+        except TransferError:
+            if launched:
+                lane.drain()
+            raise
+        job.nbytes = plan.nbytes
+        job.pieces = len(plan.pieces)
+        job.dmas = sum(len(p.segments) for p in plan.pieces)
+        job.t_launched = time.perf_counter()
+        if lane.waiter is None:
+            lane.waiter = threading.Thread(target=self._waiter, args=(lane,),
+                                           name=f"lmc-cuda{device}-wait", daemon=True)
+            lane.waiter.start()
+        lane.jobs.put(job)
+        return True
+
+    def _waiter(self, lane: _Lane) -> None:
+        """Wait for each launched job of ``lane``, report it, pass the lane on."""
+        lanes = self._lanes_of(lane.device)
+        while (job := lane.jobs.get()) is not None:
+            err = ""
+            try:
+                self._wait(lane, job.nbytes, job.t_planned)
+            except _CUDA_ERRORS as e:
+                lane.drain()
+                err = f"CUDA copy failed: {e}"
+            if self.profile and not err:
+                t_done = time.perf_counter()
+                self.last_profile = {
+                    "wall_ms": 1e3 * (t_done - job.t_enter),
+                    "plan_ms": 1e3 * (job.t_planned - job.t_enter),
+                    "launch_ms": 1e3 * (job.t_launched - job.t_planned),
+                    "gpu_ms": float(cupy.cuda.get_elapsed_time(*lane.timing)),
+                    "pieces": float(job.pieces),
+                    "dmas": float(job.dmas),
+                }
+            job.done(err)
+            self._release(lanes, lane)
+
+    def _release(self, lanes: _Lanes, lane: _Lane) -> None:
+        """Give ``lane`` back, or launch the oldest queued job on it (a queued job
+        whose launch fails is answered here, and the lane goes to the next one)."""
+        while (job := lanes.give(lane)) is not None:
+            try:
+                if self._launch(lane, job):
+                    return
+            except TransferError as e:
+                job.done(str(e))
 
     def _wait(self, lane: _Lane, nbytes: int, t_start: float) -> None:
         """Block until ``lane.done`` has completed (see ``WAIT_MODES``)."""
@@ -371,6 +462,9 @@ class CudaEngine(TransferEngine):
     def close(self) -> None:
         for lanes in list(self._lanes.values()):
             for lane in lanes.all:
+                lane.jobs.put(None)
+                if lane.waiter is not None:
+                    lane.waiter.join()
                 lane.sm.synchronize()
                 lane.dma.synchronize()
         self._lanes.clear()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from lmc_server.cache.geometry import BufferSpec
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.base import DeviceInfo, HostPool, Mapping, TransferEngine
+from lmc_server.transfer.base import DeviceInfo, DoneCallback, HostPool, Mapping, TransferEngine
 
 
 class NullHostPool(HostPool):
@@ -48,11 +48,9 @@ class NullEngine(TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         return NullMapping()
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        pass
-
-    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
-        pass
+    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        done("")
 
     def close(self) -> None:
         pass

@@ -243,27 +243,25 @@ def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
     import cupy
 
     from lmc_server.transfer import cuda_kernels
+    from lmc_server.transfer.cuda import _Lane
     from lmc_server.transfer.cuda_plan import plan_staging
 
-    lanes = engine._lanes_of(mapping.device_index)
-    lane = lanes.take()
-    try:
-        with cupy.cuda.Device(mapping.device_index):
-            halves = lane.halves(max(c.run.nbytes for c in copies))
-            plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
-            units, ids = lane.upload(plan, lane.sm)
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(lane.sm)
-            for p in plan.pieces:
-                cuda_kernels.launch(lane.device, "gather_units", units, ids, plan.n_units,
-                                    p.first, p.count, plan.max_layers, plan.max_blocks,
-                                    engine._blocks(lane.device, plan.box_pages(p.count)), 256,
-                                    lane.sm)
-            end.record(lane.sm)
-            end.synchronize()
-            return float(cupy.cuda.get_elapsed_time(start, end))
-    finally:
-        lanes.give(lane)
+    engine._lanes_of(mapping.device_index)  # the device's SM count
+    lane = _Lane(mapping.device_index)  # a lane of its own, outside the engine's pool
+    with cupy.cuda.Device(mapping.device_index):
+        halves = lane.halves(max(c.run.nbytes for c in copies))
+        plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
+        units, ids = lane.upload(plan, lane.sm)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(lane.sm)
+        for p in plan.pieces:
+            cuda_kernels.launch(lane.device, "gather_units", units, ids, plan.n_units,
+                                p.first, p.count, plan.max_layers, plan.max_blocks,
+                                engine._blocks(lane.device, plan.box_pages(p.count)), 256,
+                                lane.sm)
+        end.record(lane.sm)
+        end.synchronize()
+        return float(cupy.cuda.get_elapsed_time(start, end))
 
 
 def _pool_dma_gbps(pool: object, nbytes: int) -> tuple[float, float]:

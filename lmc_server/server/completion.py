@@ -1,0 +1,98 @@
+"""Engine completions back onto the event loop: one wake-up per request.
+
+A data request submits one or more copies (sub-batches, see
+:mod:`lmc_server.server.handlers`) to the transfer engine; each reports its end by
+calling ``done(error)`` from whatever thread saw it finish. :class:`Completion`
+counts those calls and wakes the request's coroutine once, when the last arrives
+(``call_soon_threadsafe``, or directly when the last report comes from the loop's own
+thread, as with engines that copy inline). It remembers each part's error and when the
+last part ended (the end of the ``copy`` phase).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+
+class Completion:
+    """Waits for ``parts`` engine reports; ``await completion.wait()`` returns errors.
+
+    Parts are added with :meth:`part` before they are submitted; a part that could not
+    be submitted at all is reported through its callback by the caller, so every part
+    reports exactly once.
+    """
+
+    __slots__ = ("_loop", "_loop_thread", "_lock", "_left", "_sealed", "errors", "started_at",
+                 "done_at", "_future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._left = 0
+        self._sealed = False
+        #: The error of each part, ``""`` for success, in submission order.
+        self.errors: list[str] = []
+        #: ``perf_counter`` times at which the first part was added and the last reported.
+        self.started_at = 0.0
+        self.done_at = 0.0
+        self._future: asyncio.Future[None] = loop.create_future()
+
+    def part(self) -> DoneFn:
+        """A callback for one more part; call it exactly once."""
+        index = len(self.errors)
+        if not index:
+            self.started_at = time.perf_counter()
+        self.errors.append("")
+        with self._lock:
+            self._left += 1
+        return DoneFn(self, index)
+
+    def _report(self, index: int, error: str) -> None:
+        self.errors[index] = error
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0 and self._sealed
+            if last:
+                self.done_at = time.perf_counter()
+        if last:
+            self._wake()
+
+    def _wake(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            if not self._future.done():
+                self._future.set_result(None)
+        else:
+            self._loop.call_soon_threadsafe(_resolve, self._future)
+
+    async def wait(self) -> list[str]:
+        """Every part has been added: wait until each has reported; their errors."""
+        with self._lock:
+            self._sealed = True
+            last = self._left == 0
+            if last:
+                self.done_at = time.perf_counter()
+        if last:
+            return self.errors
+        await self._future
+        return self.errors
+
+
+class DoneFn:
+    """The ``done`` callback of one part (a small object rather than a closure)."""
+
+    __slots__ = ("_completion", "_index")
+
+    def __init__(self, completion: Completion, index: int) -> None:
+        self._completion = completion
+        self._index = index
+
+    def __call__(self, error: str) -> None:
+        self._completion._report(self._index, error)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

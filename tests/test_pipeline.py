@@ -1,0 +1,178 @@
+"""Large requests in sub-batches: every byte lands, a failed sub-batch fails exactly
+its chunks (stores) or the whole retrieve, and nothing half-written becomes visible.
+
+The server runs in process (:class:`ThreadServer`) with a CPU engine that cuts every
+request into sub-batches, and a fake that fails chosen submissions, so the real server
+path (zmq, index, engine threads, completions) is exercised with real bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from lmc_server.bench.servers import ThreadServer
+from lmc_server.cache.layout import LayerRun, RunCopy, split_copies
+from lmc_server.cache.status import ChunkStatus
+from lmc_server.client import Client, chunk_digests
+from lmc_server.config import Config
+from lmc_server.server.handlers import MAX_PARTS
+from lmc_server.testing import ShmKV, dsv41_flash
+from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.process import free_port, wait_pool_ready
+from lmc_server.transfer.base import DoneCallback, Mapping
+from lmc_server.transfer.cpu import CpuEngine
+
+NUM_BLOCKS = 512
+N = 8
+
+
+class SplittingEngine(CpuEngine):
+    """The CPU engine, but every request of more than one chunk is cut in sub-batches;
+    submissions whose 0-based number is in ``fail`` report an error instead of copying
+    (the number counts every submission of the server's life)."""
+
+    pipeline_bytes = 1
+
+    def __init__(self, fail: Sequence[int] = ()) -> None:
+        super().__init__(copy_threads=2)
+        self.fail = set(fail)
+        self.submissions = 0
+        self.parts: list[int] = []
+
+    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        k = self.submissions
+        self.submissions += 1
+        self.parts.append(max(int(c.block_ids.shape[0]) for c in copies))
+        if k in self.fail:
+            done(f"injected failure of submission {k}")
+            return
+        super().submit(mapping, copies, to_pool, done)
+
+
+def _server(engine: CpuEngine) -> Iterator[ThreadServer]:
+    ts = ThreadServer(Config(port=free_port(), l1_size_gb=1, metrics_port=0,
+                             separate_object_groups=True), engine=engine).start()
+    try:
+        wait_pool_ready(ts.endpoint, 60)
+        yield ts
+    finally:
+        ts.stop()
+    assert ts.exit_code == 0
+
+
+@pytest.fixture
+def kv() -> Iterator[tuple[ShmKV, ShmKV]]:
+    with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as src, \
+            ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst:
+        src.fill_random(7)
+        dst.fill(0)
+        yield src, dst
+
+
+def _same(reg: object, src: ShmKV, a: dict[str, np.ndarray], dst: ShmKV,
+          b: dict[str, np.ndarray], n: int) -> None:
+    for g in reg.groups:  # type: ignore[attr-defined]
+        if not g.cached:
+            continue
+        bpc = reg.blocks_per_chunk(g)  # type: ignore[attr-defined]
+        x, y = a[g.name].reshape(n, bpc), b[g.name].reshape(n, bpc)
+        if g.kind == "sliding_window":  # only the last chunk's window is retrieved
+            keep = -(-g.window_tokens // g.tokens_per_block)
+            x, y = x[-1:, bpc - keep:], y[-1:, bpc - keep:]
+        assert src.pages(g.name, x.ravel().tolist()) == dst.pages(g.name, y.ravel().tolist())
+
+
+def test_split_copies_cover_every_row_once_in_order() -> None:
+    rng = np.random.default_rng(0)
+    run = LayerRun(buffer=0, base_offset=0, n_layers=2, layer_stride=4096, block_stride=64,
+                   page_bytes=64, n_blocks=2, object_offset=0)
+    copies = [RunCopy(run, rng.integers(0, 50, (m, 2)), rng.integers(0, 1 << 30, m))
+              for m in (8, 3, 1, 0)]
+    for parts in ([(0, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 3), (3, 8)]):
+        out = split_copies(copies, parts)
+        assert all(out), "no empty sub-batch"
+        for c in copies:  # each copy's rows, part after part, are its rows in order
+            mine = [p for part in out for p in part
+                    if np.shares_memory(p.object_offsets, c.object_offsets)]
+            ids = np.concatenate([p.block_ids for p in mine] or [np.zeros((0, 2), int)])
+            offs = np.concatenate([p.object_offsets for p in mine] or [np.zeros(0, int)])
+            assert np.array_equal(ids, c.block_ids) and np.array_equal(offs, c.object_offsets)
+
+
+def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
+        kv: tuple[ShmKV, ShmKV]) -> None:
+    src, dst = kv
+    engine = SplittingEngine()
+    for ts in _server(engine):
+        with Client(ts.endpoint) as c:
+            reg = c.register(**src.register_kwargs())
+            digests = chunk_digests(np.arange(N * 256), 256)
+            a = block_ids_for(reg, N, np.random.default_rng(1))
+            assert c.store(reg, digests, a).ok.all()
+            assert max(engine.parts) < N and engine.submissions >= MAX_PARTS, engine.parts
+            reg_b = c.register(**dst.register_kwargs())
+            b = block_ids_for(reg_b, N, np.random.default_rng(2))
+            assert c.lookup(reg_b, digests, lease=False).hit_chunks == N
+            before = engine.submissions
+            res = c.retrieve(reg_b, digests, b)
+            assert res.ok.all() and engine.submissions - before > 1
+            _same(reg, src, a, dst, b, N)
+
+
+def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmKV]) -> None:
+    src, dst = kv
+    # the first store is cut in MAX_PARTS sub-batches; the second one fails
+    engine = SplittingEngine(fail=[1])
+    for ts in _server(engine):
+        with Client(ts.endpoint) as c:
+            reg = c.register(**src.register_kwargs())
+            digests = chunk_digests(np.arange(N * 256), 256)
+            a = block_ids_for(reg, N, np.random.default_rng(1))
+            res = c.store(reg, digests, a)
+            lo, hi = N // MAX_PARTS, 2 * N // MAX_PARTS  # the failed part's chunks
+            for name, st in res.statuses.items():
+                want = [ChunkStatus.FAILED if lo <= i < hi else ChunkStatus.OK
+                        for i in range(N)]
+                assert st.tolist() == want, name
+            stats = c.stats()
+            assert all(p["writing"] == 0 for p in stats["partitions"])
+            assert stats["l1"]["objects"] == 2 * (N - (hi - lo))
+            # the prefix stops where the failed chunks begin; what is there is exact
+            assert c.lookup(reg, digests, lease=False).hit_chunks == lo
+            reg_b = c.register(**dst.register_kwargs())
+            b = block_ids_for(reg_b, lo, np.random.default_rng(2))
+            assert c.retrieve(reg_b, digests[:32 * lo], b).ok.all()
+            _same(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
+            # storing again fills the hole, and everything is served
+            assert c.store(reg, digests, a).statuses["full"][lo:hi].tolist() == \
+                [ChunkStatus.OK] * (hi - lo)
+            assert c.lookup(reg, digests, lease=False).hit_chunks == N
+
+
+def test_a_failed_retrieve_sub_batch_fails_the_whole_retrieve(
+        kv: tuple[ShmKV, ShmKV]) -> None:
+    src, dst = kv
+    engine = SplittingEngine()
+    for ts in _server(engine):
+        with Client(ts.endpoint) as c:
+            reg = c.register(**src.register_kwargs())
+            digests = chunk_digests(np.arange(N * 256), 256)
+            a = block_ids_for(reg, N, np.random.default_rng(1))
+            assert c.store(reg, digests, a).ok.all()
+            reg_b = c.register(**dst.register_kwargs())
+            b = block_ids_for(reg_b, N, np.random.default_rng(2))
+            engine.fail = {engine.submissions + 1}
+            res = c.retrieve(reg_b, digests, b)
+            assert not res.ok.any()
+            assert {int(x) for st in res.statuses.values() for x in st} <= {
+                ChunkStatus.FAILED, ChunkStatus.SKIPPED}
+            st = c.stats()
+            assert all(p["pinned_objects"] == 0 for p in st["partitions"])
+            assert st["l1"]["objects"] == 2 * N  # a failed read loses nothing
+            res = c.retrieve(reg_b, digests, b)
+            assert res.ok.all()
+            _same(reg, src, a, dst, b, N)
