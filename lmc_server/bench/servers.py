@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from lmc_server.config import Config, ConfigError
 from lmc_server.testing.process import ServerProcess, free_port, wait_for_ping
@@ -31,19 +31,21 @@ class RunningServer(Protocol):
 class ThreadServer:
     """A :class:`Server` on a background thread with its own event loop."""
 
-    def __init__(self, config: Config, engine: TransferEngine | None = None) -> None:
+    def __init__(self, config: Config, engine: TransferEngine | None = None,
+                 **server_kwargs: Any) -> None:
         self.config = config
         self.engine = engine
+        self.server_kwargs = server_kwargs
         self.endpoint = config.endpoint
         self._thread: threading.Thread | None = None
-        self._server: object | None = None
+        self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.exit_code: int | None = None
 
     def start(self, timeout_s: float = 30.0) -> ThreadServer:
         from lmc_server.server.server import Server
 
-        server = Server(self.config, engine=self.engine)
+        server = Server(self.config, engine=self.engine, **self.server_kwargs)
         self._server = server
         started = threading.Event()
 
@@ -61,6 +63,11 @@ class ThreadServer:
         started.wait()
         wait_for_ping(self.endpoint, timeout_s)
         return self
+
+    @property
+    def server(self) -> Any:
+        """The :class:`Server` (tests read its counters; touch it only from its loop)."""
+        return self._server
 
     def stop(self) -> None:
         from lmc_server.server.server import Server

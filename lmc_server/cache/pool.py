@@ -107,6 +107,9 @@ class Partition:
         self.policy = policy
         self.slots_per_slab = pool.slab_bytes // object_bytes
         self.segments: list[int] = []
+        #: ``segments`` as an int64 array for :meth:`offsets`, rebuilt after a change
+        #: (slab moves are rare; offsets are computed on every request).
+        self._segments_arr: np.ndarray | None = None
         self.keys: dict[bytes, int] = {}
         self.slot_key: list[bytes | None] = []
         self.state = array("b")
@@ -137,9 +140,11 @@ class Partition:
         try:
             seg = self.segments.index(-1)
             self.segments[seg] = slab
+            self._segments_arr = None
         except ValueError:
             seg = len(self.segments)
             self.segments.append(slab)
+            self._segments_arr = None
             n = sps
             self.slot_key.extend([None] * n)
             self.state.extend([DEAD] * n)
@@ -156,7 +161,10 @@ class Partition:
     def offsets(self, slots: np.ndarray) -> np.ndarray:
         """Byte offsets in the pool of the objects in ``slots``."""
         seg, idx = np.divmod(slots.astype(np.int64), self.slots_per_slab)
-        slab = np.asarray(self.segments, dtype=np.int64)[seg]
+        arr = self._segments_arr
+        if arr is None:
+            arr = self._segments_arr = np.asarray(self.segments, dtype=np.int64)
+        slab = arr[seg]
         assert (slab >= 0).all(), "a slot is in a released segment"
         return slab * self.pool.slab_bytes + idx * self.object_bytes
 
@@ -275,6 +283,7 @@ class Partition:
             self.state[s] = DEAD
         slab = self.segments[seg]
         self.segments[seg] = -1
+        self._segments_arr = None
         self.pool.give_back(slab)
         return evicted, evicted * self.object_bytes
 

@@ -68,8 +68,9 @@ EXIT_OK = 0
 EXIT_STARTUP_FAILURE = 3
 #: Messages handled per readiness callback before yielding to other tasks.
 DRAIN_BUDGET = 256
-#: How often leases are checked for expiry.
-LEASE_SWEEP_INTERVAL_S = 0.25
+#: The housekeeping tick: leases are checked for expiry on every tick, the slower jobs
+#: below when they are due. One timer handle, rescheduled by the tick itself.
+HOUSEKEEPING_INTERVAL_S = 0.25
 #: How often idle sessions are looked for, and how long one holding nothing may idle.
 SESSION_SWEEP_INTERVAL_S = 5.0
 IDLE_SESSION_S = 60.0
@@ -98,7 +99,8 @@ class Server:
 
     def __init__(self, config: Config, engine: TransferEngine | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None,
+                 housekeeping_interval_s: float = HOUSEKEEPING_INTERVAL_S) -> None:
         self.config = config
         self._engine = engine
         self.clock = clock
@@ -122,7 +124,12 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self.peers = ConnectionTracker()
         self._auth: Any = None
-        self._timers: list[asyncio.TimerHandle] = []
+        self.housekeeping_interval_s = housekeeping_interval_s
+        self._housekeeping_handle: asyncio.TimerHandle | None = None
+        #: When the slower housekeeping jobs are next due (``clock`` time).
+        self._due: dict[str, float] = {}
+        #: Housekeeping ticks run so far (tests, diagnostics).
+        self.housekeeping_ticks = 0
         self._exit_event: asyncio.Event | None = None
         self._prev_signals: dict[int, Any] = {}
         self.on_started: list[Callable[[Server], None]] = []
@@ -196,9 +203,11 @@ class Server:
         if cfg.metrics_port:
             self._start_metrics()
         self.host_pool.start(self._slab_ready_threadsafe)
-        self._schedule(LEASE_SWEEP_INTERVAL_S, self._sweep_leases)
-        self._schedule(SESSION_SWEEP_INTERVAL_S, self._sweep_sessions)
-        self._schedule(EVICTION_LOG_INTERVAL_S, self._log_evictions)
+        now = self.clock()
+        self._due = {"sessions": now + SESSION_SWEEP_INTERVAL_S,
+                     "evictions": now + EVICTION_LOG_INTERVAL_S}
+        self._housekeeping_handle = self.loop.call_later(self.housekeeping_interval_s,
+                                                         self._housekeep)
         self._heartbeat()
         self.started = True
         log.info("listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
@@ -305,15 +314,26 @@ class Server:
                                  f"{pool.capacity_bytes / (1 << 30):.1f} GiB "
                                  f"({pool.ready_slabs / pool.n_slabs:.0%})")
 
-    def _schedule(self, delay_s: float, fn: Callable[[], None]) -> None:
-        def tick() -> None:
-            if self.should_exit:
-                return
-            fn()
-            self._timers.append(self.loop.call_later(delay_s, tick))
-        self._timers.append(self.loop.call_later(delay_s, tick))
-        if len(self._timers) > 64:
-            self._timers = [t for t in self._timers if not t.cancelled()][-8:]
+    def _housekeep(self) -> None:
+        """One tick: expire leases; forget idle sessions and log evictions when due.
+
+        The tick reschedules itself and keeps only that one handle, so a server idle for
+        months holds no growing list of timers (``tests/test_housekeeping.py``).
+        """
+        self._housekeeping_handle = None
+        if self.should_exit:
+            return
+        self.housekeeping_ticks += 1
+        now = self.clock()
+        self._sweep_leases()
+        if now >= self._due["sessions"]:
+            self._due["sessions"] = now + SESSION_SWEEP_INTERVAL_S
+            self._sweep_sessions()
+        if now >= self._due["evictions"]:
+            self._due["evictions"] = now + EVICTION_LOG_INTERVAL_S
+            self._log_evictions()
+        self._housekeeping_handle = self.loop.call_later(self.housekeeping_interval_s,
+                                                         self._housekeep)
 
     def _sweep_leases(self) -> None:
         n = self.index.expire_leases(self.clock())
@@ -571,8 +591,8 @@ class Server:
                     "retrieves still copying into engine memory", len(self._answered), waiting)
 
     async def _close_resources(self) -> None:
-        for t in self._timers:
-            t.cancel()
+        if self._housekeeping_handle is not None:
+            self._housekeeping_handle.cancel()
         if self._heartbeat_handle is not None:
             self._heartbeat_handle.cancel()
         if self.metrics_server is not None:
