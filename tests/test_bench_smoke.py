@@ -38,8 +38,8 @@ def test_throughput_cpu(tmp_path: Path) -> None:
              tmp_path)
     rows = r["rows"]
     assert {(x["mode"], x["chunks"]) for x in rows} == {
-        (m, n) for m in ("store", "retrieve", "store+retrieve", "store x2", "retrieve x2")
-        for n in (1, 3)}
+        (m, n) for m in ("store", "retrieve", "store+retrieve", "store x2", "retrieve x2",
+                         "store+retrieve x2") for n in (1, 3)}
     chunk = r["config"]["chunk_bytes"]
     for x in rows:
         assert x["mismatched_bytes"] == 0 and x["failed_chunks"] == 0

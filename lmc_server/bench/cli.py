@@ -194,18 +194,30 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
               help="Phase 2: compare every n-th successful retrieve byte for byte.")
 @click.option("--raw-s", type=click.FloatRange(min=0.01), default=1.0,
               help="Seconds of each raw-copy baseline direction.")
+@click.option("--tp-modes", default="load,mixed", show_default=True,
+              help="Steady-state TP phases, comma-separated: load (every rank retrieves the "
+              "same prefix at once), mixed (and rank 0 stores meanwhile); '' for none.")
+@click.option("--tp-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Seconds each TP phase runs.")
+@click.option("--tp-chunks", type=click.IntRange(1), default=None,
+              help="Chunks per TP request (the prefix length) [default: --batch].")
+@click.option("--tp-inflight", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Requests each rank keeps in flight in the TP phases.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
 def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bool,
           num_blocks: int | None, batch: int, l1_size_gb: float | None, verify_every: int,
-          raw_s: float, json_path: str | None, **geometry: Any) -> None:
+          raw_s: float, json_path: str | None, tp_modes: str, tp_s: float,
+          tp_chunks: int | None, tp_inflight: int, **geometry: Any) -> None:
     """Tensor-parallel ranks with replicated KV on one server: bytes, GB/s, a dead rank."""
     from lmc_server.bench import ranks as rk
 
     cfg = rk.RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
                          kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
                          num_blocks=num_blocks, batch=min(batch, chunks),
-                         l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s)
+                         l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s,
+                         tp_modes=tuple(m for m in tp_modes.split(",") if m), tp_s=tp_s,
+                         tp_chunks=tp_chunks, tp_inflight=tp_inflight)
     try:
         report = rk.run(cfg)
     except ValueError as e:

@@ -18,7 +18,16 @@ Raw baseline: every GPU at once (one process per GPU) runs pinned ``cudaMemcpy``
 direction (``testing.cuda_kv.raw_copy_gbps``); on cpu every rank process runs numpy
 copies at once. The aggregate is the sum.
 
-Phase 2: for ``duration_s`` every rank runs a store loop (fresh chunks, the same
+TP phases (``tp_modes``, each for ``tp_s``), the steady-state transfer throughput with
+no byte check inside the timed loop: ``load`` is the tensor-parallel load pattern, every
+rank retrieving the same prefix of ``tp_chunks`` phase-1 chunks into its own GPU at
+once (``tp_inflight`` requests in flight each, 1 = a rank waits for its load before the
+next, as before a prefill); ``mixed`` adds rank 0 storing fresh chunks meanwhile. Per
+rank and aggregate GB/s per direction against the raw aggregate; after each loop, one
+poisoned retrieve per rank is compared byte for byte.
+
+Phase 2 (a correctness soak; its GB/s include the byte checks it makes): for
+``duration_s`` every rank runs a store loop (fresh chunks, the same
 sequence on every rank: the first to store a chunk copies, the others get ``EXISTS`` or
 ``IN_PROGRESS``) and a retrieve loop (chunks it saw committed, into other blocks of
 region B; every ``verify_every``-th retrieve is poisoned first and compared byte for
@@ -88,6 +97,10 @@ class RanksConfig:
     verify_every: int = 8
     raw_s: float = 1.0
     seed: int = 0
+    tp_modes: tuple[str, ...] = ("load", "mixed")
+    tp_s: float = 5.0
+    tp_chunks: int | None = None
+    tp_inflight: int = 1
 
 
 def blocks_needed(geometry: KVGeometry, chunks: int) -> int:
@@ -306,6 +319,39 @@ class _Run:
             raw[f"{d}_gbps_per_process"] = per
         self.s["raw"] = raw
 
+    def tp(self, mode: str) -> None:
+        """One TP phase (module docstring): aggregate and per-rank GB/s, byte check."""
+        cfg = self.cfg
+        n = min(cfg.tp_chunks or cfg.batch, cfg.chunks)
+        got = _gather(self.ranks, {"cmd": "tp", "mode": mode, "duration_s": cfg.tp_s,
+                                   "chunks": n, "inflight": cfg.tp_inflight},
+                      cfg.tp_s + 600)
+        seconds = max(g["seconds"] for g in got)
+        raw = self.s["raw"]
+        res: dict[str, Any] = {"chunks": n, "inflight": cfg.tp_inflight, "seconds": seconds}
+        for d, key in (("retrieve", "h2d_gbps"), ("store", "d2h_gbps")):
+            nbytes = sum(g[d]["copied_bytes"] for g in got)
+            requests = sum(g[d]["requests"] for g in got)
+            res[f"{d}_gbps"] = nbytes / seconds / 1e9
+            res[f"{d}_ratio"] = res[f"{d}_gbps"] / raw[key] if raw[key] else None
+            res[f"{d}_requests"] = requests
+            res[f"{d}_ms_per_request"] = (1e3 * sum(g[d]["busy_s"] for g in got) / requests
+                                          if requests else None)
+            res[f"{d}_gbps_per_rank"] = [g[d]["copied_bytes"] / g["seconds"] / 1e9
+                                         for g in got]
+        res["errors"] = sum(g[d]["errors"] for g in got for d in ("retrieve", "store"))
+        res["failed_statuses"] = sum(g["retrieve"]["status"][s] for g in got
+                                     for s in ("miss", "failed"))
+        res["mismatched_bytes"] = sum(g["mismatched_bytes"] for g in got)
+        res["checked_bytes"] = sum(g["checked_bytes"] for g in got)
+        self.s[f"tp_{mode}"] = res
+        for row, g in zip(self.report.rows, got, strict=True):
+            row[f"tp_{mode}_retrieve_gbps"] = g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
+        self.checks[f"tp {mode}: no errors, every byte checked"] = (
+            res["errors"] == 0 and res["failed_statuses"] == 0 and res["mismatched_bytes"] == 0
+            and res["checked_bytes"] > 0 and all(g["verify_ok"] for g in got)
+            and res["retrieve_requests"] > 0)
+
     def phase2(self) -> None:
         cfg = self.cfg
         s0 = self.admin.stats()
@@ -356,8 +402,8 @@ class _Run:
               "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
               "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
               "evicted_bytes_phase2": evicted_b, "unknown_bytes_phase2": unknown_b,
-              "single_copy_bytes": (cfg.chunks * self.chunk_bytes + distinct_b
-                                    - evicted_total),
+              # what L1 held when phase 2 began (phase 1, TP stores) plus phase 2's
+              "single_copy_bytes": s0["l1"]["used_bytes"] + distinct_b - evicted_b,
               "writing_objects": sum(p["writing"] for p in s1["partitions"])}
         self.s["phase2"], self.s["l1"] = p2, l1
         by_rank = {r.rank: g for r, g in zip(survivors, got, strict=True)}
@@ -416,6 +462,8 @@ class _Run:
 def run(cfg: RanksConfig) -> Report:
     if cfg.ranks < 1 or cfg.chunks < 1 or cfg.batch < 1 or cfg.batch > cfg.chunks:
         raise ValueError("need ranks >= 1, chunks >= 1 and 1 <= batch <= chunks")
+    if not set(cfg.tp_modes) <= {"load", "mixed"} or cfg.tp_inflight < 1:
+        raise ValueError("tp modes are 'load' and 'mixed'; tp inflight >= 1")
     probe = cfg.geometry.build(1)
     need = blocks_needed(probe, cfg.chunks)
     num_blocks = cfg.num_blocks or need
@@ -432,6 +480,8 @@ def run(cfg: RanksConfig) -> Report:
         "duration_s": cfg.duration_s, "kill_one": cfg.kill_one, "batch": cfg.batch,
         "geometry": cfg.geometry.describe(), "num_blocks": num_blocks,
         "chunk_size": CHUNK_SIZE, "l1_size_gb": l1_gb, "verify_every": cfg.verify_every,
+        "tp_modes": list(cfg.tp_modes), "tp_s": cfg.tp_s,
+        "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks), "tp_inflight": cfg.tp_inflight,
         "separate_object_groups": True, "eviction_policy": "LRU"})
     args = ["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups",
             "--eviction-policy", "LRU", "--log-level", "WARNING"]
@@ -443,6 +493,8 @@ def run(cfg: RanksConfig) -> Report:
             r.start_ranks(num_blocks)
             r.phase1()
             r.raw()
+            for mode in cfg.tp_modes:
+                r.tp(mode)
             r.phase2()
         finally:
             r.close()
@@ -484,15 +536,29 @@ def table(report: Report) -> str:
         ("rank", "rank", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
         ("p1_checked_bytes", "p1 checked B", "d"),
         ("p1_mismatched_bytes", "p1 mismatch B", "d"),
+        ("tp_load_retrieve_gbps", "tp load GB/s", ".2f"),
         ("p2_store_gbps", "p2 store GB/s", ".2f"),
         ("p2_retrieve_gbps", "p2 retr GB/s", ".2f"),
         ("p2_errors", "p2 errors", "d"), ("p2_mismatched_bytes", "p2 mismatch B", "d")])
     s = report.summary
     p2, raw, l1 = s.get("phase2", {}), s.get("raw", {}), s.get("l1", {})
-    agg = [
-        {"what": "store GB/s (D2H), all ranks", "ours": p2.get("store_gbps"),
+    agg = []
+    for mode in ("load", "mixed"):
+        tp = s.get(f"tp_{mode}")
+        if tp is None:
+            continue
+        agg.append({"what": f"tp {mode}: retrieve GB/s (H2D), all ranks",
+                    "ours": tp["retrieve_gbps"], "ref": raw.get("h2d_gbps"),
+                    "ratio": tp["retrieve_ratio"]})
+        if tp["store_requests"]:
+            agg.append({"what": f"tp {mode}: store GB/s (D2H), rank 0",
+                        "ours": tp["store_gbps"], "ref": raw.get("d2h_gbps"),
+                        "ratio": tp["store_ratio"]})
+    agg += [
+        {"what": "p2 store GB/s (D2H), all ranks, with checks", "ours": p2.get("store_gbps"),
          "ref": raw.get("d2h_gbps"), "ratio": p2.get("store_ratio")},
-        {"what": "retrieve GB/s (H2D), all ranks", "ours": p2.get("retrieve_gbps"),
+        {"what": "p2 retrieve GB/s (H2D), all ranks, with checks",
+         "ours": p2.get("retrieve_gbps"),
          "ref": raw.get("h2d_gbps"), "ratio": p2.get("retrieve_ratio")},
         {"what": "L1 used bytes vs one copy", "ours": l1.get("used_bytes"),
          "ref": l1.get("single_copy_bytes"), "ratio": None},

@@ -353,6 +353,44 @@ class _Worker:
                 "committed_bits": {og: bits(v) for og, v in stored_ok.items()},
                 "pending_bits": {og: bits(v) for og, v in stored_pending.items()}}
 
+    async def tp(self, mode: str, duration_s: float, n: int, inflight: int) -> dict[str, Any]:
+        """Steady-state transfer, the tensor-parallel load pattern: every rank retrieves
+        the same prefix (phase-1 chunks ``0..n-1``) into its own region-B blocks, with
+        ``inflight`` requests in flight, until ``duration_s`` has passed; in mode
+        ``mixed`` rank 0 also stores fresh chunks with as many in flight. Nothing is
+        verified inside the timed loop; one poisoned retrieve after it is compared byte
+        for byte, so a loop that wrote nothing cannot pass."""
+        ob = self._object_bytes()
+        rt, st, vt = _Counts(ob), _Counts(ob), _Counts(ob)
+        src = np.arange(n)
+        dst = (src + 1 + self.rank) % self.chunks
+        next_chunk = 0
+        t0 = time.monotonic()
+        deadline = t0 + duration_s
+
+        async def retrieve_loop() -> None:
+            while time.monotonic() < deadline:
+                await self._retrieve("p1", src, dst, rt)
+
+        async def store_loop() -> None:
+            nonlocal next_chunk
+            while time.monotonic() < deadline:
+                idx = np.arange(next_chunk, next_chunk + n)
+                next_chunk += n
+                await self._store(f"tp-{mode}", idx, st)
+
+        loops = [retrieve_loop() for _ in range(inflight)]
+        if mode == "mixed" and self.rank == 0:
+            loops += [store_loop() for _ in range(inflight)]
+        await asyncio.gather(*loops)
+        seconds = time.monotonic() - t0
+        await asyncio.to_thread(self.poison, dst)
+        res = await self._retrieve("p1", src, dst, vt)
+        bad, checked = await asyncio.to_thread(self.mismatch, src, dst)
+        return {"seconds": seconds, "retrieve": rt.to_json(), "store": st.to_json(),
+                "verify_ok": bool(res is not None and res.ok.all()),
+                "mismatched_bytes": bad, "checked_bytes": checked}
+
     def raw_prepare(self, nbytes: int, raw_s: float) -> dict[str, Any]:
         self.raw_nbytes = nbytes
         if self.cuda:
@@ -413,6 +451,9 @@ async def _serve(first: dict[str, Any]) -> None:
                 _reply(worker.raw_prepare(cmd["nbytes"], cmd["raw_s"]))
             elif op == "raw_go":
                 _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
+            elif op == "tp":
+                _reply(await worker.tp(cmd["mode"], cmd["duration_s"], cmd["chunks"],
+                                       cmd["inflight"]))
             elif op == "p2":
                 _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
             elif op == "exit":

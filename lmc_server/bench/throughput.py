@@ -11,7 +11,9 @@ process and the asyncio client:
 - ``store+retrieve`` (on by default for cuda): one store and one retrieve in flight
   at once, the figure over the bytes of both.
 - ``store xN`` / ``retrieve xN`` (``--inflight N``): sustained throughput with N
-  requests kept in flight, GB/s over the wall time of the whole run.
+  requests kept in flight, GB/s over the wall time of the whole run; with
+  ``--concurrent``, ``store+retrieve xN``: N stores and N retrieves in flight at once,
+  against the raw copy in both directions at once.
 
 Bytes are what the server moves: a store copies whole objects, a retrieve copies the
 full-prefix sections of every chunk but sliding-window sections only for the chunks in
@@ -305,6 +307,23 @@ async def _measure_inflight(s: _Session, n: int, k: int, cfg: ThroughputConfig,
         rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes, latencies,
                          raw.gbps(direction, nbytes, 0, raw_times), bad, failed,
                          _phase_means(before, after), seconds_per_request=wall / issued))
+    if cfg.concurrent:  # k stores and k retrieves in flight at once, both directions
+        source, res0 = await s.store(n, A1)
+        assert res0.ok.all(), "the source batch of the retrieves was not stored"
+        before = await s.phases()
+        (lat_s, res_s, wall_s), (lat_r, res_r, wall_r) = await asyncio.gather(
+            _sustained(s, n, k, cfg, "store", b""), _sustained(s, n, k, cfg, "retrieve", source))
+        after = await s.phases()
+        nbytes = len(lat_s) * st_bytes + len(lat_r) * rt_bytes
+        raw_times = [t for t in (raw.sample("both", st_bytes, rt_bytes) for _ in range(3))
+                     if t is not None]
+        failed = sum(len(r.failed_chunks) for r in res_s + res_r)
+        bad = regions.mismatched_bytes(s.kv, A1, B, n) if all(r.ok.all() for r in res_r) else 0
+        row = _row(f"store+retrieve x{k}", copy_mode, n, nbytes, lat_s + lat_r,
+                   raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
+                   _phase_means(before, after), seconds_per_request=max(wall_s, wall_r))
+        row["bytes"] = st_bytes + rt_bytes  # one store and one retrieve, like the x1 row
+        rows.append(row)
     return rows
 
 
