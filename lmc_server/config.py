@@ -66,6 +66,7 @@ class Config:
     slab_size_mb: int = 64
     copy_threads: int = 0  # 0: engine default
     cuda_copy_mode: str = "staging"  # staging (SM gather + one DMA) | mapped (kernel on host)
+    pipeline_mb: int = -1  # stores above this are copied in sub-batches; -1: engine default
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout_s: float = 10.0
     metrics_port: int = 9090  # 0: no metrics endpoint

@@ -1,5 +1,6 @@
-"""Large requests in sub-batches: every byte lands, a failed sub-batch fails exactly
-its chunks (stores) or the whole retrieve, and nothing half-written becomes visible.
+"""Large stores in sub-batches: every byte lands, a failed sub-batch fails exactly its
+chunks, and nothing half-written becomes visible; a failed retrieve fails every chunk
+and loses nothing.
 
 The server runs in process (:class:`ThreadServer`) with a CPU engine that cuts every
 request into sub-batches, and a fake that fails chosen submissions, so the real server
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmc_server.bench.servers import ThreadServer
-from lmc_server.cache.layout import LayerRun, RunCopy, split_copies
+from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, chunk_digests
 from lmc_server.config import Config
@@ -53,9 +54,10 @@ class SplittingEngine(CpuEngine):
         super().submit(mapping, copies, to_pool, done)
 
 
-def _server(engine: CpuEngine) -> Iterator[ThreadServer]:
+def _server(engine: CpuEngine, pipeline_mb: int = -1) -> Iterator[ThreadServer]:
     ts = ThreadServer(Config(port=free_port(), l1_size_gb=1, metrics_port=0,
-                             separate_object_groups=True), engine=engine).start()
+                             separate_object_groups=True, pipeline_mb=pipeline_mb),
+                      engine=engine).start()
     try:
         wait_pool_ready(ts.endpoint, 60)
         yield ts
@@ -86,23 +88,6 @@ def _same(reg: object, src: ShmKV, a: dict[str, np.ndarray], dst: ShmKV,
         assert src.pages(g.name, x.ravel().tolist()) == dst.pages(g.name, y.ravel().tolist())
 
 
-def test_split_copies_cover_every_row_once_in_order() -> None:
-    rng = np.random.default_rng(0)
-    run = LayerRun(buffer=0, base_offset=0, n_layers=2, layer_stride=4096, block_stride=64,
-                   page_bytes=64, n_blocks=2, object_offset=0)
-    copies = [RunCopy(run, rng.integers(0, 50, (m, 2)), rng.integers(0, 1 << 30, m))
-              for m in (8, 3, 1, 0)]
-    for parts in ([(0, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 3), (3, 8)]):
-        out = split_copies(copies, parts)
-        assert all(out), "no empty sub-batch"
-        for c in copies:  # each copy's rows, part after part, are its rows in order
-            mine = [p for part in out for p in part
-                    if np.shares_memory(p.object_offsets, c.object_offsets)]
-            ids = np.concatenate([p.block_ids for p in mine] or [np.zeros((0, 2), int)])
-            offs = np.concatenate([p.object_offsets for p in mine] or [np.zeros(0, int)])
-            assert np.array_equal(ids, c.block_ids) and np.array_equal(offs, c.object_offsets)
-
-
 def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
@@ -119,7 +104,7 @@ def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
             assert c.lookup(reg_b, digests, lease=False).hit_chunks == N
             before = engine.submissions
             res = c.retrieve(reg_b, digests, b)
-            assert res.ok.all() and engine.submissions - before > 1
+            assert res.ok.all() and engine.submissions - before == 1  # retrieves: whole
             _same(reg, src, a, dst, b, N)
 
 
@@ -153,7 +138,7 @@ def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmK
             assert c.lookup(reg, digests, lease=False).hit_chunks == N
 
 
-def test_a_failed_retrieve_sub_batch_fails_the_whole_retrieve(
+def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = SplittingEngine()
@@ -165,7 +150,7 @@ def test_a_failed_retrieve_sub_batch_fails_the_whole_retrieve(
             assert c.store(reg, digests, a).ok.all()
             reg_b = c.register(**dst.register_kwargs())
             b = block_ids_for(reg_b, N, np.random.default_rng(2))
-            engine.fail = {engine.submissions + 1}
+            engine.fail = {engine.submissions}
             res = c.retrieve(reg_b, digests, b)
             assert not res.ok.any()
             assert {int(x) for st in res.statuses.values() for x in st} <= {
@@ -176,3 +161,14 @@ def test_a_failed_retrieve_sub_batch_fails_the_whole_retrieve(
             res = c.retrieve(reg_b, digests, b)
             assert res.ok.all()
             _same(reg, src, a, dst, b, N)
+
+
+def test_pipeline_mb_zero_stores_in_one_submission(kv: tuple[ShmKV, ShmKV]) -> None:
+    src, _ = kv
+    engine = SplittingEngine()
+    for ts in _server(engine, pipeline_mb=0):
+        with Client(ts.endpoint) as c:
+            reg = c.register(**src.register_kwargs())
+            digests = chunk_digests(np.arange(N * 256), 256)
+            assert c.store(reg, digests, block_ids_for(reg, N)).ok.all()
+            assert engine.parts == [N]

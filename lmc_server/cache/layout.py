@@ -250,24 +250,3 @@ def plan_copies(section: SectionLayout, ids: np.ndarray,
                     object_offsets=object_offsets + np.int64(r.object_offset))
             for r in section.runs]
 
-
-def split_copies(copies: list[RunCopy], parts: list[tuple[int, int]]) -> list[list[RunCopy]]:
-    """``copies`` cut into sub-batches: part ``(lo, hi)`` of ``n`` takes, of every copy of
-    ``m`` chunks, the rows ``[lo * m // n, hi * m // n)`` (views, no copy), where ``n``
-    is the last part's ``hi``. Every row lands in exactly one part; parts that get no
-    rows are left out.
-    """
-    if len(parts) <= 1:
-        return [copies]
-    n = parts[-1][1]
-    out: list[list[RunCopy]] = []
-    for lo, hi in parts:
-        part = []
-        for c in copies:
-            m = int(c.block_ids.shape[0])
-            a, b = lo * m // n, hi * m // n
-            if b > a:
-                part.append(RunCopy(c.run, c.block_ids[a:b], c.object_offsets[a:b]))
-        if part:
-            out.append(part)
-    return out

@@ -99,6 +99,11 @@ def cli() -> None:
               help="cuda engine: 'staging' gathers pages on the GPU into a staging buffer "
                    "and moves it with one DMA; 'mapped' has a kernel read/write pinned host "
                    "memory directly.")
+@click.option("--pipeline-mb", type=click.IntRange(-1, 1 << 20), default=-1,
+              envvar="LMCACHE_PIPELINE_MB",
+              help="Stores larger than this many MiB are reserved and copied in up to four "
+                   "sub-batches, the first copying while the next is prepared (0: never; "
+                   "-1: the engine's default, 64 on cuda, never on cpu).")
 @click.option("--max-frame-bytes", type=click.IntRange(65536, 1 << 30),
               default=Config.max_frame_bytes, envvar="LMCACHE_MAX_FRAME_BYTES",
               help="Largest request frame answered; larger ones get too_large.")

@@ -23,7 +23,7 @@ import numpy as np
 from lmc_server import PROTOCOL_VERSION, __version__
 from lmc_server.cache.geometry import ArchError, GeometryError, check_groups
 from lmc_server.cache.index import L1Index, StoreTicket
-from lmc_server.cache.layout import RunCopy, build_layout, split_copies
+from lmc_server.cache.layout import RunCopy, build_layout
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
@@ -295,8 +295,9 @@ class Handlers:
 
     async def retrieve(self, session: Session, msg: m.Retrieve,
                        clock: PhaseClock) -> m.RetrieveResult:
-        """Pin the whole prefix (the window rule looks at its end), then copy it in
-        sub-batches of chunks; any failed sub-batch fails every chunk of the request."""
+        """Pin, copy, unpin. One submission: the pins cannot be split (the window rule
+        looks at the prefix's end) and measured on the H200, planning a retrieve in
+        sub-batches cost more than the overlap won (docs/benchmarks.md)."""
         clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
         ticket = self.index.pin_retrieve(reg.view, keys, ids)
@@ -307,9 +308,7 @@ class Handlers:
             completion = Completion(asyncio.get_running_loop())
             reg.begin_op()
             try:
-                for copies in split_copies(ticket.copies,
-                                           self._parts(ticket.nbytes, len(keys))):
-                    self._submit(reg, copies, False, completion)
+                self._submit(reg, ticket.copies, False, completion)
                 clock.mark("submit")
                 errors = await self._wait(completion, clock)
                 err = next((e for e in errors if e), "")
