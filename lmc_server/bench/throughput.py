@@ -67,6 +67,7 @@ class ThroughputConfig:
     raw_iters: int = 10
     device: int = 0
     seed: int = 0
+    pipeline_mb: int = -1
     show_progress: bool = True
 
 
@@ -359,7 +360,8 @@ def run(cfg: ThroughputConfig) -> Report:
         "geometry": cfg.geometry.describe(), "chunk_size": CHUNK_SIZE,
         "separate_object_groups": cfg.separate, "l1_size_gb": cfg.l1_size_gb,
         "copy_modes": list(modes), "concurrent": cfg.concurrent,
-        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters})
+        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters,
+        "pipeline_mb": cfg.pipeline_mb})
     with _kv(cfg, num_blocks) as kv:
         kv.fill_random(cfg.seed)
         regions = Regions.build(kv.geometry, CHUNK_SIZE, max_batch, cfg.separate)
@@ -375,6 +377,8 @@ def run(cfg: ThroughputConfig) -> Report:
                             else "--no-separate-object-groups"]
                     if cfg.backend == "cuda":
                         args += ["--cuda-copy-mode", mode]
+                    if cfg.pipeline_mb >= 0:
+                        args += ["--pipeline-mb", str(cfg.pipeline_mb)]
                     with ServerProcess(args, backend=cfg.backend,
                                        l1_size_gb=cfg.l1_size_gb) as srv:
                         report.rows += asyncio.run(_run_server(srv.endpoint, kv, cfg, mode,
