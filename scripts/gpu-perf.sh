@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The performance measurements of docs/benchmarks.md ("H200 GPU machine") in one go.
+#
+# Usage (repository root, project importable, e.g. PYTHONPATH=$PWD, on a GPU machine):
+#   bash scripts/gpu-perf.sh [throughput|ranks|latency|all]   (default: all)
+# Writes under $OUT (the device tool's output folder) or ./.bench/gpu-perf:
+#   throughput.json / throughput-nopipe.json   bench throughput, stores in sub-batches
+#                                              (default) and whole (--pipeline-mb 0)
+#   spy-server.txt   py-spy raw stacks of the server process during the first throughput
+#                    run (when py-spy is installed; 250 Hz, non-blocking)
+#   ranks-1gpu.json  bench ranks, 8 ranks on GPU 0 (TP load and mixed phases)
+#   ranks-all.json   bench ranks, 8 ranks round-robin over every visible GPU
+#   latency.json     bench latency (control path vs a pyzmq echo)
+# Speed is reported, never asserted; the commands exit non-zero only on wrong bytes or
+# failed checks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$PWD/.bench/gpu-perf}"
+mkdir -p "$out"
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupy}" PYTHONUNBUFFERED=1
+what="${1:-all}"
+status=0
+XX
+
+if [ "$what" = all ] || [ "$what" = throughput ]; then
+  tp=(throughput --backend cuda --batches 1,16,64 --inflight 1,2 --cuda-copy-mode staging
+      --min-time-s 0.3 --no-progress)
+  bench "${tp[@]}" --json "$out/throughput.json" > "$out/throughput.log" &
+  pid=$!
+  if command -v py-spy >/dev/null; then
+    for _ in $(seq 200); do
+      srv=$(pgrep -f 'lmc_server server' | head -1)
+      [ -n "$srv" ] && break
+      sleep 0.1
+    done
+    sleep 2
+    [ -n "${srv:-}" ] && py-spy record -p "$srv" -r 250 -d 25 -f raw --nonblocking \
+      -o "$out/spy-server.txt" >/dev/null 2>&1
+  fi
+  wait $pid || status=1
+  cat "$out/throughput.log"
+  bench "${tp[@]}" --pipeline-mb 0 --no-concurrent --json "$out/throughput-nopipe.json" \
+    || status=1
+fi
+if [ "$what" = all ] || [ "$what" = ranks ]; then
+  rk=(ranks --backend cuda --ranks 8 --chunks 256 --batch 16 --duration-s 5 --no-kill-one
+      --tp-s 5 --tp-chunks 64 --raw-s 0.5)
+  CUDA_VISIBLE_DEVICES=0 bench "${rk[@]}" --json "$out/ranks-1gpu.json" || status=1
+  bench "${rk[@]}" --json "$out/ranks-all.json" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = latency ]; then
+  bench latency --duration-s 1 --no-progress --json "$out/latency.json" || status=1
+fi
+exit $status
