@@ -49,10 +49,12 @@ HEARTBEAT_TIMEOUT_MS = 4000
 
 
 def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
-    """Options every client DEALER socket gets: no linger, heartbeats, CURVE if given."""
+    """Options every client DEALER socket gets: no linger, heartbeats, IPv6 (dual-stack,
+    so ``tcp://[::1]:P`` and names resolving to IPv6 connect), CURVE if given."""
     import zmq
 
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if curve is not None:

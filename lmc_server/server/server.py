@@ -175,6 +175,7 @@ class Server:
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # dual-stack: --host ::1 and IPv6 names bind
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * HARD_FRAME_FACTOR)
         sock.setsockopt(zmq.SNDHWM, 10000)
