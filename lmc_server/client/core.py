@@ -63,6 +63,13 @@ def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
         sock.curve_secretkey = curve.secret
 
 
+def needs_new_hello(reply: m.Reply, msg: m._Msg, said_hello: bool) -> bool:
+    """The server no longer knows this connection's session (it restarted, or dropped
+    the session): a client that had said hello says it again and retries once."""
+    return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
+            and not isinstance(msg, m.Hello))
+
+
 class ServerError(Exception):
     """The server refused a request; ``code`` is an :class:`ErrorCode` value."""
 

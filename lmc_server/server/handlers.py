@@ -30,6 +30,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
@@ -64,6 +65,8 @@ class Handlers:
         #: queued socket events here, so a writer that died during the copy is seen
         #: (its registration closes) and its object is aborted, not committed.
         self.before_commit: Callable[[], None] = lambda: None
+        #: Stores that found their keys being written by another store wait on this.
+        self.commits = CommitWatch()
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -262,6 +265,8 @@ class Handlers:
                                 err or "registration closed during the copy")
             finally:
                 reg.end_op()
+                self.commits.changed()
+        await self.commits.settle(reg.view, keys, ticket.statuses)  # IN_PROGRESS: wait
         return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
 
     async def retrieve(self, session: Session, msg: m.Retrieve,

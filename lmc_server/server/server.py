@@ -324,11 +324,12 @@ class Server:
             log.debug("%d leases expired", n)
 
     def _sweep_sessions(self) -> None:
-        """Forget sessions that hold no registration and said nothing for a while
-        (``lmcache ping``, crashed lookups-only tools): they own nothing to reclaim."""
+        """Forget sessions that hold no registration, said nothing for a while, and have
+        no tracked connection. A session whose connection is up is never dropped for
+        being quiet: the socket monitor drops it when the connection closes."""
         cutoff = self.clock() - IDLE_SESSION_S
         for s in self.sessions.sessions():
-            if not s.registrations and s.last_seen_s < cutoff:
+            if not s.registrations and s.conn is None and s.last_seen_s < cutoff:
                 self.handlers.drop_session(s, "idle")
 
     # -- main loop ----------------------------------------------------------------------
@@ -425,6 +426,10 @@ class Server:
             elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
                 reply = getattr(self.handlers, name)(session, msg)
             else:
+                if (isinstance(msg, m.Store | m.Retrieve)  # unknown ids: not "busy"
+                        and self.sessions.find(session, msg.registration_id) is None):
+                    raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
+                                        "no such registration on this connection", msg.req_id)
                 if session.inflight >= self.config.max_inflight_per_client:
                     raise ProtocolError(
                         ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
