@@ -118,7 +118,8 @@ def test_scratch_ring_over_another_blocks_pages_is_refused() -> None:
                         layers=ring_ok)
     check_groups([_full("a", a, 64), scratch], 256, "sm90", [64 * stride])
     bad = msgspec.structs.replace(scratch, layers=ring_bad)
-    with pytest.raises(GeometryError, match="'a' layer 0 \\(l0\\) and group 'ring' layer 0.*block 1 of the first"):
+    with pytest.raises(GeometryError,
+                       match="'a' layer 0 \\(l0\\) and group 'ring' layer 0.*block 1 of the first"):
         check_groups([_full("a", a, 64), bad], 256, "sm90", [65 * stride])
 
 
