@@ -618,5 +618,6 @@ def _describe(cfg: Config) -> str:
     """Every effective setting, ``name=value``, for the startup log line."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     values["l1_size_bytes"] = cfg.l1_size_bytes
+    values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
                     for k, v in values.items())
