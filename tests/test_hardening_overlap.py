@@ -15,9 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
-from lmc_server.cache.geometry import GeometryError, GroupSpec, LayerSpec, check_groups
+from lmc_server.cache.geometry import (
+    GeometryError,
+    GroupSpec,
+    LayerSpec,
+    check_groups,
+    check_page_overlaps,
+)
 from lmc_server.client import Client, ServerError
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.presets import KVGeometry
@@ -145,19 +152,38 @@ def test_vllm_layouts_still_pass(fixture: str) -> None:
     check_groups(groups, 256, data["arch"] or "sm90", [size] * reg["buffers"])
 
 
-def test_check_is_fast_for_100_layers_of_100k_blocks() -> None:
-    """Interleaved (every pair of layers has intersecting extents: the worst case for the
-    sweep) and layer-major, two groups over one tensor, 100k blocks."""
+@pytest.mark.parametrize("layers", [100, 512])
+def test_check_is_fast_for_many_layers_of_100k_blocks(layers: int) -> None:
+    """Interleaved (every extent intersects every other: the worst case for a sweep by
+    offset) and layer-major (every position within the stride the same: the worst case
+    for a sweep by position), two groups over one tensor, 100k blocks."""
     n = 100_000
-    inter = _interleaved(n, 100, 1024)
+    inter = _interleaved(n, layers, 1024)
     stride = inter[0].block_stride
     major = [LayerSpec(buffer=0, offset=i * n * 1024, block_stride=1024, page_bytes=1024)
-             for i in range(100)]
+             for i in range(layers)]
     t0 = time.perf_counter()
     check_groups([_full("a", inter, n), _full("b", inter, n)], 256, "sm90", [n * stride])
-    check_groups([_full("a", major, n)], 256, "sm90", [100 * n * 1024])
+    check_groups([_full("a", major, n), _full("b", major, n)], 256, "sm90",
+                 [layers * n * 1024])
     elapsed = time.perf_counter() - t0
     assert elapsed < 0.5, elapsed
+
+
+def test_too_many_unequal_stride_pairs_refused_quickly() -> None:
+    """Layers of two strides interleaved in one region, none colliding: more pairs than
+    the check will test on the event loop is refused, in bounded time."""
+    big = 1 << 20
+    a = [LayerSpec(buffer=0, offset=i * 1024, block_stride=big, page_bytes=1024)
+         for i in range(200)]
+    b = [LayerSpec(buffer=0, offset=(512 + i) * 1024, block_stride=2 * big, page_bytes=1024)
+         for i in range(200)]
+    t0 = time.perf_counter()
+    with pytest.raises(GeometryError, match="different block strides share a region"):
+        check_groups([_full("a", a, 100), _full("b", b, 100)], 256, "sm90", [2 * big * 100])
+    assert time.perf_counter() - t0 < 2.0
+    check_groups([_full("a", a[:50], 100), _full("b", b[:50], 100)], 256, "sm90",
+                 [2 * big * 100])
 
 
 def test_server_refuses_aliased_registration_and_keeps_serving() -> None:
@@ -172,3 +198,51 @@ def test_server_refuses_aliased_registration_and_keeps_serving() -> None:
             reg = c.register(**kv.register_kwargs())
             assert not reg.lookup_only
         assert c.stats()["registrations"] == 1
+
+
+def _brute_force_alias(groups: list[GroupSpec]) -> bool:
+    """Enumerate every page: does any byte belong to two (group, layer) pages that are
+    not of different groups at the same block id?"""
+    owners: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for gi, g in enumerate(groups):
+        for li, la in enumerate(g.layers):
+            for b in range(g.num_blocks):
+                start = la.offset + b * la.block_stride
+                for byte in range(start, start + la.page_bytes):
+                    seen = owners.setdefault((la.buffer, byte), [])
+                    if any(o[0] == gi or o[2] != b for o in seen):
+                        return True
+                    seen.append((gi, li, b))
+    return False
+
+
+def test_overlap_check_agrees_with_enumerating_pages() -> None:
+    """Random small layouts (equal and unequal strides, interleaved and layer-major, two
+    buffers, scratch): the arithmetic refuses exactly what page enumeration finds."""
+    rng = np.random.default_rng(17)
+    refused = accepted = 0
+    for _ in range(600):
+        groups = []
+        for gi in range(int(rng.integers(1, 4))):
+            n = int(rng.integers(1, 6))
+            layers = []
+            stride = int(rng.choice([8, 12, 16, 24]))
+            for _ in range(int(rng.integers(1, 4))):
+                page = int(rng.integers(1, stride + 1)) if n > 1 else int(rng.integers(1, 9))
+                layers.append(LayerSpec(buffer=int(rng.integers(0, 2)),
+                                        offset=int(rng.integers(0, 40)),
+                                        block_stride=stride, page_bytes=page))
+            groups.append(GroupSpec(name=f"g{gi}", kind="scratch" if gi == 2 else "full",
+                                    tokens_per_block=16, states_per_block=16,
+                                    record_format="raw", bytes_per_state=1, num_blocks=n,
+                                    layers=layers))
+        want = _brute_force_alias(groups)
+        try:
+            check_page_overlaps(groups)
+            got = False
+        except GeometryError:
+            got = True
+        assert got == want, groups
+        refused += got
+        accepted += not got
+    assert refused > 50 and accepted > 50, (refused, accepted)

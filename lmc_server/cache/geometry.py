@@ -26,7 +26,7 @@ from typing import Literal
 
 import msgspec
 
-from lmc_server.cache.overlap import Pages, overlap
+from lmc_server.cache.overlap import Pages, candidate_pairs, overlap
 
 GroupKind = Literal["full", "sliding_window", "scratch"]
 
@@ -36,10 +36,12 @@ MAX_GROUPS = 64
 MAX_LAYERS_PER_GROUP = 1024
 MAX_BUFFERS = 4096
 MAX_BLOCKS_PER_GROUP = 1 << 24
-#: Largest number of layers over all groups: bounds the pairwise overlap check (the
-#: worst case, every layer interleaved in one buffer, checks this many squared / 2 pairs:
-#: 0.6 s on a 2-core CI runner; 100 layers take 10 ms).
+#: Largest number of layers over all groups, and of pairs of layers with different block
+#: strides whose extents intersect in one buffer (each costs an O(log) test, ~25 us): they
+#: bound the overlap check (about 20 ms for 1024 layers of 100k blocks, interleaved or
+#: layer-major; at most ~0.5 s of unequal-stride pairs), which runs on the event loop.
 MAX_LAYERS = 1024
+MAX_UNEQUAL_STRIDE_PAIRS = 20_000
 
 
 class GeometryError(ValueError):
@@ -262,8 +264,8 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
     space per buffer, a block owned by one group at a time); everything else, within a
     group or across groups, scratch included, is refused naming both layers. Layers with
     identical pages in different groups (vLLM lays groups over one tensor) are merged
-    first; a sweep over each buffer's layers sorted by offset compares only layers whose
-    extents intersect, each pair in O(1) (equal strides) or O(log) (unequal).
+    first; sweeps (:func:`~lmc_server.cache.overlap.candidate_pairs`) pick the pairs that
+    can overlap, each then tested in O(1) (equal strides) or O(log) (unequal).
     Bounds must have been checked (positive page bytes, stride >= page bytes).
     """
     # (buffer, offset, stride, page) -> (blocks, [(group, layer), ...]).
@@ -284,27 +286,33 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
     for (buf, off, stride, page), (n, members) in merged.items():
         by_buffer.setdefault(buf, []).append((Pages(off, stride, page, n), members))
     for buf, entries in by_buffer.items():
-        entries.sort(key=lambda e: e[0].offset)
-        active: list[tuple[Pages, list[tuple[int, int]], set[int]]] = []
-        for a, a_members in entries:
-            a_groups = {gi for gi, _ in a_members}
-            active = [e for e in active if e[0].end > a.offset]
-            for b, b_members, b_groups in active:
-                shared = a_groups & b_groups
-                hit = overlap(a, b, same_block_ok=not shared)
-                if hit is None:
-                    continue
-                # Name layers of the group they share, if any (that is the alias).
-                la = next(m for m in a_members if not shared or m[0] in shared)
-                lb = next(m for m in b_members if not shared or m[0] == la[0])
-                k, j = hit
-                where = (f"block {j} of the first and block {k} of the second share bytes"
-                         if k >= 0 else "their pages share bytes for some blocks")
-                raise GeometryError(
-                    f"{_layer_name(groups[lb[0]], lb[1])} and "
-                    f"{_layer_name(groups[la[0]], la[1])} overlap in buffer {buf}: {where}; "
-                    f"stores and retrieves would alias KV")
-            active.append((a, a_members, a_groups))
+        entries.sort(key=lambda e: e[0].offset)  # "first" in messages: the lower offset
+        owners = [{gi for gi, _ in members} for _, members in entries]
+        unequal = 0
+        for x, y in candidate_pairs([p for p, _ in entries]):
+            i, j = min(x, y), max(x, y)
+            a, b = entries[j][0], entries[i][0]
+            if a.stride != b.stride and a.n > 1 and b.n > 1:
+                unequal += 1
+                if unequal > MAX_UNEQUAL_STRIDE_PAIRS:
+                    raise GeometryError(
+                        f"buffer {buf}: more than {MAX_UNEQUAL_STRIDE_PAIRS} pairs of layers "
+                        f"with different block strides share a region; too many to check "
+                        f"for overlaps (give such groups their own buffers)")
+            shared = owners[i] & owners[j]
+            hit = overlap(a, b, same_block_ok=not shared)
+            if hit is None:
+                continue
+            # Name layers of the group they share, if any (that is the alias).
+            gj, lj = next(m for m in entries[j][1] if not shared or m[0] in shared)
+            gi, li = next(m for m in entries[i][1] if not shared or m[0] == gj)
+            k_j, k_i = hit
+            where = (f"block {k_i} of the first and block {k_j} of the second share bytes"
+                     if k_j >= 0 else "their pages share bytes for some blocks")
+            raise GeometryError(
+                f"{_layer_name(groups[gi], li)} and "
+                f"{_layer_name(groups[gj], lj)} overlap in buffer {buf}: {where}; "
+                f"stores and retrieves would alias KV")
 
 
 class ShmBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm"):

@@ -13,6 +13,11 @@ Page ``k`` of A and page ``j`` of B overlap iff ``-pA < (oA + k*sA) - (oB + j*sB
   ends are floors of linear functions of ``k``; the number of overlapping pairs is a sum
   of such floors, computed with :func:`floor_sum` in O(log) steps.
 
+Which pairs to test (:func:`candidate_pairs`): only layers whose extents intersect, and,
+for equal strides, whose positions within the stride intersect, by a sort + sweep on the
+axis with fewer intersecting pairs, so interleaved and layer-major layouts stay
+near-linear in the number of layers.
+
 Groups that share a buffer also share a block-id space (vLLM's hybrid allocator hands a
 block id to one group at a time, and lays the groups' layers over one tensor), so pages of
 *different* groups may coincide for the *same* block id; any other overlap is refused.
@@ -20,6 +25,8 @@ block id to one group at a time, and lays the groups' layers over one tensor), s
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -141,3 +148,78 @@ def overlap(a: Pages, b: Pages, same_block_ok: bool) -> tuple[int, int] | None:
         return k, k - t
     n = _pairs(a, b) - (_diagonal(a, b) if same_block_ok else 0)
     return (-1, -1) if n > 0 else None
+
+
+def residue_spans(p: Pages) -> list[tuple[int, int]]:
+    """Where ``p``'s pages fall within one block stride: ``[r, r + page)`` with
+    ``r = offset % stride``, split in two if it wraps past the stride."""
+    r = p.offset % p.stride
+    if r + p.page <= p.stride:
+        return [(r, r + p.page)]
+    return [(r, p.stride), (0, r + p.page - p.stride)]
+
+
+def count_intersecting(spans: list[tuple[int, int]]) -> int:
+    """Pairs of half-open spans that intersect, in O(n log n) without listing them: all
+    pairs minus the disjoint ones (a disjoint pair has exactly one span ending at or
+    before the other's start)."""
+    starts = sorted(s for s, _ in spans)
+    n = len(spans)
+    disjoint = sum(n - bisect_left(starts, e) for _, e in spans)
+    return n * (n - 1) // 2 - disjoint
+
+
+def intersecting_pairs(spans: list[tuple[int, int, int]]) -> Iterator[tuple[int, int]]:
+    """Ids ``(i, j)`` of spans ``(start, end, id)`` that intersect: a sweep by start with
+    the spans still open; costs O(n log n + pairs). A pair may come twice (an entry with
+    two spans); ``i == j`` never comes."""
+    active: list[tuple[int, int]] = []  # (end, id)
+    for start, end, ident in sorted(spans):
+        active = [a for a in active if a[0] > start]
+        for _, other in active:
+            if other != ident:
+                yield other, ident
+        active.append((end, ident))
+
+
+def candidate_pairs(entries: list[Pages]) -> Iterator[tuple[int, int]]:
+    """Index pairs of ``entries`` that may overlap; every overlapping pair comes.
+
+    Equal strides (one stride class): two layers can only share bytes if their extents
+    intersect *and* their positions within the stride intersect. Layer-major layouts have
+    disjoint extents, interleaved ones (vLLM's layers within one block stride) disjoint
+    positions; the sweep runs on whichever axis has fewer intersecting pairs (counted in
+    O(n log n) first), so both stay near-linear. Across stride classes, extents only.
+    """
+    classes: dict[int, list[int]] = {}
+    for i, p in enumerate(entries):
+        classes.setdefault(p.stride if p.n > 1 else -1, []).append(i)
+    for stride, members in classes.items():
+        hull = [(entries[i].offset, entries[i].end, i) for i in members]
+        if stride <= 0:  # single pages: their extents are the pages
+            yield from intersecting_pairs(hull)
+            continue
+        within = [(s, e, i) for i in members for s, e in residue_spans(entries[i])]
+        by_hull = count_intersecting([(s, e) for s, e, _ in hull])
+        by_within = count_intersecting([(s, e) for s, e, _ in within])
+        yield from intersecting_pairs(within if by_within < by_hull else hull)
+    if len(classes) > 1:
+        cls = {i: stride for stride, members in classes.items() for i in members}
+        hull = [(p.offset, p.end, i) for i, p in enumerate(entries)]
+        for i, j in _cross_class_pairs(hull, cls):
+            yield i, j
+
+
+def _cross_class_pairs(spans: list[tuple[int, int, int]],
+                       cls: dict[int, int]) -> Iterator[tuple[int, int]]:
+    """Like :func:`intersecting_pairs`, only pairs of different classes, keeping one
+    open list per class so same-class spans are never walked."""
+    active: dict[int, list[tuple[int, int]]] = {}
+    for start, end, ident in sorted(spans):
+        mine = cls[ident]
+        for c in list(active):
+            active[c] = [a for a in active[c] if a[0] > start]
+            if c != mine:
+                for _, other in active[c]:
+                    yield other, ident
+        active.setdefault(mine, []).append((end, ident))
