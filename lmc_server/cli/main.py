@@ -59,7 +59,8 @@ def cli() -> None:
               is_eager=True, expose_value=False, envvar="LMCACHE_CONFIG",
               help="TOML file with settings (names as below, '-' or '_').")
 @click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
-              help="Address to listen on (tcp).")
+              help="Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
+                   "loopback only unless CURVE is configured.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
               help="TCP port for clients.")
 @click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=256,
