@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lmc_server.cache.eviction import POLICIES
+from lmc_server.net import bare_host, is_loopback, resolve, tcp_endpoint
 from lmc_server.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
@@ -24,6 +25,10 @@ SYSTEM_RESERVE_BYTES = 2 * GIB
 BACKENDS = ("auto", "cuda", "cpu", "null")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CUDA_COPY_MODES = ("staging", "mapped")
+#: Default metrics port: outside the 9100-9999 range Prometheus allocates to exporters
+#: (node_exporter 9100, DCGM exporter 9400, ...), and clear of Prometheus itself (9090),
+#: Pushgateway/Alertmanager (9091/9093), vLLM and Triton (8000-8002), 8080 and Grafana.
+METRICS_PORT = 8555
 
 
 class ConfigError(ValueError):
@@ -69,7 +74,7 @@ class Config:
     pipeline_mb: int = -1  # stores above this are copied in sub-batches; -1: engine default
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout_s: float = 10.0
-    metrics_port: int = 9090  # 0: no metrics endpoint
+    metrics_port: int = METRICS_PORT  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
     heartbeat_timeout_s: float = 4.0  # a silent peer is disconnected and reaped after this
     max_inflight_per_client: int = 64  # concurrent store/retrieve per connection
@@ -81,8 +86,7 @@ class Config:
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return tcp_endpoint(self.host, self.port)
 
     @property
     def l1_size_bytes(self) -> int:
@@ -138,6 +142,8 @@ class Config:
         if bool(self.curve_secret_key_file) != bool(self.curve_clients_dir):
             raise ConfigError("CURVE needs both --curve-secret-key-file and "
                               "--curve-clients-dir (see 'lmcache keygen')")
+        if bare_host(self.host) not in ("*", "") and not resolve(self.host):
+            raise ConfigError(f"host {self.host!r} does not resolve to an address")
         if not self.curve_secret_key_file and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host}: clients could map and read any KV "
@@ -155,19 +161,15 @@ class Config:
                 f"system; lower --l1-size-gb")
 
 
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach."""
-    h = host.strip("[]")
-    return h == "localhost" or h == "::1" or h.startswith("127.")
-
-
 CONFIG_KEYS = frozenset(f.name for f in fields(Config))
 
 
 def load_toml(path: str) -> dict[str, Any]:
     """Read a TOML config file; keys are field names (``-`` or ``_``), unknown refused.
 
-    The file may hold the settings at top level or under a ``[server]`` table.
+    The file may hold the settings at top level or under a ``[server]`` table; a
+    ``[client]`` table beside it (settings of ``lmcache ping`` and ``lmcache stats``, see
+    :func:`load_client_toml`) is left to them.
     """
     try:
         with open(path, "rb") as f:
@@ -176,13 +178,46 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    if set(data) == {"server"} and isinstance(data["server"], dict):
+    if "server" in data and set(data) <= {"server", "client"} and isinstance(
+            data["server"], dict):
         data = data["server"]
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name == "client" and isinstance(value, dict):
+            continue  # the client commands' table (load_client_toml)
         if name not in CONFIG_KEYS:
             raise ConfigError(f"config file {path}: unknown setting {key!r}; known: "
                               f"{', '.join(sorted(CONFIG_KEYS))}")
+        out[name] = value
+    return out
+
+
+#: Settings of the client commands (``ping``, ``stats``) in a ``[client]`` table.
+CLIENT_KEYS = frozenset({"host", "port", "timeout_s", "curve_server_key_file",
+                         "curve_client_secret_key_file"})
+
+
+def load_client_toml(path: str) -> dict[str, Any]:
+    """Settings for ``lmcache ping``/``stats`` from the server's TOML file.
+
+    ``host`` and ``port`` come from the ``[server]`` table (or the top level), so the
+    commands find the server the file configures; a ``[client]`` table adds or overrides
+    ``host``, ``port``, ``timeout_s`` and the client's CURVE files (unknown keys refused).
+    A server listening on every address (``::``, ``0.0.0.0``) is reached on loopback.
+    """
+    server = load_toml(path)
+    out: dict[str, Any] = {k: server[k] for k in ("host", "port") if k in server}
+    if out.get("host") in ("::", "[::]", "0.0.0.0", "*"):
+        out["host"] = "::1" if ":" in str(out["host"]) else "127.0.0.1"
+    with open(path, "rb") as f:
+        client = tomllib.load(f).get("client", {})
+    if not isinstance(client, dict):
+        raise ConfigError(f"config file {path}: [client] must be a table")
+    for key, value in client.items():
+        name = key.replace("-", "_")
+        if name not in CLIENT_KEYS:
+            raise ConfigError(f"config file {path}: unknown [client] setting {key!r}; "
+                              f"known: {', '.join(sorted(CLIENT_KEYS))}")
         out[name] = value
     return out

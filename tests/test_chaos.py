@@ -136,7 +136,8 @@ def test_kill9_mid_store_leaves_nothing_partial(srv: ServerProcess) -> None:
         last = int(wait_line(w, "storing").split()[1])
         kill9(w)
         took = eventually(lambda: c.stats()["registrations"] == base["registrations"])
-        assert f"lmc-{w.pid}-" not in server_maps(srv), "worker's shared memory still mapped"
+        # unmapped once the store it was copying returns (the copy may outlive the drop)
+        eventually(lambda: f"lmc-{w.pid}-" not in server_maps(srv))
         eventually(lambda: all(p["writing"] == 0 for p in c.stats()["partitions"]))
         check_consistent(c)
         assert verify_batches(c, last, n) >= 3 * n

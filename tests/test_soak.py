@@ -4,7 +4,11 @@ Afterwards the server's memory and file descriptors are back where they were, it
 worker's shared memory and no worker left a segment in /dev/shm, no worker ever read a
 wrong byte, no survivor saw an error, and the index holds nothing half-written or pinned.
 The short configuration runs in CI; the long one (a few minutes) runs with
-``pytest -m soak``; ``LMC_SOAK_S`` overrides its length.
+``pytest -m soak``; ``LMC_SOAK_S`` overrides its length. The monitoring client holds no
+registration and is quiet while the workers run, longer than the server's idle-session
+interval in the long run: a connected client must never be forgotten for that (issue 17;
+``tests/test_hardening_sessions.py::test_quiet_connected_client_is_not_forgotten`` covers
+it in CI with a clock moved forward).
 """
 
 from __future__ import annotations

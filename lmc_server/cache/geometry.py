@@ -11,7 +11,10 @@ The server never interprets record bytes; it only needs sizes, strides and rules
   must match the architecture (``nvfp4_ds_mla`` only on SM100, the 584/528-byte
   ``fp8_ds_mla`` records on their own architectures);
 * bounds (:func:`check_layer_bounds`): every page of every block lies inside its
-  buffer, pages of one layer do not overlap.
+  buffer, pages of one layer do not overlap;
+* aliasing (:func:`check_page_overlaps`): no two layers share a byte, within a group or
+  across groups (scratch included), except pages of different groups for the same block
+  id (groups sharing a buffer share one block-id space, as in vLLM's hybrid allocator).
 
 Violations raise :class:`GeometryError` with a message naming the group and the numbers.
 """
@@ -23,6 +26,8 @@ from typing import Literal
 
 import msgspec
 
+from lmc_server.cache.overlap import Pages, candidate_pairs, overlap
+
 GroupKind = Literal["full", "sliding_window", "scratch"]
 
 #: Largest number of groups, layers per group, buffers, and blocks per group a
@@ -31,6 +36,12 @@ MAX_GROUPS = 64
 MAX_LAYERS_PER_GROUP = 1024
 MAX_BUFFERS = 4096
 MAX_BLOCKS_PER_GROUP = 1 << 24
+#: Largest number of layers over all groups, and of pairs of layers with different block
+#: strides whose extents intersect in one buffer (each costs an O(log) test, ~25 us): they
+#: bound the overlap check (about 20 ms for 1024 layers of 100k blocks, interleaved or
+#: layer-major; at most ~0.5 s of unequal-stride pairs), which runs on the event loop.
+MAX_LAYERS = 1024
+MAX_UNEQUAL_STRIDE_PAIRS = 20_000
 
 
 class GeometryError(ValueError):
@@ -164,7 +175,7 @@ def check_layer_bounds(group: GroupSpec, buffer_sizes: list[int]) -> None:
             f"group {group.name!r}: num_blocks {group.num_blocks} out of range "
             f"1..{MAX_BLOCKS_PER_GROUP}"
         )
-    min_page = group.states_per_block * group.bytes_per_state
+    min_page = group.states_per_block * group.bytes_per_state if group.cached else 1
     for i, layer in enumerate(group.layers):
         where = f"group {group.name!r} layer {i}{' (' + layer.name + ')' if layer.name else ''}"
         if not 0 <= layer.buffer < len(buffer_sizes):
@@ -228,10 +239,80 @@ def check_groups(groups: list[GroupSpec], chunk_size: int, arch: str,
         if g.bytes_per_state <= 0:
             raise GeometryError(f"group {g.name!r}: bytes_per_state must be positive")
         check_record_format(g, arch)
-        if buffer_sizes is not None:
-            check_layer_bounds(g, buffer_sizes)
-        elif not 0 < g.num_blocks <= MAX_BLOCKS_PER_GROUP:
+        if buffer_sizes is None and not 0 < g.num_blocks <= MAX_BLOCKS_PER_GROUP:
             raise GeometryError(f"group {g.name!r}: num_blocks {g.num_blocks} out of range")
+    if buffer_sizes is None:
+        return
+    total = sum(len(g.layers) for g in groups)
+    if total > MAX_LAYERS:
+        raise GeometryError(f"{total} layers declared over all groups; at most {MAX_LAYERS}")
+    for g in groups:
+        if g.cached or g.layers:  # scratch layers too: the server must never write there
+            check_layer_bounds(g, buffer_sizes)
+    check_page_overlaps(groups)
+
+
+def _layer_name(group: GroupSpec, i: int) -> str:
+    layer = group.layers[i]
+    return f"group {group.name!r} layer {i}{' (' + layer.name + ')' if layer.name else ''}"
+
+
+def check_page_overlaps(groups: list[GroupSpec]) -> None:
+    """Refuse any two layers whose pages share a byte (see :mod:`lmc_server.cache.overlap`).
+
+    Layers of different groups may coincide for the same block id only (one block-id
+    space per buffer, a block owned by one group at a time); everything else, within a
+    group or across groups, scratch included, is refused naming both layers. Layers with
+    identical pages in different groups (vLLM lays groups over one tensor) are merged
+    first; sweeps (:func:`~lmc_server.cache.overlap.candidate_pairs`) pick the pairs that
+    can overlap, each then tested in O(1) (equal strides) or O(log) (unequal).
+    Bounds must have been checked (positive page bytes, stride >= page bytes).
+    """
+    # (buffer, offset, stride, page) -> (blocks, [(group, layer), ...]).
+    merged: dict[tuple[int, int, int, int], tuple[int, list[tuple[int, int]]]] = {}
+    for gi, g in enumerate(groups):
+        for li, layer in enumerate(g.layers):
+            key = (layer.buffer, layer.offset, layer.block_stride, layer.page_bytes)
+            n, members = merged.get(key, (0, []))
+            twin = next((lj for gj, lj in members if gj == gi), None)
+            if twin is not None:
+                raise GeometryError(
+                    f"{_layer_name(g, twin)} and {_layer_name(g, li)} have the same pages "
+                    f"(buffer {layer.buffer}, offset {layer.offset}): every block would "
+                    f"alias")
+            members.append((gi, li))
+            merged[key] = (max(n, g.num_blocks), members)
+    by_buffer: dict[int, list[tuple[Pages, list[tuple[int, int]]]]] = {}
+    for (buf, off, stride, page), (n, members) in merged.items():
+        by_buffer.setdefault(buf, []).append((Pages(off, stride, page, n), members))
+    for buf, entries in by_buffer.items():
+        entries.sort(key=lambda e: e[0].offset)  # "first" in messages: the lower offset
+        owners = [{gi for gi, _ in members} for _, members in entries]
+        unequal = 0
+        for x, y in candidate_pairs([p for p, _ in entries]):
+            i, j = min(x, y), max(x, y)
+            a, b = entries[j][0], entries[i][0]
+            if a.stride != b.stride and a.n > 1 and b.n > 1:
+                unequal += 1
+                if unequal > MAX_UNEQUAL_STRIDE_PAIRS:
+                    raise GeometryError(
+                        f"buffer {buf}: more than {MAX_UNEQUAL_STRIDE_PAIRS} pairs of layers "
+                        f"with different block strides share a region; too many to check "
+                        f"for overlaps (give such groups their own buffers)")
+            shared = owners[i] & owners[j]
+            hit = overlap(a, b, same_block_ok=not shared)
+            if hit is None:
+                continue
+            # Name layers of the group they share, if any (that is the alias).
+            gj, lj = next(m for m in entries[j][1] if not shared or m[0] in shared)
+            gi, li = next(m for m in entries[i][1] if not shared or m[0] == gj)
+            k_j, k_i = hit
+            where = (f"block {k_i} of the first and block {k_j} of the second share bytes"
+                     if k_j >= 0 else "their pages share bytes for some blocks")
+            raise GeometryError(
+                f"{_layer_name(groups[gi], li)} and "
+                f"{_layer_name(groups[gj], lj)} overlap in buffer {buf}: {where}; "
+                f"stores and retrieves would alias KV")
 
 
 class ShmBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm"):

@@ -19,12 +19,15 @@ from lmc_server.config import (
     CUDA_COPY_MODES,
     GIB,
     LOG_LEVELS,
+    METRICS_PORT,
     Config,
     ConfigError,
     default_l1_size_gb,
+    load_client_toml,
     load_toml,
     physical_memory_bytes,
 )
+from lmc_server.net import tcp_endpoint
 
 _EXAMPLES = """
 \b
@@ -56,7 +59,8 @@ def cli() -> None:
               is_eager=True, expose_value=False, envvar="LMCACHE_CONFIG",
               help="TOML file with settings (names as below, '-' or '_').")
 @click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
-              help="Address to listen on (tcp).")
+              help="Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
+                   "loopback only unless CURVE is configured.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
               help="TCP port for clients.")
 @click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=256,
@@ -110,7 +114,7 @@ def cli() -> None:
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=10.0,
               envvar="LMCACHE_DRAIN_TIMEOUT_S",
               help="On SIGTERM, how long in-flight copies may take to finish.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9090,
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORT,
               envvar="LMCACHE_METRICS_PORT", help="Prometheus /metrics port (0: off).")
 @click.option("--metrics-host", default="127.0.0.1", envvar="LMCACHE_METRICS_HOST",
               help="Address of the metrics endpoint.")
@@ -138,8 +142,8 @@ def cli() -> None:
                    "really has (memory that grows on use, as in some VMs).")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
-    if kwargs["l1_size_gb"] is None:
-        kwargs["l1_size_gb"] = 0.0
+    if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it
+        kwargs["l1_size_gb"] = default_l1_size_gb()
     config = Config(**kwargs)
     try:
         config.check()
@@ -177,35 +181,85 @@ def keygen(directory: str, name: str) -> None:
     click.echo(f"public: {public}\nsecret: {secret}")
 
 
+def _load_client_config(ctx: click.Context, _param: click.Parameter,
+                        value: str | None) -> None:
+    if value:
+        try:
+            ctx.default_map = {**(ctx.default_map or {}), **load_client_toml(value)}
+        except ConfigError as e:
+            raise click.BadParameter(str(e)) from None
+
+
 def _endpoint_options(f: Any) -> Any:
+    """Where the server is and how to get in: the same host, port and CURVE settings,
+    environment variables and TOML file as the server (see docs/operations.md)."""
+    f = click.option("--curve-client-secret-key-file", default="",
+                     envvar="LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE",
+                     help="This client's CURVE certificate with its secret key (NAME."
+                          "key_secret from 'lmcache keygen --name NAME'; its NAME.key must "
+                          "be in the server's --curve-clients-dir).")(f)
+    f = click.option("--curve-server-key-file", default="",
+                     envvar="LMCACHE_CURVE_SERVER_KEY_FILE",
+                     help="The server's public CURVE certificate (server.key); with a "
+                          "client certificate, talk CURVE.")(f)
     f = click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=2.0,
                      help="Seconds to wait for an answer.")(f)
     f = click.option("--port", type=click.IntRange(1, 65535), default=5555,
                      envvar="LMCACHE_PORT", help="Server port.")(f)
     f = click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
-                     help="Server address.")(f)
+                     help="Server address (IPv4, IPv6 with or without brackets, or a name).")(f)
+    f = click.option("--config", type=click.Path(dir_okay=False),
+                     callback=_load_client_config, is_eager=True, expose_value=False,
+                     envvar="LMCACHE_CONFIG",
+                     help="TOML file: the server's file works ([server] host and port, "
+                          "[client] CURVE keys).")(f)
     return f
 
 
-def _client(host: str, port: int, timeout_s: float) -> Any:
+def _curve(server_key_file: str, client_secret_key_file: str) -> Any:
+    """CURVE keys for a CLI client, or None; a half-given pair is a usage error."""
+    if not server_key_file and not client_secret_key_file:
+        return None
+    if not (server_key_file and client_secret_key_file):
+        raise click.UsageError("CURVE needs both --curve-server-key-file and "
+                               "--curve-client-secret-key-file")
+    from lmc_server.client.core import CurveKeys
+
+    try:
+        return CurveKeys.load(server_key_file, client_secret_key_file)
+    except (OSError, ValueError) as e:
+        raise click.UsageError(f"cannot load CURVE keys: {e}") from None
+
+
+def _client(host: str, port: int, timeout_s: float, curve: Any, hello: bool) -> Any:
     from lmc_server.client.sync import Client
 
-    endpoint = Config(host=host, port=port).endpoint
-    return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=False)
+    endpoint = tcp_endpoint(host, port)
+    return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=hello,
+                  curve=curve)
 
 
 @cli.command()
 @_endpoint_options
-def ping(host: str, port: int, timeout_s: float) -> None:
+def ping(host: str, port: int, timeout_s: float, curve_server_key_file: str,
+         curve_client_secret_key_file: str) -> None:
     """Exit 0 if the server answers within the timeout, 1 otherwise."""
-    with _client(host, port, timeout_s) as c:
+    curve = _curve(curve_server_key_file, curve_client_secret_key_file)
+    with _client(host, port, timeout_s, curve, hello=False) as c:
         try:
             pong = c.ping()
         except TimeoutError:
-            click.echo(f"no answer from {c.endpoint} within {timeout_s} s", err=True)
+            click.echo(f"no answer from {c.endpoint} within {timeout_s} s"
+                       f"{_curve_hint(curve)}", err=True)
             sys.exit(1)
     click.echo(f"ok: lmcache server {pong.server_version} at {c.endpoint}"
                f"{'' if pong.ready else ' (pool not ready yet)'}")
+
+
+def _curve_hint(curve: Any) -> str:
+    return ("" if curve is not None else
+            " (a CURVE server does not answer clients without keys: see "
+            "--curve-server-key-file)")
 
 
 def _gib(n: int) -> str:
@@ -215,16 +269,17 @@ def _gib(n: int) -> str:
 @cli.command()
 @_endpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw report as JSON.")
-def stats(host: str, port: int, timeout_s: float, as_json: bool) -> None:
+def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
+          curve_client_secret_key_file: str, as_json: bool) -> None:
     """Chunk size, backend, L1 capacity and use per partition, registrations, counters."""
-    from lmc_server.client.sync import Client
-
-    endpoint = Config(host=host, port=port).endpoint
+    curve = _curve(curve_server_key_file, curve_client_secret_key_file)
+    endpoint = tcp_endpoint(host, port)
     try:
-        with Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli") as c:
+        with _client(host, port, timeout_s, curve, hello=True) as c:
             report = c.stats()
     except TimeoutError:
-        click.echo(f"no answer from {endpoint} within {timeout_s} s", err=True)
+        click.echo(f"no answer from {endpoint} within {timeout_s} s{_curve_hint(curve)}",
+                   err=True)
         sys.exit(1)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))

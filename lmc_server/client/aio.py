@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,14 +25,34 @@ from lmc_server.client.core import (
     Registration,
     RequestBuilder,
     configure_socket,
+    needs_new_hello,
     stats_dict,
 )
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 
 
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context) -> None:
+    """Close the socket (no linger) and destroy the context: never blocks.
+
+    Runs from :meth:`AsyncClient.close`, or from a ``weakref.finalize`` when a client is
+    garbage-collected or still open at interpreter exit, so a forgotten ``close`` can
+    never leave ``Context.term`` waiting on an open socket.
+    """
+    if not sock.closed:
+        sock.close(linger=0)
+    if not ctx.closed:
+        ctx.destroy(linger=0)
+
+
 class AsyncClient:
-    """Create with ``await AsyncClient.connect(endpoint)``; close with ``await close()``."""
+    """Create with ``await AsyncClient.connect(endpoint)``; close with ``await close()``
+    or use ``async with await AsyncClient.connect(...) as c``. A client never closed is
+    released when collected or at exit (without waiting), never hanging the process.
+
+    A request answered ``handshake`` (the server forgot this connection's session, e.g.
+    it restarted) is retried once after a new hello, transparently.
+    """
 
     def __init__(self, endpoint: str, timeout_s: float = 30.0,
                  curve: CurveKeys | None = None) -> None:
@@ -39,9 +60,11 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx)
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
+        self._client_name = ""
         self._pending: dict[int, asyncio.Future[m.Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self.welcome: m.Welcome | None = None
@@ -50,11 +73,15 @@ class AsyncClient:
     async def connect(cls, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
                       client_name: str = "", curve: CurveKeys | None = None) -> AsyncClient:
         self = cls(endpoint, timeout_s, curve)
+        self._client_name = client_name
         self._reader = asyncio.get_running_loop().create_task(self._read())
+        await self._hello()
+        return self
+
+    async def _hello(self) -> None:
         self.welcome = await self._call(m.Hello(req_id=self._b.next_id(),
                                                 protocol_version=PROTOCOL_VERSION,
-                                                client_name=client_name), m.Welcome)
-        return self
+                                                client_name=self._client_name), m.Welcome)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -72,8 +99,7 @@ class AsyncClient:
             if not fut.done():
                 fut.set_exception(ConnectionError("client closed"))
         self._pending.clear()
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._finalizer()
 
     async def _read(self) -> None:
         while True:
@@ -84,6 +110,13 @@ class AsyncClient:
                 fut.set_result(reply)
 
     async def _call(self, msg: m._Msg, expected: type[Any]) -> Any:
+        reply = await self._roundtrip(msg)
+        if needs_new_hello(reply, msg, self.welcome is not None):
+            await self._hello()
+            reply = await self._roundtrip(msg)
+        return RequestBuilder.check(reply, expected)
+
+    async def _roundtrip(self, msg: m._Msg) -> m.Reply:
         fut: asyncio.Future[m.Reply] = asyncio.get_running_loop().create_future()
         self._pending[msg.req_id] = fut
         try:
@@ -95,7 +128,7 @@ class AsyncClient:
                                ) from None
         finally:
             self._pending.pop(msg.req_id, None)
-        return RequestBuilder.check(reply, expected)
+        return reply
 
     # -- requests -----------------------------------------------------------------------
 

@@ -49,16 +49,25 @@ HEARTBEAT_TIMEOUT_MS = 4000
 
 
 def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
-    """Options every client DEALER socket gets: no linger, heartbeats, CURVE if given."""
+    """Options every client DEALER socket gets: no linger, heartbeats, IPv6 (dual-stack,
+    so ``tcp://[::1]:P`` and names resolving to IPv6 connect), CURVE if given."""
     import zmq
 
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if curve is not None:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
+
+
+def needs_new_hello(reply: m.Reply, msg: m._Msg, said_hello: bool) -> bool:
+    """The server no longer knows this connection's session (it restarted, or dropped
+    the session): a client that had said hello says it again and retries once."""
+    return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
+            and not isinstance(msg, m.Hello))
 
 
 class ServerError(Exception):

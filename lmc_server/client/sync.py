@@ -22,6 +22,7 @@ from lmc_server.client.core import (
     RequestBuilder,
     ServerError,
     configure_socket,
+    needs_new_hello,
     stats_dict,
 )
 from lmc_server.protocol import messages as m
@@ -42,11 +43,15 @@ class Client:
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
+        self._client_name = client_name
         self.welcome: m.Welcome | None = None
         if hello:
-            self.welcome = self._call(m.Hello(req_id=self._b.next_id(),
-                                              protocol_version=PROTOCOL_VERSION,
-                                              client_name=client_name), m.Welcome)
+            self._hello()
+
+    def _hello(self) -> None:
+        self.welcome = self._call(m.Hello(req_id=self._b.next_id(),
+                                          protocol_version=PROTOCOL_VERSION,
+                                          client_name=self._client_name), m.Welcome)
 
     def __enter__(self) -> Client:
         return self
@@ -74,6 +79,15 @@ class Client:
         return decode_reply(self._sock.recv())
 
     def _call(self, msg: m._Msg, expected: type[Any], timeout_s: float | None = None) -> Any:
+        """Send ``msg``, wait for its reply; a ``handshake`` refusal after an earlier hello
+        (the server restarted, or forgot the session) is retried once after a new hello."""
+        reply = self._roundtrip(msg, timeout_s)
+        if needs_new_hello(reply, msg, self.welcome is not None):
+            self._hello()
+            reply = self._roundtrip(msg, timeout_s)
+        return RequestBuilder.check(reply, expected)
+
+    def _roundtrip(self, msg: m._Msg, timeout_s: float | None) -> m.Reply:
         self._sock.send(encode(msg))
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
@@ -83,7 +97,7 @@ class Client:
                                    f"{type(msg).__name__.lower()} within the timeout")
             reply = decode_reply(self._sock.recv())
             if reply.req_id == msg.req_id or (reply.req_id == 0 and isinstance(reply, m.Error)):
-                return RequestBuilder.check(reply, expected)
+                return reply
 
     # -- requests -----------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ draining, event loop stalled), one line, for load balancers and ``curl -f``.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,8 @@ from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
+
+from lmc_server.net import address_family, bare_host
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
                  health: Callable[[], tuple[bool, str]]) -> None:
-        self.host = host
+        self.host = bare_host(host)
         self.port = port
         self.registry = registry
         self.health = health
@@ -54,8 +55,9 @@ class MetricsServer:
     def start(self) -> None:
         handler = _make_handler(self.registry, self.health)
         cls: type[_HTTPServer] = _HTTPServer
-        if ":" in self.host:
-            cls = type("_HTTPServer6", (_HTTPServer,), {"address_family": socket.AF_INET6})
+        family = address_family(self.host)
+        if family != _HTTPServer.address_family:  # IPv6 literal, or a name only IPv6
+            cls = type("_HTTPServer6", (_HTTPServer,), {"address_family": family})
         self._httpd = cls((self.host, self.port), handler)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever,

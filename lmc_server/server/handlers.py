@@ -30,6 +30,7 @@ from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
@@ -66,6 +67,8 @@ class Handlers:
         #: queued socket events here, so a writer that died during the copy is seen
         #: (its registration closes) and its object is aborted, not committed.
         self.before_commit: Callable[[], None] = lambda: None
+        #: Stores that found their keys being written by another store wait on this.
+        self.commits = CommitWatch()
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -288,10 +291,12 @@ class Handlers:
                     self.index.commit_store(ticket)
         finally:
             reg.end_op()
-        statuses = [t.statuses for t in tickets]
-        return m.StoreResult(req_id=msg.req_id, statuses=[
-            (s[0] if len(s) == 1 else np.concatenate(s)).tobytes() for s in zip(*statuses,
-                                                                              strict=True)])
+            if any(submitted):
+                self.commits.changed()
+        statuses = [s[0] if len(s) == 1 else np.concatenate(s)
+                    for s in zip(*(t.statuses for t in tickets), strict=True)]
+        await self.commits.settle(reg.view, keys, statuses)  # IN_PROGRESS: wait
+        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
 
     async def retrieve(self, session: Session, msg: m.Retrieve,
                        clock: PhaseClock) -> m.RetrieveResult:

@@ -182,6 +182,7 @@ class Server:
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # dual-stack: --host ::1 and IPv6 names bind
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * HARD_FRAME_FACTOR)
         sock.setsockopt(zmq.SNDHWM, 10000)
@@ -343,11 +344,12 @@ class Server:
             log.debug("%d leases expired", n)
 
     def _sweep_sessions(self) -> None:
-        """Forget sessions that hold no registration and said nothing for a while
-        (``lmcache ping``, crashed lookups-only tools): they own nothing to reclaim."""
+        """Forget sessions that hold no registration, said nothing for a while, and have
+        no tracked connection. A session whose connection is up is never dropped for
+        being quiet: the socket monitor drops it when the connection closes."""
         cutoff = self.clock() - IDLE_SESSION_S
         for s in self.sessions.sessions():
-            if not s.registrations and s.last_seen_s < cutoff:
+            if not s.registrations and s.conn is None and s.last_seen_s < cutoff:
                 self.handlers.drop_session(s, "idle")
 
     # -- main loop ----------------------------------------------------------------------
@@ -444,6 +446,10 @@ class Server:
             elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
                 reply = getattr(self.handlers, name)(session, msg)
             else:
+                if (isinstance(msg, m.Store | m.Retrieve)  # unknown ids: not "busy"
+                        and self.sessions.find(session, msg.registration_id) is None):
+                    raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
+                                        "no such registration on this connection", msg.req_id)
                 if session.inflight >= self.config.max_inflight_per_client:
                     raise ProtocolError(
                         ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
@@ -629,5 +635,6 @@ def _describe(cfg: Config) -> str:
     """Every effective setting, ``name=value``, for the startup log line."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     values["l1_size_bytes"] = cfg.l1_size_bytes
+    values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
                     for k, v in values.items())

@@ -21,6 +21,7 @@ from typing import IO
 
 import zmq
 
+from lmc_server.net import tcp_endpoint
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 
@@ -40,6 +41,7 @@ def wait_for_ping(endpoint: str, timeout_s: float, proc: subprocess.Popen[bytes]
         while True:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             try:
                 sock.send(encode(m.Ping(req_id=1)))
@@ -84,10 +86,12 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str] = (), port: int | None = None,
                  backend: str = "cpu", l1_size_gb: float = 1.0, start_timeout_s: float = 20.0,
-                 env: dict[str, str] | None = None, metrics_port: int = 0) -> None:
+                 env: dict[str, str] | None = None, metrics_port: int = 0,
+                 host: str = "127.0.0.1") -> None:
         self.port = port or free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.args = ["--port", str(self.port), "--backend", backend, "--l1-size-gb",
+        self.endpoint = tcp_endpoint(host, self.port)
+        self.args = ["--host", host, "--port", str(self.port), "--backend", backend,
+                     "--l1-size-gb",
                      str(l1_size_gb), "--metrics-port", str(metrics_port), *args]
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, **(env or {})}

@@ -1,0 +1,69 @@
+"""Host strings to endpoints, address families and the loopback rule (IPv4 and IPv6).
+
+A host may be an IPv4 address, an IPv6 address with or without brackets (``::1``,
+``[::1]``) or a name; :func:`tcp_endpoint` makes the zmq endpoint (brackets around IPv6
+literals). zmq sockets only speak IPv6 with the ``IPV6`` option set, which every socket
+of the server and the clients sets (it keeps IPv4 working: the sockets are dual-stack).
+
+The loopback rule: a host is loopback if it is ``127.0.0.0/8``, ``::1``, or a name all of
+whose addresses are. ``::``, ``0.0.0.0``, ``*`` and any other address are not.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable
+from typing import Any
+
+Resolver = Callable[..., list[tuple[Any, ...]]]
+
+
+def bare_host(host: str) -> str:
+    """``[::1]`` -> ``::1``; anything else unchanged."""
+    h = host.strip()
+    return h[1:-1] if h.startswith("[") and h.endswith("]") else h
+
+
+def is_ipv6_literal(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(bare_host(host)).version == 6
+    except ValueError:
+        return False
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://HOST:PORT`` with IPv6 literals bracketed (``tcp://[::1]:5555``)."""
+    h = bare_host(host)
+    return f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}"
+
+
+def resolve(host: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:
+    """Every address ``host`` stands for (a literal stands for itself)."""
+    h = bare_host(host)
+    try:
+        return [str(ipaddress.ip_address(h))]
+    except ValueError:
+        pass
+    try:
+        infos = resolver(h, None, 0, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return sorted({str(info[4][0]).split("%", 1)[0] for info in infos})
+
+
+def is_loopback(host: str, resolver: Resolver = socket.getaddrinfo) -> bool:
+    """True if only this machine can reach ``host`` (see the module docstring)."""
+    if bare_host(host) in ("*", ""):
+        return False
+    addrs = resolve(host, resolver)
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
+
+
+def address_family(host: str, resolver: Resolver = socket.getaddrinfo) -> socket.AddressFamily:
+    """The family to bind ``host`` with: IPv6 for IPv6 literals and names that resolve
+    only to IPv6 addresses, IPv4 otherwise."""
+    addrs = resolve(host, resolver)
+    if addrs and all(ipaddress.ip_address(a).version == 6 for a in addrs):
+        return socket.AF_INET6
+    return socket.AF_INET

@@ -1,0 +1,69 @@
+"""Stores that lose a race wait for the winner: an honest reply instead of ``IN_PROGRESS``.
+
+When replicated ranks store the same chunk at once, one reserves the key and copies; the
+others find it WRITING. Answering those ``IN_PROGRESS`` would report a failure for a
+chunk that is about to be there, so the losers wait (on the event loop, no polling: every
+commit or abort wakes them) until each such key is settled:
+
+* committed: ``EXISTS`` (the chunk is in L1, stored by the winner);
+* gone (the winner's copy failed or its writer went away): ``FAILED``, nothing visible,
+  the client may store it again;
+* still WRITING after :data:`SETTLE_TIMEOUT_S`: ``IN_PROGRESS`` stays, meaning another
+  store is still copying it; it may become visible later, count it as not stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from lmc_server.cache.index import CacheView
+from lmc_server.cache.pool import COMMITTED
+from lmc_server.cache.status import ChunkStatus
+
+#: Longest a store waits for other writers of its keys (a copy takes milliseconds).
+SETTLE_TIMEOUT_S = 10.0
+
+
+class CommitWatch:
+    """Wakes waiting stores whenever any store commits or aborts (event-loop thread only)."""
+
+    def __init__(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._changed: asyncio.Future[None] | None = None
+
+    def changed(self) -> None:
+        """A store committed or aborted: let every waiter look again."""
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
+
+    async def settle(self, view: CacheView, keys: list[bytes],
+                     statuses: list[np.ndarray]) -> None:
+        """Turn this request's ``IN_PROGRESS`` chunks into ``EXISTS`` or ``FAILED`` as
+        their writers finish (in place), waiting up to ``timeout_s``."""
+        if not any((st == ChunkStatus.IN_PROGRESS).any() for st in statuses):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            waiting = 0
+            for part, st in zip(view.partitions, statuses, strict=True):
+                for i in np.flatnonzero(st == ChunkStatus.IN_PROGRESS).tolist():
+                    slot = part.keys.get(keys[i])
+                    if slot is None:
+                        st[i] = ChunkStatus.FAILED
+                    elif part.state[slot] == COMMITTED:
+                        st[i] = ChunkStatus.EXISTS
+                    else:
+                        waiting += 1
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            if self._changed is None:
+                self._changed = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._changed), left)
+            except TimeoutError:
+                pass
