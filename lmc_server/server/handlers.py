@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
+
+if TYPE_CHECKING:
+    from lmc_server.l2.tier import L2Tier
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,9 @@ class Handlers:
         #: queued socket events here, so a writer that died during the copy is seen
         #: (its registration closes) and its object is aborted, not committed.
         self.before_commit: Callable[[], None] = lambda: None
+        #: The L2 tier (``--l2``), or None; called once per store commit and per lookup
+        #: that misses L1 (see :mod:`lmc_server.l2.tier`).
+        self.l2: L2Tier | None = None
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -184,9 +190,11 @@ class Handlers:
                                        take_lease=msg.lease)
         self.stats.lookup_tokens += len(keys) * self.config.chunk_size
         self.stats.hit_tokens += hit * self.config.chunk_size
+        pending = (self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
+                   if self.l2 is not None and hit < len(keys) else 0)
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
                               lease_id=lease.lease_id if lease else 0,
-                              lease_ttl_s=ttl if lease else 0.0)
+                              lease_ttl_s=ttl if lease else 0.0, l2_pending_chunks=pending)
 
     def release(self, session: Session, msg: m.Release) -> m.Released:
         return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
@@ -256,6 +264,8 @@ class Handlers:
                     self.stats.observe_transfer("store", ticket.nbytes,
                                                 time.perf_counter() - t0)
                     self.index.commit_store(ticket)
+                    if self.l2 is not None:
+                        self.l2.on_commit(reg.namespace, ticket)
                 else:
                     self.index.abort_store(ticket)
                     log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
