@@ -8,9 +8,12 @@ skip, except under CI=true, where a missing redis-server fails them (CI installs
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -212,7 +215,7 @@ def test_l2_killed_mid_run_and_restarted(redis_proc: RedisProcess) -> None:
             w.store(d3, block_seed=9)
             wait_for(lambda: l2_stats(w.client)["objects_written"] > written,
                      "writes after the restart")
-            assert redis_proc.client().dbsize() > 0  # type: ignore[attr-defined]
+            assert redis_proc.client().dbsize() > 0
             assert w.client.lookup(w.reg, d1, lease=False).hit_chunks == 4
         finally:
             w.close()
@@ -243,7 +246,7 @@ def test_l2_down_at_start_then_up_healthz_says_so() -> None:
 
 
 def _l2_keys(r: RedisProcess) -> list[bytes]:
-    keys: list[bytes] = list(r.client().scan_iter(match=b"lmc2/*"))  # type: ignore[attr-defined]
+    keys: list[bytes] = list(r.client().scan_iter(match=b"lmc2/*"))
     return keys
 
 
@@ -270,7 +273,7 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
             r = redis_proc.client()
             key = _full_key(redis_proc, wa.reg, _fingerprints(wa.client)["full"], digests,
                             bad)
-            value = r.get(key)  # type: ignore[attr-defined]
+            value = r.get(key)
             assert value is not None, "the object was not written under the expected key"
             if damage == "flip_byte":
                 pos = len(value) - 1000
@@ -278,12 +281,12 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
             elif damage == "truncate":
                 value = value[:-7]
             elif damage == "other_chunk":  # a valid value, written under another key
-                value = r.get(_full_key(redis_proc, wa.reg,  # type: ignore[attr-defined]
+                value = r.get(_full_key(redis_proc, wa.reg,
                                         _fingerprints(wa.client)["full"], digests, 0))
             else:  # a header claiming another length (and a payload to match it)
                 value = value[:64] + (len(value) - 80 + 8).to_bytes(8, "little") \
                     + value[72:] + bytes(8)
-            r.set(key, value)  # type: ignore[attr-defined]
+            r.set(key, value)
             look = lookup_until(wb.client, wb.reg, digests, bad)
             assert look.hit_chunks == bad, "a damaged object was served"
             st = l2_stats(wb.client)
@@ -326,9 +329,9 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
                                        digests[i * 32:(i + 1) * 32])
                     dst = codec.l2_key(codec.space_of(w100.reg.namespace, fp100[name], CHUNK),
                                        digests[i * 32:(i + 1) * 32])
-                    v = r.get(src)  # type: ignore[attr-defined]
+                    v = r.get(src)
                     if v is not None:
-                        r.set(dst, v)  # type: ignore[attr-defined]
+                        r.set(dst, v)
                         copied += 1
             assert copied == 2 * n
             other = chunk_digests(tokens(61, n), CHUNK)  # a fresh tag: no miss memory
@@ -386,3 +389,61 @@ def test_server_restart_with_warm_l2_serves_hits_from_l2(redis_proc: RedisProces
                 assert l2_stats(dst.client)["hits"] >= 2 * n
             finally:
                 dst.close()
+
+
+# -- credentials and TLS -------------------------------------------------------------
+
+
+def _make_certs(d: str) -> None:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+        "ca.crt", "-days", "1", "-subj", "/CN=lmc-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+        "server.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "ext.cnf"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
+    """rediss:// with a CA from the URL query; the password from --l2-password-file
+    (and a wrong one from the environment is not used: the file wins)."""
+    _make_certs(str(tmp_path))
+    pw = tmp_path / "l2-password"
+    pw.write_text("s3cret-pw\n")
+    n = 3
+    digests = chunk_digests(tokens(90, n), CHUNK)
+    with RedisProcess(password="s3cret-pw", tls_dir=str(tmp_path)) as r:
+        assert r.url.startswith("rediss://")
+        with ServerProcess([*ARGS, "--l2", r.url, "--l2-password-file", str(pw)],
+                           l1_size_gb=0.25, env={"LMCACHE_L2_PASSWORD": "wrong"}) as a:
+            w = Worker(a.endpoint, seed=15)
+            try:
+                wait_for(lambda: l2_stats(w.client)["state"] == "up", "connected over TLS")
+                w.store(digests, block_seed=2)
+                wait_written(w.client, 2 * n)
+                assert len(_l2_keys(r)) == 2 * n
+                assert "s3cret-pw" not in a.log()
+            finally:
+                w.close()
+
+
+def test_wrong_password_is_degraded_not_fatal() -> None:
+    with RedisProcess(password="right") as r, \
+            ServerProcess([*ARGS, "--l2", r.url], l1_size_gb=0.25,
+                          env={"LMCACHE_L2_PASSWORD": "wrong"}) as a:
+        w = Worker(a.endpoint, seed=16)
+        try:
+            d = chunk_digests(tokens(91, 2), CHUNK)
+            w.store(d, block_seed=1)
+            assert w.client.lookup(w.reg, d, lease=False).hit_chunks == 2
+            st = wait_for(lambda: (s := l2_stats(w.client))["reason"] != "connecting" and s,
+                          "the first connection attempt")
+            assert st["state"] == "degraded" and st["objects_written"] == 0
+            assert "auth" in st["reason"].lower() or "pass" in st["reason"].lower(), st
+            assert "wrong" not in a.log()
+        finally:
+            w.close()

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import IO
+from typing import IO, Any
 
 from lmc_server.testing.process import free_port
 
@@ -25,7 +25,10 @@ def redis_server_path() -> str | None:
 
 class RedisProcess:
     def __init__(self, port: int | None = None, maxmemory_mb: int = 0,
-                 policy: str = "allkeys-lru", extra: tuple[str, ...] = ()) -> None:
+                 policy: str = "allkeys-lru", extra: tuple[str, ...] = (),
+                 password: str | None = None, tls_dir: str | None = None) -> None:
+        """``tls_dir`` holds ca.crt, server.crt and server.key: TLS only (no plain
+        port); ``password`` sets ``requirepass``."""
         exe = redis_server_path()
         if exe is None:
             raise FileNotFoundError("redis-server is not installed (Debian: apt-get install "
@@ -35,12 +38,16 @@ class RedisProcess:
         self.maxmemory_mb = maxmemory_mb
         self.policy = policy
         self.extra = extra
+        self.password = password
+        self.tls_dir = tls_dir
         self._dir = tempfile.TemporaryDirectory(prefix="lmc-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
+        if self.tls_dir:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_dir}/ca.crt"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
@@ -50,12 +57,20 @@ class RedisProcess:
                 "--dir", self._dir.name, "--save", "", "--appendonly", "no",
                 "--protected-mode", "yes", "--maxmemory-policy", self.policy,
                 "--maxmemory", f"{self.maxmemory_mb}mb", *self.extra]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.tls_dir:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port),
+                         "--tls-cert-file", f"{self.tls_dir}/server.crt",
+                         "--tls-key-file", f"{self.tls_dir}/server.key",
+                         "--tls-ca-cert-file", f"{self.tls_dir}/ca.crt",
+                         "--tls-auth-clients", "no"]
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
         while True:
             try:
-                with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1) as c:
+                with self.client() as c:
                     c.ping()
                 return self
             except redis.exceptions.ConnectionError:
@@ -66,10 +81,11 @@ class RedisProcess:
                         f"redis-server did not start on {self.port}: {log}") from None
                 time.sleep(0.05)
 
-    def client(self) -> object:
+    def client(self) -> Any:
+        """A synchronous redis-py client of this instance."""
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis.from_url(self.url, password=self.password, socket_timeout=5)
 
     def log(self) -> str:
         if self._log is None:
