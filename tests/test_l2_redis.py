@@ -130,7 +130,8 @@ def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarr
 def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,
                    n: int) -> None:
     look = lookup_until(dst.client, dst.reg, digests, n)
-    assert look.hit_chunks == n
+    assert look.hit_chunks == n and look.lease_id
+    dst.client.clear()  # the lease pins what was prefetched, like any hit
     dst_ids = block_ids_for(dst.reg, n, np.random.default_rng(1234))
     res = dst.client.retrieve(dst.reg, digests[:n * 32], dst_ids)
     assert res.ok.all() and res.ok_prefix == n

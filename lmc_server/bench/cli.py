@@ -213,3 +213,31 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
     emit(report, rk.table(report), json_path)
     if not report.summary["ok"]:
         raise SystemExit(1)
+
+
+@bench.command("l2")
+@click.option("--chunks", type=click.IntRange(1, 4096), default=64,
+              help="Chunks per throughput round (store on A, L2 read on B).")
+@click.option("--rounds", type=click.IntRange(1), default=3, help="Throughput rounds.")
+@click.option("--latency-chunks", default="1,16,64", callback=_ints,
+              help="Chunks of the L1-miss-L2-hit latency points, comma-separated.")
+@click.option("--repeats", type=click.IntRange(1), default=5,
+              help="Timings per latency point (median reported).")
+@click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=1.0,
+              help="Pool of each of the two servers.")
+@click.option("--redis-url", default="", help="An existing Redis/Valkey to use "
+              "[default: start a redis-server on a free loopback port].")
+@geometry_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the full report as JSON here.")
+def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
+       l1_size_gb: float, redis_url: str, json_path: str | None, **geometry: Any) -> None:
+    """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
+    from lmc_server.bench import l2 as l2b
+
+    report = l2b.run(l2b.L2BenchConfig(
+        chunks=chunks, rounds=rounds, latency_chunks=latency_chunks, repeats=repeats,
+        geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb, redis_url=redis_url))
+    emit(report, l2b.table(report), json_path)
+    if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
+        raise SystemExit(1)

@@ -14,9 +14,11 @@ then each object is committed, or aborted if its checksum failed. A half-written
 object is never visible and a value that fails any check is never served.
 
 In-flight prefetches are remembered by the key of their first chunk, so asking again
-while one runs starts nothing; a prefetch that found the continuation missing in L2
-remembers where (``MISS_MEMORY_S``), so a client polling a prefix L2 does not have
-costs one dict lookup per poll, not one L2 round trip.
+while one runs starts nothing; a finished prefetch remembers where L2 stopped having
+the continuation, and where it started if it brought nothing (for ``MISS_MEMORY_S``),
+so a client polling a prefix L2 does not have (or has only in part) costs one dict
+lookup per poll, not one L2 round trip, and sees ``l2_pending_chunks == 0`` once the
+answer is known.
 """
 
 from __future__ import annotations
@@ -107,18 +109,24 @@ class Prefetcher:
         task.add_done_callback(self._tasks.discard)
         return len(want)
 
-    def _remember_missing(self, view: CacheView, keys: list[bytes], end: int) -> None:
-        if end >= len(keys):
-            return
+    def _remember_done(self, view: CacheView, keys: list[bytes], end: int,
+                       committed: int) -> None:
+        """Where L2 stopped having the continuation, and where this prefetch started if
+        it brought nothing (e.g. only a sliding window L2 lacks at the end of the prefix
+        was missing): a lookup stuck there starts nothing new for ``MISS_MEMORY_S``."""
         if len(self._missing) >= MISS_MEMORY_ENTRIES:
             self._missing.clear()
-        self._missing[(keys[end], view.partitions)] = self.clock() + MISS_MEMORY_S
+        until = self.clock() + MISS_MEMORY_S
+        if not committed:
+            self._missing[(keys[0], view.partitions)] = until
+        if end < len(keys):
+            self._missing[(keys[end], view.partitions)] = until
 
     async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
                    tag: Any) -> None:
         try:
-            end = await self._fetch(view, namespace, keys)
-            self._remember_missing(view, keys, end)
+            end, committed = await self._fetch(view, namespace, keys)
+            self._remember_done(view, keys, end, committed)
         except L2Error as e:
             self.stats.bump(self.stats.errors, "read")
             self.on_error(e)
@@ -128,8 +136,10 @@ class Prefetcher:
         finally:
             self._inflight.pop(tag, None)
 
-    async def _fetch(self, view: CacheView, namespace: str, keys: list[bytes]) -> int:
-        """Fetch and commit; returns how many leading chunks L1 now has (or L2 had)."""
+    async def _fetch(self, view: CacheView, namespace: str,
+                     keys: list[bytes]) -> tuple[int, int]:
+        """Fetch and commit; returns how many leading chunks L1 now has (or L2 had),
+        and how many objects were committed."""
         n = len(keys)
         ogs = view.layout.object_groups
         wanted: list[tuple[int, int, bytes, bytes]] = []  # og index, chunk, space, l2 key
@@ -140,7 +150,7 @@ class Prefetcher:
                     wanted.append((og.index, i, space,
                                    codec.l2_key(space, key[-codec.CHUNK_KEY_BYTES:])))
         if not wanted:
-            return n
+            return n, 0
         t0 = time.perf_counter()
         values = await self.backend.get_many([w[3] for w in wanted])
         self.stats.read_latency.observe(time.perf_counter() - t0)
@@ -166,9 +176,10 @@ class Prefetcher:
         good = [g for g in good if g[1] < end]
         reserved, end = self._reserve(view, keys, good, end)
         if not reserved:
-            return end
+            return end, 0
         loop = asyncio.get_running_loop()
         ok: list[bool] = []
+        committed = 0
         try:
             ok = list(await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
@@ -178,13 +189,14 @@ class Prefetcher:
                 if j < len(ok) and ok[j]:
                     r.part.commit(r.slot, r.mask)
                     self.stats.hits += 1
+                    committed += 1
                 else:
                     r.part.abort(r.slot)
                     if j < len(ok):
                         self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
                         if ogs[r.og_index].has_full:
                             end = min(end, r.chunk)
-        return end
+        return end, committed
 
     def _reserve(self, view: CacheView, keys: list[bytes],
                  good: list[tuple[int, int, int, bytes]], end: int
