@@ -41,4 +41,8 @@ class L2Backend(ABC):
 
     @abstractmethod
     async def close(self) -> None:
-        """Release connections. Idempotent."""
+        """Release connections (a later ``connect`` reopens them). Idempotent."""
+
+    async def shutdown(self) -> None:
+        """Close for good: connections and any threads of the adapter."""
+        await self.close()

@@ -79,3 +79,7 @@ class MooncakeBackend(L2Backend):
         store, self._store = self._store, None
         if store is not None:
             await self._call(store.close)
+
+    async def shutdown(self) -> None:
+        await self.close()
+        self._thread.shutdown(wait=False)

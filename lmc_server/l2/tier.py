@@ -158,7 +158,7 @@ class L2Tier:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
         self._view.release()
-        await self.backend.close()
+        await self.backend.shutdown()
 
     # -- reporting -------------------------------------------------------------------
 

@@ -122,21 +122,38 @@ class WriteBehind:
         self.depth = 0
 
     async def _run(self) -> None:
+        """Drain the queue: build batch i+1's values while batch i is being sent."""
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue and not self._closing:
-                if not self.is_up():
-                    self.drop_all("l2_down")
-                    break
-                batch = self._take_batch()
-                self.in_flight = len(batch)
-                try:
-                    await self._write_batch(batch)
-                finally:
-                    self.in_flight = 0
+            sending: asyncio.Task[None] | None = None
+            try:
+                while self._queue and not self._closing:
+                    if not self.is_up():
+                        self.drop_all("l2_down")
+                        break
+                    batch = self._take_batch()
+                    self.in_flight += len(batch)
+                    try:
+                        items = await self._encode_batch(batch)
+                    except BaseException:
+                        self.in_flight -= len(batch)
+                        raise
+                    if sending is not None:
+                        await sending
+                        sending = None
+                    sending = asyncio.get_running_loop().create_task(
+                        self._send(items, len(batch)))
+            except Exception:  # a bug, not the store: keep writing later batches
+                log.exception("L2 write-behind batch failed")
+                self.stats.bump(self.stats.errors, "write")
+            finally:
+                if sending is not None:
+                    await asyncio.gather(sending, return_exceptions=True)
 
-    async def _write_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]) -> None:
+    async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
+                            ) -> list[tuple[bytes, bytes]]:
+        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
         jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
         pinned: list[tuple[Partition, int]] = []
         for space, part, key, slot in batch:
@@ -149,7 +166,7 @@ class WriteBehind:
             jobs.append((space, key[-codec.CHUNK_KEY_BYTES:], part.mask[slot], offset,
                          part.object_bytes))
         if not jobs:
-            return
+            return []
         loop = asyncio.get_running_loop()
         try:
             values = await asyncio.gather(*(
@@ -157,18 +174,31 @@ class WriteBehind:
         finally:
             for part, slot in pinned:
                 part.unpin(slot)
-        items = [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
-        t0 = time.perf_counter()
+        return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
+
+    async def _send(self, items: list[tuple[bytes, bytes]], taken: int) -> None:
+        """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
-            await self.backend.put_many(items)
-        except L2Error as e:
-            self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(items))
-            self.on_error(e)
-            return
-        self.stats.write_latency.observe(time.perf_counter() - t0)
-        self.stats.objects_written += len(items)
-        self.stats.bytes_written += sum(len(v) for _, v in items)
+            if not items:
+                return
+            t0 = time.perf_counter()
+            try:
+                await self.backend.put_many(items)
+            except L2Error as e:
+                self.stats.bump(self.stats.errors, "write")
+                self.stats.bump(self.stats.dropped_writes, "error", len(items))
+                self.on_error(e)
+                return
+            except Exception:
+                log.exception("L2 write failed")
+                self.stats.bump(self.stats.errors, "write")
+                self.stats.bump(self.stats.dropped_writes, "error", len(items))
+                return
+            self.stats.write_latency.observe(time.perf_counter() - t0)
+            self.stats.objects_written += len(items)
+            self.stats.bytes_written += sum(len(v) for _, v in items)
+        finally:
+            self.in_flight -= taken
 
     def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
                 nbytes: int) -> bytes:
