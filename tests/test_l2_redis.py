@@ -74,8 +74,9 @@ def l2_stats(c: Client) -> dict[str, Any]:
 class Worker:
     """A client with its own shm KV cache, registered with one server."""
 
-    def __init__(self, endpoint: str, seed: int, arch: str = "sm90") -> None:
-        self.kv = ShmKV(dsv41_flash(arch=arch, num_blocks=NUM_BLOCKS))
+    def __init__(self, endpoint: str, seed: int, arch: str = "sm90",
+                 num_blocks: int = NUM_BLOCKS) -> None:
+        self.kv = ShmKV(dsv41_flash(arch=arch, num_blocks=num_blocks))
         self.kv.fill_random(seed) if seed else self.kv.fill(0)
         self.client = Client(endpoint, timeout_s=30, client_name="pytest-l2")
         self.reg: Registration = self.client.register(**self.kv.register_kwargs())
@@ -261,12 +262,16 @@ def _fingerprints(c: Client) -> dict[str, bytes]:
     return {p["name"]: bytes.fromhex(p["fingerprint"]) for p in c.stats()["partitions"]}
 
 
-@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "other_chunk", "header_length"])
-def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: str) -> None:
-    n, bad = 6, 3
+@pytest.mark.parametrize("damage,n,bad", [
+    ("flip_byte", 6, 3), ("truncate", 6, 3), ("other_chunk", 6, 3), ("header_length", 6, 3),
+    ("flip_byte", 16, 13),  # a prefetch reads 11 chunks of this preset per batch
+])
+def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: str, n: int,
+                                             bad: int) -> None:
     digests = chunk_digests(tokens(50, n), CHUNK)
     with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
-        wa, wb = Worker(a.endpoint, seed=12), Worker(b.endpoint, seed=0)
+        wa = Worker(a.endpoint, seed=12, num_blocks=8 * n)
+        wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
             wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected")
             ids = wa.store(digests, block_seed=4)

@@ -47,6 +47,8 @@ MAX_PREFETCHES = 8
 #: How long a known L2 miss (a continuation L2 did not have) is remembered.
 MISS_MEMORY_S = 1.0
 MISS_MEMORY_ENTRIES = 4096
+#: Bytes of values one prefetch reads per batch (at most two batches held at a time).
+READ_BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,24 +140,58 @@ class Prefetcher:
 
     async def _fetch(self, view: CacheView, namespace: str,
                      keys: list[bytes]) -> tuple[int, int]:
-        """Fetch and commit; returns how many leading chunks L1 now has (or L2 had),
-        and how many objects were committed."""
+        """Fetch and commit, in batches of chunks (``READ_BATCH_BYTES``): batch i+1 is
+        read while batch i is verified and copied, and the run stops where a full object
+        group is missing. Returns how many leading chunks L1 now has (or L2 had), and
+        how many objects were committed."""
         n = len(keys)
         ogs = view.layout.object_groups
-        wanted: list[tuple[int, int, bytes, bytes]] = []  # og index, chunk, space, l2 key
-        for og, part in zip(ogs, view.partitions, strict=True):
-            space = self.space(namespace, part.fingerprint)
-            for i, key in enumerate(keys):
-                if key not in part.keys:
-                    wanted.append((og.index, i, space,
-                                   codec.l2_key(space, key[-codec.CHUNK_KEY_BYTES:])))
-        if not wanted:
-            return n, 0
-        t0 = time.perf_counter()
-        values = await self.backend.get_many([w[3] for w in wanted])
-        self.stats.read_latency.observe(time.perf_counter() - t0)
-        # Header checks (cheap) and the contiguous run the full object groups complete.
-        end = n
+        spaces = [self.space(namespace, part.fingerprint) for part in view.partitions]
+        chunk_bytes = max(1, sum(og.object_bytes for og in ogs))
+        per_batch = max(1, READ_BATCH_BYTES // chunk_bytes)
+        end, committed = n, 0
+        filling: asyncio.Task[tuple[int, int]] | None = None
+        try:
+            for first in range(0, n, per_batch):
+                if first >= end:
+                    break
+                batch = range(first, min(n, first + per_batch))
+                wanted = [(og.index, i, spaces[og.index],
+                           codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES:]))
+                          for og, part in zip(ogs, view.partitions, strict=True)
+                          for i in batch if keys[i] not in part.keys]
+                values: list[bytes | None] = []
+                if wanted:
+                    t0 = time.perf_counter()
+                    values = await self.backend.get_many([w[3] for w in wanted])
+                    self.stats.read_latency.observe(time.perf_counter() - t0)
+                if filling is not None:
+                    done, bad_at = await asyncio.shield(filling)
+                    filling = None
+                    committed += done
+                    end = min(end, bad_at)
+                good, end = self._check(view, keys, wanted, values, end)
+                reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
+                                              end)
+                if reserved:
+                    filling = asyncio.get_running_loop().create_task(
+                        self._fill_and_commit(view, reserved))
+            if filling is not None:
+                done, bad_at = await asyncio.shield(filling)
+                filling = None
+                committed += done
+                end = min(end, bad_at)
+        finally:
+            if filling is not None:  # cancelled or failed: the copies end first (shielded:
+                await asyncio.wait({filling})  # a slot is never freed under its copy)
+        return end, committed
+
+    def _check(self, view: CacheView, keys: list[bytes],
+               wanted: list[tuple[int, int, bytes, bytes]], values: list[bytes | None],
+               end: int) -> tuple[list[tuple[int, int, int, bytes]], int]:
+        """Header checks (cheap, on the loop): the values worth reserving, and ``end``
+        shrunk to the first chunk whose full object group L2 cannot supply."""
+        ogs = view.layout.object_groups
         good: list[tuple[int, int, int, bytes]] = []  # og index, chunk, mask, value
         for (og_index, i, space, _), value in zip(wanted, values, strict=True):
             if value is None:
@@ -164,22 +200,27 @@ class Prefetcher:
                     end = min(end, i)
                 continue
             self.stats.bytes_read += len(value)
-            part = view.partitions[og_index]
             mask, bad = codec.check_header(value, space, keys[i][-codec.CHUNK_KEY_BYTES:],
-                                           part.object_bytes)
+                                           view.partitions[og_index].object_bytes)
             if bad is not None:
                 self.stats.bump(self.stats.invalid, bad.value)
                 if ogs[og_index].has_full:
                     end = min(end, i)
                 continue
             good.append((og_index, i, mask, value))
-        good = [g for g in good if g[1] < end]
-        reserved, end = self._reserve(view, keys, good, end)
-        if not reserved:
-            return end, 0
+        return good, end
+
+    async def _fill_and_commit(self, view: CacheView,
+                               reserved: list[_Reserved]) -> tuple[int, int]:
+        """Verify and copy on the tier's threads, then commit (or abort) each object.
+
+        Returns ``(objects committed, first chunk of a full object group that failed
+        its checksum, or a large number)``.
+        """
+        ogs = view.layout.object_groups
         loop = asyncio.get_running_loop()
         ok: list[bool] = []
-        committed = 0
+        committed, bad_at = 0, 1 << 62
         try:
             ok = list(await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
@@ -195,8 +236,8 @@ class Prefetcher:
                     if j < len(ok):
                         self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
                         if ogs[r.og_index].has_full:
-                            end = min(end, r.chunk)
-        return end, committed
+                            bad_at = min(bad_at, r.chunk)
+        return committed, bad_at
 
     def _reserve(self, view: CacheView, keys: list[bytes],
                  good: list[tuple[int, int, int, bytes]], end: int
