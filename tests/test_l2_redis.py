@@ -453,3 +453,33 @@ def test_wrong_password_is_degraded_not_fatal() -> None:
             assert "wrong" not in a.log()
         finally:
             w.close()
+
+
+def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
+        redis_proc: RedisProcess) -> None:
+    """A scheduler polls until the hit stops growing: while L2 has the rest, every
+    answer short of the full prefix must say chunks are pending (a prefetch reads 11
+    chunks of this preset per batch, so the hit grows in steps), also right after L1
+    lost the chunks again."""
+    n = 16
+    digests = chunk_digests(tokens(95, n), CHUNK)
+    with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
+        wa = Worker(a.endpoint, seed=17, num_blocks=8 * n)
+        wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
+        try:
+            wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected")
+            wa.store(digests, block_seed=3)
+            wait_written(wa.client, 2 * n)
+            for _ in range(12):  # the stall showed in about one round of four
+                wb.client.clear()
+                t0 = time.monotonic()
+                while True:
+                    r = wb.client.lookup(wb.reg, digests, lease=False)
+                    if r.hit_chunks == n:
+                        break
+                    assert r.l2_pending_chunks > 0, f"stalled at {r.hit_chunks} of {n}"
+                    assert time.monotonic() - t0 < 20
+                    time.sleep(0.002)
+        finally:
+            wa.close()
+            wb.close()

@@ -13,12 +13,13 @@ like a store); the crc32 check and the copy into the slot run on the tier's thre
 then each object is committed, or aborted if its checksum failed. A half-written
 object is never visible and a value that fails any check is never served.
 
-In-flight prefetches are remembered by the key of their first chunk, so asking again
-while one runs starts nothing; a finished prefetch remembers where L2 stopped having
-the continuation, and where it started if it brought nothing (for ``MISS_MEMORY_S``),
-so a client polling a prefix L2 does not have (or has only in part) costs one dict
-lookup per poll, not one L2 round trip, and sees ``l2_pending_chunks == 0`` once the
-answer is known.
+Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
+(even after part of it landed and the hit grew) starts nothing and reports what is
+still coming; a finished prefetch remembers where L2 stopped having the continuation,
+and where it started if it brought nothing (for ``MISS_MEMORY_S``), so a client
+polling a prefix L2 does not have (or has only in part) costs one dict lookup per
+poll, not one L2 round trip, and sees ``l2_pending_chunks == 0`` once the answer is
+known.
 """
 
 from __future__ import annotations
@@ -82,16 +83,19 @@ class Prefetcher:
         self.is_up = is_up
         self.on_error = on_error
         self.clock = clock
-        self._inflight: dict[Any, int] = {}
+        #: (chunk key, partitions) of every chunk an in-flight prefetch covers ->
+        #: (that prefetch's id, chunks it covers from there to its end).
+        self._inflight: dict[Any, tuple[int, int]] = {}
+        self._next_id = 0
         self._missing: dict[Any, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
         tag = (keys[hit], view.partitions)
-        pending = self._inflight.get(tag)
-        if pending is not None:
-            return pending
+        covered = self._inflight.get(tag)
+        if covered is not None:
+            return covered[1]
         missing_until = self._missing.get(tag)
         if missing_until is not None:
             if missing_until > self.clock():
@@ -103,10 +107,13 @@ class Prefetcher:
             self.stats.prefetches_skipped += 1
             return 0
         want = keys[hit:hit + self.max_chunks]
-        self._inflight[tag] = len(want)
+        self._next_id += 1
+        pid = self._next_id
+        for i, key in enumerate(want):
+            self._inflight[(key, view.partitions)] = (pid, len(want) - i)
         self.stats.prefetches += 1
         task = asyncio.get_running_loop().create_task(
-            self._run(view, namespace, want, tag), name="l2-prefetch")
+            self._run(view, namespace, want, pid), name="l2-prefetch")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return len(want)
@@ -125,7 +132,7 @@ class Prefetcher:
             self._missing[(keys[end], view.partitions)] = until
 
     async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
-                   tag: Any) -> None:
+                   pid: int) -> None:
         try:
             end, committed = await self._fetch(view, namespace, keys)
             self._remember_done(view, keys, end, committed)
@@ -136,7 +143,11 @@ class Prefetcher:
             log.exception("L2 prefetch failed")
             self.stats.bump(self.stats.errors, "read")
         finally:
-            self._inflight.pop(tag, None)
+            for key in keys:
+                tag = (key, view.partitions)
+                covered = self._inflight.get(tag)
+                if covered is not None and covered[0] == pid:
+                    del self._inflight[tag]
 
     async def _fetch(self, view: CacheView, namespace: str,
                      keys: list[bytes]) -> tuple[int, int]:
