@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.cache.index import CacheView, L1Index
+from lmc_server.cache.index import CacheView, L1Index, StoreTicket
 from lmc_server.cache.pool import Partition
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
@@ -87,7 +87,8 @@ class Prefetcher:
         #: (that prefetch's id, chunks it covers from there to its end).
         self._inflight: dict[Any, tuple[int, int]] = {}
         self._next_id = 0
-        self._missing: dict[Any, float] = {}
+        #: chunk key -> until when a lookup reaching it starts no prefetch.
+        self._missing: dict[bytes, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
@@ -96,11 +97,11 @@ class Prefetcher:
         covered = self._inflight.get(tag)
         if covered is not None:
             return covered[1]
-        missing_until = self._missing.get(tag)
+        missing_until = self._missing.get(keys[hit])
         if missing_until is not None:
             if missing_until > self.clock():
                 return 0
-            del self._missing[tag]
+            del self._missing[keys[hit]]
         if not self.is_up():
             return 0
         if len(self._tasks) >= MAX_PREFETCHES:
@@ -127,9 +128,21 @@ class Prefetcher:
             self._missing.clear()
         until = self.clock() + MISS_MEMORY_S
         if not committed:
-            self._missing[(keys[0], view.partitions)] = until
+            self._missing[keys[0]] = until
         if end < len(keys):
-            self._missing[(keys[end], view.partitions)] = until
+            self._missing[keys[end]] = until
+
+    def committed(self, ticket: StoreTicket) -> None:
+        """A store committed these objects here (and queued them for L2): forget any
+        memory of them missing, or the next lookup of a prefix L1 loses again within
+        ``MISS_MEMORY_S`` would not look in L2 for them."""
+        if not self._missing:
+            return
+        for r in ticket.reserved:
+            for slot in r.slots:
+                key = r.part.slot_key[slot]
+                if key is not None:
+                    self._missing.pop(key, None)
 
     async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
                    pid: int) -> None:

@@ -69,6 +69,7 @@ class L2Tier:
     def on_commit(self, namespace: str, ticket: StoreTicket) -> None:
         """A store committed ``ticket``'s objects: queue them for L2."""
         self.writer.enqueue(namespace, ticket)
+        self.prefetcher.committed(ticket)
 
     def on_lookup(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """A lookup hit ``hit`` of ``len(keys)`` chunks: chunks now being fetched."""
