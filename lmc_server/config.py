@@ -83,6 +83,11 @@ class Config:
     curve_secret_key_file: str = ""  # zmq CURVE server certificate (lmcache keygen)
     curve_clients_dir: str = ""  # public certificates of the clients allowed in
     memory_check: bool = True  # refuse an L1 pool larger than this machine's memory
+    l2_url: str = ""  # empty: no L2 tier (docs/l2.md); never carries a password
+    l2_password_file: str = ""  # else the password comes from LMCACHE_L2_PASSWORD
+    l2_write_queue_objects: int = 4096  # objects waiting for L2; past it writes drop
+    l2_prefetch_max_chunks: int = 256  # chunks one lookup's prefetch asks L2 for
+    l2_timeout_s: float = 2.0  # connect and per-call timeout of the L2 store
 
     @property
     def endpoint(self) -> str:
@@ -149,6 +154,10 @@ class Config:
                 f"refusing to listen on {self.host}: clients could map and read any KV "
                 f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
                 f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
+        if self.l2_url:
+            from lmc_server.l2.checks import check_l2_config
+
+            check_l2_config(self)
         if self.backend == "null" or not self.memory_check:
             return  # the null engine allocates no pool memory (trace replays only)
         mem = physical_memory_bytes() if memory_bytes is None else memory_bytes

@@ -290,6 +290,12 @@ class L1Index:
 
     # -- allocation ---------------------------------------------------------------------
 
+    def alloc_slots(self, part: Partition, m: int) -> list[int]:
+        """Up to ``m`` free slots of ``part`` for a caller that fills them itself (the
+        L2 prefetch): see :meth:`_alloc_many`. The caller reserves, commits or aborts
+        each slot through the partition, so a half-written object is never visible."""
+        return self._alloc_many(part, m)
+
     def _alloc_many(self, part: Partition, m: int) -> list[int]:
         """Up to ``m`` free slots in ``part``: free list, new slabs, a colder partition's
         slab, own victims (fewer only when nothing else can be evicted).

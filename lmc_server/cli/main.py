@@ -140,6 +140,21 @@ def cli() -> None:
               help="Refuse an --l1-size-gb larger than this machine's memory (less 2 GiB). "
                    "Turn off only where the reported memory understates what the machine "
                    "really has (memory that grows on use, as in some VMs).")
+@click.option("--l2", "l2_url", default="", envvar="LMCACHE_L2", metavar="URL",
+              help="L2 tier shared across hosts: redis://HOST:PORT/DB (rediss:// for TLS, "
+                   "valkey:// too) or mooncake://MASTER:PORT. The password comes from "
+                   "LMCACHE_L2_PASSWORD or --l2-password-file, never the URL. See docs/l2.md.")
+@click.option("--l2-password-file", default="", envvar="LMCACHE_L2_PASSWORD_FILE",
+              help="File whose first line is the L2 password.")
+@click.option("--l2-write-queue-objects", type=click.IntRange(1, 1 << 24), default=4096,
+              envvar="LMCACHE_L2_WRITE_QUEUE_OBJECTS",
+              help="Objects waiting to be written to L2; past this, writes are dropped "
+                   "(counted).")
+@click.option("--l2-prefetch-max-chunks", type=click.IntRange(1, 16384), default=256,
+              envvar="LMCACHE_L2_PREFETCH_MAX_CHUNKS",
+              help="Chunks after an L1 hit that one lookup asks L2 for.")
+@click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
+              envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it

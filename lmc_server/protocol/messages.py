@@ -138,12 +138,18 @@ class Unregistered(_Msg, frozen=True, tag="unregistered"):
     pass
 
 
-class LookupResult(_Msg, frozen=True, tag="lookup_result"):
-    """``hit_chunks`` leading chunks hit; ``lease_id`` is 0 when no lease was taken."""
+class LookupResult(_Msg, frozen=True, tag="lookup_result", omit_defaults=True):
+    """``hit_chunks`` leading chunks hit; ``lease_id`` is 0 when no lease was taken.
+
+    ``l2_pending_chunks`` > 0: that many chunks after the hit are being fetched from
+    the L2 tier into L1; look up again later (next scheduler step) to see them as hits.
+    Omitted on the wire when 0 (always, without an L2 tier).
+    """
 
     hit_chunks: int
     lease_id: int = 0
     lease_ttl_s: float = 0.0
+    l2_pending_chunks: int = 0
 
 
 class Released(_Msg, frozen=True, tag="released"):

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
+
+if TYPE_CHECKING:
+    from lmc_server.l2.tier import L2Tier
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,9 @@ class Handlers:
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
         self.commits = CommitWatch()
+        #: The L2 tier (``--l2``), or None; called once per store commit and per lookup
+        #: that misses L1 (see :mod:`lmc_server.l2.tier`).
+        self.l2: L2Tier | None = None
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -189,9 +195,11 @@ class Handlers:
                                        take_lease=msg.lease)
         self.stats.lookup_tokens += len(keys) * self.config.chunk_size
         self.stats.hit_tokens += hit * self.config.chunk_size
+        pending = (self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
+                   if self.l2 is not None and hit < len(keys) else 0)
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
                               lease_id=lease.lease_id if lease else 0,
-                              lease_ttl_s=ttl if lease else 0.0)
+                              lease_ttl_s=ttl if lease else 0.0, l2_pending_chunks=pending)
 
     def release(self, session: Session, msg: m.Release) -> m.Released:
         return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
@@ -283,6 +291,8 @@ class Handlers:
                     else:
                         self.index.commit_store(ticket)
                         nbytes += ticket.nbytes
+                        if self.l2 is not None:
+                            self.l2.on_commit(reg.namespace, ticket)
                 if nbytes:
                     self.stats.observe_transfer("store", nbytes,
                                                 completion.done_at - completion.started_at)

@@ -16,7 +16,8 @@ from lmc_server.server.stats import ServerStats
 
 
 def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
-                 stats: ServerStats, uptime_s: float) -> dict[str, Any]:
+                 stats: ServerStats, uptime_s: float,
+                 l2: dict[str, Any] | None = None) -> dict[str, Any]:
     pool = index.pool
     parts = []
     for p in index.partitions.values():
@@ -62,4 +63,5 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         },
         "phases": {f"{op}:{phase}": {"count": int(n), "seconds": seconds}
                    for (op, phase), (n, seconds) in sorted(stats.phases.items())},
+        "l2": l2,
     }

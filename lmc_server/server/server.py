@@ -134,6 +134,7 @@ class Server:
         self._prev_signals: dict[int, Any] = {}
         self.on_started: list[Callable[[Server], None]] = []
         self.on_shutdown: list[Callable[[Server], None]] = []
+        self.l2: Any = None  # lmc_server.l2.tier.L2Tier with --l2
 
     # -- entry points -------------------------------------------------------------------
 
@@ -179,6 +180,12 @@ class Server:
         self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
                                  self.clock)
         self.handlers.before_commit = self._drain
+        if cfg.l2_url:
+            from lmc_server.l2.setup import make_tier
+
+            self.l2 = self.handlers.l2 = make_tier(cfg, self.index, self.host_pool,
+                                                   self.engine.name)
+            self.l2.start()
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -235,8 +242,13 @@ class Server:
                        object_groups="separate" if cfg.separate_object_groups else "combined"),
             self.index, self.slab_pool, self.stats, self.sessions,
             LiveState(health=self.health, in_flight=lambda: len(self._tasks)))
+        registry = make_registry(collector)
+        if self.l2 is not None:
+            from lmc_server.l2.metrics import L2Collector
+
+            registry.register(L2Collector(self.l2))
         self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
-                                            make_registry(collector), self.health)
+                                            registry, self.health)
         self.metrics_server.start()
 
     def health(self) -> tuple[bool, str]:
@@ -253,7 +265,8 @@ class Server:
             return False, f"event loop unresponsive for {late_s:.0f} s"
         return True, (f"serving on {self.config.endpoint}, L1 pool "
                       f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
-                      f"{self.sessions.registrations} registrations")
+                      f"{self.sessions.registrations} registrations"
+                      + (f", {self.l2.health()}" if self.l2 is not None else ""))
 
     def _heartbeat(self) -> None:
         """Event-loop liveness for /healthz and the systemd watchdog; runs until closed
@@ -516,7 +529,8 @@ class Server:
     def report(self) -> dict[str, Any]:
         """The ``stats`` reply (see :mod:`lmc_server.server.report`)."""
         return build_report(self.config, self.engine.name, self.index, self.sessions,
-                            self.stats, self.clock() - self.started_at_s)
+                            self.stats, self.clock() - self.started_at_s,
+                            self.l2.report() if self.l2 is not None else None)
 
     # -- shutdown -----------------------------------------------------------------------
 
@@ -599,6 +613,8 @@ class Server:
                     "retrieves still copying into engine memory", len(self._answered), waiting)
 
     async def _close_resources(self) -> None:
+        if self.l2 is not None:  # before the pool goes: its threads read and fill slots
+            await self.l2.stop()
         if self._housekeeping_handle is not None:
             self._housekeeping_handle.cancel()
         if self._heartbeat_handle is not None:

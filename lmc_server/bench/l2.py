@@ -1,0 +1,246 @@
+"""``lmcache bench l2``: the L2 tier through the server vs redis-py on the same bytes.
+
+One redis-server (started here on a free loopback port unless ``--redis-url``), two
+servers with ``--l2`` pointing at it: A stores, B (empty L1) finds the objects in L2.
+
+- write: a store of ``--chunks`` fresh chunks on A, timed until A's write-behind has
+  written every object to L2 (so it includes the store's own copy into L1), against
+  redis-py pipelined ``SET`` of the same values (read back from L2) under other keys;
+- read: a lookup on B that misses L1, timed until a lookup reports every chunk as an L1
+  hit (prefetch: one batched read, header and crc32 checks, copies into L1, commit),
+  against redis-py ``MGET`` of the same keys, in batches like the server's;
+- latency: the same for 1, 16 and 64 chunks (B's L1 cleared before each), median of
+  ``--repeats``, against the raw ``MGET`` of those objects.
+
+Both sides run on this host, and the raw client is synchronous redis-py with the same
+batch sizes as the server's adapter. The last read is retrieved and compared byte for
+byte with what A stored. Completion is polled every millisecond (``POLL_S``), which
+is the resolution of the server-side timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmc_server.bench.common import GeometryArgs, Report, format_table
+from lmc_server.client import Client, Registration, chunk_digests
+from lmc_server.l2 import codec
+from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
+from lmc_server.l2.redisproc import RedisProcess
+from lmc_server.testing.kv import ShmKV, block_ids_for
+from lmc_server.testing.process import ServerProcess
+
+CHUNK_SIZE = 256
+#: Poll interval (stats, lookups): short enough to add little to a timing, long enough
+#: not to take the CPU the server and redis-server need on a small host.
+POLL_S = 0.001
+
+
+@dataclass(frozen=True)
+class L2BenchConfig:
+    chunks: int = 64
+    rounds: int = 3
+    latency_chunks: tuple[int, ...] = (1, 16, 64)
+    repeats: int = 5
+    geometry: GeometryArgs = field(default_factory=GeometryArgs)
+    l1_size_gb: float = 1.0
+    redis_url: str = ""
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{what} not done after {timeout_s} s")
+        time.sleep(POLL_S)
+
+
+def _written(c: Client) -> int:
+    st = c.stats()["l2"]
+    if st["write_queue_objects"] or st["writes_in_flight"]:
+        return -1
+    return int(st["objects_written"])
+
+
+def _has_written(c: Client, objects: int) -> Callable[[], bool]:
+    return lambda: _written(c) >= objects
+
+
+def _is_up(c: Client) -> Callable[[], bool]:
+    return lambda: bool(c.stats()["l2"]["state"] == "up")
+
+
+@contextmanager
+def _redis(url: str) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    with RedisProcess() as r:
+        yield r.url
+
+
+class _Setup:
+    def __init__(self, cfg: L2BenchConfig, stack: ExitStack, url: str) -> None:
+        import redis
+
+        n = max(cfg.chunks, *cfg.latency_chunks)
+        args = ["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups", "--l2", url,
+                "--l2-write-queue-objects", str(8 * n)]
+        self.a = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
+        self.b = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
+        probe = cfg.geometry.build(1)
+        per_chunk = max(CHUNK_SIZE // g.tokens_per_block for g in probe.groups if g.cached)
+        geometry = cfg.geometry.build(n * per_chunk)
+        self.src = stack.enter_context(ShmKV(geometry))
+        self.src.fill_random(1)
+        self.dst = stack.enter_context(ShmKV(geometry))
+        self.dst.fill(0)
+        self.ca = stack.enter_context(Client(self.a.endpoint, timeout_s=60))
+        self.cb = stack.enter_context(Client(self.b.endpoint, timeout_s=60))
+        self.rega = self.ca.register(**self.src.register_kwargs())
+        self.regb = self.cb.register(**self.dst.register_kwargs())
+        self.raw = redis.Redis.from_url(url, socket_timeout=30)
+        stack.callback(self.raw.close)
+        for c in (self.ca, self.cb):
+            _wait(_is_up(c), "L2 connection", 30)
+        self.fps = {p["name"]: bytes.fromhex(p["fingerprint"])
+                    for p in self.ca.stats()["partitions"]}
+
+    def l2_keys(self, reg: Registration, digests: bytes) -> list[bytes]:
+        out = []
+        for og in reg.object_groups:
+            space = codec.space_of(reg.namespace, self.fps[og.name], CHUNK_SIZE)
+            out += [codec.l2_key(space, digests[i:i + 32]) for i in range(0, len(digests), 32)]
+        return out
+
+    def raw_get(self, keys: list[bytes]) -> tuple[float, list[Any]]:
+        t0 = time.perf_counter()
+        values: list[Any] = []
+        for i in range(0, len(keys), GET_BATCH_KEYS):
+            values += self.raw.mget(keys[i:i + GET_BATCH_KEYS])
+        return time.perf_counter() - t0, values
+
+    def raw_set(self, keys: list[bytes], values: list[bytes]) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), PUT_BATCH_KEYS):
+            pipe = self.raw.pipeline(transaction=False)
+            for k, v in zip(keys[i:i + PUT_BATCH_KEYS], values[i:i + PUT_BATCH_KEYS],
+                            strict=True):
+                pipe.set(b"bench/" + k, v)
+            pipe.execute()
+        return time.perf_counter() - t0
+
+    def l2_hit(self, digests: bytes, n: int) -> float:
+        """Seconds from a lookup that misses B's L1 until all ``n`` chunks hit in L1."""
+        self.cb.clear()
+        t0 = time.perf_counter()
+        while True:
+            r = self.cb.lookup(self.regb, digests, lease=False)
+            if r.hit_chunks >= n:
+                return time.perf_counter() - t0
+            if not r.l2_pending_chunks:
+                raise RuntimeError(f"L2 read stopped at {r.hit_chunks} of {n} chunks")
+            time.sleep(POLL_S)
+
+
+def _tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100_000, n * CHUNK_SIZE)
+
+
+def run(cfg: L2BenchConfig) -> Report:
+    report = Report("l2", {"chunks": cfg.chunks, "rounds": cfg.rounds,
+                           "latency_chunks": list(cfg.latency_chunks),
+                           "repeats": cfg.repeats, "geometry": cfg.geometry.describe(),
+                           "chunk_size": CHUNK_SIZE, "l1_size_gb": cfg.l1_size_gb,
+                           "redis": cfg.redis_url or "redis-server started here"})
+    with _redis(cfg.redis_url) as url, ExitStack() as stack:
+        s = _Setup(cfg, stack, url)
+        n = cfg.chunks
+        obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)
+        nbytes, objects = n * obj_bytes, n * len(s.rega.object_groups)
+        report.config["chunk_bytes"] = obj_bytes
+        w_srv, w_raw, r_srv, r_raw, w_store = [], [], [], [], []
+        digests = b""
+        ids: dict[str, np.ndarray] = {}
+        for rnd in range(cfg.rounds):
+            digests = chunk_digests(_tokens(1000 + rnd, n), CHUNK_SIZE)
+            ids = block_ids_for(s.rega, n, np.random.default_rng(rnd))
+            before = _written(s.ca)
+            t0 = time.perf_counter()
+            res = s.ca.store(s.rega, digests, ids)
+            if not res.ok.all():
+                raise RuntimeError(f"store failed: {res.statuses}")
+            w_store.append(time.perf_counter() - t0)
+            _wait(_has_written(s.ca, before + objects), "write-behind")
+            w_srv.append(time.perf_counter() - t0)
+            keys = s.l2_keys(s.rega, digests)
+            _, values = s.raw_get(keys)
+            if any(v is None for v in values):
+                raise RuntimeError("an object A wrote is missing from L2")
+            w_raw.append(s.raw_set(keys, values))
+            r_srv.append(s.l2_hit(digests, n))
+            r_raw.append(s.raw_get(keys)[0])
+        dst_ids = block_ids_for(s.regb, n, np.random.default_rng(99))
+        look = s.cb.lookup(s.regb, digests)
+        res = s.cb.retrieve(s.regb, digests, dst_ids)
+        s.cb.release(look.lease_id)
+        mismatched = 0
+        for g in s.regb.groups:
+            if not g.cached or g.kind == "sliding_window":
+                continue  # full groups: every chunk, byte for byte
+            if s.src.pages(g.name, ids[g.name].tolist()) != \
+                    s.dst.pages(g.name, dst_ids[g.name].tolist()):
+                mismatched += 1
+        for name, srv, raw, nb in (("write", w_srv, w_raw, nbytes),
+                                   ("read", r_srv, r_raw, nbytes)):
+            t_srv, t_raw = statistics.median(srv), statistics.median(raw)
+            report.rows.append({
+                "op": f"{name} {n} chunks", "server_s": t_srv, "raw_s": t_raw,
+                "server_gbps": nb / t_srv / 1e9, "raw_gbps": nb / t_raw / 1e9,
+                "server_objps": objects / t_srv, "raw_objps": objects / t_raw,
+                "ratio": t_raw / t_srv})
+        report.rows[0]["store_s"] = statistics.median(w_store)
+        for k in cfg.latency_chunks:
+            base = chunk_digests(_tokens(5000 + k, k), CHUNK_SIZE)
+            kids = block_ids_for(s.rega, k, np.random.default_rng(k))
+            total = len(s.rega.object_groups) * k
+            before = _written(s.ca)
+            s.ca.store(s.rega, base, kids)
+            _wait(_has_written(s.ca, before + total), "write-behind")
+            keys = s.l2_keys(s.rega, base)
+            srv = [s.l2_hit(base, k) for _ in range(cfg.repeats)]
+            raw = [s.raw_get(keys)[0] for _ in range(cfg.repeats)]
+            t_srv, t_raw = statistics.median(srv), statistics.median(raw)
+            kb = k * obj_bytes
+            report.rows.append({
+                "op": f"L2 hit {k} chunks", "server_s": t_srv, "raw_s": t_raw,
+                "server_gbps": kb / t_srv / 1e9, "raw_gbps": kb / t_raw / 1e9,
+                "server_objps": total / t_srv, "raw_objps": total / t_raw,
+                "ratio": t_raw / t_srv})
+        report.summary = {"mismatched_groups": mismatched,
+                          "retrieved_ok": bool(res.ok.all()),
+                          "l2_b": s.cb.stats()["l2"]}
+    report.notes.append(
+        "ratio = raw time / server time (1.0: as fast as redis-py on the same bytes; "
+        "target >= 0.8 for throughput; L2 hit latency target: server <= 2x raw, i.e. "
+        "ratio >= 0.5)")
+    report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
+                        f"objects); write includes the store into L1; read = lookup miss "
+                        f"until every chunk is an L1 hit")
+    return report
+
+
+def table(report: Report) -> str:
+    return format_table(report.rows, [
+        ("op", "operation", ""), ("server_s", "server s", ".4f"),
+        ("store_s", "of which store s", ".4f"), ("raw_s", "redis-py s", ".4f"),
+        ("server_gbps", "server GB/s", ".2f"), ("raw_gbps", "redis-py GB/s", ".2f"),
+        ("server_objps", "server obj/s", ".0f"), ("raw_objps", "redis-py obj/s", ".0f"),
+        ("ratio", "raw/server", ".2f")])

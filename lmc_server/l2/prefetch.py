@@ -1,0 +1,311 @@
+"""Prefetch: bring the L2 continuation of a looked-up prefix into L1.
+
+A lookup reports its L1 hit at once; if the prefix continues past it, the tier starts
+one prefetch task for the chunks after the hit (at most ``max_chunks``) and the lookup
+says how many chunks are being fetched (``LookupResult.l2_pending_chunks``); the
+client asks again on its next step and then sees them as ordinary L1 hits (leased and
+retrieved like any other).
+
+A prefetch: one batched read of every object (each object group, each chunk) not
+already in L1; the header of each value is checked on the loop (cheap) and the objects
+of the contiguous run of chunks L2 can complete are reserved in L1 (WRITING: invisible,
+like a store); the crc32 check and the copy into the slot run on the tier's threads;
+then each object is committed, or aborted if its checksum failed. A half-written
+object is never visible and a value that fails any check is never served.
+
+Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
+(even after part of it landed and the hit grew) starts nothing and reports what is
+still coming; a finished prefetch remembers where L2 stopped having the continuation,
+and where it started if it brought nothing (for ``MISS_MEMORY_S``), so a client
+polling a prefix L2 does not have (or has only in part) costs one dict lookup per
+poll, not one L2 round trip, and sees ``l2_pending_chunks == 0`` once the answer is
+known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmc_server.cache.index import CacheView, L1Index, StoreTicket
+from lmc_server.cache.pool import Partition
+from lmc_server.l2 import codec
+from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.poolview import PoolView
+from lmc_server.l2.stats import L2Stats
+
+log = logging.getLogger(__name__)
+
+#: Prefetches running at once; past that a lookup starts none (counted).
+MAX_PREFETCHES = 8
+#: How long a known L2 miss (a continuation L2 did not have) is remembered.
+MISS_MEMORY_S = 1.0
+MISS_MEMORY_ENTRIES = 4096
+#: Bytes of values one prefetch reads per batch (at most two batches held at a time).
+READ_BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Reserved:
+    """A fetched object and the WRITING slot reserved for it."""
+
+    og_index: int
+    chunk: int
+    part: Partition
+    slot: int
+    mask: int
+    offset: int
+    value: bytes
+
+
+class Prefetcher:
+    """Starts and runs prefetches (see the module docstring). Event-loop thread only."""
+
+    def __init__(self, index: L1Index, backend: L2Backend, stats: L2Stats, view: PoolView,
+                 executor: ThreadPoolExecutor, max_chunks: int,
+                 space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
+                 on_error: Callable[[L2Error], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
+        self.backend = backend
+        self.stats = stats
+        self.view = view
+        self.executor = executor
+        self.max_chunks = max_chunks
+        self.space = space
+        self.is_up = is_up
+        self.on_error = on_error
+        self.clock = clock
+        #: (chunk key, partitions) of every chunk an in-flight prefetch covers ->
+        #: (that prefetch's id, chunks it covers from there to its end).
+        self._inflight: dict[Any, tuple[int, int]] = {}
+        self._next_id = 0
+        #: chunk key -> until when a lookup reaching it starts no prefetch.
+        self._missing: dict[bytes, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
+        """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
+        tag = (keys[hit], view.partitions)
+        covered = self._inflight.get(tag)
+        if covered is not None:
+            return covered[1]
+        missing_until = self._missing.get(keys[hit])
+        if missing_until is not None:
+            if missing_until > self.clock():
+                return 0
+            del self._missing[keys[hit]]
+        if not self.is_up():
+            return 0
+        if len(self._tasks) >= MAX_PREFETCHES:
+            self.stats.prefetches_skipped += 1
+            return 0
+        want = keys[hit:hit + self.max_chunks]
+        self._next_id += 1
+        pid = self._next_id
+        for i, key in enumerate(want):
+            self._inflight[(key, view.partitions)] = (pid, len(want) - i)
+        self.stats.prefetches += 1
+        task = asyncio.get_running_loop().create_task(
+            self._run(view, namespace, want, pid), name="l2-prefetch")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return len(want)
+
+    def _remember_done(self, view: CacheView, keys: list[bytes], end: int,
+                       committed: int) -> None:
+        """Where L2 stopped having the continuation, and where this prefetch started if
+        it brought nothing (e.g. only a sliding window L2 lacks at the end of the prefix
+        was missing): a lookup stuck there starts nothing new for ``MISS_MEMORY_S``."""
+        if len(self._missing) >= MISS_MEMORY_ENTRIES:
+            self._missing.clear()
+        until = self.clock() + MISS_MEMORY_S
+        if not committed:
+            self._missing[keys[0]] = until
+        if end < len(keys):
+            self._missing[keys[end]] = until
+
+    def committed(self, ticket: StoreTicket) -> None:
+        """A store committed these objects here (and queued them for L2): forget any
+        memory of them missing, or the next lookup of a prefix L1 loses again within
+        ``MISS_MEMORY_S`` would not look in L2 for them."""
+        if not self._missing:
+            return
+        for r in ticket.reserved:
+            for slot in r.slots:
+                key = r.part.slot_key[slot]
+                if key is not None:
+                    self._missing.pop(key, None)
+
+    async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
+                   pid: int) -> None:
+        try:
+            end, committed = await self._fetch(view, namespace, keys)
+            self._remember_done(view, keys, end, committed)
+        except L2Error as e:
+            self.stats.bump(self.stats.errors, "read")
+            self.on_error(e)
+        except Exception:
+            log.exception("L2 prefetch failed")
+            self.stats.bump(self.stats.errors, "read")
+        finally:
+            for key in keys:
+                tag = (key, view.partitions)
+                covered = self._inflight.get(tag)
+                if covered is not None and covered[0] == pid:
+                    del self._inflight[tag]
+
+    async def _fetch(self, view: CacheView, namespace: str,
+                     keys: list[bytes]) -> tuple[int, int]:
+        """Fetch and commit, in batches of chunks (``READ_BATCH_BYTES``): batch i+1 is
+        read while batch i is verified and copied, and the run stops where a full object
+        group is missing. Returns how many leading chunks L1 now has (or L2 had), and
+        how many objects were committed."""
+        n = len(keys)
+        ogs = view.layout.object_groups
+        spaces = [self.space(namespace, part.fingerprint) for part in view.partitions]
+        chunk_bytes = max(1, sum(og.object_bytes for og in ogs))
+        per_batch = max(1, READ_BATCH_BYTES // chunk_bytes)
+        end, committed = n, 0
+        filling: asyncio.Task[tuple[int, int]] | None = None
+        try:
+            for first in range(0, n, per_batch):
+                if first >= end:
+                    break
+                batch = range(first, min(n, first + per_batch))
+                wanted = [(og.index, i, spaces[og.index],
+                           codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES:]))
+                          for og, part in zip(ogs, view.partitions, strict=True)
+                          for i in batch if keys[i] not in part.keys]
+                values: list[bytes | None] = []
+                if wanted:
+                    t0 = time.perf_counter()
+                    values = await self.backend.get_many([w[3] for w in wanted])
+                    self.stats.read_latency.observe(time.perf_counter() - t0)
+                if filling is not None:
+                    done, bad_at = await asyncio.shield(filling)
+                    filling = None
+                    committed += done
+                    end = min(end, bad_at)
+                good, end = self._check(view, keys, wanted, values, end)
+                reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
+                                              end)
+                if reserved:
+                    filling = asyncio.get_running_loop().create_task(
+                        self._fill_and_commit(view, reserved))
+            if filling is not None:
+                done, bad_at = await asyncio.shield(filling)
+                filling = None
+                committed += done
+                end = min(end, bad_at)
+        finally:
+            if filling is not None:  # cancelled or failed: the copies end first (shielded:
+                await asyncio.wait({filling})  # a slot is never freed under its copy)
+        return end, committed
+
+    def _check(self, view: CacheView, keys: list[bytes],
+               wanted: list[tuple[int, int, bytes, bytes]], values: list[bytes | None],
+               end: int) -> tuple[list[tuple[int, int, int, bytes]], int]:
+        """Header checks (cheap, on the loop): the values worth reserving, and ``end``
+        shrunk to the first chunk whose full object group L2 cannot supply."""
+        ogs = view.layout.object_groups
+        good: list[tuple[int, int, int, bytes]] = []  # og index, chunk, mask, value
+        for (og_index, i, space, _), value in zip(wanted, values, strict=True):
+            if value is None:
+                self.stats.misses += 1
+                if ogs[og_index].has_full:
+                    end = min(end, i)
+                continue
+            self.stats.bytes_read += len(value)
+            mask, bad = codec.check_header(value, space, keys[i][-codec.CHUNK_KEY_BYTES:],
+                                           view.partitions[og_index].object_bytes)
+            if bad is not None:
+                self.stats.bump(self.stats.invalid, bad.value)
+                if ogs[og_index].has_full:
+                    end = min(end, i)
+                continue
+            good.append((og_index, i, mask, value))
+        return good, end
+
+    async def _fill_and_commit(self, view: CacheView,
+                               reserved: list[_Reserved]) -> tuple[int, int]:
+        """Verify and copy on the tier's threads, then commit (or abort) each object.
+
+        Returns ``(objects committed, first chunk of a full object group that failed
+        its checksum, or a large number)``.
+        """
+        ogs = view.layout.object_groups
+        loop = asyncio.get_running_loop()
+        ok: list[bool] = []
+        committed, bad_at = 0, 1 << 62
+        try:
+            ok = list(await asyncio.gather(*(
+                loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
+                for r in reserved)))
+        finally:
+            for j, r in enumerate(reserved):
+                if j < len(ok) and ok[j]:
+                    r.part.commit(r.slot, r.mask)
+                    self.stats.hits += 1
+                    committed += 1
+                else:
+                    r.part.abort(r.slot)
+                    if j < len(ok):
+                        self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
+                        if ogs[r.og_index].has_full:
+                            bad_at = min(bad_at, r.chunk)
+        return committed, bad_at
+
+    def _reserve(self, view: CacheView, keys: list[bytes],
+                 good: list[tuple[int, int, int, bytes]], end: int
+                 ) -> tuple[list[_Reserved], int]:
+        """Reserve a WRITING slot per object (skipping keys a store took meanwhile);
+        ``end`` shrinks to the first chunk of a full object group L1 had no room for."""
+        by_og: dict[int, list[tuple[int, int, bytes]]] = {}
+        for og_index, i, mask, value in good:
+            by_og.setdefault(og_index, []).append((i, mask, value))
+        self.index.tick += 1
+        out: list[_Reserved] = []
+        for og_index, items in by_og.items():
+            part = view.partitions[og_index]
+            items = [it for it in items if keys[it[0]] not in part.keys]
+            # L1 index allocation: free slots, then slabs, then eviction by policy.
+            slots = self.index.alloc_slots(part, len(items))
+            if len(slots) < len(items):
+                self.stats.prefetch_no_space += len(items) - len(slots)
+                if view.layout.object_groups[og_index].has_full:
+                    end = min(end, items[len(slots)][0])
+            if not slots:
+                continue
+            offsets = part.offsets(np.asarray(slots, dtype=np.int64))
+            for (i, mask, value), slot, offset in zip(items, slots, offsets.tolist(),
+                                                      strict=False):
+                part.reserve(keys[i], slot, self.index.tick)
+                out.append(_Reserved(og_index, i, part, slot, mask, int(offset), value))
+        return out, end
+
+    def _fill(self, offset: int, value: bytes) -> bool:
+        """Verify the crc32 and copy the payload into its slot (worker thread)."""
+        if not codec.check_payload(value):
+            return False
+        payload = np.frombuffer(codec.payload(value), dtype=np.uint8)
+        np.copyto(self.view(offset, payload.size), payload)
+        return True
+
+    async def stop(self, timeout_s: float) -> None:
+        """Wait for running prefetches (their copies touch the pool), then cancel."""
+        tasks = set(self._tasks)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

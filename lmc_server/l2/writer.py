@@ -1,0 +1,218 @@
+"""Write-behind: committed L1 objects are copied to L2 in the background.
+
+When: at commit. Every object a store commits is queued at once, so another server
+sharing the L2 store can hit it within a round trip, and a server restarted after a
+crash finds its working set in L2. (Writing at eviction would write less, but only
+what L1 no longer wants, after the moment it was most useful to other hosts, and
+nothing at all for objects still in L1 when the server dies.)
+
+The queue is bounded in objects (``max_objects``). It holds references to L1 slots,
+not bytes: at write time the writer checks that each slot still holds the same key
+and is committed (else the object was evicted first: counted, skipped), pins the slots
+for the length of the copy (so eviction cannot reuse them under the copy), builds the
+values (header, crc32, one copy of the payload) on its own threads, unpins, and sends
+one pipelined batch. Nothing here ever waits for L2 on a store's or retrieve's path:
+when the queue is full, or L2 is down, new writes are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmc_server.cache.index import StoreTicket
+from lmc_server.cache.pool import COMMITTED, Partition
+from lmc_server.l2 import codec
+from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.poolview import PoolView
+from lmc_server.l2.stats import L2Stats
+
+log = logging.getLogger(__name__)
+
+#: One batch: at most this many objects and (about) this many bytes per round trip.
+WRITE_BATCH_OBJECTS = 64
+WRITE_BATCH_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Objects of one partition committed by one store, waiting to be written."""
+
+    space: bytes
+    part: Partition
+    keys: list[bytes]
+    slots: list[int]
+
+
+class WriteBehind:
+    """The bounded write queue and the task that drains it (see the module docstring)."""
+
+    def __init__(self, backend: L2Backend, stats: L2Stats, view: PoolView,
+                 executor: ThreadPoolExecutor, max_objects: int,
+                 space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
+                 on_error: Callable[[L2Error], None]) -> None:
+        self.backend = backend
+        self.stats = stats
+        self.view = view
+        self.executor = executor
+        self.max_objects = max_objects
+        self.space = space
+        self.is_up = is_up
+        self.on_error = on_error
+        self._queue: deque[_Pending] = deque()
+        self.depth = 0  # objects queued
+        self.in_flight = 0  # objects taken from the queue, not yet written or dropped
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="l2-writer")
+
+    def enqueue(self, namespace: str, ticket: StoreTicket) -> None:
+        """Queue the objects a store just committed (event loop; O(objects), no IO)."""
+        for r in ticket.reserved:
+            n = len(r.slots)
+            if not self.is_up():
+                self.stats.bump(self.stats.dropped_writes, "l2_down", n)
+                continue
+            room = self.max_objects - self.depth
+            if room < n:
+                self.stats.bump(self.stats.dropped_writes, "queue_full", n - max(room, 0))
+                n = max(room, 0)
+                if n == 0:
+                    continue
+            part = r.part
+            slots = list(r.slots[:n])
+            keys = [part.slot_key[s] or b"" for s in slots]  # (committed: never None)
+            self._queue.append(_Pending(self.space(namespace, part.fingerprint), part,
+                                        keys, slots))
+            self.depth += n
+        if self._queue:
+            self._wake.set()
+
+    def _take_batch(self) -> list[tuple[bytes, Partition, bytes, int]]:
+        """Pop up to one batch of ``(space, partition, key, slot)``."""
+        out: list[tuple[bytes, Partition, bytes, int]] = []
+        nbytes = 0
+        while self._queue and len(out) < WRITE_BATCH_OBJECTS and nbytes < WRITE_BATCH_BYTES:
+            p = self._queue[0]
+            take = min(len(p.slots), WRITE_BATCH_OBJECTS - len(out),
+                       max(1, (WRITE_BATCH_BYTES - nbytes) // p.part.object_bytes))
+            for key, slot in zip(p.keys[:take], p.slots[:take], strict=True):
+                out.append((p.space, p.part, key, slot))
+            nbytes += take * p.part.object_bytes
+            del p.keys[:take], p.slots[:take]
+            if not p.slots:
+                self._queue.popleft()
+        self.depth -= len(out)
+        return out
+
+    def drop_all(self, reason: str) -> None:
+        if self.depth:
+            self.stats.bump(self.stats.dropped_writes, reason, self.depth)
+        self._queue.clear()
+        self.depth = 0
+
+    async def _run(self) -> None:
+        """Drain the queue: build batch i+1's values while batch i is being sent."""
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            sending: asyncio.Task[None] | None = None
+            try:
+                while self._queue and not self._closing:
+                    if not self.is_up():
+                        self.drop_all("l2_down")
+                        break
+                    batch = self._take_batch()
+                    self.in_flight += len(batch)
+                    try:
+                        items = await self._encode_batch(batch)
+                    except BaseException:
+                        self.in_flight -= len(batch)
+                        raise
+                    if sending is not None:
+                        await sending
+                        sending = None
+                    sending = asyncio.get_running_loop().create_task(
+                        self._send(items, len(batch)))
+            except Exception:  # a bug, not the store: keep writing later batches
+                log.exception("L2 write-behind batch failed")
+                self.stats.bump(self.stats.errors, "write")
+            finally:
+                if sending is not None:
+                    await asyncio.gather(sending, return_exceptions=True)
+
+    async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
+                            ) -> list[tuple[bytes, bytes]]:
+        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
+        jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
+        pinned: list[tuple[Partition, int]] = []
+        for space, part, key, slot in batch:
+            if part.slot_key[slot] != key or part.state[slot] != COMMITTED:
+                self.stats.bump(self.stats.dropped_writes, "evicted")
+                continue
+            part.pin(slot)
+            pinned.append((part, slot))
+            offset = int(part.offsets(np.array([slot]))[0])
+            jobs.append((space, key[-codec.CHUNK_KEY_BYTES:], part.mask[slot], offset,
+                         part.object_bytes))
+        if not jobs:
+            return []
+        loop = asyncio.get_running_loop()
+        try:
+            values = await asyncio.gather(*(
+                loop.run_in_executor(self.executor, self._encode, *job) for job in jobs))
+        finally:
+            for part, slot in pinned:
+                part.unpin(slot)
+        return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
+
+    async def _send(self, items: list[tuple[bytes, bytes]], taken: int) -> None:
+        """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
+        try:
+            if not items:
+                return
+            t0 = time.perf_counter()
+            try:
+                await self.backend.put_many(items)
+            except L2Error as e:
+                self.stats.bump(self.stats.errors, "write")
+                self.stats.bump(self.stats.dropped_writes, "error", len(items))
+                self.on_error(e)
+                return
+            except Exception:
+                log.exception("L2 write failed")
+                self.stats.bump(self.stats.errors, "write")
+                self.stats.bump(self.stats.dropped_writes, "error", len(items))
+                return
+            self.stats.write_latency.observe(time.perf_counter() - t0)
+            self.stats.objects_written += len(items)
+            self.stats.bytes_written += sum(len(v) for _, v in items)
+        finally:
+            self.in_flight -= taken
+
+    def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
+                nbytes: int) -> bytes:
+        """Header and payload of one object (worker thread; the slot is pinned)."""
+        return codec.encode_value(space, chunk_key, mask, self.view(offset, nbytes).data)
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop after the batch in progress (its copies are finished before returning)."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except TimeoutError:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+        self.drop_all("shutdown")
