@@ -146,7 +146,7 @@ class ConnectorFlow:
         plan = self.planner.build_step([ScheduledRequest(req_id, 0, len(tokens), tables, True)])
         self.transfers.begin_step(plan)
         self.transfers.start_stores(plan.stores, self.backing.ready())
-        self.transfers.fence([req_id])
+        self.transfers.fence(s.store_id for s in plan.stores)
         held = self.planner.request_finished(req_id)
         rep = self._poll({req_id}, "finished_sending") if held else Report()
         self.planner.transfers_finished([], rep.finished_sending)

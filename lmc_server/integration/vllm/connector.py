@@ -87,7 +87,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.model = self.settings.model or str(vllm_config.model_config.model)
         self.arch = self.settings.arch or _detect_arch()
         self.link = ServerLink(self.settings.endpoint, timeout_s=self.settings.timeout_s,
-                               client_name=f"vllm-{role.name.lower()}")
+                               client_name=f"vllm-{role.name.lower()}",
+                               max_inflight=self.settings.max_inflight)
         welcome = self.link._client.welcome
         assert welcome is not None
         vg = build_groups(kv_cache_config)
@@ -104,7 +105,17 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                                replicated=vg.replicated)
             self.planner = SchedulerPlanner(self.geometry, self.link,
                                             store=self.settings.store,
-                                            load=self.settings.load)
+                                            load=self.settings.load,
+                                            store_generated=self.settings.store_generated)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: this is a best-effort cache, not a hand-off. vLLM 0.33 defaults to
+        True for producers (``kv_both`` included), which makes a preemption under async
+        scheduling drop and resample in-flight output. Nothing here needs that: a
+        preempted request's stores are fenced before its freed blocks can be written
+        (:meth:`handle_preemptions`), and a store that does not happen is a later miss."""
+        return False
 
     # -- worker side --------------------------------------------------------------------
 
@@ -137,8 +148,10 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.plan
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called every step before the forward pass and the step's loads: wait for
+        the stores reading blocks this step's scheduling may have freed."""
         if self.transfers is not None and isinstance(kv_connector_metadata, LMCacheMPMetadata):
-            self.transfers.fence(kv_connector_metadata.plan.fence_req_ids)
+            self.transfers.fence(kv_connector_metadata.plan.fence_store_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -182,9 +195,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def shutdown(self) -> None:
+        """Wait (at most ``shutdown_timeout_s``) for stores and loads in flight, then
+        unregister; past the wait the connection closes and the server aborts what
+        is unfinished (nothing half-written becomes visible)."""
+        drained = True
         if self.transfers is not None:
-            self.transfers.fence(())
-        self.link.close()
+            drained = self.transfers.drain(self.settings.shutdown_timeout_s)
+        self.link.close(None if drained else 1.0)
 
     # -- scheduler side -----------------------------------------------------------------
 
