@@ -368,3 +368,29 @@ def test_bad_prefix_ends_refused(srv: ServerProcess) -> None:
 
     with ShmKV(geo) as kv:
         assert asyncio.run(run()) == ["bad_request"] * 4
+
+
+def test_link_survives_a_server_restart() -> None:
+    """A restarted server has forgotten the registration: the link connects and
+    registers again and the request succeeds (no request fails for it)."""
+    geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    digests = geometry.digests(block_hashes(list(range(600)), 16), 2)
+    ids = {"full": np.arange(1, 33, dtype=np.int32)}
+    args = ["--chunk-size", "256", "--separate-object-groups"]
+    with ShmKV(geo) as kv:
+        kv.fill_random(2)
+        first = ServerProcess(args, l1_size_gb=0.25).start()
+        link = ServerLink(first.endpoint, timeout_s=10)
+        try:
+            link.register(**kv.register_kwargs(replicated=True))
+            assert link.store(digests, ids).result(10).ok.all()
+            first.terminate()
+            with ServerProcess(args, port=first.port, l1_size_gb=0.25):
+                assert link.lookup(digests).result(15).hit_chunks == 0  # a new, empty pool
+                assert link.store(digests, ids).result(15).ok.all()
+                assert link.lookup(digests).result(10).hit_chunks == 2
+                assert link.reconnects == 1
+        finally:
+            first.kill()
+            link.close(unregister_timeout_s=2)

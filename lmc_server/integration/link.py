@@ -14,6 +14,12 @@ where the server's ``max_chunks_per_request`` or frame limit requires. At most
 server's per-client limit); more wait in a queue, and a ``busy`` refusal is retried
 until ``timeout_s``. A transfer therefore fails only for a reason that persists:
 never because the connection was momentarily full.
+
+A restarted server. The server forgets registrations when it restarts (or drops a
+session it thought dead); zmq reconnects the socket by itself and the next request is
+refused (``handshake`` or ``unknown_registration``). The link then connects afresh,
+registers again with the same arguments and retries the request once; a lookup,
+store or retrieve fails only if that fails too.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ BUSY_RETRY_MAX_S = 0.05
 #: ``max_inflight_per_client`` (64 by default) with ``busy``.
 DEFAULT_MAX_INFLIGHT = 16
 
+#: Refusals that mean "the server does not know this connection or registration".
+RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
+
 Item = tuple[bytes, BlockIds]
 """One engine request's part of a batch: its chunk digests and block ids."""
 
@@ -58,8 +67,12 @@ class ServerLink:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
+        self.client_name = client_name
         self.requests_sent = {"store": 0, "retrieve": 0}
         self.busy_retries = 0
+        self.reconnects = 0
+        self._register_kwargs: dict[str, Any] | None = None
+        self._reconnect_lock = asyncio.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="lmc-server-link", daemon=True)
@@ -87,20 +100,60 @@ class ServerLink:
     def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
                  buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
                  replicated: bool = False) -> Registration:
-        self.registration = self.wait(self._client.register(
-            model=model, kv_dtype=kv_dtype, arch=arch, groups=groups, buffers=buffers,
-            world_size=world_size, rank=rank, replicated=replicated))
+        if self.registration is not None:  # registering anew replaces the old one
+            self.wait(self._client.unregister(self.registration))
+            self.registration = None
+        self._register_kwargs = dict(model=model, kv_dtype=kv_dtype, arch=arch,
+                                     groups=list(groups), buffers=list(buffers),
+                                     world_size=world_size, rank=rank, replicated=replicated)
+        self.registration = self.wait(self._client.register(**self._register_kwargs))
         logger.info("registered with %s: namespace %s, chunk size %d, %d object groups%s",
                     self.endpoint, self.registration.namespace, self.registration.chunk_size,
                     len(self.registration.object_groups),
                     " (lookup only)" if self.registration.lookup_only else "")
         return self.registration
 
+    async def _reconnect(self, seen: AsyncClient) -> None:
+        """Connect and register afresh, unless another request already did."""
+        async with self._reconnect_lock:
+            if self._client is not seen:
+                return
+            logger.warning("server at %s lost this link's registration (restarted?); "
+                           "connecting and registering again", self.endpoint)
+            client = await AsyncClient.connect(self.endpoint, timeout_s=self.timeout_s,
+                                               client_name=self.client_name)
+            try:
+                if self._register_kwargs is not None:
+                    self.registration = await client.register(**self._register_kwargs)
+            except BaseException:
+                await client.close()
+                raise
+            self._client = client
+            self.reconnects += 1
+            await seen.close()
+
+    async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self._client.<method>(registration, ...)``, reconnecting once if the server
+        forgot this link."""
+        for attempt in (0, 1):
+            client = self._client
+            try:
+                return await getattr(client, method)(self.reg, *args, **kwargs)
+            except ServerError as e:
+                if e.code not in RECONNECT_CODES or attempt:
+                    raise
+            except ConnectionError:
+                if attempt or client is self._client:  # not closed by a reconnect
+                    raise
+                continue
+            await self._reconnect(client)
+        raise AssertionError("unreachable")
+
     # -- LookupService ------------------------------------------------------------------
 
     def lookup(self, digests: bytes) -> Future[LookupAnswer]:
         async def run() -> LookupAnswer:
-            r = await self._client.lookup(self.reg, digests, lease=True)
+            r = await self._request("lookup", digests, lease=True)
             return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s)
 
         return self.submit(run())
@@ -111,8 +164,7 @@ class ServerLink:
 
     # -- transfers ----------------------------------------------------------------------
 
-    async def _send(self, op: str, fn: Callable[..., Coroutine[Any, Any, ChunkResult]],
-                    *args: Any, **kwargs: Any) -> ChunkResult:
+    async def _send(self, op: str, *args: Any, **kwargs: Any) -> ChunkResult:
         """One store or retrieve, queued behind ``max_inflight``; ``busy`` is retried."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
@@ -121,7 +173,8 @@ class ServerLink:
             while True:
                 try:
                     self.requests_sent[op] += 1
-                    return await fn(self.reg, *args, **kwargs)
+                    result: ChunkResult = await self._request(op, *args, **kwargs)
+                    return result
                 except ServerError as e:
                     if e.code != "busy" or loop.time() + pause > deadline:
                         raise
@@ -161,11 +214,10 @@ class ServerLink:
                    for k in keys}
             try:
                 if op == "store":
-                    res = await self._send(op, self._client.store, digests, ids)
+                    res = await self._send(op, digests, ids)
                 else:
                     ends = np.cumsum(sizes).tolist()
-                    res = await self._send(op, self._client.retrieve, digests, ids,
-                                           prefix_ends=ends)
+                    res = await self._send(op, digests, ids, prefix_ends=ends)
             except BaseException as e:
                 for i in part:
                     futs[i].set_exception(e if isinstance(e, Exception)
