@@ -313,6 +313,11 @@ class SchedulerPlanner:
     def tracked(self) -> int:
         return len(self._reqs)
 
+    @property
+    def lookups_in_flight(self) -> int:
+        return sum(1 for r in self._reqs.values()
+                   if r.lookup is not None and not r.lookup.done())
+
     def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
         """Fence ``r``'s stores that read blocks the engine may free at
         ``computed_tokens`` (``None``: every block, a preemption)."""

@@ -33,7 +33,7 @@ import hashlib
 import importlib.util
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,7 +184,8 @@ class SimEngine:
             cache_config=CacheConfig(block_size=block, enable_prefix_caching=True,
                                      num_gpu_blocks_override=cfg.num_blocks),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
                 max_model_len=16384, enable_chunked_prefill=True, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="LMCacheMPConnector",
@@ -241,7 +242,10 @@ class SimEngine:
         self.failed: dict[str, str] = {}
         self.steps = 0
         self.loaded_tokens: dict[str, int] = {}
-        self._pending_finished: set[str] = set()
+        self.preempted: set[str] = set()
+        self.requests: dict[str, Any] = {}
+        self.max_loads_per_step = 0
+        self.before_worker: Callable[[Any], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -256,6 +260,7 @@ class SimEngine:
                                                            ignore_eos=True), None,
                       block_hasher=get_request_block_hasher(self.hash_block, sha256))
         self.scheduler.add_request(req)
+        self.requests[req_id] = req
         return req
 
     # -- the oracle -----------------------------------------------------------------------
@@ -316,12 +321,28 @@ class SimEngine:
 
     # -- one engine step ------------------------------------------------------------------
 
+    def wait_lookups(self, timeout_s: float = 20.0) -> None:
+        """Until every lookup the scheduler-side connector sent has been answered."""
+        deadline = time.monotonic() + timeout_s
+        while self.connector.planner.lookups_in_flight:
+            assert time.monotonic() < deadline, "lookups not answered"
+            time.sleep(0.002)
+
+    def forget_local_cache(self) -> None:
+        """Drop vLLM's own prefix cache (as its eviction would): hits must come from
+        the server from now on."""
+        assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its cache"
+
     def step(self) -> Any:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
         self.steps += 1
+        self.preempted |= set(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
+        self.max_loads_per_step = max(self.max_loads_per_step, len(meta.plan.loads))
+        if self.before_worker is not None:
+            self.before_worker(out)
         w = self.worker
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
