@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from lmc_server.integration.kvlayout import KVLayout, derive_registration
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import (
     ChunkGeometry,
@@ -38,7 +39,6 @@ from lmc_server.integration.planning import (
     StepPlan,
 )
 from lmc_server.integration.settings import ConnectorSettings
-from lmc_server.integration.kvlayout import KVLayout, derive_registration
 from lmc_server.integration.vllm.geometry import build_groups, describe
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers
 
