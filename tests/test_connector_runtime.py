@@ -30,7 +30,7 @@ from lmc_server.integration.planning import (
     SchedulerPlanner,
 )
 from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
-from lmc_server.testing.connector_flow import block_hashes
+from lmc_server.testing.connector_flow import block_hashes, check_batched_step
 from lmc_server.testing.kv import KVGeometry, ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
 from lmc_server.testing.process import ServerProcess
@@ -169,49 +169,9 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess) -> None:
     """Defect 2. 120 requests store in one step and 120 load in one step: one batched
     store and one batched retrieve, no ``busy``, every load succeeds byte-exact."""
     n = 120
-    geo = simple_model(num_blocks=2 * n * 17 + 8, layers=2, bytes_per_token=32)
-    with ShmKV(geo) as kv:
+    with ShmKV(simple_model(num_blocks=34 * n + 8, layers=2, bytes_per_token=32)) as kv:
         kv.fill_random(3)
-        rig = Rig.open(srv.endpoint, geo, kv)
-        try:
-            prompts = {f"r{i}": [i] * 7 + list(range(1000 * i, 1000 * i + 250))
-                       for i in range(n)}
-            tables: dict[str, list[list[int]]] = {}
-            for i, (rid, toks) in enumerate(prompts.items()):
-                assert rig.matched(rid, toks) == 0
-                tables[rid] = _tables(geo, 1 + 17 * i, 257)
-                rig.planner.after_alloc(rid, tables[rid], 0)
-            plan = rig.planner.build_step(
-                [ScheduledRequest(r, 0, 257, tables[r], True) for r in prompts])
-            assert len(plan.stores) == n
-            rig.wt.begin_step(plan)
-            rig.wt.start_stores(plan.stores)
-            for rid in prompts:
-                assert rig.planner.request_finished(rid) is True
-            rep = rig.poll(set(prompts), "finished_sending", n)
-            assert rig.tracker.failed_store_chunks == 0
-            rig.planner.transfers_finished([], rep.finished_sending)
-
-            loads: dict[str, list[list[int]]] = {}
-            for i, (rid, toks) in enumerate(prompts.items()):
-                hit = "h" + rid
-                assert rig.matched(hit, toks + [1]) == 256
-                loads[hit] = _tables(geo, 1 + 17 * (n + i), 258)
-                rig.planner.after_alloc(hit, loads[hit], 256)
-            plan = rig.planner.build_step([])
-            assert len(plan.loads) == n
-            rig.wt.begin_step(plan)
-            rep = rig.poll(set(), "finished_recving", n)
-            assert not rep.failed_recving and not rep.invalid_block_ids
-            for rid in prompts:
-                src, dst = tables[rid][0][:16], loads["h" + rid][0][:16]
-                assert kv.pages("full", dst) == kv.pages("full", src), rid
-        finally:
-            rig.close()
-    with Client(srv.endpoint) as c:
-        counts = c.stats()["counters"]["requests"]
-    assert counts.get("store:ok") == 1 and counts.get("retrieve:ok") == 1, counts
-    assert not any(k.endswith(":busy") for k in counts), counts
+        check_batched_step(srv.endpoint, kv, n)
 
 
 def test_busy_is_retried_not_failed(srv: ServerProcess) -> None:
