@@ -149,7 +149,8 @@ class SimEngine:
                  num_blocks: int = 600, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 256, load_failure_policy: str = "fail",
                  extra: dict[str, Any] | None = None, arch: str = "sm90",
-                 compressed_block: int = 64, model_name: str = "") -> None:
+                 compressed_block: int = 64, model_name: str = "",
+                 async_scheduling: bool = False) -> None:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -186,7 +187,8 @@ class SimEngine:
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
-                max_model_len=16384, enable_chunked_prefill=True, is_encoder_decoder=False),
+                max_model_len=16384, enable_chunked_prefill=True, is_encoder_decoder=False,
+                async_scheduling=async_scheduling),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="LMCacheMPConnector",
                 kv_connector_module_path="lmc_server.integration.vllm", kv_role="kv_both",
@@ -200,7 +202,10 @@ class SimEngine:
         self.cfg = cfg
         self.hash_block = hash_block
         # the scheduler gets what EngineCore gives it: a copy with per-layer specs folded
-        self.scheduler = Scheduler(self.vc, generate_scheduler_kv_cache_config([cfg]),
+        self.async_scheduling = async_scheduling
+        scheduler_cls = self.vc.scheduler_config.get_scheduler_cls()
+        assert issubclass(scheduler_cls, Scheduler)
+        self.scheduler = scheduler_cls(self.vc, generate_scheduler_kv_cache_config([cfg]),
                                    StructuredOutputManager(self.vc),
                                    block_size=sched_block, hash_block_size=hash_block)
         self.connector = self.scheduler.connector
@@ -244,6 +249,8 @@ class SimEngine:
         self.loaded_tokens: dict[str, int] = {}
         self.preempted: set[str] = set()
         self.requests: dict[str, Any] = {}
+        self.seq: dict[str, list[int]] = {}
+        self._in_flight: tuple[Any, Any] | None = None
         self.max_loads_per_step = 0
         self.before_worker: Callable[[Any], None] | None = None
 
@@ -261,6 +268,7 @@ class SimEngine:
                       block_hasher=get_request_block_hasher(self.hash_block, sha256))
         self.scheduler.add_request(req)
         self.requests[req_id] = req
+        self.seq[req_id] = list(prompt)
         return req
 
     # -- the oracle -----------------------------------------------------------------------
@@ -334,10 +342,25 @@ class SimEngine:
         assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its cache"
 
     def step(self) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
+        """One engine step. With async scheduling (vLLM's batch queue of two), step
+        N+1 is scheduled and executed before step N's output is processed, as
+        ``EngineCore.step_with_batch_queue`` does."""
         out = self.scheduler.schedule()
         self.steps += 1
+        mro = self._execute(out)
+        if self.async_scheduling:
+            if self._in_flight is not None:
+                self._update(*self._in_flight)
+            self._in_flight = (out, mro)
+        else:
+            self._update(out, mro)
+        return out
+
+    def _execute(self, out: Any) -> Any:
+        """The worker side in the V1 model runner's order, the simulated forward pass
+        between ``bind_connector_metadata`` and ``start_load_kv``."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
         self.preempted |= set(out.preempted_req_ids or ())
         meta = out.kv_connector_metadata
         self.max_loads_per_step = max(self.max_loads_per_step, len(meta.plan.loads))
@@ -354,26 +377,30 @@ class SimEngine:
                  for i, rid in enumerate(cached.req_ids)]
         sampled: dict[str, list[int]] = {}
         for rid, computed, n in runs:  # the forward pass
-            req = self.scheduler.requests[rid]
-            tokens = list(req.all_token_ids)
-            self._check_reads(rid, tokens, computed)
-            self._write(rid, tokens, computed, computed + n)
-            sampled[rid] = ([next_token(tokens[:computed + n])]
-                            if computed + n >= req.num_tokens else [])
+            seq = self.seq[rid]
+            assert computed + n <= len(seq), f"{rid}: scheduled past its known tokens"
+            self._check_reads(rid, seq, computed)
+            self._write(rid, seq, computed, computed + n)
+            sampled[rid] = []
+            if computed + n == len(seq):
+                seq.append(next_token(seq))
+                sampled[rid] = [seq[-1]]
         w.start_load_kv(None)
         w.wait_for_save()
         res = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
         ids = [rid for rid, _, _ in runs]
-        mro = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled[r] for r in ids],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=res.finished_sending or None,
                 finished_recving=res.finished_recving or None,
                 failed_recving=res.failed_recving, invalid_block_ids=invalid))
-        for rid in res.finished_recving or ():
+
+    def _update(self, out: Any, mro: Any) -> None:
+        for rid in mro.kv_connector_output.finished_recving or ():
             r = self.scheduler.requests.get(rid)
             if r is not None:
                 self.loaded_tokens[rid] = r.num_computed_tokens
@@ -384,7 +411,6 @@ class SimEngine:
                     self.finished[o.request_id] = list(o.new_token_ids)
                     if int(o.finish_reason) not in (0, 1):  # STOP, LENGTH
                         self.failed[o.request_id] = str(o.finish_reason)
-        return out
 
     def run(self, req_ids: Iterable[str], max_steps: int = 2000,
             timeout_s: float = 120.0) -> None:
@@ -402,6 +428,9 @@ class SimEngine:
             raise AssertionError(f"not finished after {max_steps} steps: "
                                  f"{sorted(want - set(self.finished))}")
         self.drain()
+        if self._in_flight is not None:
+            self._update(*self._in_flight)
+            self._in_flight = None
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Step until the connector holds no request (stores reported)."""

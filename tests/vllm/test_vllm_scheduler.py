@@ -159,15 +159,21 @@ def test_eviction_between_lookup_and_load(srv: ServerProcess, tmp_model: Path,
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str,
+                               async_scheduling: bool) -> None:
     """Too few blocks for every request's decode: vLLM preempts and resumes requests
-    (fences their stores first); every byte read stays right, later hits load right."""
+    (fences their stores first); every byte read stays right, later hits load right.
+    With async scheduling (vLLM's AsyncScheduler, step N+1 scheduled and run before
+    step N's output is processed) preempted in-flight output is kept, as
+    ``requires_kv_delivery = False`` asks."""
     e = engine(srv, tmp_model, model, num_blocks=90 if model == "plain" else 64,
-               max_num_batched_tokens=512)
+               max_num_batched_tokens=512, async_scheduling=async_scheduling)
     try:
         prompts = {f"p{i}": prompt(200 + i, 260 + 40 * i) for i in range(6)}
         for rid, p in prompts.items():
             e.add(rid, p, max_tokens=200)
+        assert (type(e.scheduler).__name__ == "AsyncScheduler") == async_scheduling
         e.run(prompts, max_steps=4000)
         assert e.preempted, "the test did not cause a preemption"
         e.forget_local_cache()
@@ -182,12 +188,15 @@ def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str) 
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_stalled_server(srv: ServerProcess, tmp_model: Path, model: str) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stalled_server(srv: ServerProcess, tmp_model: Path, model: str,
+                        async_scheduling: bool) -> None:
     """The server stops (SIGSTOP) for 3 s while requests prefill in chunks and decode
     over a small block pool (vLLM reuses freed sliding-window blocks within a step or
     two). Steps wait where a store reads reusable blocks; nothing served later is
     stale, and no request fails."""
-    e = engine(srv, tmp_model, model, num_blocks=120, max_num_batched_tokens=512)
+    e = engine(srv, tmp_model, model, num_blocks=120, max_num_batched_tokens=512,
+               async_scheduling=async_scheduling)
     try:
         prompts = {f"s{i}": prompt(300 + i, 520 + 130 * i) for i in range(5)}
         for rid, p in prompts.items():
