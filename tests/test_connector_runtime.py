@@ -165,6 +165,52 @@ def test_store_finishes_before_freed_window_blocks_are_rewritten(srv: ServerProc
             rig.close()
 
 
+def test_fence_timeout_aborts_the_store(srv: ServerProcess) -> None:
+    """A fence that times out (server stopped longer than ``fence_timeout_s``) drops
+    the connection: the store is aborted by the server, never committed from blocks
+    the next forward pass rewrote; a later lookup misses rather than serve them."""
+    geo = dsv41_flash(num_blocks=96, layers=4)
+    with ShmKV(geo) as kv:
+        kv.fill_random(8)
+        rig = Rig.open(srv.endpoint, geo, kv)
+        rig.wt.fence_timeout_s = 0.5
+        try:
+            tokens = list(range(300, 300 + 600))
+            assert rig.matched("A", tokens) == 0
+            a = _tables(geo, 1, 600)
+            rig.planner.after_alloc("A", a, 0)
+            step1 = rig.planner.build_step([ScheduledRequest("A", 0, 512, a, True)])
+            rig.wt.begin_step(step1)
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                rig.wt.start_stores(step1.stores)
+                step2 = rig.planner.build_step([ScheduledRequest("A", 512, 1, None)])
+                assert step2.fence_store_ids
+                assert rig.wt.fence(step2.fence_store_ids) is False
+                for g in geo.groups:
+                    if g.kind == "sliding_window":
+                        for li in range(len(g.layers)):
+                            for b in a[[x.name for x in geo.groups].index(g.name)][4:8]:
+                                kv.page(g.name, li, b)[:] = 0xEE
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert rig.tracker.store_futures()[0].exception(20) is not None
+            time.sleep(1.0)  # the server, running again, handles what was queued
+            with Client(srv.endpoint) as c:
+                assert c.stats()["counters"]["stored_objects"] == 0  # a fresh server
+                reg = c.register(**kv.register_kwargs(buffers=[], replicated=True))
+                digests = rig.geometry.digests(block_hashes(tokens, rig.per), 1)
+                assert c.lookup(reg, digests, lease=False).hit_chunks == 0
+            # the link connects anew on its next request
+            other = rig.geometry.digests(block_hashes(list(range(5000, 5300)), rig.per), 1)
+            ids = rig.geometry.block_ids(_tables(geo, 40, 300), 0, 1)
+            assert rig.work.store(other, ids).result(20).ok.all()
+            assert rig.work.reconnects == 1
+        finally:
+            rig.close()
+
+
 def test_hundred_requests_hit_in_one_step(srv: ServerProcess) -> None:
     """Defect 2. 120 requests store in one step and 120 load in one step: one batched
     store and one batched retrieve, no ``busy``, every load succeeds byte-exact."""

@@ -73,6 +73,7 @@ class ServerLink:
         self.reconnects = 0
         self._register_kwargs: dict[str, Any] | None = None
         self._reconnect_lock = asyncio.Lock()
+        self._broken = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="lmc-server-link", daemon=True)
@@ -116,10 +117,10 @@ class ServerLink:
     async def _reconnect(self, seen: AsyncClient) -> None:
         """Connect and register afresh, unless another request already did."""
         async with self._reconnect_lock:
-            if self._client is not seen:
+            if self._client is not seen and not self._broken:
                 return
-            logger.warning("server at %s lost this link's registration (restarted?); "
-                           "connecting and registering again", self.endpoint)
+            seen = self._client
+            logger.warning("connecting to %s and registering again", self.endpoint)
             client = await AsyncClient.connect(self.endpoint, timeout_s=self.timeout_s,
                                                client_name=self.client_name)
             try:
@@ -129,14 +130,28 @@ class ServerLink:
                 await client.close()
                 raise
             self._client = client
+            self._broken = False
             self.reconnects += 1
             await seen.close()
+
+    def reset(self) -> None:
+        """Close this connection now; the next request connects and registers afresh.
+
+        The server ends the old session: stores it has not committed are aborted,
+        never made visible. A fence that timed out uses this, since the blocks its
+        store reads may be rewritten from now on. Returns without waiting for the
+        server (it may be the one that is stalled)."""
+        self._broken = True
+        self.wait(self._client.close())
 
     async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self._client.<method>(registration, ...)``, reconnecting once if the server
         forgot this link."""
         for attempt in (0, 1):
             client = self._client
+            if self._broken:
+                await self._reconnect(client)
+                client = self._client
             try:
                 return await getattr(client, method)(self.reg, *args, **kwargs)
             except ServerError as e:
@@ -272,12 +287,13 @@ class ServerLink:
             return
         wait_s = self.timeout_s if unregister_timeout_s is None else unregister_timeout_s
         try:
-            if self.registration is not None:
+            if self.registration is not None and not self._broken:
                 self.submit(self._client.unregister(self.registration)).result(wait_s)
         except Exception as exc:  # the server may be gone or stalled at shutdown
             logger.debug("unregister at close failed: %r", exc)
         try:
-            self.wait(self._client.close())
+            if not self._broken:
+                self.wait(self._client.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)

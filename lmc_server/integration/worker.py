@@ -148,14 +148,19 @@ class WorkerTransfers:
 
     def fence(self, store_ids: Iterable[int]) -> bool:
         """Wait for these stores: they read blocks the engine may write from now on.
-        False when some did not finish within ``fence_timeout_s``."""
+
+        False when some did not finish within ``fence_timeout_s``: the connection is
+        then dropped (and made anew), so the server aborts them rather than commit
+        pages the engine may be rewriting."""
         futs = [f for i in store_ids if (f := self._by_store_id.pop(i, None)) is not None]
         if not futs:
             return True
         _, pending = wait_futures(futs, timeout=self.fence_timeout_s)
         if pending:
-            logger.error("%d stores still running after %.0f s at a fence",
-                         len(pending), self.fence_timeout_s)
+            logger.error("%d stores still running after %.0f s at a fence; dropping the "
+                         "connection so the server aborts them (their blocks may be "
+                         "rewritten now)", len(pending), self.fence_timeout_s)
+            self.link.reset()
         return not pending
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:

@@ -195,6 +195,8 @@ class SimEngine:
                 kv_load_failure_policy=load_failure_policy,
                 kv_connector_extra_config=settings))
         self.vc.cache_config.num_gpu_blocks = cfg.num_blocks
+        # the CPU platform turns async scheduling off; GPU platforms default it on
+        self.vc.scheduler_config.async_scheduling = async_scheduling
         sched_block, hash_block = resolve_kv_cache_block_sizes(cfg, self.vc)
         cfg.hash_block_size = hash_block
         cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
