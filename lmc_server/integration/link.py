@@ -193,6 +193,14 @@ class ServerLink:
                 except ServerError as e:
                     if e.code != "busy" or loop.time() + pause > deadline:
                         raise
+                except TimeoutError:
+                    # No answer: a stalled server may still run it later, reading or
+                    # writing blocks the engine reuses once this failure is reported.
+                    # Dropping the connection ends the session, so it does not.
+                    if not self._broken:
+                        self._broken = True
+                        await self._client.close()
+                    raise
                 self.busy_retries += 1
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BUSY_RETRY_MAX_S)

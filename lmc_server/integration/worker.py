@@ -155,13 +155,16 @@ class WorkerTransfers:
         futs = [f for i in store_ids if (f := self._by_store_id.pop(i, None)) is not None]
         if not futs:
             return True
-        _, pending = wait_futures(futs, timeout=self.fence_timeout_s)
-        if pending:
-            logger.error("%d stores still running after %.0f s at a fence; dropping the "
+        done, pending = wait_futures(futs, timeout=self.fence_timeout_s)
+        # A store that timed out on this side may still be queued at a stalled server.
+        unknown = [f for f in done if isinstance(f.exception(), TimeoutError)]
+        if pending or unknown:
+            logger.error("%d stores without an answer at a fence (%.0f s); dropping the "
                          "connection so the server aborts them (their blocks may be "
-                         "rewritten now)", len(pending), self.fence_timeout_s)
+                         "rewritten now)", len(pending) + len(unknown),
+                         self.fence_timeout_s)
             self.link.reset()
-        return not pending
+        return not pending and not unknown
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
         futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads])
