@@ -227,6 +227,29 @@ def build(name: str, specs: dict[str, KVCacheSpec], backends: list[type], vc: Vl
     }
 
 
+def dsv41_sm100_b128(num_blocks: int, n_layers: int) -> dict[str, Any]:
+    """DeepSeek-V4.1 on SM100 with 128-token blocks for the compressed and indexer
+    caches, the block size vLLM's sparse-MLA backend prefers there (64 stored states
+    per block at two tokens per state)."""
+    global DSV41_BLOCK
+    old, DSV41_BLOCK = DSV41_BLOCK, 128
+    try:
+        vc = vllm_config(DSV41_BLOCK, "fp8_ds_mla", num_blocks)
+        specs, backends = dsv41_layers(vc, "sm100", n_layers)
+        return build("vllm-dsv41-sm100-b128", specs, backends, vc, {
+            "model": DSV41_MODEL, "arch": "sm100", "kv_cache_dtype": "fp8_ds_mla",
+            "layers": n_layers,
+            "real_layers": "not published (see vllm-dsv41-sm100.json)",
+            "assumptions": [
+                "as vllm-dsv41-sm100, but compressed and indexer caches use 128-token "
+                "blocks (64 states of two tokens), as vLLM's sparse-MLA backend prefers "
+                "on SM100",
+            ],
+        })
+    finally:
+        DSV41_BLOCK = old
+
+
 def generate(num_blocks: int = 128, dsv41_layers_n: int = 8, plain_layers_n: int = 4,
              plain_num_blocks: int = 96) -> dict[str, dict[str, Any]]:
     """Every fixture, by name (``tests/vllm/test_vllm_fixtures.py`` compares these with
@@ -256,6 +279,7 @@ def generate(num_blocks: int = 128, dsv41_layers_n: int = 8, plain_layers_n: int
         }
         fixtures[f"vllm-dsv41-{arch}"] = build(f"vllm-dsv41-{arch}", specs, backends, vc,
                                                notes)
+    fixtures["vllm-dsv41-sm100-b128"] = dsv41_sm100_b128(num_blocks, dsv41_layers_n)
     vc = vllm_config(16, "auto", plain_num_blocks)
     specs, backends = plain_layers(plain_layers_n)
     fixtures["vllm-llama"] = build("vllm-llama", specs, backends, vc, {

@@ -27,7 +27,7 @@ from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess
 
 FIXTURES = Path(__file__).with_name("fixtures")
-NAMES = ["vllm-dsv41-sm90", "vllm-dsv41-sm100", "vllm-llama"]
+NAMES = ["vllm-dsv41-sm90", "vllm-dsv41-sm100", "vllm-dsv41-sm100-b128", "vllm-llama"]
 SEED = 7
 
 
@@ -84,6 +84,28 @@ def test_dsv41_fixture_has_every_kind_of_group() -> None:
     assert {g.bytes_per_state for g in sm100.groups if g.record_format == "fp8_ds_mla"} == {528}
 
 
+def test_sm100_128_token_compressed_blocks_register_and_follow_the_chunk_rule() -> None:
+    """Defect 8: on SM100 vLLM prefers 128-token blocks for the compressed group (64
+    states of two tokens). Registration takes them with 256-token chunks; a chunk
+    size that is not a multiple of 128 is refused naming the group and the numbers."""
+    from lmc_server.client import Client
+    from lmc_server.client.core import ServerError
+
+    fx = fixture("vllm-dsv41-sm100-b128")
+    comp = [g for g in fx.groups if g.cached and g.kind == "full"]
+    assert {(g.tokens_per_block, g.states_per_block) for g in comp} == {(128, 64)}
+    ChunkGeometry(256, 32, derive_registration(fx.layout).engine_groups)
+    with pytest.raises(ValueError, match="128 tokens per block"):
+        ChunkGeometry(192, 32, derive_registration(fx.layout).engine_groups)
+    with ServerProcess(["--chunk-size", "192"], l1_size_gb=0.1) as s, Client(s.endpoint) as c:
+        with pytest.raises(ServerError) as err:
+            c.register(model=fx.model, kv_dtype=fx.kv_dtype, arch="sm100",
+                       groups=derive_registration(fx.layout).groups, replicated=True)
+        assert err.value.code == "geometry"
+        assert "g2.0" in err.value.message and "128" in err.value.message
+        assert c.ping().server_version
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_store_then_load_byte_exact(srv: ServerProcess, name: str) -> None:
     """Stores leave the engine's memory alone; a hit loaded into other blocks writes
@@ -92,7 +114,10 @@ def test_store_then_load_byte_exact(srv: ServerProcess, name: str) -> None:
     fx = fixture(name)
     with ShmBacking(fx.backing_size_bytes) as mem, \
             ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
-        flow.check_store_then_load(SEED, prompt(1))
+        # one prompt per fixture: sm100 and sm100-b128 share a namespace and, rightly,
+        # their sliding-window objects, but this test's bytes are random, not a
+        # function of the tokens
+        flow.check_store_then_load(SEED, prompt(1 + 10 * NAMES.index(name)))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -102,7 +127,7 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, name: str) -> N
     fx = fixture(name)
     with ShmBacking(fx.backing_size_bytes) as mem, \
             ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
-        flow.check_failed_load(SEED + 1, prompt(2))
+        flow.check_failed_load(SEED + 1, prompt(2 + 10 * NAMES.index(name)))
 
 
 # -- the derivation's refusals ------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_load_then_store_plan_and_hold_rules() -> None:
     p2.after_alloc("s", [list(range(1, 33))], 0)
     s1 = p2.build_step([ScheduledRequest("s", 0, 512, [list(range(1, 33))], True)])
     assert [(s.first_chunk, s.n_chunks) for s in s1.stores] == [(0, 2)]
-    assert s1.stores[0].digests == g.digests(h, 2) and not s1.stores[0].fence
+    assert s1.stores[0].digests == g.digests(h, 2) and not s1.fence_store_ids
     s2 = p2.build_step([ScheduledRequest("s", 512, 588, [list(range(33, 70))])])
     assert [(s.first_chunk, s.n_chunks) for s in s2.stores] == [(2, 2)]
     assert s2.stores[0].block_ids["full"].tolist() == list(range(33, 65))
@@ -195,22 +195,149 @@ def test_load_then_store_plan_and_hold_rules() -> None:
     assert p2.tracked == 0
 
 
-def test_window_stores_are_fenced_and_preemption_fences() -> None:
+def _dsv_request(p: SchedulerPlanner, svc: FakeLookups, req_id: str, n_tokens: int,
+                 hit_chunks: int = 0) -> list[bytes]:
+    h = hashes(list(range(n_tokens)), per=32)
+    p.matched_tokens(req_id, h, n_tokens, n_tokens, 0)
+    svc.pending[-1][1].set_result(LookupAnswer(hit_chunks, 0, 30.0))
+    p.matched_tokens(req_id, h, n_tokens, n_tokens, 0)
+    return h
+
+
+DSV_TABLES = [list(range(1, 33)), list(range(40, 72)), list(range(80, 96)),
+              list(range(100, 116)), [5]]
+
+
+@pytest.mark.parametrize("first_step", [512, 500, 700])
+def test_store_fenced_in_the_first_step_that_may_free_its_blocks(first_step: int) -> None:
+    """Defect 1: whatever the step boundaries, a store is fenced in the first step
+    whose scheduling may free a block it reads (vLLM frees sliding-window blocks
+    wholly below ``computed - W + 1``), and never earlier than needed."""
     svc = FakeLookups()
     g = ChunkGeometry(CHUNK, 32, dsv_groups())
     p = SchedulerPlanner(g, svc)
-    h = hashes(list(range(700)), per=32)
-    p.matched_tokens("w", h, 700, 700, 0)
+    _dsv_request(p, svc, "w", 1000)
+    p.after_alloc("w", DSV_TABLES, 0)
+    plan = p.build_step([ScheduledRequest("w", 0, first_step, DSV_TABLES, True)])
+    stores = {s.store_id: s for s in plan.stores}
+    assert not plan.fence_store_ids and "compressor_scratch" not in plan.stores[0].block_ids
+    computed, fenced = first_step, set()
+    while computed < 1000 and len(fenced) < len(stores):
+        plan = p.build_step([ScheduledRequest("w", computed, 1, None)])
+        stores.update({s.store_id: s for s in plan.stores})
+        freed = g.freed_blocks(g.groups[0], computed)
+        for sid, st in stores.items():  # each window block a store reads, in the table
+            k0 = st.first_chunk
+            reads = [(k0 + k) * 8 + j for k in range(st.n_chunks) for j in range(4, 8)
+                     if st.block_ids["swa0"][k * 8 + j] >= 0]
+            must = bool(reads) and min(reads) < freed and sid not in fenced
+            assert (sid in plan.fence_store_ids) == must, (computed, sid)
+            if must:
+                fenced.add(sid)
+        computed += 1
+    assert fenced == set(stores)  # every store with window blocks is fenced in time
+    # a preemption frees every block: the request's unfenced stores are fenced
+    p2 = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc)
+    h = hashes(list(range(600)))
+    p2.matched_tokens("f", h, 600, 600, 0)
+    svc.pending[-1][1].set_result(LookupAnswer(0, 0, 30.0))
+    p2.matched_tokens("f", h, 600, 600, 0)
+    p2.after_alloc("f", [list(range(1, 40))], 0)
+    (st,) = p2.build_step([ScheduledRequest("f", 0, 600, [list(range(1, 40))], True)]).stores
+    assert not p2.build_step([ScheduledRequest("f", 600, 1, None)]).fence_store_ids
+    assert p2.build_step([], preempted_req_ids=["f"]).fence_store_ids == {st.store_id}
+
+
+def test_store_never_reads_blocks_already_freed() -> None:
+    """Defect 1: a store planned after some of its window blocks left the window (the
+    engine hashed the chunk's last tokens late, as under async scheduling) sends
+    them as -1: vLLM may have reused them already."""
+    svc = FakeLookups()
+    g = ChunkGeometry(CHUNK, 32, dsv_groups())
+    p = SchedulerPlanner(g, svc)
+    tokens = list(range(600))
+    h = _dsv_request(p, svc, "w", 600)
+    p.after_alloc("w", DSV_TABLES, 0)
+    (st,) = p.build_step([ScheduledRequest("w", 0, 600, DSV_TABLES, True)]).stores
+    assert (st.first_chunk, st.n_chunks) == (0, 2)
+    for pos in range(600, 900):  # hashes of generated tokens not there yet
+        assert p.build_step([ScheduledRequest("w", pos, 1, None)]).stores == []
+    tokens += list(range(600, 900))
+    h[:] = hashes(tokens, per=32)
+    assert g.freed_blocks(g.groups[0], 900) == 24
+    (late,) = p.build_step([ScheduledRequest("w", 900, 1, None)]).stores
+    assert (late.first_chunk, late.n_chunks) == (2, 1)
+    assert late.block_ids["swa0"].tolist() == [-1] * 8
+    assert late.block_ids["compressed"].tolist() == DSV_TABLES[2][8:12]
+
+
+def test_chunks_the_server_lacks_are_stored_even_if_the_engine_holds_them() -> None:
+    """Defect 3: vLLM's prefix cache holds 3 chunks, the server reported 1 (it evicted
+    or lost the rest): chunks 1.. are stored, not assumed stored."""
+    svc = FakeLookups()
+    g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    p = SchedulerPlanner(g, svc)
+    h = hashes(list(range(1100)))
+    assert p.matched_tokens("r", h, 1100, 1100, 768) is None
+    svc.pending[0][1].set_result(LookupAnswer(1, 3, 30.0))
+    assert p.matched_tokens("r", h, 1100, 1100, 768) == 0
+    assert svc.released == [3]
+    blocks = [list(range(1, 70))]
+    p.after_alloc("r", blocks, 0)
+    (st,) = p.build_step([ScheduledRequest("r", 768, 332, blocks, True)]).stores
+    assert (st.first_chunk, st.n_chunks) == (1, 3)
+    assert st.block_ids["full"].tolist() == list(range(17, 65))
+    # no lookup at all (the engine holds every whole chunk): every chunk is offered
+    p2 = SchedulerPlanner(g, FakeLookups())
+    h = hashes(list(range(1000)))
+    assert p2.matched_tokens("s", h, 1000, 1000, 768) == 0
+    p2.after_alloc("s", blocks, 0)
+    (st,) = p2.build_step([ScheduledRequest("s", 768, 232, blocks, True)]).stores
+    assert (st.first_chunk, st.n_chunks) == (0, 3)
+
+
+def test_hit_not_taken_releases_its_lease_at_once() -> None:
+    """Defect 5: vLLM dropped the hit after the lookup (0 external tokens: a partial
+    tail, skip_reading_prefix_cache, a replay): the lease goes back now."""
+    svc = FakeLookups()
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc)
+    h = hashes(list(range(800)))
+    p.matched_tokens("r", h, 800, 800, 0)
+    svc.pending[0][1].set_result(LookupAnswer(2, 21, 30.0))
+    assert p.matched_tokens("r", h, 800, 800, 0) == 512
+    p.after_alloc("r", [list(range(1, 51))], 0)
+    assert svc.released == [21]
+    assert p.build_step([]).loads == []
+    assert p.request_finished("r") is False and svc.released == [21]
+
+
+@pytest.mark.parametrize("store_generated", [True, False])
+def test_generated_chunks_are_stored(store_generated: bool) -> None:
+    """Defect 6: whole chunks of generated tokens are stored (the next turn's prompt
+    holds them), unless turned off; chunks still missing at the end are stored by a
+    final store while the blocks are held."""
+    svc = FakeLookups()
+    g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    p = SchedulerPlanner(g, svc, store_generated=store_generated)
+    tokens = list(range(300))
+    h = hashes(tokens)
+    p.matched_tokens("r", h, 300, 300, 0)
     svc.pending[0][1].set_result(LookupAnswer(0, 0, 30.0))
-    p.matched_tokens("w", h, 700, 700, 0)
-    tables = [list(range(1, 23)), list(range(30, 52)), list(range(60, 71)),
-              list(range(80, 91)), [5]]
-    p.after_alloc("w", tables, 0)
-    plan = p.build_step([ScheduledRequest("w", 0, 700, tables, True)])
-    (st,) = plan.stores
-    assert st.n_chunks == 2 and st.fence  # window blocks may leave before the copy
-    assert "compressor_scratch" not in st.block_ids
-    assert p.build_step([], preempted_req_ids=["w"]).fence_req_ids == {"w"}
+    p.matched_tokens("r", h, 300, 300, 0)
+    blocks = [list(range(1, 21))]
+    p.after_alloc("r", blocks, 0)
+    (st,) = p.build_step([ScheduledRequest("r", 0, 300, blocks, True)]).stores
+    assert st.n_chunks == 1
+    stored = []
+    for pos in range(300, 520):  # decode: one token a step; the engine hashes them
+        tokens.append(pos)
+        h[:] = hashes(tokens)
+        stored += [(s.first_chunk, s.n_chunks) for s in p.build_step(
+            [ScheduledRequest("r", pos, 1, [[21 + (pos - 300) // 16]] if pos % 16 == 0
+                              else None)]).stores]
+    assert stored == ([(1, 1)] if store_generated else [])
+    assert p.request_finished("r") is True
+    assert p.build_step([]).stores == []
 
 
 # -- against a real server ----------------------------------------------------------------
@@ -260,8 +387,7 @@ def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
             plan = planner.build_step([ScheduledRequest("A", 0, 700, tables(1), True)])
             wt.begin_step(plan)
             wt.start_stores(plan.stores)
-            wt.fence([])
-            wt.fence(["A"])
+            assert wt.fence([]) and wt.fence(s.store_id for s in plan.stores)
             assert planner.request_finished("A") is True
             rep = tracker.poll({"A"})
             assert rep.finished_sending == {"A"}

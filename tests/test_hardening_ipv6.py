@@ -102,9 +102,11 @@ def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
                 return (await ac.ping()).server_version
         assert asyncio.run(aio())
         # the connector builds its endpoint from host and port
-        settings = ConnectorSettings(host="::1", port=srv.port)
-        with Client(settings.endpoint) as c:
-            assert c.ping().server_version
+        for h in ("::1", "[::1]"):
+            settings = ConnectorSettings(host=h, port=srv.port)
+            assert settings.endpoint == f"tcp://[::1]:{srv.port}"
+            with Client(settings.endpoint) as c:
+                assert c.ping().server_version
         for cmd in ("ping", "stats"):
             out = subprocess.run([sys.executable, "-m", "lmc_server", cmd, "--host", host,
                                   "--port", str(srv.port)], capture_output=True, text=True,

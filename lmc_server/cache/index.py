@@ -458,14 +458,18 @@ class L1Index:
     # -- retrieve -----------------------------------------------------------------------
 
     def pin_retrieve(self, view: CacheView, keys: list[bytes],
-                     group_ids: dict[int, np.ndarray]) -> RetrieveTicket:
+                     group_ids: dict[int, np.ndarray],
+                     prefix_ends: list[int] | None = None) -> RetrieveTicket:
         """Pin what a retrieve of these chunks (a prefix ending at the last) reads.
 
         Full sections are read for every chunk, window sections only for the chunks
-        in their window at the end. Blocks with id ``-1`` are left untouched.
+        in their window at the end of each prefix (``prefix_ends``: exclusive chunk
+        ends of the prefixes batched in one request; default one prefix). Blocks with
+        id ``-1`` are left untouched.
         """
         self.tick += 1
         n = len(keys)
+        bounds = list(zip([0, *(prefix_ends or [n])[:-1]], prefix_ends or [n], strict=True))
         statuses: list[np.ndarray] = []
         pinned: list[tuple[Partition, array]] = []
         copies: list[RunCopy] = []
@@ -475,7 +479,9 @@ class L1Index:
             need = np.zeros((len(og.sections), n), dtype=bool)
             for bit, sec in enumerate(og.sections):
                 if sec.is_window:
-                    need[bit, max(0, n - view.layout.windows[sec.window_tokens]):] = True
+                    w = view.layout.windows[sec.window_tokens]
+                    for lo, hi in bounds:
+                        need[bit, max(lo, hi - w):hi] = True
                 else:
                     need[bit, :] = True
                 need[bit] &= (section_block_ids(sec, group_ids[sec.group_index]) >= 0).any(1)

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -173,10 +174,11 @@ class AsyncClient:
         return RequestBuilder.chunk_result(reg, reply.statuses)
 
     async def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                       salt: bytes = b"") -> ChunkResult:
+                       salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:
+        """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
         n = len(digests) // 32
         msg = m.Retrieve(req_id=self._b.next_id(), registration_id=reg.registration_id,
                          digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                         salt=salt)
+                         salt=salt, prefix_ends=np.asarray(prefix_ends, dtype="<i4").tobytes())
         reply = await self._call(msg, m.RetrieveResult)
         return RequestBuilder.chunk_result(reg, reply.statuses)

@@ -4,6 +4,22 @@ Engine hooks are synchronous and must not wait on the network. :class:`ServerLin
 runs an :class:`~lmc_server.client.aio.AsyncClient` on its own event-loop thread;
 every call returns a :class:`concurrent.futures.Future` at once, and many requests may
 be in flight on the one connection.
+
+Batches and back-pressure. :meth:`ServerLink.store_batch` and
+:meth:`ServerLink.retrieve_batch` carry the chunks of many engine requests in one
+server request (chunk digests are independent keys; a batched retrieve names where
+each prefix ends, so sliding windows are read at every request's end), split only
+where the server's ``max_chunks_per_request`` or frame limit requires. At most
+``max_inflight`` stores and retrieves are in flight on the connection (below the
+server's per-client limit); more wait in a queue, and a ``busy`` refusal is retried
+until ``timeout_s``. A transfer therefore fails only for a reason that persists:
+never because the connection was momentarily full.
+
+A restarted server. The server forgets registrations when it restarts (or drops a
+session it thought dead); zmq reconnects the socket by itself and the next request is
+refused (``handshake`` or ``unknown_registration``). The link then connects afresh,
+registers again with the same arguments and retries the request once; a lookup,
+store or retrieve fails only if that fails too.
 """
 
 from __future__ import annotations
@@ -15,14 +31,29 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import numpy as np
+
 from lmc_server.cache.geometry import BufferSpec, GroupSpec
 from lmc_server.client.aio import AsyncClient
-from lmc_server.client.core import BlockIds, ChunkResult, Registration
+from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
+from lmc_server.client.digests import DIGEST_BYTES
 from lmc_server.integration.planning import LookupAnswer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+BUSY_RETRY_FIRST_S = 0.002
+BUSY_RETRY_MAX_S = 0.05
+#: Stores and retrieves this link keeps in flight; the server refuses more than its
+#: ``max_inflight_per_client`` (64 by default) with ``busy``.
+DEFAULT_MAX_INFLIGHT = 16
+
+#: Refusals that mean "the server does not know this connection or registration".
+RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
+
+Item = tuple[bytes, BlockIds]
+"""One engine request's part of a batch: its chunk digests and block ids."""
 
 
 class ServerLink:
@@ -31,9 +62,18 @@ class ServerLink:
     ``register`` blocks (once, at start-up); every other call is asynchronous.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, client_name: str = "") -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, client_name: str = "",
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.max_inflight = max_inflight
+        self.client_name = client_name
+        self.requests_sent = {"store": 0, "retrieve": 0}
+        self.busy_retries = 0
+        self.reconnects = 0
+        self._register_kwargs: dict[str, Any] | None = None
+        self._reconnect_lock = asyncio.Lock()
+        self._broken = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="lmc-server-link", daemon=True)
@@ -41,6 +81,11 @@ class ServerLink:
         self._client: AsyncClient = self.wait(AsyncClient.connect(
             endpoint, timeout_s=timeout_s, client_name=client_name))
         self.registration: Registration | None = None
+        self._slots = self.wait(_make_semaphore(max_inflight))
+        welcome = self._client.welcome
+        assert welcome is not None
+        self.max_chunks = int(welcome.max_chunks_per_request)
+        self.max_frame_bytes = int(welcome.max_frame_bytes)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -56,20 +101,74 @@ class ServerLink:
     def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
                  buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
                  replicated: bool = False) -> Registration:
-        self.registration = self.wait(self._client.register(
-            model=model, kv_dtype=kv_dtype, arch=arch, groups=groups, buffers=buffers,
-            world_size=world_size, rank=rank, replicated=replicated))
+        if self.registration is not None:  # registering anew replaces the old one
+            self.wait(self._client.unregister(self.registration))
+            self.registration = None
+        self._register_kwargs = dict(model=model, kv_dtype=kv_dtype, arch=arch,
+                                     groups=list(groups), buffers=list(buffers),
+                                     world_size=world_size, rank=rank, replicated=replicated)
+        self.registration = self.wait(self._client.register(**self._register_kwargs))
         logger.info("registered with %s: namespace %s, chunk size %d, %d object groups%s",
                     self.endpoint, self.registration.namespace, self.registration.chunk_size,
                     len(self.registration.object_groups),
                     " (lookup only)" if self.registration.lookup_only else "")
         return self.registration
 
+    async def _reconnect(self, seen: AsyncClient) -> None:
+        """Connect and register afresh, unless another request already did."""
+        async with self._reconnect_lock:
+            if self._client is not seen and not self._broken:
+                return
+            seen = self._client
+            logger.warning("connecting to %s and registering again", self.endpoint)
+            client = await AsyncClient.connect(self.endpoint, timeout_s=self.timeout_s,
+                                               client_name=self.client_name)
+            try:
+                if self._register_kwargs is not None:
+                    self.registration = await client.register(**self._register_kwargs)
+            except BaseException:
+                await client.close()
+                raise
+            self._client = client
+            self._broken = False
+            self.reconnects += 1
+            await seen.close()
+
+    def reset(self) -> None:
+        """Close this connection now; the next request connects and registers afresh.
+
+        The server ends the old session: stores it has not committed are aborted,
+        never made visible. A fence that timed out uses this, since the blocks its
+        store reads may be rewritten from now on. Returns without waiting for the
+        server (it may be the one that is stalled)."""
+        self._broken = True
+        self.wait(self._client.close())
+
+    async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self._client.<method>(registration, ...)``, reconnecting once if the server
+        forgot this link."""
+        for attempt in (0, 1):
+            client = self._client
+            if self._broken:
+                await self._reconnect(client)
+                client = self._client
+            try:
+                return await getattr(client, method)(self.reg, *args, **kwargs)
+            except ServerError as e:
+                if e.code not in RECONNECT_CODES or attempt:
+                    raise
+            except ConnectionError:
+                if attempt or client is self._client:  # not closed by a reconnect
+                    raise
+                continue
+            await self._reconnect(client)
+        raise AssertionError("unreachable")
+
     # -- LookupService ------------------------------------------------------------------
 
     def lookup(self, digests: bytes) -> Future[LookupAnswer]:
         async def run() -> LookupAnswer:
-            r = await self._client.lookup(self.reg, digests, lease=True)
+            r = await self._request("lookup", digests, lease=True)
             return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s)
 
         return self.submit(run())
@@ -80,35 +179,138 @@ class ServerLink:
 
     # -- transfers ----------------------------------------------------------------------
 
+    async def _send(self, op: str, *args: Any, **kwargs: Any) -> ChunkResult:
+        """One store or retrieve, queued behind ``max_inflight``; ``busy`` is retried."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        pause = BUSY_RETRY_FIRST_S
+        async with self._slots:
+            while True:
+                try:
+                    self.requests_sent[op] += 1
+                    result: ChunkResult = await self._request(op, *args, **kwargs)
+                    return result
+                except ServerError as e:
+                    if e.code != "busy" or loop.time() + pause > deadline:
+                        raise
+                except TimeoutError:
+                    # No answer: a stalled server may still run it later, reading or
+                    # writing blocks the engine reuses once this failure is reported.
+                    # Dropping the connection ends the session, so it does not.
+                    if not self._broken:
+                        self._broken = True
+                        await self._client.close()
+                    raise
+                self.busy_retries += 1
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, BUSY_RETRY_MAX_S)
+
+    def _split(self, items: Sequence[Item]) -> list[list[int]]:
+        """Item indices per server request: in order, within the server's limits."""
+        ids_per_chunk = sum(self.reg.blocks_per_chunk(g) for g in self.reg.groups)
+        chunk_bytes = DIGEST_BYTES + 4 * ids_per_chunk
+        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes))
+        out: list[list[int]] = []
+        n = 0
+        for i, (digests, _) in enumerate(items):
+            k = len(digests) // DIGEST_BYTES
+            if not out or n + k > max_chunks:
+                out.append([])
+                n = 0
+            out[-1].append(i)
+            n += k
+        return out
+
+    def _batch(self, op: str, items: Sequence[Item],
+               ready: Callable[[], None] | None) -> list[Future[ChunkResult]]:
+        futs: list[Future[ChunkResult]] = [Future() for _ in items]
+        for f in futs:
+            f.set_running_or_notify_cancel()
+        if not items:
+            return futs
+
+        async def one(part: list[int]) -> None:
+            sizes = [len(items[i][0]) // DIGEST_BYTES for i in part]
+            digests = b"".join(items[i][0] for i in part)
+            keys = items[part[0]][1].keys()
+            ids = {k: np.concatenate([np.asarray(items[i][1][k]).reshape(-1) for i in part])
+                   for k in keys}
+            try:
+                if op == "store":
+                    res = await self._send(op, digests, ids)
+                else:
+                    ends = np.cumsum(sizes).tolist()
+                    res = await self._send(op, digests, ids, prefix_ends=ends)
+            except BaseException as e:
+                for i in part:
+                    futs[i].set_exception(e if isinstance(e, Exception)
+                                          else ConnectionError("link closed"))
+                raise
+            lo = 0
+            for i, k in zip(part, sizes, strict=True):
+                futs[i].set_result(ChunkResult({og: st[lo:lo + k]
+                                                for og, st in res.statuses.items()}))
+                lo += k
+
+        async def run() -> None:
+            try:
+                if ready is not None:
+                    await asyncio.get_running_loop().run_in_executor(None, ready)
+                await asyncio.gather(*(one(p) for p in self._split(items)),
+                                     return_exceptions=True)
+            finally:
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(ConnectionError(f"{op} batch did not run"))
+
+        self.submit(run())
+        return futs
+
+    def store_batch(self, items: Sequence[Item],
+                    ready: Callable[[], None] | None = None) -> list[Future[ChunkResult]]:
+        """Store every item's chunks, in as few server requests as the limits allow,
+        once ``ready()`` (blocking: the engine's writes finished) returned; it runs on a
+        worker thread, so neither the engine nor this link's loop waits. One future
+        per item."""
+        return self._batch("store", items, ready)
+
+    def retrieve_batch(self, items: Sequence[Item]) -> list[Future[ChunkResult]]:
+        """Retrieve every item's prefix (each item one prefix), batched; one future
+        per item."""
+        return self._batch("retrieve", items, None)
+
     def store(self, digests: bytes, block_ids: BlockIds,
               ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
-        """Store once ``ready()`` (blocking: the engine's writes finished) returned; it
-        runs on a worker thread, so neither the engine nor this link's loop waits."""
-        async def run() -> ChunkResult:
-            if ready is not None:
-                await asyncio.get_running_loop().run_in_executor(None, ready)
-            return await self._client.store(self.reg, digests, block_ids)
-
-        return self.submit(run())
+        return self.store_batch([(digests, block_ids)], ready)[0]
 
     def retrieve(self, digests: bytes, block_ids: BlockIds) -> Future[ChunkResult]:
-        return self.submit(self._client.retrieve(self.reg, digests, block_ids))
+        return self.retrieve_batch([(digests, block_ids)])[0]
 
-    def close(self) -> None:
+    def close(self, unregister_timeout_s: float | None = None) -> None:
+        """Unregister (waiting at most ``unregister_timeout_s``, default the link's
+        timeout) and close the connection. A server that does not answer sees the
+        connection close instead, which ends the registration the same way: its
+        unfinished stores are aborted, never made visible."""
         if not self._loop.is_running():
             return
+        wait_s = self.timeout_s if unregister_timeout_s is None else unregister_timeout_s
         try:
-            if self.registration is not None:
-                self.wait(self._client.unregister(self.registration))
-        except Exception as exc:  # the server may be gone at shutdown
-            logger.debug("unregister at close failed: %s", exc)
+            if self.registration is not None and not self._broken:
+                self.submit(self._client.unregister(self.registration)).result(wait_s)
+        except Exception as exc:  # the server may be gone or stalled at shutdown
+            logger.debug("unregister at close failed: %r", exc)
         try:
-            self.wait(self._client.close())
+            if not self._broken:
+                self.wait(self._client.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
             if not self._thread.is_alive():
                 self._loop.close()
+
+
+async def _make_semaphore(n: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(n)
 
 
 def _log_failure(what: str) -> Any:

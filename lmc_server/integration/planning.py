@@ -22,7 +22,18 @@ Invariants:
   when the request ends first, or when the hit turned out useless; an unused lease
   older than half its TTL is refreshed by a new lookup;
 * a request that had a store planned is held (blocks not freed) until the workers
-  report its stores finished.
+  report its stores finished;
+* a store completes before any block it reads can be written again, whatever the step
+  boundaries. The planner derives this from the blocks vLLM may free while the request
+  runs: sliding-window blocks that leave the window (:meth:`ChunkGeometry.freed_blocks`,
+  vLLM's ``SlidingWindowManager`` rule) and every block of a preempted request. A store
+  reading such a block is fenced (:attr:`StepPlan.fence_store_ids`) in the first step
+  whose scheduling may free it, so the workers wait for it before that step's loads and
+  forward pass; a store never reads a block that was already freed (sent as ``-1``);
+* what the server lacks is stored, per the lookup: chunks the engine holds in its own
+  prefix cache are stored again when the server did not report them (evicted, server
+  restarted); without a lookup answer every whole chunk is offered (the server answers
+  ``exists`` for those it has, without copying).
 """
 
 from __future__ import annotations
@@ -91,6 +102,17 @@ class ChunkGeometry:
     def blocks_per_chunk(self, group: EngineGroup) -> int:
         return self.chunk_size // group.tokens_per_block if group.cached else 0
 
+    @staticmethod
+    def freed_blocks(group: EngineGroup, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group`` the engine may have freed at this many computed
+        tokens: 0 for full groups; for a window of W tokens, the blocks wholly below
+        ``num_computed_tokens - W + 1`` (vLLM 0.33 ``SlidingWindowManager``: the
+        skipped tokens no later token attends to, freed by ``remove_skipped_blocks``
+        when the request is next scheduled)."""
+        if not group.cached or not group.window_tokens:
+            return 0
+        return max(0, num_computed_tokens - group.window_tokens + 1) // group.tokens_per_block
+
     def max_chunks(self, num_tokens: int, num_hashes: int) -> int:
         """Chunks a hit may cover: whole chunks, never the last token, hashed."""
         return min(max(0, num_tokens - 1) // self.chunk_size,
@@ -106,13 +128,15 @@ class ChunkGeometry:
                           for k in range(n_chunks))
 
     def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
-                  n_chunks: int, keep_tokens: int = 0) -> dict[str, np.ndarray]:
+                  n_chunks: int, keep_tokens: int = 0,
+                  computed_tokens: int = 0) -> dict[str, np.ndarray]:
         """Per cached server group, the block ids of chunks ``first_chunk..+n_chunks``.
 
         ``group_blocks[i]`` is the request's block table of engine group ``i``; every
         server group of an engine group gets the same ids. Blocks whose tokens all lie
-        below ``keep_tokens`` (the engine already holds them), the null block and blocks
-        past the table's end become ``-1``.
+        below ``keep_tokens`` (the engine already holds them), blocks the engine may
+        have freed at ``computed_tokens`` (:meth:`freed_blocks`), the null block and
+        blocks past the table's end become ``-1``.
         """
         out: dict[str, np.ndarray] = {}
         for gi, g in enumerate(self.groups):
@@ -124,7 +148,8 @@ class ChunkGeometry:
             have = np.asarray(group_blocks[gi][lo:lo + n_chunks * bpc], dtype=np.int64)
             ids[:have.size] = have
             ids[ids == NULL_BLOCK_ID] = -1
-            keep_blocks = keep_tokens // g.tokens_per_block - lo
+            keep_blocks = max(keep_tokens // g.tokens_per_block,
+                              self.freed_blocks(g, computed_tokens)) - lo
             if keep_blocks > 0:
                 ids[:keep_blocks] = -1
             for key in g.block_id_keys:
@@ -163,18 +188,16 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """Store chunks ``first_chunk..`` of a request from its blocks.
+    """Store chunks ``first_chunk..`` of a request from its blocks (``-1``: not read).
 
-    ``fence`` says the engine may free some of these blocks before the next forward
-    pass (sliding-window blocks that leave the window, a preemption): the worker must
-    see this store complete before that forward pass writes any block.
+    ``store_id`` names the store for fences (:attr:`StepPlan.fence_store_ids`).
     """
 
     req_id: str
     first_chunk: int
     digests: bytes
     block_ids: dict[str, np.ndarray]
-    fence: bool = False
+    store_id: int = 0
 
     @property
     def n_chunks(self) -> int:
@@ -183,11 +206,16 @@ class StoreSpec:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What the workers do in one engine step."""
+    """What the workers do in one engine step.
+
+    ``fence_store_ids``: stores (of earlier steps) that read blocks this step's
+    scheduling may have freed; the workers wait for them before this step's loads
+    and forward pass write any block.
+    """
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
-    fence_req_ids: set[str] = field(default_factory=set)
+    fence_store_ids: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +234,15 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True, eq=False)
+class _Store:
+    """A store in flight as the scheduler sees it: per window engine group, the
+    lowest block index (in the request's table) it reads."""
+
+    store_id: int
+    first_window_block: dict[int, int]
+
+
+@dataclass(slots=True, eq=False)
 class _Request:
     req_id: str
     block_hashes: Sequence[bytes]
@@ -220,23 +257,33 @@ class _Request:
     has_store: bool = False
     ended: bool = False
     local_tokens: int = 0
+    computed_tokens: int = 0
     blocks: list[list[int]] = field(default_factory=list)
+    stores: list[_Store] = field(default_factory=list)
 
 
 class SchedulerPlanner:
-    """Per-request lookup, load and store state of the scheduler-side connector."""
+    """Per-request lookup, load and store state of the scheduler-side connector.
+
+    ``store_generated``: also store whole chunks of generated tokens (the next turn
+    of a conversation holds them in its prompt); otherwise prompt chunks only.
+    """
 
     def __init__(self, geometry: ChunkGeometry, service: LookupService,
                  clock: Callable[[], float] = time.monotonic, store: bool = True,
-                 load: bool = True) -> None:
+                 load: bool = True, store_generated: bool = True) -> None:
         self.geometry = geometry
         self.service = service
         self.clock = clock
         self.store_enabled = store
         self.load_enabled = load
+        self.store_generated = store_generated
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
+        self._pending_stores: list[StoreSpec] = []
+        self._pending_fences: set[int] = set()
         self._orphans: list[Future[LookupAnswer]] = []
+        self._next_store_id = 1
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -266,6 +313,53 @@ class SchedulerPlanner:
     def tracked(self) -> int:
         return len(self._reqs)
 
+    @property
+    def lookups_in_flight(self) -> int:
+        return sum(1 for r in self._reqs.values()
+                   if r.lookup is not None and not r.lookup.done())
+
+    def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
+        """Fence ``r``'s stores that read blocks the engine may free at
+        ``computed_tokens`` (``None``: every block, a preemption)."""
+        keep = []
+        for st in r.stores:
+            hit = computed_tokens is None or any(
+                self.geometry.freed_blocks(self.geometry.groups[gi], computed_tokens) > first
+                for gi, first in st.first_window_block.items())
+            if hit:
+                self._pending_fences.add(st.store_id)
+            else:
+                keep.append(st)
+        r.stores = keep
+
+    def _plan_store(self, r: _Request, done: int, computed_tokens: int) -> StoreSpec | None:
+        """A store of ``r``'s chunks ``stored_chunks..done`` (whole, hashed, computed),
+        reading only blocks the engine holds at ``computed_tokens``."""
+        g = self.geometry
+        done = min(done, len(r.block_hashes) // g.hashes_per_chunk)
+        if done <= r.stored_chunks or not r.blocks:
+            return None
+        first = r.stored_chunks
+        ids = g.block_ids(r.blocks, first, done - first, computed_tokens=computed_tokens)
+        spec = StoreSpec(req_id=r.req_id, first_chunk=first,
+                         digests=g.digests(r.block_hashes, done)[first * DIGEST_BYTES:],
+                         block_ids=ids, store_id=self._next_store_id)
+        self._next_store_id += 1
+        windows: dict[int, int] = {}
+        for gi, eg in enumerate(g.groups):
+            if not (eg.cached and eg.window_tokens):
+                continue
+            bpc = g.blocks_per_chunk(eg)
+            nwin = min(bpc, -(-eg.window_tokens // eg.tokens_per_block))
+            read = ids[eg.block_id_keys[0]].reshape(done - first, bpc)[:, bpc - nwin:]
+            rows, cols = np.nonzero(read >= 0)
+            if rows.size:
+                windows[gi] = int((first + rows[0]) * bpc + bpc - nwin + cols[0])
+        r.stores.append(_Store(spec.store_id, windows))
+        r.stored_chunks = done
+        r.has_store = True
+        return spec
+
     # -- scheduler hooks ----------------------------------------------------------------
 
     def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
@@ -275,11 +369,11 @@ class SchedulerPlanner:
         Idempotent while the answer stands: calling it again returns the same count.
         """
         self._drain_orphans()
-        if not self.load_enabled:
-            return 0
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens)
         r.local_tokens = num_computed_tokens
+        if not self.load_enabled:
+            return 0
         if r.loading:
             return 0
         n = g.max_chunks(num_tokens, len(block_hashes))
@@ -318,7 +412,10 @@ class SchedulerPlanner:
 
         With ``num_external_tokens > 0`` a load of the hit is queued for the next step;
         ``num_local_tokens`` (default: as given to the last :meth:`matched_tokens`) are
-        held by the engine's prefix cache and not reloaded.
+        held by the engine's prefix cache and not reloaded. A hit the engine did not
+        take (0 external tokens: a partial block tail, ``skip_reading_prefix_cache``, a
+        replay) has its lease released at once. Chunks the lookup did not report are
+        stored later even when the engine holds them.
         """
         r = self._reqs.get(req_id)
         if r is None:
@@ -327,9 +424,11 @@ class SchedulerPlanner:
             num_local_tokens = r.local_tokens
         r.blocks = [list(b) for b in blocks]
         g = self.geometry
-        local_chunks = num_local_tokens // g.chunk_size
-        r.stored_chunks = max(r.stored_chunks, local_chunks)
+        server_chunks = r.answer.hit_chunks if r.answer is not None else 0
+        r.stored_chunks = max(r.stored_chunks, server_chunks)
         if num_external_tokens <= 0:
+            self._release(r)
+            r.answer = None
             return
         matched = num_local_tokens + num_external_tokens
         assert matched % g.chunk_size == 0, "a load ends on a chunk boundary"
@@ -344,17 +443,19 @@ class SchedulerPlanner:
 
     def build_step(self, scheduled: Iterable[ScheduledRequest],
                    preempted_req_ids: Iterable[str] = ()) -> StepPlan:
-        """The loads queued since the last step and the stores this step completes."""
+        """The loads queued since the last step, the stores this step completes, and
+        the earlier stores this step's scheduling may have freed blocks of."""
         self._drain_orphans()
         g = self.geometry
-        plan = StepPlan(loads=self._pending_loads)
-        self._pending_loads = []
+        plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
+        self._pending_loads, self._pending_stores = [], []
         for pid in preempted_req_ids:
             r = self._reqs.get(pid)
             if r is not None:
-                plan.fence_req_ids.add(pid)
+                self._fence_freed(r, None)
                 r.blocks = []
                 r.answer = None
+                r.computed_tokens = 0
                 self._release(r)
         for s in scheduled:
             r = self._reqs.get(s.req_id)
@@ -366,21 +467,16 @@ class SchedulerPlanner:
                 else:
                     for mine, new in zip(r.blocks, s.new_block_ids, strict=True):
                         mine.extend(new)
+            self._fence_freed(r, s.num_computed_tokens)
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            r.computed_tokens = end
             if not self.store_enabled:
                 continue
-            end = s.num_computed_tokens + s.num_scheduled_tokens
-            done = min(min(end, r.num_prompt_tokens) // g.chunk_size,
-                       len(r.block_hashes) // g.hashes_per_chunk)
-            if done <= r.stored_chunks or not r.blocks:
-                continue
-            first = r.stored_chunks
-            digests = g.digests(r.block_hashes, done)[first * DIGEST_BYTES:]
-            plan.stores.append(StoreSpec(
-                req_id=s.req_id, first_chunk=first, digests=digests,
-                block_ids=g.block_ids(r.blocks, first, done - first),
-                fence=g.has_window and done * g.chunk_size < end))
-            r.stored_chunks = done
-            r.has_store = True
+            limit = end if self.store_generated else min(end, r.num_prompt_tokens)
+            spec = self._plan_store(r, limit // g.chunk_size, s.num_computed_tokens)
+            if spec is not None:
+                plan.stores.append(spec)
+        plan.fence_store_ids, self._pending_fences = self._pending_fences, set()
         return plan
 
     def transfers_finished(self, finished_recving: Iterable[str],
@@ -403,6 +499,9 @@ class SchedulerPlanner:
 
         Blocks are held while a load into them may still be running (released by the
         workers' ``finished_recving``) or when a store was planned (``finished_sending``).
+        Whole chunks computed but not yet stored get a final store in the next step.
+        The engine frees sliding-window blocks that left the window as the request
+        ends, held or not: stores reading them are fenced in the next step.
         """
         r = self._reqs.get(req_id)
         if r is None:
@@ -414,6 +513,14 @@ class SchedulerPlanner:
         hold_for_load = r.loading
         if not r.loading:
             self._release(r)
+        if self.store_enabled and not r.loading and r.computed_tokens:
+            g = self.geometry
+            limit = (r.computed_tokens if self.store_generated
+                     else min(r.computed_tokens, r.num_prompt_tokens))
+            spec = self._plan_store(r, limit // g.chunk_size, r.computed_tokens)
+            if spec is not None:
+                self._pending_stores.append(spec)
+        self._fence_freed(r, r.computed_tokens)
         if r.has_store:
             return True
         if not hold_for_load:

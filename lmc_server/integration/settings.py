@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lmc_server.client import tcp_endpoint
+
 PREFIX = "lmcache.mp."
 
 
@@ -23,12 +25,15 @@ class ConnectorSettings:
     store: bool = True
     load: bool = True
     store_rank: int = 0
+    store_generated: bool = True
     fence_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
+    max_inflight: int = 16
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        """``tcp://HOST:PORT``; ``::1`` and ``[::1]`` both give ``tcp://[::1]:PORT``."""
+        return tcp_endpoint(self.host, self.port)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -46,8 +51,12 @@ class ConnectorSettings:
         s = cls(**values)
         if not 0 < s.port < 65536:
             raise ValueError(f"{PREFIX}port {s.port} out of range 1..65535")
-        if s.timeout_s <= 0 or s.fence_timeout_s <= 0:
-            raise ValueError(f"{PREFIX}timeout_s and fence_timeout_s must be positive")
+        if s.timeout_s <= 0 or s.fence_timeout_s <= 0 or s.shutdown_timeout_s <= 0:
+            raise ValueError(f"{PREFIX}timeout_s, fence_timeout_s and shutdown_timeout_s "
+                             "must be positive")
+        if not 1 <= s.max_inflight <= 64:
+            raise ValueError(f"{PREFIX}max_inflight {s.max_inflight} out of range 1..64 "
+                             "(the server refuses more than 64 per connection by default)")
         return s
 
 

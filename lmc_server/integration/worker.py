@@ -20,7 +20,7 @@ Reporting contract (what vLLM's KV output aggregator relies on):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -71,6 +71,9 @@ class TransferTracker:
     def store_futures(self, req_ids: Iterable[str] | None = None) -> list[Future[ChunkResult]]:
         ids = self._stores.keys() if req_ids is None else req_ids
         return [f for r in ids for f in self._stores.get(r, ())]
+
+    def load_futures(self) -> list[Future[ChunkResult]]:
+        return [load.future for load in self._loads.values()]
 
     @property
     def busy(self) -> bool:
@@ -127,9 +130,12 @@ class TransferTracker:
 class WorkerTransfers:
     """Issues a step's loads and stores through ``link`` and tracks them.
 
-    ``stores`` is False on ranks that never store (replicated KV on a rank other than
-    the storing one); those ranks still track store specs so they report
-    ``finished_sending`` for every held request.
+    Each step sends one batched retrieve (every load of the step) and one batched
+    store (every store), split only where the server's limits require
+    (:meth:`~lmc_server.integration.link.ServerLink.store_batch`). ``stores`` is False
+    on ranks that never store (replicated KV on a rank other than the storing one);
+    those ranks still track store specs so they report ``finished_sending`` for every
+    held request.
     """
 
     def __init__(self, link: ServerLink, tracker: TransferTracker, stores: bool = True,
@@ -138,32 +144,59 @@ class WorkerTransfers:
         self.tracker = tracker
         self.stores = stores
         self.fence_timeout_s = fence_timeout_s
-        self._fenced: list[Future[ChunkResult]] = []
+        self._by_store_id: dict[int, Future[ChunkResult]] = {}
 
-    def fence(self, req_ids: Iterable[str]) -> None:
-        """Wait for stores that read blocks the engine is about to reuse."""
-        futs = self._fenced + self.tracker.store_futures(req_ids)
-        self._fenced = []
-        if futs:
-            done, pending = wait_futures(futs, timeout=self.fence_timeout_s)
-            if pending:
-                logger.error("%d stores still running after %.0f s at a fence",
-                             len(pending), self.fence_timeout_s)
+    def fence(self, store_ids: Iterable[int]) -> bool:
+        """Wait for these stores: they read blocks the engine may write from now on.
 
-    def start_loads(self, loads: Iterable[LoadSpec]) -> None:
-        for spec in loads:
-            self.tracker.load_started(spec, self.link.retrieve(spec.digests, spec.block_ids))
+        False when some did not finish within ``fence_timeout_s``: the connection is
+        then dropped (and made anew), so the server aborts them rather than commit
+        pages the engine may be rewriting."""
+        futs = [f for i in store_ids if (f := self._by_store_id.pop(i, None)) is not None]
+        if not futs:
+            return True
+        done, pending = wait_futures(futs, timeout=self.fence_timeout_s)
+        # A store that timed out on this side may still be queued at a stalled server.
+        unknown = [f for f in done if isinstance(f.exception(), TimeoutError)]
+        if pending or unknown:
+            logger.error("%d stores without an answer at a fence (%.0f s); dropping the "
+                         "connection so the server aborts them (their blocks may be "
+                         "rewritten now)", len(pending) + len(unknown),
+                         self.fence_timeout_s)
+            self.link.reset()
+        return not pending and not unknown
 
-    def start_stores(self, stores: Iterable[StoreSpec],
+    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads])
+        for spec, fut in zip(loads, futs, strict=True):
+            self.tracker.load_started(spec, fut)
+
+    def start_stores(self, stores: Sequence[StoreSpec],
                      ready: Callable[[], None] | None = None) -> None:
-        for spec in stores:
-            fut = (self.link.store(spec.digests, spec.block_ids, ready)
-                   if self.stores else None)
+        for sid in [i for i, f in self._by_store_id.items() if f.done()]:
+            del self._by_store_id[sid]
+        futs: list[Future[ChunkResult] | None] = list(
+            self.link.store_batch([(s.digests, s.block_ids) for s in stores], ready)
+            if self.stores and stores else [None] * len(stores))
+        for spec, fut in zip(stores, futs, strict=True):
             self.tracker.store_planned(spec.req_id, fut)
-            if fut is not None and spec.fence:
-                self._fenced.append(fut)
+            if fut is not None:
+                self._by_store_id[spec.store_id] = fut
 
     def begin_step(self, plan: StepPlan) -> None:
         """Before the forward pass: fence, then start this step's loads."""
-        self.fence(plan.fence_req_ids)
+        self.fence(plan.fence_store_ids)
         self.start_loads(plan.loads)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every store and load in flight (shutdown);
+        False when some are still running."""
+        futs = self.tracker.store_futures() + self.tracker.load_futures()
+        if not futs:
+            return True
+        _, pending = wait_futures(futs, timeout=timeout_s)
+        if pending:
+            logger.error("%d transfers still running after %.0f s at shutdown; closing the "
+                         "connection (the server aborts unfinished stores)", len(pending),
+                         timeout_s)
+        return not pending

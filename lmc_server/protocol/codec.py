@@ -99,6 +99,20 @@ def chunk_count(digests: bytes, limits: Limits, req_id: int) -> int:
     return n
 
 
+def prefix_ends(raw: bytes, n_chunks: int, req_id: int) -> list[int]:
+    """Decode a retrieve's ``prefix_ends`` (empty: one prefix of ``n_chunks``)."""
+    if not raw:
+        return [n_chunks]
+    if len(raw) % 4:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix_ends is not int32 values", req_id)
+    ends = np.frombuffer(raw, dtype="<i4").tolist()
+    if ends[-1] != n_chunks or ends[0] < 1 or bool((np.diff(ends) <= 0).any()):
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"prefix_ends must ascend strictly from 1 to the chunk count "
+                            f"{n_chunks}", req_id)
+    return ends
+
+
 def block_id_array(raw: bytes, expected: int, num_blocks: int, group: str,
                    req_id: int) -> np.ndarray:
     """Decode and bounds-check one group's block ids (int32 LE, -1 allowed).

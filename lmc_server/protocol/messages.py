@@ -85,12 +85,18 @@ class Store(_Msg, frozen=True, tag="store"):
 
 
 class Retrieve(_Msg, frozen=True, tag="retrieve"):
-    """Copy chunks from L1 into the registration's blocks; the last chunk ends the prefix."""
+    """Copy chunks from L1 into the registration's blocks; the last chunk ends the prefix.
+
+    ``prefix_ends`` (int32 LE, strictly ascending, the last equal to the chunk count)
+    batches several prefixes in one request: chunks ``ends[i-1]..ends[i]`` are one
+    prefix, and sliding-window sections are read at the end of each. Empty: one prefix.
+    """
 
     registration_id: bytes
     digests: bytes
     block_ids: list[bytes]
     salt: bytes = b""
+    prefix_ends: bytes = b""
 
 
 class Ping(_Msg, frozen=True, tag="ping"):

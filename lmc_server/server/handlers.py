@@ -26,7 +26,7 @@ from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.layout import RunCopy, build_layout
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, block_id_array, chunk_count
+from lmc_server.protocol.codec import Limits, block_id_array, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
@@ -315,7 +315,8 @@ class Handlers:
         sub-batches cost more than the overlap won (docs/benchmarks.md)."""
         clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
-        ticket = self.index.pin_retrieve(reg.view, keys, ids)
+        ends = prefix_ends(msg.prefix_ends, len(keys), msg.req_id)
+        ticket = self.index.pin_retrieve(reg.view, keys, ids, ends)
         clock.mark("prepare")
         if not ticket.copies:
             self.index.unpin_retrieve(ticket, True)

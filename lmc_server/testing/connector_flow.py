@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any, Self
 
 import numpy as np
@@ -146,7 +147,7 @@ class ConnectorFlow:
         plan = self.planner.build_step([ScheduledRequest(req_id, 0, len(tokens), tables, True)])
         self.transfers.begin_step(plan)
         self.transfers.start_stores(plan.stores, self.backing.ready())
-        self.transfers.fence([req_id])
+        self.transfers.fence(s.store_id for s in plan.stores)
         held = self.planner.request_finished(req_id)
         rep = self._poll({req_id}, "finished_sending") if held else Report()
         self.planner.transfers_finished([], rep.finished_sending)
@@ -243,3 +244,91 @@ class ConnectorFlow:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_batched_step(endpoint: str, kv: Any, n_requests: int,
+                       ready: Callable[[], None] | None = None,
+                       timeout_s: float = 60.0) -> None:
+    """``n_requests`` requests store in one step, then ``n_requests`` others hit in one
+    step: one batched store and one batched retrieve on the worker's connection (the
+    server counts them), every load succeeds and writes exactly the stored pages.
+
+    ``kv`` is a :class:`~lmc_server.testing.kv.ShmKV` or
+    :class:`~lmc_server.testing.cuda_kv.CudaKV` of a full-attention geometry with 16
+    tokens per block and at least ``34 * n_requests + 1`` blocks; ``ready`` is what the
+    stores wait for (``stream_done`` on CUDA). Raises ``AssertionError``.
+    """
+    from lmc_server.client import Client
+    from lmc_server.integration.planning import EngineGroup
+
+    (g,) = kv.geometry.groups
+    assert g.tokens_per_block == 16 and g.num_blocks > 34 * n_requests
+    sched = ServerLink(endpoint, timeout_s=timeout_s, client_name="batch-scheduler")
+    work = ServerLink(endpoint, timeout_s=timeout_s, client_name="batch-worker")
+    with Client(endpoint) as c:
+        before = dict(c.stats()["counters"]["requests"])
+    try:
+        sched.register(**kv.register_kwargs(buffers=[], replicated=True))
+        work.register(**kv.register_kwargs(replicated=True))
+        geometry = ChunkGeometry(work.reg.chunk_size, 16, [EngineGroup(g.name, 16)])
+        planner = SchedulerPlanner(geometry, sched)
+        tracker = TransferTracker(single_group=True)
+        wt = WorkerTransfers(work, tracker)
+        n_tok = geometry.chunk_size + 1
+        per = -(-n_tok // 16)
+
+        def matched(rid: str, toks: list[int]) -> int:
+            h = block_hashes(toks, 16)
+            deadline = time.monotonic() + timeout_s
+            while (m := planner.matched_tokens(rid, h, len(toks), len(toks), 0)) is None:
+                assert time.monotonic() < deadline, "lookup never answered"
+                time.sleep(0.002)
+            return m
+
+        def poll(finished: set[str], want: str) -> Report:
+            rep = Report()
+            deadline = time.monotonic() + timeout_s
+            while len(getattr(rep, want)) < n_requests:
+                _merge(rep, tracker.poll(finished))
+                assert time.monotonic() < deadline, f"{want}: not every request reported"
+                time.sleep(0.002)
+            return rep
+
+        prompts = {f"r{i}": [i + 1] * 3 + list(range(1000 * i, 1000 * i + n_tok - 3))
+                   for i in range(n_requests)}
+        src = {rid: [list(range(1 + per * i, 1 + per * (i + 1)))]
+               for i, rid in enumerate(prompts)}
+        dst = {rid: [list(range(1 + per * (n_requests + i), 1 + per * (n_requests + i + 1)))]
+               for i, rid in enumerate(prompts)}
+        for rid, toks in prompts.items():
+            assert matched(rid, toks) == 0
+            planner.after_alloc(rid, src[rid], 0)
+        plan = planner.build_step([ScheduledRequest(r, 0, n_tok, src[r], True)
+                                   for r in prompts])
+        wt.begin_step(plan)
+        wt.start_stores(plan.stores, ready)
+        for rid in prompts:
+            assert planner.request_finished(rid) is True
+        rep = poll(set(prompts), "finished_sending")
+        assert tracker.failed_store_chunks == 0
+        planner.transfers_finished([], rep.finished_sending)
+        for rid, toks in prompts.items():
+            assert matched("h" + rid, toks + [0]) == geometry.chunk_size
+            planner.after_alloc("h" + rid, dst[rid], geometry.chunk_size)
+        plan = planner.build_step([])
+        assert len(plan.loads) == n_requests
+        wt.begin_step(plan)
+        rep = poll(set(), "finished_recving")
+        assert not rep.failed_recving and not rep.invalid_block_ids
+        bpc = geometry.chunk_size // 16
+        for rid in prompts:
+            assert kv.pages(g.name, dst[rid][0][:bpc]) == kv.pages(g.name, src[rid][0][:bpc])
+    finally:
+        sched.close()
+        work.close()
+    with Client(endpoint) as c:
+        after = dict(c.stats()["counters"]["requests"])
+    for op in ("store", "retrieve"):
+        sent = after.get(f"{op}:ok", 0) - before.get(f"{op}:ok", 0)
+        assert sent == 1, f"{n_requests} requests took {sent} {op} requests, not one"
+    assert not any(k.endswith(":busy") for k in after), after

@@ -141,3 +141,19 @@ def test_second_worker_process_loads_replicated_kv(cuda_server: ServerProcess) -
                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert p.returncode == 0, f"worker failed:\n{p.stdout}\n{p.stderr}"
     assert "LOAD OK" in p.stdout
+
+
+def test_batched_step_of_many_requests_on_gpu(cuda_server: ServerProcess) -> None:
+    """120 requests store in one step and 120 hit in one step, on GPU memory exported
+    as IPC handles: one batched store and one batched retrieve, no ``busy``, every
+    load byte-exact (the CPU twin: tests/test_connector_runtime.py)."""
+    from lmc_server.client.cuda import stream_done
+    from lmc_server.testing.connector_flow import check_batched_step
+    from lmc_server.testing.cuda_kv import CudaKV, device_arch
+    from lmc_server.testing.presets import simple_model
+
+    n = 120
+    geo = simple_model(arch=device_arch(0), num_blocks=34 * n + 8, layers=4)
+    with CudaKV(geo) as kv:
+        kv.fill_random(SEED + 3)
+        check_batched_step(cuda_server.endpoint, kv, n, ready=stream_done())

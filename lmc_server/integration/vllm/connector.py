@@ -18,16 +18,19 @@ every rank; sharded KV is stored and retrieved by every rank for its own shard.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
 
+from lmc_server.integration.kvlayout import KVLayout, derive_registration
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import (
     ChunkGeometry,
@@ -36,7 +39,7 @@ from lmc_server.integration.planning import (
     StepPlan,
 )
 from lmc_server.integration.settings import ConnectorSettings
-from lmc_server.integration.vllm.geometry import build_groups
+from lmc_server.integration.vllm.geometry import build_groups, describe
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers
 
 if TYPE_CHECKING:
@@ -49,6 +52,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LMCacheMPHandshake(KVConnectorHandshakeMetadata):
+    """A worker's KV cache description (:class:`KVLayout` as plain data)."""
+
+    layout: dict[str, Any]
 
 
 class LMCacheMPMetadata(KVConnectorMetadata):
@@ -87,24 +97,71 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.model = self.settings.model or str(vllm_config.model_config.model)
         self.arch = self.settings.arch or _detect_arch()
         self.link = ServerLink(self.settings.endpoint, timeout_s=self.settings.timeout_s,
-                               client_name=f"vllm-{role.name.lower()}")
+                               client_name=f"vllm-{role.name.lower()}",
+                               max_inflight=self.settings.max_inflight)
         welcome = self.link._client.welcome
         assert welcome is not None
-        vg = build_groups(kv_cache_config)
-        hash_block = int(kv_cache_config.hash_block_size
-                         or vllm_config.cache_config.block_size)
-        self.geometry = ChunkGeometry(welcome.chunk_size, hash_block, vg.engine_groups)
-        self.loaded_group_ids = tuple(i for i, g in enumerate(vg.engine_groups) if g.cached)
+        self.chunk_size = int(welcome.chunk_size)
+        self.hash_block = int(kv_cache_config.hash_block_size
+                              or vllm_config.cache_config.block_size)
+        self.layout = describe(kv_cache_config)
         self.planner: SchedulerPlanner | None = None
         self.transfers: WorkerTransfers | None = None
         self._invalid_block_ids: set[int] = set()
-        if role == KVConnectorRole.SCHEDULER:
+        self._use_layout(self.layout)
+
+    def _use_layout(self, layout: KVLayout) -> None:
+        """Plan over ``layout``; the scheduler (re)registers lookup-only for it."""
+        self.layout = layout
+        vg = derive_registration(layout)
+        self.geometry = ChunkGeometry(self.chunk_size, self.hash_block, vg.engine_groups)
+        self.loaded_group_ids = tuple(i for i, g in enumerate(vg.engine_groups) if g.cached)
+        if self._role == KVConnectorRole.SCHEDULER:
             self.link.register(model=self.model, kv_dtype=vg.kv_dtype, arch=self.arch,
                                groups=vg.groups, world_size=self.world_size, rank=0,
                                replicated=vg.replicated)
             self.planner = SchedulerPlanner(self.geometry, self.link,
                                             store=self.settings.store,
-                                            load=self.settings.load)
+                                            load=self.settings.load,
+                                            store_generated=self.settings.store_generated)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """The worker's KV cache as it registered it, for the scheduler (below)."""
+        if self.transfers is None:
+            return None
+        return LMCacheMPHandshake(layout=self.layout.to_dict())
+
+    def set_xfer_handshake_metadata(
+            self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Plan with the workers' view of the KV cache when it differs from ours.
+
+        vLLM hands the scheduler a copy of the KV cache config in which a group's
+        per-layer specs are replaced by one of them
+        (``generate_scheduler_kv_cache_config``); a group holding layers with
+        different records (DeepSeek-V4.1's compressed KV and indexer) then looks like
+        one record, and a lookup-only registration derived from it would not match
+        the workers' objects. The workers send theirs once, at start-up, before any
+        request is scheduled.
+        """
+        if self.planner is None or not metadata:
+            return
+        first = metadata[min(metadata)]
+        if not isinstance(first, LMCacheMPHandshake):
+            return
+        layout = KVLayout.from_dict(first.layout)
+        if layout != self.layout:
+            assert not self.planner.tracked, "KV layout changed with requests in flight"
+            logger.info("scheduler plans with the workers' KV cache layout")
+            self._use_layout(layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: this is a best-effort cache, not a hand-off. vLLM 0.33 defaults to
+        True for producers (``kv_both`` included), which makes a preemption under async
+        scheduling drop and resample in-flight output. Nothing here needs that: a
+        preempted request's stores are fenced before its freed blocks can be written
+        (:meth:`handle_preemptions`), and a store that does not happen is a later miss."""
+        return False
 
     # -- worker side --------------------------------------------------------------------
 
@@ -137,8 +194,10 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.plan
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called every step before the forward pass and the step's loads: wait for
+        the stores reading blocks this step's scheduling may have freed."""
         if self.transfers is not None and isinstance(kv_connector_metadata, LMCacheMPMetadata):
-            self.transfers.fence(kv_connector_metadata.plan.fence_req_ids)
+            self.transfers.fence(kv_connector_metadata.plan.fence_store_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -182,9 +241,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def shutdown(self) -> None:
+        """Wait (at most ``shutdown_timeout_s``) for stores and loads in flight, then
+        unregister; past the wait the connection closes and the server aborts what
+        is unfinished (nothing half-written becomes visible)."""
+        drained = True
         if self.transfers is not None:
-            self.transfers.fence(())
-        self.link.close()
+            drained = self.transfers.drain(self.settings.shutdown_timeout_s)
+        self.link.close(None if drained else 1.0)
 
     # -- scheduler side -----------------------------------------------------------------
 
