@@ -20,7 +20,7 @@ mkdir -p "$out"
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupy}" PYTHONUNBUFFERED=1
 what="${1:-all}"
 status=0
-XX
+bench() { python3 -m lmc_server bench "$@" 2>&1 | grep -v ' INFO ' ; }
 
 if [ "$what" = all ] || [ "$what" = throughput ]; then
   tp=(throughput --backend cuda --batches 1,16,64 --inflight 1,2 --cuda-copy-mode staging

@@ -107,7 +107,7 @@ def cli() -> None:
               envvar="LMCACHE_PIPELINE_MB",
               help="Stores larger than this many MiB are reserved and copied in up to four "
                    "sub-batches, the first copying while the next is prepared (0: never; "
-                   "-1: the engine's default, 64 on cuda, never on cpu).")
+                   "-1: the engine's default, which is 0 on cpu and cuda).")
 @click.option("--max-frame-bytes", type=click.IntRange(65536, 1 << 30),
               default=Config.max_frame_bytes, envvar="LMCACHE_MAX_FRAME_BYTES",
               help="Largest request frame answered; larger ones get too_large.")
