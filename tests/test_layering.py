@@ -56,9 +56,10 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"protocol", "cache", "buffers", "net"},
     # Engine integrations (vLLM) on top of the client.
     "integration": {"client", "protocol", "cache", "buffers", "net"},
-    # Test helpers: presets, shared-memory KV caches, server *processes* (never the
-    # server in process: that is bench's and the tests' business), a redis process.
-    "testing": {"integration", "client", "protocol", "cache", "buffers", "net"},
+    # Test helpers: presets, shared-memory KV caches, server and redis processes, and
+    # the server in process (a thread, a fake clock): above the server, below bench.
+    "testing": {"server", "config", "transfer", "integration", "client", "protocol",
+                "cache", "buffers", "net"},
     # Benchmarks: measure a real server (process or in-process thread) with the client
     # and the test helpers; may use any layer below the CLI.
     "bench": {"testing", "integration", "client", "server", "config", "metrics", "l2",
