@@ -156,8 +156,12 @@ class Config:
                 f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
         if self.l2_url:
             from lmc_server.l2.checks import check_l2_config
+            from lmc_server.l2.url import L2ConfigError
 
-            check_l2_config(self)
+            try:
+                check_l2_config(self)
+            except L2ConfigError as e:
+                raise ConfigError(str(e)) from None
         if self.backend == "null" or not self.memory_check:
             return  # the null engine allocates no pool memory (trace replays only)
         mem = physical_memory_bytes() if memory_bytes is None else memory_bytes

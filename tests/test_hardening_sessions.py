@@ -6,28 +6,23 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zmq
 
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, chunk_digests
 from lmc_server.client.aio import AsyncClient
-from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.server import server as server_mod
-from lmc_server.server.notify import Notifier
-from lmc_server.server.server import Server
 from lmc_server.testing import ShmKV, dsv41_flash, simple_model
+from lmc_server.testing.inprocess import FakeClock, run_server
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.process import ServerProcess, free_port, wait_for_ping
+from lmc_server.testing.process import ServerProcess, free_port
 
 # -- item 4: unknown registrations are not "busy" ------------------------------------------
 
@@ -122,56 +117,30 @@ def test_replicated_ranks_racing_on_a_chunk_get_no_in_progress() -> None:
 # -- item 8: quiet connected clients are kept; clients re-handshake ------------------------
 
 
-class OffsetClock:
-    """time.monotonic plus an offset the test moves forward (constructor injection)."""
-
-    def __init__(self) -> None:
-        self.offset_s = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.offset_s
-
-
-@pytest.fixture
-def in_process_server() -> Iterator[tuple[Server, OffsetClock, str]]:
-    clock = OffsetClock()
-    port = free_port()
-    server = Server(Config(port=port, backend="cpu", l1_size_gb=0.125, slab_size_mb=16,
-                           metrics_port=0), clock=clock, notifier=Notifier(None))
-    t = threading.Thread(target=server.run, name="in-process-server", daemon=True)
-    t.start()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    wait_for_ping(endpoint, 20)
-    try:
-        yield server, clock, endpoint
-    finally:
-        server.loop.call_soon_threadsafe(server.handle_exit)
-        t.join(30)
-        assert not t.is_alive()
-
-
-def test_quiet_connected_client_is_not_forgotten(
-        in_process_server: tuple[Server, OffsetClock, str]) -> None:
+def test_quiet_connected_client_is_not_forgotten() -> None:
     """The soak failure: a client holding no registration, quiet past IDLE_SESSION_S, still
     connected. Its session must survive the idle sweep (checked at the protocol level,
-    with a raw socket that would not say hello again)."""
-    server, clock, endpoint = in_process_server
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        sock.send(encode(m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION)))
-        assert isinstance(decode_reply(sock.recv()), m.Welcome)
-        clock.offset_s = server_mod.IDLE_SESSION_S * 3
-        time.sleep(server_mod.SESSION_SWEEP_INTERVAL_S + 1.5)  # one real sweep runs
-        sock.send(encode(m.Stats(req_id=2)))
-        assert sock.poll(10_000)
-        reply = decode_reply(sock.recv())
-        assert isinstance(reply, m.StatsResult), reply
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    with a raw socket that would not say hello again). In process with a fake clock: the
+    clock jumps past the idle limit and the sweep interval, and the housekeeping tick
+    that follows runs the sweep (no real waiting)."""
+    clock = FakeClock()
+    with run_server(clock=clock, l1_size_gb=0.125, slab_size_mb=16) as ts:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ts.endpoint)
+        try:
+            sock.send(encode(m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION)))
+            assert isinstance(decode_reply(sock.recv()), m.Welcome)
+            clock.advance(server_mod.IDLE_SESSION_S * 3)  # > the sweep interval too
+            ts.wait_housekeeping()  # a whole tick, hence the sweep, ran after the jump
+            sock.send(encode(m.Stats(req_id=2)))
+            assert sock.poll(10_000)
+            reply = decode_reply(sock.recv())
+            assert isinstance(reply, m.StatsResult), reply
+        finally:
+            sock.close(linger=0)
+            ctx.term()
 
 
 def test_clients_say_hello_again_after_a_server_restart() -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 import tracemalloc
 
-from lmc_server.bench.servers import ThreadServer
 from lmc_server.client import Client
 from lmc_server.config import Config
+from lmc_server.testing.inprocess import ThreadServer
 from lmc_server.testing.process import free_port
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmc_server.l2.redisproc import redis_server_path
+from lmc_server.testing.redis_process import redis_server_path
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":

@@ -22,10 +22,10 @@ import pytest
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
-from lmc_server.l2.redisproc import RedisProcess, redis_server_path
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
 NUM_BLOCKS = 64
 CHUNK = 256

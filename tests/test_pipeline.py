@@ -14,13 +14,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from lmc_server.bench.servers import ThreadServer
 from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, chunk_digests
 from lmc_server.config import Config
 from lmc_server.server.handlers import MAX_PARTS
 from lmc_server.testing import ShmKV, dsv41_flash
+from lmc_server.testing.inprocess import ThreadServer
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import free_port, wait_pool_ready
 from lmc_server.transfer.base import DoneCallback, Mapping

@@ -249,7 +249,7 @@ def test_lookup_only_registration_cannot_copy(client: Client) -> None:
 
 def test_bad_shared_memory_name_refused(client: Client) -> None:
     geo = dsv41_flash(num_blocks=NUM_BLOCKS)
-    from lmc_server.cache.geometry import ShmBuffer
+    from lmc_server.buffers import ShmBuffer
     bufs = [ShmBuffer(name="../etc/passwd", size_bytes=s) for s in geo.buffer_sizes]
     with pytest.raises(ServerError, match="transfer.*must match"):
         client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90",

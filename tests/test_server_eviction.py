@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,6 +12,7 @@ from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.inprocess import FakeClock, run_server
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
 
@@ -79,18 +79,29 @@ def test_leased_chunk_survives_pressure_until_released(
     assert c.lookup(reg, one_chunk(100), lease=False).hit_chunks == 0
 
 
-def test_lease_expires_after_its_ttl(setup: tuple[Client, Registration, ShmKV]) -> None:
-    c, reg, _ = setup
-    ids = block_ids_for(reg, 1)
-    c.store(reg, one_chunk(400), ids)
-    lease = c.lookup(reg, one_chunk(400))
-    assert lease.lease_ttl_s == 1.0
-    time.sleep(1.6)
-    assert c.stats()["counters"]["leases_expired"] >= 1
-    assert not c.release(lease.lease_id)
-    for i in range(SLOTS):
-        c.store(reg, one_chunk(500 + i), ids)
-    assert c.lookup(reg, one_chunk(400), lease=False).hit_chunks == 0
+def test_lease_expires_after_its_ttl() -> None:
+    """In process with a fake clock: the lease holds until the clock passes its TTL and
+    a housekeeping tick runs; then it is gone and its chunk is evictable again."""
+    clock = FakeClock()
+    with run_server(clock=clock, l1_size_gb=SLOTS / 1024, slab_size_mb=1, lease_ttl_s=1.0,
+                    eviction_policy="LRU") as ts, Client(ts.endpoint) as c, \
+            ShmKV(simple_model(layers=4, bytes_per_token=1024)) as kv:
+        kv.fill_random(3)
+        reg = c.register(**kv.register_kwargs())
+        ids = block_ids_for(reg, 1)
+        assert c.store(reg, one_chunk(400), ids).ok.all()
+        lease = c.lookup(reg, one_chunk(400))
+        assert lease.lease_ttl_s == 1.0 and lease.hit_chunks == 1
+        clock.advance(0.9)  # not yet: ticks run, the lease holds
+        ts.wait_housekeeping()
+        assert c.stats()["counters"]["leases_expired"] == 0
+        clock.advance(0.7)
+        ts.wait_housekeeping()
+        assert c.stats()["counters"]["leases_expired"] == 1
+        assert not c.release(lease.lease_id)
+        for i in range(SLOTS):
+            assert c.store(reg, one_chunk(500 + i), ids).ok.all()
+        assert c.lookup(reg, one_chunk(400), lease=False).hit_chunks == 0
 
 
 def test_everything_leased_means_no_space_per_chunk(

@@ -163,7 +163,11 @@ def test_unit_file_has_the_promised_settings() -> None:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze not installed")
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
-    """The unit as shipped, with ExecStart pointed at this environment's executable."""
+    """The unit as shipped, with ExecStart pointed at this environment's executable.
+
+    CI runs this on whatever systemd its image has (Debian 12: 252); the unit uses no key
+    newer than 252, so the check is the same on 252 and on every later version.
+    """
     lmcache = Path(sys.executable).with_name("lmcache")
     text = UNIT.read_text()
     text = re.sub(r"^ExecStart=\S+", f"ExecStart={lmcache}", text, flags=re.M)
@@ -171,11 +175,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     unit.write_text(text)
     res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                          text=True, timeout=60)
-    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
-    problems = [ln for ln in lines if not _known_old_systemd_warning(ln)]
+    problems = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    # No filter: every key must be known to the oldest supported systemd (252, Debian 12
+    # and RHEL 9), so any warning at all, an unknown key included, fails.
     assert res.returncode == 0 and not problems, problems
-
-
-def _known_old_systemd_warning(line: str) -> bool:
-    """Restart backoff keys (systemd >= 254) are unknown, and ignored, on older ones."""
-    return bool(re.search(r"Unknown key '?(RestartSteps|RestartMaxDelaySec)'?", line))

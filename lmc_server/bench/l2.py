@@ -33,9 +33,9 @@ from lmc_server.bench.common import GeometryArgs, Report, format_table
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
-from lmc_server.l2.redisproc import RedisProcess
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
+from lmc_server.testing.redis_process import RedisProcess
 
 CHUNK_SIZE = 256
 #: Poll interval (stats, lookups): short enough to add little to a timing, long enough

@@ -27,9 +27,9 @@ from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_t
 from lmc_server.cache.layout import build_layout
 from lmc_server.client import Client
 from lmc_server.config import GIB, MIB
-from lmc_server.l2.redisproc import RedisProcess
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.process import ServerProcess
+from lmc_server.testing.redis_process import RedisProcess
 
 POLL_S = 0.001
 POLL_LIMIT_S = 2.0

@@ -26,6 +26,11 @@ from typing import Literal
 
 import msgspec
 
+# Compatibility re-export (the transport buffer types moved to lmc_server.buffers);
+# tests/test_layering.py lists it as a known exception and says when it goes.
+from lmc_server.buffers import BufferSpec as BufferSpec
+from lmc_server.buffers import CudaIpcBuffer as CudaIpcBuffer
+from lmc_server.buffers import ShmBuffer as ShmBuffer
 from lmc_server.cache.overlap import Pages, candidate_pairs, overlap
 
 GroupKind = Literal["full", "sliding_window", "scratch"]
@@ -313,30 +318,3 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
                 f"{_layer_name(groups[gi], li)} and "
                 f"{_layer_name(groups[gj], lj)} overlap in buffer {buf}: {where}; "
                 f"stores and retrieves would alias KV")
-
-
-class ShmBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm"):
-    """A POSIX shared-memory segment standing in for GPU memory (CPU engine).
-
-    ``name`` is the segment name under ``/dev/shm`` (``lmc-`` prefix, no slashes).
-    """
-
-    name: str
-    size_bytes: int
-
-
-class CudaIpcBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cuda_ipc"):
-    """A CUDA allocation exported with ``cudaIpcGetMemHandle`` (CUDA engine).
-
-    The handle maps the whole allocation; the buffer is ``size_bytes`` bytes starting
-    ``offset`` bytes into it. ``device_uuid`` names the GPU (``GPU-...``) so the server
-    finds it whatever its own ``CUDA_VISIBLE_DEVICES`` says.
-    """
-
-    handle: bytes
-    device_uuid: str
-    offset: int
-    size_bytes: int
-
-
-BufferSpec = ShmBuffer | CudaIpcBuffer

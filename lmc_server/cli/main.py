@@ -47,7 +47,27 @@ def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | 
             raise click.BadParameter(str(e)) from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"],
+class _LazyGroup(click.Group):
+    """Loads ``lmcache bench`` only when it is named (or listed by ``--help``).
+
+    The benchmarks pull in the test helpers, the client and plotting code; the daemon
+    (``lmcache server``) and the admin commands need none of it
+    (``tests/test_layering.py`` checks what ``lmcache server`` imports).
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), "bench"})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name == "bench":
+            from lmc_server.bench.cli import bench
+
+            return bench
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup,
+             context_settings={"help_option_names": ["-h", "--help"],
                                "show_default": True, "max_content_width": 100})
 @click.version_option(__version__, prog_name="lmcache")
 def cli() -> None:
@@ -324,15 +344,6 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
                 click.echo(f"{k}.{k2:<30} {v2}")
         else:
             click.echo(f"{k:<38} {v}")
-
-
-def _add_bench() -> None:
-    from lmc_server.bench.cli import bench
-
-    cli.add_command(bench)
-
-
-_add_bench()
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.buffers import BufferSpec
+from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.status import SUCCESS, ChunkStatus
 from lmc_server.protocol import messages as m
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmc_server.cache.geometry import CudaIpcBuffer
+from lmc_server.buffers import CudaIpcBuffer
 
 IPC_HANDLE_BYTES = 64
 

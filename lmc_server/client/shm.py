@@ -13,7 +13,7 @@ import secrets
 
 import numpy as np
 
-from lmc_server.cache.geometry import ShmBuffer
+from lmc_server.buffers import ShmBuffer
 
 SHM_DIR = "/dev/shm"
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lmc_server.cache.index import L1Index
 from lmc_server.l2.backend import L2Backend
+from lmc_server.l2.checks import L2Settings
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.tier import L2Tier
 from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_password
 from lmc_server.transfer.base import HostPool
-
-if TYPE_CHECKING:
-    from lmc_server.config import Config
 
 
 def make_backend(target: L2Target, password: str | None, timeout_s: float) -> L2Backend:
@@ -28,7 +24,7 @@ def make_backend(target: L2Target, password: str | None, timeout_s: float) -> L2
     return MooncakeBackend(target.url, timeout_s)
 
 
-def make_tier(config: Config, index: L1Index, pool: HostPool, engine_name: str) -> L2Tier:
+def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: str) -> L2Tier:
     """The tier for ``config.l2_url``; raises ``ValueError``/``RuntimeError`` if unusable
     (the server then refuses to start, naming the problem)."""
     target = parse_l2_url(config.l2_url)

@@ -1,7 +1,11 @@
 """The Prometheus collector: reads the server's plain counters at scrape time.
 
 The hot path only increments ints in :class:`~lmc_server.cache.index.CacheStats` and
-:class:`~lmc_server.server.stats.ServerStats`; nothing here is touched per request.
+the server's request counters; nothing here is touched per request. The collector reads
+the server's counters and sessions through :class:`RequestCounters` and
+:class:`SessionCounts`, protocols that say what it reads, so this layer imports nothing
+of the server (the server imports it); the histogram bounds are defined here
+(:data:`TRANSFER_BUCKETS_S`) and the server's counters bucket by them.
 :meth:`ServerCollector.collect` runs on the HTTP thread while the event loop keeps
 mutating those objects, so it copies every dict with one C-level call (atomic under
 the GIL: no "changed size during iteration") and derives histogram counts from the
@@ -16,8 +20,9 @@ from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,13 +37,50 @@ from prometheus_client.registry import Collector
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
-from lmc_server.server.sessions import SessionTable
-from lmc_server.server.stats import TRANSFER_BUCKETS_S, ServerStats
 
 PREFIX = "lmcache_"
+#: Upper bounds (seconds) of the transfer-duration histogram buckets; a transfer's
+#: ``buckets`` list has one count per bound plus one for ``+Inf``.
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                      2.5, 5.0)
 #: Allocation-failure reasons :class:`~lmc_server.cache.index.L1Index` counts; exported
 #: as 0 before the first one, so that ``rate()`` and alerts see the series from the start.
 ALLOC_FAILURE_REASONS = ("aborted", "no_space")
+
+
+class TransferCounts(Protocol):
+    """One direction's transfers (``lmc_server.server.stats.TransferStats``)."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def buckets(self) -> list[int]: ...
+
+
+class RequestCounters(Protocol):
+    """What the collector reads of the server's counters
+    (``lmc_server.server.stats.ServerStats``); mutated by the event loop meanwhile."""
+
+    @property
+    def requests(self) -> Mapping[tuple[str, str], int]: ...
+    @property
+    def lookup_tokens(self) -> int: ...
+    @property
+    def hit_tokens(self) -> int: ...
+    @property
+    def transfers(self) -> Mapping[str, TransferCounts]: ...
+    @property
+    def phases(self) -> Mapping[tuple[str, str], list[float]]: ...
+
+
+class SessionCounts(Protocol):
+    """Sessions (``len``) and registrations (``lmc_server.server.sessions.SessionTable``)."""
+
+    def __len__(self) -> int: ...
+    @property
+    def registrations(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -66,8 +108,8 @@ class LiveState:
 class ServerCollector(Collector):
     """Exports one server's counters and L1 occupancy; see docs/operations.md."""
 
-    def __init__(self, info: ServerInfo, index: L1Index, pool: SlabPool, stats: ServerStats,
-                 sessions: SessionTable, live: LiveState) -> None:
+    def __init__(self, info: ServerInfo, index: L1Index, pool: SlabPool,
+                 stats: RequestCounters, sessions: SessionCounts, live: LiveState) -> None:
         self.info = info
         self.index = index
         self.pool = pool

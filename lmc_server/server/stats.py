@@ -10,9 +10,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-#: Upper bounds (seconds) of the transfer-duration histogram buckets.
-TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                      2.5, 5.0)
+from lmc_server.metrics.collector import TRANSFER_BUCKETS_S
 
 
 @dataclass

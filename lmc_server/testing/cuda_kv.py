@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from lmc_server.cache.geometry import CudaIpcBuffer
+from lmc_server.buffers import CudaIpcBuffer
 from lmc_server.client.cuda import export_tensor
 from lmc_server.testing.kv import KVCache
 from lmc_server.testing.presets import KVGeometry

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lmc_server.cache.geometry import BufferSpec
+from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from lmc_server.cache.geometry import BufferSpec, ShmBuffer
+from lmc_server.buffers import BufferSpec, ShmBuffer
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import (
     DeviceInfo,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from lmc_server.cache.geometry import BufferSpec
+from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import (

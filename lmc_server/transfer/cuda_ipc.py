@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from lmc_server.cache.geometry import BufferSpec, CudaIpcBuffer
+from lmc_server.buffers import BufferSpec, CudaIpcBuffer
 from lmc_server.transfer.base import DeviceInfo, Mapping, TransferError
 
 log = logging.getLogger(__name__)

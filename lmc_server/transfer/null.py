@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lmc_server.cache.geometry import BufferSpec
+from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import DeviceInfo, DoneCallback, HostPool, Mapping, TransferEngine
 

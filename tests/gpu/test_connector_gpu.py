@@ -69,7 +69,7 @@ def test_store_then_load_byte_exact_on_gpu(cuda_server: ServerProcess, kind: str
     stores leave GPU memory alone; a hit loaded into other blocks writes exactly the
     stored pages of every cached group and layer and nothing else (the scratch rings
     that overlay the same allocation keep their bytes, and get no block ids)."""
-    from lmc_server.cache.geometry import CudaIpcBuffer
+    from lmc_server.buffers import CudaIpcBuffer
     from lmc_server.integration.exporters import CudaExporter
     from lmc_server.testing.connector_flow import ConnectorFlow
     from lmc_server.testing.cuda_backing import CudaBacking

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from lmc_server.cache.geometry import CudaIpcBuffer
+from lmc_server.buffers import CudaIpcBuffer
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 from lmc_server.transfer.base import TransferError

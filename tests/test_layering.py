@@ -1,0 +1,257 @@
+"""Imports point down the layers (docs/architecture.md, "Layers").
+
+Scans the parsed source of every module under ``lmc_server/`` (every ``import`` and
+``from ... import`` anywhere in the file: module level, inside functions, under
+``TYPE_CHECKING``), maps each module to its layer (a subpackage, or a top-level module
+such as ``config``), and fails on any edge between two layers that :data:`ALLOWED` does
+not list. The table is the decision; the docs describe it. A known upward edge that
+cannot be fixed yet is listed, per file and target, in :data:`KNOWN_EXCEPTIONS` with
+the reason, so a new upward edge fails even in a file that already has one.
+
+Also checked: the third-party imports that define a layer's promise (the cache core is
+numpy and msgspec only, the protocol is sans-IO, CuPy only in the transfer engines), and
+that ``lmcache server`` loads neither the benchmarks nor the test helpers nor the client.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import lmc_server
+
+PACKAGE = Path(lmc_server.__file__).parent
+
+#: layer -> the layers it may import. Every layer may also import the root package
+#: (``lmc_server/__init__.py``: ``__version__`` and ``PROTOCOL_VERSION``, no imports).
+#: The table must stay acyclic (checked below).
+ALLOWED: dict[str, set[str]] = {
+    # Leaves. net: endpoint strings and address checks (stdlib only). logs: logging
+    # setup for the daemon. buffers: the msgspec types that describe a worker's KV
+    # buffers on the wire (shared memory, CUDA IPC); read by protocol, client, transfer.
+    "net": set(),
+    "logs": set(),
+    "buffers": set(),
+    # The cache core: geometry, layout, keys, pool, eviction, index. Imports nothing of
+    # the package (and only numpy/msgspec outside it, see THIRD_PARTY).
+    "cache": set(),
+    # Sans-IO wire protocol: messages carry group specs (cache) and buffer specs.
+    "protocol": {"cache", "buffers"},
+    # Transfer engines copy by the cache's layout into the buffers a worker registered.
+    "transfer": {"cache", "buffers"},
+    # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
+    # the engine's host pool. Takes its settings through a protocol, not Config.
+    "l2": {"cache", "transfer"},
+    # Prometheus collector and HTTP endpoint. Reads the index and pool directly; the
+    # server's own counters and sessions through protocols it defines (no server import).
+    "metrics": {"cache", "net"},
+    # Server settings: values and checks; the checks of a subsystem live with it (l2).
+    "config": {"cache", "protocol", "net", "l2"},
+    # The daemon: everything of the server stack below it.
+    "server": {"protocol", "cache", "buffers", "transfer", "l2", "metrics", "config",
+               "logs", "net"},
+    # Client library: speaks the protocol; digests and buffers for workers.
+    "client": {"protocol", "cache", "buffers", "net"},
+    # Engine integrations (vLLM) on top of the client.
+    "integration": {"client", "protocol", "cache", "buffers", "net"},
+    # Test helpers: presets, shared-memory KV caches, server and redis processes, and
+    # the server in process (a thread, a fake clock): above the server, below bench.
+    "testing": {"server", "config", "transfer", "integration", "client", "protocol",
+                "cache", "buffers", "net"},
+    # Benchmarks: measure a real server (process or in-process thread) with the client
+    # and the test helpers; may use any layer below the CLI.
+    "bench": {"testing", "integration", "client", "server", "config", "metrics", "l2",
+              "transfer", "protocol", "cache", "buffers", "net", "logs"},
+    # The command line: builds a Config and runs the Server; admin commands use the
+    # client; ``lmcache bench`` is loaded lazily (checked by a test below).
+    "cli": {"bench", "server", "client", "config", "cache", "protocol", "net", "logs"},
+    "__main__": {"cli"},
+}
+
+#: (importing module, imported layer) -> why the upward edge is still there. Each entry
+#: names what must happen to remove it; the test fails if an entry is no longer needed.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("lmc_server.cache.geometry", "buffers"):
+        "re-exports ShmBuffer, CudaIpcBuffer and BufferSpec for modules that still import "
+        "them from cache.geometry and were owned by other engineers while issue 16 moved "
+        "the types to lmc_server.buffers: protocol/messages.py, client/aio.py, "
+        "integration/**, bench/replay.py, tests/test_connector_fixtures.py. Remove when "
+        "they import lmc_server.buffers.",
+}
+
+#: layer -> third-party or stdlib top-level modules it must not import.
+THIRD_PARTY_FORBIDDEN: dict[str, set[str]] = {
+    "cache": {"zmq", "asyncio", "uvloop", "socket", "threading", "torch", "cupy",
+              "prometheus_client", "redis"},
+    "protocol": {"zmq", "asyncio", "uvloop", "socket", "threading", "torch", "cupy"},
+    "buffers": {"zmq", "asyncio", "socket", "torch", "cupy", "numpy"},
+    **{layer: {"cupy"} for layer in ("server", "client", "integration", "testing", "bench",
+                                     "l2", "metrics", "cli", "config")},
+}
+for _layer in ("server", "transfer", "l2", "metrics", "config", "cli"):
+    THIRD_PARTY_FORBIDDEN.setdefault(_layer, set()).add("torch")
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    """``lmc_server.server.handlers`` -> ``server``; ``lmc_server.config`` -> ``config``;
+    the root package itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """Every (line, absolute module name) a file imports, anywhere in it. For
+    ``from pkg import name`` both ``pkg`` and ``pkg.name`` are candidates; the caller
+    keeps ``pkg.name`` when it is a module of the package (a submodule import)."""
+    mod = module_name(path, root)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((node.lineno, sub if _is_module(sub) else target))
+    return sorted(set(out))
+
+
+def _is_module(name: str) -> bool:
+    if not name.startswith("lmc_server."):
+        return False
+    rel = Path(*name.split(".")[1:])
+    return (PACKAGE / rel).with_suffix(".py").is_file() or (PACKAGE / rel / "__init__.py").is_file()
+
+
+def package_files() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 50, files
+    return files
+
+
+def layer_edges(files: list[Path] | None = None,
+                root: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+    """(importing module, imported layer) -> ["module:line -> target", ...] for every
+    import that crosses from one layer to another (the root package excluded)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in package_files() if files is None else files:
+        mod = module_name(path, root)
+        src = layer_of(mod)
+        for line, target in imports(path, root):
+            if target != "lmc_server" and not target.startswith("lmc_server."):
+                continue
+            dst = layer_of(target)
+            if dst and dst != src:
+                edges.setdefault((mod, dst), []).append(f"{mod}:{line} -> {target}")
+    return edges
+
+
+def upward_edges(files: list[Path] | None = None, root: Path = PACKAGE) -> list[str]:
+    bad = []
+    for (mod, dst), where in sorted(layer_edges(files, root).items()):
+        src = layer_of(mod)
+        assert src in ALLOWED, f"{mod}: layer {src!r} is not in ALLOWED; place it there"
+        if dst not in ALLOWED[src] and (mod, dst) not in KNOWN_EXCEPTIONS:
+            bad += where
+    return bad
+
+
+def test_every_layer_is_placed() -> None:
+    layers = {layer_of(module_name(p)) for p in package_files()} - {""}
+    assert layers == set(ALLOWED), (layers ^ set(ALLOWED))
+
+
+def test_the_allowed_table_is_acyclic() -> None:
+    """Kahn's algorithm: a cycle in the table would make "down" meaningless."""
+    deps = {k: set(v) for k, v in ALLOWED.items()}
+    for k, v in deps.items():
+        assert v <= set(ALLOWED), (k, v - set(ALLOWED))
+    order = []
+    while deps:
+        leaves = sorted(k for k, v in deps.items() if not v)
+        assert leaves, f"cycle among {sorted(deps)}"
+        order += leaves
+        deps = {k: v - set(leaves) for k, v in deps.items() if k not in leaves}
+    assert order[-1] == "__main__"
+
+
+def test_no_upward_edge_between_layers() -> None:
+    bad = upward_edges()
+    assert not bad, "imports that point up the layers (docs/architecture.md):\n" + \
+        "\n".join(bad)
+
+
+def test_every_known_exception_is_still_needed() -> None:
+    edges = layer_edges()
+    stale = [k for k in KNOWN_EXCEPTIONS if k not in edges]
+    assert not stale, f"remove from KNOWN_EXCEPTIONS (the edge is gone): {stale}"
+    allowed_anyway = [k for k in KNOWN_EXCEPTIONS if k[1] in ALLOWED[layer_of(k[0])]]
+    assert not allowed_anyway, allowed_anyway
+
+
+def test_third_party_imports_keep_each_layer_promise() -> None:
+    bad = []
+    for path in package_files():
+        mod = module_name(path)
+        forbidden = THIRD_PARTY_FORBIDDEN.get(layer_of(mod), set())
+        for line, target in imports(path):
+            if target.split(".")[0] in forbidden:
+                bad.append(f"{mod}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """Function-level, TYPE_CHECKING, relative and ``from pkg import submodule`` imports
+    are all edges."""
+    root = tmp_path / "lmc_server"
+    (root / "cache").mkdir(parents=True)
+    probe = root / "cache" / "probe.py"
+    probe.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from ..server import stats\n"
+        "if TYPE_CHECKING:\n"
+        "    from lmc_server.client.core import Registration\n"
+        "def f():\n"
+        "    import lmc_server.metrics.collector\n"
+        "    from lmc_server import bench\n")
+    bad = upward_edges([probe], root)
+    targets = sorted(b.split(" -> ")[1] for b in bad)
+    assert targets == ["lmc_server.bench", "lmc_server.client.core",
+                       "lmc_server.metrics.collector", "lmc_server.server.stats"], bad
+
+
+def _loaded_after(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """Modules under ``prefixes`` loaded by a fresh interpreter after ``imports``."""
+    code = (f"import sys\nimport {imports}\n"
+            f"print(' '.join(sorted(m for m in sys.modules "
+            f"if m.startswith({prefixes!r}) or m in {prefixes!r})))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return res.stdout.split()
+
+
+def test_lmcache_server_loads_no_bench_testing_or_client() -> None:
+    """What ``lmcache server`` imports before it runs: the CLI module and the server."""
+    assert _loaded_after("lmc_server.cli.main, lmc_server.server.server",
+                         ("lmc_server.bench", "lmc_server.testing", "lmc_server.client",
+                          "lmc_server.integration")) == []
+
+
+def test_testing_presets_load_no_client_or_zmq() -> None:
+    """The presets are data; the shared-memory KV (client, zmq) loads on first use."""
+    assert _loaded_after("lmc_server.testing",
+                         ("lmc_server.client", "lmc_server.testing.kv", "zmq")) == []
