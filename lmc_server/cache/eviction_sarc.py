@@ -34,6 +34,7 @@ sketch's halving is amortized).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from lmc_server.cache.eviction_base import (
@@ -47,8 +48,11 @@ from lmc_server.cache.eviction_base import (
 _COLD, _WARM = 1, 2
 #: Sketch counters per slot of capacity: how far back "seen before" reaches.
 SKETCH_FACTOR = 32
-#: The share of WARM before any adaptation.
-START_WARM_SHARE = 0.5
+#: How much faster a COLD object ages than a WARM one, before any adaptation.
+START_COLD_WEIGHT = 4.0
+MAX_COLD_WEIGHT = 256.0
+#: Relative change of the weight per ghost hit.
+WEIGHT_STEP = 0.02
 
 
 class SARCPolicy(EvictionPolicy):
@@ -63,7 +67,9 @@ class SARCPolicy(EvictionPolicy):
         self._ghost_warm = GhostTags()
         self._keys: Sequence[bytes | None] = ()
         self._cap = 0
-        self._q = START_WARM_SHARE
+        self._used = array("q")
+        self._clock = 0
+        self._w = START_COLD_WEIGHT
         self.grow(capacity)
 
     def bind_keys(self, slot_key: Sequence[bytes | None]) -> None:
@@ -71,6 +77,7 @@ class SARCPolicy(EvictionPolicy):
 
     def grow(self, capacity: int) -> None:
         if capacity > self._cap:
+            self._used.extend([0] * (capacity - self._cap))
             self._cap = capacity
             self._lists.grow(capacity)
             self._sketch.grow(capacity * SKETCH_FACTOR)
@@ -81,36 +88,43 @@ class SARCPolicy(EvictionPolicy):
         return self._keys[slot] if slot < len(self._keys) else None
 
     @property
-    def warm_share(self) -> float:
-        """The adaptive target share of WARM (0..1)."""
-        return self._q
+    def cold_weight(self) -> float:
+        """How many times faster COLD objects age than WARM ones (adaptive, >= 1)."""
+        return self._w
+
+    def _push(self, lst: int, slot: int) -> None:
+        self._clock += 1
+        self._used[slot] = self._clock
+        self._lists.push(lst, slot)
 
     def admit(self, slot: int) -> None:
         key = self._key(slot)
         if key is None:
-            self._lists.push(_COLD, slot)
+            self._push(_COLD, slot)
             return
-        n = max(1, len(self))
         g_cold, g_warm = self._ghost_cold, self._ghost_warm
         if g_cold.pop(key):
-            self._q = max(0.0, self._q - max(1.0, g_warm.size / max(1, g_cold.size)) / n)
+            step = WEIGHT_STEP * max(1.0, g_warm.size / max(1, g_cold.size))
+            self._w = max(1.0, self._w / (1.0 + step))
         elif g_warm.pop(key):
-            self._q = min(1.0, self._q + max(1.0, g_cold.size / max(1, g_warm.size)) / n)
+            step = WEIGHT_STEP * max(1.0, g_cold.size / max(1, g_warm.size))
+            self._w = min(MAX_COLD_WEIGHT, self._w * (1.0 + step))
         seen = self._sketch.add(key)
-        self._lists.push(_WARM if seen else _COLD, slot)
+        self._push(_WARM if seen else _COLD, slot)
 
     def pin(self, slot: int) -> None:
         self._lists.unlink(slot)
 
     def unpin(self, slot: int) -> None:
-        self._lists.push(_WARM, slot)
+        self._push(_WARM, slot)
 
     def touch(self, slot: int) -> None:
         assert self._lists.where[slot], f"slot {slot} is not in the SARC order"
         key = self._key(slot)
         if key is not None:
             self._sketch.add(key)
-        self._lists.move(_WARM, slot)
+        self._lists.unlink(slot)
+        self._push(_WARM, slot)
 
     def forget(self, slot: int) -> None:
         lst = self._lists.unlink(slot)
@@ -121,9 +135,12 @@ class SARCPolicy(EvictionPolicy):
     def peek(self) -> int | None:
         lists = self._lists
         cold, warm = lists.head[_COLD], lists.head[_WARM]
-        if cold != NIL and (warm == NIL or lists.size[_COLD] > (1.0 - self._q) * len(self)):
+        if cold == NIL:
+            return None if warm == NIL else warm
+        if warm == NIL:
             return cold
-        return warm if warm != NIL else None
+        used = self._used
+        return cold if (self._clock - used[cold]) * self._w >= self._clock - used[warm] else warm
 
     def pop_victim(self) -> int | None:
         v = self.peek()
