@@ -252,10 +252,11 @@ class FrequencySketch:
         self._ops = 0
 
     def grow(self, cells: int) -> None:
-        """Hold about ``cells`` counters (a power of two); restarts the counts."""
-        if cells <= len(self._cells):
+        """Hold ``cells`` rounded *down* to a power of two counters (so a budget in
+        bytes per slot holds); growing restarts the counts."""
+        n = 1 << max(4, cells.bit_length() - 1)
+        if n <= len(self._cells):
             return
-        n = 1 << max(4, (cells - 1).bit_length())
         self._cells = bytearray(n)
         self._mask = n - 1
         self._ops = 0

@@ -11,7 +11,7 @@ What SARC does instead:
 
 - A :class:`FrequencySketch` with ``SKETCH_FACTOR`` one-byte counters per slot counts
   every store and every hit of a key, halving all counts every table's worth of traffic.
-  It recalls a key for tens of cache turnovers at 32 bytes per slot.
+  It recalls a key for tens of cache turnovers at 16-32 bytes per slot.
 - Objects live in two LRU lists: ``COLD`` (stored, and the sketch has no record of the
   key: a first-time prefix) and ``WARM`` (hit while resident, or stored again after an
   eviction: a prefix that comes back). A hit moves an object to the MRU end of ``WARM``.
@@ -28,8 +28,8 @@ prompt's chunks are hit by every request that extends them and stay at the MRU e
 
 Pinned objects leave their list and re-enter the MRU end of ``WARM`` when their last pin
 is released (a lease or a retrieve is a use). Per slot: 9 bytes of list links, 1 byte
-of list id, 32 bytes of sketch and 8 of ghost cells. Every operation is O(1) (the
-sketch's halving is amortized).
+of list id, 8 of last-use clock, 16-32 of sketch and 8-16 of ghost cells. Every
+operation is O(1) (the sketch's halving is amortized).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from lmc_server.cache.eviction_base import (
 )
 
 _COLD, _WARM = 1, 2
-#: Sketch counters per slot of capacity: how far back "seen before" reaches.
+#: Sketch counters per slot of capacity (rounded down to a power of two in all, so
+#: 16 to 32 bytes per slot): how far back "seen before" reaches.
 SKETCH_FACTOR = 32
 #: How much faster a COLD object ages than a WARM one, before any adaptation.
 START_COLD_WEIGHT = 4.0
