@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import random
+import signal
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from lmc_server.cache.eviction import POLICIES
 from lmc_server.cache.index import CacheView, L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, WRITING, SlabPool
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.cli.main import cli
 from lmc_server.testing.presets import simple_model
+from lmc_server.testing.process import ServerProcess
 
 MIB = 1 << 20
 
@@ -164,3 +171,26 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(
     per_object = grown / part.n_committed
     print(f"{policy}: python heap per cached object: {per_object:.0f} bytes")
     assert per_object <= 256, per_object
+
+
+def test_server_runs_with_the_policy_named_in_any_case(policy: str) -> None:
+    """``--eviction-policy`` takes every registered name, case-insensitively, and the
+    server reports the policy it runs (stores and hits under each policy go through
+    a real server in ``tests/test_replay_traces.py``)."""
+    srv = ServerProcess(["--eviction-policy", policy.lower()], backend="null",
+                        l1_size_gb=1).start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "lmc_server", "stats", "--json",
+                              "--port", str(srv.port)], capture_output=True, text=True,
+                             timeout=30)
+        assert json.loads(out.stdout)["eviction_policy"] == policy
+    finally:
+        assert srv.terminate(signal.SIGINT) == 0
+    assert "Traceback" not in srv.log()
+
+
+def test_help_lists_the_policy_on_a_line_of_its_own(policy: str) -> None:
+    res = CliRunner().invoke(cli, ["server", "--help"], terminal_width=200)
+    assert res.exit_code == 0
+    lines = [line.strip() for line in res.output.splitlines()]
+    assert any(line.startswith(f"{policy}: {POLICIES[policy].summary}") for line in lines)

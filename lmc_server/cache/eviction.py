@@ -21,7 +21,7 @@ from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
 from lmc_server.cache.eviction_sarc import SARCPolicy
 
 __all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "SARCPolicy",
-           "S3FIFOPolicy", "make_policy"]
+           "POLICY_HELP", "S3FIFOPolicy", "make_policy"]
 _SLOT_BITS = 32
 
 
@@ -237,6 +237,11 @@ class FIFOPolicy(EvictionPolicy):
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)}
+
+#: ``--help`` text of ``--eviction-policy``: one line per policy (``\b`` keeps click
+#: from re-wrapping them into one paragraph).
+POLICY_HELP = "Eviction policy, one of:\n\n\b\n" + "\n".join(
+    f"{name}: {cls.summary}" for name, cls in POLICIES.items())
 
 
 def make_policy(name: str, capacity: int = 0) -> EvictionPolicy:
