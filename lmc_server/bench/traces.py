@@ -83,8 +83,8 @@ def multi_turn(requests: int = 6000, seed: int = 2, live_sessions: int = 150,
     rng = np.random.default_rng(seed)
     ids = _Ids()
     system = [ids.take(int(rng.integers(2, 9))) for _ in range(prompts)]
-    # (next arrival ms, session id, history) kept in arrival order by a sort per pick:
-    # a few hundred sessions, so a linear pick is cheap enough for a generator.
+    # (next arrival ms, history) per live session; the next request is the earliest
+    # arrival, found by a linear scan (a few hundred sessions: cheap for a generator).
     sessions: list[tuple[float, list[int]]] = []
     for _ in range(live_sessions):
         start = float(rng.exponential(mean_think_ms))

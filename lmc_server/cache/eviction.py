@@ -1,8 +1,8 @@
 """Eviction policies over a partition's object slots, and their registry.
 
 The interface (:class:`EvictionPolicy`, with the transitions a partition reports) lives
-in :mod:`lmc_server.cache.eviction_base`; LRU and FIFO are here, ARC, S3-FIFO and the
-prefix-aware policy in modules of their own. Adding a policy is one subclass registered
+in :mod:`lmc_server.cache.eviction_base`; LRU and FIFO are here, ARC, S3-FIFO and
+SARC in modules of their own. Adding a policy is one subclass registered
 in :data:`POLICIES`; ``tests/test_eviction.py`` runs one contract suite over every class.
 
 Callers touch, admit and unpin the chunks of one prefix from the last chunk to the first,

@@ -10,7 +10,7 @@ to skip over pinned objects:
     touch  -- an evictable object was used
     forget -- an evictable object is being dropped (evicted, cleared)
 
-Policies that remember evicted objects (ghost entries: ARC, S3-FIFO, PREFIX) need to
+Policies that remember evicted objects (ghost entries: ARC, S3-FIFO, SARC) need to
 know *which* object a slot held, since a slot is reused for other keys; the partition
 hands them its slot-to-key table once through :meth:`EvictionPolicy.bind_keys`.
 
