@@ -7,11 +7,25 @@ import random
 import pytest
 
 from lmc_server.cache.eviction import POLICIES, EvictionPolicy, LRUPolicy, make_policy
+from lmc_server.cache.eviction_arc import ARCPolicy
+from lmc_server.cache.eviction_base import FrequencySketch, GhostTags
+from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
+from lmc_server.cache.eviction_sarc import SARCPolicy
+
+
+def keyed(name: str, capacity: int) -> tuple[EvictionPolicy, list[bytes | None]]:
+    """A policy bound to a slot-to-key table, as a partition binds it."""
+    keys: list[bytes | None] = [None] * capacity
+    p = make_policy(name, capacity)
+    p.bind_keys(keys)
+    return p, keys
 
 
 @pytest.fixture(params=sorted(POLICIES))
 def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
-    return make_policy(request.param, 16)
+    p, keys = keyed(request.param, 64)
+    keys[:] = [b"key%d" % i for i in range(64)]
+    return p
 
 
 def test_empty(policy: EvictionPolicy) -> None:
@@ -132,8 +146,167 @@ def test_pin_unpin_churn_keeps_fifo_heap_bounded() -> None:
 
 
 def test_unknown_policy_names_choices() -> None:
-    with pytest.raises(ValueError, match="LRU, FIFO"):
+    with pytest.raises(ValueError, match="LRU, FIFO, ARC, S3FIFO, SARC"):
         make_policy("random")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_names_are_case_insensitive_and_documented(name: str) -> None:
+    assert make_policy(name.lower()).name == name
+    assert POLICIES[name].summary and "\n" not in POLICIES[name].summary
+
+
+def test_peek_is_what_pop_returns_under_churn(policy: EvictionPolicy) -> None:
+    """Every policy's ``peek`` must name the slot ``pop_victim`` removes: the index peeks,
+    then evicts that slot through ``forget``."""
+    rng = random.Random(11)
+    present: set[int] = set()
+    for _ in range(3000):
+        s = rng.randrange(64)
+        if s not in present:
+            policy.admit(s)
+            present.add(s)
+        elif rng.random() < 0.5:
+            policy.touch(s)
+        else:
+            v = policy.peek()
+            assert v in present
+            if rng.random() < 0.5:
+                assert policy.pop_victim() == v
+            else:
+                policy.forget(v)  # type: ignore[arg-type]
+            present.discard(v)  # type: ignore[arg-type]
+    assert len(policy) == len(present)
+
+
+def test_pinned_slots_survive_any_eviction_sequence(policy: EvictionPolicy) -> None:
+    for s in range(64):
+        policy.admit(s)
+    pinned = set(range(0, 64, 5))
+    for s in pinned:
+        policy.touch(s)
+        policy.pin(s)
+    out = []
+    while (v := policy.pop_victim()) is not None:
+        out.append(v)
+    assert sorted(out) == sorted(set(range(64)) - pinned)
+    for s in pinned:
+        policy.unpin(s)
+    assert len(policy) == len(pinned)
+
+
+def test_ghost_tags_remember_and_forget() -> None:
+    g = GhostTags()
+    g.add(b"a")  # no table yet: ignored
+    assert not g.pop(b"a")
+    g.grow(100)
+    keys = [b"k%d" % i for i in range(50)]
+    for k in keys:
+        g.add(k)
+    remembered = [k for k in keys if g.pop(k)]
+    assert len(remembered) >= 40  # 128 cells: a few collisions overwrite
+    assert not any(g.pop(k) for k in remembered)  # popped means forgotten
+    assert g.size == 0 or g.size <= 50
+    assert not g.pop(b"never added")
+
+
+def test_frequency_sketch_counts_and_halves() -> None:
+    f = FrequencySketch()
+    assert f.add(b"x") == 0 and f.estimate(b"x") == 0  # no table yet
+    f.grow(1024)
+    for _ in range(5):
+        f.add(b"hot")
+    assert f.estimate(b"hot") == 5
+    assert f.estimate(b"cold") == 0
+    for i in range(1024):  # one table of traffic: every count halves once
+        f.add(b"other%d" % i)
+    assert f.estimate(b"hot") == 2
+
+
+def test_arc_moves_reused_objects_to_t2_and_evicts_t1_first() -> None:
+    p, keys = keyed("ARC", 8)
+    for s in range(4):
+        keys[s] = b"k%d" % s
+        p.admit(s)
+    p.touch(0)
+    p.touch(1)
+    assert [p.pop_victim() for _ in range(2)] == [2, 3]  # T1 before T2 (p = 0)
+    assert [p.pop_victim() for _ in range(2)] == [0, 1]
+
+
+def test_arc_ghost_hit_in_b1_grows_t1_target() -> None:
+    p, keys = keyed("ARC", 8)
+    assert isinstance(p, ARCPolicy)
+    for s in range(3):
+        keys[s] = b"k%d" % s
+        p.admit(s)
+    assert p.pop_victim() == 0  # k0 -> B1
+    p.admit(0)  # k0 stored again: it was evicted too early
+    assert p._p >= 1  # type: ignore[attr-defined]
+    assert p.peek() != 0  # it came back into T2, behind T1's objects
+
+
+def test_s3fifo_one_time_objects_leave_from_the_small_queue() -> None:
+    p, keys = keyed("S3FIFO", 32)
+    assert isinstance(p, S3FIFOPolicy)
+    for s in range(20):
+        keys[s] = b"k%d" % s
+        p.admit(s)
+        if s < 10:
+            p.touch(s)  # used: goes to M instead of being evicted
+    out = [p.pop_victim() for _ in range(8)]  # S keeps ~10% of what is left
+    assert out == list(range(10, 18))
+    assert all(s in p for s in range(10))
+
+
+def test_s3fifo_ghost_sends_a_returning_key_to_main() -> None:
+    p, keys = keyed("S3FIFO", 32)
+    for s in range(12):
+        keys[s] = b"k%d" % s
+        p.admit(s)
+    assert p.pop_victim() == 0  # unused: evicted from S, remembered
+    p.admit(0)  # same key k0 again -> main queue
+    for s in range(12, 20):
+        keys[s] = b"k%d" % s
+        p.admit(s)
+    out = [p.pop_victim() for _ in range(17)]  # S: 18 of 19 objects, down to ~10%
+    assert 0 not in out and 0 in p
+
+
+def test_sarc_first_time_keys_are_cold_returning_keys_warm() -> None:
+    p, keys = keyed("SARC", 32)
+    assert isinstance(p, SARCPolicy)
+    keys[0] = b"prefix"
+    p.admit(0)
+    assert not p.in_warm(0)
+    p.forget(0)
+    keys[1] = b"prefix"  # the same key, stored again in another slot
+    p.admit(1)
+    assert p.in_warm(1)
+    keys[2] = b"other"
+    p.admit(2)
+    p.touch(2)
+    assert p.in_warm(2)
+
+
+def test_sarc_cold_ages_faster_and_the_weight_adapts() -> None:
+    p, keys = keyed("SARC", 32)
+    assert isinstance(p, SARCPolicy)
+    keys[0] = b"warm"
+    p.admit(0)
+    p.touch(0)  # WARM, used at clock 2
+    keys[1] = b"cold"
+    p.admit(1)  # COLD, clock 3: younger, but ages 4x faster
+    for s in range(2, 5):
+        keys[s] = b"w%d" % s
+        p.admit(s)
+        p.touch(s)
+    assert p.peek() == 1
+    w = p.cold_weight
+    p.forget(1)
+    keys[1] = b"cold"
+    p.admit(1)  # evicted from COLD and back: COLD should age slower
+    assert p.cold_weight < w
 
 
 def test_touch_run_equals_touching_one_by_one(policy: EvictionPolicy) -> None:

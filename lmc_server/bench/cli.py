@@ -144,9 +144,9 @@ def startup(backend: str, sizes: tuple[float, ...] | None, repeats: int,
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
               required=True,
               help="Trace file (JSON lines: timestamp, input_length, hash_ids).")
-@click.option("--fractions", default="0.05,0.1,0.25,0.5", callback=_floats,
+@click.option("--fractions", default="0.01,0.05,0.1,0.25,0.5", callback=_floats,
               help="L1 sizes as fractions of the trace's distinct chunk bytes.")
-@click.option("--policies", default="LRU,FIFO",
+@click.option("--policies", default="LRU,FIFO,ARC,S3FIFO,SARC",
               help="Eviction policies, comma-separated.")
 @click.option("--limit", type=click.IntRange(1), default=None,
               help="Replay only the first N requests.")

@@ -15,6 +15,7 @@ object is a chunk and the bounds compare like with like).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +36,8 @@ CHUNK_SIZE = CHUNK_TOKENS
 @dataclass(frozen=True)
 class ReplayConfig:
     trace: str
-    fractions: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5)
-    policies: tuple[str, ...] = ("LRU", "FIFO")
+    fractions: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5)
+    policies: tuple[str, ...] = ("LRU", "FIFO", "ARC", "S3FIFO", "SARC")
     geometry: GeometryArgs = GeometryArgs()
     slab_size_mb: int = 64
     limit: int | None = None
@@ -143,38 +144,52 @@ def run(cfg: ReplayConfig) -> Report:
     return report
 
 
-COLUMNS = [("fraction", "L1 / distinct", ".2f"), ("l1_size_gb", "L1 GiB", ".1f"),
-           ("capacity_objects", "objects", "d"), ("policy", "policy", ""),
-           ("hit_ratio", "token hit", ".4f"), ("belady_ratio", "Belady", ".4f"),
-           ("infinite_ratio", "infinite", ".4f"), ("evictions", "evictions", "d")]
-
-
 def table(report: Report) -> str:
+    """One line per capacity: requested and actual fraction of the distinct chunk bytes
+    (whole slabs of whole objects: the actual one is what the server and the bounds
+    had), then every policy's token hit ratio side by side with Belady and infinite."""
     c = report.config
     head = (f"{c['requests']} requests, {c['input_tokens']} input tokens, "
             f"{c['chunk_refs']} chunk references, {c['distinct_chunks']} distinct chunks "
             f"({c['distinct_bytes'] / GIB:.1f} GiB at {c['object_bytes']} B/chunk)\n")
-    return head + format_table(report.rows, COLUMNS)
+    policies = list(c["policies"])
+    lines = []
+    for frac in sorted({r["fraction"] for r in report.rows}):
+        rs = [r for r in report.rows if r["fraction"] == frac]
+        line: dict[str, Any] = {"fraction": frac, "actual_fraction": rs[0]["actual_fraction"],
+                                "l1_size_gb": rs[0]["l1_size_gb"],
+                                "capacity_objects": rs[0]["capacity_objects"],
+                                "belady_ratio": rs[0]["belady_ratio"],
+                                "infinite_ratio": rs[0]["infinite_ratio"]}
+        for r in rs:
+            line[r["policy"]] = r["hit_ratio"]
+        lines.append(line)
+    columns = [("fraction", "requested", ".2f"), ("actual_fraction", "actual", ".4f"),
+               ("l1_size_gb", "L1 GiB", ".1f"), ("capacity_objects", "objects", "d")]
+    columns += [(p, p, ".4f") for p in policies]
+    columns += [("belady_ratio", "Belady", ".4f"), ("infinite_ratio", "infinite", ".4f")]
+    return head + format_table(lines, columns)
 
 
 def plot(report: Report, path: str) -> None:
     from lmc_server.bench.common import plot_figure, save_figure
 
     fig, ax = plot_figure()
-    fracs = sorted({r["fraction"] for r in report.rows})
+    fracs = sorted({r["actual_fraction"] for r in report.rows})
     for policy in report.config["policies"]:
         rs = sorted((r for r in report.rows if r["policy"] == policy),
-                    key=lambda r: r["fraction"])
-        ax.plot([r["fraction"] for r in rs], [r["hit_ratio"] for r in rs], "o-",
+                    key=lambda r: r["actual_fraction"])
+        ax.plot([r["actual_fraction"] for r in rs], [r["hit_ratio"] for r in rs], "o-",
                 label=f"server {policy}")
-    bel = {r["fraction"]: r["belady_ratio"] for r in report.rows}
+    bel = {r["actual_fraction"]: r["belady_ratio"] for r in report.rows}
     ax.plot(fracs, [bel[f] for f in fracs], "k--", label="Belady (offline optimum)")
     ax.axhline(report.summary["infinite_ratio"], color="gray", linestyle=":",
                label="infinite cache")
     ax.set_xscale("log")
-    ax.set_xlabel("L1 size / distinct chunk bytes of the trace")
+    ax.set_xlabel("L1 size / distinct chunk bytes of the trace (actual, whole slabs)")
     ax.set_ylabel("token hit ratio")
-    ax.set_title(f"lmcache bench replay ({report.config['requests']} requests)")
+    name = os.path.basename(report.config["trace"])
+    ax.set_title(f"lmcache bench replay: {name} ({report.config['requests']} requests)")
     ax.grid(True, alpha=0.3)
     ax.legend()
     save_figure(fig, path)

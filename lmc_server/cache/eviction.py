@@ -1,17 +1,9 @@
-"""Eviction policies over a partition's object slots.
+"""Eviction policies over a partition's object slots, and their registry.
 
-A policy orders only *evictable* slots: committed and not pinned by a lease or an
-in-flight read. The partition tells it every transition, so :meth:`pop_victim` never has
-to skip over pinned objects:
-
-    admit  -- a new object was committed (evictable, and unpinned)
-    pin    -- an evictable object got its first pin (no longer evictable)
-    unpin  -- a pinned object lost its last pin (evictable again)
-    touch  -- an evictable object was used
-    forget -- an evictable object is being dropped (evicted, cleared)
-
-Adding a policy is one subclass registered in :data:`POLICIES`; ``tests/test_eviction.py``
-runs one contract suite over every class.
+The interface (:class:`EvictionPolicy`, with the transitions a partition reports) lives
+in :mod:`lmc_server.cache.eviction_base`; LRU and FIFO are here, ARC, S3-FIFO and
+SARC in modules of their own. Adding a policy is one subclass registered
+in :data:`POLICIES`; ``tests/test_eviction.py`` runs one contract suite over every class.
 
 Callers touch, admit and unpin the chunks of one prefix from the last chunk to the first,
 so that chunk 0 (which every longer hit needs) is the most recent of its prefix.
@@ -20,66 +12,17 @@ so that chunk 0 (which every longer hit needs) is the most recent of its prefix.
 from __future__ import annotations
 
 import heapq
-from abc import ABC, abstractmethod
 from array import array
-from typing import ClassVar
 
-_NIL = -1
+from lmc_server.cache.eviction_arc import ARCPolicy
+from lmc_server.cache.eviction_base import NIL as _NIL
+from lmc_server.cache.eviction_base import EvictionPolicy
+from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
+from lmc_server.cache.eviction_sarc import SARCPolicy
+
+__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "SARCPolicy",
+           "POLICY_HELP", "S3FIFOPolicy", "make_policy"]
 _SLOT_BITS = 32
-
-
-class EvictionPolicy(ABC):
-    """Orders evictable slots ``0 <= slot < capacity`` by how soon to evict them."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def grow(self, capacity: int) -> None:
-        """Allow slots up to ``capacity - 1``; capacity never shrinks."""
-
-    @abstractmethod
-    def admit(self, slot: int) -> None:
-        """A new object in ``slot`` became evictable. ``slot`` must not be present."""
-
-    @abstractmethod
-    def pin(self, slot: int) -> None:
-        """``slot`` stops being evictable (first pin). Must be present."""
-
-    @abstractmethod
-    def unpin(self, slot: int) -> None:
-        """``slot`` is evictable again (last pin released). Must not be present."""
-
-    @abstractmethod
-    def touch(self, slot: int) -> None:
-        """``slot`` was used while evictable. Must be present."""
-
-    @abstractmethod
-    def forget(self, slot: int) -> None:
-        """``slot``'s object is dropped by the caller. Must be present."""
-
-    @abstractmethod
-    def pop_victim(self) -> int | None:
-        """Remove and return the slot to evict first, or ``None`` when empty."""
-
-    @abstractmethod
-    def peek(self) -> int | None:
-        """The slot :meth:`pop_victim` would return, without removing it."""
-
-    def touch_run(self, slots: list[int]) -> None:
-        """Touch ``slots`` in this order (all present, distinct)."""
-        for s in slots:
-            self.touch(s)
-
-    def first(self, k: int) -> list[int]:
-        """Up to ``k`` slots from the front of the order (at least :meth:`peek`'s)."""
-        v = self.peek()
-        return [] if v is None else [v]
-
-    @abstractmethod
-    def __contains__(self, slot: int) -> bool: ...
-
-    @abstractmethod
-    def __len__(self) -> int: ...
 
 
 class LRUPolicy(EvictionPolicy):
@@ -93,6 +36,7 @@ class LRUPolicy(EvictionPolicy):
     """
 
     name = "LRU"
+    summary = "least recently used first (a lookup, retrieve or released lease is a use)"
 
     def __init__(self, capacity: int = 0) -> None:
         self._prev = array("i")
@@ -218,6 +162,7 @@ class FIFOPolicy(EvictionPolicy):
     """
 
     name = "FIFO"
+    summary = "first stored, first evicted; uses do not count"
 
     def __init__(self, capacity: int = 0) -> None:
         self._seq = array("q")
@@ -290,7 +235,13 @@ class FIFOPolicy(EvictionPolicy):
         return self._len
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, FIFOPolicy)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)}
+
+#: ``--help`` text of ``--eviction-policy``: one line per policy (``\b`` keeps click
+#: from re-wrapping them into one paragraph).
+POLICY_HELP = "Eviction policy, one of:\n\n\b\n" + "\n".join(
+    f"{name}: {cls.summary}" for name, cls in POLICIES.items())
 
 
 def make_policy(name: str, capacity: int = 0) -> EvictionPolicy:

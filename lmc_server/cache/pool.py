@@ -119,6 +119,7 @@ class Partition:
         self._free: list[int] = []
         self.n_committed = 0
         self.n_writing = 0
+        policy.bind_keys(self.slot_key)
 
     # -- capacity -------------------------------------------------------------------
 

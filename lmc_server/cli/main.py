@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from lmc_server import __version__
-from lmc_server.cache.eviction import POLICIES
+from lmc_server.cache.eviction import POLICIES, POLICY_HELP
 from lmc_server.config import (
     BACKENDS,
     CUDA_COPY_MODES,
@@ -96,7 +96,7 @@ def cli() -> None:
               help=f"L1 pool size in GiB [default: a quarter of this machine's memory, "
                    f"{default_l1_size_gb():.0f} here].")
 @click.option("--eviction-policy", type=click.Choice(list(POLICIES), case_sensitive=False),
-              default="LRU", envvar="LMCACHE_EVICTION_POLICY", help="Eviction policy.")
+              default="LRU", envvar="LMCACHE_EVICTION_POLICY", help=POLICY_HELP)
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto",
               envvar="LMCACHE_BACKEND",
               help="Transfer engine: cuda (GPU workers), cpu (shared memory), auto "
