@@ -204,7 +204,11 @@ def test_ghost_tags_remember_and_forget() -> None:
     for k in keys:
         g.add(k)
     remembered = [k for k in keys if g.pop(k)]
-    assert len(remembered) >= 40  # 128 cells: a few collisions overwrite
+    # a key is remembered unless a later key took its cell (the hash is salted per
+    # process, so which ones differs from run to run; the rule does not)
+    cells = [g._split(k)[0] & g._mask for k in keys]
+    kept = [k for i, k in enumerate(keys) if cells[i] not in cells[i + 1:]]
+    assert remembered == kept and len(kept) >= 25
     assert not any(g.pop(k) for k in remembered)  # popped means forgotten
     assert g.size == 0 or g.size <= 50
     assert not g.pop(b"never added")
@@ -218,8 +222,14 @@ def test_frequency_sketch_counts_and_halves() -> None:
         f.add(b"hot")
     assert f.estimate(b"hot") == 5
     assert f.estimate(b"cold") == 0
-    for i in range(1024):  # one table of traffic: every count halves once
-        f.add(b"other%d" % i)
+    hot = set(f._cells_of(b"hot"))
+    added, i = 0, 0
+    while added < 1024:  # one table of traffic on other cells: every count halves once
+        key = b"other%d" % i
+        i += 1
+        if hot.isdisjoint(f._cells_of(key)):  # (the hash is salted per process)
+            f.add(key)
+            added += 1
     assert f.estimate(b"hot") == 2
 
 
