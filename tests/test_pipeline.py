@@ -2,27 +2,28 @@
 chunks, and nothing half-written becomes visible; a failed retrieve fails every chunk
 and loses nothing.
 
-The server runs in process (:class:`ThreadServer`) with a CPU engine that cuts every
-request into sub-batches, and a fake that fails chosen submissions, so the real server
-path (zmq, index, engine threads, completions) is exercised with real bytes.
+The server runs in process (:func:`run_server`) with ``--pipeline-mb 1``, so every store
+of more than one chunk is cut in sub-batches, and a CPU engine that fails chosen
+submissions, so the real server path (zmq, index, engine threads, completions) is
+exercised with real bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.status import ChunkStatus
-from lmc_server.client import Client, chunk_digests
-from lmc_server.config import Config
+from lmc_server.client import ChunkResult, Client, Registration, chunk_digests
 from lmc_server.server.handlers import MAX_PARTS
 from lmc_server.testing import ShmKV, dsv41_flash
-from lmc_server.testing.inprocess import ThreadServer
+from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.process import free_port, wait_pool_ready
+from lmc_server.testing.process import wait_pool_ready
 from lmc_server.transfer.base import DoneCallback, Mapping
 from lmc_server.transfer.cpu import CpuEngine
 
@@ -31,11 +32,9 @@ N = 8
 
 
 class SplittingEngine(CpuEngine):
-    """The CPU engine, but every request of more than one chunk is cut in sub-batches;
-    submissions whose 0-based number is in ``fail`` report an error instead of copying
-    (the number counts every submission of the server's life)."""
-
-    pipeline_bytes = 1
+    """The CPU engine recording each submission's chunk count; submissions whose 0-based
+    number is in ``fail`` report an error instead of copying (the number counts every
+    submission of the server's life)."""
 
     def __init__(self, fail: Sequence[int] = ()) -> None:
         super().__init__(copy_threads=2)
@@ -54,16 +53,22 @@ class SplittingEngine(CpuEngine):
         super().submit(mapping, copies, to_pool, done)
 
 
-def _server(engine: CpuEngine, pipeline_mb: int = -1) -> Iterator[ThreadServer]:
-    ts = ThreadServer(Config(port=free_port(), l1_size_gb=1, metrics_port=0,
-                             separate_object_groups=True, pipeline_mb=pipeline_mb),
-                      engine=engine).start()
-    try:
+@contextmanager
+def _server(engine: CpuEngine, pipeline_mb: int = 1) -> Iterator[ThreadServer]:
+    """An in-process server whose stores above ``pipeline_mb`` MiB go in sub-batches."""
+    with run_server(engine=engine, separate_object_groups=True,
+                    pipeline_mb=pipeline_mb) as ts:
         wait_pool_ready(ts.endpoint, 60)
         yield ts
-    finally:
-        ts.stop()
-    assert ts.exit_code == 0
+
+
+def _store(c: Client, kv: ShmKV) -> tuple[Registration, bytes, dict[str, np.ndarray],
+                                           ChunkResult]:
+    """Register ``kv`` and store N chunks of it from random blocks."""
+    reg = c.register(**kv.register_kwargs())
+    digests = chunk_digests(np.arange(N * 256), 256)
+    ids = block_ids_for(reg, N, np.random.default_rng(1))
+    return reg, digests, ids, c.store(reg, digests, ids)
 
 
 @pytest.fixture
@@ -92,83 +97,70 @@ def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = SplittingEngine()
-    for ts in _server(engine):
-        with Client(ts.endpoint) as c:
-            reg = c.register(**src.register_kwargs())
-            digests = chunk_digests(np.arange(N * 256), 256)
-            a = block_ids_for(reg, N, np.random.default_rng(1))
-            assert c.store(reg, digests, a).ok.all()
-            assert max(engine.parts) < N and engine.submissions >= MAX_PARTS, engine.parts
-            reg_b = c.register(**dst.register_kwargs())
-            b = block_ids_for(reg_b, N, np.random.default_rng(2))
-            assert c.lookup(reg_b, digests, lease=False).hit_chunks == N
-            before = engine.submissions
-            res = c.retrieve(reg_b, digests, b)
-            assert res.ok.all() and engine.submissions - before == 1  # retrieves: whole
-            _same(reg, src, a, dst, b, N)
+    with _server(engine) as ts, Client(ts.endpoint) as c:
+        reg, digests, a, stored = _store(c, src)
+        assert stored.ok.all()
+        assert max(engine.parts) < N and engine.submissions >= MAX_PARTS, engine.parts
+        reg_b = c.register(**dst.register_kwargs())
+        b = block_ids_for(reg_b, N, np.random.default_rng(2))
+        assert c.lookup(reg_b, digests, lease=False).hit_chunks == N
+        before = engine.submissions
+        res = c.retrieve(reg_b, digests, b)
+        assert res.ok.all() and engine.submissions - before == 1  # retrieves: whole
+        _same(reg, src, a, dst, b, N)
 
 
 def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     # the first store is cut in MAX_PARTS sub-batches; the second one fails
     engine = SplittingEngine(fail=[1])
-    for ts in _server(engine):
-        with Client(ts.endpoint) as c:
-            reg = c.register(**src.register_kwargs())
-            digests = chunk_digests(np.arange(N * 256), 256)
-            a = block_ids_for(reg, N, np.random.default_rng(1))
-            res = c.store(reg, digests, a)
-            lo, hi = N // MAX_PARTS, 2 * N // MAX_PARTS  # the failed part's chunks
-            for name, st in res.statuses.items():
-                want = [ChunkStatus.FAILED if lo <= i < hi else ChunkStatus.OK
-                        for i in range(N)]
-                assert st.tolist() == want, name
-            stats = c.stats()
-            assert all(p["writing"] == 0 for p in stats["partitions"])
-            assert stats["l1"]["objects"] == 2 * (N - (hi - lo))
-            # the prefix stops where the failed chunks begin; what is there is exact
-            assert c.lookup(reg, digests, lease=False).hit_chunks == lo
-            reg_b = c.register(**dst.register_kwargs())
-            b = block_ids_for(reg_b, lo, np.random.default_rng(2))
-            assert c.retrieve(reg_b, digests[:32 * lo], b).ok.all()
-            _same(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
-            # storing again fills the hole, and everything is served
-            assert c.store(reg, digests, a).statuses["full"][lo:hi].tolist() == \
-                [ChunkStatus.OK] * (hi - lo)
-            assert c.lookup(reg, digests, lease=False).hit_chunks == N
+    with _server(engine) as ts, Client(ts.endpoint) as c:
+        reg, digests, a, res = _store(c, src)
+        lo, hi = N // MAX_PARTS, 2 * N // MAX_PARTS  # the failed part's chunks
+        for name, st in res.statuses.items():
+            want = [ChunkStatus.FAILED if lo <= i < hi else ChunkStatus.OK
+                    for i in range(N)]
+            assert st.tolist() == want, name
+        stats = c.stats()
+        assert all(p["writing"] == 0 for p in stats["partitions"])
+        assert stats["l1"]["objects"] == 2 * (N - (hi - lo))
+        # the prefix stops where the failed chunks begin; what is there is exact
+        assert c.lookup(reg, digests, lease=False).hit_chunks == lo
+        reg_b = c.register(**dst.register_kwargs())
+        b = block_ids_for(reg_b, lo, np.random.default_rng(2))
+        assert c.retrieve(reg_b, digests[:32 * lo], b).ok.all()
+        _same(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
+        # storing again fills the hole, and everything is served
+        assert c.store(reg, digests, a).statuses["full"][lo:hi].tolist() == \
+            [ChunkStatus.OK] * (hi - lo)
+        assert c.lookup(reg, digests, lease=False).hit_chunks == N
 
 
 def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = SplittingEngine()
-    for ts in _server(engine):
-        with Client(ts.endpoint) as c:
-            reg = c.register(**src.register_kwargs())
-            digests = chunk_digests(np.arange(N * 256), 256)
-            a = block_ids_for(reg, N, np.random.default_rng(1))
-            assert c.store(reg, digests, a).ok.all()
-            reg_b = c.register(**dst.register_kwargs())
-            b = block_ids_for(reg_b, N, np.random.default_rng(2))
-            engine.fail = {engine.submissions}
-            res = c.retrieve(reg_b, digests, b)
-            assert not res.ok.any()
-            assert {int(x) for st in res.statuses.values() for x in st} <= {
-                ChunkStatus.FAILED, ChunkStatus.SKIPPED}
-            st = c.stats()
-            assert all(p["pinned_objects"] == 0 for p in st["partitions"])
-            assert st["l1"]["objects"] == 2 * N  # a failed read loses nothing
-            res = c.retrieve(reg_b, digests, b)
-            assert res.ok.all()
-            _same(reg, src, a, dst, b, N)
+    with _server(engine) as ts, Client(ts.endpoint) as c:
+        reg, digests, a, stored = _store(c, src)
+        assert stored.ok.all()
+        reg_b = c.register(**dst.register_kwargs())
+        b = block_ids_for(reg_b, N, np.random.default_rng(2))
+        engine.fail = {engine.submissions}
+        res = c.retrieve(reg_b, digests, b)
+        assert not res.ok.any()
+        assert {int(x) for st in res.statuses.values() for x in st} <= {
+            ChunkStatus.FAILED, ChunkStatus.SKIPPED}
+        st = c.stats()
+        assert all(p["pinned_objects"] == 0 for p in st["partitions"])
+        assert st["l1"]["objects"] == 2 * N  # a failed read loses nothing
+        res = c.retrieve(reg_b, digests, b)
+        assert res.ok.all()
+        _same(reg, src, a, dst, b, N)
 
 
 def test_pipeline_mb_zero_stores_in_one_submission(kv: tuple[ShmKV, ShmKV]) -> None:
     src, _ = kv
     engine = SplittingEngine()
-    for ts in _server(engine, pipeline_mb=0):
-        with Client(ts.endpoint) as c:
-            reg = c.register(**src.register_kwargs())
-            digests = chunk_digests(np.arange(N * 256), 256)
-            assert c.store(reg, digests, block_ids_for(reg, N)).ok.all()
-            assert engine.parts == [N]
+    with _server(engine, pipeline_mb=0) as ts, Client(ts.endpoint) as c:
+        assert _store(c, src)[3].ok.all()
+        assert engine.parts == [N]
