@@ -18,7 +18,7 @@ import pytest
 
 from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.status import ChunkStatus
-from lmc_server.client import ChunkResult, Client, Registration, chunk_digests
+from lmc_server.client import ChunkResult, Client, Registration, ServerError, chunk_digests
 from lmc_server.server.handlers import MAX_PARTS
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.inprocess import ThreadServer, run_server
@@ -36,9 +36,10 @@ class SplittingEngine(CpuEngine):
     number is in ``fail`` report an error instead of copying (the number counts every
     submission of the server's life)."""
 
-    def __init__(self, fail: Sequence[int] = ()) -> None:
+    def __init__(self, fail: Sequence[int] = (), boom: Sequence[int] = ()) -> None:
         super().__init__(copy_threads=2)
         self.fail = set(fail)
+        self.boom = set(boom)  # submissions that raise, as a bug in an engine would
         self.submissions = 0
         self.parts: list[int] = []
 
@@ -50,6 +51,8 @@ class SplittingEngine(CpuEngine):
         if k in self.fail:
             done(f"injected failure of submission {k}")
             return
+        if k in self.boom:
+            raise RuntimeError(f"injected bug in submission {k}")
         super().submit(mapping, copies, to_pool, done)
 
 
@@ -164,3 +167,38 @@ def test_pipeline_mb_zero_stores_in_one_submission(kv: tuple[ShmKV, ShmKV]) -> N
     with _server(engine, pipeline_mb=0) as ts, Client(ts.endpoint) as c:
         assert _store(c, src)[3].ok.all()
         assert engine.parts == [N]
+
+
+def test_an_engine_bug_mid_store_leaves_nothing_half_written(kv: tuple[ShmKV, ShmKV]) -> None:
+    """Submission 1 raises after submission 0 started copying: the store is answered
+    with an internal error, its slots are freed only after the running copy reported,
+    nothing becomes visible, and the server goes on serving."""
+    src, _ = kv
+    engine = SplittingEngine(boom=[1])
+    with _server(engine) as ts, Client(ts.endpoint) as c:
+        with pytest.raises(ServerError, match="internal"):
+            _store(c, src)
+        st = c.stats()
+        assert all(p["writing"] == 0 for p in st["partitions"])
+        assert st["l1"]["objects"] == 0
+        reg, digests, _, again = _store(c, src)
+        assert again.ok.all() and c.lookup(reg, digests, lease=False).hit_chunks == N
+
+
+def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(
+        kv: tuple[ShmKV, ShmKV]) -> None:
+    src, dst = kv
+    engine = SplittingEngine()
+    with _server(engine, pipeline_mb=0) as ts, Client(ts.endpoint) as c:
+        reg, digests, a, stored = _store(c, src)
+        assert stored.ok.all()
+        reg_b = c.register(**dst.register_kwargs())
+        b = block_ids_for(reg_b, N, np.random.default_rng(2))
+        engine.boom = {engine.submissions}
+        with pytest.raises(ServerError, match="internal"):
+            c.retrieve(reg_b, digests, b)
+        st = c.stats()
+        assert all(p["pinned_objects"] == 0 for p in st["partitions"])
+        assert st["l1"]["objects"] == 2 * N
+        assert c.retrieve(reg_b, digests, b).ok.all()
+        _same(reg, src, a, dst, b, N)

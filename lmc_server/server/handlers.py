@@ -2,8 +2,12 @@
 
 Control requests (hello, register, lookup, release, ping, stats, clear) run to
 completion on the event-loop thread. Store and retrieve do their bookkeeping on the
-loop, run the copy on a worker thread, and finish the bookkeeping on the loop again,
-so the index is only ever touched from one thread.
+loop, hand the copy to the engine (``submit``: planned and launched here, completed on
+the engine's threads, one wake-up back through a :class:`Completion`), and finish the
+bookkeeping on the loop again, so the index is only ever touched from one thread. With
+``--pipeline-mb``, a large store is reserved and submitted in sub-batches. Slots a copy
+may still write are freed or unpinned only after that copy reported, even when a bug
+raises in between.
 
 Every refusal raises :class:`ProtocolError` before anything is copied; the server
 turns it into an ``Error`` reply and goes on serving.
@@ -248,6 +252,9 @@ class Handlers:
             self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
             done(str(e) or "copy failed")
+        except BaseException:  # a bug: the part still reports, so the request can finish
+            done("copy not started: internal error")
+            raise
 
     async def _wait(self, completion: Completion, clock: PhaseClock) -> list[str]:
         errors = await completion.wait()
@@ -267,15 +274,23 @@ class Handlers:
         submitted: list[bool] = []
         reg.begin_op()
         try:
-            for lo, hi in parts:
-                sub = ids if len(parts) == 1 else {g: a[lo:hi] for g, a in ids.items()}
-                ticket = self.index.reserve_store(reg.view, keys[lo:hi], sub)
-                tickets.append(ticket)
-                submitted.append(bool(ticket.copies))
-                clock.mark("prepare")
-                if ticket.copies:
-                    self._submit(reg, ticket.copies, True, completion)
-                    clock.mark("submit")
+            try:
+                for lo, hi in parts:
+                    sub = ids if len(parts) == 1 else {g: a[lo:hi] for g, a in ids.items()}
+                    ticket = self.index.reserve_store(reg.view, keys[lo:hi], sub)
+                    tickets.append(ticket)
+                    submitted.append(bool(ticket.copies))
+                    clock.mark("prepare")
+                    if ticket.copies:
+                        self._submit(reg, ticket.copies, True, completion)
+                        clock.mark("submit")
+            except BaseException:
+                # A bug past a submission: its copy may still be writing into the slots,
+                # so they are freed only once every submitted part has reported.
+                await completion.wait()
+                for ticket in tickets:
+                    self.index.abort_store(ticket)
+                raise
             if any(submitted):
                 errors = iter(await self._wait(completion, clock))
                 self.before_commit()
@@ -324,7 +339,12 @@ class Handlers:
             completion = Completion(asyncio.get_running_loop())
             reg.begin_op()
             try:
-                self._submit(reg, ticket.copies, False, completion)
+                try:
+                    self._submit(reg, ticket.copies, False, completion)
+                except BaseException:  # a bug: unpin once nothing can read the slots
+                    await completion.wait()
+                    self.index.unpin_retrieve(ticket, False)
+                    raise
                 clock.mark("submit")
                 errors = await self._wait(completion, clock)
                 err = next((e for e in errors if e), "")
