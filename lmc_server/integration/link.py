@@ -169,7 +169,8 @@ class ServerLink:
     def lookup(self, digests: bytes) -> Future[LookupAnswer]:
         async def run() -> LookupAnswer:
             r = await self._request("lookup", digests, lease=True)
-            return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s)
+            return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
+                                l2_pending_chunks=r.l2_pending_chunks)
 
         return self.submit(run())
 

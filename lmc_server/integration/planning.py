@@ -14,6 +14,12 @@ Invariants:
 
 * a lookup never blocks the caller: :meth:`SchedulerPlanner.matched_tokens` returns
   ``None`` ("ask again") while the server's answer is in flight;
+* an answer whose hit stops short while the server is still bringing the continuation
+  in from its L2 tier (``l2_pending_chunks > 0``) is set aside, its lease released at
+  once, and ``None`` returned: the next call looks up again. Waiting ends when an
+  answer has nothing pending, or ``l2_wait_s`` after the first such answer, and the
+  hit of that answer is used with that answer's lease: a load only ever reads chunks
+  its own lease covers;
 * matched tokens are whole chunks and never include the request's last token (the
   engine must compute at least one token to sample the next);
 * a load never rewrites blocks the engine's own prefix cache already holds: their ids
@@ -162,6 +168,8 @@ class LookupAnswer:
     hit_chunks: int
     lease_id: int
     lease_ttl_s: float
+    #: chunks after the hit the server is fetching from its L2 tier (0 without one)
+    l2_pending_chunks: int = 0
 
 
 class LookupService(Protocol):
@@ -252,6 +260,8 @@ class _Request:
     lookup_at_s: float = 0.0
     answer: LookupAnswer | None = None
     lease_id: int = 0
+    #: when the first answer with L2 chunks pending came (None: not waiting for L2)
+    l2_wait_from: float | None = None
     loading: bool = False
     stored_chunks: int = 0
     has_store: bool = False
@@ -267,12 +277,24 @@ class SchedulerPlanner:
 
     ``store_generated``: also store whole chunks of generated tokens (the next turn
     of a conversation holds them in its prompt); otherwise prompt chunks only.
+
+    ``l2_wait_s``: how long a request may wait (answering "ask again") for chunks the
+    server reports coming from its L2 tier, from the first answer that reported them;
+    0: never wait, use the L1 hit at once. ``l2_waits`` counts answers set aside to
+    wait, ``l2_wait_expired`` the waits that ended at the bound with chunks still
+    pending.
     """
 
     def __init__(self, geometry: ChunkGeometry, service: LookupService,
                  clock: Callable[[], float] = time.monotonic, store: bool = True,
-                 load: bool = True, store_generated: bool = True) -> None:
+                 load: bool = True, store_generated: bool = True,
+                 l2_wait_s: float = 0.05) -> None:
+        if not 0.0 <= l2_wait_s < float("inf"):
+            raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
         self.geometry = geometry
+        self.l2_wait_s = l2_wait_s
+        self.l2_waits = 0
+        self.l2_wait_expired = 0
         self.service = service
         self.clock = clock
         self.store_enabled = store
@@ -396,15 +418,39 @@ class SchedulerPlanner:
             if exc is not None:
                 logger.warning("lookup for request %s failed: %s", req_id, exc)
                 r.answer = LookupAnswer(0, 0, 0.0)
+                r.l2_wait_from = None
             else:
-                r.answer = fut.result()
-                r.lease_id = r.answer.lease_id
+                answer = fut.result()
+                if self._wait_for_l2(r, answer, n, num_computed_tokens, now):
+                    if answer.lease_id:
+                        self.service.release(answer.lease_id)
+                    return None
+                r.l2_wait_from = None
+                r.answer = answer
+                r.lease_id = answer.lease_id
         assert r.answer is not None
         matched = min(r.answer.hit_chunks, n) * g.chunk_size
         if matched <= num_computed_tokens:
             self._release(r)
             return 0
         return matched - num_computed_tokens
+
+    def _wait_for_l2(self, r: _Request, answer: LookupAnswer, n: int,
+                     num_computed_tokens: int, now: float) -> bool:
+        """True: set ``answer`` aside and ask again later, since the server is bringing
+        chunks in from L2 that would load more than the answer's hit does now."""
+        if answer.l2_pending_chunks <= 0 or answer.hit_chunks >= n or self.l2_wait_s <= 0:
+            return False
+        coming = min(n, answer.hit_chunks + answer.l2_pending_chunks)
+        if coming * self.geometry.chunk_size <= num_computed_tokens:
+            return False  # the engine's own prefix cache already holds all of it
+        if r.l2_wait_from is None:
+            r.l2_wait_from = now
+        elif now - r.l2_wait_from >= self.l2_wait_s:
+            self.l2_wait_expired += 1
+            return False
+        self.l2_waits += 1
+        return True
 
     def after_alloc(self, req_id: str, blocks: Sequence[Sequence[int]],
                     num_external_tokens: int, num_local_tokens: int | None = None) -> None:

@@ -13,6 +13,9 @@ from typing import Any
 from lmc_server.client import tcp_endpoint
 
 PREFIX = "lmcache.mp."
+#: The longest a request may wait in the scheduler for L2 chunks (``l2_wait_s``): a
+#: prefetch that takes longer is slower than recomputing most prompts.
+MAX_L2_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class ConnectorSettings:
     fence_timeout_s: float = 60.0
     shutdown_timeout_s: float = 30.0
     max_inflight: int = 16
+    l2_wait_s: float = 0.05
 
     @property
     def endpoint(self) -> str:
@@ -57,6 +61,10 @@ class ConnectorSettings:
         if not 1 <= s.max_inflight <= 64:
             raise ValueError(f"{PREFIX}max_inflight {s.max_inflight} out of range 1..64 "
                              "(the server refuses more than 64 per connection by default)")
+        if not 0.0 <= s.l2_wait_s <= MAX_L2_WAIT_S:
+            raise ValueError(f"{PREFIX}l2_wait_s {s.l2_wait_s} out of range "
+                             f"0..{MAX_L2_WAIT_S} (seconds a request may wait for chunks "
+                             "the server brings in from L2; 0: never wait)")
         return s
 
 

@@ -123,7 +123,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self.planner = SchedulerPlanner(self.geometry, self.link,
                                             store=self.settings.store,
                                             load=self.settings.load,
-                                            store_generated=self.settings.store_generated)
+                                            store_generated=self.settings.store_generated,
+                                            l2_wait_s=self.settings.l2_wait_s)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The worker's KV cache as it registered it, for the scheduler (below)."""
