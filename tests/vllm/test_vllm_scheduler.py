@@ -174,7 +174,9 @@ def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str,
     e = engine(srv, tmp_model, model, num_blocks=90 if model == "plain" else 64,
                max_num_batched_tokens=512, async_scheduling=async_scheduling)
     try:
-        prompts = {f"p{i}": prompt(200 + i, 260 + 40 * i) for i in range(6)}
+        # eight requests: with six, DeepSeek-V4.1's pool sometimes fit them all when a
+        # loaded machine delayed the asynchronous loads (no preemption, test not run)
+        prompts = {f"p{i}": prompt(200 + i, 260 + 40 * i) for i in range(8)}
         for rid, p in prompts.items():
             e.add(rid, p, max_tokens=200)
         assert (type(e.scheduler).__name__ == "AsyncScheduler") == async_scheduling
