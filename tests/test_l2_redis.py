@@ -23,7 +23,7 @@ from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.testing import ShmKV, dsv41_flash
-from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
@@ -110,22 +110,6 @@ def lookup_until(c: Client, reg: Registration, digests: bytes, want: int,
         return r.hit_chunks >= want and r.l2_pending_chunks == 0
     wait_for(ready, f"{want} chunks to hit", timeout_s)
     return c.lookup(reg, digests)
-
-
-def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarray],
-                      dst: ShmKV, dst_ids: dict[str, np.ndarray], n: int) -> None:
-    """Full groups: every chunk; sliding-window groups: the window of the last chunk."""
-    for g in reg.groups:
-        if not g.cached:
-            continue
-        bpc = reg.blocks_per_chunk(g)
-        a = np.asarray(src_ids[g.name]).reshape(n, bpc)
-        b = np.asarray(dst_ids[g.name]).reshape(n, bpc)
-        if g.kind == "sliding_window":
-            keep = -(-g.window_tokens // g.tokens_per_block)
-            a, b = a[-1:, bpc - keep:], b[-1:, bpc - keep:]
-        assert src.pages(g.name, a.ravel().tolist()) == dst.pages(g.name, b.ravel().tolist()), \
-            f"group {g.name}: retrieved bytes differ"
 
 
 def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,

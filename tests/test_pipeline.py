@@ -22,7 +22,7 @@ from lmc_server.client import ChunkResult, Client, Registration, ServerError, ch
 from lmc_server.server.handlers import MAX_PARTS
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.inprocess import ThreadServer, run_server
-from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import wait_pool_ready
 from lmc_server.transfer.base import DoneCallback, Mapping
 from lmc_server.transfer.cpu import CpuEngine
@@ -83,19 +83,6 @@ def kv() -> Iterator[tuple[ShmKV, ShmKV]]:
         yield src, dst
 
 
-def _same(reg: object, src: ShmKV, a: dict[str, np.ndarray], dst: ShmKV,
-          b: dict[str, np.ndarray], n: int) -> None:
-    for g in reg.groups:  # type: ignore[attr-defined]
-        if not g.cached:
-            continue
-        bpc = reg.blocks_per_chunk(g)  # type: ignore[attr-defined]
-        x, y = a[g.name].reshape(n, bpc), b[g.name].reshape(n, bpc)
-        if g.kind == "sliding_window":  # only the last chunk's window is retrieved
-            keep = -(-g.window_tokens // g.tokens_per_block)
-            x, y = x[-1:, bpc - keep:], y[-1:, bpc - keep:]
-        assert src.pages(g.name, x.ravel().tolist()) == dst.pages(g.name, y.ravel().tolist())
-
-
 def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
@@ -110,7 +97,7 @@ def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
         before = engine.submissions
         res = c.retrieve(reg_b, digests, b)
         assert res.ok.all() and engine.submissions - before == 1  # retrieves: whole
-        _same(reg, src, a, dst, b, N)
+        assert_same_pages(reg, src, a, dst, b, N)
 
 
 def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmKV]) -> None:
@@ -132,7 +119,7 @@ def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmK
         reg_b = c.register(**dst.register_kwargs())
         b = block_ids_for(reg_b, lo, np.random.default_rng(2))
         assert c.retrieve(reg_b, digests[:32 * lo], b).ok.all()
-        _same(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
+        assert_same_pages(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
         # storing again fills the hole, and everything is served
         assert c.store(reg, digests, a).statuses["full"][lo:hi].tolist() == \
             [ChunkStatus.OK] * (hi - lo)
@@ -158,7 +145,7 @@ def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         assert st["l1"]["objects"] == 2 * N  # a failed read loses nothing
         res = c.retrieve(reg_b, digests, b)
         assert res.ok.all()
-        _same(reg, src, a, dst, b, N)
+        assert_same_pages(reg, src, a, dst, b, N)
 
 
 def test_pipeline_mb_zero_stores_in_one_submission(kv: tuple[ShmKV, ShmKV]) -> None:
@@ -201,4 +188,4 @@ def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(
         assert all(p["pinned_objects"] == 0 for p in st["partitions"])
         assert st["l1"]["objects"] == 2 * N
         assert c.retrieve(reg_b, digests, b).ok.all()
-        _same(reg, src, a, dst, b, N)
+        assert_same_pages(reg, src, a, dst, b, N)

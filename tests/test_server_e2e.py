@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from lmc_server.cache.status import ChunkStatus
-from lmc_server.client import Client, Registration, ServerError, chunk_digests
+from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.testing import ShmKV, dsv41_flash
-from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 
 WORKER = str(Path(__file__).with_name("kvworker.py"))
@@ -40,23 +40,6 @@ def expected_kv(seed: int, arch: str = "sm90") -> ShmKV:
     kv = ShmKV(dsv41_flash(arch=arch, num_blocks=NUM_BLOCKS))
     kv.fill_random(seed)
     return kv
-
-
-def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarray],
-                      dst: ShmKV, dst_ids: dict[str, np.ndarray], n: int,
-                      window_chunks: int = 1) -> None:
-    """Full groups: every chunk; sliding-window groups: the window of the last chunk."""
-    for g in reg.groups:
-        if not g.cached:
-            continue
-        bpc = reg.blocks_per_chunk(g)
-        a = np.asarray(src_ids[g.name]).reshape(n, bpc)
-        b = np.asarray(dst_ids[g.name]).reshape(n, bpc)
-        if g.kind == "sliding_window":
-            keep = -(-g.window_tokens // g.tokens_per_block)
-            a, b = a[-window_chunks:, bpc - keep:], b[-window_chunks:, bpc - keep:]
-        assert src.pages(g.name, a.ravel().tolist()) == dst.pages(g.name, b.ravel().tolist()), \
-            f"group {g.name}: retrieved bytes differ"
 
 
 def test_store_in_one_process_retrieve_in_another_into_other_blocks(client: Client) -> None:

@@ -122,3 +122,22 @@ def block_ids_for(reg: Registration, n_chunks: int, rng: np.random.Generator | N
         else:
             out[g.name] = (np.arange(n, dtype=np.int32) + first_block) % g.num_blocks
     return out
+
+
+def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarray],
+                      dst: ShmKV, dst_ids: dict[str, np.ndarray], n: int,
+                      window_chunks: int = 1) -> None:
+    """The byte oracle of a retrieve of ``n`` chunks from ``src_ids`` into ``dst_ids``:
+    full groups compared for every chunk, sliding-window groups for the window of the
+    last ``window_chunks`` chunks (what one retrieve of a prefix writes)."""
+    for g in reg.groups:
+        if not g.cached:
+            continue
+        bpc = reg.blocks_per_chunk(g)
+        a = np.asarray(src_ids[g.name]).reshape(n, bpc)
+        b = np.asarray(dst_ids[g.name]).reshape(n, bpc)
+        if g.kind == "sliding_window":
+            keep = -(-g.window_tokens // g.tokens_per_block)
+            a, b = a[-window_chunks:, bpc - keep:], b[-window_chunks:, bpc - keep:]
+        assert src.pages(g.name, a.ravel().tolist()) == dst.pages(g.name, b.ravel().tolist()), \
+            f"group {g.name}: retrieved bytes differ"
