@@ -59,7 +59,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from lmc_server.cache.geometry import ShmBuffer  # noqa: E402
+from lmc_server.buffers import ShmBuffer  # noqa: E402
 from lmc_server.integration.exporters import ExportedBuffer  # noqa: E402
 from lmc_server.integration.kvlayout import derive_registration  # noqa: E402
 from lmc_server.integration.vllm.geometry import describe  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmc_server.cache.geometry import ShmBuffer
+from lmc_server.buffers import ShmBuffer
 from lmc_server.integration.exporters import ExportedBuffer
 from lmc_server.integration.kvlayout import GroupDesc, KVLayout, LayerDesc, derive_registration
 from lmc_server.integration.planning import ChunkGeometry, EngineGroup

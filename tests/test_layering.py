@@ -73,12 +73,6 @@ ALLOWED: dict[str, set[str]] = {
 #: (importing module, imported layer) -> why the upward edge is still there. Each entry
 #: names what must happen to remove it; the test fails if an entry is no longer needed.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("lmc_server.cache.geometry", "buffers"):
-        "re-exports ShmBuffer, CudaIpcBuffer and BufferSpec for modules that still import "
-        "them from cache.geometry and were owned by other engineers while issue 16 moved "
-        "the types to lmc_server.buffers: protocol/messages.py, client/aio.py, "
-        "integration/**, bench/replay.py, tests/test_connector_fixtures.py. Remove when "
-        "they import lmc_server.buffers.",
 }
 
 #: layer -> third-party or stdlib top-level modules it must not import.

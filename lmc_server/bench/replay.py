@@ -25,7 +25,7 @@ from lmc_server.bench.bounds import belady_hits, infinite_hits
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.servers import server
 from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
-from lmc_server.cache.geometry import ShmBuffer
+from lmc_server.buffers import ShmBuffer
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.config import GIB, MIB

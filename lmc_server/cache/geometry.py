@@ -26,11 +26,6 @@ from typing import Literal
 
 import msgspec
 
-# Compatibility re-export (the transport buffer types moved to lmc_server.buffers);
-# tests/test_layering.py lists it as a known exception and says when it goes.
-from lmc_server.buffers import BufferSpec as BufferSpec
-from lmc_server.buffers import CudaIpcBuffer as CudaIpcBuffer
-from lmc_server.buffers import ShmBuffer as ShmBuffer
 from lmc_server.cache.overlap import Pages, candidate_pairs, overlap
 
 GroupKind = Literal["full", "sliding_window", "scratch"]

@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 
+from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.eviction import make_policy
 from lmc_server.cache.layout import (
     ObjectGroupLayout,
@@ -49,26 +50,6 @@ DONOR_CANDIDATES = 8
 #: A partition gives a slab to another only if its coldest object is at least this many
 #: times older (in index ticks) than the other's own victim.
 DONOR_AGE_RATIO = 2
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """Monotonic counters; the hot path only increments ints (exported at scrape)."""
-
-    lookups: int = 0
-    lookup_chunks: int = 0
-    hit_chunks: int = 0
-    stored_objects: int = 0
-    stored_bytes: int = 0
-    retrieved_objects: int = 0
-    retrieved_bytes: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    slabs_moved: int = 0
-    leases_taken: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    alloc_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

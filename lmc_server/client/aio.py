@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from lmc_server import PROTOCOL_VERSION
-from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.buffers import BufferSpec
+from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,

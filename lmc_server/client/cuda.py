@@ -1,7 +1,7 @@
 """Worker side of the CUDA backend: export KV tensors over CUDA IPC, order stores.
 
 ``export_tensor(t)`` describes the memory of a CUDA tensor as a
-:class:`~lmc_server.cache.geometry.CudaIpcBuffer`: the IPC handle of the allocation
+:class:`~lmc_server.buffers.CudaIpcBuffer`: the IPC handle of the allocation
 that holds it (PyTorch's caching allocator carves tensors out of larger segments, so the
 handle names the segment and ``offset`` says where the tensor starts in it), the GPU's
 UUID (the server may number GPUs differently) and the tensor's byte extent. One buffer

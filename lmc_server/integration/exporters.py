@@ -1,7 +1,7 @@
 """How a worker describes the memory behind its KV tensors to the server.
 
 A KV tensor is a view into a larger backing allocation that often holds many layers.
-An exporter maps a tensor to the :class:`~lmc_server.cache.geometry.BufferSpec` of
+An exporter maps a tensor to the :class:`~lmc_server.buffers.BufferSpec` of
 that whole allocation plus the allocation's base address, so layers become
 ``(buffer, offset)`` pairs and one allocation is registered once however many layers
 share it.
@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lmc_server.cache.geometry import BufferSpec
+from lmc_server.buffers import BufferSpec
 from lmc_server.client.shm import ShmSegment
 
 

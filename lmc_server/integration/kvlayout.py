@@ -42,7 +42,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from lmc_server.cache.geometry import BufferSpec, GroupSpec, LayerSpec
+from lmc_server.buffers import BufferSpec
+from lmc_server.cache.geometry import GroupSpec, LayerSpec
 from lmc_server.integration.exporters import TensorExporter, exporter_for
 from lmc_server.integration.planning import EngineGroup
 

@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.buffers import BufferSpec
+from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
 from lmc_server.client.digests import DIGEST_BYTES

@@ -1,6 +1,6 @@
 """The Prometheus collector: reads the server's plain counters at scrape time.
 
-The hot path only increments ints in :class:`~lmc_server.cache.index.CacheStats` and
+The hot path only increments ints in :class:`~lmc_server.cache.counters.CacheStats` and
 the server's request counters; nothing here is touched per request. The collector reads
 the server's counters and sessions through :class:`RequestCounters` and
 :class:`SessionCounts`, protocols that say what it reads, so this layer imports nothing

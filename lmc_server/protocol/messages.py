@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from lmc_server.cache.geometry import BufferSpec, GroupSpec
+from lmc_server.buffers import BufferSpec
+from lmc_server.cache.geometry import GroupSpec
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
