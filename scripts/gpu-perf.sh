@@ -2,7 +2,7 @@
 # The performance measurements of docs/benchmarks.md ("H200 GPU machine") in one go.
 #
 # Usage (repository root, project importable, e.g. PYTHONPATH=$PWD, on a GPU machine):
-#   bash scripts/gpu-perf.sh [throughput|ranks|latency|all]   (default: all)
+#   bash scripts/gpu-perf.sh [throughput|ranks|latency|l2|all]   (default: all)
 # Writes under $OUT (the device tool's output folder) or ./.bench/gpu-perf:
 #   throughput.json / throughput-pipeline64.json   bench throughput, stores whole (the
 #                                              default) and in 64 MiB sub-batches
@@ -11,6 +11,8 @@
 #   ranks-1gpu.json  bench ranks, 8 ranks on GPU 0 (TP load and mixed phases)
 #   ranks-all.json   bench ranks, 8 ranks round-robin over every visible GPU
 #   latency.json     bench latency (control path vs a pyzmq echo)
+#   l2.json          bench l2 (the L2 tier vs redis-py on the same bytes; needs
+#                    redis-server on PATH, e.g. carried: scripts/carry-redis.sh)
 # Speed is reported, never asserted; the commands exit non-zero only on wrong bytes or
 # failed checks.
 set -uo pipefail
@@ -50,5 +52,8 @@ if [ "$what" = all ] || [ "$what" = ranks ]; then
 fi
 if [ "$what" = all ] || [ "$what" = latency ]; then
   bench latency --duration-s 1 --no-progress --json "$out/latency.json" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = l2 ]; then
+  bench l2 --chunks 256 --rounds 5 --repeats 7 --json "$out/l2.json" || status=1
 fi
 exit $status

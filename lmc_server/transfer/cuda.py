@@ -34,15 +34,11 @@ the copy after the worker's write; docs/gpu.md.)
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import cupy
-import numpy as np
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
@@ -55,15 +51,13 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
+from lmc_server.transfer.cuda_lanes import CUDA_ERRORS, MEMCPY_DEFAULT, MIB, Job, Lane, Lanes
 from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
 
 log = logging.getLogger(__name__)
 
 COPY_MODES = ("staging", "mapped")
-MIB = 1 << 20
-#: Staging half size floor; a half grows to the largest object run a request has.
-STAGING_HALF_BYTES = 32 * MIB
 LANES_PER_DEVICE = 4
 GATHER_THREADS = 256
 MAPPED_THREADS = 512
@@ -82,133 +76,6 @@ WAIT_MODES = ("block", "hybrid")
 EXPECTED_BPS = 55e9
 SPIN_S = 300e-6
 WAKE_MARGIN_S = 150e-6
-_MEMCPY_DEFAULT = 4
-_CUDA_ERRORS = (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError)
-
-
-class _Lane:
-    """What one in-flight request on one GPU needs, allocated once and reused.
-
-    The unit rows and block ids of a plan go to one pinned host buffer and from there
-    to the device in one copy per request; a lane serves one request at a time and a
-    request returns only after its GPU work is complete, so the host buffer is never
-    rewritten while a copy may still read it.
-    """
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        with cupy.cuda.Device(device):
-            self.sm = cupy.cuda.Stream(non_blocking=True)
-            self.dma = cupy.cuda.Stream(non_blocking=True)
-            self.filled = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
-            self.freed = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
-            self.done = cupy.cuda.Event(block=True, disable_timing=True)
-            self.timing = (cupy.cuda.Event(), cupy.cuda.Event())
-        self.half_bytes = 0
-        self.staging: cupy.cuda.memory.Memory | None = None
-        self.words = 0
-        self.dev: cupy.cuda.memory.Memory | None = None
-        self.host: cupy.cuda.PinnedMemoryPointer | None = None
-        self.host_view = np.zeros(0, dtype=np.int64)
-        #: The launched job this lane's waiter thread waits for (``None`` stops it).
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.waiter: threading.Thread | None = None
-
-    def halves(self, need_bytes: int) -> tuple[int, int]:
-        if need_bytes > self.half_bytes:
-            size = max(STAGING_HALF_BYTES, -(-need_bytes // MIB) * MIB)
-            self.staging = None
-            with cupy.cuda.Device(self.device):
-                self.staging = cupy.cuda.memory.Memory(2 * size)
-            self.half_bytes = size
-        assert self.staging is not None
-        return int(self.staging.ptr), int(self.staging.ptr) + self.half_bytes
-
-    def upload(self, plan: Plan, stream: cupy.cuda.Stream) -> tuple[int, int]:
-        """Enqueue the copy of the plan's unit rows and block ids on ``stream``.
-
-        Grows the buffers (never shrinks). Returns the device addresses of unit row 0
-        and of block id 0.
-        """
-        unit_words, n_ids = plan.units.size, plan.ids.size
-        words = unit_words + n_ids
-        if words > self.words:
-            size = max(1 << 16, 1 << (words - 1).bit_length())
-            self.dev = self.host = None
-            with cupy.cuda.Device(self.device):
-                self.dev = cupy.cuda.memory.Memory(size * 8)
-            self.host = cupy.cuda.alloc_pinned_memory(size * 8)
-            self.host_view = np.frombuffer(self.host, dtype=np.int64, count=size)
-            self.words = size
-        assert self.dev is not None
-        view = self.host_view
-        view[:unit_words] = plan.units.reshape(-1)
-        view[unit_words:words] = plan.ids
-        dev = int(self.dev.ptr)
-        cupy.cuda.runtime.memcpyAsync(dev, int(view.ctypes.data), words * 8,
-                                      _MEMCPY_DEFAULT, stream.ptr)
-        return dev, dev + unit_words * 8
-
-    def drain(self) -> None:
-        """Wait for whatever this lane enqueued (after a failure part-way through)."""
-        for s in (self.sm, self.dma):
-            try:
-                s.synchronize()
-            except _CUDA_ERRORS as e:
-                log.warning("lane stream on device %d failed: %s", self.device, e)
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    """One submitted copy; the timestamps feed :attr:`CudaEngine.last_profile`."""
-
-    mapping: CudaMapping
-    copies: list[RunCopy]
-    to_pool: bool
-    done: DoneCallback
-    t_enter: float
-    nbytes: int = 0
-    t_planned: float = 0.0
-    t_launched: float = 0.0
-    pieces: int = 0
-    dmas: int = 0
-
-
-class _Lanes:
-    """Up to ``limit`` lanes of one GPU, created on demand, each with a waiter thread.
-
-    A submission takes a free lane or, when every lane is busy, waits in ``pending``
-    (FIFO) until a waiter gives its lane back and launches it: the event loop never
-    blocks on a lane. ``take_or_queue`` and ``give`` decide under one lock, so a job is
-    never queued while a lane sits free.
-    """
-
-    def __init__(self, device: int, limit: int) -> None:
-        self.device = device
-        self.limit = limit
-        self._free: list[_Lane] = []
-        self._pending: deque[_Job] = deque()
-        self._lock = threading.Lock()
-        self.all: list[_Lane] = []
-
-    def take_or_queue(self, job: _Job) -> _Lane | None:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            if len(self.all) >= self.limit:
-                self._pending.append(job)
-                return None
-            lane = _Lane(self.device)
-            self.all.append(lane)
-            return lane
-
-    def give(self, lane: _Lane) -> _Job | None:
-        """Return ``lane``, or keep it for the oldest queued job (returned)."""
-        with self._lock:
-            if self._pending:
-                return self._pending.popleft()
-            self._free.append(lane)
-            return None
 
 
 class CudaEngine(TransferEngine):
@@ -237,7 +104,7 @@ class CudaEngine(TransferEngine):
         self.profile = False
         self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
-        self._lanes: dict[int, _Lanes] = {}
+        self._lanes: dict[int, Lanes] = {}
         self._lanes_lock = threading.Lock()
         self._ipc = IpcTable()
         self._pool: CudaHostPool | None = None
@@ -259,7 +126,7 @@ class CudaEngine(TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         try:
             return CudaMapping(self._ipc, list(buffers))
-        except _CUDA_ERRORS as e:
+        except CUDA_ERRORS as e:
             raise TransferError(f"cannot map the buffers: {e}") from None
 
     @property
@@ -267,13 +134,13 @@ class CudaEngine(TransferEngine):
         """IPC allocations currently mapped (tests and diagnostics)."""
         return len(self._ipc)
 
-    def _lanes_of(self, device: int) -> _Lanes:
+    def _lanes_of(self, device: int) -> Lanes:
         lanes = self._lanes.get(device)
         if lanes is None:
             with self._lanes_lock:
                 lanes = self._lanes.get(device)
                 if lanes is None:
-                    lanes = _Lanes(device, self._lanes_per_device)
+                    lanes = Lanes(device, self._lanes_per_device)
                     self._lanes[device] = lanes
                     self._sm_count[device] = int(cupy.cuda.runtime.getDeviceProperties(
                         device)["multiProcessorCount"])
@@ -303,7 +170,7 @@ class CudaEngine(TransferEngine):
         if not live:
             done("")
             return
-        job = _Job(mapping, live, to_pool, done, t_enter)
+        job = Job(mapping, live, to_pool, done, t_enter)
         lanes = self._lanes_of(mapping.device_index)
         lane = lanes.take_or_queue(job)
         if lane is None:
@@ -316,7 +183,7 @@ class CudaEngine(TransferEngine):
         if not launched:
             self._release(lanes, lane)
 
-    def _launch(self, lane: _Lane, job: _Job) -> bool:
+    def _launch(self, lane: Lane, job: Job) -> bool:
         """Plan ``job`` and enqueue its GPU work on ``lane``; ``False``: nothing to copy
         (``done`` was called). Raises :class:`TransferError` with the lane drained."""
         device, to_pool = lane.device, job.to_pool
@@ -356,7 +223,7 @@ class CudaEngine(TransferEngine):
                 if self.profile:
                     lane.timing[1].record(last)
                 lane.done.record(last)
-        except _CUDA_ERRORS as e:
+        except CUDA_ERRORS as e:
             if launched:
                 lane.drain()
             raise TransferError(f"CUDA copy failed: {e}") from None
@@ -375,14 +242,14 @@ class CudaEngine(TransferEngine):
         lane.jobs.put(job)
         return True
 
-    def _waiter(self, lane: _Lane) -> None:
+    def _waiter(self, lane: Lane) -> None:
         """Wait for each launched job of ``lane``, report it, pass the lane on."""
         lanes = self._lanes_of(lane.device)
         while (job := lane.jobs.get()) is not None:
             err = ""
             try:
                 self._wait(lane, job.nbytes, job.t_planned)
-            except _CUDA_ERRORS as e:
+            except CUDA_ERRORS as e:
                 lane.drain()
                 err = f"CUDA copy failed: {e}"
             if self.profile and not err:
@@ -398,7 +265,7 @@ class CudaEngine(TransferEngine):
             job.done(err)
             self._release(lanes, lane)
 
-    def _release(self, lanes: _Lanes, lane: _Lane) -> None:
+    def _release(self, lanes: Lanes, lane: Lane) -> None:
         """Give ``lane`` back, or launch the oldest queued job on it (a queued job
         whose launch fails is answered here, and the lane goes to the next one)."""
         while (job := lanes.give(lane)) is not None:
@@ -408,7 +275,7 @@ class CudaEngine(TransferEngine):
             except TransferError as e:
                 job.done(str(e))
 
-    def _wait(self, lane: _Lane, nbytes: int, t_start: float) -> None:
+    def _wait(self, lane: Lane, nbytes: int, t_start: float) -> None:
         """Block until ``lane.done`` has completed (see ``WAIT_MODES``)."""
         if self.wait == "hybrid":
             sleep_s = t_start + nbytes / EXPECTED_BPS - WAKE_MARGIN_S - time.perf_counter()
@@ -424,7 +291,7 @@ class CudaEngine(TransferEngine):
     def _blocks(self, device: int, pages: int) -> int:
         return max(1, min(pages, 4 * self._sm_count[device]))
 
-    def _store_pieces(self, lane: _Lane, plan: Plan, units: int, ids: int) -> None:
+    def _store_pieces(self, lane: Lane, plan: Plan, units: int, ids: int) -> None:
         """Gather each piece into a staging half (SMs), then DMA it out (copy engine).
 
         Piece ``k`` uses half ``k % 2``; its gather waits until the DMA of piece
@@ -442,10 +309,10 @@ class CudaEngine(TransferEngine):
             lane.filled[h].record(sm)
             dma.wait_event(lane.filled[h])
             for stage, pool, nbytes in p.segments.tolist():
-                memcpy(pool, stage, nbytes, _MEMCPY_DEFAULT, dma.ptr)
+                memcpy(pool, stage, nbytes, MEMCPY_DEFAULT, dma.ptr)
             lane.freed[h].record(dma)
 
-    def _retrieve_pieces(self, lane: _Lane, plan: Plan, units: int, ids: int) -> None:
+    def _retrieve_pieces(self, lane: Lane, plan: Plan, units: int, ids: int) -> None:
         """DMA each piece into a staging half, then scatter it into the pages (SMs)."""
         sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
         launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
@@ -454,7 +321,7 @@ class CudaEngine(TransferEngine):
             if k >= 2:
                 dma.wait_event(lane.freed[h])
             for stage, pool, nbytes in p.segments.tolist():
-                memcpy(stage, pool, nbytes, _MEMCPY_DEFAULT, dma.ptr)
+                memcpy(stage, pool, nbytes, MEMCPY_DEFAULT, dma.ptr)
             lane.filled[h].record(dma)
             sm.wait_event(lane.filled[h])
             launch(device, "scatter_units", units, ids, n, p.first, p.count, plan.max_layers,

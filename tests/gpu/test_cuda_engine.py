@@ -243,11 +243,11 @@ def _gather_ms(engine: object, mapping: object, copies: list[RunCopy]) -> float:
     import cupy
 
     from lmc_server.transfer import cuda_kernels
-    from lmc_server.transfer.cuda import _Lane
+    from lmc_server.transfer.cuda_lanes import Lane
     from lmc_server.transfer.cuda_plan import plan_staging
 
     engine._lanes_of(mapping.device_index)  # the device's SM count
-    lane = _Lane(mapping.device_index)  # a lane of its own, outside the engine's pool
+    lane = Lane(mapping.device_index)  # a lane of its own, outside the engine's pool
     with cupy.cuda.Device(mapping.device_index):
         halves = lane.halves(max(c.run.nbytes for c in copies))
         plan = plan_staging(copies, engine._region(mapping), halves, lane.half_bytes)
