@@ -54,6 +54,8 @@ if [ "$what" = all ] || [ "$what" = latency ]; then
   bench latency --duration-s 1 --no-progress --json "$out/latency.json" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = l2 ]; then
-  bench l2 --chunks 256 --rounds 5 --repeats 7 --json "$out/l2.json" || status=1
+  bench l2 --rounds 5 --repeats 7 --json "$out/l2.json" || status=1
+  bench l2 --chunks 256 --l1-size-gb 4 --rounds 3 --repeats 3 --latency-chunks 16 \
+    --json "$out/l2-256.json" || status=1
 fi
 exit $status

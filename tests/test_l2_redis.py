@@ -274,13 +274,17 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
                 value = r.get(_full_key(redis_proc, wa.reg,
                                         _fingerprints(wa.client)["full"], digests, 0))
             else:  # a header claiming another length (and a payload to match it)
-                value = value[:64] + (len(value) - 80 + 8).to_bytes(8, "little") \
-                    + value[72:] + bytes(8)
+                length_at = codec.HEADER_BYTES - 16  # payload length u64, checksum u64
+                value = value[:length_at] \
+                    + (len(value) - codec.HEADER_BYTES + 8).to_bytes(8, "little") \
+                    + value[length_at + 8:] + bytes(8)
             r.set(key, value)
             look = lookup_until(wb.client, wb.reg, digests, bad)
             assert look.hit_chunks == bad, "a damaged object was served"
             st = l2_stats(wb.client)
-            assert sum(st["invalid"].values()) >= 1, st
+            reason = {"flip_byte": "checksum", "truncate": "truncated",
+                      "other_chunk": "foreign", "header_length": "length"}[damage]
+            assert st["invalid"].get(reason, 0) >= 1, st
             dst_ids = block_ids_for(wb.reg, bad, np.random.default_rng(77))
             res = wb.client.retrieve(wb.reg, digests[:bad * 32], dst_ids)
             assert res.ok.all()

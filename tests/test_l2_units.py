@@ -53,7 +53,7 @@ def test_space_separates_every_namespace_field_layout_and_chunk_size() -> None:
     (lambda v: v[:-1], codec.Invalid.TRUNCATED),
     (lambda v: v + b"x", codec.Invalid.TRUNCATED),
     (lambda v: b"XXXX" + v[4:], codec.Invalid.BAD_MAGIC),
-    (lambda v: v[:4] + bytes([2]) + v[5:], codec.Invalid.VERSION),
+    (lambda v: v[:4] + bytes([codec.FORMAT_VERSION + 1]) + v[5:], codec.Invalid.VERSION),
     (lambda v: v[:8] + bytes(16) + v[24:], codec.Invalid.FOREIGN),
     (lambda v: v[:24] + bytes(32) + v[56:], codec.Invalid.FOREIGN),
 ])
@@ -76,10 +76,25 @@ def test_every_single_bit_flip_in_payload_or_mask_fails_the_checksum() -> None:
             assert not codec.check_payload(bytes(w)), (pos, bit)
 
 
-def test_crc_covers_the_header() -> None:
+def test_checksum_covers_every_header_byte() -> None:
     v = value()
-    crc = zlib.crc32(codec.payload(v))
-    assert int.from_bytes(v[codec.HEADER_BYTES - 4:codec.HEADER_BYTES], "little") != crc
+    assert codec.check_payload(v)
+    for pos in range(codec.HEADER_BYTES - 8):  # all but the checksum field itself
+        w = bytearray(v)
+        w[pos] ^= 0x10
+        assert not codec.check_payload(bytes(w)), pos
+
+
+def test_a_value_of_format_version_1_is_refused_as_version() -> None:
+    """Version 1 (crc32, a 4-byte checksum field) is never parsed with today's layout."""
+    import struct
+
+    payload = b"p" * 1000
+    head = bytearray(struct.pack("<4sBBH16s32sQI", codec.MAGIC, 1, 1, 0, SPACE, CHUNK_KEY,
+                                 len(payload), 0))
+    struct.pack_into("<I", head, len(head) - 4, zlib.crc32(payload, zlib.crc32(head)))
+    old = bytes(head) + payload
+    assert codec.check_header(old, SPACE, CHUNK_KEY, 1000) == (0, codec.Invalid.VERSION)
 
 
 # -- URL, credentials, configuration ---------------------------------------------------

@@ -7,7 +7,7 @@ servers with ``--l2`` pointing at it: A stores, B (empty L1) finds the objects i
   written every object to L2 (so it includes the store's own copy into L1), against
   redis-py pipelined ``SET`` of the same values (read back from L2) under other keys;
 - read: a lookup on B that misses L1, timed until a lookup reports every chunk as an L1
-  hit (prefetch: one batched read, header and crc32 checks, copies into L1, commit),
+  hit (prefetch: one batched read, header and checksum checks, copies into L1, commit),
   against redis-py ``MGET`` of the same keys, in batches like the server's;
 - latency: the same for 1, 16 and 64 chunks (B's L1 cleared before each), median of
   ``--repeats``, against the raw ``MGET`` of those objects.

@@ -9,7 +9,7 @@ retrieved like any other).
 A prefetch: one batched read of every object (each object group, each chunk) not
 already in L1; the header of each value is checked on the loop (cheap) and the objects
 of the contiguous run of chunks L2 can complete are reserved in L1 (WRITING: invisible,
-like a store); the crc32 check and the copy into the slot run on the tier's threads;
+like a store); the checksum and the copy into the slot run on the tier's threads;
 then each object is committed, or aborted if its checksum failed. A half-written
 object is never visible and a value that fails any check is never served.
 
@@ -292,7 +292,7 @@ class Prefetcher:
         return out, end
 
     def _fill(self, offset: int, value: bytes) -> bool:
-        """Verify the crc32 and copy the payload into its slot (worker thread)."""
+        """Verify the checksum and copy the payload into its slot (worker thread)."""
         if not codec.check_payload(value):
             return False
         payload = np.frombuffer(codec.payload(value), dtype=np.uint8)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 5.0
-#: Threads that build values (crc32, copy) and verify and copy fetched ones.
+#: Threads that build values (checksum, copy) and verify and copy fetched ones.
 L2_THREADS = 4
 
 

@@ -10,7 +10,7 @@ The queue is bounded in objects (``max_objects``). It holds references to L1 slo
 not bytes: at write time the writer checks that each slot still holds the same key
 and is committed (else the object was evicted first: counted, skipped), pins the slots
 for the length of the copy (so eviction cannot reuse them under the copy), builds the
-values (header, crc32, one copy of the payload) on its own threads, unpins, and sends
+values (header, checksum, one copy of the payload) on its own threads, unpins, and sends
 one pipelined batch. Nothing here ever waits for L2 on a store's or retrieve's path:
 when the queue is full, or L2 is down, new writes are dropped and counted.
 """

@@ -175,10 +175,9 @@ def test_damaged_value_never_reaches_gpu_pages(
         got = cb.retrieve(rb, digests, dst)
         assert got.ok_prefix == bad
         assert got.statuses["full"][bad] == ChunkStatus.MISS
-        full = next(g for g in rb.groups if g.name == "full")
-        bpc = rb.blocks_per_chunk(full)
-        for blk in dst["full"].reshape(n, bpc)[bad]:
-            assert set(kvb.page("full", 0, int(blk)).tolist()) == {0xA5}
+        for g in (g for g in rb.groups if g.kind == "full"):
+            for blk in dst[g.name].reshape(n, rb.blocks_per_chunk(g))[bad]:
+                assert set(kvb.page(g.name, 0, int(blk)).tolist()) == {0xA5}, g.name
         # What was served is byte-exact.
         dst2 = block_ids_for(rb, bad, np.random.default_rng(7))
         got = cb.retrieve(rb, digests[:bad * 32], dst2)
