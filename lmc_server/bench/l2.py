@@ -27,12 +27,14 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from lmc_server.bench.common import GeometryArgs, Report, format_table
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
@@ -62,11 +64,17 @@ def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
         time.sleep(POLL_S)
 
 
+def _l2(c: Client) -> L2Report:
+    st = c.stats().l2
+    assert st is not None, "the server runs without --l2"
+    return st
+
+
 def _written(c: Client) -> int:
-    st = c.stats()["l2"]
-    if st["write_queue_objects"] or st["writes_in_flight"]:
+    st = _l2(c)
+    if st.write_queue_objects or st.writes_in_flight:
         return -1
-    return int(st["objects_written"])
+    return int(st.objects_written)
 
 
 def _has_written(c: Client, objects: int) -> Callable[[], bool]:
@@ -74,7 +82,7 @@ def _has_written(c: Client, objects: int) -> Callable[[], bool]:
 
 
 def _is_up(c: Client) -> Callable[[], bool]:
-    return lambda: bool(c.stats()["l2"]["state"] == "up")
+    return lambda: _l2(c).state == "up"
 
 
 @contextmanager
@@ -110,8 +118,8 @@ class _Setup:
         stack.callback(self.raw.close)
         for c in (self.ca, self.cb):
             _wait(_is_up(c), "L2 connection", 30)
-        self.fps = {p["name"]: bytes.fromhex(p["fingerprint"])
-                    for p in self.ca.stats()["partitions"]}
+        self.fps = {p.name: bytes.fromhex(p.fingerprint)
+                    for p in self.ca.stats().partitions}
 
     def l2_keys(self, reg: Registration, digests: bytes) -> list[bytes]:
         out = []
@@ -226,7 +234,7 @@ def run(cfg: L2BenchConfig) -> Report:
                 "ratio": t_raw / t_srv})
         report.summary = {"mismatched_groups": mismatched,
                           "retrieved_ok": bool(res.ok.all()),
-                          "l2_b": s.cb.stats()["l2"]}
+                          "l2_b": msgspec.to_builtins(_l2(s.cb))}
     report.notes.append(
         "ratio = raw time / server time (1.0: as fast as redis-py on the same bytes; "
         "target >= 0.8 for throughput; L2 hit latency target: server <= 2x raw, i.e. "

@@ -227,10 +227,6 @@ def _union_bits(replies: Sequence[dict[str, Any]], key: str, og: str) -> np.ndar
     return out
 
 
-def _counter(before: dict[str, Any], after: dict[str, Any], name: str) -> int:
-    return int(after["counters"][name]) - int(before["counters"][name])
-
-
 class _Run:
     """State of one benchmark run; methods are the phases, in order."""
 
@@ -258,7 +254,7 @@ class _Run:
         self.report.config.update(chunk_bytes=self.chunk_bytes, arch=info["arch"],
                                   namespace=info["namespace"],
                                   devices=[r.info["device"] for r in self.ranks])
-        self.checks["all ranks registered"] = (self.admin.stats()["registrations"]
+        self.checks["all ranks registered"] = (self.admin.stats().registrations
                                                == cfg.ranks)
 
     def phase1(self) -> None:
@@ -271,10 +267,10 @@ class _Run:
         s2 = self.admin.stats()
         got = _gather(self.ranks, {"cmd": "p1_retrieve"}, 3600)
         p1 = {"store_rank0": first, "store_others_exists": [r["status"]["exists"] for r in rest],
-              "one_copy_bytes": one_copy, "l1_used_after_rank0": s1["l1"]["used_bytes"],
-              "l1_used_after_all": s2["l1"]["used_bytes"],
-              "stored_bytes_rank0": _counter(s0, s1, "stored_bytes"),
-              "stored_bytes_others": _counter(s1, s2, "stored_bytes"),
+              "one_copy_bytes": one_copy, "l1_used_after_rank0": s1.l1.used_bytes,
+              "l1_used_after_all": s2.l1.used_bytes,
+              "stored_bytes_rank0": s1.counters.stored_bytes - s0.counters.stored_bytes,
+              "stored_bytes_others": s2.counters.stored_bytes - s1.counters.stored_bytes,
               "mismatched_bytes": sum(r["mismatched_bytes"] for r in got),
               "checked_bytes": sum(r["checked_bytes"] for r in got),
               "retrieve_errors": sum(r["errors"] + r["status"]["miss"] + r["status"]["failed"]
@@ -293,7 +289,7 @@ class _Run:
             "p1 other ranks: every chunk EXISTS": all(
                 r["status"]["exists"] == cfg.chunks * n_og and r["status"]["ok"] == 0
                 and r["errors"] == 0 for r in rest) and p1["stored_bytes_others"] == 0,
-            "p1 L1 used == one copy": s1["l1"]["used_bytes"] == s2["l1"]["used_bytes"]
+            "p1 L1 used == one copy": s1.l1.used_bytes == s2.l1.used_bytes
             == one_copy,
             "p1 every byte on every rank": p1["mismatched_bytes"] == 0
             and p1["retrieve_errors"] == 0
@@ -376,10 +372,10 @@ class _Run:
                    for og in self.object_bytes}
         distinct_b = sum(int(distinct[og].sum()) * b for og, b in self.object_bytes.items())
         unknown_b = sum(int(pending[og].sum()) * b for og, b in self.object_bytes.items())
-        copies_b = _counter(s0, s1, "stored_bytes")
-        evicted_b = _counter(s0, s1, "evicted_bytes")
-        evicted_total = int(s1["counters"]["evicted_bytes"])
-        stored_total = int(s1["counters"]["stored_bytes"])
+        copies_b = s1.counters.stored_bytes - s0.counters.stored_bytes
+        evicted_b = s1.counters.evicted_bytes - s0.counters.evicted_bytes
+        evicted_total = int(s1.counters.evicted_bytes)
+        stored_total = int(s1.counters.stored_bytes)
         p2 = {"seconds": seconds, "wall_s": wall_s, "ranks_reporting": len(got),
               "store_bytes": store_b, "retrieve_bytes": ret_b,
               "store_gbps": store_b / seconds / 1e9, "retrieve_gbps": ret_b / seconds / 1e9,
@@ -397,14 +393,14 @@ class _Run:
         p2["store_ratio"] = p2["store_gbps"] / raw["d2h_gbps"] if raw["d2h_gbps"] else None
         p2["retrieve_ratio"] = (p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"]
                                 else None)
-        l1 = {"used_bytes": s1["l1"]["used_bytes"], "capacity_bytes": s1["l1"]["capacity_bytes"],
+        l1 = {"used_bytes": s1.l1.used_bytes, "capacity_bytes": s1.l1.capacity_bytes,
               "distinct_bytes_phase2": distinct_b, "copied_bytes_phase2": copies_b,
               "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
               "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
               "evicted_bytes_phase2": evicted_b, "unknown_bytes_phase2": unknown_b,
               # what L1 held when phase 2 began (phase 1, TP stores) plus phase 2's
-              "single_copy_bytes": s0["l1"]["used_bytes"] + distinct_b - evicted_b,
-              "writing_objects": sum(p["writing"] for p in s1["partitions"])}
+              "single_copy_bytes": s0.l1.used_bytes + distinct_b - evicted_b,
+              "writing_objects": sum(p.writing for p in s1.partitions)}
         self.s["phase2"], self.s["l1"] = p2, l1
         by_rank = {r.rank: g for r, g in zip(survivors, got, strict=True)}
         for row in self.report.rows:
@@ -430,7 +426,7 @@ class _Run:
                 l1["used_bytes"] == l1["single_copy_bytes"])
 
     def phase3(self, victim: _Rank) -> None:
-        before = self.admin.stats()["registrations"]
+        before = self.admin.stats().registrations
         victim.kill()
         t0 = time.monotonic()
         pid = self.srv.proc.pid if self.srv.proc is not None else 0
@@ -438,7 +434,7 @@ class _Run:
         detect_s = unmapped_s = None
         while time.monotonic() - t0 < KILL_DETECT_S:
             now = time.monotonic() - t0
-            if detect_s is None and self.admin.stats()["registrations"] == before - 1:
+            if detect_s is None and self.admin.stats().registrations == before - 1:
                 detect_s = now
             if names and unmapped_s is None and _maps_hold(pid, names) is False:
                 unmapped_s = now
@@ -446,7 +442,7 @@ class _Run:
                 break
             time.sleep(0.05)
         p3 = {"victim_rank": victim.rank, "registrations_before": before,
-              "registrations_after": self.admin.stats()["registrations"],
+              "registrations_after": self.admin.stats().registrations,
               "detected_s": detect_s, "unmapped_s": unmapped_s,
               "limit_s": KILL_DETECT_S}
         self.s["phase3"] = p3
@@ -498,7 +494,7 @@ def run(cfg: RanksConfig) -> Report:
             r.phase2()
         finally:
             r.close()
-        report.summary["registrations_at_end"] = admin.stats()["registrations"]
+        report.summary["registrations_at_end"] = admin.stats().registrations
     report.summary["checks"] = r.checks
     report.summary["ok"] = all(r.checks.values())
     _notes(report, cfg)

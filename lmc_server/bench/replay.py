@@ -29,6 +29,7 @@ from lmc_server.buffers import ShmBuffer
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.config import GIB, MIB
+from lmc_server.protocol.stats import StatsReport
 
 CHUNK_SIZE = CHUNK_TOKENS
 
@@ -50,7 +51,7 @@ def _ratio(hits: list[int], requests: list[TraceRequest]) -> float:
 
 
 def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
-            ) -> tuple[list[int], dict[str, Any]]:
+            ) -> tuple[list[int], StatsReport]:
     """Drive one server through the trace; hit chunks per request and final stats."""
     geometry = kv
     hits = []
@@ -122,16 +123,16 @@ def run(cfg: ReplayConfig) -> Report:
                             allow_thread=True) as (srv, how):
                     hits, stats = _replay(srv.endpoint, requests, geometry, bar)
                 hows.add(how)
-                parts = stats["partitions"]
-                served = stats["counters"]["hit_tokens"]
+                parts = stats.partitions
+                served = stats.counters.hit_tokens
                 report.rows.append({
                     "fraction": frac, "actual_fraction": capacity / distinct if distinct else 0,
                     "l1_size_gb": l1_size_gb, "capacity_objects": capacity,
-                    "server_capacity_objects": sum(p["capacity_objects"] for p in parts),
+                    "server_capacity_objects": sum(p.capacity_objects for p in parts),
                     "policy": policy, "hit_ratio": _ratio(hits, requests),
                     "belady_ratio": bel_ratio, "infinite_ratio": inf_ratio,
-                    "server_hit_tokens": served, "evictions": stats["counters"]["evictions"],
-                    "no_space": stats["counters"]["alloc_failures"].get("no_space", 0)})
+                    "server_hit_tokens": served, "evictions": stats.counters.evictions,
+                    "no_space": stats.counters.alloc_failures.get("no_space", 0)})
     report.notes += [
         "backend null: the server does all bookkeeping (index, leases, eviction) but copies "
         "no bytes; bytes per chunk come from the geometry "

@@ -44,6 +44,7 @@ from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
 from lmc_server.bench.rawcopy import CpuRawCopy
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import ChunkResult, Registration
+from lmc_server.protocol.stats import PhaseSum
 from lmc_server.testing.process import ServerProcess
 
 CHUNK_SIZE = 256
@@ -142,21 +143,21 @@ class _Session:
     async def retrieve(self, digests: bytes, n: int) -> ChunkResult:
         return await self.client.retrieve(self.reg, digests, self.regions.ids(B, n))
 
-    async def phases(self) -> dict[str, dict[str, float]]:
+    async def phases(self) -> dict[str, PhaseSum]:
         """The server's cumulative phase sums (``stats`` ``phases``)."""
-        return dict((await self.client.stats()).get("phases", {}))
+        return (await self.client.stats()).phases
 
 
-def _phase_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+def _phase_means(before: dict[str, PhaseSum], after: dict[str, PhaseSum]
                  ) -> dict[str, dict[str, float]]:
     """op -> phase -> mean ms per request, over the requests between two snapshots."""
     out: dict[str, dict[str, float]] = {}
     for key, a in after.items():
-        b = before.get(key, {"count": 0, "seconds": 0.0})
-        n = a["count"] - b["count"]
+        b = before.get(key, PhaseSum(count=0, seconds=0.0))
+        n = a.count - b.count
         if n > 0:
             op, phase = key.split(":", 1)
-            out.setdefault(op, {})[phase] = 1e3 * (a["seconds"] - b["seconds"]) / n
+            out.setdefault(op, {})[phase] = 1e3 * (a.seconds - b.seconds) / n
     return out
 
 
@@ -334,8 +335,8 @@ async def _run_server(endpoint: str, kv: Any, cfg: ThroughputConfig, copy_mode: 
     client = await AsyncClient.connect(endpoint, timeout_s=120, client_name="lmcache-bench")
     try:
         while True:  # time a ready server: the pool is prepared in the background
-            l1 = (await client.stats())["l1"]
-            if l1["ready_slabs"] == l1["slabs"]:
+            l1 = (await client.stats()).l1
+            if l1.ready_slabs == l1.slabs:
                 break
             await asyncio.sleep(0.05)
         reg = await client.register(**kv.register_kwargs())
