@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from lmc_server.client import Client, ServerError, chunk_digests
+from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
@@ -79,7 +80,7 @@ def server_maps(srv: ServerProcess) -> str:
     return Path(f"/proc/{srv.proc.pid}/maps").read_text()
 
 
-def check_consistent(c: Client) -> dict[str, Any]:
+def check_consistent(c: Client) -> StatsReport:
     """No object half-written, pool use equals committed objects, nothing pinned."""
     report = c.stats()
     for p in report.partitions:

@@ -432,7 +432,7 @@ def test_wrong_password_is_degraded_not_fatal() -> None:
             d = chunk_digests(tokens(91, 2), CHUNK)
             w.store(d, block_seed=1)
             assert w.client.lookup(w.reg, d, lease=False).hit_chunks == 2
-            st = wait_for(lambda: (s := l2_stats(w.client))["reason"] != "connecting" and s,
+            st = wait_for(lambda: (s := l2_stats(w.client)).reason != "connecting" and s,
                           "the first connection attempt")
             assert st.state == "degraded" and st.objects_written == 0
             assert "auth" in st.reason.lower() or "pass" in st.reason.lower(), st

@@ -137,7 +137,7 @@ def test_answers_at_once_with_a_large_pool() -> None:
             ready_s = time.monotonic() - t0
             pool = c.stats().l1
         print(f"first ping {first_ping_s:.2f} s, first slab {ready_s:.2f} s, "
-              f"ready slabs {pool['ready_slabs']} of {pool['slabs']}")
+              f"ready slabs {pool.ready_slabs} of {pool.slabs}")
         assert first_ping_s < 5.0
         assert pool.ready_slabs < pool.slabs  # still pinning in the background
 
