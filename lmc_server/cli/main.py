@@ -84,7 +84,7 @@ def cli() -> None:
                    "loopback only unless CURVE is configured.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
               help="TCP port for clients.")
-@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=256,
+@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=Config.chunk_size,
               envvar="LMCACHE_CHUNK_SIZE",
               help="Tokens per chunk (the caching unit); must be a multiple of every "
                    "cached group's tokens per block.")
