@@ -48,18 +48,17 @@ TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
                       2.5, 5.0)
 
 
-def counter_families(prefix: str, source: object, counters: tuple[CounterInfo, ...],
-                     known: Mapping[str, tuple[str, ...]] | None = None
+def counter_families(prefix: str, source: object, counters: tuple[CounterInfo, ...]
                      ) -> Iterator[CounterMetricFamily]:
     """One family per counter of ``counters`` (:func:`~lmc_server.cache.counters.counters_of`),
-    read from ``source``; a labelled counter also exports ``known[name]`` values as 0."""
+    read from ``source``; a labelled counter exports its ``known`` values as 0 too."""
     for c in counters:
         value = getattr(source, c.name)
         if not c.label:
             yield CounterMetricFamily(prefix + c.metric, c.help, value=value)
             continue
         fam = CounterMetricFamily(prefix + c.metric, c.help, labels=[c.label])
-        counted = dict.fromkeys(c.known + (known or {}).get(c.name, ()), 0)
+        counted = dict.fromkeys(c.known, 0)
         counted.update(dict(value))  # one C-level copy: the loop mutates it meanwhile
         for k, n in sorted(counted.items()):
             fam.add_metric([k], n)
