@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from lmc_server.bench.cli import bench
 from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks import REGION_A, REGION_B, blocks_needed
-from lmc_server.bench.ranks_worker import _Worker
+from lmc_server.bench.ranks_config import REGION_A, REGION_B, blocks_needed
+from lmc_server.bench.ranks_kv import RankKV
 
 
 def test_byte_checker_sees_unwritten_and_wrong_blocks() -> None:
@@ -28,8 +28,8 @@ def test_byte_checker_sees_unwritten_and_wrong_blocks() -> None:
     geometry = GeometryArgs(layers=2)
     cfg = {"rank": 0, "ranks": 1, "chunks": chunks, "batch": 2, "seed": 3,
            "backend": "cpu", "geometry": asdict(geometry),
-           "num_blocks": blocks_needed(geometry.build(1), chunks)}
-    w = _Worker(cfg)
+           "num_blocks": blocks_needed(geometry.build(1), chunks, 256), "chunk_size": 256}
+    w = RankKV(cfg)
     try:
         src, dst = np.arange(chunks), (np.arange(chunks) + 1) % chunks
         bad, checked = w.mismatch(src, dst, one_request=False)

@@ -143,7 +143,7 @@ def test_thread_server_null_backend() -> None:
                              metrics_port=0)).start()
     try:
         with Client(ts.endpoint, timeout_s=10) as c:
-            assert c.stats()["l1"]["capacity_bytes"] == 4096 << 30
+            assert c.stats().l1.capacity_bytes == 4096 << 30
     finally:
         ts.stop()
     assert ts.exit_code == 0

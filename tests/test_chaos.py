@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from lmc_server.client import Client, ServerError, chunk_digests
+from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
@@ -79,13 +80,13 @@ def server_maps(srv: ServerProcess) -> str:
     return Path(f"/proc/{srv.proc.pid}/maps").read_text()
 
 
-def check_consistent(c: Client) -> dict[str, Any]:
+def check_consistent(c: Client) -> StatsReport:
     """No object half-written, pool use equals committed objects, nothing pinned."""
     report = c.stats()
-    for p in report["partitions"]:
-        assert p["writing"] == 0, p
-        assert p["used_bytes"] == p["objects"] * p["object_bytes"], p
-        assert p["pinned_objects"] == 0, p
+    for p in report.partitions:
+        assert p.writing == 0, p
+        assert p.used_bytes == p.objects * p.object_bytes, p
+        assert p.pinned_objects == 0, p
     return report
 
 
@@ -135,10 +136,10 @@ def test_kill9_mid_store_leaves_nothing_partial(srv: ServerProcess) -> None:
         time.sleep(0.01)
         last = int(wait_line(w, "storing").split()[1])
         kill9(w)
-        took = eventually(lambda: c.stats()["registrations"] == base["registrations"])
+        took = eventually(lambda: c.stats().registrations == base.registrations)
         # unmapped once the store it was copying returns (the copy may outlive the drop)
         eventually(lambda: f"lmc-{w.pid}-" not in server_maps(srv))
-        eventually(lambda: all(p["writing"] == 0 for p in c.stats()["partitions"]))
+        eventually(lambda: all(p.writing == 0 for p in c.stats().partitions))
         check_consistent(c)
         assert verify_batches(c, last, n) >= 3 * n
         print(f"reaped in {took:.2f} s")
@@ -148,9 +149,9 @@ def test_kill9_between_lookup_and_retrieve_releases_the_lease(srv: ServerProcess
     with Client(srv.endpoint) as c:
         w = spawn(srv.endpoint, lookup_then_hang=True, chunks=4)
         lease = json.loads(wait_line(w, '{"lease"'))["lease"]
-        assert lease and c.stats()["leases"] == 1
+        assert lease and c.stats().leases == 1
         kill9(w)
-        eventually(lambda: c.stats()["leases"] == 0 and c.stats()["registrations"] == 0)
+        eventually(lambda: c.stats().leases == 0 and c.stats().registrations == 0)
         assert not c.release(lease)
         check_consistent(c)
 
@@ -160,25 +161,25 @@ def test_kill9_mid_retrieve_unpins_and_reaps(srv: ServerProcess) -> None:
         w = spawn(srv.endpoint, retrieve_loop=True, chunks=16)
         wait_line(w, "retrieving 3")
         kill9(w)
-        eventually(lambda: c.stats()["registrations"] == 0)
-        eventually(lambda: all(p["pinned_objects"] == 0 for p in c.stats()["partitions"]))
+        eventually(lambda: c.stats().registrations == 0)
+        eventually(lambda: all(p.pinned_objects == 0 for p in c.stats().partitions))
         check_consistent(c)
-        assert c.stats()["l1"]["objects"] == 2 * 16  # what it stored stays
+        assert c.stats().l1.objects == 2 * 16  # what it stored stays
 
 
 def test_a_stopped_client_shorter_than_the_timeout_is_not_reaped(srv: ServerProcess) -> None:
     with Client(srv.endpoint) as c:
         w = spawn(srv.endpoint, hang=True, chunks=2)
         wait_line(w, "{")
-        assert c.stats()["registrations"] == 1
+        assert c.stats().registrations == 1
         os.kill(w.pid, signal.SIGSTOP)
         time.sleep(2.0)
-        assert c.stats()["registrations"] == 1
+        assert c.stats().registrations == 1
         os.kill(w.pid, signal.SIGCONT)
         time.sleep(0.5)
-        assert c.stats()["registrations"] == 1
+        assert c.stats().registrations == 1
         kill9(w)
-        eventually(lambda: c.stats()["registrations"] == 0)
+        eventually(lambda: c.stats().registrations == 0)
 
 
 def test_kill9_server_then_restart_clients_recover() -> None:

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,6 +26,7 @@ from lmc_server.integration.planning import (
     SchedulerPlanner,
 )
 from lmc_server.integration.settings import ConnectorSettings
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking, describe_byte
 from lmc_server.testing.process import ServerProcess
@@ -192,13 +192,14 @@ def _l2_server(url: str) -> ServerProcess:
                          l1_size_gb=0.25)
 
 
-def _l2_stats(srv: ServerProcess) -> dict[str, Any]:
+def _l2_stats(srv: ServerProcess) -> L2Report:
     with Client(srv.endpoint, timeout_s=10) as c:
-        out: dict[str, Any] = c.stats()["l2"]
+        out = c.stats().l2
+        assert out is not None, "the server runs without --l2"
         return out
 
 
-def _wait_l2(srv: ServerProcess, done: Callable[[dict[str, Any]], bool], what: str,
+def _wait_l2(srv: ServerProcess, done: Callable[[L2Report], bool], what: str,
              timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done(st := _l2_stats(srv)):
@@ -219,7 +220,7 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
             ConnectorFlow(fx, mem, a.endpoint, arch) as fa, \
             ConnectorFlow(fx, mem, b.endpoint, arch) as fb:
         for srv in (a, b):
-            _wait_l2(srv, lambda st: st["state"] == "up", "L2 connected")
+            _wait_l2(srv, lambda st: st.state == "up", "L2 connected")
         mem.fill_random(15)
         src = fa.tables(len(tokens))
         dst = fa.tables(len(tokens))  # one block pool for both flows: no overlap
@@ -227,9 +228,9 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
         step, rep = fa.prefill("A", tokens, src)
         assert [s.n_chunks for s in step.stores] == [2] and rep.finished_sending == {"A"}
         n_objects = 2 * len(fa.work.reg.object_groups)
-        _wait_l2(a, lambda st: bool(st["objects_written"] >= n_objects
-                                    and st["write_queue_objects"] == 0
-                                    and st["writes_in_flight"] == 0), "L2 writes")
+        _wait_l2(a, lambda st: bool(st.objects_written >= n_objects
+                                    and st.write_queue_objects == 0
+                                    and st.writes_in_flight == 0), "L2 writes")
 
         # generous bound: this test checks the wait ends because the chunks arrived
         fb.planner.l2_wait_s = 30.0
@@ -260,4 +261,4 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
         bad = mem.first_difference(mem.snapshot(), expected)
         assert bad is None, f"byte {bad} differs: {describe_byte(fx.groups, bad)}"
         st = _l2_stats(b)
-        assert st["hits"] >= n_objects and not st["invalid"], st
+        assert st.hits >= n_objects and not st.invalid, st

@@ -198,7 +198,7 @@ def test_fence_timeout_aborts_the_store(srv: ServerProcess) -> None:
             assert rig.tracker.store_futures()[0].exception(20) is not None
             time.sleep(1.0)  # the server, running again, handles what was queued
             with Client(srv.endpoint) as c:
-                assert c.stats()["counters"]["stored_objects"] == 0  # a fresh server
+                assert c.stats().counters.stored_objects == 0  # a fresh server
                 reg = c.register(**kv.register_kwargs(buffers=[], replicated=True))
                 digests = rig.geometry.digests(block_hashes(tokens, rig.per), 1)
                 assert c.lookup(reg, digests, lease=False).hit_chunks == 0
@@ -342,7 +342,7 @@ def test_batched_retrieve_reads_every_requests_window(srv: ServerProcess) -> Non
         finally:
             rig.close()
     with Client(srv.endpoint) as c:
-        counts = c.stats()["counters"]["requests"]
+        counts = c.stats().counters.requests
     assert counts.get("retrieve:ok") == 1, counts
 
 

@@ -50,7 +50,7 @@ def test_ipc_socket_lives_in_a_private_folder(tmp_path: Path) -> None:
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         with Client(f"ipc://{sock}") as c:
             assert c.ping().server_version
-            assert c.stats()["backend"] == "cpu"
+            assert c.stats().backend == "cpu"
         assert srv.proc is not None
 
 
@@ -100,7 +100,7 @@ def test_curve_admits_only_known_clients(tmp_path: Path) -> None:
         assert not ping(stranger_public, stranger_secret), "unknown key admitted"
         curve = CurveKeys.load(str(keys / "server.key"), str(keys / "engine.key_secret"))
         with Client(srv.endpoint, curve=curve) as ok:
-            assert ok.stats()["backend"] == "cpu"
+            assert ok.stats().backend == "cpu"
         with Client(srv.endpoint, timeout_s=1.5, hello=False) as plain:
             with pytest.raises(TimeoutError):
                 plain.ping()

@@ -95,7 +95,7 @@ def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
                        metrics_port=metrics_port) as srv:
         assert srv.endpoint.startswith("tcp://[::1]:")
         with Client(srv.endpoint, client_name="v6") as c:
-            assert c.stats()["backend"] == "cpu"
+            assert c.stats().backend == "cpu"
 
         async def aio() -> str:
             async with await AsyncClient.connect(srv.endpoint) as ac:

@@ -197,7 +197,7 @@ def test_server_refuses_aliased_registration_and_keeps_serving() -> None:
         with ShmKV(dsv41_flash(num_blocks=16)) as kv:
             reg = c.register(**kv.register_kwargs())
             assert not reg.lookup_only
-        assert c.stats()["registrations"] == 1
+        assert c.stats().registrations == 1
 
 
 def _brute_force_alias(groups: list[GroupSpec]) -> bool:

@@ -111,12 +111,12 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(mooncake_url: str) ->
                           l1_size_gb=0.25, env=env) as b:
         wa, wb = Worker(a.endpoint, seed=11), Worker(b.endpoint, seed=0)
         try:
-            wait_for(lambda: l2_stats(wa.client)["state"] == "up", "A connected", 30)
-            wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected", 30)
+            wait_for(lambda: l2_stats(wa.client).state == "up", "A connected", 30)
+            wait_for(lambda: l2_stats(wb.client).state == "up", "B connected", 30)
             ids = wa.store(digests, block_seed=2)
             wait_written(wa.client, 2 * n)
             retrieve_exact(wb, wa, ids, digests, n)
-            assert l2_stats(wb.client)["hits"] >= n
+            assert l2_stats(wb.client).hits >= n
         finally:
             wa.close()
             wb.close()

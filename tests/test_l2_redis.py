@@ -22,6 +22,7 @@ import pytest
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
@@ -66,8 +67,9 @@ def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any
         time.sleep(0.05)
 
 
-def l2_stats(c: Client) -> dict[str, Any]:
-    out: dict[str, Any] = c.stats()["l2"]
+def l2_stats(c: Client) -> L2Report:
+    out = c.stats().l2
+    assert out is not None, "the server runs without --l2"
     return out
 
 
@@ -96,8 +98,8 @@ class Worker:
 def wait_written(c: Client, objects: int) -> None:
     def done() -> bool:
         st = l2_stats(c)
-        return bool(st["objects_written"] >= objects and st["write_queue_objects"] == 0
-                    and st["writes_in_flight"] == 0)
+        return bool(st.objects_written >= objects and st.write_queue_objects == 0
+                    and st.writes_in_flight == 0)
     wait_for(done, f"{objects} objects written to L2")
 
 
@@ -133,7 +135,7 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
     with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
         wa, wb = Worker(a.endpoint, seed=11), Worker(b.endpoint, seed=0)
         try:
-            wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected to L2")
+            wait_for(lambda: l2_stats(wb.client).state == "up", "B connected to L2")
             ids = wa.store(digests, block_seed=2)
             objects = sum(int(s.size) for s in
                           wa.client.store(wa.reg, digests, ids).statuses.values())
@@ -142,9 +144,9 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
             assert first.hit_chunks == 0 and first.l2_pending_chunks == n
             retrieve_exact(wb, wa, ids, digests, n)
             st = l2_stats(wb.client)
-            assert st["hits"] >= n and not st["invalid"]
+            assert st.hits >= n and not st.invalid
             # B never stored anything itself, and nothing it fetched is written back.
-            assert st["objects_written"] == 0
+            assert st.objects_written == 0
         finally:
             wa.close()
             wb.close()
@@ -154,16 +156,16 @@ def test_prefix_l2_does_not_have_is_not_polled_forever(redis_proc: RedisProcess)
     with l2_server(redis_proc.url) as a:
         w = Worker(a.endpoint, seed=3)
         try:
-            wait_for(lambda: l2_stats(w.client)["state"] == "up", "connected")
+            wait_for(lambda: l2_stats(w.client).state == "up", "connected")
             digests = chunk_digests(tokens(9, 4), CHUNK)
             assert w.client.lookup(w.reg, digests).l2_pending_chunks == 4
             wait_for(lambda: w.client.lookup(w.reg, digests, lease=False)
                      .l2_pending_chunks == 0, "the prefetch to end")
-            before = l2_stats(w.client)["prefetches"]
+            before = l2_stats(w.client).prefetches
             for _ in range(5):
                 r = w.client.lookup(w.reg, digests, lease=False)
                 assert r.hit_chunks == 0 and r.l2_pending_chunks == 0
-            assert l2_stats(w.client)["prefetches"] == before
+            assert l2_stats(w.client).prefetches == before
         finally:
             w.close()
 
@@ -175,10 +177,10 @@ def test_l2_killed_mid_run_and_restarted(redis_proc: RedisProcess) -> None:
     with l2_server(redis_proc.url) as a:
         w = Worker(a.endpoint, seed=5)
         try:
-            wait_for(lambda: l2_stats(w.client)["state"] == "up", "connected")
+            wait_for(lambda: l2_stats(w.client).state == "up", "connected")
             d1 = chunk_digests(tokens(21, 4), CHUNK)
             w.store(d1, block_seed=1)
-            wait_for(lambda: l2_stats(w.client)["objects_written"] > 0, "first writes")
+            wait_for(lambda: l2_stats(w.client).objects_written > 0, "first writes")
             redis_proc.kill()
             # Stores go on (writes fail or are dropped, never the store), L1 hits too.
             d2 = chunk_digests(tokens(22, 4), CHUNK)
@@ -188,18 +190,18 @@ def test_l2_killed_mid_run_and_restarted(redis_proc: RedisProcess) -> None:
             assert w.client.lookup(w.reg, d1, lease=False).hit_chunks == 4
             assert w.client.lookup(w.reg, d2, lease=False).hit_chunks == 4
             miss = chunk_digests(tokens(23, 4), CHUNK)
-            wait_for(lambda: l2_stats(w.client)["state"] == "degraded", "degraded state")
+            wait_for(lambda: l2_stats(w.client).state == "degraded", "degraded state")
             r = w.client.lookup(w.reg, miss, lease=False)
             assert r.hit_chunks == 0 and r.l2_pending_chunks == 0  # no prefetch while down
             st = l2_stats(w.client)
-            assert sum(st["dropped_writes"].values()) > 0
+            assert sum(st.dropped_writes.values()) > 0
             assert "degraded" in a.log() and "L2" in a.log()
             redis_proc.start()
-            wait_for(lambda: l2_stats(w.client)["state"] == "up", "L2 back up", 20)
-            written = l2_stats(w.client)["objects_written"]
+            wait_for(lambda: l2_stats(w.client).state == "up", "L2 back up", 20)
+            written = l2_stats(w.client).objects_written
             d3 = chunk_digests(tokens(24, 4), CHUNK)
             w.store(d3, block_seed=9)
-            wait_for(lambda: l2_stats(w.client)["objects_written"] > written,
+            wait_for(lambda: l2_stats(w.client).objects_written > written,
                      "writes after the restart")
             assert redis_proc.client().dbsize() > 0
             assert w.client.lookup(w.reg, d1, lease=False).hit_chunks == 4
@@ -215,14 +217,14 @@ def test_l2_down_at_start_then_up_healthz_says_so() -> None:
             d = chunk_digests(tokens(41, 2), CHUNK)
             w.store(d, block_seed=3)
             assert w.client.lookup(w.reg, d, lease=False).hit_chunks == 2
-            assert l2_stats(w.client)["state"] == "degraded"
+            assert l2_stats(w.client).state == "degraded"
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz") as h:
                 assert h.status == 200 and b"L2" in (body := h.read())
                 assert b"degraded" in body
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics") as h:
                 assert b"lmcache_l2_up 0.0" in h.read()
             with RedisProcess(port=port):
-                wait_for(lambda: l2_stats(w.client)["state"] == "up", "L2 up", 20)
+                wait_for(lambda: l2_stats(w.client).state == "up", "L2 up", 20)
                 with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics") as h:
                     body = h.read()
                 assert b"lmcache_l2_up 1.0" in body
@@ -243,7 +245,7 @@ def _full_key(r: RedisProcess, reg: Registration, full_fp: bytes, digests: bytes
 
 
 def _fingerprints(c: Client) -> dict[str, bytes]:
-    return {p["name"]: bytes.fromhex(p["fingerprint"]) for p in c.stats()["partitions"]}
+    return {p.name: bytes.fromhex(p.fingerprint) for p in c.stats().partitions}
 
 
 @pytest.mark.parametrize("damage,n,bad", [
@@ -257,7 +259,7 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
         wa = Worker(a.endpoint, seed=12, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
-            wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected")
+            wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             ids = wa.store(digests, block_seed=4)
             wait_written(wa.client, 2 * n)
             r = redis_proc.client()
@@ -284,7 +286,7 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
             st = l2_stats(wb.client)
             reason = {"flip_byte": "checksum", "truncate": "truncated",
                       "other_chunk": "foreign", "header_length": "length"}[damage]
-            assert st["invalid"].get(reason, 0) >= 1, st
+            assert st.invalid.get(reason, 0) >= 1, st
             dst_ids = block_ids_for(wb.reg, bad, np.random.default_rng(77))
             res = wb.client.retrieve(wb.reg, digests[:bad * 32], dst_ids)
             assert res.ok.all()
@@ -305,14 +307,14 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
     with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
         w90, w100 = Worker(a.endpoint, seed=13), Worker(b.endpoint, seed=0, arch="sm100")
         try:
-            wait_for(lambda: l2_stats(w100.client)["state"] == "up", "B connected")
+            wait_for(lambda: l2_stats(w100.client).state == "up", "B connected")
             w90.store(digests, block_seed=5)
             wait_written(w90.client, 2 * n)
             # Plainly: different arch, different keys: nothing to find.
             r0 = lookup_until(w100.client, w100.reg, digests, 0)
             assert r0.hit_chunks == 0
             w100.client.release(r0.lease_id) if r0.lease_id else None
-            assert l2_stats(w100.client)["hits"] == 0
+            assert l2_stats(w100.client).hits == 0
             # Trying hard: put the SM90 bytes under the keys SM100 reads.
             r = redis_proc.client()
             fp90, fp100 = _fingerprints(w90.client), _fingerprints(w100.client)
@@ -332,11 +334,11 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
             assert w100.client.lookup(w100.reg, other, lease=False).hit_chunks == 0
             time.sleep(1.1)  # past the memory of the first (plain) miss
             wait_for(lambda: w100.client.lookup(w100.reg, digests, lease=False)
-                     .l2_pending_chunks == 0 and sum(l2_stats(w100.client)["invalid"]
+                     .l2_pending_chunks == 0 and sum(l2_stats(w100.client).invalid
                                                      .values()) > 0, "refusals")
             assert w100.client.lookup(w100.reg, digests, lease=False).hit_chunks == 0
             st = l2_stats(w100.client)
-            assert st["hits"] == 0 and st["invalid"].get("foreign", 0) >= 1, st
+            assert st.hits == 0 and st.invalid.get("foreign", 0) >= 1, st
         finally:
             w90.close()
             w100.close()
@@ -346,17 +348,17 @@ def test_write_queue_overflow_is_counted_and_stores_succeed(redis_proc: RedisPro
     with l2_server(redis_proc.url, "--l2-write-queue-objects", "3") as a:
         w = Worker(a.endpoint, seed=7)
         try:
-            wait_for(lambda: l2_stats(w.client)["state"] == "up", "connected")
+            wait_for(lambda: l2_stats(w.client).state == "up", "connected")
             digests = chunk_digests(tokens(70, 8), CHUNK)
             w.store(digests, block_seed=6)  # 16 objects into a queue of 3
             st = l2_stats(w.client)
-            assert st["dropped_writes"].get("queue_full", 0) >= 8, st
-            assert st["write_queue_capacity"] == 3
+            assert st.dropped_writes.get("queue_full", 0) >= 8, st
+            assert st.write_queue_capacity == 3
             assert w.client.lookup(w.reg, digests, lease=False).hit_chunks == 8
-            wait_for(lambda: l2_stats(w.client)["write_queue_objects"] == 0
-                     and l2_stats(w.client)["writes_in_flight"] == 0, "queue drained")
+            wait_for(lambda: l2_stats(w.client).write_queue_objects == 0
+                     and l2_stats(w.client).writes_in_flight == 0, "queue drained")
             st = l2_stats(w.client)
-            assert st["objects_written"] + st["dropped_writes"]["queue_full"] == 16, \
+            assert st.objects_written + st.dropped_writes["queue_full"] == 16, \
                 (st, a.log())
         finally:
             w.close()
@@ -380,7 +382,7 @@ def test_server_restart_with_warm_l2_serves_hits_from_l2(redis_proc: RedisProces
             try:
                 src.kv = kv
                 retrieve_exact(dst, src, ids, digests, n)
-                assert l2_stats(dst.client)["hits"] >= 2 * n
+                assert l2_stats(dst.client).hits >= 2 * n
             finally:
                 dst.close()
 
@@ -416,7 +418,7 @@ def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
                            l1_size_gb=0.25, env={"LMCACHE_L2_PASSWORD": "wrong"}) as a:
             w = Worker(a.endpoint, seed=15)
             try:
-                wait_for(lambda: l2_stats(w.client)["state"] == "up", "connected over TLS")
+                wait_for(lambda: l2_stats(w.client).state == "up", "connected over TLS")
                 w.store(digests, block_seed=2)
                 wait_written(w.client, 2 * n)
                 assert len(_l2_keys(r)) == 2 * n
@@ -434,10 +436,10 @@ def test_wrong_password_is_degraded_not_fatal() -> None:
             d = chunk_digests(tokens(91, 2), CHUNK)
             w.store(d, block_seed=1)
             assert w.client.lookup(w.reg, d, lease=False).hit_chunks == 2
-            st = wait_for(lambda: (s := l2_stats(w.client))["reason"] != "connecting" and s,
+            st = wait_for(lambda: (s := l2_stats(w.client)).reason != "connecting" and s,
                           "the first connection attempt")
-            assert st["state"] == "degraded" and st["objects_written"] == 0
-            assert "auth" in st["reason"].lower() or "pass" in st["reason"].lower(), st
+            assert st.state == "degraded" and st.objects_written == 0
+            assert "auth" in st.reason.lower() or "pass" in st.reason.lower(), st
             assert "wrong" not in a.log()
         finally:
             w.close()
@@ -455,7 +457,7 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
         wa = Worker(a.endpoint, seed=17, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
-            wait_for(lambda: l2_stats(wb.client)["state"] == "up", "B connected")
+            wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             wa.store(digests, block_seed=3)
             wait_written(wa.client, 2 * n)
             for _ in range(12):  # the stall showed in about one round of four

@@ -8,6 +8,7 @@ misnamed, mislabelled or wired to the wrong counter fails here.
 from __future__ import annotations
 
 import http.client
+import json
 import shutil
 import subprocess
 import threading
@@ -17,12 +18,16 @@ from http.server import HTTPServer
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from lmc_server.cache.counters import CacheStats, counters_of
+from lmc_server.cli.main import cli
 from lmc_server.client import Client
 from lmc_server.client.digests import chunk_digests
 from lmc_server.metrics import MetricsServer
+from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.testing.process import ServerProcess, free_port
@@ -103,18 +108,23 @@ def traffic(metrics_server: Served) -> dict[str, object]:
 
 
 def test_counters_match_the_stats_report(traffic: dict[str, object]) -> None:
+    """Every counter of the one list is scraped with the value ``stats`` reports."""
     report = traffic["report"]
     samples = traffic["samples"]
-    assert isinstance(report, dict) and isinstance(samples, dict)
-    counters = report["counters"]
-    for name in ("lookups", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens",
-                 "stored_objects", "stored_bytes", "retrieved_objects", "retrieved_bytes",
-                 "evictions", "evicted_bytes", "leases_taken", "leases_released",
-                 "leases_expired"):
-        assert one(samples, f"lmcache_{name}_total") == counters[name], name
-    assert one(samples, "lmcache_hit_tokens_total") == 4 * CHUNK
-    assert one(samples, "lmcache_lookup_tokens_total") == 6 * CHUNK
-    assert counters["stored_bytes"] > 0
+    assert isinstance(report, StatsReport) and isinstance(samples, dict)
+    counters = report.counters
+    for c in counters_of(CacheStats):
+        value = getattr(counters, c.name)
+        if c.label:
+            for label, n in {**dict.fromkeys(c.known, 0), **value}.items():
+                assert one(samples, f"lmcache_{c.metric}_total", **{c.label: label}) == n
+        else:
+            assert one(samples, f"lmcache_{c.metric}_total") == value, c.name
+    assert one(samples, "lmcache_hit_tokens_total") == counters.hit_tokens == 4 * CHUNK
+    assert one(samples, "lmcache_lookup_tokens_total") == counters.lookup_tokens == 6 * CHUNK
+    assert counters.stored_objects == 4 * 2  # two object groups
+    assert counters.lookups == 2 and counters.hit_chunks == 4 and counters.leases_taken == 1
+    assert counters.stored_bytes > 0
     assert one(samples, "lmcache_requests_total", operation="store", outcome="ok") == 1
     assert one(samples, "lmcache_requests_total", operation="lookup", outcome="ok") == 2
     assert one(samples, "lmcache_requests_total", operation="register", outcome="ok") == 1
@@ -133,25 +143,48 @@ def test_counters_match_the_stats_report(traffic: dict[str, object]) -> None:
 def test_partition_gauges_match_the_stats_report(traffic: dict[str, object]) -> None:
     report = traffic["report"]
     samples = traffic["samples"]
-    assert isinstance(report, dict) and isinstance(samples, dict)
-    parts = report["partitions"]
+    assert isinstance(report, StatsReport) and isinstance(samples, dict)
+    parts = report.partitions
     assert len(parts) >= 2  # separate object groups: full and sliding-window partitions
     for p in parts:
-        lv = {"object_group": p["name"], "layout": p["fingerprint"][:12]}
-        assert one(samples, "lmcache_l1_partition_used_bytes", **lv) == p["used_bytes"]
-        assert one(samples, "lmcache_l1_partition_capacity_bytes", **lv) == p["capacity_bytes"]
-        assert one(samples, "lmcache_l1_partition_objects", **lv) == p["objects"]
+        lv = {"object_group": p.name, "layout": p.fingerprint[:12]}
+        assert one(samples, "lmcache_l1_partition_used_bytes", **lv) == p.used_bytes
+        assert one(samples, "lmcache_l1_partition_capacity_bytes", **lv) == p.capacity_bytes
+        assert one(samples, "lmcache_l1_partition_objects", **lv) == p.objects
         assert one(samples, "lmcache_l1_partition_capacity_objects", **lv) == \
-            p["capacity_objects"]
-        assert one(samples, "lmcache_l1_partition_pinned_objects", **lv) == p["pinned_objects"]
+            p.capacity_objects
+        assert one(samples, "lmcache_l1_partition_pinned_objects", **lv) == p.pinned_objects
         assert one(samples, "lmcache_l1_partition_pinned_bytes", **lv) == \
-            p["pinned_objects"] * p["object_bytes"]
-        assert p["objects"] > 0
-    l1 = report["l1"]
-    assert one(samples, "lmcache_l1_capacity_bytes") == l1["capacity_bytes"]
+            p.pinned_objects * p.object_bytes
+        assert p.objects > 0
+    l1 = report.l1
+    assert one(samples, "lmcache_l1_capacity_bytes") == l1.capacity_bytes
     slabs = {s: one(samples, "lmcache_l1_slabs", state=s) for s in ("pending", "free", "owned")}
-    assert sum(slabs.values()) == l1["slabs"]
-    assert slabs["owned"] == sum(p["slabs"] for p in parts)
+    assert sum(slabs.values()) == l1.slabs
+    assert slabs["owned"] == sum(p.slabs for p in parts)
+
+
+def test_stats_json_has_every_counter_with_the_scraped_value(
+        metrics_server: Served, traffic: dict[str, object]) -> None:
+    """``lmcache stats --json``, the Prometheus scrape and the one list of counters agree:
+    a counter added to :class:`CacheStats` appears in all three with the same value."""
+    out = CliRunner().invoke(cli, ["stats", "--json", "--port", str(metrics_server.srv.port)])
+    assert out.exit_code == 0, out.output
+    counters = json.loads(out.output)["counters"]
+    samples = scrape(metrics_server.port)
+    names = [c.name for c in counters_of(CacheStats)]
+    assert sorted(counters) == sorted([*names, "requests"])
+    for c in counters_of(CacheStats):
+        if not c.label:
+            assert counters[c.name] == one(samples, f"lmcache_{c.metric}_total"), c.name
+        else:
+            for label, n in counters[c.name].items():
+                assert one(samples, f"lmcache_{c.metric}_total", **{c.label: label}) == n
+    human = CliRunner().invoke(cli, ["stats", "--port", str(metrics_server.srv.port)])
+    assert human.exit_code == 0, human.output
+    printed = {line.split()[0].split(".")[0] for line in human.output.splitlines()
+               if line and line.split()[0].split(".")[0] in counters}
+    assert printed == {n for n in counters if not isinstance(counters[n], dict) or counters[n]}
 
 
 def test_names_and_labels_follow_prometheus_conventions(metrics_server: Served) -> None:

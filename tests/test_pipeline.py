@@ -112,8 +112,8 @@ def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmK
                     for i in range(N)]
             assert st.tolist() == want, name
         stats = c.stats()
-        assert all(p["writing"] == 0 for p in stats["partitions"])
-        assert stats["l1"]["objects"] == 2 * (N - (hi - lo))
+        assert all(p.writing == 0 for p in stats.partitions)
+        assert stats.l1.objects == 2 * (N - (hi - lo))
         # the prefix stops where the failed chunks begin; what is there is exact
         assert c.lookup(reg, digests, lease=False).hit_chunks == lo
         reg_b = c.register(**dst.register_kwargs())
@@ -141,8 +141,8 @@ def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         assert {int(x) for st in res.statuses.values() for x in st} <= {
             ChunkStatus.FAILED, ChunkStatus.SKIPPED}
         st = c.stats()
-        assert all(p["pinned_objects"] == 0 for p in st["partitions"])
-        assert st["l1"]["objects"] == 2 * N  # a failed read loses nothing
+        assert all(p.pinned_objects == 0 for p in st.partitions)
+        assert st.l1.objects == 2 * N  # a failed read loses nothing
         res = c.retrieve(reg_b, digests, b)
         assert res.ok.all()
         assert_same_pages(reg, src, a, dst, b, N)
@@ -166,8 +166,8 @@ def test_an_engine_bug_mid_store_leaves_nothing_half_written(kv: tuple[ShmKV, Sh
         with pytest.raises(ServerError, match="internal"):
             _store(c, src)
         st = c.stats()
-        assert all(p["writing"] == 0 for p in st["partitions"])
-        assert st["l1"]["objects"] == 0
+        assert all(p.writing == 0 for p in st.partitions)
+        assert st.l1.objects == 0
         reg, digests, _, again = _store(c, src)
         assert again.ok.all() and c.lookup(reg, digests, lease=False).hit_chunks == N
 
@@ -185,7 +185,7 @@ def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(
         with pytest.raises(ServerError, match="internal"):
             c.retrieve(reg_b, digests, b)
         st = c.stats()
-        assert all(p["pinned_objects"] == 0 for p in st["partitions"])
-        assert st["l1"]["objects"] == 2 * N
+        assert all(p.pinned_objects == 0 for p in st.partitions)
+        assert st.l1.objects == 2 * N
         assert c.retrieve(reg_b, digests, b).ok.all()
         assert_same_pages(reg, src, a, dst, b, N)

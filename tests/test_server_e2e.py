@@ -16,6 +16,7 @@ import pytest
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, ServerError, chunk_digests
+from lmc_server.protocol.stats import PhaseSum
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
@@ -68,7 +69,7 @@ def test_replicated_namespace_rank0_stores_once_all_ranks_retrieve(server: Serve
     n = 4
     with Client(server.endpoint) as admin:
         admin.clear()
-        before = admin.stats()["counters"]["stored_bytes"]
+        before = admin.stats().counters.stored_bytes
         st = run_worker(server.endpoint, seed=21, token_seed=3, block_seed=4, chunks=n,
                         world_size=8, rank=0, replicated=True)
         assert st["full"] == [0] * n
@@ -91,8 +92,8 @@ def test_replicated_namespace_rank0_stores_once_all_ranks_retrieve(server: Serve
                     assert_same_pages(reg, src, src_ids, dst, ids, n)
         stats = admin.stats()
         chunk_bytes = dsv41_flash().chunk_bytes(256)
-        assert stats["counters"]["stored_bytes"] - before == n * chunk_bytes
-        assert stats["l1"]["objects"] == 2 * n
+        assert stats.counters.stored_bytes - before == n * chunk_bytes
+        assert stats.l1.objects == 2 * n
 
 
 def test_sm90_chunks_are_invisible_to_sm100(client: Client) -> None:
@@ -128,10 +129,10 @@ def test_out_of_range_block_id_refused_and_nothing_copied(client: Client) -> Non
         assert "'indexer'" in e.value.message
         assert all((s.array == 0x5A).all() for s in dst.segments), "bytes were copied"
         ids["indexer"][3] = -2
-        stored_before = client.stats()["counters"]["stored_objects"]
+        stored_before = client.stats().counters.stored_objects
         with pytest.raises(ServerError, match="bounds"):
             client.store(reg, chunk_digests(tokens(70, n), 256), ids)
-        assert client.stats()["counters"]["stored_objects"] == stored_before
+        assert client.stats().counters.stored_objects == stored_before
         # still serving, nothing lost
         assert client.lookup(reg, digests, lease=False).hit_chunks == n
         good = block_ids_for(reg, n)
@@ -259,8 +260,8 @@ def test_nvfp4_on_sm90_refused_with_arch_error(client: Client) -> None:
 def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
     """Each store and retrieve adds one sample to every phase it went through; the
     phases of a copying request cover its whole time in the server, in order."""
-    def phases() -> dict[str, dict[str, float]]:
-        return dict(client.stats()["phases"])
+    def phases() -> dict[str, PhaseSum]:
+        return client.stats().phases
 
     with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as kv:
         kv.fill_random(8)
@@ -277,10 +278,12 @@ def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
         after = phases()
         client.unregister(reg)
 
+    none = PhaseSum(count=0, seconds=0.0)
+
     def count(key: str) -> int:
-        return int(after.get(key, {}).get("count", 0) - before.get(key, {}).get("count", 0))
+        return after.get(key, none).count - before.get(key, none).count
 
     copying = ("queue", "prepare", "submit", "copy", "hop_out", "finish")
     assert [count(f"store:{p}") for p in copying] == [2, 2, 1, 1, 1, 2]  # 2nd: all EXISTS
     assert [count(f"retrieve:{p}") for p in copying] == [1] * 6
-    assert all(after[k]["seconds"] >= before.get(k, {}).get("seconds", 0.0) for k in after)
+    assert all(after[k].seconds >= before.get(k, none).seconds for k in after)

@@ -55,8 +55,8 @@ def test_lru_order_under_a_small_pool(setup: tuple[Client, Registration, ShmKV])
     # 1 and 2 were least recently used; checking presence touches, so check once
     assert present(c, reg, SLOTS + 2) == [0, 3, 4, 5, 6, 7, 8, 9]
     stats = c.stats()
-    assert stats["counters"]["evictions"] >= 2
-    assert stats["l1"]["objects"] == SLOTS
+    assert stats.counters.evictions >= 2
+    assert stats.l1.objects == SLOTS
 
 
 def test_leased_chunk_survives_pressure_until_released(
@@ -94,10 +94,10 @@ def test_lease_expires_after_its_ttl() -> None:
         assert lease.lease_ttl_s == 1.0 and lease.hit_chunks == 1
         clock.advance(0.9)  # not yet: ticks run, the lease holds
         ts.wait_housekeeping()
-        assert c.stats()["counters"]["leases_expired"] == 0
+        assert c.stats().counters.leases_expired == 0
         clock.advance(0.7)
         ts.wait_housekeeping()
-        assert c.stats()["counters"]["leases_expired"] == 1
+        assert c.stats().counters.leases_expired == 1
         assert not c.release(lease.lease_id)
         for i in range(SLOTS):
             assert c.store(reg, one_chunk(500 + i), ids).ok.all()
@@ -112,11 +112,11 @@ def test_everything_leased_means_no_space_per_chunk(
     for i in range(SLOTS):
         assert c.store(reg, one_chunk(600 + i), ids).ok.all()
         leases.append(c.lookup(reg, one_chunk(600 + i)).lease_id)
-    failures = c.stats()["counters"]["alloc_failures"].get("no_space", 0)
+    failures = c.stats().counters.alloc_failures.get("no_space", 0)
     res = c.store(reg, one_chunk(700), ids)
     assert [st.tolist() for st in res.statuses.values()] == [[ChunkStatus.NO_SPACE]]
     assert res.failed_chunks == [0]
-    assert c.stats()["counters"]["alloc_failures"]["no_space"] == failures + 1
+    assert c.stats().counters.alloc_failures["no_space"] == failures + 1
     assert present(c, reg, 0) == [] and all(
         c.lookup(reg, one_chunk(600 + i), lease=False).hit_chunks for i in range(SLOTS))
     for lease_id in leases:

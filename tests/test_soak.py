@@ -52,7 +52,7 @@ def run_soak(duration_s: float, concurrency: int, seed: int) -> dict[str, int]:
     with ServerProcess(["--separate-object-groups", "--slab-size-mb", "16"],
                        l1_size_gb=0.25) as srv, Client(srv.endpoint) as c:
         t0 = time.monotonic()
-        while c.stats()["l1"]["ready_bytes"] < c.stats()["l1"]["capacity_bytes"]:
+        while c.stats().l1.ready_bytes < c.stats().l1.capacity_bytes:
             assert time.monotonic() - t0 < 30
             time.sleep(0.1)
         before = snapshot(srv)
@@ -85,13 +85,13 @@ def run_soak(duration_s: float, concurrency: int, seed: int) -> dict[str, int]:
                         totals[k] += line[k]
                     totals["finished"] += 1
         t1 = time.monotonic()
-        while c.stats()["registrations"] or c.stats()["leases"]:
+        while c.stats().registrations or c.stats().leases:
             assert time.monotonic() - t1 < 10, "killed workers were not reaped"
             time.sleep(0.1)
         report = c.stats()
-        for p in report["partitions"]:
-            assert p["writing"] == 0 and p["pinned_objects"] == 0, p
-            assert p["used_bytes"] == p["objects"] * p["object_bytes"]
+        for p in report.partitions:
+            assert p.writing == 0 and p.pinned_objects == 0, p
+            assert p.used_bytes == p.objects * p.object_bytes
         after = snapshot(srv)
     print(f"soak {duration_s:.0f} s: {totals}; before {before}; after {after}")
     assert totals["mismatches"] == 0 and totals["errors"] == 0, totals

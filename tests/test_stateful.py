@@ -126,13 +126,13 @@ class Machine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, KEYS - 1))
     def client_dies_holding_a_lease(self, i: int) -> None:
-        before = self.c.stats()["leases"]
+        before = self.c.stats().leases
         ghost = Client(self.srv.endpoint)
         greg = ghost.register(**self.src.register_kwargs())
         took = ghost.lookup(greg, digest(i)).lease_id
         ghost.close()  # no unregister, no release: the connection just goes away
         t0 = time.monotonic()
-        while self.c.stats()["leases"] != before or self.c.stats()["registrations"] != 2:
+        while self.c.stats().leases != before or self.c.stats().registrations != 2:
             assert time.monotonic() - t0 < 5, "dead client's lease and registration linger"
             time.sleep(0.02)
         assert not took or not self.c.release(took)
@@ -140,14 +140,14 @@ class Machine(RuleBasedStateMachine):
     @invariant()
     def server_matches_model(self) -> None:
         report = self.c.stats()
-        assert report["leases"] == len(self.leases)
-        pinned = sum(p["pinned_objects"] for p in report["partitions"])
+        assert report.leases == len(self.leases)
+        pinned = sum(p.pinned_objects for p in report.partitions)
         assert pinned == len(self.pinned())
-        assert all(p["writing"] == 0 for p in report["partitions"])
+        assert all(p.writing == 0 for p in report.partitions)
 
     def teardown(self) -> None:
         for lease_id in list(self.leases):
             assert self.c.release(lease_id)
         report = self.c.stats()
-        assert report["leases"] == 0
-        assert all(p["pinned_objects"] == 0 for p in report["partitions"])
+        assert report.leases == 0
+        assert all(p.pinned_objects == 0 for p in report.partitions)

@@ -101,7 +101,7 @@ def test_ready_status_watchdog_and_stopping_arrive(fake_systemd: FakeSystemd) ->
         assert len(pings) >= 3, pings  # every 0.2 s
         with Client(srv.endpoint, timeout_s=10) as c:  # a loaded machine pins slowly
             deadline = time.monotonic() + 60
-            while (l1 := c.stats()["l1"])["ready_bytes"] < l1["capacity_bytes"]:
+            while (l1 := c.stats().l1).ready_bytes < l1.capacity_bytes:
                 assert time.monotonic() < deadline, l1
                 time.sleep(0.1)
         time.sleep(0.3)  # the "pool ready" STATUS line follows the last slab

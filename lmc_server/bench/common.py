@@ -22,11 +22,16 @@ import click
 import numpy as np
 
 from lmc_server import __version__
+from lmc_server.config import Config
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
 F = TypeVar("F", bound=Callable[..., Any])
 N = TypeVar("N", int, float)
 GB = 1e9
+#: Tokens per chunk of the servers a benchmark starts unless its config says otherwise:
+#: the server's own default (``lmcache server --chunk-size``). Clients then take the
+#: chunk size from the server's reply (``Registered.chunk_size``), never a constant.
+DEFAULT_CHUNK_SIZE: int = Config.chunk_size
 
 
 def geometry_options(f: F) -> F:

@@ -27,17 +27,18 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from lmc_server.bench.common import GeometryArgs, Report, format_table
+from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
 
-CHUNK_SIZE = 256
 #: Poll interval (stats, lookups): short enough to add little to a timing, long enough
 #: not to take the CPU the server and redis-server need on a small host.
 POLL_S = 0.001
@@ -52,6 +53,7 @@ class L2BenchConfig:
     geometry: GeometryArgs = field(default_factory=GeometryArgs)
     l1_size_gb: float = 1.0
     redis_url: str = ""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -62,11 +64,17 @@ def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
         time.sleep(POLL_S)
 
 
+def _l2(c: Client) -> L2Report:
+    st = c.stats().l2
+    assert st is not None, "the server runs without --l2"
+    return st
+
+
 def _written(c: Client) -> int:
-    st = c.stats()["l2"]
-    if st["write_queue_objects"] or st["writes_in_flight"]:
+    st = _l2(c)
+    if st.write_queue_objects or st.writes_in_flight:
         return -1
-    return int(st["objects_written"])
+    return int(st.objects_written)
 
 
 def _has_written(c: Client, objects: int) -> Callable[[], bool]:
@@ -74,7 +82,7 @@ def _has_written(c: Client, objects: int) -> Callable[[], bool]:
 
 
 def _is_up(c: Client) -> Callable[[], bool]:
-    return lambda: bool(c.stats()["l2"]["state"] == "up")
+    return lambda: _l2(c).state == "up"
 
 
 @contextmanager
@@ -91,12 +99,12 @@ class _Setup:
         import redis
 
         n = max(cfg.chunks, *cfg.latency_chunks)
-        args = ["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups", "--l2", url,
+        args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups", "--l2", url,
                 "--l2-write-queue-objects", str(8 * n)]
         self.a = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         probe = cfg.geometry.build(1)
-        per_chunk = max(CHUNK_SIZE // g.tokens_per_block for g in probe.groups if g.cached)
+        per_chunk = max(cfg.chunk_size // g.tokens_per_block for g in probe.groups if g.cached)
         geometry = cfg.geometry.build(n * per_chunk)
         self.src = stack.enter_context(ShmKV(geometry))
         self.src.fill_random(1)
@@ -110,13 +118,13 @@ class _Setup:
         stack.callback(self.raw.close)
         for c in (self.ca, self.cb):
             _wait(_is_up(c), "L2 connection", 30)
-        self.fps = {p["name"]: bytes.fromhex(p["fingerprint"])
-                    for p in self.ca.stats()["partitions"]}
+        self.fps = {p.name: bytes.fromhex(p.fingerprint)
+                    for p in self.ca.stats().partitions}
 
     def l2_keys(self, reg: Registration, digests: bytes) -> list[bytes]:
         out = []
         for og in reg.object_groups:
-            space = codec.space_of(reg.namespace, self.fps[og.name], CHUNK_SIZE)
+            space = codec.space_of(reg.namespace, self.fps[og.name], reg.chunk_size)
             out += [codec.l2_key(space, digests[i:i + 32]) for i in range(0, len(digests), 32)]
         return out
 
@@ -150,15 +158,17 @@ class _Setup:
             time.sleep(POLL_S)
 
 
-def _tokens(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 100_000, n * CHUNK_SIZE)
+def _digests(seed: int, n: int, chunk_size: int) -> bytes:
+    """Digests of ``n`` chunks of random tokens (``chunk_size`` from the server)."""
+    tokens = np.random.default_rng(seed).integers(0, 100_000, n * chunk_size)
+    return chunk_digests(tokens, chunk_size)
 
 
 def run(cfg: L2BenchConfig) -> Report:
     report = Report("l2", {"chunks": cfg.chunks, "rounds": cfg.rounds,
                            "latency_chunks": list(cfg.latency_chunks),
                            "repeats": cfg.repeats, "geometry": cfg.geometry.describe(),
-                           "chunk_size": CHUNK_SIZE, "l1_size_gb": cfg.l1_size_gb,
+                           "chunk_size": cfg.chunk_size, "l1_size_gb": cfg.l1_size_gb,
                            "redis": cfg.redis_url or "redis-server started here"})
     with _redis(cfg.redis_url) as url, ExitStack() as stack:
         s = _Setup(cfg, stack, url)
@@ -170,7 +180,7 @@ def run(cfg: L2BenchConfig) -> Report:
         digests = b""
         ids: dict[str, np.ndarray] = {}
         for rnd in range(cfg.rounds):
-            digests = chunk_digests(_tokens(1000 + rnd, n), CHUNK_SIZE)
+            digests = _digests(1000 + rnd, n, s.rega.chunk_size)
             ids = block_ids_for(s.rega, n, np.random.default_rng(rnd))
             before = _written(s.ca)
             t0 = time.perf_counter()
@@ -208,7 +218,7 @@ def run(cfg: L2BenchConfig) -> Report:
                 "ratio": t_raw / t_srv})
         report.rows[0]["store_s"] = statistics.median(w_store)
         for k in cfg.latency_chunks:
-            base = chunk_digests(_tokens(5000 + k, k), CHUNK_SIZE)
+            base = _digests(5000 + k, k, s.rega.chunk_size)
             kids = block_ids_for(s.rega, k, np.random.default_rng(k))
             total = len(s.rega.object_groups) * k
             before = _written(s.ca)
@@ -226,7 +236,7 @@ def run(cfg: L2BenchConfig) -> Report:
                 "ratio": t_raw / t_srv})
         report.summary = {"mismatched_groups": mismatched,
                           "retrieved_ok": bool(res.ok.all()),
-                          "l2_b": s.cb.stats()["l2"]}
+                          "l2_b": msgspec.to_builtins(_l2(s.cb))}
     report.notes.append(
         "ratio = raw time / server time (1.0: as fast as redis-py on the same bytes; "
         "target >= 0.8 for throughput; L2 hit latency target: server <= 2x raw, i.e. "

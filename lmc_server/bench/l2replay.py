@@ -27,6 +27,7 @@ from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_t
 from lmc_server.cache.layout import build_layout
 from lmc_server.client import Client
 from lmc_server.config import GIB, MIB
+from lmc_server.protocol.stats import L2Report, StatsReport
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
@@ -50,7 +51,7 @@ class L2ReplayConfig:
 
 
 def _drive(endpoint: str, requests: list[TraceRequest], kv: ShmKV, bar: Any
-           ) -> tuple[int, int, dict[str, Any]]:
+           ) -> tuple[int, int, StatsReport]:
     """Replay once; (L1 hit chunks, L2 hit chunks, final stats)."""
     l1 = l2 = 0
     with Client(endpoint, timeout_s=120, client_name="lmcache-bench-l2-replay") as c:
@@ -111,23 +112,22 @@ def run(cfg: L2ReplayConfig) -> Report:
             if tier == "L1 only":
                 with ServerProcess(args, l1_size_gb=l1_gb) as srv:
                     l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
-                l2_stats: dict[str, Any] = {}
+                l2_stats: L2Report | None = None
             else:
                 with RedisProcess(maxmemory_mb=l2_mb) as rp, \
                         ServerProcess([*args, "--l2", rp.url], l1_size_gb=l1_gb) as srv:
                     l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
-                    l2_stats = stats["l2"]
+                    l2_stats = stats.l2
             report.rows.append({
                 "tier": tier, "l1_hit_ratio": l1 * CHUNK_TOKENS / total_tokens,
                 "l2_hit_ratio": l2 * CHUNK_TOKENS / total_tokens,
                 "hit_ratio": (l1 + l2) * CHUNK_TOKENS / total_tokens,
-                "evictions": stats["counters"]["evictions"],
-                "l2_written": l2_stats.get("objects_written"),
-                "l2_dropped": sum(l2_stats.get("dropped_writes", {}).values())
-                if l2_stats else None,
-                "l2_dropped_by_reason": l2_stats.get("dropped_writes"),
+                "evictions": stats.counters.evictions,
+                "l2_written": l2_stats.objects_written if l2_stats else None,
+                "l2_dropped": sum(l2_stats.dropped_writes.values()) if l2_stats else None,
+                "l2_dropped_by_reason": l2_stats.dropped_writes if l2_stats else None,
                 "infinite_ratio": infinite,
-                "l2_invalid": sum(l2_stats.get("invalid", {}).values()) if l2_stats else None})
+                "l2_invalid": sum(l2_stats.invalid.values()) if l2_stats else None})
     report.notes.append(
         f"{len(requests)} requests, {distinct} distinct chunks of {chunk_bytes} B "
         f"({distinct_bytes / MIB:.1f} MiB); L1 {l1_gb * 1024:.1f} MiB "

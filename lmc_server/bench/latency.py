@@ -30,7 +30,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from lmc_server.bench.common import Report, format_table, percentiles_us, progress
+from lmc_server.bench.common import (
+    DEFAULT_CHUNK_SIZE,
+    Report,
+    format_table,
+    percentiles_us,
+    progress,
+)
 from lmc_server.bench.echo import EchoServer
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import Registration
@@ -41,7 +47,6 @@ from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.process import ServerProcess
 
-CHUNK_SIZE = 256
 LOOKUP_CHUNKS = 256
 OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", "store/retrieve")
 
@@ -52,6 +57,7 @@ class LatencyConfig:
     duration_s: float = 1.0
     l1_size_gb: float = 1.0
     show_progress: bool = True
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 class _Echo:
@@ -212,9 +218,9 @@ async def _run(endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
 
 def run(cfg: LatencyConfig) -> Report:
     report = Report("latency", {"clients": list(cfg.clients), "duration_s": cfg.duration_s,
-                                "chunk_size": CHUNK_SIZE, "transport": "tcp 127.0.0.1",
+                                "chunk_size": cfg.chunk_size, "transport": "tcp 127.0.0.1",
                                 "l1_size_gb": cfg.l1_size_gb})
-    with ServerProcess(["--chunk-size", str(CHUNK_SIZE), "--separate-object-groups",
+    with ServerProcess(["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
                         "--log-level", "WARNING"], backend="cpu",
                        l1_size_gb=cfg.l1_size_gb) as srv, EchoServer() as echo, \
             progress(len(OPS) * len(cfg.clients), "latency", cfg.show_progress) as bar:

@@ -1,8 +1,9 @@
 """Worker side of ``lmcache bench ranks``: one process per rank, driven over JSON lines.
 
 ``python -m lmc_server.bench.ranks_worker`` reads commands on stdin (``init``, phase-1
-store and retrieve, raw-copy baseline, phase 2) and answers one JSON line each on stdout;
-see :mod:`lmc_server.bench.ranks` for the phases and what the parent checks.
+store and retrieve, raw-copy baseline, TP phases, phase 2) and answers one JSON line each
+on stdout; see :mod:`lmc_server.bench.ranks` for the phases and what the parent checks.
+The rank's KV and byte checks are in :mod:`lmc_server.bench.ranks_kv`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks import (
-    CHUNK_SIZE,
+from lmc_server.bench.ranks_config import (
     IN_PROGRESS_POLL_S,
     IN_PROGRESS_RETRY_S,
     MAX_ERRORS_KEPT,
@@ -29,31 +28,11 @@ from lmc_server.bench.ranks import (
     REGION_B,
     digests,
 )
-from lmc_server.cache.layout import RegistrationLayout, build_layout
+from lmc_server.bench.ranks_kv import RankKV
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult, Registration, ServerError
-from lmc_server.testing.presets import KVGeometry
 
 log = logging.getLogger(__name__)
-
-class _Slots:
-    """Block ids of chunk slots: slot ``s`` of region ``R`` in a group of ``bpc`` blocks
-    per chunk is blocks ``(R * chunks + s) * bpc ..+ bpc``."""
-
-    def __init__(self, geometry: KVGeometry, chunks: int) -> None:
-        self.chunks = chunks
-        self.bpc = {g.name: CHUNK_SIZE // g.tokens_per_block for g in geometry.groups
-                    if g.cached}
-
-    def blocks(self, group: str, region: int, slots: np.ndarray, first: int = 0,
-               count: int | None = None) -> np.ndarray:
-        bpc = self.bpc[group]
-        n = bpc - first if count is None else count
-        base = (region * self.chunks + np.asarray(slots, dtype=np.int64)) * bpc + first
-        return (base[:, None] + np.arange(n)).reshape(-1)
-
-    def ids(self, region: int, slots: np.ndarray) -> dict[str, np.ndarray]:
-        return {g: self.blocks(g, region, slots).astype(np.int32) for g in self.bpc}
 
 
 class _Counts:
@@ -97,106 +76,12 @@ class _Worker:
         self.chunks: int = cfg["chunks"]
         self.batch: int = cfg["batch"]
         self.seed: int = cfg["seed"]
-        self.cuda = cfg["backend"] == "cuda"
-        gargs = GeometryArgs(**cfg["geometry"])
-        self.device = 0
-        self.device_count = 0
-        if self.cuda:
-            import torch
-
-            from lmc_server.testing.cuda_kv import CudaKV, device_arch
-
-            self.device_count = torch.cuda.device_count()
-            self.device = self.rank % self.device_count
-            torch.cuda.set_device(self.device)
-            gargs = GeometryArgs(**{**cfg["geometry"], "arch": device_arch(self.device)})
-            self.kv: Any = CudaKV(gargs.build(cfg["num_blocks"]), device=self.device)
-        else:
-            from lmc_server.testing.kv import ShmKV
-
-            self.kv = ShmKV(gargs.build(cfg["num_blocks"]))
-        self.kv.fill_random(self.seed)
-        self.slots = _Slots(self.kv.geometry, self.chunks)
-        self.layout: RegistrationLayout = build_layout(self.kv.geometry.groups, CHUNK_SIZE,
-                                                       separate=True)
+        self.kv = RankKV(cfg)
         self.client: Any = None
         self.reg: Registration | None = None
         self.raw: Any = None
         self.raw_iters = 0
         self.raw_nbytes = 0
-
-    # -- byte checks ----------------------------------------------------------------------
-
-    def _views(self, group: str) -> list[Any]:
-        g = self.kv.group(group)
-        out = []
-        for spec in g.layers:
-            if self.cuda:
-                t = self.kv.tensors[spec.buffer]
-                out.append(t.as_strided((g.num_blocks, spec.page_bytes),
-                                        (spec.block_stride, 1), spec.offset))
-            else:
-                arr = self.kv.segments[spec.buffer].array
-                out.append(np.ndarray((g.num_blocks, spec.page_bytes), np.uint8, arr,
-                                      spec.offset, (spec.block_stride, 1)))
-        return out
-
-    def _written(self, n: int, one_request: bool) -> list[tuple[Any, range]]:
-        """``(section, chunk positions)`` written by one retrieve of ``n`` chunks
-        (``one_request``), or by ``n`` single-chunk retrieves (every section)."""
-        out = []
-        for og in self.layout.object_groups:
-            for sec in og.sections:
-                first = 0
-                if sec.is_window and one_request:
-                    first = max(0, n - self.layout.windows[sec.window_tokens])
-                out.append((sec, range(first, n)))
-        return out
-
-    def _section_blocks(self, sec: Any, region: int, slots: np.ndarray) -> np.ndarray:
-        return self.slots.blocks(sec.group_name, region, slots, sec.first_block, sec.n_blocks)
-
-    def mismatch(self, src: np.ndarray, dst: np.ndarray, one_request: bool = True
-                 ) -> tuple[int, int]:
-        """``(mismatched, checked)`` bytes of B[dst] against A[src] where a retrieve of
-        these chunks writes (see :meth:`_written`)."""
-        bad, checked = 0, 0
-        acc: Any = None
-        for sec, pos in self._written(len(src), one_request):
-            if not len(pos):
-                continue
-            a = self._section_blocks(sec, REGION_A, src[pos.start:])
-            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
-            for view in self._views(sec.group_name):
-                checked += a.size * view.shape[1]
-                if self.cuda:
-                    import torch
-
-                    ia = torch.as_tensor(a, device=view.device)
-                    ib = torch.as_tensor(b, device=view.device)
-                    d = (view.index_select(0, ia) != view.index_select(0, ib)).sum()
-                    acc = d if acc is None else acc + d
-                else:
-                    bad += int(np.count_nonzero(view[a] != view[b]))
-        if acc is not None:
-            bad += int(acc.item())
-        return bad, checked
-
-    def poison(self, dst: np.ndarray) -> None:
-        """Zero B[dst] so that a retrieve that writes nothing cannot pass the check."""
-        for sec, pos in self._written(len(dst), True):
-            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
-            for view in self._views(sec.group_name):
-                if self.cuda:
-                    import torch
-
-                    view.index_fill_(0, torch.as_tensor(b, device=view.device), 0)
-                else:
-                    view[b] = 0
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -210,7 +95,7 @@ class _Worker:
         try:
             res: ChunkResult = await self.client.store(
                 self.reg, digests(self.seed, phase, idx),
-                self.slots.ids(REGION_A, idx % self.chunks))
+                self.kv.slots.ids(REGION_A, idx % self.chunks))
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None
@@ -243,7 +128,7 @@ class _Worker:
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.retrieve(
-                self.reg, digests(self.seed, phase, idx), self.slots.ids(REGION_B, dst))
+                self.reg, digests(self.seed, phase, idx), self.kv.slots.ids(REGION_B, dst))
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None
@@ -255,13 +140,14 @@ class _Worker:
 
         self.client = await AsyncClient.connect(self.cfg["endpoint"], timeout_s=120,
                                                 client_name=f"bench-rank{self.rank}")
-        self.reg = await self.client.register(**self.kv.register_kwargs(
+        self.reg = await self.client.register(**self.kv.kv.register_kwargs(
             world_size=self.cfg["ranks"], rank=self.rank, replicated=True))
-        assert self.reg.chunk_bytes == self.layout.chunk_bytes, "layouts agree"
-        names = [s.name for s in self.kv.segments] if not self.cuda else []
+        assert self.reg.chunk_size == self.kv.chunk_size, "the server's chunk size is ours"
+        assert self.reg.chunk_bytes == self.kv.layout.chunk_bytes, "layouts agree"
+        names = [s.name for s in self.kv.kv.segments] if not self.kv.cuda else []
         return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
-                "namespace": self.reg.namespace, "arch": self.kv.geometry.arch,
-                "device": self.device, "device_count": self.device_count,
+                "namespace": self.reg.namespace, "arch": self.kv.kv.geometry.arch,
+                "device": self.kv.device, "device_count": self.kv.device_count,
                 "segments": names, "pid": os.getpid()}
 
     async def p1_store(self) -> dict[str, Any]:
@@ -282,7 +168,7 @@ class _Worker:
         seconds = time.perf_counter() - t0
         bad, checked = 0, 0
         for lo in range(0, self.chunks, 64):
-            b, c = await asyncio.to_thread(self.mismatch, src[lo:lo + 64], dst[lo:lo + 64],
+            b, c = await asyncio.to_thread(self.kv.mismatch, src[lo:lo + 64], dst[lo:lo + 64],
                                           False)
             bad, checked = bad + b, checked + c
         return {"seconds": seconds, "mismatched_bytes": bad, "checked_bytes": checked,
@@ -330,13 +216,13 @@ class _Worker:
                 dst = (src + shift) % self.chunks
                 check = n_ok % verify_every == 0
                 if check:
-                    await asyncio.to_thread(self.poison, dst)
+                    await asyncio.to_thread(self.kv.poison, dst)
                 res = await self._retrieve("p2", idx, dst, rt)
                 if res is None or not res.ok.all():
                     continue
                 n_ok += 1
                 if check:
-                    b, c = await asyncio.to_thread(self.mismatch, src, dst)
+                    b, c = await asyncio.to_thread(self.kv.mismatch, src, dst)
                     verify["mismatched_bytes"] += b
                     verify["checked_bytes"] += c
                     verify["verified_requests"] += 1
@@ -384,19 +270,19 @@ class _Worker:
             loops += [store_loop() for _ in range(inflight)]
         await asyncio.gather(*loops)
         seconds = time.monotonic() - t0
-        await asyncio.to_thread(self.poison, dst)
+        await asyncio.to_thread(self.kv.poison, dst)
         res = await self._retrieve("p1", src, dst, vt)
-        bad, checked = await asyncio.to_thread(self.mismatch, src, dst)
+        bad, checked = await asyncio.to_thread(self.kv.mismatch, src, dst)
         return {"seconds": seconds, "retrieve": rt.to_json(), "store": st.to_json(),
                 "verify_ok": bool(res is not None and res.ok.all()),
                 "mismatched_bytes": bad, "checked_bytes": checked}
 
     def raw_prepare(self, nbytes: int, raw_s: float) -> dict[str, Any]:
         self.raw_nbytes = nbytes
-        if self.cuda:
+        if self.kv.cuda:
             from lmc_server.testing.cuda_kv import raw_copy_gbps
 
-            gbps = raw_copy_gbps(nbytes, "d2h", device=self.device, iters=3)
+            gbps = raw_copy_gbps(nbytes, "d2h", device=self.kv.device, iters=3)
             self.raw_iters = max(3, int(raw_s * gbps * 1e9 / nbytes))
         else:
             from lmc_server.bench.rawcopy import CpuRawCopy
@@ -406,10 +292,10 @@ class _Worker:
         return {}
 
     def raw_go(self, direction: str, raw_s: float) -> dict[str, Any]:
-        if self.cuda:
+        if self.kv.cuda:
             from lmc_server.testing.cuda_kv import raw_copy_gbps
 
-            return {"gbps": raw_copy_gbps(self.raw_nbytes, direction, device=self.device,
+            return {"gbps": raw_copy_gbps(self.raw_nbytes, direction, device=self.kv.device,
                                           iters=self.raw_iters)}
         total, spent = 0, 0.0
         while spent < raw_s or total == 0:
@@ -477,10 +363,6 @@ def worker_main() -> int:
         _reply({"error": f"{type(e).__name__}: {e}"})
         return 1
     return 0
-
-
-# -- parent side --------------------------------------------------------------------------
-
 
 
 if __name__ == "__main__":

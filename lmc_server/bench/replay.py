@@ -29,8 +29,7 @@ from lmc_server.buffers import ShmBuffer
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.config import GIB, MIB
-
-CHUNK_SIZE = CHUNK_TOKENS
+from lmc_server.protocol.stats import StatsReport
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,11 @@ class ReplayConfig:
 
 def _ratio(hits: list[int], requests: list[TraceRequest]) -> float:
     total = sum(r.input_tokens for r in requests)
-    return sum(hits) * CHUNK_SIZE / total if total else float("nan")
+    return sum(hits) * CHUNK_TOKENS / total if total else float("nan")
 
 
 def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
-            ) -> tuple[list[int], dict[str, Any]]:
+            ) -> tuple[list[int], StatsReport]:
     """Drive one server through the trace; hit chunks per request and final stats."""
     geometry = kv
     hits = []
@@ -59,7 +58,7 @@ def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
                    for i, s in enumerate(geometry.buffer_sizes)]
         reg = c.register(model=geometry.model, kv_dtype=geometry.kv_dtype,
                          arch=geometry.arch, groups=geometry.groups, buffers=buffers)
-        bpc = {g.name: CHUNK_SIZE // g.tokens_per_block for g in geometry.groups if g.cached}
+        bpc = {g.name: CHUNK_TOKENS // g.tokens_per_block for g in geometry.groups if g.cached}
         for i, r in enumerate(requests):
             n = r.n_chunks
             if n == 0:
@@ -86,9 +85,9 @@ def run(cfg: ReplayConfig) -> Report:
     chunks, distinct = chunk_ids(requests)
     max_chunks = max((len(c) for c in chunks), default=1) or 1
     probe = cfg.geometry.build(1)
-    max_bpc = max(CHUNK_SIZE // g.tokens_per_block for g in probe.groups if g.cached)
+    max_bpc = max(CHUNK_TOKENS // g.tokens_per_block for g in probe.groups if g.cached)
     geometry = cfg.geometry.build(max(1, max_chunks * max_bpc))
-    object_bytes = build_layout(geometry.groups, CHUNK_SIZE, False).chunk_bytes
+    object_bytes = build_layout(geometry.groups, CHUNK_TOKENS, False).chunk_bytes
     slab_bytes = cfg.slab_size_mb * MIB
     if object_bytes > slab_bytes:
         raise ValueError(f"a chunk is {object_bytes} bytes, more than a "
@@ -101,7 +100,7 @@ def run(cfg: ReplayConfig) -> Report:
         "trace": cfg.trace, "requests": len(requests), "limit": cfg.limit,
         "input_tokens": sum(r.input_tokens for r in requests),
         "chunk_refs": sum(len(c) for c in chunks), "distinct_chunks": distinct,
-        "geometry": cfg.geometry.describe(), "chunk_size": CHUNK_SIZE,
+        "geometry": cfg.geometry.describe(), "chunk_size": CHUNK_TOKENS,
         "object_bytes": object_bytes, "distinct_bytes": distinct_bytes,
         "slab_size_mb": cfg.slab_size_mb, "slots_per_slab": slots_per_slab,
         "backend": "null", "object_groups": "combined",
@@ -117,21 +116,21 @@ def run(cfg: ReplayConfig) -> Report:
             bel_ratio = _ratio(belady_hits(chunks, capacity), requests)
             for policy in cfg.policies:
                 with server(["--metrics-port", "0"], backend="null", l1_size_gb=l1_size_gb,
-                            slab_size_mb=cfg.slab_size_mb, chunk_size=CHUNK_SIZE,
+                            slab_size_mb=cfg.slab_size_mb, chunk_size=CHUNK_TOKENS,
                             separate=False, eviction_policy=policy,
                             allow_thread=True) as (srv, how):
                     hits, stats = _replay(srv.endpoint, requests, geometry, bar)
                 hows.add(how)
-                parts = stats["partitions"]
-                served = stats["counters"]["hit_tokens"]
+                parts = stats.partitions
+                served = stats.counters.hit_tokens
                 report.rows.append({
                     "fraction": frac, "actual_fraction": capacity / distinct if distinct else 0,
                     "l1_size_gb": l1_size_gb, "capacity_objects": capacity,
-                    "server_capacity_objects": sum(p["capacity_objects"] for p in parts),
+                    "server_capacity_objects": sum(p.capacity_objects for p in parts),
                     "policy": policy, "hit_ratio": _ratio(hits, requests),
                     "belady_ratio": bel_ratio, "infinite_ratio": inf_ratio,
-                    "server_hit_tokens": served, "evictions": stats["counters"]["evictions"],
-                    "no_space": stats["counters"]["alloc_failures"].get("no_space", 0)})
+                    "server_hit_tokens": served, "evictions": stats.counters.evictions,
+                    "no_space": stats.counters.alloc_failures.get("no_space", 0)})
     report.notes += [
         "backend null: the server does all bookkeeping (index, leases, eviction) but copies "
         "no bytes; bytes per chunk come from the geometry "

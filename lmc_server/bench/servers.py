@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from lmc_server.bench.common import DEFAULT_CHUNK_SIZE
 from lmc_server.config import Config, ConfigError
 from lmc_server.testing.inprocess import ThreadServer
 from lmc_server.testing.process import ServerProcess, free_port
@@ -38,8 +39,9 @@ def fits_config_check(backend: str, l1_size_gb: float, slab_size_mb: int) -> str
 
 @contextlib.contextmanager
 def server(args: Sequence[str], backend: str, l1_size_gb: float, slab_size_mb: int = 64,
-           chunk_size: int = 256, separate: bool = False, eviction_policy: str = "LRU",
-           allow_thread: bool = False) -> Iterator[tuple[RunningServer, str]]:
+           chunk_size: int = DEFAULT_CHUNK_SIZE, separate: bool = False,
+           eviction_policy: str = "LRU", allow_thread: bool = False
+           ) -> Iterator[tuple[RunningServer, str]]:
     """Yield ``(server, how)``: ``how`` is ``"process"`` or ``"in-process"`` (why).
 
     ``args`` are extra command-line flags for the process; the named settings are

@@ -50,8 +50,8 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
             ping_s = time.monotonic() - t0
             with Client(endpoint, timeout_s=timeout_s, client_name="lmcache-bench") as c:
                 while True:
-                    l1 = c.stats()["l1"]
-                    if l1["ready_slabs"] == l1["slabs"]:
+                    l1 = c.stats().l1
+                    if l1.ready_slabs == l1.slabs:
                         ready_s = time.monotonic() - t0
                         break
                     if time.monotonic() - t0 > timeout_s:
@@ -67,8 +67,8 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return {"ping_s": ping_s, "pool_ready_s": ready_s, "slabs": float(l1["slabs"]),
-            "capacity_bytes": float(l1["capacity_bytes"])}
+    return {"ping_s": ping_s, "pool_ready_s": ready_s, "slabs": float(l1.slabs),
+            "capacity_bytes": float(l1.capacity_bytes)}
 
 
 def run(cfg: StartupConfig) -> Report:

@@ -1,25 +1,140 @@
-"""The cache core's monotonic counters, incremented on the hot path, read at scrape."""
+"""Every monotonic counter the server exports, each defined once.
+
+A counter is a field of one of the Structs below, annotated with :func:`counter`:
+
+- the field name is the attribute the hot path increments and the key in the ``stats``
+  reply (``counters`` for :class:`CacheStats`, ``l2`` for :class:`L2Counters`);
+- the description is the Prometheus HELP text, and the metric is ``<prefix><name>_total``
+  (``metric=`` names it where the stats key and the metric name differ);
+- a ``dict[str, int]`` field is a counter by a label (``label=``, its value is the key),
+  exported as 0 for each of ``known`` before the first one, so ``rate()`` and alerts
+  see the series from the start.
+
+The Prometheus collectors (:mod:`lmc_server.metrics.collector`, ``lmc_server.l2.metrics``),
+the ``stats`` reply (``lmc_server.protocol.stats``, built by ``lmc_server.server.report``),
+``lmcache stats`` and the benchmarks all read these definitions (:func:`counters_of`), so a
+counter added here shows up in each of them; tests/test_stats_types.py checks it. They
+live in the cache core because every layer that reads them may import it (protocol,
+metrics, l2, server) and nothing else they all share.
+
+The Structs are mutable: the hot path only increments ints (nothing Prometheus is
+touched per request); a scrape or a ``stats`` request reads them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import msgspec.inspect as mi
 
 
-@dataclass(slots=True)
-class CacheStats:
-    """Monotonic counters; the hot path only increments ints (exported at scrape)."""
+def counter(help_text: str, *, metric: str = "", label: str = "",
+            known: tuple[str, ...] = ()) -> msgspec.Meta:
+    """The metadata that makes a Struct field a counter (see the module docstring)."""
+    extra: dict[str, object] = {}
+    if metric:
+        extra["metric"] = metric
+    if label:
+        extra["label"] = label
+    if known:
+        extra["known"] = known
+    return msgspec.Meta(description=help_text, extra=extra)
 
-    lookups: int = 0
-    lookup_chunks: int = 0
-    hit_chunks: int = 0
-    stored_objects: int = 0
-    stored_bytes: int = 0
-    retrieved_objects: int = 0
-    retrieved_bytes: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    slabs_moved: int = 0
-    leases_taken: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    alloc_failures: dict[str, int] = field(default_factory=dict)
+
+@dataclass(frozen=True, slots=True)
+class CounterInfo:
+    """One counter as its readers see it."""
+
+    name: str  # the attribute and the key in the ``stats`` reply
+    metric: str  # the Prometheus name after the prefix, without ``_total``
+    help: str
+    label: str = ""  # non-empty: a ``dict[str, int]`` counted by this label
+    known: tuple[str, ...] = ()  # label values exported before their first count
+
+
+@functools.cache
+def counters_of(cls: type[msgspec.Struct]) -> tuple[CounterInfo, ...]:
+    """The counters ``cls`` defines (fields annotated with :func:`counter`), in order.
+
+    Fields without that annotation (a subclass's report fields, a histogram) are not
+    counters and are left out.
+    """
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType), cls
+    out = []
+    for f in info.fields:
+        t = f.type
+        if not isinstance(t, mi.Metadata) or not t.extra_json_schema:
+            continue
+        extra = t.extra or {}
+        out.append(CounterInfo(
+            name=f.name, metric=str(extra.get("metric", f.name)),
+            help=str(t.extra_json_schema["description"]), label=str(extra.get("label", "")),
+            known=tuple(extra.get("known", ()))))
+    return tuple(out)
+
+
+class CacheStats(msgspec.Struct, kw_only=True):
+    """The L1 cache's counters (``lmcache_<name>_total``, the ``stats`` ``counters``).
+
+    The index counts lookups, objects, evictions and leases; the server's lookup
+    handler counts tokens (it knows the chunk size).
+    """
+
+    lookups: Annotated[int, counter("Lookup requests evaluated.")] = 0
+    lookup_chunks: Annotated[int, counter("Chunks asked about by lookups.")] = 0
+    hit_chunks: Annotated[int, counter(
+        "Chunks reported as hits (the hit prefix) by lookups.")] = 0
+    lookup_tokens: Annotated[int, counter(
+        "Tokens asked about by lookups (chunks x chunk size).")] = 0
+    hit_tokens: Annotated[int, counter("Tokens reported as hits by lookups.")] = 0
+    stored_objects: Annotated[int, counter(
+        "Objects (one chunk of one object group) committed to L1.")] = 0
+    stored_bytes: Annotated[int, counter("Bytes of objects committed to L1.")] = 0
+    retrieved_objects: Annotated[int, counter("Objects read from L1 by retrieves.")] = 0
+    retrieved_bytes: Annotated[int, counter(
+        "Bytes of objects read from L1 by retrieves.")] = 0
+    evictions: Annotated[int, counter("Objects evicted from L1 to make room.")] = 0
+    evicted_bytes: Annotated[int, counter("Bytes of objects evicted from L1.")] = 0
+    slabs_moved: Annotated[int, counter(
+        "Slabs taken from a colder partition for another.")] = 0
+    leases_taken: Annotated[int, counter("Leases taken by lookups.")] = 0
+    leases_released: Annotated[int, counter(
+        "Leases released explicitly or with their session.")] = 0
+    leases_expired: Annotated[int, counter("Leases that reached their TTL unreleased.")] = 0
+    alloc_failures: Annotated[dict[str, int], counter(
+        "Objects that could not be stored, by reason (no_space: nothing evictable; "
+        "aborted: the copy failed or its writer left).", metric="allocation_failures",
+        label="reason", known=("aborted", "no_space"))] = {}
+
+
+class L2Counters(msgspec.Struct, kw_only=True):
+    """The L2 tier's counters (``lmcache_l2_<metric>_total``, the ``stats`` ``l2``).
+
+    Objects are one chunk of one object group. The tier's threads and the event loop
+    increment them (``lmc_server.l2.stats.L2Stats`` adds the latency histograms).
+    """
+
+    hits: Annotated[int, counter("Objects found valid in L2 and brought into L1.")] = 0
+    misses: Annotated[int, counter("Objects asked of L2 that it did not have.")] = 0
+    invalid: Annotated[dict[str, int], counter(
+        "Values read from L2 and refused (never served), by reason.", label="reason")] = {}
+    bytes_read: Annotated[int, counter("Bytes of values read from L2.",
+                                       metric="read_bytes")] = 0
+    bytes_written: Annotated[int, counter("Bytes of values written to L2.",
+                                          metric="written_bytes")] = 0
+    objects_written: Annotated[int, counter("Objects written to L2.",
+                                            metric="written_objects")] = 0
+    dropped_writes: Annotated[dict[str, int], counter(
+        "Objects not written to L2, by reason.", label="reason",
+        known=("queue_full", "l2_down", "evicted", "error", "shutdown"))] = {}
+    errors: Annotated[dict[str, int], counter(
+        "Failed L2 calls, by operation.", label="operation", known=("read", "write"))] = {}
+    prefetches: Annotated[int, counter("Prefetches started by lookups.")] = 0
+    prefetches_skipped: Annotated[int, counter(
+        "Prefetches not started (too many in flight).")] = 0
+    prefetch_no_space: Annotated[int, counter("Fetched objects L1 had no room for.")] = 0
+    state_changes: Annotated[int, counter("Changes between up and degraded.")] = 0

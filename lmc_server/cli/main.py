@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import click
+import msgspec
 
 from lmc_server import __version__
 from lmc_server.cache.eviction import POLICIES, POLICY_HELP
@@ -83,7 +84,7 @@ def cli() -> None:
                    "loopback only unless CURVE is configured.")
 @click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
               help="TCP port for clients.")
-@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=256,
+@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=Config.chunk_size,
               envvar="LMCACHE_CHUNK_SIZE",
               help="Tokens per chunk (the caching unit); must be a multiple of every "
                    "cached group's tokens per block.")
@@ -316,29 +317,29 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
         click.echo(f"no answer from {endpoint} within {timeout_s} s{_curve_hint(curve)}",
                    err=True)
         sys.exit(1)
-    if as_json:
-        click.echo(json.dumps(report, indent=2, sort_keys=True))
+    if as_json:  # the report's fields as JSON keys (docs/protocol.md)
+        click.echo(json.dumps(msgspec.to_builtins(report), indent=2, sort_keys=True))
         return
-    l1 = report["l1"]
-    click.echo(f"lmcache server {report['version']} at {endpoint}, backend "
-               f"{report['backend']}, up {report['uptime_s']:.0f} s")
-    click.echo(f"chunk size {report['chunk_size']}, object groups "
-               f"{'separate' if report['separate_object_groups'] else 'combined'}, "
-               f"eviction {report['eviction_policy']}")
-    click.echo(f"L1: {_gib(l1['used_bytes'])} used of {_gib(l1['capacity_bytes'])} "
-               f"({_gib(l1['ready_bytes'])} ready, {l1['free_slabs']} free slabs), "
-               f"{l1['objects']} objects")
-    click.echo(f"sessions {report['sessions']}, registrations {report['registrations']}, "
-               f"leases {report['leases']}")
-    if report["partitions"]:
+    l1 = report.l1
+    click.echo(f"lmcache server {report.version} at {endpoint}, backend "
+               f"{report.backend}, up {report.uptime_s:.0f} s")
+    click.echo(f"chunk size {report.chunk_size}, object groups "
+               f"{'separate' if report.separate_object_groups else 'combined'}, "
+               f"eviction {report.eviction_policy}")
+    click.echo(f"L1: {_gib(l1.used_bytes)} used of {_gib(l1.capacity_bytes)} "
+               f"({_gib(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
+               f"{l1.objects} objects")
+    click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
+               f"leases {report.leases}")
+    if report.partitions:
         click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
                    f"{'capacity':>10}{'used':>14}")
-        for p in report["partitions"]:
-            click.echo(f"{p['name']:<14}{p['object_bytes']:>12}{p['slabs']:>8}"
-                       f"{p['objects']:>10}{p['capacity_objects']:>10}"
-                       f"{_gib(p['used_bytes']):>14}")
+        for p in report.partitions:
+            click.echo(f"{p.name:<14}{p.object_bytes:>12}{p.slabs:>8}"
+                       f"{p.objects:>10}{p.capacity_objects:>10}"
+                       f"{_gib(p.used_bytes):>14}")
     click.echo("")
-    for k, v in report["counters"].items():
+    for k, v in msgspec.structs.asdict(report.counters).items():
         if isinstance(v, dict):
             for k2, v2 in v.items():
                 click.echo(f"{k}.{k2:<30} {v2}")

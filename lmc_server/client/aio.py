@@ -28,10 +28,11 @@ from lmc_server.client.core import (
     RequestBuilder,
     configure_socket,
     needs_new_hello,
-    stats_dict,
+    stats_report,
 )
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+from lmc_server.protocol.stats import StatsReport
 
 
 def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context) -> None:
@@ -137,8 +138,8 @@ class AsyncClient:
     async def ping(self) -> m.Pong:
         return await self._call(m.Ping(req_id=self._b.next_id()), m.Pong)
 
-    async def stats(self) -> dict[str, Any]:
-        return stats_dict(await self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
+    async def stats(self) -> StatsReport:
+        return stats_report(await self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
 
     async def register(self, *, model: str, kv_dtype: str, arch: str,
                        groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),

@@ -17,6 +17,7 @@ from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.status import SUCCESS, ChunkStatus
 from lmc_server.protocol import messages as m
+from lmc_server.protocol.stats import StatsReport
 
 R = TypeVar("R", bound=m._Msg)
 
@@ -201,5 +202,5 @@ class RequestBuilder:
                             for og, s in zip(reg.object_groups, statuses, strict=True)})
 
 
-def stats_dict(reply: m.StatsResult) -> dict[str, Any]:
-    return dict(reply.stats)
+def stats_report(reply: m.StatsResult) -> StatsReport:
+    return reply.stats

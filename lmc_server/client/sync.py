@@ -24,10 +24,11 @@ from lmc_server.client.core import (
     ServerError,
     configure_socket,
     needs_new_hello,
-    stats_dict,
+    stats_report,
 )
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+from lmc_server.protocol.stats import StatsReport
 
 
 class Client:
@@ -105,8 +106,8 @@ class Client:
     def ping(self, timeout_s: float | None = None) -> m.Pong:
         return self._call(m.Ping(req_id=self._b.next_id()), m.Pong, timeout_s)
 
-    def stats(self) -> dict[str, Any]:
-        return stats_dict(self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
+    def stats(self) -> StatsReport:
+        return stats_report(self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
 
     def clear(self) -> int:
         return int(self._call(m.Clear(req_id=self._b.next_id()), m.Cleared).evicted)

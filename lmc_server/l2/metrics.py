@@ -1,7 +1,8 @@
 """Prometheus families of the L2 tier, read at scrape time from its plain counters.
 
 Runs on the metrics HTTP thread while the loop mutates the counters: every dict is
-copied with one C-level call first (see :mod:`lmc_server.metrics.collector`).
+copied with one C-level call first (see :mod:`lmc_server.metrics.collector`). The counter
+families come from their one definition, :class:`lmc_server.cache.counters.L2Counters`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from lmc_server.cache.counters import L2Counters, counters_of
 from lmc_server.l2.codec import Invalid
 from lmc_server.l2.stats import LATENCY_BUCKETS_S, Latency
 from lmc_server.l2.tier import L2Tier
 
 PREFIX = "lmcache_l2_"
-DROP_REASONS = ("queue_full", "l2_down", "evicted", "error", "shutdown")
+#: Label values known here rather than in the counter's definition: the reasons a
+#: value is refused are the codec's (which the cache core cannot import).
+KNOWN_LABELS = {"invalid": tuple(r.value for r in Invalid)}
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int],
@@ -56,25 +60,13 @@ class L2Collector(Collector):
                                 "degraded (serving from L1 only).", value=1 if t.up else 0)
         yield GaugeMetricFamily(PREFIX + "write_queue_objects",
                                 "Objects waiting to be written to L2.", value=t.writer.depth)
-        for name, doc, value in (
-            ("hits", "Objects found valid in L2 and brought into L1.", s.hits),
-            ("misses", "Objects asked of L2 that it did not have.", s.misses),
-            ("read_bytes", "Bytes of values read from L2.", s.bytes_read),
-            ("written_bytes", "Bytes of values written to L2.", s.bytes_written),
-            ("written_objects", "Objects written to L2.", s.objects_written),
-            ("prefetches", "Prefetches started by lookups.", s.prefetches),
-            ("prefetches_skipped", "Prefetches not started (too many in flight).",
-             s.prefetches_skipped),
-            ("prefetch_no_space", "Fetched objects L1 had no room for.", s.prefetch_no_space),
-            ("state_changes", "Changes between up and degraded.", s.state_changes),
-        ):
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        yield _labelled("invalid", "Values read from L2 and refused (never served), by "
-                        "reason.", "reason", s.invalid, tuple(r.value for r in Invalid))
-        yield _labelled("dropped_writes", "Objects not written to L2, by reason.", "reason",
-                        s.dropped_writes, DROP_REASONS)
-        yield _labelled("errors", "Failed L2 calls, by operation.", "operation", s.errors,
-                        ("read", "write"))
+        for c in counters_of(L2Counters):  # the one definition of the L2 counters
+            value = getattr(s, c.name)
+            if c.label:
+                yield _labelled(c.metric, c.help, c.label, value,
+                                c.known + KNOWN_LABELS.get(c.name, ()))
+            else:
+                yield CounterMetricFamily(PREFIX + c.metric, c.help, value=value)
         yield _histogram("read_duration_seconds", "Wall time of one batched L2 read.",
                          s.read_latency)
         yield _histogram("write_duration_seconds", "Wall time of one batched L2 write.",

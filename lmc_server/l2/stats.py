@@ -1,8 +1,15 @@
-"""L2 counters: plain ints bumped on the event loop, read at scrape and ``stats`` time."""
+"""L2 counters: plain ints bumped on the event loop, read at scrape and ``stats`` time.
+
+The counters themselves are defined once, in :class:`lmc_server.cache.counters.L2Counters`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
+
+from lmc_server.cache.counters import L2Counters
 
 #: Upper bounds of the L2 round-trip latency histogram buckets.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -26,24 +33,12 @@ class Latency:
         self.seconds += s
 
 
-@dataclass(slots=True)
-class L2Stats:
-    """Monotonic counters of the L2 tier (objects are one chunk of one object group)."""
+class L2Stats(L2Counters, kw_only=True):
+    """The tier's counters (defined once in :class:`~lmc_server.cache.counters.L2Counters`)
+    and its round-trip latency histograms."""
 
-    hits: int = 0  # objects found valid in L2 and committed to L1
-    misses: int = 0  # objects asked of L2 and absent
-    invalid: dict[str, int] = field(default_factory=dict)  # by codec.Invalid value
-    bytes_read: int = 0
-    bytes_written: int = 0
-    objects_written: int = 0
-    dropped_writes: dict[str, int] = field(default_factory=dict)  # by reason
-    errors: dict[str, int] = field(default_factory=dict)  # by operation
-    prefetches: int = 0
-    prefetches_skipped: int = 0  # too many in flight
-    prefetch_no_space: int = 0  # objects L1 had no room for
-    read_latency: Latency = field(default_factory=Latency)
-    write_latency: Latency = field(default_factory=Latency)
-    state_changes: int = 0
+    read_latency: Latency = msgspec.field(default_factory=Latency)
+    write_latency: Latency = msgspec.field(default_factory=Latency)
 
     @staticmethod
     def bump(counter: dict[str, int], reason: str, n: int = 1) -> None:

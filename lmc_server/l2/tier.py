@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from lmc_server.cache.index import CacheView, L1Index, StoreTicket
 from lmc_server.l2 import codec
@@ -168,23 +167,3 @@ class L2Tier:
         if self.up:
             return f"L2 {self.display_url} up"
         return f"L2 {self.display_url} degraded: {self.state_reason}"
-
-    def report(self) -> dict[str, Any]:
-        s = self.stats
-        return {
-            "url": self.display_url, "backend": self.backend.name,
-            "state": "up" if self.up else "degraded", "reason": self.state_reason,
-            "state_for_s": round(self.clock() - self.state_since_s, 3),
-            "write_queue_objects": self.writer.depth,
-            "write_queue_capacity": self.writer.max_objects,
-            "writes_in_flight": self.writer.in_flight,
-            "hits": s.hits, "misses": s.misses, "invalid": dict(s.invalid),
-            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
-            "objects_written": s.objects_written, "dropped_writes": dict(s.dropped_writes),
-            "errors": dict(s.errors), "prefetches": s.prefetches,
-            "prefetches_skipped": s.prefetches_skipped,
-            "prefetch_no_space": s.prefetch_no_space, "state_changes": s.state_changes,
-            "read_seconds": {"count": s.read_latency.count, "sum": s.read_latency.seconds},
-            "write_seconds": {"count": s.write_latency.count,
-                              "sum": s.write_latency.seconds},
-        }

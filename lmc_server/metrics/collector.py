@@ -1,7 +1,9 @@
 """The Prometheus collector: reads the server's plain counters at scrape time.
 
 The hot path only increments ints in :class:`~lmc_server.cache.counters.CacheStats` and
-the server's request counters; nothing here is touched per request. The collector reads
+the server's request counters; nothing here is touched per request. The counter
+families are derived from their one definition (:func:`counter_families`), so a counter
+added to ``CacheStats`` is exported without a change here. The collector reads
 the server's counters and sessions through :class:`RequestCounters` and
 :class:`SessionCounts`, protocols that say what it reads, so this layer imports nothing
 of the server (the server imports it); the histogram bounds are defined here
@@ -35,6 +37,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from lmc_server import __version__
+from lmc_server.cache.counters import CacheStats, CounterInfo, counters_of
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
 
@@ -43,9 +46,23 @@ PREFIX = "lmcache_"
 #: ``buckets`` list has one count per bound plus one for ``+Inf``.
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                       2.5, 5.0)
-#: Allocation-failure reasons :class:`~lmc_server.cache.index.L1Index` counts; exported
-#: as 0 before the first one, so that ``rate()`` and alerts see the series from the start.
-ALLOC_FAILURE_REASONS = ("aborted", "no_space")
+
+
+def counter_families(prefix: str, source: object, counters: tuple[CounterInfo, ...]
+                     ) -> Iterator[CounterMetricFamily]:
+    """One family per counter of ``counters`` (:func:`~lmc_server.cache.counters.counters_of`),
+    read from ``source``; a labelled counter exports its ``known`` values as 0 too."""
+    for c in counters:
+        value = getattr(source, c.name)
+        if not c.label:
+            yield CounterMetricFamily(prefix + c.metric, c.help, value=value)
+            continue
+        fam = CounterMetricFamily(prefix + c.metric, c.help, labels=[c.label])
+        counted = dict.fromkeys(c.known, 0)
+        counted.update(dict(value))  # one C-level copy: the loop mutates it meanwhile
+        for k, n in sorted(counted.items()):
+            fam.add_metric([k], n)
+        yield fam
 
 
 class TransferCounts(Protocol):
@@ -65,10 +82,6 @@ class RequestCounters(Protocol):
 
     @property
     def requests(self) -> Mapping[tuple[str, str], int]: ...
-    @property
-    def lookup_tokens(self) -> int: ...
-    @property
-    def hit_tokens(self) -> int: ...
     @property
     def transfers(self) -> Mapping[str, TransferCounts]: ...
     @property
@@ -157,40 +170,7 @@ class ServerCollector(Collector):
                                 value=self.live.in_flight())
 
     def _cache_counters(self) -> Iterator[Metric]:
-        s, st = self.index.stats, self.stats
-        counters = (
-            ("lookups", "Lookup requests evaluated.", s.lookups),
-            ("lookup_chunks", "Chunks asked about by lookups.", s.lookup_chunks),
-            ("hit_chunks", "Chunks reported as hits (the hit prefix) by lookups.",
-             s.hit_chunks),
-            ("lookup_tokens", "Tokens asked about by lookups (chunks x chunk size).",
-             st.lookup_tokens),
-            ("hit_tokens", "Tokens reported as hits by lookups.", st.hit_tokens),
-            ("stored_objects", "Objects (one chunk of one object group) committed to L1.",
-             s.stored_objects),
-            ("stored_bytes", "Bytes of objects committed to L1.", s.stored_bytes),
-            ("retrieved_objects", "Objects read from L1 by retrieves.", s.retrieved_objects),
-            ("retrieved_bytes", "Bytes of objects read from L1 by retrieves.",
-             s.retrieved_bytes),
-            ("evictions", "Objects evicted from L1 to make room.", s.evictions),
-            ("evicted_bytes", "Bytes of objects evicted from L1.", s.evicted_bytes),
-            ("slabs_moved", "Slabs taken from a colder partition for another.", s.slabs_moved),
-            ("leases_taken", "Leases taken by lookups.", s.leases_taken),
-            ("leases_released", "Leases released explicitly or with their session.",
-             s.leases_released),
-            ("leases_expired", "Leases that reached their TTL unreleased.", s.leases_expired),
-        )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        failures = CounterMetricFamily(
-            PREFIX + "allocation_failures", "Objects that could not be stored, by reason "
-            "(no_space: nothing evictable; aborted: the copy failed or its writer left).",
-            labels=["reason"])
-        counted = {r: 0 for r in ALLOC_FAILURE_REASONS}
-        counted.update(dict(s.alloc_failures))
-        for reason, n in sorted(counted.items()):
-            failures.add_metric([reason], n)
-        yield failures
+        yield from counter_families(PREFIX, self.index.stats, counters_of(CacheStats))
 
     def _transfers(self) -> Iterator[Metric]:
         hist = HistogramMetricFamily(

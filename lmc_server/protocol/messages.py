@@ -11,12 +11,11 @@ back as one byte per chunk (:class:`lmc_server.cache.status.ChunkStatus`), one
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.protocol.stats import StatsReport
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
@@ -177,9 +176,9 @@ class Pong(_Msg, frozen=True, tag="pong"):
 
 
 class StatsResult(_Msg, frozen=True, tag="stats_result"):
-    """Free-form but stable report; the keys are documented in docs/protocol.md."""
+    """The ``stats`` report, typed (:mod:`lmc_server.protocol.stats`, docs/protocol.md)."""
 
-    stats: dict[str, Any]
+    stats: StatsReport
 
 
 class Cleared(_Msg, frozen=True, tag="cleared"):

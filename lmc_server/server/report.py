@@ -1,67 +1,96 @@
 """The ``stats`` report: configuration, capacity and use per partition, counters.
 
 Built on demand from the plain counters and the index (nothing is maintained for it on
-the hot path); keys are documented in docs/protocol.md.
+the hot path) as the typed :class:`~lmc_server.protocol.stats.StatsReport`; the fields
+are documented in docs/protocol.md. Counters are copied field by field from their one
+definition (:mod:`lmc_server.cache.counters`), never listed here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from lmc_server import __version__
+from lmc_server.cache.counters import CacheStats, L2Counters
 from lmc_server.cache.index import L1Index
 from lmc_server.config import Config
+from lmc_server.protocol.stats import (
+    Counters,
+    L1Report,
+    L2Report,
+    LatencySum,
+    PartitionReport,
+    PhaseSum,
+    StatsReport,
+)
 from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
+
+if TYPE_CHECKING:  # the L2 tier is imported only with --l2
+    from lmc_server.l2.tier import L2Tier
+
+
+def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str, Any]:
+    """Every field of ``cls`` read from ``source``; dicts copied (the loop mutates them)."""
+    out: dict[str, Any] = {}
+    for name in cls.__struct_fields__:
+        v = getattr(source, name)
+        out[name] = dict(v) if isinstance(v, dict) else v
+    return out
 
 
 def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
                  stats: ServerStats, uptime_s: float,
-                 l2: dict[str, Any] | None = None) -> dict[str, Any]:
+                 l2: L2Tier | None = None) -> StatsReport:
     pool = index.pool
-    parts = []
-    for p in index.partitions.values():
-        parts.append({
-            "name": p.name, "fingerprint": p.fingerprint.hex(),
-            "object_bytes": p.object_bytes, "slabs": p.slabs,
-            "capacity_objects": p.capacity_objects, "objects": p.n_committed,
-            "writing": p.n_writing, "used_bytes": p.used_bytes,
-            "capacity_bytes": p.slabs * pool.slab_bytes,
-            "pinned_objects": sum(1 for x in p.pins if x),
-        })
-    s = index.stats
-    return {
-        "version": __version__,
-        "backend": backend,
-        "chunk_size": config.chunk_size,
-        "separate_object_groups": config.separate_object_groups,
-        "eviction_policy": config.eviction_policy,
-        "uptime_s": round(uptime_s, 3),
-        "l1": {
-            "capacity_bytes": pool.capacity_bytes, "ready_bytes": pool.ready_bytes,
-            "slab_bytes": pool.slab_bytes, "slabs": pool.n_slabs,
-            "ready_slabs": pool.ready_slabs, "free_slabs": pool.free_slabs,
-            "used_bytes": sum(p.used_bytes for p in index.partitions.values()),
-            "objects": sum(p.n_committed for p in index.partitions.values()),
-        },
-        "partitions": parts,
-        "sessions": len(sessions),
-        "registrations": sessions.registrations,
-        "leases": len(index.leases),
-        "counters": {
-            "lookups": s.lookups, "lookup_chunks": s.lookup_chunks,
-            "hit_chunks": s.hit_chunks, "lookup_tokens": stats.lookup_tokens,
-            "hit_tokens": stats.hit_tokens, "stored_objects": s.stored_objects,
-            "stored_bytes": s.stored_bytes, "retrieved_objects": s.retrieved_objects,
-            "retrieved_bytes": s.retrieved_bytes, "evictions": s.evictions,
-            "evicted_bytes": s.evicted_bytes, "slabs_moved": s.slabs_moved,
-            "leases_taken": s.leases_taken, "leases_released": s.leases_released,
-            "leases_expired": s.leases_expired,
-            "alloc_failures": dict(s.alloc_failures),
-            "requests": {f"{op}:{outcome}": n
-                         for (op, outcome), n in sorted(stats.requests.items())},
-        },
-        "phases": {f"{op}:{phase}": {"count": int(n), "seconds": seconds}
-                   for (op, phase), (n, seconds) in sorted(stats.phases.items())},
-        "l2": l2,
-    }
+    parts = [PartitionReport(
+        name=p.name, fingerprint=p.fingerprint.hex(), object_bytes=p.object_bytes,
+        slabs=p.slabs, capacity_objects=p.capacity_objects, objects=p.n_committed,
+        writing=p.n_writing, used_bytes=p.used_bytes,
+        capacity_bytes=p.slabs * pool.slab_bytes,
+        pinned_objects=sum(1 for x in p.pins if x),
+    ) for p in index.partitions.values()]
+    return StatsReport(
+        version=__version__,
+        backend=backend,
+        chunk_size=config.chunk_size,
+        separate_object_groups=config.separate_object_groups,
+        eviction_policy=config.eviction_policy,
+        uptime_s=round(uptime_s, 3),
+        l1=L1Report(
+            capacity_bytes=pool.capacity_bytes, ready_bytes=pool.ready_bytes,
+            slab_bytes=pool.slab_bytes, slabs=pool.n_slabs,
+            ready_slabs=pool.ready_slabs, free_slabs=pool.free_slabs,
+            used_bytes=sum(p.used_bytes for p in parts),
+            objects=sum(p.objects for p in parts),
+        ),
+        partitions=parts,
+        sessions=len(sessions),
+        registrations=sessions.registrations,
+        leases=len(index.leases),
+        counters=Counters(
+            **copy_counters(index.stats, CacheStats),
+            requests={f"{op}:{outcome}": n
+                      for (op, outcome), n in sorted(stats.requests.items())}),
+        phases={f"{op}:{phase}": PhaseSum(count=int(n), seconds=seconds)
+                for (op, phase), (n, seconds) in sorted(stats.phases.items())},
+        l2=None if l2 is None else l2_report(l2),
+    )
+
+
+def l2_report(tier: L2Tier) -> L2Report:
+    """The ``l2`` part: the tier's state, its write queue and its counters."""
+    s = tier.stats
+    return L2Report(
+        **copy_counters(s, L2Counters),
+        url=tier.display_url, backend=tier.backend.name,
+        state="up" if tier.up else "degraded", reason=tier.state_reason,
+        state_for_s=round(tier.clock() - tier.state_since_s, 3),
+        write_queue_objects=tier.writer.depth,
+        write_queue_capacity=tier.writer.max_objects,
+        writes_in_flight=tier.writer.in_flight,
+        read_seconds=LatencySum(count=s.read_latency.count, sum=s.read_latency.seconds),
+        write_seconds=LatencySum(count=s.write_latency.count, sum=s.write_latency.seconds),
+    )

@@ -52,6 +52,7 @@ from lmc_server.metrics import (
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.notify import Notifier
 from lmc_server.server.peers import ConnectionTracker
@@ -526,11 +527,10 @@ class Server:
 
     # -- reporting ----------------------------------------------------------------------
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> StatsReport:
         """The ``stats`` reply (see :mod:`lmc_server.server.report`)."""
         return build_report(self.config, self.engine.name, self.index, self.sessions,
-                            self.stats, self.clock() - self.started_at_s,
-                            self.l2.report() if self.l2 is not None else None)
+                            self.stats, self.clock() - self.started_at_s, self.l2)
 
     # -- shutdown -----------------------------------------------------------------------
 

@@ -66,9 +66,10 @@ class PhaseClock:
 
 @dataclass
 class ServerStats:
+    """The server's structured counters; its scalar ones are in
+    :class:`~lmc_server.cache.counters.CacheStats` (the one list of counters)."""
+
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
     transfers: dict[str, TransferStats] = field(
         default_factory=lambda: {"store": TransferStats(), "retrieve": TransferStats()})
     sessions_reaped: int = 0

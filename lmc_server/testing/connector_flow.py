@@ -266,7 +266,7 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
     sched = ServerLink(endpoint, timeout_s=timeout_s, client_name="batch-scheduler")
     work = ServerLink(endpoint, timeout_s=timeout_s, client_name="batch-worker")
     with Client(endpoint) as c:
-        before = dict(c.stats()["counters"]["requests"])
+        before = dict(c.stats().counters.requests)
     try:
         sched.register(**kv.register_kwargs(buffers=[], replicated=True))
         work.register(**kv.register_kwargs(replicated=True))
@@ -327,7 +327,7 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
         sched.close()
         work.close()
     with Client(endpoint) as c:
-        after = dict(c.stats()["counters"]["requests"])
+        after = dict(c.stats().counters.requests)
     for op in ("store", "retrieve"):
         sent = after.get(f"{op}:ok", 0) - before.get(f"{op}:ok", 0)
         assert sent == 1, f"{n_requests} requests took {sent} {op} requests, not one"

@@ -73,8 +73,8 @@ def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
     t0 = time.monotonic()
     with Client(endpoint, timeout_s=timeout_s, client_name="pool-wait") as c:
         while True:
-            l1 = c.stats()["l1"]
-            if l1["ready_bytes"] == l1["capacity_bytes"]:
+            l1 = c.stats().l1
+            if l1.ready_bytes == l1.capacity_bytes:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")

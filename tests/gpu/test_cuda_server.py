@@ -135,11 +135,11 @@ def test_answers_at_once_with_a_large_pool() -> None:
             while not c.ping().ready and time.monotonic() < deadline:
                 time.sleep(0.01)
             ready_s = time.monotonic() - t0
-            pool = c.stats()["l1"]
+            pool = c.stats().l1
         print(f"first ping {first_ping_s:.2f} s, first slab {ready_s:.2f} s, "
-              f"ready slabs {pool['ready_slabs']} of {pool['slabs']}")
+              f"ready slabs {pool.ready_slabs} of {pool.slabs}")
         assert first_ping_s < 5.0
-        assert pool["ready_slabs"] < pool["slabs"]  # still pinning in the background
+        assert pool.ready_slabs < pool.slabs  # still pinning in the background
 
 
 def _free_bytes(device: int = 0) -> int:
@@ -170,7 +170,7 @@ def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
     time.sleep(0.5)
     baseline = _free_bytes()
     with Client(cuda_server.endpoint, timeout_s=30, client_name="observer") as obs:
-        regs_before = obs.stats()["registrations"]
+        regs_before = obs.stats().registrations
         proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(
             {"mode": "store-until-killed", **common})], stdout=subprocess.PIPE, text=True)
         try:
@@ -182,7 +182,7 @@ def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
             assert "STORING" in line, line
             time.sleep(0.4)
             assert _free_bytes() < baseline - kv_bytes // 2
-            assert obs.stats()["registrations"] == regs_before + 1
+            assert obs.stats().registrations == regs_before + 1
         finally:
             proc.kill()
             proc.wait()
@@ -191,16 +191,16 @@ def test_worker_killed_mid_store(cuda_server: ServerProcess) -> None:
         t_kill = time.monotonic()
         reaped = released = False
         while time.monotonic() < t_kill + 5 and not (reaped and released):
-            reaped = obs.stats()["registrations"] == regs_before
+            reaped = obs.stats().registrations == regs_before
             released = _free_bytes() > baseline - (256 << 20)
             time.sleep(0.05)
         waited = time.monotonic() - t_kill
         stats = obs.stats()
     assert reaped, "the dead worker's registration was not dropped within 5 s"
     assert released, "the dead worker's GPU memory was not released within 5 s (mapping kept)"
-    assert all(p["writing"] == 0 for p in stats["partitions"]), stats["partitions"]
-    assert stats["l1"]["used_bytes"] == sum(p["objects"] * p["object_bytes"]
-                                            for p in stats["partitions"])
+    assert all(p.writing == 0 for p in stats.partitions), stats.partitions
+    assert stats.l1.used_bytes == sum(p.objects * p.object_bytes
+                                      for p in stats.partitions)
     out = run_worker({"mode": "verify-kill", "ids": ids, **common}, timeout_s=300)
     verified = json.loads(out.split("VERIFIED ", 1)[1].splitlines()[0])
     assert verified["visible"], "no store completed before the kill: nothing was checked"

@@ -24,6 +24,7 @@ import pytest
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
@@ -65,15 +66,16 @@ def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any
     return v
 
 
-def l2(c: Client) -> dict[str, Any]:
-    out: dict[str, Any] = c.stats()["l2"]
+def l2(c: Client) -> L2Report:
+    out = c.stats().l2
+    assert out is not None, "the server runs without --l2"
     return out
 
 
 def written(c: Client, objects: int) -> bool:
     st = l2(c)
-    return bool(st["objects_written"] >= objects and not st["write_queue_objects"]
-                and not st["writes_in_flight"])
+    return bool(st.objects_written >= objects and not st.write_queue_objects
+                and not st.writes_in_flight)
 
 
 def tokens(seed: int, chunks: int) -> np.ndarray:
@@ -81,8 +83,8 @@ def tokens(seed: int, chunks: int) -> np.ndarray:
 
 
 def full_key(c: Client, reg: Registration, digests: bytes, chunk: int) -> bytes:
-    fp = next(bytes.fromhex(p["fingerprint"]) for p in c.stats()["partitions"]
-              if p["name"] == "full")
+    fp = next(bytes.fromhex(p.fingerprint) for p in c.stats().partitions
+              if p.name == "full")
     return codec.l2_key(codec.space_of(reg.namespace, fp, CHUNK),
                         digests[chunk * 32:(chunk + 1) * 32])
 
@@ -103,8 +105,8 @@ def test_store_on_a_prefetch_and_retrieve_on_b_byte_exact(
         kvb.fill(0)
         ra = ca.register(**kva.register_kwargs(model=f"gpu-l2/{layers}"))
         rb = cb.register(**kvb.register_kwargs(model=f"gpu-l2/{layers}"))
-        wait_for(lambda: l2(cb)["state"] == "up", "B connected to L2")
-        before = l2(ca)["objects_written"]
+        wait_for(lambda: l2(cb).state == "up", "B connected to L2")
+        before = l2(ca).objects_written
         ids = block_ids_for(ra, n, np.random.default_rng(n))
         res = ca.store(ra, digests, ids)
         assert res.ok.all(), res.statuses
@@ -126,7 +128,7 @@ def test_store_on_a_prefetch_and_retrieve_on_b_byte_exact(
         assert_same_pages(rb, kva, ids, kvb, dst, n)  # type: ignore[arg-type]
         assert cb.release(look.lease_id)
         st = l2(cb)
-        assert st["hits"] >= n and not sum(st["invalid"].values())
+        assert st.hits >= n and not sum(st.invalid.values())
         print(f"L1-miss-L2-hit ready on the CUDA backend: {n} chunks x {layers} layers "
               f"in {ready_ms:.1f} ms")
 
@@ -150,7 +152,7 @@ def test_damaged_value_never_reaches_gpu_pages(
         kvb.fill(0xA5)
         ra = ca.register(**kva.register_kwargs(model="gpu-l2/damaged"))
         rb = cb.register(**kvb.register_kwargs(model="gpu-l2/damaged"))
-        before = l2(ca)["objects_written"]
+        before = l2(ca).objects_written
         ids = block_ids_for(ra, n, np.random.default_rng(5))
         res = ca.store(ra, digests, ids)
         assert res.ok.all()
@@ -162,13 +164,14 @@ def test_damaged_value_never_reaches_gpu_pages(
         assert isinstance(value, bytes)
         pos = len(value) - 100
         r.set(key, value[:pos] + bytes([value[pos] ^ 0x80]) + value[pos + 1:])
-        invalid_before = sum(l2(cb)["invalid"].values())
+        invalid_before = sum(l2(cb).invalid.values())
 
         wait_for(lambda: (x := cb.lookup(rb, digests, lease=False)).l2_pending_chunks == 0
                  and x.hit_chunks >= bad, "the prefetch to end")
         look = cb.lookup(rb, digests, lease=False)
         assert look.hit_chunks == bad, "a damaged object was served"
-        assert sum(l2(cb)["invalid"].values()) > invalid_before
+        assert sum(l2(cb).invalid.values()) > invalid_before
+        assert l2(cb).invalid.get("checksum", 0) >= 1
         # The whole prefix asked for: served up to the damaged chunk, which is a miss,
         # and its GPU pages keep their sentinel.
         dst = block_ids_for(rb, n, np.random.default_rng(6))

@@ -49,7 +49,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def counters(srv: ServerProcess) -> dict[str, int]:
     with Client(srv.endpoint) as c:
-        return dict(c.stats()["counters"]["requests"])
+        return dict(c.stats().counters.requests)
 
 
 @pytest.mark.parametrize("model", MODELS)

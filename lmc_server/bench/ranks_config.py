@@ -1,0 +1,65 @@
+"""What both sides of ``lmcache bench ranks`` agree on: settings, regions, chunk keys.
+
+The parent (:mod:`.ranks`) and every rank process (:mod:`.ranks_worker`) import this,
+and nothing of each other: the parent sends a rank its settings as one JSON line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs
+from lmc_server.testing.presets import KVGeometry
+
+REGION_A, REGION_B = 0, 1
+KILL_DETECT_S = 5.0
+POOL_READY_TIMEOUT_S = 600.0
+MAX_ERRORS_KEPT = 5
+#: Raw copies are at least this large, so that a small geometry is not timed in cache.
+RAW_MIN_BYTES = 64 << 20
+#: Phase 2 stores a chunk again while another rank is writing it, so that every chunk
+#: ends committed or failed (exact single-copy accounting), this often, this long.
+IN_PROGRESS_POLL_S = 0.002
+IN_PROGRESS_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class RanksConfig:
+    backend: str = "cpu"
+    ranks: int = 8
+    chunks: int = 1000
+    duration_s: float = 60.0
+    kill_one: bool = True
+    geometry: GeometryArgs = GeometryArgs()
+    num_blocks: int | None = None
+    batch: int = 16
+    l1_size_gb: float | None = None
+    verify_every: int = 8
+    raw_s: float = 1.0
+    seed: int = 0
+    tp_modes: tuple[str, ...] = ("load", "mixed")
+    tp_s: float = 5.0
+    tp_chunks: int | None = None
+    tp_inflight: int = 1
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+def blocks_needed(geometry: KVGeometry, chunks: int, chunk_size: int) -> int:
+    """Blocks per group for regions A and B of ``chunks`` chunk slots each."""
+    return 2 * chunks * max(chunk_size // g.tokens_per_block
+                            for g in geometry.groups if g.cached)
+
+
+def digests(seed: int, phase: str, indices: Sequence[int] | np.ndarray) -> bytes:
+    """32-byte keys of chunk ``indices`` of a phase; the same on every rank."""
+    return b"".join(hashlib.blake2b(f"{seed}:{phase}:{int(i)}".encode(), digest_size=32
+                                    ).digest() for i in indices)
+
+
+def auto_l1_size_gb(chunk_bytes: int, chunks: int) -> float:
+    """Room for phase 1 twice over plus 1 GiB, so phase 1 never evicts."""
+    return round(-(-(2 * chunks * chunk_bytes + (1 << 30)) // (1 << 28)) / 4, 2)
