@@ -106,10 +106,6 @@ class ObjectGroupLayout:
     def has_full(self) -> bool:
         return any(not s.is_window for s in self.sections)
 
-    @property
-    def window_sections(self) -> tuple[SectionLayout, ...]:
-        return tuple(s for s in self.sections if s.is_window)
-
 
 @dataclass(frozen=True, slots=True)
 class RegistrationLayout:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import ClassVar
 
@@ -57,15 +58,21 @@ def committed_slots(part: Partition, keys: list[bytes]) -> np.ndarray:
 
 
 class Retention(ABC):
-    """The rule of one section kind over the sections ``bits`` of one object group."""
+    """The rule of one section kind over the sections ``bits`` of one object group.
 
-    __slots__ = ("bits", "mask")
+    Subclasses are frozen dataclasses with ``bits`` first and ``mask`` (the bits as a
+    section mask) derived: layouts holding them compare by value.
+    """
+
+    __slots__ = ()
+    bits: tuple[int, ...]
+    mask: int
     #: An object missing one of these sections is useless to any hit: not stored.
     required: ClassVar[bool]
 
-    def __init__(self, bits: tuple[int, ...]) -> None:
-        self.bits = bits
-        self.mask = sum(1 << b for b in bits)
+    def _set_mask(self) -> None:
+        assert self.bits, "a retention covers at least one section"
+        object.__setattr__(self, "mask", sum(1 << b for b in self.bits))
 
     @staticmethod
     @abstractmethod
@@ -97,11 +104,16 @@ class Retention(ABC):
         ``bounds`` are the ``(start, end)`` chunk ranges of the prefixes batched in it."""
 
 
+@dataclass(frozen=True, slots=True)
 class FullRetention(Retention):
     """Full attention: every block of every chunk, chunks ``0..k-1`` of a prefix."""
 
-    __slots__ = ()
-    required = True
+    bits: tuple[int, ...]
+    mask: int = field(init=False, repr=False)
+    required: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self._set_mask()
 
     @staticmethod
     def stored_blocks(group: GroupSpec, blocks_per_chunk: int) -> int:
@@ -127,6 +139,7 @@ class FullRetention(Retention):
         need[list(self.bits), :] = True
 
 
+@dataclass(frozen=True, slots=True)
 class WindowRetention(Retention):
     """Sliding window: trailing blocks of a chunk, the last ``chunks`` chunks of a prefix.
 
@@ -134,13 +147,14 @@ class WindowRetention(Retention):
     number of chunks share one retention (the same chunks are checked for all of them).
     """
 
-    __slots__ = ("chunks",)
-    required = False
+    bits: tuple[int, ...]
+    chunks: int
+    mask: int = field(init=False, repr=False)
+    required: ClassVar[bool] = False
 
-    def __init__(self, bits: tuple[int, ...], chunks: int) -> None:
-        super().__init__(bits)
-        assert chunks > 0, "a window covers at least one chunk"
-        self.chunks = chunks
+    def __post_init__(self) -> None:
+        assert self.chunks > 0, "a window covers at least one chunk"
+        self._set_mask()
 
     @staticmethod
     def stored_blocks(group: GroupSpec, blocks_per_chunk: int) -> int:

@@ -33,9 +33,10 @@ class CacheView:
 def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
     """Length of the longest hit prefix, and per object group the slots looked up.
 
-    ``slots[og][i]`` is the committed slot of chunk ``i``, -1, or ``UNRESOLVED``: object
-    groups with full sections are resolved for every chunk, window-only ones only for
-    the chunks the window rule looked at. Every chunk a hit of the returned length needs
+    ``slots[og][i]`` is the committed slot of chunk ``i``, -1, or
+    :data:`~lmc_server.cache.retention.UNRESOLVED`: object groups with full sections are
+    resolved for every chunk, window-only ones only for the chunks the window rule
+    looked at. Every chunk a hit of the returned length needs
     is resolved. Prefix-bounding retentions first (one vectorized pass each), then the
     longest prefix within that bound that every window accepts.
     """
