@@ -136,7 +136,8 @@ class FullRetention(Retention):
         return True  # within limit() every chunk 0..k-1 has the sections
 
     def mark_needed(self, need: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
-        need[list(self.bits), :] = True
+        for bit in self.bits:  # basic indexing: no index arrays
+            need[bit] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +187,10 @@ class WindowRetention(Retention):
         return True
 
     def mark_needed(self, need: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
-        rows = list(self.bits)
         for lo, hi in bounds:
-            need[rows, max(lo, hi - self.chunks):hi] = True
+            first = max(lo, hi - self.chunks)
+            for bit in self.bits:
+                need[bit, first:hi] = True
 
 
 #: Engine group kind -> its retention (scratch groups are never in an object).
