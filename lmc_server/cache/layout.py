@@ -102,6 +102,11 @@ class ObjectGroupLayout:
     retentions: tuple[Retention, ...]
     required_bits: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        covered = sorted(b for r in self.retentions for b in r.bits)
+        assert covered == list(range(len(self.sections))), (
+            f"object group {self.name!r}: the retentions must cover each section once")
+
     @property
     def has_full(self) -> bool:
         return any(not s.is_window for s in self.sections)
