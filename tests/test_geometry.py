@@ -9,10 +9,12 @@ from lmc_server.cache.geometry import (
     GeometryError,
     GroupSpec,
     LayerSpec,
+    blocks_per_chunk,
     check_groups,
     smallest_chunk_size,
 )
 from lmc_server.cache.layout import build_layout
+from lmc_server.integration.planning import ChunkGeometry, EngineGroup
 from lmc_server.testing.presets import dsv41_flash, simple_model
 
 
@@ -146,3 +148,13 @@ def test_window_larger_than_chunk_stores_whole_chunks() -> None:
     win = layout.object_groups[1]
     assert all(s.n_blocks == 8 and s.first_block == 0 for s in win.sections)
     assert layout.windows == {512: 2}
+
+
+def test_blocks_per_chunk_is_one_rule_for_server_client_and_planner() -> None:
+    groups = dsv41_flash().groups
+    planner = ChunkGeometry(256, 16, [EngineGroup(g.name, g.tokens_per_block, g.cached)
+                                      for g in groups])
+    for g, eg in zip(groups, planner.groups, strict=True):
+        want = 256 // g.tokens_per_block if g.cached else 0
+        assert blocks_per_chunk(g, 256) == planner.blocks_per_chunk(eg) == want, g.name
+    assert [blocks_per_chunk(g, 512) for g in groups] == [16, 16, 8, 8, 0]

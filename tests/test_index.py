@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import gc
 import hashlib
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import lmc_server
 from lmc_server.cache.index import CacheView, L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import SlabPool
@@ -369,3 +372,32 @@ def test_a_request_in_a_full_pool_takes_ascending_contiguous_slots() -> None:
             assert (steps > 0).all(), f"request {r}: slots not ascending: {list(res.slots)}"
             assert (steps == 1).sum() >= len(steps) - 2, f"request {r}: {list(res.slots)}"
     assert index.stats.evictions > 0
+
+
+def test_keys_refuse_ragged_digests_and_long_salts_and_accept_any_salt_up_to_the_limit(
+        ) -> None:
+    idx = make_index()
+    v = dsv_view(idx)
+    d = digests(2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        idx.keys(v, d[:-1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        idx.keys(v, d[:-1], salt=b"s")
+    with pytest.raises(ValueError, match="salt longer than 256"):
+        idx.keys(v, d, salt=bytes(257))
+    long_a, long_b = idx.keys(v, d, salt=b"a" * 256), idx.keys(v, d, salt=b"a" * 255 + b"b")
+    assert long_a != long_b and all(len(k) == 4 + 32 for k in long_a + long_b)
+    assert idx.keys(v, d)[0][:4] == v.ns_prefix and idx.keys(v, d)[0][4:] == d[:32]
+
+
+def test_digest_bytes_is_defined_once() -> None:
+    """Every module reads DIGEST_BYTES from cache.keys; nobody assigns its own."""
+    root = Path(lmc_server.__file__).parent
+    owners = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "DIGEST_BYTES" for t in targets):
+                    owners.append(path.relative_to(root).as_posix())
+    assert owners == ["cache/keys.py"]

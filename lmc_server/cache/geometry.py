@@ -22,7 +22,7 @@ Violations raise :class:`GeometryError` with a message naming the group and the 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -102,6 +102,27 @@ _ARCH_ONLY: dict[str, frozenset[str]] = {
 }
 #: Formats whose size does not depend on the arch but is fixed.
 _FIXED_RECORDS: dict[str, int] = {"indexer_fp8": 132}
+
+
+class BlockSized(Protocol):
+    """Anything that says its block size and whether it is cached: :class:`GroupSpec`,
+    and the engine-side group descriptions of the client and the integration."""
+
+    @property
+    def tokens_per_block(self) -> int: ...
+
+    @property
+    def cached(self) -> bool: ...
+
+
+def blocks_per_chunk(group: BlockSized, chunk_size: int) -> int:
+    """Engine blocks of ``group`` in one chunk: the block ids a request carries per chunk.
+
+    ``chunk_size // tokens_per_block`` for a cached group (the chunk-size rule makes it
+    exact), 0 for a scratch group (never stored, never sent block ids). The one
+    definition: the server, the client, the integration and the test helpers call it.
+    """
+    return chunk_size // group.tokens_per_block if group.cached else 0
 
 
 def tokens_per_state(group: GroupSpec) -> int:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
+from lmc_server.cache.retention import Retention, object_retentions, retention_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +87,29 @@ class SectionLayout:
 
 @dataclass(frozen=True, slots=True)
 class ObjectGroupLayout:
-    """The fixed byte layout of one object group's objects (one per chunk)."""
+    """The fixed byte layout of one object group's objects (one per chunk).
+
+    ``retentions`` holds the hit rule of its sections, one object per section kind
+    (:mod:`lmc_server.cache.retention`), required ones first; ``required_bits`` lists
+    the sections an object must have to be stored.
+    """
 
     name: str
     index: int
     sections: tuple[SectionLayout, ...]
     object_bytes: int
     fingerprint: bytes
+    retentions: tuple[Retention, ...]
+    required_bits: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        covered = sorted(b for r in self.retentions for b in r.bits)
+        assert covered == list(range(len(self.sections))), (
+            f"object group {self.name!r}: the retentions must cover each section once")
 
     @property
     def has_full(self) -> bool:
         return any(not s.is_window for s in self.sections)
-
-    @property
-    def window_sections(self) -> tuple[SectionLayout, ...]:
-        return tuple(s for s in self.sections if s.is_window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +161,9 @@ def _coalesce_runs(group: GroupSpec, n_blocks: int, start_offset: int) -> tuple[
 
 
 def _section(group: GroupSpec, index: int, chunk_size: int, offset: int) -> SectionLayout:
-    bpc = chunk_size // group.tokens_per_block
-    if group.kind == "sliding_window":
-        n_blocks = min(bpc, math.ceil(group.window_tokens / group.tokens_per_block))
-        window = group.window_tokens
-    else:
-        n_blocks = bpc
-        window = 0
+    bpc = blocks_per_chunk(group, chunk_size)
+    n_blocks = retention_kind(group).stored_blocks(group, bpc)
+    window = group.window_tokens if group.kind == "sliding_window" else 0
     runs = _coalesce_runs(group, n_blocks, offset)
     nbytes = sum(r.nbytes for r in runs)
     return SectionLayout(group_index=index, group_name=group.name, window_tokens=window,
@@ -208,9 +214,13 @@ def build_layout(groups: list[GroupSpec], chunk_size: int, separate: bool) -> Re
             sec = _section(groups[gi], gi, chunk_size, offset)
             sections.append(sec)
             offset += sec.nbytes
+        retentions = object_retentions([groups[gi] for gi in buckets[name]], chunk_size)
         ogs.append(ObjectGroupLayout(name=name, index=og_index, sections=tuple(sections),
                                      object_bytes=offset,
-                                     fingerprint=_fingerprint(name, groups, sections)))
+                                     fingerprint=_fingerprint(name, groups, sections),
+                                     retentions=retentions,
+                                     required_bits=tuple(b for r in retentions if r.required
+                                                         for b in r.bits)))
     windows = {g.window_tokens: math.ceil(g.window_tokens / chunk_size)
                for g in groups if g.cached and g.kind == "sliding_window"}
     return RegistrationLayout(chunk_size=chunk_size, object_groups=tuple(ogs), windows=windows)
@@ -250,3 +260,24 @@ def plan_copies(section: SectionLayout, ids: np.ndarray,
                     object_offsets=object_offsets + np.int64(r.object_offset))
             for r in section.runs]
 
+
+
+def plan_objects(og: ObjectGroupLayout, offsets: np.ndarray, chunks: np.ndarray,
+                 sections: Sequence[np.ndarray], group_ids: dict[int, np.ndarray],
+                 out: list[RunCopy]) -> int:
+    """Append the copies of objects ``chunks`` of ``og`` to ``out``; returns their bytes.
+
+    ``offsets[j]`` is the pool offset of chunk ``chunks[j]``'s object, ``sections[bit][i]``
+    says whether section ``bit`` of request chunk ``i`` is copied, ``group_ids[g]`` is
+    engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids.
+    """
+    nbytes = 0
+    for bit, sec in enumerate(og.sections):
+        sel = sections[bit][chunks]
+        if not sel.any():
+            continue
+        ids = section_block_ids(sec, group_ids[sec.group_index])[chunks[sel]]
+        for c in plan_copies(sec, ids, offsets[sel]):
+            out.append(c)
+            nbytes += c.nbytes
+    return nbytes

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from lmc_server.buffers import BufferSpec
-from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.status import SUCCESS, ChunkStatus
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.stats import StatsReport
@@ -99,7 +99,7 @@ class Registration:
 
     def blocks_per_chunk(self, group: str | GroupSpec) -> int:
         g = group if isinstance(group, GroupSpec) else self.group(group)
-        return self.chunk_size // g.tokens_per_block if g.cached else 0
+        return blocks_per_chunk(g, self.chunk_size)
 
     def group(self, name: str) -> GroupSpec:
         for g in self.groups:

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-DIGEST_BYTES = 32
+from lmc_server.cache.keys import DIGEST_BYTES
+
 _SEED = bytes(DIGEST_BYTES)
 
 

@@ -53,6 +53,7 @@ from typing import Protocol
 
 import numpy as np
 
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client.digests import DIGEST_BYTES, hash_chain
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class ChunkGeometry:
         return any(g.cached and g.window_tokens for g in self.groups)
 
     def blocks_per_chunk(self, group: EngineGroup) -> int:
-        return self.chunk_size // group.tokens_per_block if group.cached else 0
+        return blocks_per_chunk(group, self.chunk_size)
 
     @staticmethod
     def freed_blocks(group: EngineGroup, num_computed_tokens: int) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.protocol.messages import Error, Reply, Request
 
@@ -21,7 +22,6 @@ from lmc_server.protocol.messages import Error, Reply, Request
 #: answers TOO_LARGE.
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_CHUNKS_PER_REQUEST = 16384
-DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)

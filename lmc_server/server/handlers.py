@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmc_server import PROTOCOL_VERSION, __version__
-from lmc_server.cache.geometry import ArchError, GeometryError, check_groups
+from lmc_server.cache.geometry import ArchError, GeometryError, blocks_per_chunk, check_groups
 from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.layout import RunCopy, build_layout
 from lmc_server.config import Config
@@ -165,8 +165,7 @@ class Handlers:
                                     f"on {mapping.device.description} ({dev_arch})", rid)
         namespace = namespace_of(msg)
         view = self.index.view(namespace, layout)
-        bpc = [self.config.chunk_size // g.tokens_per_block if g.cached else 0
-               for g in msg.groups]
+        bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
         reg = Registration(self.sessions.new_registration_id(), session, namespace,
                            list(msg.groups), view, mapping, bpc)
         self.sessions.add(reg)

@@ -320,7 +320,7 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
         wt.begin_step(plan)
         rep = poll(set(), "finished_recving")
         assert not rep.failed_recving and not rep.invalid_block_ids
-        bpc = geometry.chunk_size // 16
+        bpc = geometry.blocks_per_chunk(geometry.groups[0])
         for rid in prompts:
             assert kv.pages(g.name, dst[rid][0][:bpc]) == kv.pages(g.name, src[rid][0][:bpc])
     finally:

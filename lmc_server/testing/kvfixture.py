@@ -28,7 +28,7 @@ from typing import Any, Protocol, Self
 import msgspec
 import numpy as np
 
-from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.client.shm import ShmSegment
 from lmc_server.integration.exporters import register_shm_segment, unregister_shm_segment
 from lmc_server.integration.kvlayout import KVLayout
@@ -163,7 +163,7 @@ def expected_copies(groups: Sequence[GroupSpec], chunk_size: int, n_chunks: int,
     for g in groups:
         if not g.cached:
             continue
-        bpc = chunk_size // g.tokens_per_block
+        bpc = blocks_per_chunk(g, chunk_size)
         blocks = np.arange(n_chunks * bpc).reshape(n_chunks, bpc)
         if g.kind == "sliding_window":
             n_win_blocks = min(bpc, math.ceil(g.window_tokens / g.tokens_per_block))

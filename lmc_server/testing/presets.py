@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmc_server.cache.geometry import GroupSpec, LayerSpec
+from lmc_server.cache.geometry import GroupSpec, LayerSpec, blocks_per_chunk
 
 MAIN_RECORD = {"sm100": (528, 512)}
 DEFAULT_MAIN_RECORD = (584, 576)
@@ -46,7 +46,7 @@ class KVGeometry:
         for g in self.groups:
             if not g.cached:
                 continue
-            bpc = chunk_size // g.tokens_per_block
+            bpc = blocks_per_chunk(g, chunk_size)
             if g.kind == "sliding_window":
                 bpc = min(bpc, -(-g.window_tokens // g.tokens_per_block))
             total += sum(layer.page_bytes for layer in g.layers) * bpc

@@ -1,0 +1,137 @@
+"""Store bookkeeping: reserve WRITING slots and plan their copies, then commit or abort.
+
+A store is :func:`reserve_store` (slots become WRITING, invisible to lookups, and a
+copy plan comes back in a :class:`StoreTicket`), then, once the transfer engine reports
+the copy complete, :func:`commit_store` or :func:`abort_store`. So a half-written
+object is never visible. Which chunks are worth storing is the retentions' rule: every
+section a hit requires (full attention) must have all its blocks, and at least one
+section must have them (a window-only object stores the windows the engine still had);
+each object records in its mask which sections it holds.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmc_server.cache.allocator import SlotAllocator
+from lmc_server.cache.counters import CacheStats
+from lmc_server.cache.layout import RunCopy, plan_objects, section_block_ids
+from lmc_server.cache.pool import COMMITTED, Partition
+from lmc_server.cache.status import ChunkStatus
+from lmc_server.cache.view import CacheView
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Slots reserved in one object group's partition: chunk index, slot, section mask."""
+
+    og_index: int
+    part: Partition
+    chunks: array
+    slots: array
+    masks: array
+
+
+@dataclass(slots=True, eq=False)
+class StoreTicket:
+    """A store in flight: reserved slots (WRITING) and the copies that fill them.
+
+    ``statuses[og]`` holds one :class:`ChunkStatus` per chunk; reserved chunks say
+    ``OK`` provisionally and become ``FAILED`` if the copy is aborted.
+    """
+
+    statuses: list[np.ndarray]
+    reserved: list[Reservation]
+    copies: list[RunCopy]
+    nbytes: int
+    done: bool = False
+
+
+def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray],
+                  allocator: SlotAllocator, tick: int, stats: CacheStats) -> StoreTicket:
+    """Reserve a WRITING slot for every storable (object group, chunk) at ``tick``.
+
+    ``group_ids[g]`` is engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids,
+    already bounds-checked, ``-1`` where the engine no longer has the block.
+    """
+    n = len(keys)
+    statuses: list[np.ndarray] = []
+    reserved: list[Reservation] = []
+    copies: list[RunCopy] = []
+    nbytes = 0
+    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+        st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
+        avail = [np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0)
+                            .all(axis=1)) for sec in og.sections]
+        storable = np.logical_or.reduce(avail)
+        for bit in og.required_bits:
+            storable &= avail[bit]
+        fresh: list[int] = []
+        fresh_keys: set[bytes] = set()
+        get = part.keys.get
+        for i in np.flatnonzero(storable).tolist():
+            key = keys[i]
+            existing = get(key)
+            if existing is not None:
+                committed = part.state[existing] == COMMITTED
+                st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
+                if committed:
+                    part.touch(existing, tick)
+                continue
+            if key in fresh_keys:  # the same digest twice in one request
+                st[i] = ChunkStatus.IN_PROGRESS
+                continue
+            fresh.append(i)
+            fresh_keys.add(key)
+        # Slots in ascending order along the chunks: victims of one older request are
+        # neighbours in the pool, so the request's objects land in a few contiguous
+        # runs (one DMA each) instead of one run per object in descending order.
+        slots = array("i", sorted(allocator.alloc(part, len(fresh), tick)))
+        if len(slots) < len(fresh):
+            st[fresh[len(slots):]] = ChunkStatus.NO_SPACE
+            stats.alloc_failures["no_space"] = (
+                stats.alloc_failures.get("no_space", 0) + len(fresh) - len(slots))
+            del fresh[len(slots):]
+        bits = np.zeros(n, dtype=np.uint8)
+        for bit, ok in enumerate(avail):
+            bits |= ok.astype(np.uint8) << bit
+        chunks = array("i", fresh)
+        masks = array("B", bits[fresh].tobytes())
+        for i, slot in zip(fresh, slots, strict=True):
+            part.reserve(keys[i], slot, tick)
+        st[fresh] = ChunkStatus.OK
+        statuses.append(st)
+        if not chunks:
+            continue
+        reserved.append(Reservation(og.index, part, chunks, slots, masks))
+        offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
+        nbytes += plan_objects(og, offsets, np.frombuffer(chunks, dtype=np.int32), avail,
+                               group_ids, copies)
+    return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
+
+
+def commit_store(ticket: StoreTicket, stats: CacheStats) -> None:
+    """The copy completed: every reserved object becomes visible."""
+    assert not ticket.done, "store ticket finished twice"
+    ticket.done = True
+    for r in ticket.reserved:
+        for i in range(len(r.slots) - 1, -1, -1):  # chunk 0 ends most recent
+            r.part.commit(r.slots[i], r.masks[i])
+        stats.stored_objects += len(r.slots)
+        stats.stored_bytes += len(r.slots) * r.part.object_bytes
+
+
+def abort_store(ticket: StoreTicket, stats: CacheStats) -> None:
+    """The copy failed or its writer is gone: free every reserved slot."""
+    assert not ticket.done, "store ticket finished twice"
+    ticket.done = True
+    for r in ticket.reserved:
+        st = ticket.statuses[r.og_index]
+        for i, s in zip(r.chunks, r.slots, strict=True):
+            r.part.abort(s)
+            st[i] = ChunkStatus.FAILED
+        stats.alloc_failures["aborted"] = (
+            stats.alloc_failures.get("aborted", 0) + len(r.slots))

@@ -1,0 +1,70 @@
+"""What one registration sees of the cache, and the hit rule over it.
+
+A :class:`CacheView` is a registration's namespace (its key prefix), its layout and one
+partition per object group. The hit rule combines the retentions of every object group
+(:mod:`lmc_server.cache.retention`): a prefix of ``k`` chunks hits when every object
+group with full-prefix sections has chunks ``0..k-1`` committed with those sections,
+and every sliding window W has its sections present for the last ``ceil(W / chunk_size)``
+chunks of the prefix. :func:`hit_chunks` finds the largest such ``k``;
+:func:`needed_slots` names exactly the objects a retrieve of that prefix reads (what a
+lease pins).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmc_server.cache.layout import RegistrationLayout
+from lmc_server.cache.pool import Partition
+
+
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What one registration sees: its namespace and one partition per object group."""
+
+    ns_prefix: bytes
+    layout: RegistrationLayout
+    partitions: tuple[Partition, ...]
+
+
+def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
+    """Length of the longest hit prefix, and per object group the slots looked up.
+
+    ``slots[og][i]`` is the committed slot of chunk ``i``, -1, or
+    :data:`~lmc_server.cache.retention.UNRESOLVED`: object groups with full sections are
+    resolved for every chunk, window-only ones only for the chunks the window rule
+    looked at. Every chunk a hit of the returned length needs
+    is resolved. Prefix-bounding retentions first (one vectorized pass each), then the
+    longest prefix within that bound that every window accepts.
+    """
+    n = len(keys)
+    limit = n
+    rows: list[np.ndarray] = []
+    checks = []
+    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+        row = og.retentions[0].new_row(part, keys)
+        for r in og.retentions:
+            limit = r.limit(part, keys, row, limit)
+            checks.append((r.hits_at, part, row))
+        rows.append(row)
+    for k in range(limit, 0, -1):
+        for hits_at, part, row in checks:
+            if not hits_at(part, keys, row, k):
+                break
+        else:
+            return k, rows
+    return 0, rows
+
+
+def needed_slots(view: CacheView, slots: list[np.ndarray],
+                 k: int) -> list[tuple[Partition, array]]:
+    """Slots a retrieve of the ``k``-chunk prefix reads, per partition (``slots`` as
+    :func:`hit_chunks` returned them for a hit of ``k`` chunks)."""
+    out = []
+    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+        first = min(r.first_needed(k) for r in og.retentions)
+        out.append((part, array("i", slots[og.index][first:k].astype(np.int32).tobytes())))
+    return out
