@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.layout import RegistrationLayout, SectionLayout, build_layout
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import KVGeometry
@@ -30,7 +30,7 @@ def blocks_needed(geometry_bpc: int, max_batch: int) -> int:
 
 
 def max_blocks_per_chunk(geometry: KVGeometry, chunk_size: int) -> int:
-    return max(chunk_size // g.tokens_per_block for g in geometry.groups if g.cached)
+    return max(blocks_per_chunk(g, chunk_size) for g in geometry.groups if g.cached)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Regions:
         raise KeyError(name)
 
     def bpc(self, g: GroupSpec) -> int:
-        return self.chunk_size // g.tokens_per_block
+        return blocks_per_chunk(g, self.chunk_size)
 
     def ids(self, region: int, n_chunks: int) -> dict[str, np.ndarray]:
         """Consecutive block ids of ``n_chunks`` chunks in ``region``, per cached group."""

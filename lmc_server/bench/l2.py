@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
@@ -104,7 +105,7 @@ class _Setup:
         self.a = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         probe = cfg.geometry.build(1)
-        per_chunk = max(cfg.chunk_size // g.tokens_per_block for g in probe.groups if g.cached)
+        per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
         geometry = cfg.geometry.build(n * per_chunk)
         self.src = stack.enter_context(ShmKV(geometry))
         self.src.fill_random(1)

@@ -24,6 +24,7 @@ import numpy as np
 from lmc_server.bench.bounds import infinite_hits
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
 from lmc_server.client import Client
 from lmc_server.config import GIB, MIB
@@ -56,7 +57,7 @@ def _drive(endpoint: str, requests: list[TraceRequest], kv: ShmKV, bar: Any
     l1 = l2 = 0
     with Client(endpoint, timeout_s=120, client_name="lmcache-bench-l2-replay") as c:
         reg = c.register(**kv.register_kwargs())
-        bpc = {g.name: CHUNK_TOKENS // g.tokens_per_block for g in reg.groups if g.cached}
+        bpc = {g.name: blocks_per_chunk(g, CHUNK_TOKENS) for g in reg.groups if g.cached}
         for r in requests:
             bar.update(1)
             n = r.n_chunks
@@ -86,7 +87,7 @@ def run(cfg: L2ReplayConfig) -> Report:
     chunks, distinct = chunk_ids(requests)
     max_chunks = max((r.n_chunks for r in requests), default=1) or 1
     probe = cfg.geometry.build(1)
-    max_bpc = max(CHUNK_TOKENS // g.tokens_per_block for g in probe.groups if g.cached)
+    max_bpc = max(blocks_per_chunk(g, CHUNK_TOKENS) for g in probe.groups if g.cached)
     geometry = cfg.geometry.build(max(1, max_chunks * max_bpc))
     chunk_bytes = build_layout(geometry.groups, CHUNK_TOKENS, False).chunk_bytes
     slab_bytes = cfg.slab_size_mb * MIB

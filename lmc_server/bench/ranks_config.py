@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.testing.presets import KVGeometry
 
 REGION_A, REGION_B = 0, 1
@@ -50,7 +51,7 @@ class RanksConfig:
 
 def blocks_needed(geometry: KVGeometry, chunks: int, chunk_size: int) -> int:
     """Blocks per group for regions A and B of ``chunks`` chunk slots each."""
-    return 2 * chunks * max(chunk_size // g.tokens_per_block
+    return 2 * chunks * max(blocks_per_chunk(g, chunk_size)
                             for g in geometry.groups if g.cached)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from lmc_server.bench.common import GeometryArgs
 from lmc_server.bench.ranks_config import REGION_A, REGION_B
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RegistrationLayout, build_layout
 from lmc_server.testing.presets import KVGeometry
 
@@ -24,7 +25,7 @@ class Slots:
 
     def __init__(self, geometry: KVGeometry, chunks: int, chunk_size: int) -> None:
         self.chunks = chunks
-        self.bpc = {g.name: chunk_size // g.tokens_per_block for g in geometry.groups
+        self.bpc = {g.name: blocks_per_chunk(g, chunk_size) for g in geometry.groups
                     if g.cached}
 
     def blocks(self, group: str, region: int, slots: np.ndarray, first: int = 0,

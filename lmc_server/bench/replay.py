@@ -26,6 +26,7 @@ from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.servers import server
 from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
 from lmc_server.buffers import ShmBuffer
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.config import GIB, MIB
@@ -58,7 +59,7 @@ def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
                    for i, s in enumerate(geometry.buffer_sizes)]
         reg = c.register(model=geometry.model, kv_dtype=geometry.kv_dtype,
                          arch=geometry.arch, groups=geometry.groups, buffers=buffers)
-        bpc = {g.name: CHUNK_TOKENS // g.tokens_per_block for g in geometry.groups if g.cached}
+        bpc = {g.name: blocks_per_chunk(g, CHUNK_TOKENS) for g in geometry.groups if g.cached}
         for i, r in enumerate(requests):
             n = r.n_chunks
             if n == 0:
@@ -85,7 +86,7 @@ def run(cfg: ReplayConfig) -> Report:
     chunks, distinct = chunk_ids(requests)
     max_chunks = max((len(c) for c in chunks), default=1) or 1
     probe = cfg.geometry.build(1)
-    max_bpc = max(CHUNK_TOKENS // g.tokens_per_block for g in probe.groups if g.cached)
+    max_bpc = max(blocks_per_chunk(g, CHUNK_TOKENS) for g in probe.groups if g.cached)
     geometry = cfg.geometry.build(max(1, max_chunks * max_bpc))
     object_bytes = build_layout(geometry.groups, CHUNK_TOKENS, False).chunk_bytes
     slab_bytes = cfg.slab_size_mb * MIB

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from lmc_server.buffers import CudaIpcBuffer
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 from lmc_server.transfer.base import TransferError
@@ -109,7 +110,7 @@ def batch(geo: KVGeometry, n: int, rng: np.random.Generator,
         offs = ((4 * oi + c // per) * SLAB + (c % per) * og.object_bytes).astype(np.int64)
         for s in og.sections:
             g = geo.groups[s.group_index]
-            bpc = 256 // g.tokens_per_block
+            bpc = blocks_per_chunk(g, 256)
             pool = np.arange(g.num_blocks)
             if exclude is not None:
                 pool = np.setdiff1d(pool, exclude[g.name])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.transfer.base import TransferError
@@ -89,7 +90,7 @@ def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Gener
         slab += 1
         for s in og.sections:
             g = geo.groups[s.group_index]
-            bpc = 256 // g.tokens_per_block
+            bpc = blocks_per_chunk(g, 256)
             gids = rng.permutation(g.num_blocks)[:n_chunks * bpc].reshape(n_chunks, bpc)
             copies += plan_copies(s, section_block_ids(s, gids), offs)
     return copies, geo.buffer_sizes, (slab + 1) * SLAB
@@ -175,7 +176,7 @@ def test_adjacent_objects_merge_into_one_dma() -> None:
     copies: list[RunCopy] = []
     for s in og.sections:
         g = geo.groups[s.group_index]
-        bpc = 256 // g.tokens_per_block
+        bpc = blocks_per_chunk(g, 256)
         gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
         copies += plan_copies(s, section_block_ids(s, gids), offs)
     mem = Memory(geo.buffer_sizes, SLAB, 8 << 20)
