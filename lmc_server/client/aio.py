@@ -111,7 +111,7 @@ class AsyncClient:
 
     async def _run(self, call: Call[T]) -> T:
         reply = await self._roundtrip(call.msg)
-        if call.needs_new_hello(reply, self.welcome is not None):
+        if type(reply) is m.Error and call.needs_new_hello(reply, self.welcome is not None):
             await self._hello()
             reply = await self._roundtrip(call.msg)
         return call.result(reply)

@@ -59,15 +59,16 @@ class Call(Generic[T]):
     def result(self, reply: m.Reply) -> T:
         """The caller's value from ``reply``; :class:`ServerError` for a refusal, or for a
         reply of another type than the request's (``bad_request``)."""
+        if isinstance(reply, self.expected):
+            return self.parse(reply)
         if isinstance(reply, m.Error):
             raise ServerError(reply.code, reply.message)
-        if not isinstance(reply, self.expected):
-            raise ServerError("bad_request", f"unexpected reply {type(reply).__name__}")
-        return self.parse(reply)
+        raise ServerError("bad_request", f"unexpected reply {type(reply).__name__}")
 
     def needs_new_hello(self, reply: m.Reply, said_hello: bool) -> bool:
         """The server no longer knows this connection's session (it restarted, or dropped
-        the session): a client that had said hello says it again and resends once."""
+        the session): a client that had said hello says it again and resends once.
+        Transports ask only for an :class:`~m.Error` reply (a cheap check first)."""
         return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
                 and not isinstance(self.msg, m.Hello))
 
@@ -153,7 +154,8 @@ class RequestBuilder:
                          block_ids=reg.encode_block_ids(block_ids,
                                                         len(digests) // DIGEST_BYTES),
                          salt=salt,
-                         prefix_ends=np.asarray(prefix_ends, dtype="<i4").tobytes())
+                         prefix_ends=(np.asarray(prefix_ends, dtype="<i4").tobytes()
+                                      if len(prefix_ends) else b""))
 
         def statuses(reply: m.RetrieveResult) -> ChunkResult:
             return chunk_result(reg, reply.statuses)

@@ -86,7 +86,7 @@ class Client:
         """Send ``call``, wait for its reply; a ``handshake`` refusal after an earlier hello
         (the server restarted, or forgot the session) is retried once after a new hello."""
         reply = self._roundtrip(call.msg, timeout_s)
-        if call.needs_new_hello(reply, self.welcome is not None):
+        if type(reply) is m.Error and call.needs_new_hello(reply, self.welcome is not None):
             self._hello()
             reply = self._roundtrip(call.msg, timeout_s)
         return call.result(reply)
