@@ -9,14 +9,10 @@ from concurrent.futures import Future
 import pytest
 
 from lmc_server.client import Client
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import ServerLink
-from lmc_server.integration.planning import (
-    ChunkGeometry,
-    EngineGroup,
-    LookupAnswer,
-    ScheduledRequest,
-    SchedulerPlanner,
-)
+from lmc_server.integration.planning import SchedulerPlanner
+from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers
 from lmc_server.testing.connector_flow import block_hashes
@@ -439,7 +435,7 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) ->
             wt = WorkerTransfers(work, tracker)
             digests = g.digests(hashes(list(range(9000, 9600)), per), 2)  # never stored
             tables = [list(range(1, 30)) if gs.cached else [1] for gs in geo.groups]
-            from lmc_server.integration.planning import LoadSpec, StepPlan
+            from lmc_server.integration.plans import LoadSpec, StepPlan
 
             spec = LoadSpec("C", digests, g.block_ids(tables, 0, 2), 0)
             wt.begin_step(StepPlan(loads=[spec]))
