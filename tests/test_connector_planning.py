@@ -90,6 +90,19 @@ def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
     assert short["indexer"].tolist() == [400, 401, 402, -1]
 
 
+def test_first_window_block_a_store_reads() -> None:
+    """Per window group, the lowest table index a store of chunks 1..2 reads: only the
+    last 4 blocks of each chunk (128-token window, 32 tokens per block), not ``-1``s."""
+    g = ChunkGeometry(CHUNK, 32, dsv_groups())
+    tables = [list(range(100, 124)), list(range(200, 224)), list(range(300, 312)),
+              list(range(400, 412)), [9]]
+    ids = g.block_ids(tables, 1, 2)
+    ids["swa0"][:13] = -1  # chunk 1's window and the first window block of chunk 2
+    assert g.first_window_blocks(ids, 1, 2) == {0: 2 * 8 + 4 + 1, 1: 8 + 4}
+    ids["swa1"][:] = -1
+    assert g.first_window_blocks(ids, 1, 2) == {0: 21}
+
+
 def test_chunk_size_must_fit_every_cached_group() -> None:
     with pytest.raises(ValueError, match="'compressed'"):
         ChunkGeometry(96, 32, dsv_groups())
