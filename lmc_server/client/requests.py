@@ -68,7 +68,7 @@ class Call(Generic[T]):
     def needs_new_hello(self, reply: m.Reply, said_hello: bool) -> bool:
         """The server no longer knows this connection's session (it restarted, or dropped
         the session): a client that had said hello says it again and resends once.
-        Transports ask only for an :class:`~m.Error` reply (a cheap check first)."""
+        Transports ask only after a cheap check that the reply is an ``error``."""
         return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
                 and not isinstance(self.msg, m.Hello))
 
@@ -84,9 +84,6 @@ class RequestBuilder:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-
-    def next_id(self) -> int:
-        return next(self._ids)
 
     # -- session ------------------------------------------------------------------------
 
