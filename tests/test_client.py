@@ -211,7 +211,7 @@ def test_both_clients_send_the_same_bytes_and_read_the_same_values(
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ThreadServer]:
-    with run_server(max_frame_bytes=MAX_FRAME, chunk_size=CHUNK) as ts:
+    with run_server(max_frame_bytes=MAX_FRAME, chunk_size=CHUNK, l1_size_gb=0.125) as ts:
         yield ts
 
 
