@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from lmc_server.buffers import ShmBuffer
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.exporters import ExportedBuffer
 from lmc_server.integration.kvlayout import GroupDesc, KVLayout, LayerDesc, derive_registration
-from lmc_server.integration.planning import ChunkGeometry, EngineGroup
 from lmc_server.testing.connector_flow import ConnectorFlow
 from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess

@@ -19,12 +19,9 @@ from pathlib import Path
 import pytest
 
 from lmc_server.client import Client
-from lmc_server.integration.planning import (
-    ChunkGeometry,
-    EngineGroup,
-    LookupAnswer,
-    SchedulerPlanner,
-)
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
+from lmc_server.integration.planning import SchedulerPlanner
+from lmc_server.integration.plans import LookupAnswer
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes

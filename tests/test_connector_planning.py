@@ -9,14 +9,10 @@ from concurrent.futures import Future
 import pytest
 
 from lmc_server.client import Client
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import ServerLink
-from lmc_server.integration.planning import (
-    ChunkGeometry,
-    EngineGroup,
-    LookupAnswer,
-    ScheduledRequest,
-    SchedulerPlanner,
-)
+from lmc_server.integration.planning import SchedulerPlanner
+from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers
 from lmc_server.testing.connector_flow import block_hashes
@@ -92,6 +88,19 @@ def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
     assert kept["swa1"].tolist() == [-1] * 10 + list(range(210, 216))
     short = g.block_ids([t[:3] for t in tables], 0, 1)
     assert short["indexer"].tolist() == [400, 401, 402, -1]
+
+
+def test_first_window_block_a_store_reads() -> None:
+    """Per window group, the lowest table index a store of chunks 1..2 reads: only the
+    last 4 blocks of each chunk (128-token window, 32 tokens per block), not ``-1``s."""
+    g = ChunkGeometry(CHUNK, 32, dsv_groups())
+    tables = [list(range(100, 124)), list(range(200, 224)), list(range(300, 312)),
+              list(range(400, 412)), [9]]
+    ids = g.block_ids(tables, 1, 2)
+    ids["swa0"][:13] = -1  # chunk 1's window and the first window block of chunk 2
+    assert g.first_window_blocks(ids, 1, 2) == {0: 2 * 8 + 4 + 1, 1: 8 + 4}
+    ids["swa1"][:] = -1
+    assert g.first_window_blocks(ids, 1, 2) == {0: 21}
 
 
 def test_chunk_size_must_fit_every_cached_group() -> None:
@@ -439,7 +448,7 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) ->
             wt = WorkerTransfers(work, tracker)
             digests = g.digests(hashes(list(range(9000, 9600)), per), 2)  # never stored
             tables = [list(range(1, 30)) if gs.cached else [1] for gs in geo.groups]
-            from lmc_server.integration.planning import LoadSpec, StepPlan
+            from lmc_server.integration.plans import LoadSpec, StepPlan
 
             spec = LoadSpec("C", digests, g.block_ids(tables, 0, 2), 0)
             wt.begin_step(StepPlan(loads=[spec]))

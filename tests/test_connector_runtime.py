@@ -22,13 +22,10 @@ import numpy as np
 import pytest
 
 from lmc_server.client import Client
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import ServerLink
-from lmc_server.integration.planning import (
-    ChunkGeometry,
-    EngineGroup,
-    ScheduledRequest,
-    SchedulerPlanner,
-)
+from lmc_server.integration.planning import SchedulerPlanner
+from lmc_server.integration.plans import ScheduledRequest
 from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
 from lmc_server.testing.connector_flow import block_hashes, check_batched_step
 from lmc_server.testing.kv import KVGeometry, ShmKV
@@ -254,7 +251,7 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         wt = WorkerTransfers(link, tracker)
         tokens = list(range(7000, 7000 + 1024))
         digests = geometry.digests(block_hashes(tokens, 16), 4)
-        from lmc_server.integration.planning import StoreSpec
+        from lmc_server.integration.plans import StoreSpec
 
         spec = StoreSpec("S", 0, digests, {"full": np.arange(1, 65, dtype=np.int32) % 64},
                          store_id=1)

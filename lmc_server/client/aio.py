@@ -1,4 +1,6 @@
-"""asyncio client: many requests in flight on one connection, matched by ``req_id``.
+"""asyncio transport of the client: many requests in flight on one connection, matched
+by ``req_id``. What each request sends and how its reply is read is
+:mod:`lmc_server.client.requests`, shared with the blocking client.
 
 A reader task owns the socket's receive side and resolves one future per request, so
 callers can ``await`` stores, retrieves and lookups concurrently (the vLLM connector
@@ -11,13 +13,11 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from lmc_server import PROTOCOL_VERSION
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.core import (
@@ -25,14 +25,14 @@ from lmc_server.client.core import (
     ChunkResult,
     CurveKeys,
     Registration,
-    RequestBuilder,
     configure_socket,
-    needs_new_hello,
-    stats_report,
 )
+from lmc_server.client.requests import Call, RequestBuilder
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.protocol.stats import StatsReport
+
+T = TypeVar("T")
 
 
 def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context) -> None:
@@ -82,9 +82,7 @@ class AsyncClient:
         return self
 
     async def _hello(self) -> None:
-        self.welcome = await self._call(m.Hello(req_id=self._b.next_id(),
-                                                protocol_version=PROTOCOL_VERSION,
-                                                client_name=self._client_name), m.Welcome)
+        self.welcome = await self._run(self._b.hello(self._client_name))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -112,12 +110,12 @@ class AsyncClient:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def _call(self, msg: m._Msg, expected: type[Any]) -> Any:
-        reply = await self._roundtrip(msg)
-        if needs_new_hello(reply, msg, self.welcome is not None):
+    async def _run(self, call: Call[T]) -> T:
+        reply = await self._roundtrip(call.msg)
+        if type(reply) is m.Error and call.needs_new_hello(reply, self.welcome is not None):
             await self._hello()
-            reply = await self._roundtrip(msg)
-        return RequestBuilder.check(reply, expected)
+            reply = await self._roundtrip(call.msg)
+        return call.result(reply)
 
     async def _roundtrip(self, msg: m._Msg) -> m.Reply:
         fut: asyncio.Future[m.Reply] = asyncio.get_running_loop().create_future()
@@ -133,54 +131,41 @@ class AsyncClient:
             self._pending.pop(msg.req_id, None)
         return reply
 
-    # -- requests -----------------------------------------------------------------------
+    # -- requests (built and read in lmc_server.client.requests) -------------------------
 
     async def ping(self) -> m.Pong:
-        return await self._call(m.Ping(req_id=self._b.next_id()), m.Pong)
+        return await self._run(self._b.ping())
 
     async def stats(self) -> StatsReport:
-        return stats_report(await self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
+        return await self._run(self._b.stats())
+
+    async def clear(self) -> int:
+        return await self._run(self._b.clear())
 
     async def register(self, *, model: str, kv_dtype: str, arch: str,
                        groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),
                        world_size: int = 1, rank: int = 0,
                        replicated: bool = False) -> Registration:
-        msg = RequestBuilder.register_msg(self._b.next_id(), model=model, kv_dtype=kv_dtype,
-                                          arch=arch, groups=groups, buffers=buffers,
-                                          world_size=world_size, rank=rank,
-                                          replicated=replicated)
-        return RequestBuilder.registration(await self._call(msg, m.Registered), groups)
+        return await self._run(self._b.register(model=model, kv_dtype=kv_dtype, arch=arch,
+                                                groups=groups, buffers=buffers,
+                                                world_size=world_size, rank=rank,
+                                                replicated=replicated))
 
     async def unregister(self, reg: Registration) -> None:
-        await self._call(m.Unregister(req_id=self._b.next_id(),
-                                      registration_id=reg.registration_id), m.Unregistered)
+        await self._run(self._b.unregister(reg))
 
     async def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
                      lease: bool = True) -> m.LookupResult:
-        return await self._call(
-            m.Lookup(req_id=self._b.next_id(), registration_id=reg.registration_id,
-                     digests=digests, salt=salt, lease=lease), m.LookupResult)
+        return await self._run(self._b.lookup(reg, digests, salt, lease))
 
     async def release(self, lease_id: int) -> bool:
-        reply = await self._call(m.Release(req_id=self._b.next_id(), lease_id=lease_id),
-                                 m.Released)
-        return bool(reply.released)
+        return await self._run(self._b.release(lease_id))
 
     async def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
                     salt: bytes = b"") -> ChunkResult:
-        n = len(digests) // 32
-        msg = m.Store(req_id=self._b.next_id(), registration_id=reg.registration_id,
-                      digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                      salt=salt)
-        reply = await self._call(msg, m.StoreResult)
-        return RequestBuilder.chunk_result(reg, reply.statuses)
+        return await self._run(self._b.store(reg, digests, block_ids, salt))
 
     async def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
                        salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:
         """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
-        n = len(digests) // 32
-        msg = m.Retrieve(req_id=self._b.next_id(), registration_id=reg.registration_id,
-                         digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                         salt=salt, prefix_ends=np.asarray(prefix_ends, dtype="<i4").tobytes())
-        reply = await self._call(msg, m.RetrieveResult)
-        return RequestBuilder.chunk_result(reg, reply.statuses)
+        return await self._run(self._b.retrieve(reg, digests, block_ids, salt, prefix_ends))

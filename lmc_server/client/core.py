@@ -1,25 +1,22 @@
-"""What the sync and asyncio clients share: request building and reply checking.
+"""The values the client API speaks in, and the socket setup both transports share.
 
-The clients differ only in how a frame travels; everything about message contents
-(block-id encoding, status decoding, error mapping) lives here once.
+:class:`Registration` (with its block-id encoding), :class:`ChunkResult`,
+:class:`ServerError` and :class:`CurveKeys` are what callers hold; what each request
+sends and how its reply is read lives in :mod:`lmc_server.client.requests`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.status import SUCCESS, ChunkStatus
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.stats import StatsReport
-
-R = TypeVar("R", bound=m._Msg)
 
 BlockIds = Mapping[str, np.ndarray | Sequence[int]]
 
@@ -63,13 +60,6 @@ def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
         sock.curve_serverkey = curve.server_public
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
-
-
-def needs_new_hello(reply: m.Reply, msg: m._Msg, said_hello: bool) -> bool:
-    """The server no longer knows this connection's session (it restarted, or dropped
-    the session): a client that had said hello says it again and retries once."""
-    return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
-            and not isinstance(msg, m.Hello))
 
 
 class ServerError(Exception):
@@ -163,43 +153,6 @@ class ChunkResult:
 
     def count(self, status: ChunkStatus) -> int:
         return int(sum((st == status).sum() for st in self.statuses.values()))
-
-
-class RequestBuilder:
-    """Assigns request ids and turns replies into values or :class:`ServerError`."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    @staticmethod
-    def check(reply: m.Reply, expected: type[R]) -> R:
-        if isinstance(reply, m.Error):
-            raise ServerError(reply.code, reply.message)
-        if not isinstance(reply, expected):
-            raise ServerError("bad_request", f"unexpected reply {type(reply).__name__}")
-        return reply
-
-    @staticmethod
-    def register_msg(req_id: int, *, model: str, kv_dtype: str, arch: str,
-                     groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),
-                     world_size: int = 1, rank: int = 0,
-                     replicated: bool = False) -> m.Register:
-        return m.Register(req_id=req_id, model=model, kv_dtype=kv_dtype, arch=arch,
-                          world_size=world_size, rank=rank, replicated=replicated,
-                          buffers=list(buffers), groups=list(groups))
-
-    @staticmethod
-    def registration(reply: m.Registered, groups: Sequence[GroupSpec]) -> Registration:
-        return Registration(reply.registration_id, reply.namespace, reply.chunk_size,
-                            reply.lookup_only, list(reply.object_groups), list(groups))
-
-    @staticmethod
-    def chunk_result(reg: Registration, statuses: list[bytes]) -> ChunkResult:
-        return ChunkResult({og.name: np.frombuffer(s, dtype=np.uint8)
-                            for og, s in zip(reg.object_groups, statuses, strict=True)})
 
 
 def stats_report(reply: m.StatsResult) -> StatsReport:

@@ -1,18 +1,19 @@
-"""Blocking client over a zmq DEALER socket; one instance per thread.
+"""Blocking transport of the client over a zmq DEALER socket; one instance per thread.
 
-Each call sends one request and waits (up to ``timeout_s``) for the reply with the same
-``req_id``; replies to requests that timed out earlier are discarded when they arrive.
+What each request sends and how its reply is read is :mod:`lmc_server.client.requests`,
+shared with the asyncio client; this module moves frames. Each call sends one request
+and waits (up to ``timeout_s``) for the reply with the same ``req_id``; replies to
+requests that timed out earlier are discarded when they arrive.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
-from lmc_server import PROTOCOL_VERSION
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.core import (
@@ -20,15 +21,15 @@ from lmc_server.client.core import (
     ChunkResult,
     CurveKeys,
     Registration,
-    RequestBuilder,
     ServerError,
     configure_socket,
-    needs_new_hello,
-    stats_report,
 )
+from lmc_server.client.requests import Call, RequestBuilder, raw_call
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.protocol.stats import StatsReport
+
+T = TypeVar("T")
 
 
 class Client:
@@ -51,9 +52,7 @@ class Client:
             self._hello()
 
     def _hello(self) -> None:
-        self.welcome = self._call(m.Hello(req_id=self._b.next_id(),
-                                          protocol_version=PROTOCOL_VERSION,
-                                          client_name=self._client_name), m.Welcome)
+        self.welcome = self._run(self._b.hello(self._client_name))
 
     def __enter__(self) -> Client:
         return self
@@ -81,13 +80,17 @@ class Client:
         return decode_reply(self._sock.recv())
 
     def _call(self, msg: m._Msg, expected: type[Any], timeout_s: float | None = None) -> Any:
-        """Send ``msg``, wait for its reply; a ``handshake`` refusal after an earlier hello
+        """Send a message built by hand, return its reply (tests of server validation)."""
+        return self._run(raw_call(msg, expected), timeout_s)
+
+    def _run(self, call: Call[T], timeout_s: float | None = None) -> T:
+        """Send ``call``, wait for its reply; a ``handshake`` refusal after an earlier hello
         (the server restarted, or forgot the session) is retried once after a new hello."""
-        reply = self._roundtrip(msg, timeout_s)
-        if needs_new_hello(reply, msg, self.welcome is not None):
+        reply = self._roundtrip(call.msg, timeout_s)
+        if type(reply) is m.Error and call.needs_new_hello(reply, self.welcome is not None):
             self._hello()
-            reply = self._roundtrip(msg, timeout_s)
-        return RequestBuilder.check(reply, expected)
+            reply = self._roundtrip(call.msg, timeout_s)
+        return call.result(reply)
 
     def _roundtrip(self, msg: m._Msg, timeout_s: float | None) -> m.Reply:
         self._sock.send(encode(msg))
@@ -101,56 +104,43 @@ class Client:
             if reply.req_id == msg.req_id or (reply.req_id == 0 and isinstance(reply, m.Error)):
                 return reply
 
-    # -- requests -----------------------------------------------------------------------
+    # -- requests (built and read in lmc_server.client.requests) -------------------------
 
     def ping(self, timeout_s: float | None = None) -> m.Pong:
-        return self._call(m.Ping(req_id=self._b.next_id()), m.Pong, timeout_s)
+        return self._run(self._b.ping(), timeout_s)
 
     def stats(self) -> StatsReport:
-        return stats_report(self._call(m.Stats(req_id=self._b.next_id()), m.StatsResult))
+        return self._run(self._b.stats())
 
     def clear(self) -> int:
-        return int(self._call(m.Clear(req_id=self._b.next_id()), m.Cleared).evicted)
+        return self._run(self._b.clear())
 
     def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
                  buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
                  replicated: bool = False) -> Registration:
-        msg = RequestBuilder.register_msg(self._b.next_id(), model=model, kv_dtype=kv_dtype,
-                                          arch=arch, groups=groups, buffers=buffers,
+        return self._run(self._b.register(model=model, kv_dtype=kv_dtype, arch=arch,
+                                          groups=groups, buffers=buffers,
                                           world_size=world_size, rank=rank,
-                                          replicated=replicated)
-        return RequestBuilder.registration(self._call(msg, m.Registered), groups)
+                                          replicated=replicated))
 
     def unregister(self, reg: Registration) -> None:
-        self._call(m.Unregister(req_id=self._b.next_id(),
-                                registration_id=reg.registration_id), m.Unregistered)
+        self._run(self._b.unregister(reg))
 
     def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
                lease: bool = True) -> m.LookupResult:
-        return self._call(m.Lookup(req_id=self._b.next_id(),
-                                   registration_id=reg.registration_id, digests=digests,
-                                   salt=salt, lease=lease), m.LookupResult)
+        return self._run(self._b.lookup(reg, digests, salt, lease))
 
     def release(self, lease_id: int) -> bool:
-        return bool(self._call(m.Release(req_id=self._b.next_id(), lease_id=lease_id),
-                               m.Released).released)
+        return self._run(self._b.release(lease_id))
 
     def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
               salt: bytes = b"") -> ChunkResult:
-        n = len(digests) // 32
-        msg = m.Store(req_id=self._b.next_id(), registration_id=reg.registration_id,
-                      digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                      salt=salt)
-        reply = self._call(msg, m.StoreResult)
-        return RequestBuilder.chunk_result(reg, reply.statuses)
+        return self._run(self._b.store(reg, digests, block_ids, salt))
 
     def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                 salt: bytes = b"") -> ChunkResult:
-        n = len(digests) // 32
-        msg = m.Retrieve(req_id=self._b.next_id(), registration_id=reg.registration_id,
-                         digests=digests, block_ids=reg.encode_block_ids(block_ids, n),
-                         salt=salt)
-        return RequestBuilder.chunk_result(reg, self._call(msg, m.RetrieveResult).statuses)
+                 salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:
+        """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
+        return self._run(self._b.retrieve(reg, digests, block_ids, salt, prefix_ends))
 
 
 __all__ = ["Client", "ServerError"]

@@ -1,6 +1,8 @@
 """Engine integrations built on the client library.
 
-``lmc_server.integration.planning`` (what to look up, store and retrieve),
+``lmc_server.integration.planning`` (what to look up, store and retrieve, per request),
+``lmc_server.integration.chunks`` (chunk arithmetic over block tables),
+``lmc_server.integration.plans`` (the values planning hands the link and the workers),
 ``lmc_server.integration.worker`` (transfer bookkeeping) and
 ``lmc_server.integration.kvlayout`` (an engine's KV cache as plain descriptors, and the
 registration derived from them) are plain Python, tested in CI without any engine

@@ -44,8 +44,8 @@ from typing import Any, Literal
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec, LayerSpec
+from lmc_server.integration.chunks import EngineGroup
 from lmc_server.integration.exporters import TensorExporter, exporter_for
-from lmc_server.integration.planning import EngineGroup
 
 GroupKind = Literal["full", "sliding_window", "scratch"]
 

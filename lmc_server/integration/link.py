@@ -38,7 +38,7 @@ from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
 from lmc_server.client.digests import DIGEST_BYTES
-from lmc_server.integration.planning import LookupAnswer
+from lmc_server.integration.plans import LookupAnswer
 
 logger = logging.getLogger(__name__)
 

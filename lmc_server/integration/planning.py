@@ -4,11 +4,10 @@ This module knows nothing about vLLM's classes; the adapter
 (:mod:`lmc_server.integration.vllm.connector`) maps vLLM's requests, block tables and
 scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
-Chunks and digests. A chunk is ``chunk_size`` tokens. The engine hashes every
-``hash_block_size`` tokens (vLLM's block hashes, already chained and salted with the
-request's cache salt, LoRA and multimodal inputs); the digest of chunk ``k`` chains the
-concatenated hashes of its blocks onto the digest of chunk ``k - 1``
-(:func:`lmc_server.client.digests.hash_chain`), so equal digests mean equal prefixes.
+Chunk arithmetic (block ids, digests, freed window blocks) is
+:mod:`lmc_server.integration.chunks`; the values this module takes and returns
+(:class:`ScheduledRequest`, :class:`LookupAnswer`, :class:`StepPlan`) are
+:mod:`lmc_server.integration.plans`, re-exported here for the adapter.
 
 Invariants:
 
@@ -49,197 +48,22 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
-
-from lmc_server.cache.geometry import blocks_per_chunk
-from lmc_server.client.digests import DIGEST_BYTES, hash_chain
+from lmc_server.client.digests import DIGEST_BYTES
+from lmc_server.integration.chunks import NULL_BLOCK_ID, ChunkGeometry, EngineGroup
+from lmc_server.integration.plans import (
+    LoadSpec,
+    LookupAnswer,
+    LookupService,
+    ScheduledRequest,
+    StepPlan,
+    StoreSpec,
+)
 
 logger = logging.getLogger(__name__)
 
-NULL_BLOCK_ID = 0
-"""vLLM's null block (block 0 of its pool): a placeholder, never real KV."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineGroup:
-    """One engine KV cache group as the planner needs it.
-
-    ``cached`` is False for scratch groups (never stored, never sent block ids).
-    ``window_tokens`` > 0 marks a sliding-window group. ``server_groups`` names the
-    server groups this block table drives when there are several (layers with
-    different records under one block table, :mod:`lmc_server.integration.kvlayout`);
-    empty means one server group named ``name``.
-    """
-
-    name: str
-    tokens_per_block: int
-    cached: bool = True
-    window_tokens: int = 0
-    server_groups: tuple[str, ...] = ()
-
-    @property
-    def block_id_keys(self) -> tuple[str, ...]:
-        """The server groups that receive this group's block ids."""
-        return self.server_groups or (self.name,)
-
-
-class ChunkGeometry:
-    """Chunk arithmetic over an engine's groups and block hashes."""
-
-    def __init__(self, chunk_size: int, hash_block_size: int,
-                 groups: Sequence[EngineGroup]) -> None:
-        if chunk_size <= 0 or hash_block_size <= 0 or chunk_size % hash_block_size:
-            raise ValueError(f"chunk size {chunk_size} must be a positive multiple of the "
-                             f"engine's hash block size {hash_block_size}")
-        for g in groups:
-            if g.cached and chunk_size % g.tokens_per_block:
-                raise ValueError(f"chunk size {chunk_size} is not a multiple of group "
-                                 f"{g.name!r}'s {g.tokens_per_block} tokens per block")
-        self.chunk_size = chunk_size
-        self.hash_block_size = hash_block_size
-        self.groups = tuple(groups)
-        self.hashes_per_chunk = chunk_size // hash_block_size
-
-    @property
-    def has_window(self) -> bool:
-        return any(g.cached and g.window_tokens for g in self.groups)
-
-    def blocks_per_chunk(self, group: EngineGroup) -> int:
-        return blocks_per_chunk(group, self.chunk_size)
-
-    @staticmethod
-    def freed_blocks(group: EngineGroup, num_computed_tokens: int) -> int:
-        """Leading blocks of ``group`` the engine may have freed at this many computed
-        tokens: 0 for full groups; for a window of W tokens, the blocks wholly below
-        ``num_computed_tokens - W + 1`` (vLLM 0.33 ``SlidingWindowManager``: the
-        skipped tokens no later token attends to, freed by ``remove_skipped_blocks``
-        when the request is next scheduled)."""
-        if not group.cached or not group.window_tokens:
-            return 0
-        return max(0, num_computed_tokens - group.window_tokens + 1) // group.tokens_per_block
-
-    def max_chunks(self, num_tokens: int, num_hashes: int) -> int:
-        """Chunks a hit may cover: whole chunks, never the last token, hashed."""
-        return min(max(0, num_tokens - 1) // self.chunk_size,
-                   num_hashes // self.hashes_per_chunk)
-
-    def digests(self, block_hashes: Sequence[bytes], n_chunks: int) -> bytes:
-        """Prefix-chained digests of the first ``n_chunks`` chunks."""
-        per = self.hashes_per_chunk
-        if len(block_hashes) < n_chunks * per:
-            raise ValueError(f"{len(block_hashes)} block hashes cannot cover {n_chunks} "
-                             f"chunks of {per} hashes")
-        return hash_chain(b"".join(bytes(h) for h in block_hashes[k * per:(k + 1) * per])
-                          for k in range(n_chunks))
-
-    def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
-                  n_chunks: int, keep_tokens: int = 0,
-                  computed_tokens: int = 0) -> dict[str, np.ndarray]:
-        """Per cached server group, the block ids of chunks ``first_chunk..+n_chunks``.
-
-        ``group_blocks[i]`` is the request's block table of engine group ``i``; every
-        server group of an engine group gets the same ids. Blocks whose tokens all lie
-        below ``keep_tokens`` (the engine already holds them), blocks the engine may
-        have freed at ``computed_tokens`` (:meth:`freed_blocks`), the null block and
-        blocks past the table's end become ``-1``.
-        """
-        out: dict[str, np.ndarray] = {}
-        for gi, g in enumerate(self.groups):
-            if not g.cached:
-                continue
-            bpc = self.blocks_per_chunk(g)
-            lo = first_chunk * bpc
-            ids = np.full(n_chunks * bpc, -1, dtype=np.int32)
-            have = np.asarray(group_blocks[gi][lo:lo + n_chunks * bpc], dtype=np.int64)
-            ids[:have.size] = have
-            ids[ids == NULL_BLOCK_ID] = -1
-            keep_blocks = max(keep_tokens // g.tokens_per_block,
-                              self.freed_blocks(g, computed_tokens)) - lo
-            if keep_blocks > 0:
-                ids[:keep_blocks] = -1
-            for key in g.block_id_keys:
-                out[key] = ids
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class LookupAnswer:
-    hit_chunks: int
-    lease_id: int
-    lease_ttl_s: float
-    #: chunks after the hit the server is fetching from its L2 tier (0 without one)
-    l2_pending_chunks: int = 0
-
-
-class LookupService(Protocol):
-    """The scheduler's link to the server (a lookup-only registration)."""
-
-    def lookup(self, digests: bytes) -> Future[LookupAnswer]: ...
-
-    def release(self, lease_id: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Retrieve chunks ``0..n`` of a request into its blocks (``-1``: leave alone)."""
-
-    req_id: str
-    digests: bytes
-    block_ids: dict[str, np.ndarray]
-    lease_id: int
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.digests) // DIGEST_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSpec:
-    """Store chunks ``first_chunk..`` of a request from its blocks (``-1``: not read).
-
-    ``store_id`` names the store for fences (:attr:`StepPlan.fence_store_ids`).
-    """
-
-    req_id: str
-    first_chunk: int
-    digests: bytes
-    block_ids: dict[str, np.ndarray]
-    store_id: int = 0
-
-    @property
-    def n_chunks(self) -> int:
-        return len(self.digests) // DIGEST_BYTES
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What the workers do in one engine step.
-
-    ``fence_store_ids``: stores (of earlier steps) that read blocks this step's
-    scheduling may have freed; the workers wait for them before this step's loads
-    and forward pass write any block.
-    """
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
-    fence_store_ids: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request of a scheduler step, as the adapter reads it from the engine.
-
-    ``new_block_ids`` appends to the request's block tables, or replaces them when
-    ``resumed`` (a preempted request that starts over) or when it is a new request.
-    """
-
-    req_id: str
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    new_block_ids: Sequence[Sequence[int]] | None
-    replace_blocks: bool = False
+__all__ = ["NULL_BLOCK_ID", "ChunkGeometry", "EngineGroup", "LoadSpec", "LookupAnswer",
+           "LookupService", "ScheduledRequest", "SchedulerPlanner", "StepPlan", "StoreSpec"]
 
 
 @dataclass(slots=True, eq=False)
@@ -368,17 +192,7 @@ class SchedulerPlanner:
                          digests=g.digests(r.block_hashes, done)[first * DIGEST_BYTES:],
                          block_ids=ids, store_id=self._next_store_id)
         self._next_store_id += 1
-        windows: dict[int, int] = {}
-        for gi, eg in enumerate(g.groups):
-            if not (eg.cached and eg.window_tokens):
-                continue
-            bpc = g.blocks_per_chunk(eg)
-            nwin = min(bpc, -(-eg.window_tokens // eg.tokens_per_block))
-            read = ids[eg.block_id_keys[0]].reshape(done - first, bpc)[:, bpc - nwin:]
-            rows, cols = np.nonzero(read >= 0)
-            if rows.size:
-                windows[gi] = int((first + rows[0]) * bpc + bpc - nwin + cols[0])
-        r.stores.append(_Store(spec.store_id, windows))
+        r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
         r.stored_chunks = done
         r.has_store = True
         return spec

@@ -3,7 +3,7 @@
 :class:`TransferTracker` is the bookkeeping (pure): which requests have loads or held
 stores in flight, and what to report to the engine. :class:`WorkerTransfers` drives a
 :class:`~lmc_server.integration.link.ServerLink` from a step's
-:class:`~lmc_server.integration.planning.StepPlan`.
+:class:`~lmc_server.integration.plans.StepPlan`.
 
 Reporting contract (what vLLM's KV output aggregator relies on):
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from lmc_server.client.core import ChunkResult
 from lmc_server.integration.link import ServerLink
-from lmc_server.integration.planning import LoadSpec, StepPlan, StoreSpec
+from lmc_server.integration.plans import LoadSpec, StepPlan, StoreSpec
 
 logger = logging.getLogger(__name__)
 

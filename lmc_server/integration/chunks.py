@@ -1,0 +1,150 @@
+"""Chunk arithmetic over an engine's block tables: which blocks hold a chunk, its digest.
+
+A chunk is ``chunk_size`` tokens. The engine hashes every ``hash_block_size`` tokens
+(vLLM's block hashes, already chained and salted with the request's cache salt, LoRA
+and multimodal inputs); the digest of chunk ``k`` chains the concatenated hashes of its
+blocks onto the digest of chunk ``k - 1``
+(:func:`lmc_server.client.digests.hash_chain`), so equal digests mean equal prefixes.
+
+Pure functions of the engine's geometry (no request state, no vLLM, no IO): the
+scheduler-side planner (:mod:`lmc_server.integration.planning`) asks which block ids to
+send and which blocks a sliding window has freed; the registration
+(:mod:`lmc_server.integration.kvlayout`) reads the groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmc_server.cache.geometry import blocks_per_chunk
+from lmc_server.client.digests import hash_chain
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block (block 0 of its pool): a placeholder, never real KV."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGroup:
+    """One engine KV cache group as the planner needs it.
+
+    ``cached`` is False for scratch groups (never stored, never sent block ids).
+    ``window_tokens`` > 0 marks a sliding-window group. ``server_groups`` names the
+    server groups this block table drives when there are several (layers with
+    different records under one block table, :mod:`lmc_server.integration.kvlayout`);
+    empty means one server group named ``name``.
+    """
+
+    name: str
+    tokens_per_block: int
+    cached: bool = True
+    window_tokens: int = 0
+    server_groups: tuple[str, ...] = ()
+
+    @property
+    def block_id_keys(self) -> tuple[str, ...]:
+        """The server groups that receive this group's block ids."""
+        return self.server_groups or (self.name,)
+
+
+class ChunkGeometry:
+    """Chunk arithmetic over an engine's groups and block hashes."""
+
+    def __init__(self, chunk_size: int, hash_block_size: int,
+                 groups: Sequence[EngineGroup]) -> None:
+        if chunk_size <= 0 or hash_block_size <= 0 or chunk_size % hash_block_size:
+            raise ValueError(f"chunk size {chunk_size} must be a positive multiple of the "
+                             f"engine's hash block size {hash_block_size}")
+        for g in groups:
+            if g.cached and chunk_size % g.tokens_per_block:
+                raise ValueError(f"chunk size {chunk_size} is not a multiple of group "
+                                 f"{g.name!r}'s {g.tokens_per_block} tokens per block")
+        self.chunk_size = chunk_size
+        self.hash_block_size = hash_block_size
+        self.groups = tuple(groups)
+        self.hashes_per_chunk = chunk_size // hash_block_size
+
+    @property
+    def has_window(self) -> bool:
+        return any(g.cached and g.window_tokens for g in self.groups)
+
+    def blocks_per_chunk(self, group: EngineGroup) -> int:
+        return blocks_per_chunk(group, self.chunk_size)
+
+    @staticmethod
+    def freed_blocks(group: EngineGroup, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group`` the engine may have freed at this many computed
+        tokens: 0 for full groups; for a window of W tokens, the blocks wholly below
+        ``num_computed_tokens - W + 1`` (vLLM 0.33 ``SlidingWindowManager``: the
+        skipped tokens no later token attends to, freed by ``remove_skipped_blocks``
+        when the request is next scheduled)."""
+        if not group.cached or not group.window_tokens:
+            return 0
+        return max(0, num_computed_tokens - group.window_tokens + 1) // group.tokens_per_block
+
+    def max_chunks(self, num_tokens: int, num_hashes: int) -> int:
+        """Chunks a hit may cover: whole chunks, never the last token, hashed."""
+        return min(max(0, num_tokens - 1) // self.chunk_size,
+                   num_hashes // self.hashes_per_chunk)
+
+    def digests(self, block_hashes: Sequence[bytes], n_chunks: int) -> bytes:
+        """Prefix-chained digests of the first ``n_chunks`` chunks."""
+        per = self.hashes_per_chunk
+        if len(block_hashes) < n_chunks * per:
+            raise ValueError(f"{len(block_hashes)} block hashes cannot cover {n_chunks} "
+                             f"chunks of {per} hashes")
+        return hash_chain(b"".join(bytes(h) for h in block_hashes[k * per:(k + 1) * per])
+                          for k in range(n_chunks))
+
+    def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
+                  n_chunks: int, keep_tokens: int = 0,
+                  computed_tokens: int = 0) -> dict[str, np.ndarray]:
+        """Per cached server group, the block ids of chunks ``first_chunk..+n_chunks``.
+
+        ``group_blocks[i]`` is the request's block table of engine group ``i``; every
+        server group of an engine group gets the same ids. Blocks whose tokens all lie
+        below ``keep_tokens`` (the engine already holds them), blocks the engine may
+        have freed at ``computed_tokens`` (:meth:`freed_blocks`), the null block and
+        blocks past the table's end become ``-1``.
+        """
+        out: dict[str, np.ndarray] = {}
+        for gi, g in enumerate(self.groups):
+            if not g.cached:
+                continue
+            bpc = self.blocks_per_chunk(g)
+            lo = first_chunk * bpc
+            ids = np.full(n_chunks * bpc, -1, dtype=np.int32)
+            have = np.asarray(group_blocks[gi][lo:lo + n_chunks * bpc], dtype=np.int64)
+            ids[:have.size] = have
+            ids[ids == NULL_BLOCK_ID] = -1
+            keep_blocks = max(keep_tokens // g.tokens_per_block,
+                              self.freed_blocks(g, computed_tokens)) - lo
+            if keep_blocks > 0:
+                ids[:keep_blocks] = -1
+            for key in g.block_id_keys:
+                out[key] = ids
+        return out
+
+    def first_window_blocks(self, ids: dict[str, np.ndarray], first_chunk: int,
+                            n_chunks: int) -> dict[int, int]:
+        """Per sliding-window engine group (by index), the lowest block index in the
+        request's table that a store of chunks ``first_chunk..+n_chunks`` with these
+        ``ids`` (from :meth:`block_ids`) reads; groups it reads no block of are absent.
+
+        Of each chunk a window group keeps only the blocks its window covers at the
+        chunk's end (the last ``ceil(window / tokens_per_block)``), and ``-1`` ids are
+        not read. The planner fences the store once the engine may free that block.
+        """
+        out: dict[int, int] = {}
+        for gi, g in enumerate(self.groups):
+            if not (g.cached and g.window_tokens):
+                continue
+            bpc = self.blocks_per_chunk(g)
+            nwin = min(bpc, -(-g.window_tokens // g.tokens_per_block))
+            read = ids[g.block_id_keys[0]].reshape(n_chunks, bpc)[:, bpc - nwin:]
+            rows, cols = np.nonzero(read >= 0)
+            if rows.size:
+                out[gi] = int((first_chunk + rows[0]) * bpc + bpc - nwin + cols[0])
+        return out
