@@ -18,7 +18,7 @@ from lmc_server.client import Client, chunk_digests
 from lmc_server.client.aio import AsyncClient
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
-from lmc_server.server import server as server_mod
+from lmc_server.server import housekeeping
 from lmc_server.testing import ShmKV, dsv41_flash, simple_model
 from lmc_server.testing.inprocess import FakeClock, run_server
 from lmc_server.testing.kv import block_ids_for
@@ -132,7 +132,7 @@ def test_quiet_connected_client_is_not_forgotten() -> None:
         try:
             sock.send(encode(m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION)))
             assert isinstance(decode_reply(sock.recv()), m.Welcome)
-            clock.advance(server_mod.IDLE_SESSION_S * 3)  # > the sweep interval too
+            clock.advance(housekeeping.IDLE_SESSION_S * 3)  # > the sweep interval too
             ts.wait_housekeeping()  # a whole tick, hence the sweep, ran after the jump
             sock.send(encode(m.Stats(req_id=2)))
             assert sock.poll(10_000)
