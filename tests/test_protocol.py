@@ -15,8 +15,9 @@ import pytest
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.client import Client, chunk_digests
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, block_id_array, decode_request, encode
+from lmc_server.protocol.codec import Limits, decode_block_ids, decode_request, encode
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.validate import check_bounds
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
@@ -61,15 +62,26 @@ def test_req_id_is_recovered_from_an_invalid_message() -> None:
     assert e.value.req_id == 42 and "bogus" in e.value.message
 
 
-def test_block_ids_are_checked_before_use() -> None:
+def test_block_ids_decode_checks_only_the_length() -> None:
+    """The sans-IO codec takes any int32 value: bounds need the registration."""
     ok = np.array([0, 5, -1, 7], "<i4").tobytes()
-    assert block_id_array(ok, 4, 8, "g", 1).tolist() == [0, 5, -1, 7]
-    with pytest.raises(ProtocolError, match="block id 8 out of range -1..7"):
-        block_id_array(np.array([8], "<i4").tobytes(), 1, 8, "g", 1)
-    with pytest.raises(ProtocolError, match="block id -2"):
-        block_id_array(np.array([-2], "<i4").tobytes(), 1, 8, "g", 1)
-    with pytest.raises(ProtocolError, match="expected 2 block ids"):
-        block_id_array(ok, 2, 8, "g", 1)
+    assert decode_block_ids(ok, 4, "g", 1).tolist() == [0, 5, -1, 7]
+    assert decode_block_ids(np.array([1 << 30], "<i4").tobytes(), 1, "g", 1).tolist() == \
+        [1 << 30]
+    with pytest.raises(ProtocolError, match="expected 2 block ids") as e:
+        decode_block_ids(ok, 2, "g", 1)
+    assert e.value.code == ErrorCode.BAD_REQUEST and e.value.req_id == 1
+
+
+def test_block_ids_are_bounds_checked_by_the_server() -> None:
+    ids = np.array([0, 5, -1, 7], "<i4")
+    check_bounds(ids, 8, "g", 1)
+    check_bounds(ids[:0], 0, "g", 1)  # nothing to check
+    for bad, value in (([8], 8), ([-2], -2), ([3, -7, 9], -7)):
+        with pytest.raises(ProtocolError) as e:
+            check_bounds(np.array(bad, "<i4"), 8, "g", 3)
+        assert e.value.code == ErrorCode.BOUNDS and e.value.req_id == 3
+        assert e.value.message == f"group 'g': block id {value} out of range -1..7"
 
 
 @pytest.fixture(scope="module")
@@ -150,4 +162,28 @@ def test_oversized_registration_is_refused_cleanly(
     with Client(small_frames.endpoint) as c:
         with pytest.raises(Exception, match="too_large|layers"):
             c.register(model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups)
+    still_serving(stored)
+
+
+def test_out_of_range_block_ids_refused_with_bounds_and_others_served(
+        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    """The server's bounds check (server/validate.py), through the wire: the same code
+    and message as the codec gave when it held the check, the request's own req_id, and
+    the connection and the other client keep being served."""
+    _, _, digests, kv = stored
+    with Client(small_frames.endpoint) as c:
+        reg = c.register(**kv.register_kwargs())
+        g = reg.groups[0]
+        n_ids = reg.blocks_per_chunk(g)
+        for req_id, bad in ((60, g.num_blocks), (61, -2)):
+            ids = np.zeros(n_ids, "<i4")
+            ids[-1] = bad
+            c.send_raw([encode(m.Retrieve(req_id=req_id, registration_id=reg.registration_id,
+                                          digests=digests, block_ids=[ids.tobytes()]))])
+            reply = c.recv_reply(timeout_s=5)
+            assert isinstance(reply, m.Error) and reply.req_id == req_id, reply
+            assert reply.code == "bounds"
+            assert reply.message == (f"group {g.name!r}: block id {bad} out of range "
+                                     f"-1..{g.num_blocks - 1}")
+        assert c.retrieve(reg, digests, block_ids_for(reg, 1)).ok.all()
     still_serving(stored)
