@@ -30,7 +30,7 @@ from lmc_server.testing.process import ServerProcess, free_port
 def test_burst_with_unknown_registration_is_answered_unknown_registration() -> None:
     """A burst larger than the in-flight limit, all naming an unknown registration: every
     reply says so (before: all but the first were ``busy``), and the server serves on."""
-    with ServerProcess(["--max-inflight-per-client", "2"], l1_size_gb=0.25) as srv:
+    with run_server(max_inflight_per_client=2, l1_size_gb=0.25) as srv:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -97,6 +97,8 @@ def test_replicated_ranks_racing_on_a_chunk_get_no_in_progress() -> None:
             for c in clients:
                 await c.close()
 
+    # a process: eight clients' copies and numpy checks would share the GIL with an
+    # in-process server (twice as slow, measured)
     with ServerProcess(["--separate-object-groups"], l1_size_gb=0.5) as srv:
         kvs = [ShmKV(geo) for _ in range(ranks)]
         try:
@@ -145,7 +147,7 @@ def test_quiet_connected_client_is_not_forgotten() -> None:
 
 def test_clients_say_hello_again_after_a_server_restart() -> None:
     port = free_port()
-    with ServerProcess(port=port, l1_size_gb=0.25) as srv:
+    with run_server(port=port, l1_size_gb=0.25) as srv:
         c = Client(srv.endpoint, timeout_s=10)
 
         async def connect() -> AsyncClient:
@@ -154,7 +156,7 @@ def test_clients_say_hello_again_after_a_server_restart() -> None:
         ac = loop.run_until_complete(connect())
         assert c.stats()["sessions"] >= 1
     try:
-        with ServerProcess(port=port, l1_size_gb=0.25):
+        with run_server(port=port, l1_size_gb=0.25):
             assert c.stats()["version"]  # new server, no session: hello again, then stats
             assert loop.run_until_complete(ac.stats())["version"]
             with ShmKV(simple_model()) as kv:
@@ -193,7 +195,7 @@ print("done", flush=True)
 def test_never_closed_async_clients_do_not_hang_exit(tmp_path: Path) -> None:
     script = tmp_path / "leak.py"
     script.write_text(LEAKER)
-    with ServerProcess(l1_size_gb=0.25) as srv:
+    with run_server(l1_size_gb=0.25) as srv:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, str(script), srv.endpoint], capture_output=True,
                              text=True, timeout=30)

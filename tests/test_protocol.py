@@ -1,7 +1,8 @@
 """Bad input is a feature: every refusal gets a typed error and the server keeps serving.
 
 Each live test sends something malformed, checks the error code and message, then checks
-that another client is still served and that nothing stored earlier was lost.
+that another client is still served and that nothing stored earlier was lost. The
+server runs in process; ``tests/test_fuzz.py`` sends random input to a server process.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from lmc_server.protocol.codec import Limits, decode_block_ids, decode_request, 
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.validate import check_bounds
 from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.process import ServerProcess
 
 MAX_FRAME = 65536
 
@@ -85,13 +86,14 @@ def test_block_ids_are_bounds_checked_by_the_server() -> None:
 
 
 @pytest.fixture(scope="module")
-def small_frames() -> Iterator[ServerProcess]:
-    with ServerProcess(["--max-frame-bytes", str(MAX_FRAME)], l1_size_gb=0.25) as srv:
-        yield srv
+def small_frames() -> Iterator[ThreadServer]:
+    """The server in process: refusals are its code path, not the process's."""
+    with run_server(max_frame_bytes=MAX_FRAME, l1_size_gb=0.25) as ts:
+        yield ts
 
 
 @pytest.fixture(scope="module")
-def stored(small_frames: ServerProcess) -> Iterator[tuple[Client, object, bytes, ShmKV]]:
+def stored(small_frames: ThreadServer) -> Iterator[tuple[Client, object, bytes, ShmKV]]:
     """A victim client with one stored chunk that must survive every bad input."""
     with Client(small_frames.endpoint) as c, ShmKV(simple_model()) as kv:
         kv.fill_random(1)
@@ -119,7 +121,7 @@ BAD_FRAMES = [
 
 @pytest.mark.parametrize("frames,code", BAD_FRAMES)
 def test_malformed_frames_get_errors_and_others_keep_being_served(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV],
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV],
         frames: list[bytes], code: str) -> None:
     with Client(small_frames.endpoint) as bad:
         bad.send_raw(frames)
@@ -129,7 +131,7 @@ def test_malformed_frames_get_errors_and_others_keep_being_served(
     still_serving(stored)
 
 
-def test_requests_before_hello_are_refused(small_frames: ServerProcess,
+def test_requests_before_hello_are_refused(small_frames: ThreadServer,
                                            stored: tuple[Client, object, bytes, ShmKV]) -> None:
     with Client(small_frames.endpoint, hello=False) as c:
         c.send_raw([encode(m.Stats(req_id=3))])
@@ -142,7 +144,7 @@ def test_requests_before_hello_are_refused(small_frames: ServerProcess,
 
 
 def test_wrong_digest_length_and_too_many_block_ids(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
     c, reg, digests, _ = stored
     with pytest.raises(Exception, match="not a multiple of 32"):
         c._call(m.Lookup(req_id=50, registration_id=reg.registration_id,  # type: ignore[attr-defined]
@@ -157,7 +159,7 @@ def test_wrong_digest_length_and_too_many_block_ids(
 
 
 def test_oversized_registration_is_refused_cleanly(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
     geo = simple_model(layers=1500)
     with Client(small_frames.endpoint) as c:
         with pytest.raises(Exception, match="too_large|layers"):
@@ -166,7 +168,7 @@ def test_oversized_registration_is_refused_cleanly(
 
 
 def test_out_of_range_block_ids_refused_with_bounds_and_others_served(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
     """The server's bounds check (server/validate.py), through the wire: the same code
     and message as the codec gave when it held the check, the request's own req_id, and
     the connection and the other client keep being served."""
