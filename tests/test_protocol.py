@@ -18,7 +18,7 @@ from lmc_server.client import Client, chunk_digests
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, decode_block_ids, decode_request, encode
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
-from lmc_server.server.validate import check_bounds
+from lmc_server.server.validate import block_ids
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import block_ids_for
@@ -75,14 +75,23 @@ def test_block_ids_decode_checks_only_the_length() -> None:
 
 
 def test_block_ids_are_bounds_checked_by_the_server() -> None:
-    ids = np.array([0, 5, -1, 7], "<i4")
-    check_bounds(ids, 8, "g", 1)
-    check_bounds(ids[:0], 0, "g", 1)  # nothing to check
-    for bad, value in (([8], 8), ([-2], -2), ([3, -7, 9], -7)):
+    g = simple_model(num_blocks=8, tokens_per_block=128).groups[0]  # 2 blocks per chunk
+
+    def check(*ids: int) -> dict[int, np.ndarray]:
+        msg = m.Retrieve(req_id=3, registration_id=b"r" * 16, digests=b"d" * 32 * 2,
+                         block_ids=[np.array(ids, "<i4").tobytes()])
+        return block_ids([g], [2], msg, 2)
+
+    out = check(0, 5, -1, 7)
+    assert out[0].dtype == np.int64 and out[0].tolist() == [[0, 5], [-1, 7]]
+    for ids, value in (((0, 1, 2, 8), 8), ((-2, 0, 1, 2), -2), ((3, -7, 9, 1), -7)):
         with pytest.raises(ProtocolError) as e:
-            check_bounds(np.array(bad, "<i4"), 8, "g", 3)
+            check(*ids)
         assert e.value.code == ErrorCode.BOUNDS and e.value.req_id == 3
-        assert e.value.message == f"group 'g': block id {value} out of range -1..7"
+        assert e.value.message == f"group 'full': block id {value} out of range -1..7"
+    with pytest.raises(ProtocolError, match="expected 4 block ids") as e:
+        check(0, 1, 2)
+    assert e.value.code == ErrorCode.BAD_REQUEST
 
 
 @pytest.fixture(scope="module")

@@ -208,7 +208,7 @@ class Handlers:
             raise ProtocolError(ErrorCode.LOOKUP_ONLY,
                                 "this registration has no buffers (lookup-only)", msg.req_id)
         n = chunk_count(msg.digests, self.limits, msg.req_id)
-        ids = block_ids(reg, msg, n)
+        ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
         try:
             keys = self.index.keys(reg.view, msg.digests, msg.salt)
         except ValueError as e:

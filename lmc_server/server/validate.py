@@ -3,24 +3,30 @@
 The codec (:mod:`lmc_server.protocol.codec`) checks what the wire alone can tell:
 frame sizes, digest and block-id lengths. What needs the registration is here: one
 block-id list per group, none for a scratch group, and every id in
-``-1 .. num_blocks - 1`` (``-1``: the engine has no block there, nothing is copied for
+``-1 .. num_blocks - 1`` (``-1``: a block the request skips, nothing is copied for
 it). Every check raises :class:`ProtocolError`; the request is then refused whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from lmc_server.cache.geometry import GroupSpec
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_block_ids
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
-from lmc_server.server.sessions import Registration
 
 
-def block_ids(reg: Registration, msg: m.Store | m.Retrieve, n: int) -> dict[int, np.ndarray]:
+def block_ids(groups: Sequence[GroupSpec], blocks_per_chunk: Sequence[int],
+              msg: m.Store | m.Retrieve, n: int) -> dict[int, np.ndarray]:
     """Group index -> its block ids as an ``(n chunks, blocks per chunk)`` int64 array,
-    for every cached group of ``reg``; each id checked by :func:`check_bounds`."""
-    groups = reg.groups
+    for every cached group of a registration (its ``groups`` and ``blocks_per_chunk``).
+
+    Raises BAD_REQUEST for a wrong number of lists or of ids, or ids for a scratch
+    group, and BOUNDS for an id outside ``-1 .. num_blocks - 1`` of its group.
+    """
     if len(msg.block_ids) != len(groups):
         raise ProtocolError(ErrorCode.BAD_REQUEST,
                             f"block_ids has {len(msg.block_ids)} entries; the "
@@ -33,20 +39,13 @@ def block_ids(reg: Registration, msg: m.Store | m.Retrieve, n: int) -> dict[int,
                                     f"group {g.name!r} is scratch and never cached; "
                                     f"send no block ids for it", msg.req_id)
             continue
-        bpc = reg.blocks_per_chunk[gi]
+        bpc = blocks_per_chunk[gi]
         ids = decode_block_ids(raw, n * bpc, g.name, msg.req_id)
-        check_bounds(ids, g.num_blocks, g.name, msg.req_id)
+        if n:  # the bounds, inline: this runs for every group of every data request
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -1 or hi >= g.num_blocks:
+                raise ProtocolError(ErrorCode.BOUNDS,
+                                    f"group {g.name!r}: block id {lo if lo < -1 else hi} "
+                                    f"out of range -1..{g.num_blocks - 1}", msg.req_id)
         out[gi] = ids.astype(np.int64).reshape(n, bpc)
     return out
-
-
-def check_bounds(ids: np.ndarray, num_blocks: int, group: str, req_id: int) -> None:
-    """Raise BOUNDS unless every id is in ``-1 .. num_blocks - 1``."""
-    if not len(ids):
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < -1 or hi >= num_blocks:
-        bad = lo if lo < -1 else hi
-        raise ProtocolError(ErrorCode.BOUNDS,
-                            f"group {group!r}: block id {bad} out of range "
-                            f"-1..{num_blocks - 1}", req_id)
