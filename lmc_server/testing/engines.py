@@ -9,6 +9,7 @@ to :func:`lmc_server.testing.inprocess.run_server`.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import DoneCallback, Mapping
 from lmc_server.transfer.cpu import CpuEngine
 
-_Submission = tuple[Mapping, Sequence[RunCopy], bool, DoneCallback]
+_Submission = tuple[asyncio.AbstractEventLoop, Mapping, Sequence[RunCopy], bool, DoneCallback]
 
 
 class HoldingEngine(CpuEngine):
@@ -39,8 +40,9 @@ class HoldingEngine(CpuEngine):
                done: DoneCallback) -> None:
         with self._cond:
             self.submissions += 1
-            if self.holding:
-                self._held.append((mapping, copies, to_pool, done))
+            if self.holding:  # called on the server's loop (the engine contract)
+                self._held.append((asyncio.get_running_loop(), mapping, copies, to_pool,
+                                   done))
                 self._cond.notify_all()
                 return
         super().submit(mapping, copies, to_pool, done)
@@ -58,14 +60,20 @@ class HoldingEngine(CpuEngine):
             self.holding = True
 
     def release(self) -> int:
-        """Stop holding, and start every held copy (from the calling thread, as the
-        engine's own threads would); returns how many there were."""
+        """Stop holding, and start every held copy where the server starts copies: on
+        its event loop (a copy started from the test's thread could still hold the pool
+        in a frame after ``done``, while the server, woken by it, frees the pool).
+        Returns how many there were."""
         with self._cond:
             self.holding = False
             held, self._held = self._held, []
-        for mapping, copies, to_pool, done in held:
-            try:
-                super().submit(mapping, copies, to_pool, done)
-            except Exception as e:  # the server's own submit reports this way too
-                done(f"copy not started: {e}")
+        for loop, mapping, copies, to_pool, done in held:
+            loop.call_soon_threadsafe(self._start, mapping, copies, to_pool, done)
         return len(held)
+
+    def _start(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        try:
+            super().submit(mapping, copies, to_pool, done)
+        except Exception as e:  # the server's own submit reports this way too
+            done(f"copy not started: {e}")
