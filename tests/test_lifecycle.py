@@ -254,7 +254,7 @@ def test_health_follows_the_server_state() -> None:
         assert not ts.server.health()[0]
 
 
-def test_an_embedded_server_does_not_notify_the_environment_s_systemd(
+def test_an_embedded_server_leaves_the_environment_s_notify_socket_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``run_server`` gives the server its own notifier: a test run under systemd (with
     ``NOTIFY_SOCKET`` set) must not tell that systemd it is ready or stopping. A server
