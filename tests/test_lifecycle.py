@@ -108,7 +108,9 @@ def sigterm_during_store(kv: ShmKV, drain_timeout_s: float) -> tuple[ServerProce
             srv.proc.send_signal(signal.SIGTERM)
             worker.join(60)
             assert not worker.is_alive(), "no reply to the in-flight store"
-        assert srv.terminate(timeout_s=60) == 0, srv.log()
+        # it exits by itself; a second SIGTERM (terminate()) could arrive after it
+        # restored the default handler and kill it (-15)
+        assert srv.proc.wait(60) == 0, srv.log()
     finally:
         srv.kill()
     return srv, outcome[0]
@@ -254,7 +256,7 @@ def test_health_follows_the_server_state() -> None:
         assert not ts.server.health()[0]
 
 
-def test_an_embedded_server_leaves_the_environment_s_notify_socket_alone(
+def test_an_embedded_server_ignores_the_notify_socket_of_its_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``run_server`` gives the server its own notifier: a test run under systemd (with
     ``NOTIFY_SOCKET`` set) must not tell that systemd it is ready or stopping. A server

@@ -17,8 +17,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from lmc_server.server.notify import Notifier
+if TYPE_CHECKING:
+    from lmc_server.server.notify import Notifier
 
 
 class FakeSystemd:
@@ -53,6 +55,8 @@ class FakeSystemd:
 
     def notifier(self, watchdog_interval_s: float | None = None) -> Notifier:
         """A :class:`Notifier` that talks to this socket (for an in-process server)."""
+        from lmc_server.server.notify import Notifier
+
         return Notifier(self.sock.getsockname(), watchdog_interval_s)
 
     def _run(self) -> None:
