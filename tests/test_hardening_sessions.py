@@ -18,7 +18,7 @@ from lmc_server.client import Client, chunk_digests
 from lmc_server.client.aio import AsyncClient
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
-from lmc_server.server import server as server_mod
+from lmc_server.server import housekeeping
 from lmc_server.testing import ShmKV, dsv41_flash, simple_model
 from lmc_server.testing.inprocess import FakeClock, run_server
 from lmc_server.testing.kv import block_ids_for
@@ -30,7 +30,7 @@ from lmc_server.testing.process import ServerProcess, free_port
 def test_burst_with_unknown_registration_is_answered_unknown_registration() -> None:
     """A burst larger than the in-flight limit, all naming an unknown registration: every
     reply says so (before: all but the first were ``busy``), and the server serves on."""
-    with ServerProcess(["--max-inflight-per-client", "2"], l1_size_gb=0.25) as srv:
+    with run_server(max_inflight_per_client=2, l1_size_gb=0.25) as srv:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -97,6 +97,8 @@ def test_replicated_ranks_racing_on_a_chunk_get_no_in_progress() -> None:
             for c in clients:
                 await c.close()
 
+    # a process: eight clients' copies and numpy checks would share the GIL with an
+    # in-process server (twice as slow, measured)
     with ServerProcess(["--separate-object-groups"], l1_size_gb=0.5) as srv:
         kvs = [ShmKV(geo) for _ in range(ranks)]
         try:
@@ -132,7 +134,7 @@ def test_quiet_connected_client_is_not_forgotten() -> None:
         try:
             sock.send(encode(m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION)))
             assert isinstance(decode_reply(sock.recv()), m.Welcome)
-            clock.advance(server_mod.IDLE_SESSION_S * 3)  # > the sweep interval too
+            clock.advance(housekeeping.IDLE_SESSION_S * 3)  # > the sweep interval too
             ts.wait_housekeeping()  # a whole tick, hence the sweep, ran after the jump
             sock.send(encode(m.Stats(req_id=2)))
             assert sock.poll(10_000)
@@ -145,7 +147,7 @@ def test_quiet_connected_client_is_not_forgotten() -> None:
 
 def test_clients_say_hello_again_after_a_server_restart() -> None:
     port = free_port()
-    with ServerProcess(port=port, l1_size_gb=0.25) as srv:
+    with run_server(port=port, l1_size_gb=0.25) as srv:
         c = Client(srv.endpoint, timeout_s=10)
 
         async def connect() -> AsyncClient:
@@ -154,7 +156,7 @@ def test_clients_say_hello_again_after_a_server_restart() -> None:
         ac = loop.run_until_complete(connect())
         assert c.stats().sessions >= 1
     try:
-        with ServerProcess(port=port, l1_size_gb=0.25):
+        with run_server(port=port, l1_size_gb=0.25):
             assert c.stats().version  # new server, no session: hello again, then stats
             assert loop.run_until_complete(ac.stats()).version
             with ShmKV(simple_model()) as kv:
@@ -193,7 +195,7 @@ print("done", flush=True)
 def test_never_closed_async_clients_do_not_hang_exit(tmp_path: Path) -> None:
     script = tmp_path / "leak.py"
     script.write_text(LEAKER)
-    with ServerProcess(l1_size_gb=0.25) as srv:
+    with run_server(l1_size_gb=0.25) as srv:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, str(script), srv.endpoint], capture_output=True,
                              text=True, timeout=30)

@@ -8,7 +8,6 @@ reading, so every job runs on every tick, and the memory Python holds must not g
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 from lmc_server.client import Client
@@ -35,15 +34,12 @@ def test_idle_housekeeping_holds_flat_memory() -> None:
         with Client(ts.endpoint) as c:  # a session to sweep, then idle
             c.ping()
         server = ts.server
-        deadline = time.monotonic() + 10
-        while server.housekeeping_ticks < 300 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        ts.wait_housekeeping(ticks=300, timeout_s=10)
         tracemalloc.start(1)
         try:
             base = tracemalloc.take_snapshot()
             t0 = server.housekeeping_ticks
-            while server.housekeeping_ticks < t0 + 2000 and time.monotonic() < deadline + 20:
-                time.sleep(0.05)
+            ts.wait_housekeeping(ticks=2000, timeout_s=30)
             ticks = server.housekeeping_ticks - t0
             grown = sum(d.size_diff for d in
                         tracemalloc.take_snapshot().compare_to(base, "filename")

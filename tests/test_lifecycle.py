@@ -1,15 +1,20 @@
-"""Lifecycle of a real server process: SIGTERM with copies in flight, SIGHUP, log formats.
+"""Lifecycle: the drain at shutdown, health states, SIGTERM, SIGHUP, log formats.
 
-Contract: SIGTERM stops new work, lets in-flight copies finish within the drain
-timeout, answers every request it received (a result, or a ``shutting_down`` error for
-a store cut off by the timeout), and exits 0. SIGHUP reopens the log file.
+Contract: a shutdown (SIGTERM) stops new work, lets in-flight copies finish within the
+drain timeout, answers every request it received (a result, or a ``shutting_down``
+error for a store cut off by the timeout), and exits 0. SIGHUP reopens the log file.
+
+The drain and the health states run in process (:mod:`lmc_server.testing.inprocess`):
+copies are held in the engine until the test releases them
+(:class:`~lmc_server.testing.engines.HoldingEngine`) and time is a fake clock, so each
+state is reached by the test, not by racing a copy's duration. Signals, log files and
+the command line need a process and get one.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import threading
 import time
@@ -19,15 +24,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, ServerError
 from lmc_server.client.core import ChunkResult, Registration
 from lmc_server.client.digests import chunk_digests
 from lmc_server.config import Config
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import encode
+from lmc_server.server.liveness import HEALTH_STALL_S
 from lmc_server.server.notify import Notifier
 from lmc_server.server.server import Server
+from lmc_server.testing.engines import HoldingEngine
+from lmc_server.testing.inprocess import FakeClock, ThreadServer, run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
-from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.testing.process import ServerProcess, free_port, wait_pool_ready
+from lmc_server.testing.systemd import FakeSystemd
 
 CHUNK = 256
 N_CHUNKS = 32  # 32 chunks x 8 layers x 256 tokens x 16 KiB: a 1 GiB store, L1 full
@@ -66,9 +78,9 @@ def wait_pool_prepared(port: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def sigterm_during_store(kv: ShmKV, drain_timeout_s: float,
-                         op: str = "store") -> tuple[ServerProcess, ChunkResult | ServerError]:
-    """Start a 1 GiB store (or retrieve) and SIGTERM the server while it copies."""
+def sigterm_during_store(kv: ShmKV, drain_timeout_s: float) -> tuple[ServerProcess,
+                                                                      ChunkResult | ServerError]:
+    """Start a 1 GiB store and SIGTERM the server process while it copies."""
     port = free_port()
     srv = ServerProcess(["--chunk-size", str(CHUNK), "--drain-timeout-s", str(drain_timeout_s)],
                         l1_size_gb=1, metrics_port=port).start()
@@ -79,12 +91,10 @@ def sigterm_during_store(kv: ShmKV, drain_timeout_s: float,
             reg: Registration = c.register(**kv.register_kwargs())
             digests = chunk_digests(np.arange(N_CHUNKS * CHUNK), CHUNK)
             ids = block_ids_for(reg, N_CHUNKS)
-            if op == "retrieve":
-                assert c.store(reg, digests, ids).ok.all()
 
             def run() -> None:
                 try:
-                    outcome.append(getattr(c, op)(reg, digests, ids))
+                    outcome.append(c.store(reg, digests, ids))
                 except ServerError as e:
                     outcome.append(e)
 
@@ -92,19 +102,22 @@ def sigterm_during_store(kv: ShmKV, drain_timeout_s: float,
             worker.start()
             deadline = time.monotonic() + 10
             while in_flight(port) == 0:
-                assert worker.is_alive(), f"the {op} finished before it was seen in flight"
+                assert worker.is_alive(), "the store finished before it was seen in flight"
                 assert time.monotonic() < deadline
             assert srv.proc is not None
             srv.proc.send_signal(signal.SIGTERM)
             worker.join(60)
-            assert not worker.is_alive(), f"no reply to the in-flight {op}"
-        assert srv.terminate(timeout_s=60) == 0, srv.log()
+            assert not worker.is_alive(), "no reply to the in-flight store"
+        # it exits by itself; a second SIGTERM (terminate()) could arrive after it
+        # restored the default handler and kill it (-15)
+        assert srv.proc.wait(60) == 0, srv.log()
     finally:
         srv.kill()
     return srv, outcome[0]
 
 
 def test_sigterm_lets_an_in_flight_store_finish(big_kv: ShmKV) -> None:
+    """The signal end to end, in a process: SIGTERM drains, then exits 0."""
     srv, result = sigterm_during_store(big_kv, drain_timeout_s=30)
     assert isinstance(result, ChunkResult), result
     assert result.ok.all()
@@ -113,20 +126,148 @@ def test_sigterm_lets_an_in_flight_store_finish(big_kv: ShmKV) -> None:
     assert "shutdown complete" in log
 
 
-def test_sigterm_past_the_drain_timeout_answers_the_store_with_an_error(
-        big_kv: ShmKV) -> None:
-    srv, result = sigterm_during_store(big_kv, drain_timeout_s=0)
-    assert isinstance(result, ServerError), result
-    assert result.code == "shutting_down" and "nothing was stored" in str(result)
-    assert "1 stores answered shutting_down" in srv.log()
+# -- the drain, in process: copies held by the engine until the test releases them ------
 
 
-def test_sigterm_past_the_drain_timeout_waits_for_a_retrieve(big_kv: ShmKV) -> None:
-    """A retrieve writes into engine memory: it is answered when its copy has stopped."""
-    srv, result = sigterm_during_store(big_kv, drain_timeout_s=0, op="retrieve")
-    assert isinstance(result, ChunkResult), result
-    assert result.ok.all()
-    assert "waiting for 1 retrieves" in srv.log()
+def wire_ids(reg: Registration, ids: dict[str, np.ndarray]) -> list[bytes]:
+    """Block ids as a store or retrieve carries them (int32 LE per group)."""
+    return [ids[g.name].astype("<i4").tobytes() if g.cached else b"" for g in reg.groups]
+
+
+def send_store(c: Client, reg: Registration, req_id: int, digests: bytes,
+               ids: dict[str, np.ndarray]) -> None:
+    c.send_raw([encode(m.Store(req_id=req_id, registration_id=reg.registration_id,
+                               digests=digests, block_ids=wire_ids(reg, ids)))])
+
+
+def send_retrieve(c: Client, reg: Registration, req_id: int, digests: bytes,
+                  ids: dict[str, np.ndarray]) -> None:
+    c.send_raw([encode(m.Retrieve(req_id=req_id, registration_id=reg.registration_id,
+                                  digests=digests, block_ids=wire_ids(reg, ids)))])
+
+
+def shutdown_started(ts: ThreadServer) -> threading.Event:
+    """Set when the server begins its drain (its ``on_shutdown`` callbacks run)."""
+    began = threading.Event()
+    ts.server.on_shutdown.append(lambda _server: began.set())
+    return began
+
+
+def test_drain_lets_an_in_flight_store_finish_and_refuses_new_work() -> None:
+    engine = HoldingEngine()
+    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=30) as ts, \
+            Client(ts.endpoint) as c:
+        kv.fill_random(5)
+        reg = c.register(**kv.register_kwargs())
+        digests = chunk_digests(np.arange(4 * CHUNK), CHUNK)
+        try:
+            send_store(c, reg, 100, digests, block_ids_for(reg, 4))
+            engine.wait_held()  # in flight: its copy is in the engine
+            began = shutdown_started(ts)
+            ts.request_exit()
+            assert began.wait(10)
+            assert ts.server.health() == (False, "draining: shutting down, new requests "
+                                                 "are refused")
+            c.send_raw([encode(m.Ping(req_id=101))])  # new work while the copy is held
+            reply = c.recv_reply(10)
+            assert isinstance(reply, m.Error) and reply.req_id == 101, reply
+            assert reply.code == "shutting_down"
+        finally:
+            assert engine.release() == 1
+        reply = c.recv_reply(10)
+        assert isinstance(reply, m.StoreResult) and reply.req_id == 100, reply
+        assert all(set(s) == {ChunkStatus.OK} for s in reply.statuses), reply.statuses
+        ts.stop()
+        assert ts.exit_code == 0
+
+
+def test_past_the_drain_timeout_stores_are_answered_at_once_retrieves_when_copied(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A store still copying at the timeout is answered ``shutting_down`` while its copy
+    is still held (nothing of it is ever served); a retrieve writes into engine memory,
+    so it is answered only when its copy has stopped, with its real result."""
+    engine = HoldingEngine(holding=False)
+    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
+            Client(ts.endpoint) as c:
+        kv.fill_random(6)
+        reg = c.register(**kv.register_kwargs())
+        stored = chunk_digests(np.arange(CHUNK), CHUNK)  # one chunk: blocks 0..15
+        assert c.store(reg, stored, block_ids_for(reg, 1)).ok.all()
+        engine.hold()
+        try:
+            send_store(c, reg, 200, chunk_digests(np.arange(CHUNK) + 7, CHUNK),
+                       block_ids_for(reg, 1, first_block=32))
+            send_retrieve(c, reg, 201, stored, block_ids_for(reg, 1, first_block=16))
+            engine.wait_held(2)
+            ts.request_exit()
+            reply = c.recv_reply(10)  # with both copies still held
+            assert isinstance(reply, m.Error) and reply.req_id == 200, reply
+            assert reply.code == "shutting_down" and "nothing was stored" in reply.message
+            # anything the server sent at the timeout precedes its answer to this ping
+            c.send_raw([encode(m.Ping(req_id=202))])
+            reply = c.recv_reply(10)
+            assert isinstance(reply, m.Error) and reply.req_id == 202, reply
+        finally:
+            assert engine.release() == 2
+        reply = c.recv_reply(10)
+        assert isinstance(reply, m.RetrieveResult) and reply.req_id == 201, reply
+        assert all(set(s) == {ChunkStatus.OK} for s in reply.statuses), reply.statuses
+        assert kv.pages("full", list(range(16))) == kv.pages("full", list(range(16, 32)))
+    assert ("drain timeout: 1 stores answered shutting_down, waiting for 1 retrieves"
+            in caplog.text)
+
+
+# -- health and systemd, in process -------------------------------------------------------
+
+
+def test_health_follows_the_server_state() -> None:
+    """Starting, serving, a stuck event loop (by the server's clock: no real waiting),
+    serving again once it beats, draining."""
+    assert Server(Config(), notifier=Notifier(None)).health() == \
+        (False, "starting: sockets not bound yet")
+    clock = FakeClock()
+    with FakeSystemd() as systemd, \
+            run_server(clock=clock, notifier=systemd.notifier(watchdog_interval_s=0.01),
+                       backend="null") as ts:
+        wait_pool_ready(ts.endpoint, 30)
+        serving, reason = ts.server.health()
+        assert serving and reason.startswith(f"serving on {ts.endpoint}"), reason
+        stuck, unstick = threading.Event(), threading.Event()
+
+        def block_the_loop() -> None:
+            stuck.set()
+            unstick.wait(30)
+
+        ts.call_soon(block_the_loop)
+        try:
+            assert stuck.wait(10)
+            clock.advance(HEALTH_STALL_S - 1)
+            assert ts.server.health()[0]
+            clock.advance(2)
+            assert ts.server.health() == (False, "event loop unresponsive for 11 s")
+            beats = systemd.count("WATCHDOG=1")
+        finally:
+            unstick.set()
+        systemd.wait_count("WATCHDOG=1", beats + 2)  # beating again
+        assert ts.server.health()[0]
+        began = shutdown_started(ts)
+        ts.request_exit()
+        assert began.wait(10)
+        assert not ts.server.health()[0]
+
+
+def test_an_embedded_server_ignores_the_notify_socket_of_its_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_server`` gives the server its own notifier: a test run under systemd (with
+    ``NOTIFY_SOCKET`` set) must not tell that systemd it is ready or stopping. A server
+    built without a notifier does read ``NOTIFY_SOCKET``."""
+    with FakeSystemd() as systemd:
+        monkeypatch.setenv("NOTIFY_SOCKET", systemd.env_value)
+        assert Server(Config()).notifier.address == systemd.env_value
+        with run_server(backend="null") as ts, Client(ts.endpoint) as c:
+            c.ping()
+        systemd.close()  # reads what is queued: every datagram the server sent
+        assert systemd.assignments() == []
 
 
 def test_sighup_reopens_the_log_file(tmp_path: Path) -> None:
@@ -163,12 +304,3 @@ def test_unwritable_log_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited with status 2"):
         srv.start()
     assert "directory does not exist" in srv.log()
-
-
-def test_health_states_in_process() -> None:
-    server = Server(Config(), notifier=Notifier(None))
-    assert server.health() == (False, "starting: sockets not bound yet")
-    server.draining = True
-    serving, reason = server.health()
-    assert not serving and reason.startswith("draining")
-    assert os.environ.get("NOTIFY_SOCKET") is None or server.notifier.address is None

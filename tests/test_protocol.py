@@ -1,7 +1,8 @@
 """Bad input is a feature: every refusal gets a typed error and the server keeps serving.
 
 Each live test sends something malformed, checks the error code and message, then checks
-that another client is still served and that nothing stored earlier was lost.
+that another client is still served and that nothing stored earlier was lost. The
+server runs in process; ``tests/test_fuzz.py`` sends random input to a server process.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.client import Client, chunk_digests
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, block_id_array, decode_request, encode
+from lmc_server.protocol.codec import Limits, decode_block_ids, decode_request, encode
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.validate import block_ids
 from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.process import ServerProcess
 
 MAX_FRAME = 65536
 
@@ -61,25 +63,46 @@ def test_req_id_is_recovered_from_an_invalid_message() -> None:
     assert e.value.req_id == 42 and "bogus" in e.value.message
 
 
-def test_block_ids_are_checked_before_use() -> None:
+def test_block_ids_decode_checks_only_the_length() -> None:
+    """The sans-IO codec takes any int32 value: bounds need the registration."""
     ok = np.array([0, 5, -1, 7], "<i4").tobytes()
-    assert block_id_array(ok, 4, 8, "g", 1).tolist() == [0, 5, -1, 7]
-    with pytest.raises(ProtocolError, match="block id 8 out of range -1..7"):
-        block_id_array(np.array([8], "<i4").tobytes(), 1, 8, "g", 1)
-    with pytest.raises(ProtocolError, match="block id -2"):
-        block_id_array(np.array([-2], "<i4").tobytes(), 1, 8, "g", 1)
-    with pytest.raises(ProtocolError, match="expected 2 block ids"):
-        block_id_array(ok, 2, 8, "g", 1)
+    assert decode_block_ids(ok, 4, "g", 1).tolist() == [0, 5, -1, 7]
+    assert decode_block_ids(np.array([1 << 30], "<i4").tobytes(), 1, "g", 1).tolist() == \
+        [1 << 30]
+    with pytest.raises(ProtocolError, match="expected 2 block ids") as e:
+        decode_block_ids(ok, 2, "g", 1)
+    assert e.value.code == ErrorCode.BAD_REQUEST and e.value.req_id == 1
+
+
+def test_block_ids_are_bounds_checked_by_the_server() -> None:
+    g = simple_model(num_blocks=8, tokens_per_block=128).groups[0]  # 2 blocks per chunk
+
+    def check(*ids: int) -> dict[int, np.ndarray]:
+        msg = m.Retrieve(req_id=3, registration_id=b"r" * 16, digests=b"d" * 32 * 2,
+                         block_ids=[np.array(ids, "<i4").tobytes()])
+        return block_ids([g], [2], msg, 2)
+
+    out = check(0, 5, -1, 7)
+    assert out[0].dtype == np.int64 and out[0].tolist() == [[0, 5], [-1, 7]]
+    for ids, value in (((0, 1, 2, 8), 8), ((-2, 0, 1, 2), -2), ((3, -7, 9, 1), -7)):
+        with pytest.raises(ProtocolError) as e:
+            check(*ids)
+        assert e.value.code == ErrorCode.BOUNDS and e.value.req_id == 3
+        assert e.value.message == f"group 'full': block id {value} out of range -1..7"
+    with pytest.raises(ProtocolError, match="expected 4 block ids") as e:
+        check(0, 1, 2)
+    assert e.value.code == ErrorCode.BAD_REQUEST
 
 
 @pytest.fixture(scope="module")
-def small_frames() -> Iterator[ServerProcess]:
-    with ServerProcess(["--max-frame-bytes", str(MAX_FRAME)], l1_size_gb=0.25) as srv:
-        yield srv
+def small_frames() -> Iterator[ThreadServer]:
+    """The server in process: refusals are its code path, not the process's."""
+    with run_server(max_frame_bytes=MAX_FRAME, l1_size_gb=0.25) as ts:
+        yield ts
 
 
 @pytest.fixture(scope="module")
-def stored(small_frames: ServerProcess) -> Iterator[tuple[Client, object, bytes, ShmKV]]:
+def stored(small_frames: ThreadServer) -> Iterator[tuple[Client, object, bytes, ShmKV]]:
     """A victim client with one stored chunk that must survive every bad input."""
     with Client(small_frames.endpoint) as c, ShmKV(simple_model()) as kv:
         kv.fill_random(1)
@@ -107,7 +130,7 @@ BAD_FRAMES = [
 
 @pytest.mark.parametrize("frames,code", BAD_FRAMES)
 def test_malformed_frames_get_errors_and_others_keep_being_served(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV],
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV],
         frames: list[bytes], code: str) -> None:
     with Client(small_frames.endpoint) as bad:
         bad.send_raw(frames)
@@ -117,7 +140,7 @@ def test_malformed_frames_get_errors_and_others_keep_being_served(
     still_serving(stored)
 
 
-def test_requests_before_hello_are_refused(small_frames: ServerProcess,
+def test_requests_before_hello_are_refused(small_frames: ThreadServer,
                                            stored: tuple[Client, object, bytes, ShmKV]) -> None:
     with Client(small_frames.endpoint, hello=False) as c:
         c.send_raw([encode(m.Stats(req_id=3))])
@@ -130,7 +153,7 @@ def test_requests_before_hello_are_refused(small_frames: ServerProcess,
 
 
 def test_wrong_digest_length_and_too_many_block_ids(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
     c, reg, digests, _ = stored
     with pytest.raises(Exception, match="not a multiple of 32"):
         c._call(m.Lookup(req_id=50, registration_id=reg.registration_id,  # type: ignore[attr-defined]
@@ -145,9 +168,33 @@ def test_wrong_digest_length_and_too_many_block_ids(
 
 
 def test_oversized_registration_is_refused_cleanly(
-        small_frames: ServerProcess, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
     geo = simple_model(layers=1500)
     with Client(small_frames.endpoint) as c:
         with pytest.raises(Exception, match="too_large|layers"):
             c.register(model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups)
+    still_serving(stored)
+
+
+def test_out_of_range_block_ids_refused_with_bounds_and_others_served(
+        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    """The server's bounds check (server/validate.py), through the wire: the same code
+    and message as the codec gave when it held the check, the request's own req_id, and
+    the connection and the other client keep being served."""
+    _, _, digests, kv = stored
+    with Client(small_frames.endpoint) as c:
+        reg = c.register(**kv.register_kwargs())
+        g = reg.groups[0]
+        n_ids = reg.blocks_per_chunk(g)
+        for req_id, bad in ((60, g.num_blocks), (61, -2)):
+            ids = np.zeros(n_ids, "<i4")
+            ids[-1] = bad
+            c.send_raw([encode(m.Retrieve(req_id=req_id, registration_id=reg.registration_id,
+                                          digests=digests, block_ids=[ids.tobytes()]))])
+            reply = c.recv_reply(timeout_s=5)
+            assert isinstance(reply, m.Error) and reply.req_id == req_id, reply
+            assert reply.code == "bounds"
+            assert reply.message == (f"group {g.name!r}: block id {bad} out of range "
+                                     f"-1..{g.num_blocks - 1}")
+        assert c.retrieve(reg, digests, block_ids_for(reg, 1)).ok.all()
     still_serving(stored)

@@ -1,4 +1,8 @@
-"""Eviction and leases through a live server with a pool of eight 1 MiB objects."""
+"""Eviction and leases through a live server with a pool of eight 1 MiB objects.
+
+The server runs in process (nothing here needs a process); lease expiry reads its fake
+clock, so no test waits for a TTL in real time.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +16,22 @@ from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing import ShmKV, simple_model
-from lmc_server.testing.inprocess import FakeClock, run_server
+from lmc_server.testing.inprocess import FakeClock, ThreadServer, run_server
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.process import ServerProcess
 
 SLOTS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Iterator[ServerProcess]:
-    args = ["--slab-size-mb", "1", "--lease-ttl-s", "1", "--eviction-policy", "LRU"]
-    with ServerProcess(args, l1_size_gb=SLOTS / 1024) as srv:
-        yield srv
+def tiny() -> Iterator[ThreadServer]:
+    """Leases of 1 s on a clock that stands still: they hold however slow the machine."""
+    with run_server(clock=FakeClock(), l1_size_gb=SLOTS / 1024, slab_size_mb=1,
+                    lease_ttl_s=1.0, eviction_policy="LRU") as ts:
+        yield ts
 
 
 @pytest.fixture
-def setup(tiny: ServerProcess) -> Iterator[tuple[Client, Registration, ShmKV]]:
+def setup(tiny: ThreadServer) -> Iterator[tuple[Client, Registration, ShmKV]]:
     with Client(tiny.endpoint) as c, ShmKV(simple_model(layers=4, bytes_per_token=1024)) as kv:
         kv.fill_random(3)
         c.clear()
@@ -124,7 +128,7 @@ def test_everything_leased_means_no_space_per_chunk(
     assert c.store(reg, one_chunk(700), ids).ok.all()
 
 
-def test_async_client_runs_requests_concurrently(tiny: ServerProcess) -> None:
+def test_async_client_runs_requests_concurrently(tiny: ThreadServer) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(tiny.endpoint) as c:
             with ShmKV(simple_model(layers=1, bytes_per_token=256)) as kv:

@@ -3,78 +3,35 @@
 The test binds the datagram socket systemd would, runs a real server with
 ``NOTIFY_SOCKET`` and ``WATCHDOG_USEC`` set, and checks what arrives: ``READY=1`` (with
 a ``STATUS=`` line) while serving, ``WATCHDOG=1`` pings at half the watchdog interval,
-and ``STOPPING=1`` on SIGTERM, in that order.
+and ``STOPPING=1`` on SIGTERM, in that order. Waits end when the datagram arrives (no
+sleeps). What the watchdog does while a copy is stuck runs in process, with a copy the
+test holds; a stuck event loop is in ``tests/test_lifecycle.py``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from lmc_server.client import Client
+from lmc_server.client import Client, chunk_digests
 from lmc_server.server.notify import Notifier
+from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.engines import HoldingEngine
+from lmc_server.testing.inprocess import run_server
+from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
+from lmc_server.testing.systemd import FakeSystemd
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "deploy" / "lmcache-server.service"
-
-
-class FakeSystemd:
-    """A bound unix datagram socket collecting sd_notify messages on a thread."""
-
-    def __init__(self, abstract: bool = False) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._dir = tempfile.mkdtemp(prefix="lmc-notify-")
-        if abstract:
-            name = f"lmc-notify-{os.getpid()}-{id(self)}"
-            self.sock.bind(b"\0" + name.encode())
-            self.env_value = "@" + name
-        else:
-            path = os.path.join(self._dir, "notify")
-            self.sock.bind(path)
-            self.env_value = path
-        self.sock.settimeout(0.1)
-        self.messages: list[tuple[float, list[str]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            self.messages.append((time.monotonic(), data.decode().split("\n")))
-
-    def assignments(self) -> list[str]:
-        return [a for _, lines in list(self.messages) for a in lines]
-
-    def wait_for(self, assignment: str, timeout_s: float = 10.0) -> float:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for t, lines in list(self.messages):
-                if assignment in lines:
-                    return t
-            time.sleep(0.01)
-        raise AssertionError(f"{assignment} not received; got {self.assignments()}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 @pytest.fixture(params=[False, True], ids=["path", "abstract"])
@@ -87,6 +44,7 @@ def fake_systemd(request: pytest.FixtureRequest) -> Iterator[FakeSystemd]:
 
 
 def test_ready_status_watchdog_and_stopping_arrive(fake_systemd: FakeSystemd) -> None:
+    """The environment contract, in a process: NOTIFY_SOCKET, WATCHDOG_USEC, MAINPID."""
     env = {"NOTIFY_SOCKET": fake_systemd.env_value, "WATCHDOG_USEC": "400000"}
     srv = ServerProcess(["--l1-size-gb", "1"], env=env)
     with srv:
@@ -96,22 +54,50 @@ def test_ready_status_watchdog_and_stopping_arrive(fake_systemd: FakeSystemd) ->
         ready = next(lines for _, lines in fake_systemd.messages if "READY=1" in lines)
         assert any(a.startswith("STATUS=serving on ") for a in ready), ready
         assert f"MAINPID={srv.proc.pid}" in ready  # type: ignore[union-attr]
-        time.sleep(1.0)
-        pings = [t for t, lines in fake_systemd.messages if "WATCHDOG=1" in lines]
-        assert len(pings) >= 3, pings  # every 0.2 s
-        with Client(srv.endpoint, timeout_s=10) as c:  # a loaded machine pins slowly
-            deadline = time.monotonic() + 60
-            while (l1 := c.stats().l1).ready_bytes < l1.capacity_bytes:
-                assert time.monotonic() < deadline, l1
-                time.sleep(0.1)
-        time.sleep(0.3)  # the "pool ready" STATUS line follows the last slab
+        fake_systemd.wait_count("WATCHDOG=1", 3)  # every 0.2 s
+        # the last slab prepared is reported (a loaded machine pins slowly)
+        fake_systemd.wait_until(lambda: any("L1 pool ready" in a for _, lines in
+                                            fake_systemd.messages for a in lines),
+                                "STATUS=... L1 pool ready", timeout_s=60)
         assert srv.terminate() == 0
     stop_t = fake_systemd.wait_for("STOPPING=1")
     assert stop_t > ready_t
     statuses = [a for a in fake_systemd.assignments() if a.startswith("STATUS=")]
-    assert any("L1 pool ready" in s for s in statuses), statuses
     assert any(s.startswith("STATUS=draining") for s in statuses), statuses
     assert "systemd notified: ready, watchdog every 0.2 s" in srv.log()
+
+
+def test_a_copy_stuck_in_the_engine_stops_neither_the_loop_nor_the_watchdog() -> None:
+    """Copies run off the event loop: while one is stuck, watchdog pings go on, the
+    server is healthy and serves other clients; released, the request completes."""
+    engine = HoldingEngine()
+    with FakeSystemd() as systemd, ShmKV(simple_model()) as kv, \
+            run_server(engine=engine, notifier=systemd.notifier(watchdog_interval_s=0.01)) \
+            as ts, Client(ts.endpoint) as c:
+        kv.fill_random(2)
+        reg = c.register(**kv.register_kwargs())
+        done = threading.Event()
+        result: list[bool] = []
+
+        def store() -> None:
+            result.append(bool(c.store(reg, chunk_digests(np.arange(256), 256),
+                                       block_ids_for(reg, 1)).ok.all()))
+            done.set()
+
+        worker = threading.Thread(target=store)
+        worker.start()
+        try:
+            engine.wait_held()
+            beats = systemd.count("WATCHDOG=1")
+            systemd.wait_count("WATCHDOG=1", beats + 3)
+            assert ts.server.health()[0]
+            with Client(ts.endpoint) as other:
+                assert other.ping().ready
+            assert not done.is_set()
+        finally:
+            engine.release()
+            worker.join(10)
+        assert done.is_set() and result == [True]
 
 
 def test_no_notify_socket_means_no_notifications() -> None:

@@ -113,23 +113,15 @@ def prefix_ends(raw: bytes, n_chunks: int, req_id: int) -> list[int]:
     return ends
 
 
-def block_id_array(raw: bytes, expected: int, num_blocks: int, group: str,
-                   req_id: int) -> np.ndarray:
-    """Decode and bounds-check one group's block ids (int32 LE, -1 allowed).
+def decode_block_ids(raw: bytes, expected: int, group: str, req_id: int) -> np.ndarray:
+    """One group's block ids: ``expected`` int32 LE values, as a read-only view of ``raw``.
 
-    Raises BOUNDS for an id outside ``-1 .. num_blocks - 1`` and BAD_REQUEST for a
-    wrong length; nothing is copied when this raises.
+    Wire-level only: the length must match (BAD_REQUEST otherwise). Whether each id
+    names a block of the registration is the server's check
+    (:mod:`lmc_server.server.validate`), made before anything is copied.
     """
     if len(raw) != 4 * expected:
         raise ProtocolError(ErrorCode.BAD_REQUEST,
                             f"group {group!r}: expected {expected} block ids "
                             f"({4 * expected} bytes), got {len(raw)} bytes", req_id)
-    ids = np.frombuffer(raw, dtype="<i4")
-    if expected:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < -1 or hi >= num_blocks:
-            bad = lo if lo < -1 else hi
-            raise ProtocolError(ErrorCode.BOUNDS,
-                                f"group {group!r}: block id {bad} out of range "
-                                f"-1..{num_blocks - 1}", req_id)
-    return ids.astype(np.int64)
+    return np.frombuffer(raw, dtype="<i4")

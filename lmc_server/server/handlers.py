@@ -30,12 +30,13 @@ from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.layout import RunCopy, build_layout
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, block_id_array, chunk_count, prefix_ends
+from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
+from lmc_server.server.validate import block_ids
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
@@ -88,26 +89,6 @@ class Handlers:
             raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
                                 "no such registration on this connection", msg.req_id)
         return reg
-
-    def _block_ids(self, reg: Registration, msg: m.Store | m.Retrieve,
-                   n: int) -> dict[int, np.ndarray]:
-        groups = reg.groups
-        if len(msg.block_ids) != len(groups):
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"block_ids has {len(msg.block_ids)} entries; the "
-                                f"registration has {len(groups)} groups", msg.req_id)
-        out: dict[int, np.ndarray] = {}
-        for gi, (g, raw) in enumerate(zip(groups, msg.block_ids, strict=True)):
-            if not g.cached:
-                if raw:
-                    raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                        f"group {g.name!r} is scratch and never cached; "
-                                        f"send no block ids for it", msg.req_id)
-                continue
-            bpc = reg.blocks_per_chunk[gi]
-            ids = block_id_array(raw, n * bpc, g.num_blocks, g.name, msg.req_id)
-            out[gi] = ids.reshape(n, bpc)
-        return out
 
     # -- control ----------------------------------------------------------------------
 
@@ -226,7 +207,7 @@ class Handlers:
             raise ProtocolError(ErrorCode.LOOKUP_ONLY,
                                 "this registration has no buffers (lookup-only)", msg.req_id)
         n = chunk_count(msg.digests, self.limits, msg.req_id)
-        ids = self._block_ids(reg, msg, n)
+        ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
         try:
             keys = self.index.keys(reg.view, msg.digests, msg.salt)
         except ValueError as e:

@@ -13,6 +13,11 @@ real seconds: :meth:`ThreadServer.wait_housekeeping` waits for that tick.
         clock.advance(1.5)
         ts.wait_housekeeping()  # the lease has expired
 
+A copy stuck in the engine is a state the test sets up the same way:
+:class:`~lmc_server.testing.engines.HoldingEngine` holds copies until released, and
+:meth:`ThreadServer.request_exit` does what SIGTERM does, so a drain is driven step by
+step (``tests/test_lifecycle.py``).
+
 Tests that need a process stay on :class:`~lmc_server.testing.process.ServerProcess`:
 ``kill -9``, signals, chaos, the CLI and the environment.
 """
@@ -23,12 +28,15 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from lmc_server.config import Config
 from lmc_server.testing.process import free_port, wait_for_ping
 from lmc_server.transfer.base import TransferEngine
+
+if TYPE_CHECKING:
+    from lmc_server.server.notify import Notifier
 
 #: Housekeeping period of :func:`run_server`: short, so that waiting for a tick after
 #: :meth:`FakeClock.advance` takes milliseconds.
@@ -118,14 +126,23 @@ class ThreadServer:
                                    f"(interval {server.housekeeping_interval_s} s)")
             time.sleep(min(0.001, server.housekeeping_interval_s))
 
-    def stop(self) -> None:
-        from lmc_server.server.server import Server
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` on the server's event loop (the only thread that may touch
+        its state), soon; returns at once."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
 
+    def request_exit(self) -> None:
+        """What SIGTERM does to a server process: start the graceful shutdown (drain);
+        returns at once. :meth:`stop` waits for the end."""
+        assert self._server is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: it has stopped
+            self.call_soon(self._server.handle_exit)
+
+    def stop(self) -> None:
         if self._thread is None:
             return
-        assert self._loop is not None and isinstance(self._server, Server)
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._server.handle_exit)
+        self.request_exit()
         self._thread.join(60)
         self._thread = None
         if self.exit_code not in (0, None):
@@ -134,14 +151,15 @@ class ThreadServer:
 
 @contextlib.contextmanager
 def run_server(config: Config | None = None, *, engine: TransferEngine | None = None,
-               clock: FakeClock | None = None,
+               clock: FakeClock | None = None, notifier: Notifier | None = None,
                housekeeping_interval_s: float = FAST_HOUSEKEEPING_S,
                **config_fields: Any) -> Iterator[ThreadServer]:
     """A started :class:`ThreadServer`, stopped (and checked to exit 0) on leaving.
 
     Without ``config``, one is built from ``config_fields`` on a free loopback port with
-    the cpu backend, a 1 GiB pool and no metrics endpoint. The server never talks to
-    systemd (whatever ``NOTIFY_SOCKET`` says), and reads ``clock`` if one is given.
+    the cpu backend, a 1 GiB pool and no metrics endpoint. The server talks to systemd
+    only through ``notifier`` (never to ``NOTIFY_SOCKET`` of the test's environment),
+    and reads ``clock`` if one is given.
     """
     from lmc_server.server.notify import Notifier
 
@@ -151,7 +169,7 @@ def run_server(config: Config | None = None, *, engine: TransferEngine | None = 
         config = Config(**(fields | config_fields))
     else:
         assert not config_fields, "pass either a Config or its fields, not both"
-    kwargs: dict[str, Any] = {"notifier": Notifier(None),
+    kwargs: dict[str, Any] = {"notifier": Notifier(None) if notifier is None else notifier,
                               "housekeeping_interval_s": housekeeping_interval_s}
     if clock is not None:
         kwargs["clock"] = clock

@@ -1,0 +1,202 @@
+"""Request dispatch: one message's frames in, one reply out.
+
+:meth:`Dispatcher.handle` is what the router calls for each message. It finds the peer's
+session, enforces what holds for every request (hello first, nothing new while
+draining, the in-flight limit), decodes, and either runs a control handler to
+completion and sends its reply, or starts a task for a store or retrieve whose reply
+is sent when its copy is done. Every request gets exactly one reply: a result, or an
+``Error`` for a :class:`ProtocolError` (a refusal) or a bug (``internal``, logged); the
+only exception is a peer that keeps talking without hello, which is ignored after
+:data:`PRE_HELLO_MESSAGES` messages (no amplification).
+
+The store and retrieve tasks are tracked here, with who to answer for each, so that a
+drain that times out can answer the stores itself (:meth:`answer_unfinished`) and the
+task's own reply is then suppressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from lmc_server.config import Config
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import decode_request, encode, error_reply
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.protocol.stats import StatsReport
+from lmc_server.server.handlers import Handlers
+from lmc_server.server.peers import Conn
+from lmc_server.server.sessions import Session, SessionTable
+from lmc_server.server.stats import PhaseClock, ServerStats
+
+log = logging.getLogger(__name__)
+
+#: Messages a peer may send before hello; past that it is ignored (no amplification).
+PRE_HELLO_MESSAGES = 16
+
+_SYNC_HANDLERS: dict[type, str] = {
+    m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
+    m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
+}
+_ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
+
+
+class Dispatcher:
+    """Turns frames into handler calls and replies; tracks the copying requests.
+
+    Wired once at startup (:meth:`attach`): ``send`` and ``after_io`` are the router's,
+    ``attribute`` tells which connection a new peer's message came over, and ``report``
+    builds the ``stats`` reply. ``draining`` set: every new request is answered
+    ``shutting_down``.
+    """
+
+    def __init__(self, config: Config, sessions: SessionTable, stats: ServerStats,
+                 clock: Callable[[], float], report: Callable[[], StatsReport]) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.stats = stats
+        self.clock = clock
+        self.report = report
+        self.draining = False
+        #: Store and retrieve tasks not finished yet.
+        self.tasks: set[asyncio.Task[None]] = set()
+        #: Who to answer for each store/retrieve task: (identity, operation, req_id).
+        self._task_requests: dict[asyncio.Task[None], tuple[bytes, str, int]] = {}
+        #: Tasks already answered ``shutting_down`` at the drain timeout (no second reply).
+        self._answered: set[asyncio.Task[None]] = set()
+
+    def attach(self, loop: asyncio.AbstractEventLoop, handlers: Handlers,
+               send: Callable[[bytes, bytes], None], after_io: Callable[[], None],
+               attribute: Callable[[bytes, zmq.Frame], Conn]) -> None:
+        self.loop = loop
+        self.handlers = handlers
+        self._send = send
+        self._after_io = after_io
+        self._attribute = attribute
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            return
+        t_recv = time.perf_counter()
+        identity = frames[0].bytes
+        payload = [f.bytes for f in frames[1:]]
+        session = self.sessions.get_or_create(identity, self.clock())
+        if session.conn is None:
+            session.conn = self._attribute(identity, frames[0])
+        op = "invalid"
+        try:
+            if not session.hello:
+                session.pre_hello += 1
+                if session.pre_hello > PRE_HELLO_MESSAGES:
+                    if session.pre_hello == PRE_HELLO_MESSAGES + 1:
+                        log.warning("peer %s sent %d messages without hello: ignoring it",
+                                    identity.hex()[:8], PRE_HELLO_MESSAGES)
+                    return
+            msg = decode_request(payload, self.handlers.limits)
+            op = type(msg).__name__.lower()
+            if not session.hello and not isinstance(msg, m.Hello | m.Ping):
+                raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
+            if self.draining:
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down",
+                                    msg.req_id)
+            if isinstance(msg, m.Stats):
+                reply: m.Reply = m.StatsResult(req_id=msg.req_id, stats=self.report())
+            elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
+                reply = getattr(self.handlers, name)(session, msg)
+            else:
+                if (isinstance(msg, m.Store | m.Retrieve)  # unknown ids: not "busy"
+                        and self.sessions.find(session, msg.registration_id) is None):
+                    raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
+                                        "no such registration on this connection", msg.req_id)
+                if session.inflight >= self.config.max_inflight_per_client:
+                    raise ProtocolError(
+                        ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
+                        f"connection; at most {self.config.max_inflight_per_client}",
+                        msg.req_id)
+                session.inflight += 1
+                task = self.loop.create_task(
+                    self._run_async(session, op, msg, PhaseClock(t_recv)))
+                self.tasks.add(task)
+                self._task_requests[task] = (identity, op, msg.req_id)
+                task.add_done_callback(self._task_done)
+                return
+        except ProtocolError as e:
+            self.stats.count_request(op, e.code.value)
+            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
+                     e.code.value, e.message)
+            self._send(identity, error_reply(e))
+            return
+        except Exception:
+            log.exception("internal error handling %s", op)
+            self.stats.count_request(op, ErrorCode.INTERNAL.value)
+            self._send(identity, error_reply(ProtocolError(
+                ErrorCode.INTERNAL, "internal server error (logged)", 0)))
+            return
+        self.stats.count_request(op, "ok")
+        self._send(identity, encode(reply))
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._task_requests.pop(task, None)
+
+    async def _run_async(self, session: Session, op: str, msg: Any,
+                         clock: PhaseClock) -> None:
+        ok = False
+        try:
+            reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg,
+                                                                            clock)
+            payload = encode(reply)
+            self.stats.count_request(op, "ok")
+            ok = True
+        except ProtocolError as e:
+            self.stats.count_request(op, e.code.value)
+            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
+                     e.code.value, e.message)
+            payload = error_reply(e)
+        except Exception:
+            log.exception("internal error handling %s", op)
+            self.stats.count_request(op, ErrorCode.INTERNAL.value)
+            payload = error_reply(ProtocolError(ErrorCode.INTERNAL,
+                                                "internal server error (logged)", msg.req_id))
+        finally:
+            session.inflight -= 1
+        task = asyncio.current_task()
+        if task is not None and task in self._answered:  # answered at the drain timeout
+            return
+        self._send(session.identity, payload)
+        if ok:  # refusals are cheap and would skew the phase means
+            clock.mark("finish")
+            self.stats.observe_phases(op, clock)
+        self._after_io()
+
+    def answer_unfinished(self, pending: set[asyncio.Task[None]]) -> None:
+        """At the drain timeout: answer stores now, wait for retrieves.
+
+        Copies cannot be interrupted (a running DMA or memcpy); a store's reply only
+        says its chunks were not stored, which is true once nothing is served anymore.
+        A retrieve writes into the engine's memory, so it is answered by its own task
+        when its copy has stopped: a reply before that would let the engine reuse
+        blocks still being written.
+        """
+        waiting = 0
+        for task in pending:
+            info = self._task_requests.get(task)
+            if info is None:
+                continue
+            identity, op, req_id = info
+            if op != "store":
+                waiting += 1
+                continue
+            self._answered.add(task)
+            self.stats.count_request(op, ErrorCode.SHUTTING_DOWN.value)
+            self._send(identity, error_reply(ProtocolError(
+                ErrorCode.SHUTTING_DOWN, f"server shut down before this store finished "
+                f"(drain timeout {self.config.drain_timeout_s:g} s); nothing was stored",
+                req_id)))
+        log.warning("drain timeout: %d stores answered shutting_down, waiting for %d "
+                    "retrieves still copying into engine memory", len(self._answered), waiting)

@@ -1,0 +1,178 @@
+"""The zmq ROUTER socket, driven directly from the event loop.
+
+Not through ``zmq.asyncio``: ``add_reader`` on the socket's file descriptor, and one
+readiness callback (:meth:`Router.drain`) drains every queued message with
+non-blocking ``recv``, so the control path costs one decode, one handler call and one
+send per request, with no future per message. zmq's descriptor is edge-triggered:
+after a send from outside a drain, :meth:`Router.after_io` looks whether messages
+arrived meanwhile and schedules a drain, or they would wait for the next edge.
+
+Connection events come from the socket's monitor (accepted and disconnected, by file
+descriptor); :class:`~lmc_server.server.peers.ConnectionTracker` turns a closed
+descriptor into the peer identities that talked over it, and ``on_disconnect`` gets
+them (the server drops their sessions). Everything here runs on the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from lmc_server.config import Config
+from lmc_server.server.peers import Conn, ConnectionTracker
+from lmc_server.server.security import bind_ipc, start_curve
+
+log = logging.getLogger(__name__)
+
+#: Messages handled per readiness callback before yielding to other tasks.
+DRAIN_BUDGET = 256
+#: zmq drops (disconnects) peers whose frames exceed this multiple of max_frame_bytes.
+HARD_FRAME_FACTOR = 4
+
+
+class Router:
+    """One bound ROUTER socket: frames in to ``on_message``, replies out with :meth:`send`.
+
+    ``on_message`` gets ``[identity, *payload frames]`` as zmq frames; ``on_disconnect``
+    gets a closed connection and the identities seen on it. Invariant: every connection
+    event queued before a message is handled before that message's peer is attributed
+    to a connection (:meth:`attribute`), so a reused descriptor never carries a peer
+    over to the wrong connection.
+    """
+
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
+                 peers: ConnectionTracker,
+                 on_message: Callable[[list[zmq.Frame]], None],
+                 on_disconnect: Callable[[Conn, list[bytes]], None]) -> None:
+        self.config = config
+        self.loop = loop
+        self.peers = peers
+        self._on_message = on_message
+        self._on_disconnect = on_disconnect
+        self._auth: Any = None
+        self._fd: int | None = None
+        self._monitor_fd: int | None = None
+        self.monitor: zmq.Socket[Any] | None = None
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+
+    def open(self) -> None:
+        """Set the socket's limits, bind it (CURVE, ipc) and start reading it."""
+        cfg, sock = self.config, self.sock
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # dual-stack: --host ::1 and IPv6 names bind
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes * HARD_FRAME_FACTOR)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        hb_ms = int(cfg.heartbeat_timeout_s * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, hb_ms // 4))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
+        if cfg.curve_secret_key_file:
+            self._auth = start_curve(self.ctx, sock, cfg.curve_secret_key_file,
+                                     cfg.curve_clients_dir)
+        sock.bind(cfg.endpoint)
+        if cfg.ipc_path:
+            bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._monitor_fd = int(self.monitor.getsockopt(zmq.FD))
+        self.loop.add_reader(self._monitor_fd, self.drain_monitor)
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self.loop.add_reader(self._fd, self.drain)
+
+    # -- the hot path -------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Handle every queued message (up to a budget, then yield and continue)."""
+        sock = self.sock
+        if not sock.closed:
+            self.drain_monitor()
+        on_message = self._on_message
+        for _ in range(DRAIN_BUDGET):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if sock.closed:
+                    return
+                log.warning("receive failed: %s", e)
+                return
+            on_message(frames)
+        self.loop.call_soon(self.drain)
+
+    def after_io(self) -> None:
+        if not self.sock.closed and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self.loop.call_soon(self.drain)
+
+    def send(self, identity: bytes, payload: bytes) -> None:
+        if self.sock.closed:
+            return
+        try:
+            self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("reply dropped: peer %s is not reading (send queue full)",
+                        identity.hex()[:8])
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                log.debug("reply to a peer that is gone dropped")
+            else:
+                log.warning("send failed: %s", e)
+
+    # -- connections --------------------------------------------------------------------
+
+    def drain_monitor(self) -> None:
+        """Connection events: a connection that goes away (crash, kill -9, closed
+        socket, or silent past the heartbeat timeout) is reported to ``on_disconnect``
+        with every peer seen on it (see :mod:`lmc_server.server.peers`)."""
+        monitor = self.monitor
+        if monitor is None:
+            return
+        while True:
+            try:
+                ev = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again included: nothing queued
+                return
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self.peers.accepted(fd)
+                continue
+            conn, identities = self.peers.closed(fd)
+            self._on_disconnect(conn, identities)
+
+    def attribute(self, identity: bytes, frame: zmq.Frame) -> Conn:
+        """The connection a peer's first message (``frame``, its identity) came over."""
+        self.drain_monitor()  # its accept may have been queued after this drain began
+        return self.peers.attribute(identity, int(frame.get(zmq.SRCFD)))
+
+    # -- closing ------------------------------------------------------------------------
+
+    def close_socket(self) -> None:
+        """Stop reading and close the socket and its monitor (nothing is sent after)."""
+        sock = self.sock
+        if sock.closed:
+            return
+        with contextlib.suppress(Exception):
+            if self._fd is not None:
+                self.loop.remove_reader(self._fd)
+            if self._monitor_fd is not None:
+                self.loop.remove_reader(self._monitor_fd)
+        with contextlib.suppress(Exception):
+            sock.disable_monitor()
+            if self.monitor is not None:
+                self.monitor.close(linger=0)
+        sock.close(linger=0)
+
+    def terminate(self) -> None:
+        """Stop the CURVE authenticator and terminate the zmq context (last)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
