@@ -24,6 +24,7 @@ import numpy as np
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
@@ -31,7 +32,6 @@ from lmc_server.client.core import (
     ServerError,
     stats_report,
 )
-from lmc_server.client.digests import DIGEST_BYTES
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.stats import StatsReport
 

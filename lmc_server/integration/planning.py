@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from lmc_server.client.digests import DIGEST_BYTES
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import NULL_BLOCK_ID, ChunkGeometry, EngineGroup
 from lmc_server.integration.plans import (
     LoadSpec,
