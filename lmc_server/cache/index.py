@@ -31,10 +31,10 @@ from lmc_server.cache.layout import ObjectGroupLayout, RegistrationLayout
 from lmc_server.cache.leases import Lease, LeaseTable
 from lmc_server.cache.pool import Partition, SlabPool
 from lmc_server.cache.retrieve import RetrieveTicket
-from lmc_server.cache.store import Reservation, StoreTicket
+from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots
 
-__all__ = ["CacheView", "L1Index", "Reservation", "RetrieveTicket", "StoreTicket"]
+__all__ = ["L1Index"]
 
 
 class L1Index:
@@ -72,11 +72,6 @@ class L1Index:
         return chunk_keys(view.ns_prefix, digests, salt)
 
     # -- lookup -------------------------------------------------------------------------
-
-    def hit_chunks(self, view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
-        """Length of the longest hit prefix, and per object group the slots looked up
-        (:func:`~lmc_server.cache.view.hit_chunks`)."""
-        return hit_chunks(view, keys)
 
     def lookup(self, view: CacheView, keys: list[bytes], owner: int, lease_ttl_s: float,
                now_s: float, take_lease: bool = True) -> tuple[int, Lease | None]:

@@ -26,8 +26,9 @@ import numpy as np
 
 from lmc_server import PROTOCOL_VERSION, __version__
 from lmc_server.cache.geometry import ArchError, GeometryError, blocks_per_chunk, check_groups
-from lmc_server.cache.index import L1Index, StoreTicket
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import RunCopy, build_layout
+from lmc_server.cache.store import StoreTicket
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
