@@ -89,8 +89,8 @@ class CounterSet(msgspec.Struct, kw_only=True):
 class CacheStats(CounterSet, kw_only=True):
     """The L1 cache's counters (``lmcache_<name>_total``, the ``stats`` ``counters``).
 
-    The index counts lookups, objects, evictions and leases; the server's lookup
-    handler counts tokens (it knows the chunk size).
+    The index counts every one of them (lookup tokens are chunks times the chunk size
+    of the registration's layout).
     """
 
     lookups: Annotated[int, counter("Lookup requests evaluated.")] = 0

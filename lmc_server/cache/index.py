@@ -78,9 +78,12 @@ class L1Index:
         """Longest hit prefix (in chunks) and, if asked and non-empty, a lease on it."""
         self.tick += 1
         k, slots = hit_chunks(view, keys)
-        self.stats.lookups += 1
-        self.stats.lookup_chunks += len(keys)
-        self.stats.hit_chunks += k
+        stats, chunk_size = self.stats, view.layout.chunk_size
+        stats.lookups += 1
+        stats.lookup_chunks += len(keys)
+        stats.hit_chunks += k
+        stats.lookup_tokens += len(keys) * chunk_size
+        stats.hit_tokens += k * chunk_size
         if k == 0:
             return 0, None
         pins = needed_slots(view, slots, k)

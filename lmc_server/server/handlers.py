@@ -178,8 +178,6 @@ class Handlers:
         ttl = self.config.lease_ttl_s
         hit, lease = self.index.lookup(reg.view, keys, session.sid, ttl, self.clock(),
                                        take_lease=msg.lease)
-        self.index.stats.lookup_tokens += len(keys) * self.config.chunk_size
-        self.index.stats.hit_tokens += hit * self.config.chunk_size
         pending = (self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
                    if self.l2 is not None and hit < len(keys) else 0)
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
