@@ -14,7 +14,7 @@ from lmc_server.cache.geometry import (
     smallest_chunk_size,
 )
 from lmc_server.cache.layout import build_layout
-from lmc_server.integration.planning import ChunkGeometry, EngineGroup
+from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.testing.presets import dsv41_flash, simple_model
 
 

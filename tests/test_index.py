@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import lmc_server
-from lmc_server.cache.index import CacheView, L1Index
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import SlabPool
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.cache.view import CacheView
 from lmc_server.testing.presets import dsv41_flash, simple_model
 
 MIB = 1 << 20

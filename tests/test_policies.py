@@ -18,10 +18,11 @@ import pytest
 from click.testing import CliRunner
 
 from lmc_server.cache.eviction import POLICIES
-from lmc_server.cache.index import CacheView, L1Index
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, WRITING, SlabPool
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.cache.view import CacheView
 from lmc_server.cli.main import cli
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.process import ServerProcess

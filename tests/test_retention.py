@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lmc_server.cache.geometry import GroupSpec, check_groups
-from lmc_server.cache.index import CacheView, L1Index
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, SlabPool
 from lmc_server.cache.retention import (
@@ -29,6 +29,7 @@ from lmc_server.cache.retention import (
     retention_kind,
 )
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.cache.view import CacheView
 from lmc_server.testing.presets import dsv41_flash
 
 MIB = 1 << 20

@@ -214,18 +214,20 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
           tp_chunks: int | None, tp_inflight: int, **geometry: Any) -> None:
     """Tensor-parallel ranks with replicated KV on one server: bytes, GB/s, a dead rank."""
     from lmc_server.bench import ranks as rk
+    from lmc_server.bench.ranks_config import RanksConfig
+    from lmc_server.bench.ranks_table import table
 
-    cfg = rk.RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
-                         kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
-                         num_blocks=num_blocks, batch=min(batch, chunks),
-                         l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s,
-                         tp_modes=tuple(m for m in tp_modes.split(",") if m), tp_s=tp_s,
-                         tp_chunks=tp_chunks, tp_inflight=tp_inflight)
+    cfg = RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
+                      kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
+                      num_blocks=num_blocks, batch=min(batch, chunks),
+                      l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s,
+                      tp_modes=tuple(m for m in tp_modes.split(",") if m), tp_s=tp_s,
+                      tp_chunks=tp_chunks, tp_inflight=tp_inflight)
     try:
         report = rk.run(cfg)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    emit(report, rk.table(report), json_path)
+    emit(report, table(report), json_path)
     if not report.summary["ok"]:
         raise SystemExit(1)
 

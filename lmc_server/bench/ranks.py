@@ -63,7 +63,7 @@ from lmc_server.bench.ranks_config import (
     blocks_needed,
 )
 from lmc_server.bench.ranks_procs import RankProcess, gather, maps_hold, union_bits
-from lmc_server.bench.ranks_table import notes, table
+from lmc_server.bench.ranks_table import notes
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.testing.process import ServerProcess
@@ -345,5 +345,3 @@ def run(cfg: RanksConfig) -> Report:
     notes(report, cfg)
     return report
 
-
-__all__ = ["RanksConfig", "run", "table"]

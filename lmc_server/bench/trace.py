@@ -16,7 +16,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lmc_server.client.digests import DIGEST_BYTES, hash_chain
+from lmc_server.cache.keys import DIGEST_BYTES
+from lmc_server.client.digests import hash_chain
 
 BLOCK_TOKENS = 512
 CHUNK_TOKENS = 256

@@ -77,11 +77,20 @@ def counters_of(cls: type[msgspec.Struct]) -> tuple[CounterInfo, ...]:
     return tuple(out)
 
 
-class CacheStats(msgspec.Struct, kw_only=True):
+class CounterSet(msgspec.Struct, kw_only=True):
+    """Base of the counter Structs: no fields, the one way to count by a label."""
+
+    @staticmethod
+    def bump(counter: dict[str, int], label: str, n: int = 1) -> None:
+        """Add ``n`` to the ``label`` entry of a labelled (``dict[str, int]``) counter."""
+        counter[label] = counter.get(label, 0) + n
+
+
+class CacheStats(CounterSet, kw_only=True):
     """The L1 cache's counters (``lmcache_<name>_total``, the ``stats`` ``counters``).
 
-    The index counts lookups, objects, evictions and leases; the server's lookup
-    handler counts tokens (it knows the chunk size).
+    The index counts every one of them (lookup tokens are chunks times the chunk size
+    of the registration's layout).
     """
 
     lookups: Annotated[int, counter("Lookup requests evaluated.")] = 0
@@ -111,7 +120,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
         label="reason", known=("aborted", "no_space"))] = {}
 
 
-class L2Counters(msgspec.Struct, kw_only=True):
+class L2Counters(CounterSet, kw_only=True):
     """The L2 tier's counters (``lmcache_l2_<metric>_total``, the ``stats`` ``l2``).
 
     Objects are one chunk of one object group. The tier's threads and the event loop

@@ -31,10 +31,10 @@ from lmc_server.cache.layout import ObjectGroupLayout, RegistrationLayout
 from lmc_server.cache.leases import Lease, LeaseTable
 from lmc_server.cache.pool import Partition, SlabPool
 from lmc_server.cache.retrieve import RetrieveTicket
-from lmc_server.cache.store import Reservation, StoreTicket
+from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots
 
-__all__ = ["CacheView", "L1Index", "Reservation", "RetrieveTicket", "StoreTicket"]
+__all__ = ["L1Index"]
 
 
 class L1Index:
@@ -73,19 +73,17 @@ class L1Index:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def hit_chunks(self, view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
-        """Length of the longest hit prefix, and per object group the slots looked up
-        (:func:`~lmc_server.cache.view.hit_chunks`)."""
-        return hit_chunks(view, keys)
-
     def lookup(self, view: CacheView, keys: list[bytes], owner: int, lease_ttl_s: float,
                now_s: float, take_lease: bool = True) -> tuple[int, Lease | None]:
         """Longest hit prefix (in chunks) and, if asked and non-empty, a lease on it."""
         self.tick += 1
         k, slots = hit_chunks(view, keys)
-        self.stats.lookups += 1
-        self.stats.lookup_chunks += len(keys)
-        self.stats.hit_chunks += k
+        stats, chunk_size = self.stats, view.layout.chunk_size
+        stats.lookups += 1
+        stats.lookup_chunks += len(keys)
+        stats.hit_chunks += k
+        stats.lookup_tokens += len(keys) * chunk_size
+        stats.hit_tokens += k * chunk_size
         if k == 0:
             return 0, None
         pins = needed_slots(view, slots, k)

@@ -28,13 +28,6 @@ def namespace_prefix(ns_id: int) -> bytes:
     return ns_id.to_bytes(NS_BYTES, "little")
 
 
-def split_digests(digests: bytes) -> list[bytes]:
-    """``digests`` cut into ``DIGEST_BYTES`` pieces; refuses a ragged length."""
-    if len(digests) % DIGEST_BYTES:
-        raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
-    return [digests[i:i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)]
-
-
 def chunk_keys(ns_prefix: bytes, digests: bytes, salt: bytes = b"") -> list[bytes]:
     """The index keys of a run of chunk digests (``DIGEST_BYTES`` each).
 
@@ -42,12 +35,13 @@ def chunk_keys(ns_prefix: bytes, digests: bytes, salt: bytes = b"") -> list[byte
     """
     if len(salt) > MAX_SALT_BYTES:
         raise ValueError(f"cache salt longer than {MAX_SALT_BYTES} bytes")
+    if len(digests) % DIGEST_BYTES:
+        raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
+    starts = range(0, len(digests), DIGEST_BYTES)
     if not salt:
-        if len(digests) % DIGEST_BYTES:
-            raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
-        return [ns_prefix + digests[i:i + DIGEST_BYTES]
-                for i in range(0, len(digests), DIGEST_BYTES)]
+        return [ns_prefix + digests[i:i + DIGEST_BYTES] for i in starts]
     key = (hashlib.blake2b(salt, digest_size=DIGEST_BYTES).digest()
            if len(salt) > _BLAKE2B_MAX_KEY_BYTES else salt)
-    return [ns_prefix + hashlib.blake2b(d, key=key, digest_size=DIGEST_BYTES).digest()
-            for d in split_digests(digests)]
+    return [ns_prefix + hashlib.blake2b(digests[i:i + DIGEST_BYTES], key=key,
+                                        digest_size=DIGEST_BYTES).digest()
+            for i in starts]

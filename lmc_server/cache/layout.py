@@ -91,7 +91,8 @@ class ObjectGroupLayout:
 
     ``retentions`` holds the hit rule of its sections, one object per section kind
     (:mod:`lmc_server.cache.retention`), required ones first; ``required_bits`` lists
-    the sections an object must have to be stored.
+    the sections an object must have to be stored (derived from ``retentions``, kept
+    because every store reads it).
     """
 
     name: str
@@ -100,16 +101,19 @@ class ObjectGroupLayout:
     object_bytes: int
     fingerprint: bytes
     retentions: tuple[Retention, ...]
-    required_bits: tuple[int, ...]
+    required_bits: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         covered = sorted(b for r in self.retentions for b in r.bits)
         assert covered == list(range(len(self.sections))), (
             f"object group {self.name!r}: the retentions must cover each section once")
+        object.__setattr__(self, "required_bits",
+                           tuple(b for r in self.retentions if r.required for b in r.bits))
 
     @property
     def has_full(self) -> bool:
-        return any(not s.is_window for s in self.sections)
+        """Whether the group has full-attention sections (the required ones)."""
+        return bool(self.required_bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +222,7 @@ def build_layout(groups: list[GroupSpec], chunk_size: int, separate: bool) -> Re
         ogs.append(ObjectGroupLayout(name=name, index=og_index, sections=tuple(sections),
                                      object_bytes=offset,
                                      fingerprint=_fingerprint(name, groups, sections),
-                                     retentions=retentions,
-                                     required_bits=tuple(b for r in retentions if r.required
-                                                         for b in r.bits)))
+                                     retentions=retentions))
     windows = {g.window_tokens: math.ceil(g.window_tokens / chunk_size)
                for g in groups if g.cached and g.kind == "sliding_window"}
     return RegistrationLayout(chunk_size=chunk_size, object_groups=tuple(ogs), windows=windows)
@@ -259,7 +261,6 @@ def plan_copies(section: SectionLayout, ids: np.ndarray,
     return [RunCopy(run=r, block_ids=ids,
                     object_offsets=object_offsets + np.int64(r.object_offset))
             for r in section.runs]
-
 
 
 def plan_objects(og: ObjectGroupLayout, offsets: np.ndarray, chunks: np.ndarray,

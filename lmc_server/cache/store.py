@@ -92,8 +92,7 @@ def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nd
         slots = array("i", sorted(allocator.alloc(part, len(fresh), tick)))
         if len(slots) < len(fresh):
             st[fresh[len(slots):]] = ChunkStatus.NO_SPACE
-            stats.alloc_failures["no_space"] = (
-                stats.alloc_failures.get("no_space", 0) + len(fresh) - len(slots))
+            stats.bump(stats.alloc_failures, "no_space", len(fresh) - len(slots))
             del fresh[len(slots):]
         bits = np.zeros(n, dtype=np.uint8)
         for bit, ok in enumerate(avail):
@@ -133,5 +132,4 @@ def abort_store(ticket: StoreTicket, stats: CacheStats) -> None:
         for i, s in zip(r.chunks, r.slots, strict=True):
             r.part.abort(s)
             st[i] = ChunkStatus.FAILED
-        stats.alloc_failures["aborted"] = (
-            stats.alloc_failures.get("aborted", 0) + len(r.slots))
+        stats.bump(stats.alloc_failures, "aborted", len(r.slots))

@@ -16,7 +16,6 @@ import numpy as np
 from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.status import SUCCESS, ChunkStatus
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.stats import StatsReport
 
 BlockIds = Mapping[str, np.ndarray | Sequence[int]]
 
@@ -153,7 +152,3 @@ class ChunkResult:
 
     def count(self, status: ChunkStatus) -> int:
         return int(sum((st == status).sum() for st in self.statuses.values()))
-
-
-def stats_report(reply: m.StatsResult) -> StatsReport:
-    return reply.stats

@@ -34,6 +34,3 @@ def chunk_digests(tokens: Sequence[int] | np.ndarray, chunk_size: int) -> bytes:
     n = len(arr) // chunk_size
     return hash_chain(arr[i * chunk_size:(i + 1) * chunk_size].tobytes() for i in range(n))
 
-
-def split_digests(digests: bytes) -> list[bytes]:
-    return [digests[i:i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES)]

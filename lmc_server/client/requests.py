@@ -24,14 +24,13 @@ import numpy as np
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
     Registration,
     ServerError,
-    stats_report,
 )
-from lmc_server.client.digests import DIGEST_BYTES
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.stats import StatsReport
 
@@ -96,7 +95,7 @@ class RequestBuilder:
         return Call(m.Ping(req_id=next(self._ids)), m.Pong, _same)
 
     def stats(self) -> Call[StatsReport]:
-        return Call(m.Stats(req_id=next(self._ids)), m.StatsResult, stats_report)
+        return Call(m.Stats(req_id=next(self._ids)), m.StatsResult, _stats_report)
 
     def clear(self) -> Call[int]:
         return Call(m.Clear(req_id=next(self._ids)), m.Cleared, _evicted)
@@ -162,6 +161,10 @@ class RequestBuilder:
 
 def _nothing(reply: m._Msg) -> None:
     return None
+
+
+def _stats_report(reply: m.StatsResult) -> StatsReport:
+    return reply.stats
 
 
 def _evicted(reply: m.Cleared) -> int:

@@ -66,10 +66,6 @@ class ChunkGeometry:
         self.groups = tuple(groups)
         self.hashes_per_chunk = chunk_size // hash_block_size
 
-    @property
-    def has_window(self) -> bool:
-        return any(g.cached and g.window_tokens for g in self.groups)
-
     def blocks_per_chunk(self, group: EngineGroup) -> int:
         return blocks_per_chunk(group, self.chunk_size)
 

@@ -35,9 +35,9 @@ import numpy as np
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
-from lmc_server.client.digests import DIGEST_BYTES
 from lmc_server.integration.plans import LookupAnswer
 
 logger = logging.getLogger(__name__)

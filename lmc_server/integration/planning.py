@@ -7,7 +7,7 @@ scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 Chunk arithmetic (block ids, digests, freed window blocks) is
 :mod:`lmc_server.integration.chunks`; the values this module takes and returns
 (:class:`ScheduledRequest`, :class:`LookupAnswer`, :class:`StepPlan`) are
-:mod:`lmc_server.integration.plans`, re-exported here for the adapter.
+:mod:`lmc_server.integration.plans`.
 
 Invariants:
 
@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from lmc_server.client.digests import DIGEST_BYTES
-from lmc_server.integration.chunks import NULL_BLOCK_ID, ChunkGeometry, EngineGroup
+from lmc_server.cache.keys import DIGEST_BYTES
+from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
@@ -62,8 +62,7 @@ from lmc_server.integration.plans import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NULL_BLOCK_ID", "ChunkGeometry", "EngineGroup", "LoadSpec", "LookupAnswer",
-           "LookupService", "ScheduledRequest", "SchedulerPlanner", "StepPlan", "StoreSpec"]
+__all__ = ["SchedulerPlanner"]
 
 
 @dataclass(slots=True, eq=False)

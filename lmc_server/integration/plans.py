@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lmc_server.client.digests import DIGEST_BYTES
+from lmc_server.cache.keys import DIGEST_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.cache.index import CacheView, L1Index, StoreTicket
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import Partition
+from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
 from lmc_server.l2.poolview import PoolView

@@ -39,7 +39,3 @@ class L2Stats(L2Counters, kw_only=True):
 
     read_latency: Latency = msgspec.field(default_factory=Latency)
     write_latency: Latency = msgspec.field(default_factory=Latency)
-
-    @staticmethod
-    def bump(counter: dict[str, int], reason: str, n: int = 1) -> None:
-        counter[reason] = counter.get(reason, 0) + n

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from lmc_server.cache.index import CacheView, L1Index, StoreTicket
+from lmc_server.cache.index import L1Index
+from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
 from lmc_server.l2.poolview import PoolView

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lmc_server.cache.index import StoreTicket
 from lmc_server.cache.pool import COMMITTED, Partition
+from lmc_server.cache.store import StoreTicket
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
 from lmc_server.l2.poolview import PoolView

@@ -126,19 +126,27 @@ class Dispatcher:
                 task.add_done_callback(self._task_done)
                 return
         except ProtocolError as e:
-            self.stats.count_request(op, e.code.value)
-            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
-                     e.code.value, e.message)
-            self._send(identity, error_reply(e))
+            self._send(identity, self._refused(session, op, e))
             return
         except Exception:
-            log.exception("internal error handling %s", op)
-            self.stats.count_request(op, ErrorCode.INTERNAL.value)
-            self._send(identity, error_reply(ProtocolError(
-                ErrorCode.INTERNAL, "internal server error (logged)", 0)))
+            self._send(identity, self._internal_error(op, 0))
             return
         self.stats.count_request(op, "ok")
         self._send(identity, encode(reply))
+
+    def _refused(self, session: Session, op: str, e: ProtocolError) -> bytes:
+        """Count and log a refusal; the ``error`` reply that says it."""
+        self.stats.count_request(op, e.code.value)
+        log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
+                 e.code.value, e.message)
+        return error_reply(e)
+
+    def _internal_error(self, op: str, req_id: int) -> bytes:
+        """Count and log a bug (called from an ``except``); the ``internal`` reply."""
+        log.exception("internal error handling %s", op)
+        self.stats.count_request(op, ErrorCode.INTERNAL.value)
+        return error_reply(ProtocolError(ErrorCode.INTERNAL, "internal server error (logged)",
+                                         req_id))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
@@ -154,15 +162,9 @@ class Dispatcher:
             self.stats.count_request(op, "ok")
             ok = True
         except ProtocolError as e:
-            self.stats.count_request(op, e.code.value)
-            log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
-                     e.code.value, e.message)
-            payload = error_reply(e)
+            payload = self._refused(session, op, e)
         except Exception:
-            log.exception("internal error handling %s", op)
-            self.stats.count_request(op, ErrorCode.INTERNAL.value)
-            payload = error_reply(ProtocolError(ErrorCode.INTERNAL,
-                                                "internal server error (logged)", msg.req_id))
+            payload = self._internal_error(op, msg.req_id)
         finally:
             session.inflight -= 1
         task = asyncio.current_task()

@@ -26,8 +26,9 @@ import numpy as np
 
 from lmc_server import PROTOCOL_VERSION, __version__
 from lmc_server.cache.geometry import ArchError, GeometryError, blocks_per_chunk, check_groups
-from lmc_server.cache.index import L1Index, StoreTicket
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import RunCopy, build_layout
+from lmc_server.cache.store import StoreTicket
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
@@ -177,8 +178,6 @@ class Handlers:
         ttl = self.config.lease_ttl_s
         hit, lease = self.index.lookup(reg.view, keys, session.sid, ttl, self.clock(),
                                        take_lease=msg.lease)
-        self.index.stats.lookup_tokens += len(keys) * self.config.chunk_size
-        self.index.stats.hit_tokens += hit * self.config.chunk_size
         pending = (self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
                    if self.l2 is not None and hit < len(keys) else 0)
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,

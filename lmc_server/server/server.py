@@ -232,7 +232,6 @@ class Server:
         for identity in identities:
             session = self.sessions.get(identity)
             if session is not None and session.conn == conn:
-                self.stats.sessions_reaped += 1
                 self.handlers.drop_session(session, "connection closed")
 
     def health(self) -> tuple[bool, str]:

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from lmc_server.cache.geometry import GroupSpec
-from lmc_server.cache.index import CacheView
+from lmc_server.cache.view import CacheView
 from lmc_server.transfer.base import Mapping
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from lmc_server.cache.index import CacheView
 from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.cache.view import CacheView
 
 #: Longest a store waits for other writers of its keys (a copy takes milliseconds).
 SETTLE_TIMEOUT_S = 10.0

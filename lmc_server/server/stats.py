@@ -66,13 +66,13 @@ class PhaseClock:
 
 @dataclass
 class ServerStats:
-    """The server's structured counters; its scalar ones are in
-    :class:`~lmc_server.cache.counters.CacheStats` (the one list of counters)."""
+    """The server's structured counters (by request, transfer and phase); its scalar
+    ones are in :class:`~lmc_server.cache.counters.CacheStats` (the one list of
+    counters)."""
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
     transfers: dict[str, TransferStats] = field(
         default_factory=lambda: {"store": TransferStats(), "retrieve": TransferStats()})
-    sessions_reaped: int = 0
     #: (op, phase) -> [requests, seconds], see ``PHASES``.
     phases: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 

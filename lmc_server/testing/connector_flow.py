@@ -26,16 +26,12 @@ from typing import Any, Self
 
 import numpy as np
 
+from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.exporters import TensorExporter
 from lmc_server.integration.kvlayout import RegistrationPlan, derive_registration
 from lmc_server.integration.link import ServerLink
-from lmc_server.integration.planning import (
-    ChunkGeometry,
-    LoadSpec,
-    ScheduledRequest,
-    SchedulerPlanner,
-    StepPlan,
-)
+from lmc_server.integration.planning import SchedulerPlanner
+from lmc_server.integration.plans import LoadSpec, ScheduledRequest, StepPlan
 from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
 from lmc_server.testing.kvfixture import (
     Backing,
@@ -259,7 +255,7 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
     stores wait for (``stream_done`` on CUDA). Raises ``AssertionError``.
     """
     from lmc_server.client import Client
-    from lmc_server.integration.planning import EngineGroup
+    from lmc_server.integration.chunks import EngineGroup
 
     (g,) = kv.geometry.groups
     assert g.tokens_per_block == 16 and g.num_blocks > 34 * n_requests
