@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import gc
-import hashlib
 import tracemalloc
 from pathlib import Path
 
@@ -17,17 +16,10 @@ from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
+from lmc_server.testing.digests import chained_digests as digests
 from lmc_server.testing.presets import dsv41_flash, simple_model
 
 MIB = 1 << 20
-
-
-def digests(n: int, tag: bytes = b"") -> bytes:
-    out, prev = b"", bytes(32)
-    for i in range(n):
-        prev = hashlib.blake2b(prev + tag + i.to_bytes(4, "little"), digest_size=32).digest()
-        out += prev
-    return out
 
 
 def make_index(pool_mib: int = 64, slab_mib: int = 16, policy: str = "LRU") -> L1Index:

@@ -5,7 +5,6 @@ full, churning cache stays within 256 bytes per object."""
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import random
 import signal
@@ -24,18 +23,11 @@ from lmc_server.cache.pool import COMMITTED, WRITING, SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.cli.main import cli
+from lmc_server.testing.digests import chained_digests as digests
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.process import ServerProcess
 
 MIB = 1 << 20
-
-
-def digests(n: int, tag: bytes = b"") -> bytes:
-    out, prev = b"", bytes(32)
-    for i in range(n):
-        prev = hashlib.blake2b(prev + tag + i.to_bytes(4, "little"), digest_size=32).digest()
-        out += prev
-    return out
 
 
 def store(index: L1Index, v: CacheView, keys: list[bytes],

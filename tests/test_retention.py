@@ -10,7 +10,6 @@ index report a hit whose sections are not there, or one a retrieve would miss.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 
@@ -30,18 +29,11 @@ from lmc_server.cache.retention import (
 )
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
+from lmc_server.testing.digests import chained_digests as digests
 from lmc_server.testing.presets import dsv41_flash
 
 MIB = 1 << 20
 CHUNK = 256
-
-
-def digests(n: int, tag: bytes) -> bytes:
-    out, prev = b"", bytes(32)
-    for i in range(n):
-        prev = hashlib.blake2b(prev + tag + i.to_bytes(4, "little"), digest_size=32).digest()
-        out += prev
-    return out
 
 
 def groups_with_windows(windows: tuple[int, ...]) -> list[GroupSpec]:
