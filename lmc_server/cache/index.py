@@ -94,6 +94,17 @@ class L1Index:
         self.stats.leases_taken += 1
         return k, self.leases.take(owner, now_s + lease_ttl_s, k, pins)
 
+    def probe(self, view: CacheView, keys: list[bytes]) -> int:
+        """Longest hit prefix (in chunks) for a router's probe: no lease, no touch (a
+        probe is not a use, so it leaves the eviction order alone), counted apart from
+        lookups so hit rates stay those of the engines."""
+        k = hit_chunks(view, keys)[0]
+        stats, chunk_size = self.stats, view.layout.chunk_size
+        stats.probes += 1
+        stats.probe_tokens += len(keys) * chunk_size
+        stats.probe_hit_tokens += k * chunk_size
+        return k
+
     # -- allocation ---------------------------------------------------------------------
 
     def alloc_slots(self, part: Partition, m: int) -> list[int]:

@@ -176,6 +176,26 @@ def cli() -> None:
               help="Chunks after an L1 hit that one lookup asks L2 for.")
 @click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
               envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
+@click.option("--kv-events-endpoint", default="", envvar="LMCACHE_KV_EVENTS_ENDPOINT",
+              metavar="ENDPOINT",
+              help="Publish L1 stores and removals for KV-aware routers, in vLLM's "
+                   "KV-event format, on this ZeroMQ PUB endpoint (tcp://HOST:PORT or "
+                   "ipc://PATH). The stream carries prompt tokens: bind it where only the "
+                   "router can reach it. See docs/operations.md.")
+@click.option("--kv-events-replay-endpoint", default="",
+              envvar="LMCACHE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ENDPOINT",
+              help="ROUTER endpoint where subscribers ask for missed batches (vLLM's "
+                   "replay protocol).")
+@click.option("--kv-events-topic", default="", envvar="LMCACHE_KV_EVENTS_TOPIC",
+              help="Topic prefix; each model publishes on PREFIX<model>. Default "
+                   "kv@<hostname>@ (llm-d's kv@<pod>@<model>).")
+@click.option("--kv-events-hwm", type=click.IntRange(1, 1 << 24), default=100_000,
+              envvar="LMCACHE_KV_EVENTS_HWM",
+              help="Batches queued per subscriber; past it batches are dropped for "
+                   "everyone (counted, still replayable), never waited for.")
+@click.option("--kv-events-replay-batches", type=click.IntRange(1, 1 << 20),
+              default=10_000, envvar="LMCACHE_KV_EVENTS_REPLAY_BATCHES",
+              help="Batches kept for replay.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lmc_server.cache.counters import CacheStats, L2Counters
+from lmc_server.cache.counters import CacheStats, KvEventCounters, L2Counters
 
 
 class L1Report(msgspec.Struct, kw_only=True):
@@ -81,6 +81,16 @@ class L2Report(L2Counters, kw_only=True):
     write_seconds: LatencySum
 
 
+class KvEventsReport(KvEventCounters, kw_only=True):
+    """The KV-event publisher (with ``--kv-events-endpoint``): its counters and state."""
+
+    endpoint: str
+    replay_endpoint: str
+    next_seq: int  # the sequence number of the next batch
+    replay_batches: int  # batches kept for replay now
+    published_objects: int  # objects a subscriber was told of and not yet of their removal
+
+
 class StatsReport(msgspec.Struct, kw_only=True):
     """Configuration, capacity and use per partition, sessions, counters, phases, L2."""
 
@@ -99,7 +109,8 @@ class StatsReport(msgspec.Struct, kw_only=True):
     #: ``"op:phase"`` -> sums (see ``lmc_server.server.stats.PHASES``).
     phases: dict[str, PhaseSum]
     l2: L2Report | None = None
+    kv_events: KvEventsReport | None = None
 
 
-__all__ = ["Counters", "L1Report", "L2Report", "LatencySum", "PartitionReport", "PhaseSum",
-           "StatsReport"]
+__all__ = ["Counters", "KvEventsReport", "L1Report", "L2Report", "LatencySum",
+           "PartitionReport", "PhaseSum", "StatsReport"]

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from lmc_server import __version__
-from lmc_server.cache.counters import CacheStats, L2Counters
+from lmc_server.cache.counters import CacheStats, KvEventCounters, L2Counters
 from lmc_server.cache.index import L1Index
 from lmc_server.config import Config
 from lmc_server.protocol.stats import (
     Counters,
+    KvEventsReport,
     L1Report,
     L2Report,
     LatencySum,
@@ -30,6 +31,7 @@ from lmc_server.server.stats import ServerStats
 
 if TYPE_CHECKING:  # the L2 tier is imported only with --l2
     from lmc_server.l2.tier import L2Tier
+    from lmc_server.server.events import KvEventPublisher
 
 
 def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str, Any]:
@@ -43,7 +45,8 @@ def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str
 
 def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
                  stats: ServerStats, uptime_s: float,
-                 l2: L2Tier | None = None) -> StatsReport:
+                 l2: L2Tier | None = None,
+                 events: KvEventPublisher | None = None) -> StatsReport:
     pool = index.pool
     parts = [PartitionReport(
         name=p.name, fingerprint=p.fingerprint.hex(), object_bytes=p.object_bytes,
@@ -77,6 +80,12 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         phases={f"{op}:{phase}": PhaseSum(count=int(n), seconds=seconds)
                 for (op, phase), (n, seconds) in sorted(stats.phases.items())},
         l2=None if l2 is None else l2_report(l2),
+        kv_events=None if events is None else KvEventsReport(
+            **copy_counters(events.stats, KvEventCounters),
+            endpoint=events.settings.endpoint,
+            replay_endpoint=events.settings.replay_endpoint,
+            next_seq=events.next_seq, replay_batches=events.replay_batches,
+            published_objects=events.published_objects),
     )
 
 

@@ -1,0 +1,323 @@
+"""KV events for routers: the L1 tier's stores and removals in vLLM's wire format.
+
+With ``--kv-events-endpoint`` the server publishes, on a ZeroMQ PUB socket of its own,
+what a KV-aware router needs to send a request where its prefix is cached
+(:mod:`lmc_server.protocol.kv_events` has the layout; docs/vllm.md says why the server
+publishes itself rather than through vLLM's publisher):
+
+* ``BlockStored`` when an object becomes visible (a store commits, an L2 fetch lands),
+  ``BlockRemoved`` when it is evicted, moved with its slab or cleared, medium ``CPU``;
+* ``AllBlocksCleared`` first, at start (the pool is empty), and on a model's topic when
+  the first registration of that model arrives;
+* one batch per topic per event-loop iteration, sequence numbers from 0 across topics,
+  the last ``replay_batches`` kept for the replay socket (vLLM's ROUTER protocol).
+
+What is published: objects of the object group a hit requires (full attention; the only
+group of a window-only layout), of namespaces a scheduler looks up (rank 0, or
+replicated KV), stored without a cache salt. The topic is ``topic_prefix + model``. A
+store that carries the connector's ``events`` fields is published with the engine's
+per-block hashes and tokens (routers hash tokens themselves); any other object with one
+hash per chunk (the first 8 bytes of its digest) and no tokens. Every ``BlockRemoved``
+names hashes an earlier ``BlockStored`` published.
+
+Bounded: the PUB socket has a high-water mark and ``XPUB_NODROP``, and every send is
+non-blocking, so a subscriber that stops reading costs the server nothing but the
+batches it misses (``dropped_batches``, still in the replay buffer); replays are sent in
+slices between requests and cut when the requester's queue is full. Everything here runs
+on the event-loop thread, called by the index (:class:`~lmc_server.cache.pool.SlotWatcher`)
+inside its operations: it only appends to lists; encoding and sending happen in
+:meth:`KvEventPublisher.flush`, scheduled once per loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from lmc_server.cache.counters import KvEventCounters
+from lmc_server.cache.keys import NS_BYTES
+from lmc_server.cache.pool import Partition
+from lmc_server.cache.view import CacheView
+from lmc_server.config import Config
+from lmc_server.protocol import kv_events as ev
+from lmc_server.protocol.messages import StoreEvents
+
+log = logging.getLogger(__name__)
+
+#: Replay messages sent per loop callback, so a replay never holds the loop for long.
+REPLAY_SLICE = 256
+#: The event-hash of an object stored without the connector's fields: the first bytes
+#: of its digest, as a big-endian uint64 (routers reduce every hash to 64 bits).
+_DIGEST_HASH = slice(NS_BYTES, NS_BYTES + 8)
+
+
+@dataclass(frozen=True)
+class KvEventSettings:
+    """Where and how much: endpoints, the topic prefix, the bounds."""
+
+    endpoint: str
+    replay_endpoint: str = ""
+    topic_prefix: str = ""
+    hwm: int = 100_000  # batches queued per subscriber before sends are dropped
+    replay_batches: int = 10_000  # batches kept for replay
+
+
+def kv_event_settings(config: Config) -> KvEventSettings:
+    """The publisher's settings from the server's (topic prefix defaulted)."""
+    return KvEventSettings(
+        endpoint=config.kv_events_endpoint,
+        replay_endpoint=config.kv_events_replay_endpoint,
+        topic_prefix=config.kv_events_topic or f"kv@{socket.gethostname()}@",
+        hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches)
+
+
+@dataclass
+class _Stage:
+    """The event fields of the store being committed, by key (see :meth:`staged`)."""
+
+    suppress: bool
+    chunk_size: int
+    per: int = 0
+    at: dict[bytes, int] = field(default_factory=dict)
+    fields: StoreEvents | None = None
+    out: list[tuple[int, bytes, Any]] = field(default_factory=list)
+
+
+class KvEventPublisher:
+    """The PUB and replay sockets, the events of the current loop iteration, the replay
+    buffer. ``wall_clock`` stamps batches (``ts``, seconds since the epoch, as vLLM)."""
+
+    def __init__(self, settings: KvEventSettings, loop: asyncio.AbstractEventLoop,
+                 chunk_size: int, wall_clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.loop = loop
+        self.chunk_size = chunk_size
+        self.wall_clock = wall_clock
+        self.stats = KvEventCounters()
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket[Any] | None = None
+        self._replay: zmq.Socket[Any] | None = None
+        self._replay_fd = -1
+        #: namespace key prefix -> topic, or None for a namespace that is not published.
+        self._topics: dict[bytes, bytes | None] = {}
+        self._models: set[bytes] = set()
+        #: key of every object a subscriber was told of -> its event hashes (uint64 BE),
+        #: None when they derive from the digest.
+        self._published: dict[bytes, bytes | None] = {}
+        self._pending: dict[bytes, list[Any]] = {}
+        self._flush_handle: asyncio.Handle | None = None
+        self._stage: _Stage | None = None
+        self.next_seq = 0
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.replay_batches)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Bind the sockets and publish ``AllBlocksCleared`` (the pool starts empty)."""
+        s = self.settings
+        pub = self._pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, s.hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
+        pub.bind(s.endpoint)
+        if s.replay_endpoint:
+            rep = self._replay = self._ctx.socket(zmq.ROUTER)
+            rep.setsockopt(zmq.LINGER, 0)
+            rep.setsockopt(zmq.SNDHWM, 2 * (s.replay_batches + 1))
+            rep.bind(s.replay_endpoint)
+            self._replay_fd = int(rep.getsockopt(zmq.FD))
+            self.loop.add_reader(self._replay_fd, self._serve_replays)
+        self._pending[s.topic_prefix.encode()] = [ev.AllBlocksCleared()]
+        self.flush()
+        log.info("publishing KV events on %s (replay %s, topic %s<model>)", s.endpoint,
+                 s.replay_endpoint or "off", s.topic_prefix)
+
+    def close(self) -> None:
+        """Send what is pending, then close both sockets (nothing waits for subscribers)."""
+        if self._pub is not None:
+            self.flush()
+            self._pub.close(linger=0)
+            self._pub = None
+        if self._replay is not None:
+            self.loop.remove_reader(self._replay_fd)
+            self._replay.close(linger=0)
+            self._replay = None
+        self._ctx.term()
+
+    # -- what is watched ----------------------------------------------------------------
+
+    def watch(self, view: CacheView, model: str, published: bool) -> None:
+        """A registration of ``view`` arrived: name its topic (or None when its
+        namespace is not ``published``) and watch the partitions a hit requires."""
+        prefix = view.ns_prefix
+        if prefix not in self._topics:
+            topic = (self.settings.topic_prefix + model).encode() if published else None
+            self._topics[prefix] = topic
+            if topic is not None and topic not in self._models:
+                self._models.add(topic)
+                self._append(topic, ev.AllBlocksCleared())
+        groups = view.layout.object_groups
+        has_full = any(og.has_full for og in groups)
+        for og, part in zip(groups, view.partitions, strict=True):
+            if og.has_full or (not has_full and og.index == 0):
+                part.watcher = self
+
+    def staged(self, keys: list[bytes], fields: StoreEvents | None, per: int,
+               salted: bool) -> _Staging:
+        """Context for committing one store: its objects are published with ``fields``
+        (``per`` hashes per chunk), or not at all when the store was salted, in chunk
+        order (the index commits a prefix from its end; a router resolves each block's
+        parent, so it must hear of the parent first)."""
+        stage = _Stage(suppress=salted, chunk_size=self.chunk_size)
+        if not salted:
+            stage.per, stage.fields = per, fields
+            stage.at = {k: i for i, k in enumerate(keys)}
+        return _Staging(self, stage)
+
+    # -- SlotWatcher (called by the index on the loop thread) ---------------------------
+
+    def visible(self, part: Partition, slot: int) -> None:
+        key = part.slot_key[slot]
+        assert key is not None
+        topic = self._topics.get(key[:NS_BYTES])
+        if topic is None or key in self._published:
+            return
+        stage = self._stage
+        i = None
+        if stage is not None:
+            if stage.suppress:
+                return
+            i = stage.at.get(key)
+        if i is None or stage is None or stage.fields is None:
+            self._published[key] = None
+            event = ev.BlockStored(
+                block_hashes=[int.from_bytes(key[_DIGEST_HASH], "big")],
+                parent_block_hash=None, token_ids=[], block_size=self.chunk_size,
+                lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
+        else:
+            f, per, cs = stage.fields, stage.per, stage.chunk_size
+            hashes = f.block_hashes[8 * per * i:8 * per * (i + 1)]
+            parent = int.from_bytes(f.parent_hashes[8 * i:8 * i + 8], "big")
+            self._published[key] = hashes
+            event = ev.BlockStored(
+                block_hashes=np.frombuffer(hashes, dtype=">u8").tolist(),
+                parent_block_hash=parent or None,
+                token_ids=np.frombuffer(f.token_ids, dtype="<u4")[cs * i:cs * (i + 1)].tolist(),
+                block_size=cs // per, lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
+        if stage is not None and i is not None:
+            stage.out.append((i, topic, event))  # sent in chunk order when the commit ends
+        else:
+            self._append(topic, event)
+
+    def gone(self, part: Partition, slot: int) -> None:
+        key = part.slot_key[slot]
+        assert key is not None
+        if key not in self._published:
+            return
+        hashes = self._published.pop(key)
+        topic = self._topics[key[:NS_BYTES]]
+        assert topic is not None
+        values = ([int.from_bytes(key[_DIGEST_HASH], "big")] if hashes is None
+                  else np.frombuffer(hashes, dtype=">u8").tolist())
+        events = self._pending.get(topic)
+        if events and isinstance(events[-1], ev.BlockRemoved):
+            events[-1].block_hashes.extend(values)  # one event for a run of removals
+            return
+        self._append(topic, ev.BlockRemoved(block_hashes=values, medium=ev.MEDIUM_CPU))
+
+    # -- publishing ---------------------------------------------------------------------
+
+    @property
+    def published_objects(self) -> int:
+        return len(self._published)
+
+    @property
+    def replay_batches(self) -> int:
+        return len(self._buffer)
+
+    def _append(self, topic: bytes, event: Any) -> None:
+        self._pending.setdefault(topic, []).append(event)
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Encode and send one batch per topic with events pending; never blocks."""
+        self._flush_handle = None
+        if not self._pending or self._pub is None:
+            return
+        pending, self._pending = self._pending, {}
+        ts = self.wall_clock()
+        for topic, events in pending.items():
+            payload = ev.encode_batch(ev.KVEventBatch(ts=ts, events=events,
+                                                      data_parallel_rank=0))
+            seq = self.next_seq
+            self.next_seq += 1
+            self._buffer.append((seq, topic, payload))
+            self.stats.batches += 1
+            self.stats.events += len(events)
+            try:
+                self._pub.send_multipart((topic, ev.seq_frame(seq), payload), zmq.NOBLOCK)
+            except zmq.Again:
+                self.stats.dropped_batches += 1
+
+    # -- replay -------------------------------------------------------------------------
+
+    def _serve_replays(self) -> None:
+        """Readiness of the replay socket: start a replay for every queued request."""
+        sock = self._replay
+        while sock is not None and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 3 or frames[1] or len(frames[2]) != ev.SEQ_BYTES:
+                log.debug("ignoring a malformed replay request (%d frames)", len(frames))
+                continue
+            start = int.from_bytes(frames[2], "big")
+            self.stats.replays += 1
+            batches = [b for b in self._buffer if b[0] >= start]  # a snapshot
+            self._replay_slice(frames[0], iter(batches))
+
+    def _replay_slice(self, ident: bytes, batches: Iterator[tuple[int, bytes, bytes]]) -> None:
+        sock = self._replay
+        if sock is None:
+            return
+        try:
+            for _ in range(REPLAY_SLICE):
+                item = next(batches, None)
+                if item is None:
+                    sock.send_multipart((ident, b"", b"", ev.END_SEQ, b""), zmq.NOBLOCK)
+                    return
+                seq, topic, payload = item
+                sock.send_multipart((ident, b"", topic, ev.seq_frame(seq), payload),
+                                    zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats.replays_cut += 1
+            return
+        self.loop.call_soon(self._replay_slice, ident, batches)
+        # zmq's descriptor is edge-triggered: requests that came in during the sends
+        # raise no new edge.
+        self.loop.call_soon(self._serve_replays)
+
+
+class _Staging:
+    """``with publisher.staged(...)``: the store's fields apply while it commits."""
+
+    def __init__(self, publisher: KvEventPublisher, stage: _Stage) -> None:
+        self.publisher = publisher
+        self.stage = stage
+
+    def __enter__(self) -> None:
+        self.publisher._stage = self.stage
+
+    def __exit__(self, *exc: object) -> None:
+        p = self.publisher
+        p._stage = None
+        for _, topic, event in sorted(self.stage.out, key=lambda x: x[0]):
+            p._append(topic, event)

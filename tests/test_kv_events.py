@@ -1,0 +1,341 @@
+"""KV events of a real server process, decoded as a router would.
+
+The stream is decoded with msgspec against a copy of vLLM 0.33's schema written out
+here (not the server's own types, so an encoding mistake cannot cancel out), through a
+store with the connector's event fields, stores without them, evictions, a replay
+request and a restart; the events must agree with ``stats``. A subscriber that stops
+reading must not stop the server, and its lost batches are counted in a metric.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from lmc_server.client import Client, ServerError, chunk_digests
+from lmc_server.client.digests import hash_chain
+from lmc_server.config import Config, ConfigError
+from lmc_server.protocol.messages import StoreEvents
+from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.process import ServerProcess, free_port
+
+CHUNK = 256
+BLOCK = 16  # tokens per engine block hash (the simple model's block size)
+PER = CHUNK // BLOCK
+SLOTS = 8  # the pool holds eight 1 MiB objects
+TOPIC = "kv@test-host@"
+MODEL = "test/simple"
+
+
+# -- a copy of vLLM 0.33's wire schema (vllm/distributed/kv_events.py) ------------------
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def server_args(tmp: Path, *extra: str) -> list[str]:
+    return ["--kv-events-endpoint", f"ipc://{tmp}/events",
+            "--kv-events-replay-endpoint", f"ipc://{tmp}/replay",
+            "--kv-events-topic", TOPIC, "--slab-size-mb", "1", *extra]
+
+
+def subscriber(ctx: zmq.Context[Any], tmp: Path, rcvhwm: int = 0) -> zmq.Socket[Any]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    if rcvhwm:
+        sub.setsockopt(zmq.RCVHWM, rcvhwm)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"ipc://{tmp}/events")
+    return sub
+
+
+def receive(sub: zmq.Socket[Any], timeout_ms: int = 5000) -> tuple[str, int, KVEventBatch]:
+    assert sub.poll(timeout_ms), "no event batch arrived"
+    topic, seq, payload = sub.recv_multipart()
+    return topic.decode(), int.from_bytes(seq, "big"), DECODER.decode(payload)
+
+
+def replay(ctx: zmq.Context[Any], tmp: Path, start: int) -> list[tuple[str, int, bytes]]:
+    """Every batch from ``start`` from the replay socket (a DEALER, with the empty
+    delimiter frame a REQ would add), until the end marker."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"ipc://{tmp}/replay")
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert dealer.poll(5000), "replay did not answer"
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert topic == payload == b""
+                return out
+            out.append((topic.decode(), int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def prompt(n_chunks: int, seed: int) -> tuple[np.ndarray, list[int], bytes]:
+    """Tokens, one engine hash per block (any distinct 64-bit values), chunk digests
+    derived from those hashes as the connector derives them."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, n_chunks * CHUNK, dtype=np.uint32)
+    hashes = [int(h) for h in rng.integers(1, 1 << 63, n_chunks * PER, dtype=np.int64)]
+    digests = hash_chain(b"".join(h.to_bytes(8, "big") for h in hashes[k * PER:(k + 1) * PER])
+                         for k in range(n_chunks))
+    return tokens, hashes, digests
+
+
+def store_events(tokens: np.ndarray, hashes: list[int], first_chunk: int,
+                 n_chunks: int) -> StoreEvents:
+    parents = [0 if k == 0 else hashes[k * PER - 1]
+               for k in range(first_chunk, first_chunk + n_chunks)]
+    return StoreEvents(
+        block_size=BLOCK,
+        token_ids=tokens[first_chunk * CHUNK:(first_chunk + n_chunks) * CHUNK]
+        .astype("<u4").tobytes(),
+        block_hashes=b"".join(h.to_bytes(8, "big")
+                              for h in hashes[first_chunk * PER:(first_chunk + n_chunks) * PER]),
+        parent_hashes=b"".join(p.to_bytes(8, "big") for p in parents))
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def kv() -> Iterator[ShmKV]:
+    with ShmKV(simple_model(layers=4, bytes_per_token=1024, num_blocks=256, model=MODEL)) as k:
+        k.fill_random(5)
+        yield k
+
+
+# -- the stream -----------------------------------------------------------------------------
+
+def test_stream_through_store_eviction_replay_and_restart(
+        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    args = server_args(tmp_path)
+    srv = ServerProcess(args, l1_size_gb=SLOTS / 1024).start()
+    sub = subscriber(ctx, tmp_path)
+    try:
+        with Client(srv.endpoint) as c:
+            reg = c.register(**kv.register_kwargs())
+            ns = reg.namespace
+            # The subscriber joined after start: the start's clear comes by replay.
+            first = replay(ctx, tmp_path, 0)
+            assert first[0][:2] == (TOPIC, 0)
+            assert DECODER.decode(first[0][2]).events == [AllBlocksCleared()]
+
+            # A prompt of three chunks with the connector's event fields.
+            tokens, hashes, digests = prompt(3, seed=1)
+            ids = block_ids_for(reg, 3)
+            assert c.store(reg, digests, ids, events=store_events(tokens, hashes, 0, 3)).ok.all()
+            live: dict[int, str] = {}  # event hash -> what stored it
+            stored = removed = 0
+            seqs = []
+            while stored < 3:
+                topic, seq, batch = receive(sub)
+                assert topic == TOPIC + MODEL
+                seqs.append(seq)
+                for e in batch.events:
+                    if isinstance(e, AllBlocksCleared):
+                        continue  # the model's first registration
+                    assert isinstance(e, BlockStored)
+                    k = stored
+                    assert e.block_hashes == hashes[k * PER:(k + 1) * PER]
+                    assert e.parent_block_hash == (None if k == 0 else hashes[k * PER - 1])
+                    assert e.token_ids == tokens[k * CHUNK:(k + 1) * CHUNK].tolist()
+                    assert (e.block_size, e.medium, e.lora_id) == (BLOCK, "CPU", None)
+                    live.update(dict.fromkeys(e.block_hashes, f"chunk{k}"))
+                    stored += 1
+
+            # Stores without event fields, into a pool of 8: evictions follow.
+            for i in range(10):
+                one = chunk_digests(np.full(CHUNK, 1000 + i), CHUNK)
+                assert c.store(reg, one, block_ids_for(reg, 1)).ok.all()
+            st = c.stats()
+            assert st.counters.evictions >= 5
+            expected = st.counters.stored_objects + st.counters.evictions
+            while stored + removed < expected:
+                topic, seq, batch = receive(sub)
+                assert topic == TOPIC + MODEL and seq > seqs[-1]
+                seqs.append(seq)
+                for e in batch.events:
+                    if isinstance(e, BlockStored):
+                        # one hash per chunk, no tokens: derived from the digest
+                        assert len(e.block_hashes) == 1 and e.token_ids == []
+                        assert e.block_size == CHUNK and e.medium == "CPU"
+                        live[e.block_hashes[0]] = "plain"
+                        stored += 1
+                    else:
+                        assert isinstance(e, BlockRemoved) and e.medium == "CPU"
+                        for h in e.block_hashes:
+                            assert live.pop(h)  # only what was published is removed
+                        # a chunk's hashes go together: count chunks, not hashes
+                        removed += sum(1 for h in e.block_hashes if h not in hashes) \
+                            + sum(1 for h in e.block_hashes if h in hashes) // PER
+            # What the stream says is there is what stats says is there.
+            assert stored == st.counters.stored_objects == 13
+            assert removed == st.counters.evictions
+            chunks_live = (sum(1 for v in live.values() if v == "plain")
+                           + len({v for v in live.values() if v != "plain"}))
+            assert chunks_live == st.l1.objects == SLOTS
+            assert st.kv_events is not None
+            assert st.kv_events.published_objects == SLOTS
+            assert st.kv_events.next_seq == seqs[-1] + 1
+            assert st.kv_events.dropped_batches == 0
+
+            # Replay from the middle returns exactly the batches sent, then the marker.
+            mid = seqs[len(seqs) // 2]
+            again = replay(ctx, tmp_path, mid)
+            assert [s for _, s, _ in again] == list(range(mid, st.kv_events.next_seq))
+            assert all(t in (TOPIC, TOPIC + MODEL) for t, _, _ in again)
+            assert c.stats().kv_events.replays == 2  # type: ignore[union-attr]
+            # the probe sees what the stream says
+            lead = next(k for k in range(4) if k == 3 or f"chunk{k}" not in live.values())
+            assert c.probe(ns, digests) == [lead]
+        srv.terminate()
+
+        # A restart: sequence numbers start again at 0 with a clear; the model's topic
+        # gets its own clear at its first registration.
+        srv = ServerProcess(args, l1_size_gb=SLOTS / 1024).start()
+        with Client(srv.endpoint) as c:
+            reg = c.register(**kv.register_kwargs())
+            got = [(t, s, DECODER.decode(p).events) for t, s, p in replay(ctx, tmp_path, 0)]
+            assert got == [(TOPIC, 0, [AllBlocksCleared()]),
+                           (TOPIC + MODEL, 1, [AllBlocksCleared()])]
+            assert c.stats().kv_events.published_objects == 0  # type: ignore[union-attr]
+            # The old subscriber reconnects by itself and hears the new server's stores
+            # (it may miss the first ones while it reconnects).
+            for i in range(100):
+                one = chunk_digests(np.full(CHUNK, 5000 + i), CHUNK)
+                assert c.store(reg, one, block_ids_for(reg, 1)).ok.all()
+                if sub.poll(100):
+                    break
+            topic, seq, batch = receive(sub)
+            assert topic == TOPIC + MODEL and 2 <= seq < seqs[0] + 100
+            assert isinstance(batch.events[0], BlockStored)
+    finally:
+        sub.close(linger=0)
+        srv.kill()
+
+
+def test_a_subscriber_that_stops_reading_does_not_stop_the_server(
+        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    metrics_port = free_port()
+    with ServerProcess(server_args(tmp_path, "--kv-events-hwm", "1"), l1_size_gb=SLOTS / 1024,
+                       metrics_port=metrics_port) as srv:
+        stalled = subscriber(ctx, tmp_path, rcvhwm=1)  # connected, never read
+        with Client(srv.endpoint) as c:
+            reg = c.register(**kv.register_kwargs())
+            n = 1500
+            for i in range(n):  # each store publishes about 1.3 kB (its tokens) or more
+                tokens, hashes, digests = prompt(1, seed=10_000 + i)
+                res = c.store(reg, digests, block_ids_for(reg, 1),
+                              events=store_events(tokens, hashes, 0, 1))
+                assert res.ok.all()
+            st = c.stats()
+            assert st.kv_events is not None
+            assert st.kv_events.batches >= n
+            assert st.kv_events.dropped_batches > 0
+            assert c.ping().ready
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+            text = r.read().decode()
+        line = next(x for x in text.splitlines()
+                    if x.startswith("lmcache_kv_events_dropped_batches_total "))
+        assert float(line.split()[1]) >= st.kv_events.dropped_batches
+        # The stalled subscriber still gets what it can read, in order.
+        _, seq0, _ = receive(stalled)
+        _, seq1, _ = receive(stalled)
+        assert seq1 > seq0
+        stalled.close(linger=0)
+
+
+def test_malformed_store_events_are_refused_and_the_server_serves_on(
+        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    with ServerProcess(server_args(tmp_path), l1_size_gb=SLOTS / 1024) as srv, \
+            Client(srv.endpoint) as c:
+        reg = c.register(**kv.register_kwargs())
+        tokens, hashes, digests = prompt(2, seed=3)
+        good = store_events(tokens, hashes, 0, 2)
+        bad = [msgspec.structs.replace(good, token_ids=good.token_ids[:-4]),
+               msgspec.structs.replace(good, block_hashes=good.block_hashes + bytes(8)),
+               msgspec.structs.replace(good, parent_hashes=b""),
+               msgspec.structs.replace(good, block_size=100)]
+        for ev in bad:
+            with pytest.raises(ServerError) as e:
+                c.store(reg, digests, block_ids_for(reg, 2), events=ev)
+            assert e.value.code == "bad_request" and "events" in str(e.value)
+        assert c.stats().counters.stored_objects == 0  # nothing was copied
+        assert c.store(reg, digests, block_ids_for(reg, 2), events=good).ok.all()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"kv_events_endpoint": "tcp://127.0.0.1"}, "use tcp://HOST:PORT"),
+    ({"kv_events_replay_endpoint": "ipc:///tmp/r"}, "needs --kv-events-endpoint"),
+    ({"kv_events_endpoint": "ipc:///tmp/a", "kv_events_replay_endpoint": "ipc:///tmp/a"},
+     "must differ"),
+    ({"kv_events_endpoint": "tcp://127.0.0.1:5555"}, "must differ"),
+    ({"kv_events_endpoint": "ipc:///tmp/a", "kv_events_hwm": 0}, "high-water mark"),
+])
+def test_bad_kv_event_settings_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config(l1_size_gb=1, **fields).check()
