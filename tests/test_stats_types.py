@@ -149,9 +149,9 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
         "writing", "used_bytes", "capacity_bytes", "pinned_objects"}
     assert set(stats["counters"]) == {
         "lookups", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens",
-        "probes", "probe_tokens", "probe_hit_tokens", "stored_objects", "stored_bytes", "retrieved_objects", "retrieved_bytes", "evictions",
-        "evicted_bytes", "slabs_moved", "leases_taken", "leases_released", "leases_expired",
-        "alloc_failures", "requests"}
+        "probes", "probe_tokens", "probe_hit_tokens", "stored_objects", "stored_bytes",
+        "retrieved_objects", "retrieved_bytes", "evictions", "evicted_bytes", "slabs_moved",
+        "leases_taken", "leases_released", "leases_expired", "alloc_failures", "requests"}
     assert stats["phases"] == {"store:copy": {"count": 2, "seconds": 0.25}}
     assert set(stats["l2"]) == {
         "url", "backend", "state", "reason", "state_for_s", "write_queue_objects",

@@ -203,10 +203,7 @@ class Handlers:
                 keys = self.index.keys(view, msg.digests, msg.salt)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
-            lo = 0
-            for i, end in enumerate(ends):
-                hits[i] = self.index.probe(view, keys[lo:end])
-                lo = end
+            hits = self.index.probe(view, keys, ends)
         return m.ProbeResult(req_id=msg.req_id, chunk_size=self.config.chunk_size,
                              hit_chunks=np.asarray(hits, dtype="<i4").tobytes())
 
