@@ -19,11 +19,15 @@ import numpy as np
 import pytest
 import zmq
 
+from lmc_server.cache.index import L1Index
+from lmc_server.cache.layout import build_layout
+from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.client.digests import hash_chain
 from lmc_server.config import Config, ConfigError
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.testing import ShmKV, simple_model
+from lmc_server.testing.digests import chained_digests
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
 
@@ -166,6 +170,65 @@ def kv() -> Iterator[ShmKV]:
     with ShmKV(simple_model(layers=4, bytes_per_token=1024, num_blocks=256, model=MODEL)) as k:
         k.fill_random(5)
         yield k
+
+
+# -- the core's hook ------------------------------------------------------------------------
+
+class Recorder:
+    """A SlotWatcher that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bytes]] = []
+
+    def visible(self, part: Partition, slot: int) -> None:
+        key = part.slot_key[slot]
+        assert key is not None and part.state[slot] == COMMITTED
+        self.log.append(("visible", key))
+
+    def gone(self, part: Partition, slot: int) -> None:
+        key = part.slot_key[slot]
+        assert key is not None and part.keys[key] == slot  # still holds its key
+        self.log.append(("gone", key))
+
+    def live(self) -> set[bytes]:
+        out: set[bytes] = set()
+        for what, key in self.log:
+            if what == "visible":
+                assert key not in out
+                out.add(key)
+            else:
+                out.remove(key)
+        return out
+
+
+def test_the_index_tells_a_watcher_of_every_commit_and_every_removal() -> None:
+    pool = SlabPool(8 * (1 << 20), 1 << 20)  # eight 1 MiB objects
+    for s in range(pool.n_slabs):
+        pool.mark_ready(s)
+    idx = L1Index(pool, "LRU")
+    view = idx.view("ns", build_layout(simple_model(layers=4).groups, CHUNK, True))
+    rec = Recorder()
+    (part,) = view.partitions
+    part.watcher = rec
+
+    def committed() -> set[bytes]:
+        return {k for k, s in part.keys.items() if part.state[s] == COMMITTED}
+
+    def ids(n: int) -> dict[int, np.ndarray]:
+        return {0: np.arange(n * PER, dtype=np.int64).reshape(n, PER) % 64}
+
+    keys = idx.keys(view, chained_digests(12))
+    idx.commit_store(idx.reserve_store(view, keys[:3], ids(3)))
+    assert rec.live() == committed() == set(keys[:3])
+    idx.abort_store(idx.reserve_store(view, keys[3:5], ids(2)))  # never visible
+    assert rec.live() == committed() and len(rec.log) == 3
+    for k in keys[3:]:  # nine more into eight slots: evictions
+        idx.commit_store(idx.reserve_store(view, [k], ids(1)))
+        assert rec.live() == committed()
+    assert idx.stats.evictions == 4
+    idx.clear()
+    assert rec.live() == committed() == set()
+    assert sum(w == "gone" for w, _ in rec.log) == idx.stats.stored_objects == 12
 
 
 # -- the stream -----------------------------------------------------------------------------
