@@ -23,11 +23,11 @@ from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
-from lmc_server.client.digests import hash_chain
 from lmc_server.config import Config, ConfigError
-from lmc_server.protocol.messages import StoreEvents
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.digests import chained_digests
+from lmc_server.testing.events import engine_prompt
+from lmc_server.testing.events import replay as replay_from
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
 
@@ -107,55 +107,14 @@ def subscriber(ctx: zmq.Context[Any], tmp: Path, rcvhwm: int = 0) -> zmq.Socket[
     return sub
 
 
+def replay(ctx: zmq.Context[Any], tmp: Path, start: int) -> list[tuple[str, int, bytes]]:
+    return [(t.decode(), s, p) for t, s, p in replay_from(ctx, f"ipc://{tmp}/replay", start)]
+
+
 def receive(sub: zmq.Socket[Any], timeout_ms: int = 5000) -> tuple[str, int, KVEventBatch]:
     assert sub.poll(timeout_ms), "no event batch arrived"
     topic, seq, payload = sub.recv_multipart()
     return topic.decode(), int.from_bytes(seq, "big"), DECODER.decode(payload)
-
-
-def replay(ctx: zmq.Context[Any], tmp: Path, start: int) -> list[tuple[str, int, bytes]]:
-    """Every batch from ``start`` from the replay socket (a DEALER, with the empty
-    delimiter frame a REQ would add), until the end marker."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"ipc://{tmp}/replay")
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            assert dealer.poll(5000), "replay did not answer"
-            empty, topic, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert topic == payload == b""
-                return out
-            out.append((topic.decode(), int.from_bytes(seq, "big"), payload))
-    finally:
-        dealer.close(linger=0)
-
-
-def prompt(n_chunks: int, seed: int) -> tuple[np.ndarray, list[int], bytes]:
-    """Tokens, one engine hash per block (any distinct 64-bit values), chunk digests
-    derived from those hashes as the connector derives them."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 50_000, n_chunks * CHUNK, dtype=np.uint32)
-    hashes = [int(h) for h in rng.integers(1, 1 << 63, n_chunks * PER, dtype=np.int64)]
-    digests = hash_chain(b"".join(h.to_bytes(8, "big") for h in hashes[k * PER:(k + 1) * PER])
-                         for k in range(n_chunks))
-    return tokens, hashes, digests
-
-
-def store_events(tokens: np.ndarray, hashes: list[int], first_chunk: int,
-                 n_chunks: int) -> StoreEvents:
-    parents = [0 if k == 0 else hashes[k * PER - 1]
-               for k in range(first_chunk, first_chunk + n_chunks)]
-    return StoreEvents(
-        block_size=BLOCK,
-        token_ids=tokens[first_chunk * CHUNK:(first_chunk + n_chunks) * CHUNK]
-        .astype("<u4").tobytes(),
-        block_hashes=b"".join(h.to_bytes(8, "big")
-                              for h in hashes[first_chunk * PER:(first_chunk + n_chunks) * PER]),
-        parent_hashes=b"".join(p.to_bytes(8, "big") for p in parents))
 
 
 @pytest.fixture
@@ -248,9 +207,9 @@ def test_stream_through_store_eviction_replay_and_restart(
             assert DECODER.decode(first[0][2]).events == [AllBlocksCleared()]
 
             # A prompt of three chunks with the connector's event fields.
-            tokens, hashes, digests = prompt(3, seed=1)
-            ids = block_ids_for(reg, 3)
-            assert c.store(reg, digests, ids, events=store_events(tokens, hashes, 0, 3)).ok.all()
+            p = engine_prompt(3, seed=1, chunk_size=CHUNK, block_size=BLOCK)
+            hashes, digests = p.hashes, p.digests
+            assert c.store(reg, digests, block_ids_for(reg, 3), events=p.events()).ok.all()
             live: dict[int, str] = {}  # event hash -> what stored it
             stored = removed = 0
             seqs = []
@@ -263,9 +222,9 @@ def test_stream_through_store_eviction_replay_and_restart(
                         continue  # the model's first registration
                     assert isinstance(e, BlockStored)
                     k = stored
-                    assert e.block_hashes == hashes[k * PER:(k + 1) * PER]
-                    assert e.parent_block_hash == (None if k == 0 else hashes[k * PER - 1])
-                    assert e.token_ids == tokens[k * CHUNK:(k + 1) * CHUNK].tolist()
+                    assert e.block_hashes == p.chunk_hashes(k)
+                    assert e.parent_block_hash == p.parent(k)
+                    assert e.token_ids == p.chunk_tokens(k)
                     assert (e.block_size, e.medium, e.lora_id) == (BLOCK, "CPU", None)
                     live.update(dict.fromkeys(e.block_hashes, f"chunk{k}"))
                     stored += 1
@@ -351,9 +310,8 @@ def test_a_subscriber_that_stops_reading_does_not_stop_the_server(
             reg = c.register(**kv.register_kwargs())
             n = 1500
             for i in range(n):  # each store publishes about 1.3 kB (its tokens) or more
-                tokens, hashes, digests = prompt(1, seed=10_000 + i)
-                res = c.store(reg, digests, block_ids_for(reg, 1),
-                              events=store_events(tokens, hashes, 0, 1))
+                p = engine_prompt(1, seed=10_000 + i, chunk_size=CHUNK, block_size=BLOCK)
+                res = c.store(reg, p.digests, block_ids_for(reg, 1), events=p.events())
                 assert res.ok.all()
             st = c.stats()
             assert st.kv_events is not None
@@ -377,8 +335,8 @@ def test_malformed_store_events_are_refused_and_the_server_serves_on(
     with ServerProcess(server_args(tmp_path), l1_size_gb=SLOTS / 1024) as srv, \
             Client(srv.endpoint) as c:
         reg = c.register(**kv.register_kwargs())
-        tokens, hashes, digests = prompt(2, seed=3)
-        good = store_events(tokens, hashes, 0, 2)
+        p = engine_prompt(2, seed=3, chunk_size=CHUNK, block_size=BLOCK)
+        digests, good = p.digests, p.events()
         bad = [msgspec.structs.replace(good, token_ids=good.token_ids[:-4]),
                msgspec.structs.replace(good, block_hashes=good.block_hashes + bytes(8)),
                msgspec.structs.replace(good, parent_hashes=b""),
