@@ -78,7 +78,7 @@ def replay(ctx: zmq.Context[Any], endpoint: str, start: int,
     dealer.connect(endpoint)
     try:
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
+        out: list[tuple[bytes, int, bytes]] = []
         while True:
             if not dealer.poll(timeout_ms):
                 raise TimeoutError(f"replay from {endpoint} did not answer")
