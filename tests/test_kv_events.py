@@ -9,6 +9,11 @@ reading must not stop the server, and its lost batches are counted in a metric.
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,6 +333,60 @@ def test_a_subscriber_that_stops_reading_does_not_stop_the_server(
         _, seq1, _ = receive(stalled)
         assert seq1 > seq0
         stalled.close(linger=0)
+
+
+STUCK_SUBSCRIBER = """
+import sys, time, zmq
+sub = zmq.Context().socket(zmq.SUB)
+sub.setsockopt(zmq.RCVHWM, 1)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(sys.argv[1])
+sub.recv_multipart()  # subscribed for certain: the server sends to it from here on
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
+        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    """A subscriber process that stops (SIGSTOP: its zmq thread answers no heartbeat)
+    would block every batch once its queue is full; the server cuts it off at the
+    heartbeat timeout, so a subscriber that keeps reading hears the newest batches."""
+    args = server_args(tmp_path, "--kv-events-hwm", "4", "--heartbeat-timeout-s", "1")
+    with ServerProcess(args, l1_size_gb=SLOTS / 1024) as srv, Client(srv.endpoint) as c:
+        reg = c.register(**kv.register_kwargs())
+        healthy = subscriber(ctx, tmp_path)
+        stuck = subprocess.Popen([sys.executable, "-c", STUCK_SUBSCRIBER,
+                                  f"ipc://{tmp_path}/events"], stdout=subprocess.PIPE)
+        try:
+            assert stuck.stdout is not None
+            for i in range(500):  # publish until it heard one batch
+                one = chunk_digests(np.full(CHUNK, 30_000 + i), CHUNK)
+                assert c.store(reg, one, block_ids_for(reg, 1)).ok.all()
+                if select.select([stuck.stdout], [], [], 0.05)[0]:
+                    break
+            assert stuck.stdout.readline() == b"ready\n"
+            os.kill(stuck.pid, signal.SIGSTOP)
+            last = -1
+            for i in range(3000):  # about 4 MB of events: more than any socket buffers
+                p = engine_prompt(1, seed=20_000 + i, chunk_size=CHUNK, block_size=BLOCK)
+                assert c.store(reg, p.digests, block_ids_for(reg, 1), events=p.events()).ok.all()
+                while healthy.poll(0):
+                    last = int.from_bytes(healthy.recv_multipart()[1], "big")
+            st = c.stats().kv_events
+            assert st is not None and st.batches >= 3000
+            while healthy.poll(1000):  # what is still in flight
+                last = int.from_bytes(healthy.recv_multipart()[1], "big")
+            assert last == st.next_seq - 1, (
+                f"{st.dropped_batches} batches dropped; the newest heard is {last} of "
+                f"{st.next_seq - 1}")
+            assert st.stall_resets >= 1 and st.dropped_batches > 0
+        finally:
+            stuck.kill()
+            stuck.wait()
+            assert stuck.stdout is not None
+            stuck.stdout.close()
+            healthy.close(linger=0)
 
 
 def test_malformed_store_events_are_refused_and_the_server_serves_on(

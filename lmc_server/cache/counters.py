@@ -135,6 +135,9 @@ class KvEventCounters(CounterSet, kw_only=True):
     dropped_batches: Annotated[int, counter(
         "Batches not sent because a subscriber's queue was at the high-water mark (still "
         "kept for replay).", metric="dropped_batches")] = 0
+    stall_resets: Annotated[int, counter(
+        "Times the PUB socket was re-created because a full subscriber queue blocked "
+        "every batch for longer than the heartbeat timeout.", metric="stall_resets")] = 0
     replays: Annotated[int, counter("Replay requests served.", metric="replays")] = 0
     replays_cut: Annotated[int, counter(
         "Replays cut short because the requester's queue was full.",

@@ -21,9 +21,17 @@ hash per chunk (the first 8 bytes of its digest) and no tokens. Every ``BlockRem
 names hashes an earlier ``BlockStored`` published.
 
 Bounded: the PUB socket has a high-water mark and ``XPUB_NODROP``, and every send is
-non-blocking, so a subscriber that stops reading costs the server nothing but the
-batches it misses (``dropped_batches``, still in the replay buffer); replays are sent in
-slices between requests and cut when the requester's queue is full. Everything here runs
+non-blocking, so a subscriber that stops reading costs the server nothing. A batch goes
+to every subscriber or, while one's queue is full, to none (``dropped_batches``; it
+stays in the replay buffer, and subscribers see the gap in sequence numbers): zmq tells
+the sender only that, and a count of what was lost is worth more to an operator than
+silent per-subscriber loss. So that one stuck subscriber cannot silence the stream for
+everyone, the PUB socket is re-created once sends have failed for longer than
+``--heartbeat-timeout-s`` (``stall_resets``): every subscriber is disconnected, the
+live ones reconnect by themselves (and replay the gap), a stopped one does not, a
+connected one that still does not read fills its queue again first. ZMTP heartbeats
+drop idle peers that are gone. Replays are sent in slices between requests and cut when
+the requester's queue is full. Everything here runs
 on the event-loop thread, called by the index (:class:`~lmc_server.cache.pool.SlotWatcher`)
 inside its operations: it only appends to lists; encoding and sending happen in
 :meth:`KvEventPublisher.flush`, scheduled once per loop iteration.
@@ -69,6 +77,7 @@ class KvEventSettings:
     topic_prefix: str = ""
     hwm: int = 100_000  # batches queued per subscriber before sends are dropped
     replay_batches: int = 10_000  # batches kept for replay
+    heartbeat_timeout_s: float = 4.0  # a peer silent this long is disconnected
 
 
 def kv_event_settings(config: Config) -> KvEventSettings:
@@ -77,7 +86,8 @@ def kv_event_settings(config: Config) -> KvEventSettings:
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
         topic_prefix=config.kv_events_topic or f"kv@{socket.gethostname()}@",
-        hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches)
+        hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
+        heartbeat_timeout_s=config.heartbeat_timeout_s)
 
 
 @dataclass
@@ -117,6 +127,8 @@ class KvEventPublisher:
         self._flush_handle: asyncio.Handle | None = None
         self._stage: _Stage | None = None
         self.next_seq = 0
+        #: ``monotonic`` time of the first failed send since the last one that went out
+        self._stalled_since: float | None = None
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.replay_batches)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -124,14 +136,10 @@ class KvEventPublisher:
     def open(self) -> None:
         """Bind the sockets and publish ``AllBlocksCleared`` (the pool starts empty)."""
         s = self.settings
-        pub = self._pub = self._ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, s.hwm)
-        pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
-        pub.bind(s.endpoint)
+        self._pub = self._bind_pub()
         if s.replay_endpoint:
             rep = self._replay = self._ctx.socket(zmq.ROUTER)
-            rep.setsockopt(zmq.LINGER, 0)
+            self._heartbeat(rep)
             rep.setsockopt(zmq.SNDHWM, 2 * (s.replay_batches + 1))
             rep.bind(s.replay_endpoint)
             self._replay_fd = int(rep.getsockopt(zmq.FD))
@@ -140,6 +148,23 @@ class KvEventPublisher:
         self.flush()
         log.info("publishing KV events on %s (replay %s, topic %s<model>)", s.endpoint,
                  s.replay_endpoint or "off", s.topic_prefix)
+
+    def _bind_pub(self) -> zmq.Socket[Any]:
+        pub = self._ctx.socket(zmq.PUB)
+        self._heartbeat(pub)
+        pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
+        pub.bind(self.settings.endpoint)
+        return pub
+
+    def _heartbeat(self, sock: zmq.Socket[Any]) -> None:
+        """No linger; ZMTP heartbeats, so a subscriber that is gone or stopped (its
+        zmq thread no longer answers) is disconnected and its queue freed."""
+        hb_ms = int(self.settings.heartbeat_timeout_s * 1000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, hb_ms // 4))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
 
     def close(self) -> None:
         """Send what is pending, then close both sockets (nothing waits for subscribers)."""
@@ -266,8 +291,27 @@ class KvEventPublisher:
             self.stats.events += len(events)
             try:
                 self._pub.send_multipart((topic, ev.seq_frame(seq), payload), zmq.NOBLOCK)
+                self._stalled_since = None
             except zmq.Again:
                 self.stats.dropped_batches += 1
+                self._stalled()
+
+    def _stalled(self) -> None:
+        """A send failed: a subscriber's queue is full. Past the heartbeat timeout of
+        failures, re-create the PUB socket (see the module docstring)."""
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return
+        if now - self._stalled_since <= self.settings.heartbeat_timeout_s or self._pub is None:
+            return
+        log.warning("KV events: a subscriber blocked every batch for %.1f s (%d dropped "
+                    "so far); re-creating the socket, subscribers reconnect",
+                    now - self._stalled_since, self.stats.dropped_batches)
+        self._pub.close(linger=0)
+        self._pub = self._bind_pub()
+        self._stalled_since = None
+        self.stats.stall_resets += 1
 
     # -- replay -------------------------------------------------------------------------
 
