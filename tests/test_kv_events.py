@@ -389,6 +389,30 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
             healthy.close(linger=0)
 
 
+def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any],
+                                                         kv: ShmKV) -> None:
+    """vLLM's rule: a non-wildcard tcp endpoint is connected to, so a router that
+    binds one SUB socket for every publisher (llm-d's central indexer) receives too."""
+    port = free_port()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with ServerProcess(["--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
+                            "--kv-events-topic", TOPIC, "--slab-size-mb", "1"],
+                           l1_size_gb=SLOTS / 1024) as srv, Client(srv.endpoint) as c:
+            reg = c.register(**kv.register_kwargs())
+            for i in range(200):  # until the connection is up (bounded)
+                assert c.store(reg, chunk_digests(np.full(CHUNK, 40_000 + i), CHUNK),
+                               block_ids_for(reg, 1)).ok.all()
+                if sub.poll(50):
+                    break
+            topic, _, batch = receive(sub)
+            assert topic == TOPIC + MODEL and batch.events
+    finally:
+        sub.close(linger=0)
+
+
 def test_malformed_store_events_are_refused_and_the_server_serves_on(
         tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
     with ServerProcess(server_args(tmp_path), l1_size_gb=SLOTS / 1024) as srv, \

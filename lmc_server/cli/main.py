@@ -179,9 +179,10 @@ def cli() -> None:
 @click.option("--kv-events-endpoint", default="", envvar="LMCACHE_KV_EVENTS_ENDPOINT",
               metavar="ENDPOINT",
               help="Publish L1 stores and removals for KV-aware routers, in vLLM's "
-                   "KV-event format, on this ZeroMQ PUB endpoint (tcp://HOST:PORT or "
-                   "ipc://PATH). The stream carries prompt tokens: bind it where only the "
-                   "router can reach it. See docs/operations.md.")
+                   "KV-event format, on this ZeroMQ PUB endpoint; as vLLM does, a "
+                   "wildcard (tcp://*:5557) or ipc:// endpoint is bound, any other "
+                   "connected to (a router's bound SUB). The stream carries prompt tokens: "
+                   "expose it only to the router. See docs/operations.md.")
 @click.option("--kv-events-replay-endpoint", default="",
               envvar="LMCACHE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ENDPOINT",
               help="ROUTER endpoint where subscribers ask for missed batches (vLLM's "

@@ -80,6 +80,13 @@ class KvEventSettings:
     heartbeat_timeout_s: float = 4.0  # a peer silent this long is disconnected
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule for its PUB endpoint, kept so a vLLM ``--kv-events-config`` endpoint
+    means the same here: bind a wildcard (``*``, ``::``) or ipc endpoint, connect to any
+    other (a router that binds its SUB socket, as llm-d's indexer does centrally)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def kv_event_settings(config: Config) -> KvEventSettings:
     """The publisher's settings from the server's (topic prefix defaulted)."""
     return KvEventSettings(
@@ -150,11 +157,15 @@ class KvEventPublisher:
                  s.replay_endpoint or "off", s.topic_prefix)
 
     def _bind_pub(self) -> zmq.Socket[Any]:
+        """The PUB socket, bound or connected by vLLM's rule (:func:`binds`)."""
         pub = self._ctx.socket(zmq.PUB)
         self._heartbeat(pub)
         pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
-        pub.bind(self.settings.endpoint)
+        if binds(self.settings.endpoint):
+            pub.bind(self.settings.endpoint)
+        else:
+            pub.connect(self.settings.endpoint)
         return pub
 
     def _heartbeat(self, sock: zmq.Socket[Any]) -> None:
