@@ -16,7 +16,6 @@ import zmq
 
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import join_events
-from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes
 from lmc_server.testing.events import replay
@@ -24,6 +23,24 @@ from lmc_server.testing.kvfixture import KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess
 
 FIXTURE = Path(__file__).with_name("fixtures") / "vllm-llama.json"
+
+
+class BlockStored(msgspec.Struct, tag=True):  # the fields of vLLM 0.33's this test reads
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[BlockStored | AllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 def test_store_events_of_chunks_reduce_hashes_as_vllm_does() -> None:
@@ -61,8 +78,8 @@ def test_a_prefill_is_published_with_its_tokens_and_vllm_hashes(tmp_path: Path) 
             assert [s.events is not None for s in plan.stores] == [True]
             got = replay(ctx, f"ipc://{tmp_path}/rep", 0)
         stored = [e for _, _, p in got
-                  for e in msgspec.msgpack.decode(p, type=ev.KVEventBatch).events
-                  if isinstance(e, ev.BlockStored)]
+                  for e in msgspec.msgpack.decode(p, type=KVEventBatch).events
+                  if isinstance(e, BlockStored)]
         per = 256 // flow.hash_block
         engine = [int.from_bytes(h[-8:], "big") for h in block_hashes(tokens, flow.hash_block)]
         assert len(stored) == 2

@@ -17,14 +17,18 @@ stream decodes it. The layout, as vLLM 0.33 defines it:
   from a DEALER or REQ); the answer is one ``[b"", topic, seq, payload]`` per buffered
   batch from ``start_seq`` on, then ``[b"", b"", END_SEQ, b""]``.
 
-These types are our own declaration of that layout (tests decode the stream with an
-independent copy, and with vLLM's own classes where vLLM is installed). Sans-IO: the
-server's :mod:`lmc_server.server.events` owns the sockets.
+These types are our own declaration of that layout, for encoding: the long integer
+lists (tokens, hashes) may hold a :class:`msgspec.Raw` of already-encoded elements
+(:func:`uint32_elements`, :func:`uint64_elements`, :func:`raw_array`), built with numpy
+for a whole store at once instead of one Python int per token. Decode with vLLM's
+classes or a copy of them (the tests do both). Sans-IO: the server's
+:mod:`lmc_server.server.events` owns the sockets.
 """
 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 #: ``medium`` of objects in the server's L1 pool (vLLM's ``MEDIUM_CPU``).
 MEDIUM_CPU = "CPU"
@@ -43,9 +47,9 @@ class BlockStored(KVCacheEvent):
     ``block_hashes`` (``block_size`` each); ``parent_block_hash`` is the block before the
     first one, None at the start of a prompt."""
 
-    block_hashes: list[int]
+    block_hashes: list[int] | msgspec.Raw
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -55,7 +59,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     """Blocks that are no longer held in ``medium``."""
 
-    block_hashes: list[int]
+    block_hashes: list[int] | msgspec.Raw
     medium: str | None
 
 
@@ -78,10 +82,42 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
+#: Bytes of one :func:`uint32_elements` / :func:`uint64_elements` element.
+U32_ELEMENT_BYTES, U64_ELEMENT_BYTES = 5, 9
+
+
+def uint32_elements(values: np.ndarray) -> bytes:
+    """``values`` as msgpack uint32 elements (``0xce`` + 4 bytes big-endian each)."""
+    out = np.empty((len(values), U32_ELEMENT_BYTES), dtype=np.uint8)
+    out[:, 0] = 0xCE
+    out[:, 1:] = values.astype(">u4").view(np.uint8).reshape(-1, 4)
+    return out.tobytes()
+
+
+def uint64_elements(big_endian: bytes) -> bytes:
+    """8-byte big-endian values as msgpack uint64 elements (``0xcf`` + the 8 bytes)."""
+    out = np.empty((len(big_endian) // 8, U64_ELEMENT_BYTES), dtype=np.uint8)
+    out[:, 0] = 0xCF
+    out[:, 1:] = np.frombuffer(big_endian, dtype=np.uint8).reshape(-1, 8)
+    return out.tobytes()
+
+
+def raw_array(elements: bytes, n: int) -> msgspec.Raw:
+    """A msgpack array of ``n`` already-encoded ``elements``."""
+    if n < 16:
+        head = bytes([0x90 | n])
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + elements)
+
+
 def seq_frame(seq: int) -> bytes:
     """The sequence-number frame of batch ``seq``."""
     return seq.to_bytes(SEQ_BYTES, "big")
 
 
-__all__ = ["END_SEQ", "MEDIUM_CPU", "SEQ_BYTES", "AllBlocksCleared", "BlockRemoved",
-           "BlockStored", "KVCacheEvent", "KVEventBatch", "encode_batch", "seq_frame"]
+__all__ = ["END_SEQ", "MEDIUM_CPU", "SEQ_BYTES", "U32_ELEMENT_BYTES", "U64_ELEMENT_BYTES",
+           "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBatch",
+           "encode_batch", "raw_array", "seq_frame", "uint32_elements", "uint64_elements"]

@@ -107,6 +107,22 @@ class _Stage:
     at: dict[bytes, int] = field(default_factory=dict)
     fields: StoreEvents | None = None
     out: list[tuple[int, bytes, Any]] = field(default_factory=list)
+    #: the store's tokens and hashes as encoded msgpack elements, made at first use
+    tokens: bytes = b""
+    hashes: bytes = b""
+
+
+@dataclass
+class _Removals:
+    """A run of removals on one topic, merged into one ``BlockRemoved`` at flush:
+    encoded uint64 elements and their count."""
+
+    parts: list[bytes] = field(default_factory=list)
+    n: int = 0
+
+    def event(self) -> ev.BlockRemoved:
+        return ev.BlockRemoved(block_hashes=ev.raw_array(b"".join(self.parts), self.n),
+                               medium=ev.MEDIUM_CPU)
 
 
 class KvEventPublisher:
@@ -127,8 +143,8 @@ class KvEventPublisher:
         #: namespace key prefix -> topic, or None for a namespace that is not published.
         self._topics: dict[bytes, bytes | None] = {}
         self._models: set[bytes] = set()
-        #: key of every object a subscriber was told of -> its event hashes (uint64 BE),
-        #: None when they derive from the digest.
+        #: key of every object a subscriber was told of -> its event hashes (encoded
+        #: msgpack uint64 elements), None when they derive from the digest.
         self._published: dict[bytes, bytes | None] = {}
         self._pending: dict[bytes, list[Any]] = {}
         self._flush_handle: asyncio.Handle | None = None
@@ -241,13 +257,16 @@ class KvEventPublisher:
                 lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
         else:
             f, per, cs = stage.fields, stage.per, stage.chunk_size
-            hashes = f.block_hashes[8 * per * i:8 * per * (i + 1)]
+            if not stage.tokens:  # once per store, vectorized over its chunks
+                stage.tokens = ev.uint32_elements(np.frombuffer(f.token_ids, dtype="<u4"))
+                stage.hashes = ev.uint64_elements(f.block_hashes)
+            hb, tb = per * ev.U64_ELEMENT_BYTES, cs * ev.U32_ELEMENT_BYTES
+            hashes = stage.hashes[hb * i:hb * (i + 1)]
             parent = int.from_bytes(f.parent_hashes[8 * i:8 * i + 8], "big")
             self._published[key] = hashes
             event = ev.BlockStored(
-                block_hashes=np.frombuffer(hashes, dtype=">u8").tolist(),
-                parent_block_hash=parent or None,
-                token_ids=np.frombuffer(f.token_ids, dtype="<u4")[cs * i:cs * (i + 1)].tolist(),
+                block_hashes=ev.raw_array(hashes, per), parent_block_hash=parent or None,
+                token_ids=ev.raw_array(stage.tokens[tb * i:tb * (i + 1)], cs),
                 block_size=cs // per, lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
         if stage is not None and i is not None:
             stage.out.append((i, topic, event))  # sent in chunk order when the commit ends
@@ -262,13 +281,15 @@ class KvEventPublisher:
         hashes = self._published.pop(key)
         topic = self._topics[key[:NS_BYTES]]
         assert topic is not None
-        values = ([int.from_bytes(key[_DIGEST_HASH], "big")] if hashes is None
-                  else np.frombuffer(hashes, dtype=">u8").tolist())
+        if hashes is None:
+            hashes = b"\xcf" + key[_DIGEST_HASH]
         events = self._pending.get(topic)
-        if events and isinstance(events[-1], ev.BlockRemoved):
-            events[-1].block_hashes.extend(values)  # one event for a run of removals
-            return
-        self._append(topic, ev.BlockRemoved(block_hashes=values, medium=ev.MEDIUM_CPU))
+        run = events[-1] if events else None
+        if not isinstance(run, _Removals):  # else one event for a run of removals
+            run = _Removals()
+            self._append(topic, run)
+        run.parts.append(hashes)
+        run.n += len(hashes) // ev.U64_ELEMENT_BYTES
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -293,6 +314,7 @@ class KvEventPublisher:
         pending, self._pending = self._pending, {}
         ts = self.wall_clock()
         for topic, events in pending.items():
+            events = [e.event() if isinstance(e, _Removals) else e for e in events]
             payload = ev.encode_batch(ev.KVEventBatch(ts=ts, events=events,
                                                       data_parallel_rank=0))
             seq = self.next_seq
