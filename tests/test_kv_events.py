@@ -9,6 +9,7 @@ reading must not stop the server, and its lost batches are counted in a metric.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -24,11 +25,13 @@ import numpy as np
 import pytest
 import zmq
 
+from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.config import Config, ConfigError
+from lmc_server.server.events_replay import REPLAY_MAX_BYTES, ReplayBuffer
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.digests import chained_digests
 from lmc_server.testing.events import engine_prompt
@@ -193,6 +196,21 @@ def test_the_index_tells_a_watcher_of_every_commit_and_every_removal() -> None:
     idx.clear()
     assert rec.live() == committed() == set()
     assert sum(w == "gone" for w, _ in rec.log) == idx.stats.stored_objects == 12
+
+
+def test_the_replay_buffer_is_bounded_in_batches_and_bytes() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        buf = ReplayBuffer(4, loop, KvEventCounters())
+        for seq in range(10):
+            buf.keep(seq, b"t", b"x")
+        assert len(buf) == 4
+        big = b"y" * (REPLAY_MAX_BYTES // 3 + 1)
+        for seq in range(10, 14):
+            buf.keep(seq, b"t", big)
+        assert len(buf) == 2  # three would be over the byte bound
+    finally:
+        loop.close()
 
 
 # -- the stream -----------------------------------------------------------------------------

@@ -43,8 +43,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +57,10 @@ from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
+from lmc_server.server.events_replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
 
-#: Replay messages sent per loop callback, so a replay never holds the loop for long.
-REPLAY_SLICE = 256
 #: The event-hash of an object stored without the connector's fields: the first bytes
 #: of its digest, as a big-endian uint64 (routers reduce every hash to 64 bits).
 _DIGEST_HASH = slice(NS_BYTES, NS_BYTES + 8)
@@ -138,8 +136,6 @@ class KvEventPublisher:
         self.stats = KvEventCounters()
         self._ctx = zmq.Context()
         self._pub: zmq.Socket[Any] | None = None
-        self._replay: zmq.Socket[Any] | None = None
-        self._replay_fd = -1
         #: namespace key prefix -> topic, or None for a namespace that is not published.
         self._topics: dict[bytes, bytes | None] = {}
         self._models: set[bytes] = set()
@@ -152,7 +148,7 @@ class KvEventPublisher:
         self.next_seq = 0
         #: ``monotonic`` time of the first failed send since the last one that went out
         self._stalled_since: float | None = None
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.replay_batches)
+        self.replay = ReplayBuffer(settings.replay_batches, loop, self.stats)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -161,12 +157,9 @@ class KvEventPublisher:
         s = self.settings
         self._pub = self._bind_pub()
         if s.replay_endpoint:
-            rep = self._replay = self._ctx.socket(zmq.ROUTER)
+            rep = self._ctx.socket(zmq.ROUTER)
             self._heartbeat(rep)
-            rep.setsockopt(zmq.SNDHWM, 2 * (s.replay_batches + 1))
-            rep.bind(s.replay_endpoint)
-            self._replay_fd = int(rep.getsockopt(zmq.FD))
-            self.loop.add_reader(self._replay_fd, self._serve_replays)
+            self.replay.serve(rep, s.replay_endpoint)
         self._pending[s.topic_prefix.encode()] = [ev.AllBlocksCleared()]
         self.flush()
         log.info("publishing KV events on %s (replay %s, topic %s<model>)", s.endpoint,
@@ -199,10 +192,7 @@ class KvEventPublisher:
             self.flush()
             self._pub.close(linger=0)
             self._pub = None
-        if self._replay is not None:
-            self.loop.remove_reader(self._replay_fd)
-            self._replay.close(linger=0)
-            self._replay = None
+        self.replay.close()
         self._ctx.term()
 
     # -- what is watched ----------------------------------------------------------------
@@ -217,6 +207,8 @@ class KvEventPublisher:
             if topic is not None and topic not in self._models:
                 self._models.add(topic)
                 self._append(topic, ev.AllBlocksCleared())
+        if self._topics[prefix] is None:
+            return  # its partitions are watched for the namespaces that are published
         groups = view.layout.object_groups
         has_full = any(og.has_full for og in groups)
         for og, part in zip(groups, view.partitions, strict=True):
@@ -299,7 +291,7 @@ class KvEventPublisher:
 
     @property
     def replay_batches(self) -> int:
-        return len(self._buffer)
+        return len(self.replay)
 
     def _append(self, topic: bytes, event: Any) -> None:
         self._pending.setdefault(topic, []).append(event)
@@ -319,7 +311,7 @@ class KvEventPublisher:
                                                       data_parallel_rank=0))
             seq = self.next_seq
             self.next_seq += 1
-            self._buffer.append((seq, topic, payload))
+            self.replay.keep(seq, topic, payload)
             self.stats.batches += 1
             self.stats.events += len(events)
             try:
@@ -345,42 +337,6 @@ class KvEventPublisher:
         self._pub = self._bind_pub()
         self._stalled_since = None
         self.stats.stall_resets += 1
-
-    # -- replay -------------------------------------------------------------------------
-
-    def _serve_replays(self) -> None:
-        """Readiness of the replay socket: start a replay for every queued request."""
-        sock = self._replay
-        while sock is not None and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 3 or frames[1] or len(frames[2]) != ev.SEQ_BYTES:
-                log.debug("ignoring a malformed replay request (%d frames)", len(frames))
-                continue
-            start = int.from_bytes(frames[2], "big")
-            self.stats.replays += 1
-            batches = [b for b in self._buffer if b[0] >= start]  # a snapshot
-            self._replay_slice(frames[0], iter(batches))
-
-    def _replay_slice(self, ident: bytes, batches: Iterator[tuple[int, bytes, bytes]]) -> None:
-        sock = self._replay
-        if sock is None:
-            return
-        try:
-            for _ in range(REPLAY_SLICE):
-                item = next(batches, None)
-                if item is None:
-                    sock.send_multipart((ident, b"", b"", ev.END_SEQ, b""), zmq.NOBLOCK)
-                    return
-                seq, topic, payload = item
-                sock.send_multipart((ident, b"", topic, ev.seq_frame(seq), payload),
-                                    zmq.NOBLOCK)
-        except zmq.Again:
-            self.stats.replays_cut += 1
-            return
-        self.loop.call_soon(self._replay_slice, ident, batches)
-        # zmq's descriptor is edge-triggered: requests that came in during the sends
-        # raise no new edge.
-        self.loop.call_soon(self._serve_replays)
 
 
 class _Staging:
