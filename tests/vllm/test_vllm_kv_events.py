@@ -89,10 +89,12 @@ def test_vllm_decodes_store_eviction_replay_and_restart(tmp_path: Path) -> None:
             assert stored == st.counters.stored_objects == 12
             assert removed == st.counters.evictions == 12 - SLOTS
             assert len(set(held.values())) == st.l1.objects == SLOTS
-            # The live stream decodes too.
-            assert c.store(reg, chunk_digests(np.full(CHUNK, 9), CHUNK),
-                           block_ids_for(reg, 1)).ok.all()
-            assert sub.poll(5000)
+            # The live stream decodes too (stores until the subscriber is connected).
+            for i in range(200):
+                assert c.store(reg, chunk_digests(np.full(CHUNK, 9000 + i), CHUNK),
+                               block_ids_for(reg, 1)).ok.all()
+                if sub.poll(100):
+                    break
             _, seq, payload = sub.recv_multipart()
             assert isinstance(decoder.decode(payload), KVEventBatch)
         srv.terminate()
@@ -104,3 +106,42 @@ def test_vllm_decodes_store_eviction_replay_and_restart(tmp_path: Path) -> None:
         srv.kill()
         sub.close(linger=0)
         ctx.term()
+
+
+def test_vllm_requests_are_published_with_their_tokens_and_vllm_hashes(tmp_path: Path) -> None:
+    """vLLM's scheduler and ``Request`` block hasher, the connector with
+    ``lmcache.mp.kv_events``: each stored chunk is published with its tokens and the
+    request's own block hashes reduced as vLLM reduces them for its events."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from engine_sim import SimEngine
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    args = ["--chunk-size", str(CHUNK), "--separate-object-groups",
+            "--kv-events-endpoint", f"ipc://{tmp_path}/ev",
+            "--kv-events-replay-endpoint", f"ipc://{tmp_path}/rep"]
+    ctx: zmq.Context[Any] = zmq.Context()
+    with ServerProcess(args, l1_size_gb=0.5) as srv:
+        e = SimEngine(srv.port, tmp_path, model="plain", extra={"lmcache.mp.kv_events": True})
+        try:
+            tokens = [1000 + (i * 31) % 20000 for i in range(900)]
+            req = e.add("a", tokens, max_tokens=2)
+            e.run(["a"])
+            e.drain()
+            assert not e.failed
+            hashes = [int.from_bytes(bytes(h), "big") & ((1 << 64) - 1)
+                      for h in req.block_hashes]
+            per = CHUNK // e.hash_block
+        finally:
+            e.close()
+        stored = [ev for _, _, p in replay(ctx, f"ipc://{tmp_path}/rep", 0)
+                  for ev in decoder.decode(p).events if isinstance(ev, BlockStored)]
+    ctx.term()
+    assert len(stored) == 3  # 900 tokens: three whole chunks
+    for k, ev in enumerate(stored):
+        assert ev.token_ids == tokens[k * CHUNK:(k + 1) * CHUNK]
+        assert ev.block_hashes == hashes[k * per:(k + 1) * per]
+        assert ev.parent_block_hash == (None if k == 0 else hashes[k * per - 1])
+        assert ev.block_size == e.hash_block and ev.medium == "CPU"
