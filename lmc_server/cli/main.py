@@ -352,6 +352,10 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
                f"{l1.objects} objects")
     click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
                f"leases {report.leases}")
+    if (ev := report.kv_events) is not None:
+        click.echo(f"KV events on {ev.endpoint}: next seq {ev.next_seq}, "
+                   f"{ev.published_objects} objects published, {ev.dropped_batches} "
+                   f"batches dropped, {ev.stall_resets} resets, {ev.replays} replays")
     if report.partitions:
         click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
                    f"{'capacity':>10}{'used':>14}")
