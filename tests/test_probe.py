@@ -130,9 +130,10 @@ def test_bad_probes_are_refused_and_the_server_serves_on(
         with pytest.raises(ServerError) as e:
             c.probe(reg.namespace, two, **kwargs)  # type: ignore[arg-type]
         assert e.value.code == "bad_request" and message in str(e.value)
-    with pytest.raises(ServerError) as e:
-        c.probe(reg.namespace, two[:40])
-    assert e.value.code == "bad_request"
+    for digests, ends in ((two[:40], ()), (b"", (1,))):  # ragged digests; ends past them
+        with pytest.raises(ServerError) as e:
+            c.probe(reg.namespace, digests, prefix_ends=ends)
+        assert e.value.code == "bad_request"
     assert c.store(reg, two, block_ids_for(reg, 2)).ok.all()
     assert c.probe(reg.namespace, two) == [2]
     # two prompts of one chunk each: digests are keys, the second is chunk 1's (cached)

@@ -195,7 +195,7 @@ class Handlers:
     def probe(self, session: Session, msg: m.Probe) -> m.ProbeResult:
         """Hit chunks per prompt for a router (see ``m.Probe``): no lease, no touch."""
         n = chunk_count(msg.digests, self.limits, msg.req_id)
-        ends = prefix_ends(msg.prefix_ends, n, msg.req_id) if n else []
+        ends = prefix_ends(msg.prefix_ends, n, msg.req_id) if n or msg.prefix_ends else []
         view = self.views.get(msg.namespace)
         hits = [0] * len(ends)
         if view is not None and ends:
