@@ -136,6 +136,7 @@ class KvEventPublisher:
         self.stats = KvEventCounters()
         self._ctx = zmq.Context()
         self._pub: zmq.Socket[Any] | None = None
+        self._live = False  # between open() and close()
         #: namespace key prefix -> topic, or None for a namespace that is not published.
         self._topics: dict[bytes, bytes | None] = {}
         self._models: set[bytes] = set()
@@ -156,6 +157,7 @@ class KvEventPublisher:
         """Bind the sockets and publish ``AllBlocksCleared`` (the pool starts empty)."""
         s = self.settings
         self._pub = self._bind_pub()
+        self._live = True
         if s.replay_endpoint:
             rep = self._ctx.socket(zmq.ROUTER)
             self._heartbeat(rep)
@@ -192,6 +194,7 @@ class KvEventPublisher:
             self.flush()
             self._pub.close(linger=0)
             self._pub = None
+        self._live = False
         self.replay.close()
         self._ctx.term()
 
@@ -301,8 +304,10 @@ class KvEventPublisher:
     def flush(self) -> None:
         """Encode and send one batch per topic with events pending; never blocks."""
         self._flush_handle = None
-        if not self._pending or self._pub is None:
+        if not self._pending or not self._live:
             return
+        if self._pub is None:
+            self._reopen()
         pending, self._pending = self._pending, {}
         ts = self.wall_clock()
         for topic, events in pending.items():
@@ -314,6 +319,9 @@ class KvEventPublisher:
             self.replay.keep(seq, topic, payload)
             self.stats.batches += 1
             self.stats.events += len(events)
+            if self._pub is None:  # being re-created: kept for replay only
+                self.stats.dropped_batches += 1
+                continue
             try:
                 self._pub.send_multipart((topic, ev.seq_frame(seq), payload), zmq.NOBLOCK)
                 self._stalled_since = None
@@ -334,9 +342,19 @@ class KvEventPublisher:
                     "so far); re-creating the socket, subscribers reconnect",
                     now - self._stalled_since, self.stats.dropped_batches)
         self._pub.close(linger=0)
-        self._pub = self._bind_pub()
+        self._pub = None
         self._stalled_since = None
         self.stats.stall_resets += 1
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """A new PUB socket after a reset; if its endpoint is not free yet, the next
+        batch tries again (batches meanwhile are kept for replay and counted dropped)."""
+        try:
+            self._pub = self._bind_pub()
+        except zmq.ZMQError as e:
+            log.warning("KV events: cannot re-create the socket on %s yet: %s",
+                        self.settings.endpoint, e)
 
 
 class _Staging:
