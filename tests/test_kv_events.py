@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,8 @@ from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.config import Config, ConfigError
+from lmc_server.protocol import kv_events
+from lmc_server.server.events import KvEventPublisher, KvEventSettings
 from lmc_server.server.events_replay import REPLAY_MAX_BYTES, ReplayBuffer
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.digests import chained_digests
@@ -211,6 +214,44 @@ def test_the_replay_buffer_is_bounded_in_batches_and_bytes() -> None:
         assert len(buf) == 2  # three would be over the byte bound
     finally:
         loop.close()
+
+
+class FlakyRebind(KvEventPublisher):
+    """A publisher whose socket cannot be re-created the first ``fail`` times."""
+
+    fail = 0
+
+    def _bind_pub(self) -> zmq.Socket[Any]:
+        if self._pub is None and self.stats.stall_resets and self.fail:
+            self.fail -= 1
+            raise zmq.ZMQError(zmq.EADDRINUSE)
+        return super()._bind_pub()
+
+
+def test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch(
+        tmp_path: Path, ctx: zmq.Context[Any]) -> None:
+    async def run() -> None:
+        pub = FlakyRebind(KvEventSettings(endpoint=f"ipc://{tmp_path}/events",
+                                          topic_prefix=TOPIC, heartbeat_timeout_s=0.5),
+                          asyncio.get_running_loop(), CHUNK)
+        pub.open()
+        sub = subscriber(ctx, tmp_path)
+        try:
+            pub.fail = 1
+            pub._stalled_since = time.monotonic() - 1  # a stall past the timeout
+            pub._stalled()
+            assert pub.stats.stall_resets == 1 and pub._pub is None
+            for _ in range(200):  # batches while the socket is back, until one arrives
+                pub._append(b"kv@t@m", kv_events.AllBlocksCleared())
+                pub.flush()
+                if sub.poll(20):
+                    break
+            assert pub._pub is not None and sub.poll(0)
+            assert pub.stats.dropped_batches == 0  # the retry came at the first batch
+        finally:
+            sub.close(linger=0)
+            pub.close()
+    asyncio.run(run())
 
 
 # -- the stream -----------------------------------------------------------------------------
