@@ -123,7 +123,12 @@ def cli() -> None:
               envvar="LMCACHE_CUDA_COPY_MODE",
               help="cuda engine: 'staging' gathers pages on the GPU into a staging buffer "
                    "and moves it with one DMA; 'mapped' has a kernel read/write pinned host "
-                   "memory directly.")
+                   "memory directly; 'dma' uses the copy engines alone (2-D copies, no "
+                   "kernel).")
+@click.option("--cuda-staging-mb", type=click.IntRange(1, 4096), default=Config.cuda_staging_mb,
+              envvar="LMCACHE_CUDA_STAGING_MB",
+              help="cuda staging mode: least size in MiB of each of the two staging halves "
+                   "per copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).")
 @click.option("--pipeline-mb", type=click.IntRange(-1, 1 << 20), default=-1,
               envvar="LMCACHE_PIPELINE_MB",
               help="Stores larger than this many MiB are reserved and copied in up to four "

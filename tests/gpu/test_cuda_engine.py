@@ -131,7 +131,7 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "mapped"])
+@pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     engine, pool = make_engine(mode, 8 * SLAB)
     mapping = engine.open(exported.buffers)
@@ -169,8 +169,9 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         engine.close()
 
 
-def test_engine_refuses_out_of_range_before_copy(exported: Exported) -> None:
-    engine, pool = make_engine("staging", 8 * SLAB)
+@pytest.mark.parametrize("mode", ["staging", "dma"])
+def test_engine_refuses_out_of_range_before_copy(exported: Exported, mode: str) -> None:
+    engine, pool = make_engine(mode, 8 * SLAB)
     mapping = engine.open(exported.buffers)
     try:
         copies, _ = batch(exported.geo, 2, np.random.default_rng(1))

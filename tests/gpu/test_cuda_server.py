@@ -62,6 +62,24 @@ def test_roundtrip_full_batch(cuda_server: ServerProcess) -> None:
     assert "ROUNDTRIP OK" in out
 
 
+@pytest.mark.parametrize("mode", ["dma", "staging:256"])
+def test_roundtrip_other_copy_modes(mode: str) -> None:
+    """The copy-engine mode and staging sized to a whole request, through a real server:
+    byte-exact for a 64-chunk batch of the full preset and a small padded one."""
+    name, _, staging_mb = mode.partition(":")
+    args = SERVER_ARGS + ["--cuda-copy-mode", name]
+    if staging_mb:
+        args += ["--cuda-staging-mb", staging_mb]
+    with ServerProcess(args, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
+        srv.wait_pool_ready()
+        out = run_worker({"mode": "roundtrip", "endpoint": srv.endpoint, "chunks": 64,
+                          "num_blocks": 1100, "layers": 44, "seed": 5}, timeout_s=300)
+        assert "ROUNDTRIP OK" in out
+        out = run_worker({"mode": "roundtrip", "endpoint": srv.endpoint, "chunks": 4,
+                          "num_blocks": 96, "layers": 8, "stride_pad": 72, "seed": 6})
+        assert "ROUNDTRIP OK" in out
+
+
 def test_server_benchmark(cuda_server: ServerProcess) -> None:
     """Wall time of the client's store/retrieve through a real server (what a worker
     sees), 1/16/64 chunks; reported in ``$LMC_BENCH_OUT/server.json``, not asserted."""
