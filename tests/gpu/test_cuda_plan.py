@@ -84,11 +84,12 @@ class Memory:
         for k in range(plan.box_pages(count)):
             u, rem = divmod(k, per_unit)
             layer, j = divmod(rem, plan.max_blocks)
-            base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks = rows[u]
+            (base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks, o_lstride,
+             o_bstride) = rows[u]
             if layer >= n_layers or j >= n_blocks or ids[ids_off + j] < 0:
                 continue
             page = base + layer * l_stride + ids[ids_off + j] * b_stride
-            o = obj + (layer * n_blocks + j) * n
+            o = obj + layer * o_lstride + j * o_bstride
             if to_object:
                 self.mem[o:o + n] = self.mem[page:page + n]
             else:
@@ -96,10 +97,12 @@ class Memory:
 
 
 def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator,
-                 consecutive: bool = False) -> tuple[list[RunCopy], list[int], int]:
+                 consecutive: bool = False, placement: str = "layer"
+                 ) -> tuple[list[RunCopy], list[int], int]:
     """Copies of ``n_chunks`` chunks, block ids random (or consecutive, as a fresh
     engine hands them out), objects in random slots."""
-    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad)
+    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad,
+                      placement=placement)
     layout = build_layout(geo.groups, 256, separate=True)
     copies: list[RunCopy] = []
     slots_per_slab = {og.name: SLAB // og.object_bytes for og in layout.object_groups}
@@ -118,12 +121,14 @@ def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Gener
     return copies, geo.buffer_sizes, (slab + 1) * SLAB
 
 
+@pytest.mark.parametrize("placement", ["layer", "block"])
 @pytest.mark.parametrize("consecutive", [False, True], ids=["random-ids", "consecutive-ids"])
 @pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
 @pytest.mark.parametrize(("arch", "pad"), [("sm90", 0), ("sm100", 0), ("sm90", 72)])
-def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive: bool) -> None:
+def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive: bool,
+                                    placement: str) -> None:
     rng = np.random.default_rng(7)
-    copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng, consecutive)
+    copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng, consecutive, placement)
     mem = Memory(sizes, pool_bytes, half_bytes=1 << 20)
     for i in range(len(sizes)):
         mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
@@ -145,13 +150,12 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive:
     p = plan()
     assert p.nbytes == sum(c.nbytes for c in copies)
     if isinstance(p, DmaPlan):
-        pages = sum(c.block_ids.size * c.run.n_layers for c in copies)
         rows = int(p.rows[:, 5].sum())  # 1-D rows the copy engines walk
-        if consecutive and pad == 0:  # a chunk's pages of one layer form one row
-            assert rows == sum(c.block_ids.shape[0] * c.run.n_layers for c in copies)
-        else:
-            assert rows == pages
-        assert p.n_rows < rows  # layers stacked into 2-D copies
+        if placement == "block" and pad == 0:  # a block's layers: one contiguous copy
+            assert rows == p.n_rows == sum(c.block_ids.size for c in copies)
+        else:  # one row per page, a block's layers stacked into one 2-D copy
+            assert rows == sum(c.block_ids.size * c.run.n_layers for c in copies)
+            assert p.n_rows == sum(c.block_ids.size for c in copies)
     if isinstance(p, Plan) and mode == "staging":
         assert len(p.pieces) > 1  # 1 MiB halves force several pieces
         sizes_of = (p.units[:, 3] * p.units[:, 6] * p.units[:, 7]).tolist()
@@ -293,3 +297,58 @@ def test_dma_plan_skips_holes_and_all_hole_copies() -> None:
         _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
     assert np.array_equal(mem.pool_view(), expect_pool)
     assert plan_dma([holes], mem.region).n_rows == 0
+
+
+@pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
+def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
+    """Layers of one group spread over two buffers form runs whose object pages
+    interleave (block-major sections); every path still writes exactly the reference
+    bytes, and staging keeps a section's runs in one cluster of one piece."""
+    from msgspec.structs import replace
+
+    rng = np.random.default_rng(21)
+    geo = dsv41_flash(num_blocks=64, layers=8)
+    sizes = list(geo.buffer_sizes)
+    groups = []
+    for g in geo.groups:
+        if g.name == "compressed":  # odd layers move to a buffer of their own, in order
+            sizes.append(sizes[g.layers[0].buffer])
+            extra = len(sizes) - 1
+            g = replace(g, layers=[replace(layer, buffer=extra) if i % 2 else layer
+                                   for i, layer in enumerate(g.layers)])
+        groups.append(g)
+    layout = build_layout(groups, 256, separate=True)
+    full = layout.object_groups[0]
+    comp = next(s for s in full.sections if s.group_name == "compressed")
+    assert len(comp.runs) == len(groups[comp.group_index].layers)  # one run per layer
+    n = 3
+    offs = (np.arange(n, dtype=np.int64) * 2 + 1) * full.object_bytes  # gaps between
+    copies: list[RunCopy] = []
+    for s in full.sections:
+        g = groups[s.group_index]
+        bpc = blocks_per_chunk(g, 256)
+        gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
+        copies += plan_copies(s, section_block_ids(s, gids), offs)
+    pool_bytes = SLAB
+    mem = Memory(sizes, pool_bytes, half_bytes=4 << 20)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+    if mode == "dma":
+        p: Plan | DmaPlan = plan_dma(copies, mem.region)
+        assert isinstance(p, DmaPlan)
+        mem.run_dma(p, to_pool=True)
+    else:
+        p = (plan_mapped(copies, mem.region) if mode == "mapped" else
+             plan_staging(copies, mem.region, mem.halves, mem.half_bytes))
+        assert isinstance(p, Plan)
+        mem.run(p, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for c in copies:
+        _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
+    assert np.array_equal(mem.pool_view(), expect_pool)
+    if mode == "staging":
+        assert isinstance(p, Plan)
+        # one piece; one DMA per object (its sections are adjacent clusters)
+        assert len(p.pieces) == 1 and len(p.pieces[0].segments) == n
+        assert sorted(int(x) for q in p.pieces for x in q.segments[:, 2]) == [
+            full.object_bytes] * n
