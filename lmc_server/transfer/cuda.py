@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import cupy
 
@@ -69,10 +69,11 @@ from lmc_server.transfer.cuda_plan import (
     plan_staging,
 )
 from lmc_server.transfer.cuda_pool import CudaHostPool
+from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
 
 log = logging.getLogger(__name__)
 
-COPY_MODES = ("staging", "mapped", "dma")
+COPY_MODES = ("auto", "staging", "mapped", "dma")
 LANES_PER_DEVICE = 4
 GATHER_THREADS = 256
 MAPPED_THREADS = 512
@@ -93,6 +94,10 @@ SPIN_S = 300e-6
 WAKE_MARGIN_S = 150e-6
 
 
+def _nvml_reader(device: int) -> Callable[[], int | None]:
+    return NvmlUtilization(str(cupy.cuda.Device(device).pci_bus_id)).read
+
+
 class CudaEngine(TransferEngine):
     """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
 
@@ -105,7 +110,8 @@ class CudaEngine(TransferEngine):
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
                  mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
                  wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES,
-                 staging_half_bytes: int = STAGING_HALF_BYTES) -> None:
+                 staging_half_bytes: int = STAGING_HALF_BYTES,
+                 kernel_pct: Callable[[int], Callable[[], int | None]] | None = None) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
@@ -116,6 +122,12 @@ class CudaEngine(TransferEngine):
         self.wait = wait
         self.first_piece_bytes = first_piece_bytes
         self.staging_half_bytes = staging_half_bytes
+        #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
+        self._kernel_pct = kernel_pct or _nvml_reader
+        self._gates: dict[int, BusyGate] = {}
+        #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
+        #: diagnostics: what mode ``auto`` chose.
+        self.copies_by_path: dict[str, int] = {"dma": 0, "staging": 0, "mapped": 0}
         #: When set, each copy records CUDA timing events and fills :attr:`last_profile`
         #: (benchmarks only: it adds two event records and one stream wait per copy).
         self.profile = False
@@ -161,6 +173,9 @@ class CudaEngine(TransferEngine):
                     self._lanes[device] = lanes
                     self._sm_count[device] = int(cupy.cuda.runtime.getDeviceProperties(
                         device)["multiProcessorCount"])
+                    if self.copy_mode == "auto":
+                        self._gates[device] = BusyGate(self._kernel_pct(device),
+                                                       name=f"GPU {device}")
         return lanes
 
     def _region(self, mapping: CudaMapping) -> Region:
@@ -210,14 +225,20 @@ class CudaEngine(TransferEngine):
         try:
             with cupy.cuda.Device(device):
                 region = self._region(job.mapping)
+                mode = self.copy_mode
+                if mode == "auto":
+                    mode = "dma" if self._gates[device].busy() else "staging"
                 plan: Plan | DmaPlan
-                if self.copy_mode == "dma":
+                if mode == "dma":
                     plan = plan_dma(job.copies, region)
                     if not plan.n_rows:
                         job.done("")
                         return False
-                elif self.copy_mode == "staging":
-                    halves = lane.halves(max(c.run.nbytes for c in job.copies))
+                elif mode == "staging":
+                    # the largest cluster a plan stages: a section of one object
+                    halves = lane.halves(max(max(c.run.nbytes,
+                                                 c.run.n_blocks * c.run.object_block_stride)
+                                             for c in job.copies))
                     plan = plan_staging(job.copies, region, halves, lane.half_bytes,
                                         self.first_piece_bytes)
                 else:
@@ -227,6 +248,7 @@ class CudaEngine(TransferEngine):
                     return False
                 job.t_planned = time.perf_counter()
                 launched = True
+                self.copies_by_path[mode] += 1
                 if self.profile:
                     lane.timing[0].record(lane.sm)
                     lane.dma.wait_event(lane.timing[0])
@@ -235,7 +257,7 @@ class CudaEngine(TransferEngine):
                     last = lane.dma
                 else:
                     units, ids = lane.upload(plan, lane.sm)
-                    if self.copy_mode == "mapped":
+                    if mode == "mapped":
                         cuda_kernels.launch(device,
                                             "gather_units" if to_pool else "scatter_units",
                                             units, ids, plan.n_units, 0, plan.n_units,

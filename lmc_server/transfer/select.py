@@ -22,7 +22,7 @@ def cuda_available() -> bool:
         return False
 
 
-def make_engine(backend: str, copy_threads: int = 0, cuda_copy_mode: str = "staging",
+def make_engine(backend: str, copy_threads: int = 0, cuda_copy_mode: str = "auto",
                 cuda_staging_mb: int = 32) -> TransferEngine:
     """Instantiate the engine for ``--backend``; raises RuntimeError if unusable."""
     if backend == "auto":
