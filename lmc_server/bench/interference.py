@@ -50,7 +50,7 @@ OPS = ("store", "retrieve", "both")
 class InterferenceConfig:
     engines: tuple[str, ...] = ("gemm", "hbm")
     #: Server copy modes; ``staging:N`` also sets ``--cuda-staging-mb N``.
-    copy_modes: tuple[str, ...] = ("staging",)
+    copy_modes: tuple[str, ...] = ("auto", "staging", "dma")
     ops: tuple[str, ...] = OPS
     chunks: tuple[int, ...] = (64,)
     inflight: tuple[int, ...] = (1, 2)
@@ -60,6 +60,8 @@ class InterferenceConfig:
     geometry: GeometryArgs = GeometryArgs()
     l1_size_gb: float = 4.0
     separate: bool = True
+    #: Block ids of a request: ``consecutive`` or ``random`` (``Regions.block_order``).
+    block_order: str = "consecutive"
     device: int = 0
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -123,7 +125,7 @@ class _Run:
                 "lmc_server.bench.interference_worker", "worker",
                 {"endpoint": srv.endpoint, "device": cfg.device, "max_chunks": max(cfg.chunks),
                  "chunk_size": cfg.chunk_size, "geometry": cfg.geometry.__dict__,
-                 "separate": cfg.separate, "seed": cfg.seed})
+                 "separate": cfg.separate, "seed": cfg.seed, "block_order": cfg.block_order})
             try:
                 info = worker.recv(300)
                 self.report.config.setdefault("chunk_bytes", info["chunk_bytes"])
@@ -196,7 +198,7 @@ def run(cfg: InterferenceConfig) -> Report:
         "chunks": list(cfg.chunks), "inflight": list(cfg.inflight), "seconds": cfg.seconds,
         "warm_s": cfg.warm_s, "geometry": cfg.geometry.describe(),
         "chunk_size": cfg.chunk_size, "separate_object_groups": cfg.separate,
-        "l1_size_gb": cfg.l1_size_gb, "device": cfg.device})
+        "l1_size_gb": cfg.l1_size_gb, "device": cfg.device, "block_order": cfg.block_order})
     points = len(cfg.copy_modes) * len(cfg.engines) * len(cfg.ops) * len(cfg.chunks) * len(
         cfg.inflight)
     with progress(points, "interference", cfg.show_progress) as bar:

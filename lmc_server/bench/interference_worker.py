@@ -56,6 +56,7 @@ class Worker:
         self.kv.fill_random(int(cfg.get("seed", 0)))
         self.endpoint = cfg["endpoint"]
         self.separate = bool(cfg.get("separate", True))
+        self.block_order = str(cfg.get("block_order", "consecutive"))
         self.loop = asyncio.new_event_loop()
         self.client: AsyncClient | None = None
         self.reg: Any = None
@@ -75,7 +76,7 @@ class Worker:
             await asyncio.sleep(0.05)
         self.reg = await self.client.register(**self.kv.register_kwargs())
         self.regions = Regions.build(self.kv.geometry, self.reg.chunk_size, self.max_chunks,
-                                     self.separate)
+                                     self.separate, self.block_order)
         return {"arch": self.kv.geometry.arch, "chunk_bytes": self.regions.layout.chunk_bytes,
                 "chunk_size": self.reg.chunk_size,
                 "store_bytes": self.regions.store_bytes(self.max_chunks),
