@@ -55,7 +55,7 @@ class InterferenceConfig:
     chunks: tuple[int, ...] = (64,)
     inflight: tuple[int, ...] = (1, 2)
     seconds: float = 1.5
-    warm_s: float = 0.3
+    warm_s: float = 0.5
     own_copy: bool = True
     geometry: GeometryArgs = GeometryArgs()
     l1_size_gb: float = 4.0
