@@ -64,10 +64,10 @@ class Exported:
 
 
 def make_engine(mode: str, pool_bytes: int, pinning: str = "alloc",
-                kernel_pct: Any = None) -> tuple[object, object]:
+                kernel_pct: Any = None, **kwargs: Any) -> tuple[object, object]:
     from lmc_server.transfer.cuda import CudaEngine
 
-    engine = CudaEngine(copy_mode=mode, pinning=pinning, kernel_pct=kernel_pct)
+    engine = CudaEngine(copy_mode=mode, pinning=pinning, kernel_pct=kernel_pct, **kwargs)
     pool = engine.create_pool(pool_bytes, SLAB)
     done = threading.Event()
     ready: list[int] = []
@@ -136,20 +136,29 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "mapped", "dma", "auto-busy", "auto-idle"])
+@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "auto-busy",
+                                  "auto-idle"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
-    """Every path byte-exact; ``auto`` takes the copy engines while the (fake) kernel
-    time says busy, staging while it says idle."""
-    name, _, activity = mode.partition("-")
-    pct = {"busy": 95, "idle": 0}.get(activity)
+    """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
+    pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
+    engines while the (fake) kernel time says busy, staging while it says idle."""
+    name, _, variant = mode.partition("-")
+    pct = {"busy": 95, "idle": 0}.get(variant)
+    small = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
+             if variant == "pieces" else {})
     engine, pool = make_engine(name, 8 * SLAB,
-                               kernel_pct=(lambda _d: lambda: pct) if activity else None)
+                               kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
+                               **small)
+    engine.profile = variant == "pieces"
+    activity = variant if pct is not None else ""
     mapping = engine.open(exported.buffers)
     try:
         rng = np.random.default_rng(42)
         src = read_buffers(mapping)
         copies, used = batch(exported.geo, 6, rng)
         engine.store(mapping, copies)
+        if variant == "pieces":
+            assert engine.last_profile["pieces"] > 2
         expect_pool = np.zeros(pool.size_bytes, np.uint8)
         for c in copies:
             _copy_run(c, src[c.run.buffer], expect_pool, True)
