@@ -183,9 +183,22 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         got = read_buffers(mapping)
         for i, (g, e) in enumerate(zip(got, expect, strict=True)):
             assert np.array_equal(g, e), f"buffer {i} differs after retrieve"
+        if activity:
+            used = {k for k, v in engine.copies_by_path.items() if v}
+            assert used == {"dma" if activity == "busy" else "staging"}
     finally:
         mapping.close()
         engine.close()
+
+
+def test_nvml_reads_this_gpu() -> None:
+    """The real reader finds this GPU by its PCI bus id and answers a percentage."""
+    import cupy
+
+    from lmc_server.transfer.gpu_activity import NvmlUtilization
+
+    pct = NvmlUtilization(str(cupy.cuda.Device(0).pci_bus_id)).read()
+    assert pct is not None and 0 <= pct <= 100
 
 
 @pytest.mark.parametrize("mode", ["staging", "dma"])
