@@ -462,6 +462,7 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     rows[:, DEV_ADDR], rows[:, DEV_PITCH] = dev, np.where(layers == 1, width, lstride)
     rows[:, POOL_ADDR], rows[:, POOL_PITCH] = pool, obj_pitch
     rows[:, WIDTH], rows[:, HEIGHT] = width, layers
+    row_unit = ru
     if not stacked.all():  # one row per layer where layers cannot form a 2-D copy
         flat = rows[~stacked]
         reps = flat[:, HEIGHT]
@@ -472,6 +473,7 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
         per[:, DEV_PITCH] = per[:, WIDTH]
         per[:, HEIGHT] = 1
         rows = np.concatenate([rows[stacked], per])
+        row_unit = np.concatenate([ru[stacked], np.repeat(ru[~stacked], reps)])
     # rows whose layers are adjacent on both sides (block-major objects of a
     # block-outermost worker) are one contiguous range: a 1-D copy
     flat = (rows[:, HEIGHT] > 1) & (rows[:, DEV_PITCH] == rows[:, WIDTH]) & (
@@ -481,7 +483,31 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
         rows[flat, HEIGHT] = 1
         rows[flat, DEV_PITCH] = rows[flat, WIDTH]
         rows[flat, POOL_PITCH] = rows[flat, WIDTH]
-    return DmaPlan(rows, int((rows[:, WIDTH] * rows[:, HEIGHT]).sum()))
+    return DmaPlan(_join_rows(rows, row_unit), int((rows[:, WIDTH] * rows[:, HEIGHT]).sum()))
+
+
+def _join_rows(rows: np.ndarray, row_unit: np.ndarray) -> np.ndarray:
+    """Merge 1-D rows of one unit that continue each other on both sides (consecutive
+    blocks whose slices tile both the worker's buffer and the object). Rows of one
+    unit lie in one pool slab, so a merged row never crosses a slab."""
+    one = rows[:, HEIGHT] == 1
+    if one.sum() < 2:
+        return rows
+    r, u = rows[one], row_unit[one]
+    order = np.lexsort((r[:, POOL_ADDR], u))
+    r, u = r[order], u[order]
+    joins = np.zeros(r.shape[0], dtype=bool)
+    end_pool = r[:-1, POOL_ADDR] + r[:-1, WIDTH]
+    end_dev = r[:-1, DEV_ADDR] + r[:-1, WIDTH]
+    joins[1:] = (u[1:] == u[:-1]) & (r[1:, POOL_ADDR] == end_pool) & (r[1:, DEV_ADDR] == end_dev)
+    if not joins.any():
+        return rows
+    first = np.flatnonzero(~joins)
+    merged = r[first].copy()
+    merged[:, WIDTH] = np.add.reduceat(r[:, WIDTH], first)
+    merged[:, DEV_PITCH] = merged[:, WIDTH]
+    merged[:, POOL_PITCH] = merged[:, WIDTH]
+    return np.concatenate([rows[~one], merged])
 
 
 def _unit_ids(t: np.ndarray, ids: np.ndarray) -> np.ndarray:

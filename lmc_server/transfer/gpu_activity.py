@@ -8,13 +8,18 @@ gather into staging plus one DMA reaches 0.98 of the link, the copy engines' 2-D
 0.85-0.89. So ``auto`` uses the copy engines while the GPU is busy and staging while it
 is idle, and this module says which it is.
 
-The signal is NVML's utilization (the share of the last sample period, 1/6 s to 1 s
-depending on the GPU, during which any kernel ran), read through ``libnvidia-ml`` with
-ctypes (it ships with the driver; no Python package needed), at most every
-``refresh_s``. :class:`BusyGate` adds hysteresis so that a load near the threshold does
-not flip the path on every request. Where NVML cannot answer (no library, MIG
-instances, a permission error) the GPU counts as busy: the copy engines are never the
-wrong choice for the engine beside the server, only a slower one on an idle GPU.
+The signal is NVML's per-process SM utilization (``nvmlDeviceGetProcessUtilization``:
+per process, the share of the last sample period its kernels held the SMs), summed over
+the processes on the GPU, read through ``libnvidia-ml`` with ctypes (it ships with the
+driver; no Python package needed) at most every ``refresh_s``. The device-wide
+``utilization.gpu`` is not used: measured on the H200, it stays high while only the
+server's own copy-engine DMAs run, so a gate on it never saw an idle GPU again once the
+copy engines were in use. SM utilization does not count DMAs, and the server's own
+staging kernels stay under the idle threshold. :class:`BusyGate` adds hysteresis so
+that a load near the threshold does not flip the path on every request. Where NVML
+cannot answer (no library, MIG instances, a permission error) the GPU counts as busy:
+the copy engines are never the wrong choice for the engine beside the server, only a
+slower one on an idle GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +40,24 @@ IDLE_PCT = 10
 REFRESH_S = 0.1
 
 
-class _Utilization(ctypes.Structure):
-    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+class _ProcessSample(ctypes.Structure):
+    """``nvmlProcessUtilizationSample_t``."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("timeStamp", ctypes.c_ulonglong),
+                ("smUtil", ctypes.c_uint), ("memUtil", ctypes.c_uint),
+                ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
+
+
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+MAX_SAMPLES = 256
 
 
 class NvmlUtilization:
-    """Kernel-time percent of one GPU, found by its PCI bus id (CUDA device numbers and
-    NVML indices differ under ``CUDA_VISIBLE_DEVICES``). ``read`` returns ``None`` when
-    NVML cannot answer."""
+    """SM-time percent of one GPU, summed over its processes, found by PCI bus id (CUDA
+    device numbers and NVML indices differ under ``CUDA_VISIBLE_DEVICES``). ``read``
+    returns ``None`` when NVML cannot answer."""
 
     _lib: ctypes.CDLL | None = None
     _lock = threading.Lock()
@@ -50,12 +65,14 @@ class NvmlUtilization:
     def __init__(self, pci_bus_id: str) -> None:
         self.pci_bus_id = pci_bus_id
         self._handle: ctypes.c_void_p | None = None
+        self._seen_us = 0
+        self._samples = (_ProcessSample * MAX_SAMPLES)()
         lib = self._library()
         if lib is None:
             return
         handle = ctypes.c_void_p()
         rc = lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle))
-        if rc != 0:
+        if rc != NVML_SUCCESS:
             log.warning("NVML has no device at PCI bus id %s (error %d): the GPU counts "
                         "as busy", pci_bus_id, rc)
             return
@@ -71,19 +88,30 @@ class NvmlUtilization:
                 except (OSError, AttributeError) as e:
                     log.warning("NVML is not available (%s): the GPU counts as busy", e)
                     return None
-                if rc != 0:
+                if rc != NVML_SUCCESS:
                     log.warning("nvmlInit failed (error %d): the GPU counts as busy", rc)
                     return None
                 cls._lib = lib
             return cls._lib
 
     def read(self) -> int | None:
+        """Sum over processes of their SM percent in the samples since the last read
+        (0 when no process used the SMs since then)."""
         if self._handle is None or self._lib is None:
             return None
-        u = _Utilization()
-        if self._lib.nvmlDeviceGetUtilizationRates(self._handle, ctypes.byref(u)) != 0:
+        count = ctypes.c_uint(MAX_SAMPLES)
+        rc = self._lib.nvmlDeviceGetProcessUtilization(
+            self._handle, self._samples, ctypes.byref(count), ctypes.c_ulonglong(self._seen_us))
+        if rc == NVML_ERROR_NOT_FOUND:
+            return 0
+        if rc not in (NVML_SUCCESS, NVML_ERROR_INSUFFICIENT_SIZE):
             return None
-        return int(u.gpu)
+        per_pid: dict[int, int] = {}
+        for k in range(min(count.value, MAX_SAMPLES)):
+            smp = self._samples[k]
+            self._seen_us = max(self._seen_us, int(smp.timeStamp))
+            per_pid[int(smp.pid)] = max(per_pid.get(int(smp.pid), 0), int(smp.smUtil))
+        return min(100, sum(per_pid.values()))
 
 
 class BusyGate:

@@ -151,8 +151,10 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive:
     assert p.nbytes == sum(c.nbytes for c in copies)
     if isinstance(p, DmaPlan):
         rows = int(p.rows[:, 5].sum())  # 1-D rows the copy engines walk
-        if placement == "block" and pad == 0:  # a block's layers: one contiguous copy
-            assert rows == p.n_rows == sum(c.block_ids.size for c in copies)
+        if placement == "block" and pad == 0:  # a block's layers: one contiguous copy,
+            # and a chunk's consecutive blocks one copy together
+            assert rows == p.n_rows == sum(c.block_ids.shape[0] if consecutive
+                                           else c.block_ids.size for c in copies)
         else:  # one row per page, a block's layers stacked into one 2-D copy
             assert rows == sum(c.block_ids.size * c.run.n_layers for c in copies)
             assert p.n_rows == sum(c.block_ids.size for c in copies)
