@@ -248,13 +248,14 @@ def plot(report: Report, path: str) -> None:
 
     fig, ax = plot_figure()
     rows = report.rows
-    labels = [f"{r['engine']}\n{r['copy_mode']}\n{r['op']} x{r['inflight']}" for r in rows]
+    fig.set_size_inches(max(8.0, 0.22 * len(rows)), 5.0)
+    labels = [f"{r['engine']} {r['copy_mode']} {r['op']} x{r['inflight']}" for r in rows]
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["server_gbps"] for r in rows], 0.4, label="GB/s beside the engine")
     ax.bar(x + 0.2, [r.get("idle_server_gbps", float("nan")) for r in rows], 0.4,
            label="GB/s, idle GPU", alpha=0.6)
     ax.set_ylabel("GB/s")
-    ax.set_xticks(x, labels, fontsize=5)
+    ax.set_xticks(x, labels, fontsize=6, rotation=90)
     ax2 = ax.twinx()
     ax2.plot(x, [100 * r["engine_loss"] for r in rows], "kx", label="engine loss %")
     ax2.set_ylabel("engine loss %")
