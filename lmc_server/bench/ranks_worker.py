@@ -1,9 +1,10 @@
 """Worker side of ``lmcache bench ranks``: one process per rank, driven over JSON lines.
 
 ``python -m lmc_server.bench.ranks_worker`` reads commands on stdin (``init``, phase-1
-store and retrieve, raw-copy baseline, TP phases, phase 2) and answers one JSON line each
-on stdout; see :mod:`lmc_server.bench.ranks` for the phases and what the parent checks.
-The rank's KV and byte checks are in :mod:`lmc_server.bench.ranks_kv`.
+store and retrieve, raw-copy baseline, TP phases, phase 2; in DP mode the seed prompt and
+the DP phase) and answers one JSON line each on stdout; see :mod:`lmc_server.bench.ranks`
+for the phases and what the parent checks. The rank's KV and byte checks are in
+:mod:`lmc_server.bench.ranks_kv`; a DP engine's loops in :mod:`.ranks_dp_worker`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lmc_server.bench.ranks_config import (
     digests,
 )
 from lmc_server.bench.ranks_counts import Counts
+from lmc_server.bench.ranks_dp_worker import DPEngine
 from lmc_server.bench.ranks_kv import RankKV
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult, Registration, ServerError
@@ -50,6 +52,7 @@ class _Worker:
         self.raw: Any = None
         self.raw_iters = 0
         self.raw_nbytes = 0
+        self.dp: DPEngine | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -106,12 +109,17 @@ class _Worker:
     async def init(self) -> dict[str, Any]:
         from lmc_server.client.aio import AsyncClient
 
-        self.client = await AsyncClient.connect(self.cfg["endpoint"], timeout_s=120,
-                                                client_name=f"bench-rank{self.rank}")
+        dp = self.cfg["mode"] == "dp"  # an engine of its own: rank 0 of world size 1
+        self.client = await AsyncClient.connect(
+            self.cfg["endpoint"], timeout_s=120,
+            client_name=f"bench-{'engine' if dp else 'rank'}{self.rank}")
         self.reg = await self.client.register(**self.kv.kv.register_kwargs(
-            world_size=self.cfg["ranks"], rank=self.rank, replicated=True))
+            world_size=1 if dp else self.cfg["ranks"], rank=0 if dp else self.rank,
+            replicated=True))
         assert self.reg.chunk_size == self.kv.chunk_size, "the server's chunk size is ours"
         assert self.reg.chunk_bytes == self.kv.layout.chunk_bytes, "layouts agree"
+        if dp:
+            self.dp = DPEngine(self.client, self.reg, self.kv, self.cfg)
         names = [s.name for s in self.kv.kv.segments] if not self.kv.cuda else []
         return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
                 "namespace": self.reg.namespace, "arch": self.kv.kv.geometry.arch,
@@ -310,6 +318,12 @@ async def _serve(first: dict[str, Any]) -> None:
                                        cmd["inflight"]))
             elif op == "p2":
                 _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
+            elif op == "dp_seed":
+                assert worker.dp is not None, "dp commands need mode dp"
+                _reply(await worker.dp.seed_prompt())
+            elif op == "dp":
+                assert worker.dp is not None, "dp commands need mode dp"
+                _reply(await worker.dp.run(cmd["duration_s"]))
             elif op == "exit":
                 break
             else:
