@@ -118,15 +118,17 @@ class RankKV:
         """Write the tag of chunk ``k`` of ``prompt`` at the start of every cached page of
         region-A slot ``slots[k]`` (done before the store that reads these slots)."""
         for group, bpc in self.slots.bpc.items():
-            blocks = self.slots.blocks(group, REGION_A, slots)
-            tags = tag_bytes(prompt, np.repeat(np.arange(len(slots)), bpc))
+            blocks: Any = self.slots.blocks(group, REGION_A, slots)
+            tags: Any = tag_bytes(prompt, np.repeat(np.arange(len(slots)), bpc))
+            if self.cuda:
+                import torch
+
+                blocks = torch.as_tensor(blocks, device=f"cuda:{self.device}")
+                tags = torch.as_tensor(tags, device=f"cuda:{self.device}")
             for view in self._views(group):
                 w = min(TAG_BYTES, view.shape[1])
                 if self.cuda:
-                    import torch
-
-                    view[:, :w].index_copy_(0, torch.as_tensor(blocks, device=view.device),
-                                            torch.as_tensor(tags[:, :w], device=view.device))
+                    view[:, :w].index_copy_(0, blocks, tags[:, :w])
                 else:
                     view[blocks, :w] = tags[:, :w]
         if self.cuda:
@@ -146,19 +148,22 @@ class RankKV:
                 continue
             a = self._section_blocks(sec, REGION_A, src[pos.start:])
             b = self._section_blocks(sec, REGION_B, dst[pos.start:])
-            tags = None if prompt is None else tag_bytes(
+            tags: Any = None if prompt is None else tag_bytes(
                 prompt, np.repeat(np.arange(pos.start, len(src)), sec.n_blocks))
+            if self.cuda:
+                import torch
+
+                dev = f"cuda:{self.device}"
+                ia, ib = torch.as_tensor(a, device=dev), torch.as_tensor(b, device=dev)
+                if tags is not None:
+                    tags = torch.as_tensor(tags, device=dev)
             for view in self._views(sec.group_name):
                 checked += a.size * view.shape[1]
                 w = min(TAG_BYTES, view.shape[1])
                 if self.cuda:
-                    import torch
-
-                    ia = torch.as_tensor(a, device=view.device)
-                    ib = torch.as_tensor(b, device=view.device)
                     want = view.index_select(0, ia)
                     if tags is not None:
-                        want[:, :w] = torch.as_tensor(tags[:, :w], device=view.device)
+                        want[:, :w] = tags[:, :w]
                     d = (want != view.index_select(0, ib)).sum()
                     acc = d if acc is None else acc + d
                 else:
