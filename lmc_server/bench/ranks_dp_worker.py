@@ -115,9 +115,20 @@ class DPEngine:
         self.n["verified_loads"] += 1
         self.verify_s += seconds
 
+    async def _release(self, lease_id: int) -> None:
+        if not lease_id:
+            return
+        try:
+            await self.client.release(lease_id)
+        except _ERRORS as e:
+            self.lt.error(e)
+
     async def load_one(self, half: int, pending: list[asyncio.Future[None] | None]) -> None:
-        """Look up one prompt; retrieve its hit prefix into region-B half ``half`` once
-        that half's previous check is done; start this load's check."""
+        """Once region-B half ``half``'s previous check is done: look up one prompt,
+        retrieve its hit prefix into that half, start this load's check."""
+        prev = pending[half]
+        if prev is not None:  # before the lookup: a lease is held only around its load
+            await prev
         q = self._pick()
         digs = prompt_digests(self.seed, q, self.prompt_chunks)
         try:
@@ -129,15 +140,11 @@ class DPEngine:
         h = int(found.hit_chunks)
         if h == 0:
             self.n["lookup_misses"] += 1
-            if found.lease_id:
-                await self.client.release(found.lease_id)
+            await self._release(found.lease_id)
             return
-        self.n["partial_hits"] += h < self.prompt_chunks
+        self.n["partial_hits"] += int(h < self.prompt_chunks)
         src = prompt_slots(q, self.prompt_chunks, self.chunks)[:h]
         dst = half * self.prompt_chunks + np.arange(h)
-        prev = pending[half]
-        if prev is not None:
-            await prev
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.retrieve(
@@ -147,8 +154,7 @@ class DPEngine:
             pending[half] = asyncio.ensure_future(asyncio.to_thread(self.kv.poison, dst))
             return
         finally:
-            if found.lease_id:
-                await self.client.release(found.lease_id)
+            await self._release(found.lease_id)
         self.lt.add(res, time.perf_counter() - t0)
         self.n["loads"] += 1
         failed = sum(int(np.isin(st, _LOAD_FAILED).sum()) for st in res.statuses.values())
