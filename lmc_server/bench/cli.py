@@ -176,25 +176,33 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
 
 
 @bench.command()
+@click.option("--mode", type=click.Choice(["tp", "dp"]), default="tp",
+              help="tp: the tensor-parallel ranks of one engine (replicated KV; phases 1-3 "
+              "and the TP phases). dp: independent data-parallel engines, each rank 0 of "
+              "world size 1 (one namespace), storing their own prompts and loading "
+              "prefixes any engine stored, at their own pace (the DP phase, phase 3).")
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
               help="Transfer engine of the server; cuda: ranks round-robin over the GPUs.")
 @click.option("--ranks", type=click.IntRange(1, 256), default=8,
-              help="Worker processes, one registration each (tensor-parallel ranks).")
+              help="Worker processes, one registration each (TP ranks, or DP engines).")
 @click.option("--chunks", type=click.IntRange(1), default=1000,
               help="Chunks rank 0 stores in phase 1 (and slots of each KV region).")
 @click.option("--duration-s", type=click.FloatRange(min=0.1), default=60.0,
-              help="Seconds of concurrent store/retrieve on every rank (phase 2).")
+              help="Seconds of concurrent store/retrieve on every rank (phase 2; the DP "
+              "phase with --mode dp).")
 @click.option("--kill-one/--no-kill-one", default=True,
-              help="SIGKILL the last rank halfway through phase 2 (phase 3).")
+              help="SIGKILL the last rank halfway through phase 2 or the DP phase (phase 3).")
 @geometry_options
 @click.option("--num-blocks", type=click.IntRange(1), default=None,
               help="Blocks per KV group [default: the least two regions of --chunks need].")
 @click.option("--batch", type=click.IntRange(1), default=16,
-              help="Chunks per request in phase 1 stores and phase 2.")
+              help="Chunks per request in phase 1 stores and phase 2; with --mode dp, "
+              "chunks per prompt (each store, and the longest load).")
 @click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=None,
               help="Server pool [default: twice the phase-1 bytes plus 1 GiB].")
 @click.option("--verify-every", type=click.IntRange(1), default=8,
-              help="Phase 2: compare every n-th successful retrieve byte for byte.")
+              help="Phase 2: compare every n-th successful retrieve byte for byte (DP "
+              "mode compares every load).")
 @click.option("--raw-s", type=click.FloatRange(min=0.01), default=1.0,
               help="Seconds of each raw-copy baseline direction.")
 @click.option("--tp-modes", default="load,mixed", show_default=True,
@@ -208,16 +216,21 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
               help="Requests each rank keeps in flight in the TP phases.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
-def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bool,
-          num_blocks: int | None, batch: int, l1_size_gb: float | None, verify_every: int,
-          raw_s: float, json_path: str | None, tp_modes: str, tp_s: float,
-          tp_chunks: int | None, tp_inflight: int, **geometry: Any) -> None:
-    """Tensor-parallel ranks with replicated KV on one server: bytes, GB/s, a dead rank."""
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a PNG plot here (GB/s per rank or engine).")
+def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
+          kill_one: bool, num_blocks: int | None, batch: int, l1_size_gb: float | None,
+          verify_every: int, raw_s: float, json_path: str | None, plot_path: str | None,
+          tp_modes: str, tp_s: float, tp_chunks: int | None, tp_inflight: int,
+          **geometry: Any) -> None:
+    """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
+    a dead rank."""
     from lmc_server.bench import ranks as rk
     from lmc_server.bench.ranks_config import RanksConfig
     from lmc_server.bench.ranks_table import table
 
-    cfg = RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
+    cfg = RanksConfig(mode=mode, backend=backend, ranks=ranks, chunks=chunks,
+                      duration_s=duration_s,
                       kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
                       num_blocks=num_blocks, batch=min(batch, chunks),
                       l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s,
@@ -228,6 +241,10 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     emit(report, table(report), json_path)
+    if plot_path:
+        from lmc_server.bench.ranks_plot import plot
+
+        plot(report, plot_path)
     if not report.summary["ok"]:
         raise SystemExit(1)
 
