@@ -176,6 +176,12 @@ def cli() -> None:
               help="Chunks after an L1 hit that one lookup asks L2 for.")
 @click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
               envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
+@click.option("--disk-dir", default="", envvar="LMCACHE_DISK_DIR", metavar="PATH",
+              help="Disk tier between L1 and L2: a directory on local NVMe or a shared "
+                   "filesystem (PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.")
+@click.option("--disk-size-gb", type=click.FloatRange(0, 1 << 20), default=0.0,
+              envvar="LMCACHE_DISK_SIZE_GB",
+              help="Bytes the disk tier may hold; the least recently used files go first.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.backend import L2Backend, L2Error, Value
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64
@@ -73,25 +73,25 @@ class RedisBackend(L2Backend):
         await self._call(self._reads, "connect", client.ping)
         self._client = client
 
-    def _mget(self, client: Any, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _mget(self, client: Any, keys: Sequence[bytes]) -> list[Value | None]:
+        out: list[Value | None] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
             out.extend(client.mget(list(keys[i:i + GET_BATCH_KEYS])))
         return out
 
-    def _mset(self, client: Any, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def _mset(self, client: Any, items: Sequence[tuple[bytes, Value]]) -> None:
         for i in range(0, len(items), PUT_BATCH_KEYS):
             pipe = client.pipeline(transaction=False)
             for key, value in items[i:i + PUT_BATCH_KEYS]:
                 pipe.set(key, value)
             pipe.execute()
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
         return await self._call(self._reads, "get", self._mget, self._client, keys)
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
         await self._call(self._writes, "set", self._mset, self._client, items)
