@@ -7,6 +7,7 @@ measuring lives in the benchmark modules.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -244,6 +245,10 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
               help="Pool of each of the two servers.")
 @click.option("--redis-url", default="", help="An existing Redis/Valkey to use "
               "[default: start a redis-server on a free loopback port].")
+@click.option("--disk-dir", default="", help="Instead: the disk tier on this directory "
+              "(two servers sharing it) vs plain os.pwrite/os.preadv there, and a restart.")
+@click.option("--restart-gb", type=click.FloatRange(min=0), default=2.0,
+              help="--disk-dir: fill the directory to this much before the restart run.")
 @click.option("--replay", "trace_path", type=click.Path(exists=True, dir_okay=False),
               default=None, help="Instead: replay this trace (as 'bench replay') with L1 "
               "alone and with L1 + L2; token hit ratio per tier. Uses a 2-layer geometry "
@@ -258,7 +263,8 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
 def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
-       l1_size_gb: float, redis_url: str, trace_path: str | None, limit: int,
+       l1_size_gb: float, redis_url: str, disk_dir: str, restart_gb: float,
+       trace_path: str | None, limit: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
@@ -275,6 +281,17 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
             trace=trace_path, limit=limit, l1_fraction=l1_fraction,
             l2_fraction=l2_fraction, geometry=geo))
         emit(rep, l2replay.table(rep), json_path)
+        return
+    if disk_dir:
+        from lmc_server.bench import l2disk
+
+        report = l2disk.run(l2disk.DiskBenchConfig(
+            disk_dir=os.path.abspath(disk_dir), chunks=chunks, rounds=rounds,
+            latency_chunks=latency_chunks, repeats=repeats, restart_gb=restart_gb,
+            geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb))
+        emit(report, l2disk.table(report), json_path)
+        if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
+            raise SystemExit(1)
         return
     report = l2b.run(l2b.L2BenchConfig(
         chunks=chunks, rounds=rounds, latency_chunks=latency_chunks, repeats=repeats,
