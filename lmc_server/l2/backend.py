@@ -55,6 +55,11 @@ class L2Backend(ABC):
         (the default leaves them: the next write replaces them)."""
         return None
 
+    def release(self, values: Sequence[Value | None]) -> None:
+        """The tier is done with these values from :meth:`get_many` (nothing reads them
+        any more): an adapter that reuses its buffers may take them back."""
+        return None
+
     def status(self) -> str:
         """A phrase for /healthz about work in progress (empty: nothing to say)."""
         return ""

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 IO_THREADS = 4
 #: A file longer than this is not read whole (no object is near it; a miss).
 MAX_VALUE_BYTES = 1 << 30
+#: Idle aligned buffers kept for reuse (reads and writes; see direct_io.BufferPool).
+BUFFER_POOL_BYTES = 256 << 20
 LAYOUT_DIR = "lmc2"
 _REFUSALS = (errno.ENOSPC, errno.EDQUOT)
 T = TypeVar("T")
@@ -63,6 +65,7 @@ class FileBackend(L2Backend):
         self.direct = False
         self.evicted_objects = 0
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="lmc-disk")
+        self._buffers = direct_io.BufferPool(BUFFER_POOL_BYTES)
         self._made: set[str] = set()
         self._connected = False
         self._rebuild: asyncio.Task[None] | None = None
@@ -113,7 +116,8 @@ class FileBackend(L2Backend):
                                                                   name="disk-index")
 
     def _read(self, key: bytes) -> memoryview | None:
-        return direct_io.read_file(self.path_of(key), self.direct, MAX_VALUE_BYTES)
+        return direct_io.read_file(self.path_of(key), self.direct, MAX_VALUE_BYTES,
+                                   self._buffers.take)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if not self._connected:
@@ -137,10 +141,15 @@ class FileBackend(L2Backend):
         self.listeners.removed(missing, "missing")
         return out
 
+    def release(self, values: Sequence[Value | None]) -> None:
+        for v in values:
+            if isinstance(v, memoryview):
+                self._buffers.give(v.obj)
+
     def encode(self, space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> Value:
         """Header and payload in one aligned buffer (one copy), written as is."""
         n = codec.HEADER_BYTES + len(payload)
-        buf = direct_io.aligned_buffer(n)
+        buf = self._buffers.take(n)
         view = memoryview(buf)
         view[:codec.HEADER_BYTES] = codec.header(space, chunk_key, mask, payload)
         view[codec.HEADER_BYTES:n] = payload.cast("B")
@@ -181,6 +190,9 @@ class FileBackend(L2Backend):
                 failure = failure or r
             else:
                 self.index.touch(key, len(value))
+        # Written or failed, no one reads these buffers again (the writer keeps only
+        # their lengths): back to the pool.
+        self.release([v for _, v in items])
         if failure is not None:
             raise L2Error(f"disk write {self.root}: {failure.strerror or failure}",
                           unavailable=failure.errno not in _REFUSALS)

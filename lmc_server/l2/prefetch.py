@@ -212,6 +212,8 @@ class Prefetcher:
                 good, end = self._check(view, keys, wanted, values, end, bad)
                 reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
                                               end)
+                kept = {id(r.value) for r in reserved}
+                self.backend.release([v for v in values if id(v) not in kept])
                 if reserved:
                     filling = asyncio.get_running_loop().create_task(
                         self._fill_and_commit(view, namespace, reserved, bad))
@@ -269,6 +271,8 @@ class Prefetcher:
             ok = list(await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
                 for r in reserved)))
+            # Every copy has finished (else gather raised): the values may be reused.
+            self.backend.release([r.value for r in reserved])
         finally:
             for j, r in enumerate(reserved):
                 if j < len(ok) and ok[j]:
