@@ -253,6 +253,9 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
               default=None, help="Instead: replay this trace (as 'bench replay') with L1 "
               "alone and with L1 + L2; token hit ratio per tier. Uses a 2-layer geometry "
               "unless --layers is given.")
+@click.option("--replay-tier", type=click.Choice(["l2", "disk"]), default="l2",
+              help="--replay: the lower tier, Redis (l2) or the disk tier on a temporary "
+              "directory (disk: adds the model of the three disk write policies).")
 @click.option("--limit", type=click.IntRange(1), default=1000,
               help="--replay: the first N requests of the trace.")
 @click.option("--l1-fraction", type=click.FloatRange(min=0, min_open=True), default=0.05,
@@ -264,7 +267,7 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
               help="Write the full report as JSON here.")
 def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
        l1_size_gb: float, redis_url: str, disk_dir: str, restart_gb: float,
-       trace_path: str | None, limit: int,
+       trace_path: str | None, replay_tier: str, limit: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
@@ -279,7 +282,7 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
             geo = GeometryArgs(**{**geo.__dict__, "layers": 2, "sliding_groups": 1})
         rep = l2replay.run(l2replay.L2ReplayConfig(
             trace=trace_path, limit=limit, l1_fraction=l1_fraction,
-            l2_fraction=l2_fraction, geometry=geo))
+            l2_fraction=l2_fraction, geometry=geo, disk=replay_tier == "disk"))
         emit(rep, l2replay.table(rep), json_path)
         return
     if disk_dir:
