@@ -102,3 +102,38 @@ def simulate(requests: list[list[int]], l1_chunks: int, disk_chunks: int,
                 write(c)
     kept = sum(1 for c in l1.items if c in disk) / max(1, len(l1.items))
     return PolicyResult(policy, l1_hits, disk_hits, writes, disk_evictions, kept)
+
+
+def main() -> None:
+    """``python -m lmc_server.bench.tierpolicy TRACE...``: the model alone, per trace and
+    capacity pair (fractions of the trace's distinct chunks), in seconds."""
+    import argparse
+
+    from lmc_server.bench.trace import load_trace
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--sizes", default="0.05:0.25,0.05:1.0,0.2:0.5",
+                   help="L1:disk fractions of the distinct chunks, comma-separated")
+    args = p.parse_args()
+    from lmc_server.bench.trace import chunk_ids
+
+    print("trace | L1 | disk | policy | token hit | of which disk | disk writes per "
+          "disk hit | L1 also on disk")
+    for path in args.traces:
+        chunks, distinct = chunk_ids(load_trace(path, args.limit))
+        total = sum(len(c) for c in chunks)
+        for pair in args.sizes.split(","):
+            l1f, df = (float(x) for x in pair.split(":"))
+            for policy in POLICIES:
+                r = simulate(chunks, int(l1f * distinct), int(df * distinct), policy)
+                print(f"{path.rsplit('/', 1)[-1]} | {l1f:g} | {df:g} | {policy} | "
+                      f"{(r.l1_hit_chunks + r.disk_hit_chunks) / total:.3f} | "
+                      f"{r.disk_hit_chunks / total:.3f} | "
+                      f"{r.disk_writes / max(1, r.disk_hit_chunks):.2f} | "
+                      f"{r.l1_kept_on_disk:.2f}")
+
+
+if __name__ == "__main__":
+    main()
