@@ -245,6 +245,8 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
               help="Pool of each of the two servers.")
 @click.option("--redis-url", default="", help="An existing Redis/Valkey to use "
               "[default: start a redis-server on a free loopback port].")
+@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
+              help="The servers' --l2-connections.")
 @click.option("--disk-dir", default="", help="Instead: the disk tier on this directory "
               "(two servers sharing it) vs plain os.pwrite/os.preadv there, and a restart.")
 @click.option("--restart-gb", type=click.FloatRange(min=0), default=2.0,
@@ -266,7 +268,8 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
 def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
-       l1_size_gb: float, redis_url: str, disk_dir: str, restart_gb: float,
+       l1_size_gb: float, redis_url: str, l2_connections: int, disk_dir: str,
+       restart_gb: float,
        trace_path: str | None, replay_tier: str, limit: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
@@ -298,7 +301,8 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
         return
     report = l2b.run(l2b.L2BenchConfig(
         chunks=chunks, rounds=rounds, latency_chunks=latency_chunks, repeats=repeats,
-        geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb, redis_url=redis_url))
+        geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb, redis_url=redis_url,
+        l2_connections=l2_connections))
     emit(report, l2b.table(report), json_path)
     if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
         raise SystemExit(1)

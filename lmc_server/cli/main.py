@@ -176,6 +176,10 @@ def cli() -> None:
               help="Chunks after an L1 hit that one lookup asks L2 for.")
 @click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
               envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
+@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
+              envvar="LMCACHE_L2_CONNECTIONS",
+              help="Redis connections for reads, and as many for writes; a batch is split "
+                   "across them.")
 @click.option("--disk-dir", default="", envvar="LMCACHE_DISK_DIR", metavar="PATH",
               help="Disk tier between L1 and L2: a directory on local NVMe or a shared "
                    "filesystem (PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.")

@@ -16,14 +16,15 @@ from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_passwo
 from lmc_server.transfer.base import HostPool
 
 
-def make_backend(target: L2Target, password: str | None, timeout_s: float) -> L2Backend:
+def make_backend(target: L2Target, password: str | None, timeout_s: float,
+                 connections: int = 1) -> L2Backend:
     if target.kind == "redis":
         try:
             from lmc_server.l2.redis_backend import RedisBackend
         except ImportError:
             raise L2ConfigError("--l2 redis://: the redis package is not installed "
                                 "(pip install 'lmc-server[l2]')") from None
-        return RedisBackend(target.url, password, timeout_s)
+        return RedisBackend(target.url, password, timeout_s, connections)
     from lmc_server.l2.mooncake_backend import MooncakeBackend
 
     return MooncakeBackend(target.url, timeout_s)
@@ -34,7 +35,8 @@ def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: s
     (the server then refuses to start, naming the problem)."""
     target = parse_l2_url(config.l2_url)
     view = PoolView(pool, engine_name)
-    backend = make_backend(target, read_password(config.l2_password_file), config.l2_timeout_s)
+    backend = make_backend(target, read_password(config.l2_password_file), config.l2_timeout_s,
+                           config.l2_connections)
     return L2Tier(backend, target.display, index, view, config.chunk_size,
                   config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
                   config.l2_timeout_s)
