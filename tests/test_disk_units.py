@@ -165,3 +165,21 @@ def test_config_refusals_name_the_setting(tmp_path: Path, settings: tuple, needl
 def test_file_url_and_paths() -> None:
     assert disk_path("file:///var/cache/x") == "/var/cache/x"
     check_disk_config(_Settings("file:///tmp/lmc-disk-check-never-made", 0.001))
+
+
+def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Path) -> None:
+    """A key written again while it is the coldest must not be chosen as the victim that
+    makes room for itself (its unlink would race its own rename)."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 2 * 10_000)
+        await b.connect()
+        removed: list[bytes] = []
+        b.listeners.subscribe(removed=lambda kind, keys, why: removed.extend(keys))
+        await b.put_many([(key(1), value(b, 1, 10_000 - codec.HEADER_BYTES))])
+        await b.put_many([(key(2), value(b, 2, 10_000 - codec.HEADER_BYTES))])
+        await b.put_many([(key(1), value(b, 1, 10_000 - codec.HEADER_BYTES))])
+        assert b.evicted_objects == 0 and not removed
+        assert os.path.exists(b.path_of(key(1))) and os.path.exists(b.path_of(key(2)))
+        assert list(b.index.entries) == [key(2), key(1)] and b.index.used_bytes == 20_000
+        await b.shutdown()
+    run(go())

@@ -176,6 +176,9 @@ class FileBackend(L2Backend):
     async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if not self._connected:
             raise L2Error("disk: not ready")
+        known = {k: self.index.entries[k] for k, _ in items if k in self.index.entries}
+        for k in known:  # a rewrite replaces its file: never its own victim
+            self.index.forget(k)
         victims = self.index.victims(sum(len(v) for _, v in items))
         jobs = [self._run(self._unlink, k) for k in victims]
         jobs += [self._run(self._write, k, v) for k, v in items]
@@ -188,6 +191,8 @@ class FileBackend(L2Backend):
                 if not isinstance(r, OSError):
                     raise r
                 failure = failure or r
+                if key in known:  # the old file is still there
+                    self.index.touch(key, known[key])
             else:
                 self.index.touch(key, len(value))
         # Written or failed, no one reads these buffers again (the writer keeps only
