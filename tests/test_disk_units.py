@@ -183,3 +183,16 @@ def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Pa
         assert list(b.index.entries) == [key(2), key(1)] and b.index.used_bytes == 20_000
         await b.shutdown()
     run(go())
+
+
+def test_buffer_pool_reuses_and_never_hands_one_buffer_to_two_takers() -> None:
+    pool = direct_io.BufferPool(3 * direct_io.ALIGN_BYTES)
+    a = pool.take(100)
+    pool.give(a)
+    pool.give(a)
+    assert pool.take(100) is a
+    assert pool.take(100) is not a  # given twice, kept once
+    big = [pool.take(10_000) for _ in range(2)]  # 3 blocks each: only one fits idle
+    for b in big:
+        pool.give(b)
+    assert pool.take(10_000) is big[0] and pool.take(10_000) is not big[1]

@@ -80,8 +80,11 @@ class BufferPool:
             return
         size = len(buf)
         with self._lock:
+            free = self._free.setdefault(size, [])
+            if any(b is buf for b in free):
+                return  # given twice: kept once, or two takers would share it
             if self._idle_bytes + size <= self.max_bytes:
-                self._free.setdefault(size, []).append(buf)
+                free.append(buf)
                 self._idle_bytes += size
 
 
