@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +110,10 @@ def test_restart_after_sigterm_serves_the_directory_byte_exact(
                 body = h.read()
             assert b"lmcache_disk_up 1.0" in body and b"lmcache_disk_hits_total" in body
             assert b"lmcache_disk_index_rebuild_ratio 1.0" in body
+            out = subprocess.run([sys.executable, "-m", "lmc_server", "stats", "--port",
+                                  str(b.port)], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and f"disk file://{directory} up" in out.stdout
+            assert "12 files, index whole" in out.stdout
         finally:
             wb.close()
 

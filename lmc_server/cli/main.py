@@ -341,6 +341,13 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
                f"{l1.objects} objects")
     click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
                f"leases {report.leases}")
+    if (d := report.disk) is not None:
+        click.echo(f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
+                   f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+                   f"files, index {'whole' if d.rebuild.done else 'rebuilding'}")
+    if (l2 := report.l2) is not None:
+        click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects "
+                   f"written")
     if report.partitions:
         click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
                    f"{'capacity':>10}{'used':>14}")
