@@ -78,8 +78,8 @@ class Handlers:
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
         self.commits = CommitWatch()
-        #: The L2 tier (``--l2``), or None; called once per store commit and per lookup
-        #: that misses L1 (see :mod:`lmc_server.l2.tier`).
+        #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
+        #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
         self.l2: TierChain | None = None
 
     # -- helpers ----------------------------------------------------------------------
