@@ -24,7 +24,7 @@ MIB = 1 << 20
 SYSTEM_RESERVE_BYTES = 2 * GIB
 BACKENDS = ("auto", "cuda", "cpu", "null")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-CUDA_COPY_MODES = ("staging", "mapped")
+CUDA_COPY_MODES = ("auto", "staging", "mapped", "dma")
 #: Default metrics port: outside the 9100-9999 range Prometheus allocates to exporters
 #: (node_exporter 9100, DCGM exporter 9400, ...), and clear of Prometheus itself (9090),
 #: Pushgateway/Alertmanager (9091/9093), vLLM and Triton (8000-8002), 8080 and Grafana.
@@ -70,7 +70,8 @@ class Config:
     lease_ttl_s: float = 30.0
     slab_size_mb: int = 64
     copy_threads: int = 0  # 0: engine default
-    cuda_copy_mode: str = "staging"  # staging (SM gather + one DMA) | mapped (kernel on host)
+    cuda_copy_mode: str = "auto"  # auto | staging | mapped | dma (docs/gpu.md)
+    cuda_staging_mb: int = 32  # cuda staging mode: least size of each staging half
     pipeline_mb: int = -1  # stores above this are copied in sub-batches; -1: engine default
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout_s: float = 10.0

@@ -54,7 +54,7 @@ def bench() -> None:
               help="Server pool size (must hold three of the largest batches).")
 @click.option("--separate-object-groups/--no-separate-object-groups", "separate",
               default=True, help="Server object-group layout.")
-@click.option("--cuda-copy-mode", "copy_modes", default="staging,mapped",
+@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
               help="cuda only: copy modes to measure, comma-separated (one server each).")
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
@@ -82,7 +82,7 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
     from lmc_server.bench import throughput as tp
 
     modes = tuple(m.strip() for m in copy_modes.split(",") if m.strip())
-    bad = set(modes) - {"staging", "mapped"}
+    bad = {m.partition(":")[0] for m in modes} - {"auto", "staging", "mapped", "dma"}
     if bad:
         raise click.BadParameter(f"unknown copy modes {sorted(bad)}",
                                  param_hint="--cuda-copy-mode")
@@ -305,4 +305,63 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
         l2_connections=l2_connections))
     emit(report, l2b.table(report), json_path)
     if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
+        raise SystemExit(1)
+
+
+def _names(allowed: tuple[str, ...], flag: str) -> Any:
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+        out = tuple(x.strip() for x in value.split(",") if x.strip())
+        bad = [x for x in out if x.partition(":")[0] not in allowed]
+        if not out or bad:
+            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
+                                     param_hint=flag)
+        return out
+    return parse
+
+
+@bench.command()
+@click.option("--engines", default="gemm,hbm", callback=_names(("gemm", "hbm", "decode"),
+                                                            "--engines"),
+              help="Engine workloads beside the server: gemm (bf16 8192^3 matmuls), hbm "
+                   "(1 GiB device copies), decode (a CUDA graph of small kernels).")
+@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
+              callback=_names(("auto", "staging", "mapped", "dma"), "--cuda-copy-mode"),
+              help="Server copy modes, comma-separated (one server each); staging:N also "
+                   "sets --cuda-staging-mb N.")
+@click.option("--ops", default="store,retrieve,both", callback=_names(
+    ("store", "retrieve", "both"), "--ops"),
+              help="Server loops: store, retrieve (lookup + retrieve + release), both.")
+@click.option("--chunks", default="64", callback=_ints, help="Chunks per request.")
+@click.option("--inflight", default="1,2", callback=_ints,
+              help="Requests of each kind kept in flight, comma-separated.")
+@click.option("--seconds", type=click.FloatRange(min=0.2), default=1.5,
+              help="Length of each measured window.")
+@click.option("--own-copy/--no-own-copy", default=True,
+              help="Also measure the engine's own side-stream copy of the same bytes.")
+@geometry_options
+@click.option("--l1-size-gb", type=click.FloatRange(min=0.5), default=4.0,
+              help="Server pool size.")
+@click.option("--block-order", type=click.Choice(["consecutive", "random"]),
+              default="consecutive",
+              help="Block ids of a request: consecutive (a fresh engine) or a random "
+                   "permutation (an engine's block pool after churn).")
+@click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
+@_output_options
+def interference(engines: tuple[str, ...], copy_modes: tuple[str, ...], ops: tuple[str, ...],
+                 chunks: tuple[int, ...], inflight: tuple[int, ...], seconds: float,
+                 own_copy: bool, l1_size_gb: float, block_order: str, device: int,
+                 json_path: str | None,
+                 plot_path: str | None, no_progress: bool, **geometry: Any) -> None:
+    """The server's GB/s and the engine's loss with an engine computing on the same GPU."""
+    from lmc_server.bench import interference as itf
+
+    report = itf.run(itf.InterferenceConfig(
+        engines=engines, copy_modes=copy_modes, ops=ops, chunks=chunks, inflight=inflight,
+        seconds=seconds, own_copy=own_copy, geometry=GeometryArgs.pop(geometry),
+        l1_size_gb=l1_size_gb, block_order=block_order, device=device,
+        show_progress=not no_progress))
+    emit(report, itf.table(report), json_path)
+    if plot_path:
+        itf.plot(report, plot_path)
+    if report.summary["mismatched_bytes"] or report.summary["failed_chunks"]:
         raise SystemExit(1)

@@ -119,11 +119,18 @@ def cli() -> None:
 @click.option("--copy-threads", type=click.IntRange(0, 256), default=0,
               envvar="LMCACHE_COPY_THREADS",
               help="Copy threads of the cpu engine (0: min(4, cores)).")
-@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES), default="staging",
-              envvar="LMCACHE_CUDA_COPY_MODE",
-              help="cuda engine: 'staging' gathers pages on the GPU into a staging buffer "
-                   "and moves it with one DMA; 'mapped' has a kernel read/write pinned host "
-                   "memory directly.")
+@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES),
+              default=Config.cuda_copy_mode, envvar="LMCACHE_CUDA_COPY_MODE",
+              help="cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
+                   "kernel: nearly free for an engine computing on the same GPU); "
+                   "'staging' gathers pages with a short kernel into a staging buffer and "
+                   "moves it in one DMA (fastest on an idle GPU); 'auto' takes dma while "
+                   "the GPU runs kernels (NVML), staging while it is idle; 'mapped' has a "
+                   "kernel read/write pinned host memory. See docs/gpu.md.")
+@click.option("--cuda-staging-mb", type=click.IntRange(1, 4096), default=Config.cuda_staging_mb,
+              envvar="LMCACHE_CUDA_STAGING_MB",
+              help="cuda staging mode: least size in MiB of each of the two staging halves "
+                   "per copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).")
 @click.option("--pipeline-mb", type=click.IntRange(-1, 1 << 20), default=-1,
               envvar="LMCACHE_PIPELINE_MB",
               help="Stores larger than this many MiB are reserved and copied in up to four "

@@ -157,7 +157,8 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
     """Copy one run for each of its chunks; consecutive block ids go in one call."""
     r = c.run
     nb, page, nl = r.n_blocks, r.page_bytes, r.n_layers
-    obj_strides = (nb * page, page, 1)
+    ols, obs = r.object_layer_stride, r.object_block_stride
+    obj_strides = (ols, obs, 1)
     ids = c.block_ids
     consecutive = (np.diff(ids, axis=1) == 1).all(axis=1) if nb > 1 else np.ones(len(ids), bool)
     for ci in range(ids.shape[0]):
@@ -177,7 +178,7 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
                 continue
             eng = np.ndarray((nl, page), np.uint8, buf, r.base_offset + b * r.block_stride,
                              (r.layer_stride, 1))
-            obj = np.ndarray((nl, page), np.uint8, pool, dst_base + j * page, (nb * page, 1))
+            obj = np.ndarray((nl, page), np.uint8, pool, dst_base + j * obs, (ols, 1))
             if to_pool:
                 np.copyto(obj, eng)
             else:
