@@ -89,6 +89,9 @@ class Config:
     l2_write_queue_objects: int = 4096  # objects waiting for L2; past it writes drop
     l2_prefetch_max_chunks: int = 256  # chunks one lookup's prefetch asks L2 for
     l2_timeout_s: float = 2.0  # connect and per-call timeout of the L2 store
+    l2_connections: int = 1  # parallel Redis connections for reads, as many for writes
+    disk_dir: str = ""  # empty: no disk tier (docs/l2.md, "The disk tier")
+    disk_size_gb: float = 0.0  # the disk tier's capacity; required with disk_dir
 
     @property
     def endpoint(self) -> str:
@@ -162,6 +165,13 @@ class Config:
             try:
                 check_l2_config(self)
             except L2ConfigError as e:
+                raise ConfigError(str(e)) from None
+        if self.disk_dir or self.disk_size_gb:
+            from lmc_server.l2.disk_config import DiskConfigError, check_disk_config
+
+            try:
+                check_disk_config(self)
+            except DiskConfigError as e:
                 raise ConfigError(str(e)) from None
         if self.backend == "null" or not self.memory_check:
             return  # the null engine allocates no pool memory (trace replays only)

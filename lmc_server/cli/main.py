@@ -183,6 +183,16 @@ def cli() -> None:
               help="Chunks after an L1 hit that one lookup asks L2 for.")
 @click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
               envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
+@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
+              envvar="LMCACHE_L2_CONNECTIONS",
+              help="Redis connections for reads, and as many for writes; a batch is split "
+                   "across them.")
+@click.option("--disk-dir", default="", envvar="LMCACHE_DISK_DIR", metavar="PATH",
+              help="Disk tier between L1 and L2: a directory on local NVMe or a shared "
+                   "filesystem (PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.")
+@click.option("--disk-size-gb", type=click.FloatRange(0, 1 << 20), default=0.0,
+              envvar="LMCACHE_DISK_SIZE_GB",
+              help="Bytes the disk tier may hold; the least recently used files go first.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it
@@ -338,6 +348,13 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
                f"{l1.objects} objects")
     click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
                f"leases {report.leases}")
+    if (d := report.disk) is not None:
+        click.echo(f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
+                   f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+                   f"files, index {'whole' if d.rebuild.done else 'rebuilding'}")
+    if (l2 := report.l2) is not None:
+        click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects "
+                   f"written")
     if report.partitions:
         click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
                    f"{'capacity':>10}{'used':>14}")

@@ -105,7 +105,7 @@ class Server:
         self._prev_signals: dict[int, Any] = {}
         self.on_started: list[Callable[[Server], None]] = []
         self.on_shutdown: list[Callable[[Server], None]] = []
-        self.l2: Any = None  # lmc_server.l2.tier.L2Tier with --l2
+        self.l2: Any = None  # lmc_server.l2.chain.TierChain with --l2 or --disk-dir
 
     @property
     def draining(self) -> bool:
@@ -169,11 +169,11 @@ class Server:
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)
         self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
                                  self.clock)
-        if cfg.l2_url:
-            from lmc_server.l2.setup import make_tier
+        if cfg.l2_url or cfg.disk_dir:
+            from lmc_server.l2.setup import make_chain
 
-            self.l2 = self.handlers.l2 = make_tier(cfg, self.index, self.host_pool,
-                                                   self.engine.name)
+            self.l2 = self.handlers.l2 = make_chain(cfg, self.index, self.host_pool,
+                                                    self.engine.name)
             self.l2.start()
         router = self.router = Router(cfg, self.loop, self.peers, self.dispatch.handle,
                                       self._disconnected)
@@ -221,7 +221,8 @@ class Server:
         if self.l2 is not None:
             from lmc_server.l2.metrics import L2Collector
 
-            registry.register(L2Collector(self.l2))
+            for tier in self.l2.tiers:
+                registry.register(L2Collector(tier))
         self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                             registry, self.health)
         self.metrics_server.start()
