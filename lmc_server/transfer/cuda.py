@@ -50,6 +50,7 @@ from lmc_server.transfer.base import (
     TransferEngine,
     TransferError,
 )
+from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
     CUDA_ERRORS,
@@ -61,6 +62,10 @@ from lmc_server.transfer.cuda_lanes import (
     Lanes,
 )
 from lmc_server.transfer.cuda_plan import (
+    DEV_ADDR,
+    HEIGHT,
+    POOL_ADDR,
+    WIDTH,
     DmaPlan,
     Plan,
     Region,
@@ -111,7 +116,8 @@ class CudaEngine(TransferEngine):
                  mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
                  wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES,
                  staging_half_bytes: int = STAGING_HALF_BYTES,
-                 kernel_pct: Callable[[int], Callable[[], int | None]] | None = None) -> None:
+                 kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
+                 batch_copies: bool = True) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
@@ -125,6 +131,11 @@ class CudaEngine(TransferEngine):
         #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
         self._kernel_pct = kernel_pct or _nvml_reader
         self._gates: dict[int, BusyGate] = {}
+        #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
+        #: (tests turn it off to run the one-call-per-row path).
+        self.batch_copies = batch_copies
+        #: device -> the checked batch copier of mode dma (``None``: single copies)
+        self._batch: dict[int, BatchCopier | None] = {}
         #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
         #: diagnostics: what mode ``auto`` chose.
         self.copies_by_path: dict[str, int] = {"dma": 0, "staging": 0, "mapped": 0}
@@ -170,12 +181,14 @@ class CudaEngine(TransferEngine):
                 lanes = self._lanes.get(device)
                 if lanes is None:
                     lanes = Lanes(device, self._lanes_per_device, self.staging_half_bytes)
-                    self._lanes[device] = lanes
                     self._sm_count[device] = int(cupy.cuda.runtime.getDeviceProperties(
                         device)["multiProcessorCount"])
                     if self.copy_mode == "auto":
                         self._gates[device] = BusyGate(self._kernel_pct(device),
                                                        name=f"GPU {device}")
+                    if self.copy_mode in ("auto", "dma") and self.batch_copies:
+                        self._batch[device] = batch_copier(device)
+                    self._lanes[device] = lanes  # last: readers take the lanes unlocked
         return lanes
 
     def _region(self, mapping: CudaMapping) -> Region:
@@ -344,12 +357,25 @@ class CudaEngine(TransferEngine):
     def _blocks(self, device: int, pages: int) -> int:
         return max(1, min(pages, 4 * self._sm_count[device]))
 
-    @staticmethod
-    def _dma_rows(lane: Lane, plan: DmaPlan, to_pool: bool) -> None:
-        """Issue the plan's 2-D copies on the lane's DMA stream (copy engines only)."""
+    def _dma_rows(self, lane: Lane, plan: DmaPlan, to_pool: bool) -> None:
+        """Issue the plan's copies on the lane's DMA stream (copy engines only): the 1-D
+        rows in one ``cuMemcpyBatchAsync`` where the driver passed its check
+        (:mod:`.cuda_batch`), 2-D rows (and every row without it) one call each."""
         stream = lane.dma.ptr
+        rows = plan.rows
+        batch = self._batch.get(lane.device)
+        if batch is not None:
+            one = rows[:, HEIGHT] == 1
+            if one.any():
+                r = rows[one]
+                dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
+                if to_pool:
+                    batch.copy(pool, dev, width, stream)
+                else:
+                    batch.copy(dev, pool, width, stream)
+                rows = rows[~one]
         copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
-        for dev, dpitch, pool, ppitch, width, height in plan.rows.tolist():
+        for dev, dpitch, pool, ppitch, width, height in rows.tolist():
             dst, dst_pitch, src, src_pitch = ((pool, ppitch, dev, dpitch) if to_pool
                                               else (dev, dpitch, pool, ppitch))
             if height == 1:

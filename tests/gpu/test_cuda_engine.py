@@ -136,16 +136,18 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "auto-busy",
-                                  "auto-idle"])
+@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "dma-single",
+                                  "auto-busy", "auto-idle"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
     pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
     engines while the (fake) kernel time says busy, staging while it says idle."""
     name, _, variant = mode.partition("-")
     pct = {"busy": 95, "idle": 0}.get(variant)
-    small = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
-             if variant == "pieces" else {})
+    small: dict[str, Any] = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
+                             if variant == "pieces" else {})
+    if variant == "single":  # every dma row its own cudaMemcpy(2D)Async call
+        small["batch_copies"] = False
     engine, pool = make_engine(name, 8 * SLAB,
                                kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
                                **small)
@@ -189,6 +191,14 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     finally:
         mapping.close()
         engine.close()
+
+
+def test_batch_copies_pass_their_check_on_this_driver() -> None:
+    """The driver of the GPU machine has cuMemcpyBatchAsync and copies right with it
+    (the engine falls back to single copies elsewhere)."""
+    from lmc_server.transfer.cuda_batch import batch_copier
+
+    assert batch_copier(0) is not None
 
 
 def test_nvml_reads_this_gpu() -> None:
