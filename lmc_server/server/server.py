@@ -45,6 +45,7 @@ from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
 from lmc_server.config import Config
+from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs
 from lmc_server.metrics import (
     LiveState,
@@ -351,8 +352,10 @@ class Server:
 
 
 def _describe(cfg: Config) -> str:
-    """Every effective setting, ``name=value``, for the startup log line."""
+    """Every effective setting, ``name=value``, for the startup log line (the L2 URL
+    through :func:`redact_url`, like every URL shown)."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["l2_url"] = redact_url(cfg.l2_url) if cfg.l2_url else ""
     values["l1_size_bytes"] = cfg.l1_size_bytes
     values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
