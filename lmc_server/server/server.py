@@ -12,7 +12,9 @@ Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
 ``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
 closed, the pool is freed), then the process exits 0. Past the timeout, stores still
 copying are answered ``shutting_down`` at once (they are never committed visibly: no
-request is served after the drain); retrieves are answered when their copy stops,
+request is served after the drain), stores waiting for another writer's chunks stop
+waiting, and the server waits for running copies only (they cannot be interrupted);
+retrieves are answered when their copy stops,
 because it writes into the engine's memory and a reply before that would let the
 engine reuse blocks still being written. SIGHUP reopens the log file (see
 :mod:`lmc_server.logs`) and logs a one-line summary; nothing else is reloaded. The
@@ -313,6 +315,9 @@ class Server:
                      self.config.drain_timeout_s)
             _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
             if pending:
+                # From here on only copies are waited for: stores waiting on another
+                # writer's chunks stop waiting (settle), nothing else can delay the end.
+                self.handlers.commits.close()
                 self.dispatch.answer_unfinished(pending)
                 await asyncio.wait(pending)
         assert self.router is not None
