@@ -92,6 +92,16 @@ def test_a_credential_in_the_config_file_or_environment_is_refused(url: str,
         assert SECRET not in res.stdout + res.stderr
 
 
+def test_a_query_parameter_redis_py_does_not_know_stops_the_start() -> None:
+    """redis-py makes every query parameter a keyword of its connections; one it does
+    not know used to kill the tier's background task silently (L2 never connected)."""
+    res = lmcache("server", *SMALL, "--port", str(free_port()),
+                  "--l2", f"redis://127.0.0.1:{free_port()}/0?frobnicate=1")
+    out = res.stdout + res.stderr
+    assert res.returncode == 3, out
+    assert "startup failed" in out and "frobnicate" in out and "Traceback" not in out
+
+
 def test_the_url_is_shown_without_credential_parts_and_the_server_serves(
         tmp_path: Path) -> None:
     """Defence in depth: a URL that is accepted (a user name, a query value holding an
