@@ -34,7 +34,7 @@ from lmc_server.protocol.codec import encode
 from lmc_server.server.liveness import HEALTH_STALL_S
 from lmc_server.server.notify import Notifier
 from lmc_server.server.server import Server
-from lmc_server.testing.engines import HoldingEngine
+from lmc_server.testing.engines import BackloggedEngine, HoldingEngine
 from lmc_server.testing.inprocess import FakeClock, ThreadServer, run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
@@ -253,6 +253,34 @@ def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
             assert engine.release() == 1
         ts.stop()
         assert ts.exit_code == 0
+
+
+def test_past_the_drain_timeout_queued_copies_are_not_started(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 23, item 6. Copies queued in the engine behind others (a loaded server) are
+    not started once the drain timed out, so the drain ends with the copies already
+    running instead of the whole backlog: the store waiting for a copy thread is
+    answered ``shutting_down`` and its copy never runs (nothing of it is committed)."""
+    engine = BackloggedEngine()
+    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
+            Client(ts.endpoint) as c:
+        kv.fill_random(8)
+        reg = c.register(**kv.register_kwargs())
+        try:  # two chunks: 2 MiB, more than is copied inline on the loop
+            send_store(c, reg, 400, chunk_digests(np.arange(2 * CHUNK), CHUNK),
+                       block_ids_for(reg, 2))
+            engine.wait_submitted()  # queued behind the busy copy thread
+            ts.request_exit()
+            reply = c.recv_reply(10)
+            assert isinstance(reply, m.Error) and reply.req_id == 400, reply
+            assert reply.code == "shutting_down"
+        finally:
+            engine.release()
+        ts.stop()
+        assert ts.exit_code == 0
+        counters = ts.server.index.stats
+        assert counters.stored_objects == 0, "the queued copy ran and was committed"
+    assert "copy not started: the server is shutting down" in caplog.text
 
 
 # -- health and systemd, in process -------------------------------------------------------

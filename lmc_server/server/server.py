@@ -12,8 +12,10 @@ Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
 ``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
 closed, the pool is freed), then the process exits 0. Past the timeout, stores still
 copying are answered ``shutting_down`` at once (they are never committed visibly: no
-request is served after the drain), stores waiting for another writer's chunks stop
-waiting, and the server waits for running copies only (they cannot be interrupted);
+request is served after the drain), copies still queued in the engine are not started
+(cpu engine; the cuda engine's queued lane jobs still run), stores waiting for another
+writer's chunks stop waiting, and the server waits for running copies only (they
+cannot be interrupted);
 retrieves are answered when their copy stops,
 because it writes into the engine's memory and a reply before that would let the
 engine reuse blocks still being written. SIGHUP reopens the log file (see
@@ -315,8 +317,10 @@ class Server:
                      self.config.drain_timeout_s)
             _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
             if pending:
-                # From here on only copies are waited for: stores waiting on another
-                # writer's chunks stop waiting (settle), nothing else can delay the end.
+                # From here on only running copies are waited for: copies still queued
+                # in the engine are not started, stores waiting on another writer's
+                # chunks stop waiting (settle); nothing else can delay the end.
+                self.engine.stop_queued()
                 self.handlers.commits.close()
                 self.dispatch.answer_unfinished(pending)
                 await asyncio.wait(pending)
