@@ -9,13 +9,12 @@ need the machine (memory), and loads TOML files strictly (unknown keys refused).
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
 
 from lmc_server.cache.eviction import POLICIES
-from lmc_server.net import bare_host, is_loopback, resolve, tcp_endpoint
+from lmc_server.net import host_problem, is_loopback, tcp_endpoint
 from lmc_server.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
@@ -142,8 +141,10 @@ class Config:
                               f"({self.slab_size_mb} MiB)")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError("max frame bytes must be at least 65536")
-        if not re.fullmatch(r"[A-Za-z0-9.:\-\[\]*]+", self.host):
-            raise ConfigError(f"host {self.host!r} is not an address")
+        if (problem := host_problem(self.host, bind=True)) is not None:
+            raise ConfigError(f"host {self.host!r} {problem}")
+        if self.metrics_port and (problem := host_problem(self.metrics_host)) is not None:
+            raise ConfigError(f"metrics host {self.metrics_host!r} {problem}")
         if not 0.5 <= self.heartbeat_timeout_s <= 3600:
             raise ConfigError("heartbeat timeout must be in 0.5..3600 s")
         if not 1 <= self.max_inflight_per_client <= 65536:
@@ -151,8 +152,6 @@ class Config:
         if bool(self.curve_secret_key_file) != bool(self.curve_clients_dir):
             raise ConfigError("CURVE needs both --curve-secret-key-file and "
                               "--curve-clients-dir (see 'lmcache keygen')")
-        if bare_host(self.host) not in ("*", "") and not resolve(self.host):
-            raise ConfigError(f"host {self.host!r} does not resolve to an address")
         if not self.curve_secret_key_file and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host}: clients could map and read any KV "
@@ -186,10 +185,14 @@ class Config:
 
 
 CONFIG_KEYS = frozenset(f.name for f in fields(Config))
+#: Settings whose flag is not named like their field: the TOML file takes the flag's name
+#: (``l2 = "redis://..."``, as ``--l2``) and the field's (``l2_url``, kept as an alias).
+FLAG_NAMES = {"l2": "l2_url"}
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file; keys are field names (``-`` or ``_``), unknown refused.
+    """Read a TOML config file; keys are flag or field names (``-`` or ``_``), unknown
+    refused, a setting named twice (``l2`` and ``l2_url``) refused.
 
     The file may hold the settings at top level or under a ``[server]`` table; a
     ``[client]`` table beside it (settings of ``lmcache ping`` and ``lmcache stats``, see
@@ -210,9 +213,13 @@ def load_toml(path: str) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name == "client" and isinstance(value, dict):
             continue  # the client commands' table (load_client_toml)
+        name = FLAG_NAMES.get(name, name)
         if name not in CONFIG_KEYS:
             raise ConfigError(f"config file {path}: unknown setting {key!r}; known: "
-                              f"{', '.join(sorted(CONFIG_KEYS))}")
+                              f"{', '.join(sorted(CONFIG_KEYS | set(FLAG_NAMES)))}")
+        if name in out:
+            raise ConfigError(f"config file {path}: {key!r} names a setting given "
+                              f"already (as {name!r} or its flag's name)")
         out[name] = value
     return out
 

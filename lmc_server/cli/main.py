@@ -28,7 +28,7 @@ from lmc_server.config import (
     load_toml,
     physical_memory_bytes,
 )
-from lmc_server.net import tcp_endpoint
+from lmc_server.net import host_problem, tcp_endpoint
 
 _EXAMPLES = """
 \b
@@ -228,9 +228,13 @@ def keygen(directory: str, name: str) -> None:
 
     import zmq.auth
 
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(directory, name)
+        os.chmod(secret, 0o600)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write keys into {directory}: {e.strerror}",
+                                 param_hint="DIRECTORY") from None
     click.echo(f"public: {public}\nsecret: {secret}")
 
 
@@ -260,6 +264,7 @@ def _endpoint_options(f: Any) -> Any:
     f = click.option("--port", type=click.IntRange(1, 65535), default=5555,
                      envvar="LMCACHE_PORT", help="Server port.")(f)
     f = click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
+                     callback=_check_host,
                      help="Server address (IPv4, IPv6 with or without brackets, or a name).")(f)
     f = click.option("--config", type=click.Path(dir_okay=False),
                      callback=_load_client_config, is_eager=True, expose_value=False,
@@ -284,12 +289,26 @@ def _curve(server_key_file: str, client_secret_key_file: str) -> Any:
         raise click.UsageError(f"cannot load CURVE keys: {e}") from None
 
 
+def _check_host(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A server address the client can connect to, or a usage error (exit 2) naming
+    the mistake, never an error from zmq's depths."""
+    problem = host_problem(value)
+    if problem is not None:
+        raise click.BadParameter(f"{value!r} {problem}")
+    return value
+
+
 def _client(host: str, port: int, timeout_s: float, curve: Any, hello: bool) -> Any:
+    import zmq
+
     from lmc_server.client.sync import Client
 
     endpoint = tcp_endpoint(host, port)
-    return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=hello,
-                  curve=curve)
+    try:
+        return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli",
+                      hello=hello, curve=curve)
+    except zmq.ZMQError as e:
+        raise click.UsageError(f"cannot connect to {endpoint}: {e.strerror}") from None
 
 
 @cli.command()

@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64
@@ -59,6 +60,12 @@ class RedisBackend(L2Backend):
         scheme, rest = url.split("://", 1)
         scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme.lower(), scheme.lower())
         self.url = f"{scheme}://{rest}"
+        try:  # redis-py makes every query parameter a keyword of its connections: a
+            # name it does not know fails here, at startup, not in the background task
+            redis.ConnectionPool.from_url(self.url).make_connection()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--l2 {redact_url(url)}: redis-py cannot use this URL: "
+                             f"{e}") from None
         self.password = password
         self.timeout_s = timeout_s
         self.connections = connections

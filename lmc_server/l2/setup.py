@@ -34,9 +34,9 @@ def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: s
     """The tier for ``config.l2_url``; raises ``ValueError``/``RuntimeError`` if unusable
     (the server then refuses to start, naming the problem)."""
     target = parse_l2_url(config.l2_url)
-    view = PoolView(pool, engine_name)
     backend = make_backend(target, read_password(config.l2_password_file), config.l2_timeout_s,
                            config.l2_connections)
+    view = PoolView(pool, engine_name)  # after what may fail: a view holds the pool open
     return L2Tier(backend, target.display, index, view, config.chunk_size,
                   config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
                   config.l2_timeout_s)

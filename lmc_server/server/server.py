@@ -12,7 +12,11 @@ Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
 ``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
 closed, the pool is freed), then the process exits 0. Past the timeout, stores still
 copying are answered ``shutting_down`` at once (they are never committed visibly: no
-request is served after the drain); retrieves are answered when their copy stops,
+request is served after the drain), copies still queued in the engine are not started
+(cpu engine; the cuda engine's queued lane jobs still run), stores waiting for another
+writer's chunks stop waiting, and the server waits for running copies only (they
+cannot be interrupted);
+retrieves are answered when their copy stops,
 because it writes into the engine's memory and a reply before that would let the
 engine reuse blocks still being written. SIGHUP reopens the log file (see
 :mod:`lmc_server.logs`) and logs a one-line summary; nothing else is reloaded. The
@@ -45,6 +49,7 @@ from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
 from lmc_server.config import Config
+from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs
 from lmc_server.metrics import (
     LiveState,
@@ -313,6 +318,11 @@ class Server:
                      self.config.drain_timeout_s)
             _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
             if pending:
+                # From here on only running copies are waited for: copies still queued
+                # in the engine are not started, stores waiting on another writer's
+                # chunks stop waiting (settle); nothing else can delay the end.
+                self.engine.stop_queued()
+                self.handlers.commits.close()
                 self.dispatch.answer_unfinished(pending)
                 await asyncio.wait(pending)
         assert self.router is not None
@@ -352,8 +362,10 @@ class Server:
 
 
 def _describe(cfg: Config) -> str:
-    """Every effective setting, ``name=value``, for the startup log line."""
+    """Every effective setting, ``name=value``, for the startup log line (the L2 URL
+    through :func:`redact_url`, like every URL shown)."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["l2_url"] = redact_url(cfg.l2_url) if cfg.l2_url else ""
     values["l1_size_bytes"] = cfg.l1_size_bytes
     values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
