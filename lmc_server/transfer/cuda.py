@@ -134,6 +134,7 @@ class CudaEngine(TransferEngine):
         #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
         #: (tests turn it off to run the one-call-per-row path).
         self.batch_copies = batch_copies
+        self._queue_stopped = False
         #: device -> the checked batch copier of mode dma (``None``: single copies)
         self._batch: dict[int, BatchCopier | None] = {}
         #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
@@ -219,6 +220,8 @@ class CudaEngine(TransferEngine):
         lanes = self._lanes_of(mapping.device_index)
         lane = lanes.take_or_queue(job)
         if lane is None:
+            if self._queue_stopped:
+                self._fail_queued(lanes)
             return  # launched by the waiter that frees a lane
         try:
             launched = self._launch(lane, job)
@@ -420,6 +423,19 @@ class CudaEngine(TransferEngine):
                    plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
                    GATHER_THREADS, sm)
             lane.freed[h].record(sm)
+
+    def stop_queued(self) -> None:
+        """Past the drain timeout: copies waiting for a lane fail now (their chunks are
+        reported failed and never committed), and so does any later one that would
+        have to wait; copies on a lane finish."""
+        self._queue_stopped = True
+        for lanes in list(self._lanes.values()):
+            self._fail_queued(lanes)
+
+    @staticmethod
+    def _fail_queued(lanes: Lanes) -> None:
+        for job in lanes.stop_queued():
+            job.done("the server is shutting down: copy not started")
 
     def close(self) -> None:
         for lanes in list(self._lanes.values()):

@@ -159,3 +159,10 @@ class Lanes:
                 return self._pending.popleft()
             self._free.append(lane)
             return None
+
+    def stop_queued(self) -> list[Job]:
+        """Take every queued job out (the caller fails them); later ones queue again."""
+        with self._lock:
+            jobs = list(self._pending)
+            self._pending.clear()
+            return jobs

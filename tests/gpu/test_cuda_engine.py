@@ -193,6 +193,40 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         engine.close()
 
 
+def test_stop_queued_fails_waiting_copies_only(exported: Exported) -> None:
+    """Past the drain timeout the copies waiting for a lane fail at once; the copy on
+    the lane completes, and a copy submitted afterwards that would wait fails too."""
+    from lmc_server.transfer.cuda import CudaEngine
+
+    engine = CudaEngine(copy_mode="staging", lanes_per_device=1)
+    pool = engine.create_pool(8 * SLAB, SLAB)
+    ready = threading.Event()
+    pool.start(lambda slab: ready.set() if slab == pool.n_slabs - 1 else None)
+    assert ready.wait(120)
+    mapping = engine.open(exported.buffers)
+    try:
+        copies, _ = batch(exported.geo, 6, np.random.default_rng(2))
+        results: list[str] = []
+        done = threading.Semaphore(0)
+
+        def report(err: str) -> None:
+            results.append(err)
+            done.release()
+
+        # the first takes the only lane for milliseconds (the same objects 64 times over)
+        engine.submit(mapping, copies * 64, True, report)
+        engine.submit(mapping, copies, True, report)  # waits for it
+        engine.stop_queued()
+        engine.submit(mapping, copies, True, report)  # would wait: refused
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        assert sorted(bool(r) for r in results) == [False, True, True]
+        assert all("shutting down" in r for r in results if r)
+    finally:
+        mapping.close()
+        engine.close()
+
+
 def test_batch_copies_pass_their_check_on_this_driver() -> None:
     """The driver of the GPU machine has cuMemcpyBatchAsync and copies right with it
     (the engine falls back to single copies elsewhere)."""
