@@ -2,7 +2,7 @@
 //
 // The host uploads one *unit* row per (layer run, chunk) and the chunk's block ids; the
 // kernels compute every page address themselves, so the host never expands a request
-// into per-page descriptors. A unit row is eight 64-bit words:
+// into per-page descriptors. A unit row is ten 64-bit words:
 //
 //   0 page_base     device address of the run's layer 0, block 0 (buffer + base offset)
 //   1 layer_stride  bytes between the run's layers (signed)
@@ -13,10 +13,13 @@
 //   5 ids_offset    index of the unit's first block id in the block-id array
 //   6 n_layers
 //   7 n_blocks
+//   8 object_layer_stride   bytes between the unit's layers in the object
+//   9 object_block_stride   bytes between its stored blocks in the object
 //
 // Page (layer i, stored block j) of a unit is at
 //   page_base + i * layer_stride + ids[ids_offset + j] * block_stride
-// and at object + (i * n_blocks + j) * page_bytes in the object. Block id -1 means
+// and at object + i * object_layer_stride + j * object_block_stride in the object
+// (objects are block-major: lmc_server/cache/layout.py). Block id -1 means
 // "leave this page alone". Every page and object range was checked on the host before
 // launch (lmc_server.transfer.cuda_plan), from the very arrays that were uploaded.
 //
@@ -83,7 +86,7 @@ __device__ __forceinline__ void copy_units(const u64* __restrict__ units,
         const i64 rem = k - u * per_unit;
         const i64 layer = rem / max_blocks;
         const i64 j = rem - layer * max_blocks;
-        const u64* row = units + 8 * u;
+        const u64* row = units + 10 * u;
         const i64 n_layers = static_cast<i64>(row[6]);
         const i64 n_blocks = static_cast<i64>(row[7]);
         if (layer >= n_layers || j >= n_blocks) {
@@ -97,7 +100,8 @@ __device__ __forceinline__ void copy_units(const u64* __restrict__ units,
         char* page = reinterpret_cast<char*>(row[0] + static_cast<u64>(
             layer * static_cast<i64>(row[1]) + block * static_cast<i64>(row[2])));
         char* object = reinterpret_cast<char*>(
-            row[4] + static_cast<u64>(layer * n_blocks + j) * page_bytes);
+            row[4] + static_cast<u64>(layer * static_cast<i64>(row[8])
+                                      + j * static_cast<i64>(row[9])));
         if (kToObject) {
             copy_range(page, object, page_bytes);
         } else {

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lmc_server.cache.eviction import POLICIES
-from lmc_server.net import bare_host, is_loopback, resolve, tcp_endpoint
+from lmc_server.net import host_problem, is_loopback, tcp_endpoint
 from lmc_server.protocol.codec import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
@@ -24,7 +24,7 @@ MIB = 1 << 20
 SYSTEM_RESERVE_BYTES = 2 * GIB
 BACKENDS = ("auto", "cuda", "cpu", "null")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-CUDA_COPY_MODES = ("staging", "mapped")
+CUDA_COPY_MODES = ("auto", "staging", "mapped", "dma")
 #: Default metrics port: outside the 9100-9999 range Prometheus allocates to exporters
 #: (node_exporter 9100, DCGM exporter 9400, ...), and clear of Prometheus itself (9090),
 #: Pushgateway/Alertmanager (9091/9093), vLLM and Triton (8000-8002), 8080 and Grafana.
@@ -70,7 +70,8 @@ class Config:
     lease_ttl_s: float = 30.0
     slab_size_mb: int = 64
     copy_threads: int = 0  # 0: engine default
-    cuda_copy_mode: str = "staging"  # staging (SM gather + one DMA) | mapped (kernel on host)
+    cuda_copy_mode: str = "auto"  # auto | staging | mapped | dma (docs/gpu.md)
+    cuda_staging_mb: int = 32  # cuda staging mode: least size of each staging half
     pipeline_mb: int = -1  # stores above this are copied in sub-batches; -1: engine default
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     drain_timeout_s: float = 10.0
@@ -88,6 +89,9 @@ class Config:
     l2_write_queue_objects: int = 4096  # objects waiting for L2; past it writes drop
     l2_prefetch_max_chunks: int = 256  # chunks one lookup's prefetch asks L2 for
     l2_timeout_s: float = 2.0  # connect and per-call timeout of the L2 store
+    l2_connections: int = 1  # parallel Redis connections for reads, as many for writes
+    disk_dir: str = ""  # empty: no disk tier (docs/l2.md, "The disk tier")
+    disk_size_gb: float = 0.0  # the disk tier's capacity; required with disk_dir
     kv_events_endpoint: str = ""  # empty: no KV events (docs/operations.md "KV events")
     kv_events_replay_endpoint: str = ""  # empty: no replay socket
     kv_events_topic: str = ""  # topic prefix before the model; empty: kv@<hostname>@
@@ -143,8 +147,10 @@ class Config:
                               f"({self.slab_size_mb} MiB)")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError("max frame bytes must be at least 65536")
-        if not re.fullmatch(r"[A-Za-z0-9.:\-\[\]*]+", self.host):
-            raise ConfigError(f"host {self.host!r} is not an address")
+        if (problem := host_problem(self.host, bind=True)) is not None:
+            raise ConfigError(f"host {self.host!r} {problem}")
+        if self.metrics_port and (problem := host_problem(self.metrics_host)) is not None:
+            raise ConfigError(f"metrics host {self.metrics_host!r} {problem}")
         if not 0.5 <= self.heartbeat_timeout_s <= 3600:
             raise ConfigError("heartbeat timeout must be in 0.5..3600 s")
         if not 1 <= self.max_inflight_per_client <= 65536:
@@ -152,8 +158,6 @@ class Config:
         if bool(self.curve_secret_key_file) != bool(self.curve_clients_dir):
             raise ConfigError("CURVE needs both --curve-secret-key-file and "
                               "--curve-clients-dir (see 'lmcache keygen')")
-        if bare_host(self.host) not in ("*", "") and not resolve(self.host):
-            raise ConfigError(f"host {self.host!r} does not resolve to an address")
         if not self.curve_secret_key_file and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host}: clients could map and read any KV "
@@ -167,6 +171,13 @@ class Config:
             try:
                 check_l2_config(self)
             except L2ConfigError as e:
+                raise ConfigError(str(e)) from None
+        if self.disk_dir or self.disk_size_gb:
+            from lmc_server.l2.disk_config import DiskConfigError, check_disk_config
+
+            try:
+                check_disk_config(self)
+            except DiskConfigError as e:
                 raise ConfigError(str(e)) from None
         if self.backend == "null" or not self.memory_check:
             return  # the null engine allocates no pool memory (trace replays only)
@@ -202,10 +213,14 @@ class Config:
 
 
 CONFIG_KEYS = frozenset(f.name for f in fields(Config))
+#: Settings whose flag is not named like their field: the TOML file takes the flag's name
+#: (``l2 = "redis://..."``, as ``--l2``) and the field's (``l2_url``, kept as an alias).
+FLAG_NAMES = {"l2": "l2_url"}
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file; keys are field names (``-`` or ``_``), unknown refused.
+    """Read a TOML config file; keys are flag or field names (``-`` or ``_``), unknown
+    refused, a setting named twice (``l2`` and ``l2_url``) refused.
 
     The file may hold the settings at top level or under a ``[server]`` table; a
     ``[client]`` table beside it (settings of ``lmcache ping`` and ``lmcache stats``, see
@@ -226,9 +241,13 @@ def load_toml(path: str) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name == "client" and isinstance(value, dict):
             continue  # the client commands' table (load_client_toml)
+        name = FLAG_NAMES.get(name, name)
         if name not in CONFIG_KEYS:
             raise ConfigError(f"config file {path}: unknown setting {key!r}; known: "
-                              f"{', '.join(sorted(CONFIG_KEYS))}")
+                              f"{', '.join(sorted(CONFIG_KEYS | set(FLAG_NAMES)))}")
+        if name in out:
+            raise ConfigError(f"config file {path}: {key!r} names a setting given "
+                              f"already (as {name!r} or its flag's name)")
         out[name] = value
     return out
 

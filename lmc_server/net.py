@@ -12,11 +12,17 @@ whose addresses are. ``::``, ``0.0.0.0``, ``*`` and any other address are not.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
 
 Resolver = Callable[..., list[tuple[Any, ...]]]
+
+#: One label of a host name (RFC 1123): letters, digits and inner hyphens.
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+#: Longest host name (RFC 1035).
+MAX_NAME_CHARS = 253
 
 
 def bare_host(host: str) -> str:
@@ -36,6 +42,37 @@ def tcp_endpoint(host: str, port: int) -> str:
     """``tcp://HOST:PORT`` with IPv6 literals bracketed (``tcp://[::1]:5555``)."""
     h = bare_host(host)
     return f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}"
+
+
+def host_problem(host: str, bind: bool = False,
+                 resolver: Resolver = socket.getaddrinfo) -> str | None:
+    """Why ``host`` cannot be connected to (or, with ``bind``, listened on), or None.
+
+    Accepted: IPv4 and IPv6 literals (IPv6 with or without brackets) and host names of
+    RFC 1123 labels that resolve; with ``bind``, also ``*`` (every address). The
+    message ends a sentence starting with the host, e.g. ``host 'a b' is not ...``, so
+    a mistake is a one-line refusal instead of an error deep in zmq or the resolver.
+    """
+    h = host.strip()
+    if bind and h == "*":
+        return None
+    if not h:
+        return "is empty"
+    inner = bare_host(h)
+    if h.startswith("[") != h.endswith("]") or (inner != h and not is_ipv6_literal(inner)):
+        return "is not an address: brackets hold an IPv6 address, as in [::1]"
+    try:
+        ipaddress.ip_address(inner)
+        return None
+    except ValueError:
+        pass
+    name = inner[:-1] if inner.endswith(".") else inner
+    if len(name) > MAX_NAME_CHARS or not all(_LABEL.fullmatch(x) for x in name.split(".")):
+        return ("is not an address: use an IPv4 address, an IPv6 address (::1 or [::1]) "
+                "or a host name")
+    if not resolve(name, resolver):
+        return "does not resolve to an address"
+    return None
 
 
 def resolve(host: str, resolver: Resolver = socket.getaddrinfo) -> list[str]:

@@ -2,7 +2,7 @@
 # The performance measurements of docs/benchmarks.md ("H200 GPU machine") in one go.
 #
 # Usage (repository root, project importable, e.g. PYTHONPATH=$PWD, on a GPU machine):
-#   bash scripts/gpu-perf.sh [throughput|ranks|latency|l2|all]   (default: all)
+#   bash scripts/gpu-perf.sh [throughput|ranks|dp|latency|l2|all]   (default: all)
 # Writes under $OUT (the device tool's output folder) or ./.bench/gpu-perf:
 #   throughput.json / throughput-pipeline64.json   bench throughput, stores whole (the
 #                                              default) and in 64 MiB sub-batches
@@ -10,6 +10,8 @@
 #                    run (when py-spy is installed; 250 Hz, non-blocking)
 #   ranks-1gpu.json  bench ranks, 8 ranks on GPU 0 (TP load and mixed phases)
 #   ranks-all.json   bench ranks, 8 ranks round-robin over every visible GPU
+#   ranks-dp-1gpu.json / .png   bench ranks --mode dp, 8 independent engines on GPU 0
+#   ranks-dp-all.json / .png    the same, engines round-robin over every visible GPU
 #   latency.json     bench latency (control path vs a pyzmq echo)
 #   l2.json          bench l2 (the L2 tier vs redis-py on the same bytes; needs
 #                    redis-server on PATH, e.g. carried: scripts/carry-redis.sh)
@@ -49,6 +51,13 @@ if [ "$what" = all ] || [ "$what" = ranks ]; then
       --tp-s 5 --tp-chunks 64 --raw-s 0.5)
   CUDA_VISIBLE_DEVICES=0 bench "${rk[@]}" --json "$out/ranks-1gpu.json" || status=1
   bench "${rk[@]}" --json "$out/ranks-all.json" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = dp ]; then
+  dp=(ranks --mode dp --backend cuda --ranks 8 --chunks 256 --batch 64 --duration-s 10
+      --no-kill-one --raw-s 0.5 --l1-size-gb 32)
+  CUDA_VISIBLE_DEVICES=0 bench "${dp[@]}" --json "$out/ranks-dp-1gpu.json" \
+    --plot "$out/ranks-dp-1gpu.png" || status=1
+  bench "${dp[@]}" --json "$out/ranks-dp-all.json" --plot "$out/ranks-dp-all.png" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = latency ]; then
   bench latency --duration-s 1 --no-progress --json "$out/latency.json" || status=1

@@ -33,12 +33,11 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     geo = dsv41_flash(arch=args.get("arch", "sm90"), num_blocks=args.get("num_blocks", 32),
                       layers=args.get("layers", 44))
-    with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo) as kv:
+    with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo, keep_names=False) as kv:
         kv.fill_random(args["seed"])
         reg = c.register(**kv.register_kwargs(
             world_size=args.get("world_size", 1), rank=args.get("rank", 0),
             replicated=args.get("replicated", False)))
-        kv.unlink()  # the server has mapped it; nothing is left in /dev/shm if killed
         n = args["chunks"]
         ids = block_ids_for(reg, n, np.random.default_rng(args["block_seed"]))
         if args.get("loop"):

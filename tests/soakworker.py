@@ -26,12 +26,11 @@ def main() -> None:
     rng = np.random.default_rng(seed)
     geo = dsv41_flash(num_blocks=64, layers=8)
     ops = mismatches = errors = 0
-    with Client(endpoint, timeout_s=20) as c, ShmKV(geo) as src, ShmKV(geo) as dst:
+    with Client(endpoint, timeout_s=20) as c, ShmKV(geo, keep_names=False) as src, \
+            ShmKV(geo, keep_names=False) as dst:
         src.fill_random(1234)  # every worker holds the same bytes for the same prefix
         reg = c.register(**src.register_kwargs(replicated=True, world_size=2))
         dreg = c.register(**dst.register_kwargs(replicated=True, world_size=2, rank=1))
-        src.unlink()
-        dst.unlink()
         print("ready", flush=True)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:

@@ -5,6 +5,11 @@ every byte every rank retrieved matched, the replicated chunks cost one copy of 
 surviving ranks saw no error and the killed rank's registration and mappings were
 released. The byte checker the benchmark relies on is tested on its own first, so a
 benchmark that compared nothing could not pass.
+
+The DP mode (independent engines, world size 1 each) gets the same: its tagged byte
+checker on its own (a prompt's bytes differ from every other prompt's stored from the
+same slots), then a small run (3 engines, one killed) whose engines must share one
+namespace, load chunks other engines stored and find every byte of every load right.
 """
 
 from __future__ import annotations
@@ -19,29 +24,40 @@ from click.testing import CliRunner
 
 from lmc_server.bench.cli import bench
 from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks_config import REGION_A, REGION_B, blocks_needed
+from lmc_server.bench.ranks_config import REGION_A, REGION_B, TAG_BYTES, blocks_needed
 from lmc_server.bench.ranks_kv import RankKV
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _rank_kv(chunks: int) -> RankKV:
+    geometry = GeometryArgs(layers=2)
+    return RankKV({"rank": 0, "ranks": 1, "chunks": chunks, "batch": 2, "seed": 3,
+                   "backend": "cpu", "geometry": asdict(geometry),
+                   "num_blocks": blocks_needed(geometry.build(1), chunks, 256),
+                   "chunk_size": 256})
+
+
+def _copy_a_to_b(w: RankKV, src: np.ndarray, dst: np.ndarray) -> None:
+    """What a retrieve of every section does: A[src] into B[dst], page by page."""
+    for g in w.kv.geometry.groups:
+        if not g.cached:
+            continue
+        a = w.slots.blocks(g.name, REGION_A, src)
+        b = w.slots.blocks(g.name, REGION_B, dst)
+        for layer in range(len(g.layers)):
+            for x, y in zip(a, b, strict=True):
+                w.kv.page(g.name, layer, int(y))[:] = w.kv.page(g.name, layer, int(x))
 
 
 def test_byte_checker_sees_unwritten_and_wrong_blocks() -> None:
     chunks = 4
-    geometry = GeometryArgs(layers=2)
-    cfg = {"rank": 0, "ranks": 1, "chunks": chunks, "batch": 2, "seed": 3,
-           "backend": "cpu", "geometry": asdict(geometry),
-           "num_blocks": blocks_needed(geometry.build(1), chunks, 256), "chunk_size": 256}
-    w = RankKV(cfg)
+    w = _rank_kv(chunks)
     try:
         src, dst = np.arange(chunks), (np.arange(chunks) + 1) % chunks
         bad, checked = w.mismatch(src, dst, one_request=False)
         assert checked == chunks * w.layout.chunk_bytes and bad > checked // 2
-        for g in w.kv.geometry.groups:  # copy A[src] into B[dst] by hand, page by page
-            if not g.cached:
-                continue
-            a = w.slots.blocks(g.name, REGION_A, src)
-            b = w.slots.blocks(g.name, REGION_B, dst)
-            for layer in range(len(g.layers)):
-                for x, y in zip(a, b, strict=True):
-                    w.kv.page(g.name, layer, int(y))[:] = w.kv.page(g.name, layer, int(x))
+        _copy_a_to_b(w, src, dst)
         assert w.mismatch(src, dst, one_request=False) == (0, checked)
         w.kv.page("compressed", 0, int(w.slots.blocks("compressed", REGION_B, dst)[5]))[7] ^= 1
         assert w.mismatch(src, dst, one_request=False) == (1, checked)
@@ -52,14 +68,77 @@ def test_byte_checker_sees_unwritten_and_wrong_blocks() -> None:
         w.kv.close()
 
 
+def test_tagged_checker_tells_prompts_from_the_same_slots_apart() -> None:
+    chunks = 4
+    w = _rank_kv(chunks)
+    try:
+        src, dst = np.arange(chunks), np.arange(chunks)
+        w.tag(src, prompt=7)  # what a DP engine does before storing prompt 7
+        _copy_a_to_b(w, src, dst)  # ... and what a retrieve of it writes
+        bad, checked = w.mismatch(src, dst, one_request=False, prompt=7)
+        assert bad == 0 and checked == chunks * w.layout.chunk_bytes
+        pages = sum(len(g.layers) * w.slots.bpc[g.name] * chunks
+                    for g in w.kv.geometry.groups if g.cached)
+        # prompt 15 is stored from the same slots: only its tags tell it apart
+        bad, _ = w.mismatch(src, dst, one_request=False, prompt=15)
+        assert 0 < bad <= pages * TAG_BYTES
+        w.tag(src[:1], prompt=15)  # the slots now hold prompt 15's first chunk ...
+        assert w.mismatch(src, dst, one_request=False, prompt=7) == (0, checked)
+        w.poison(dst[:2], one_request=False)  # ... B keeps 7's; a poisoned B fails
+        bad, _ = w.mismatch(src, dst, one_request=False, prompt=7)
+        assert bad > w.layout.chunk_bytes
+    finally:
+        w.kv.close()
+
+
+def test_ranks_dp_cpu_smoke(tmp_path: Path) -> None:
+    out, png = tmp_path / "dp.json", tmp_path / "dp.png"
+    res = CliRunner().invoke(bench, [
+        "ranks", "--mode", "dp", "--ranks", "3", "--chunks", "8", "--batch", "4",
+        "--duration-s", "3", "--layers", "2", "--raw-s", "0.1", "--l1-size-gb", "1",
+        "--json", str(out), "--plot", str(png)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == PNG
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "ranks" and r["config"]["mode"] == "dp"
+    assert "world=1;rank=replicated" in r["config"]["namespace"]  # one, for every engine
+    s = r["summary"]
+    assert s["ok"] and all(s["checks"].values()), s["checks"]
+    dp = s["dp"]
+    assert dp["engines"] == 3 and dp["engines_reporting"] == 2 and dp["prompt_chunks"] == 4
+    assert dp["cross_engine_chunks"] > 0 and dp["mismatched_bytes"] == 0
+    assert dp["verified_loads"] == dp["loads"] > 0 and dp["checked_bytes"] > 0
+    assert dp["failed_chunks"] == 0 and dp["errors"] == 0
+    assert dp["store_gbps"] > 0 and dp["load_gbps"] > 0 and dp["load_ratio"] > 0
+    assert len(dp["load_gbps_per_engine"]) == 2 and min(dp["load_gbps_per_engine"]) > 0
+    assert dp["store_bytes"] <= dp["server_stored_bytes"]  # the killed engine's too
+    rows = {row["engine"]: row for row in r["rows"]}
+    assert {e: row["alive"] for e, row in rows.items()} == {0: True, 1: True, 2: False}
+    assert sum(rows[e]["cross_engine_chunks"] for e in (0, 1)) == dp["cross_engine_chunks"]
+    assert s["phase3"]["victim_rank"] == 2 and s["phase3"]["detected_s"] is not None
+    assert s["registrations_at_end"] == 0
+    pids = {f"lmc-{row['pid']}-" for row in r["rows"]}
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(tuple(pids))]
+
+
+def test_ranks_dp_refuses_a_region_too_small_for_two_prompts() -> None:
+    res = CliRunner().invoke(bench, ["ranks", "--mode", "dp", "--chunks", "7",
+                                     "--batch", "4", "--layers", "2"])
+    assert res.exit_code == 2
+    assert "--chunks 7" in res.output and "twice --batch (8)" in res.output
+
+
 def test_ranks_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
     res = CliRunner().invoke(bench, [
         "ranks", "--ranks", "4", "--chunks", "8", "--duration-s", "3", "--layers", "2",
         "--batch", "4", "--verify-every", "1", "--raw-s", "0.1", "--l1-size-gb", "1",
-        "--tp-s", "0.5", "--tp-chunks", "6", "--json", str(out)], catch_exceptions=False)
+        "--tp-s", "0.5", "--tp-chunks", "6", "--json", str(out),
+        "--plot", str(tmp_path / "ranks.png")], catch_exceptions=False)
     assert res.exit_code == 0, res.output
+    assert (tmp_path / "ranks.png").read_bytes()[:8] == PNG
     r = json.loads(out.read_text())
+    assert r["config"]["mode"] == "tp" and "world=4;rank=replicated" in r["config"]["namespace"]
     s = r["summary"]
     assert s["ok"] and all(s["checks"].values()), s["checks"]
     chunk = r["config"]["chunk_bytes"]

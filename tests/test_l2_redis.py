@@ -152,6 +152,27 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
             wb.close()
 
 
+def test_several_connections_split_batches_and_keep_every_byte(redis_proc: RedisProcess
+                                                                ) -> None:
+    n = 12  # more objects than connections, not a multiple of them
+    digests = chunk_digests(tokens(2, n), CHUNK)
+    with l2_server(redis_proc.url, "--l2-connections", "3") as a, \
+            l2_server(redis_proc.url, "--l2-connections", "5") as b:
+        wa = Worker(a.endpoint, seed=13, num_blocks=8 * n)
+        wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
+        try:
+            wait_for(lambda: l2_stats(wb.client).state == "up", "B connected to L2")
+            ids = wa.store(digests, block_seed=4)
+            objects = sum(int(s.size) for s in
+                          wa.client.store(wa.reg, digests, ids).statuses.values())
+            wait_written(wa.client, objects)
+            retrieve_exact(wb, wa, ids, digests, n)
+            assert l2_stats(wb.client).hits == objects and not l2_stats(wb.client).invalid
+        finally:
+            wa.close()
+            wb.close()
+
+
 def test_prefix_l2_does_not_have_is_not_polled_forever(redis_proc: RedisProcess) -> None:
     with l2_server(redis_proc.url) as a:
         w = Worker(a.endpoint, seed=3)

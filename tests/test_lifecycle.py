@@ -34,7 +34,7 @@ from lmc_server.protocol.codec import encode
 from lmc_server.server.liveness import HEALTH_STALL_S
 from lmc_server.server.notify import Notifier
 from lmc_server.server.server import Server
-from lmc_server.testing.engines import HoldingEngine
+from lmc_server.testing.engines import BackloggedEngine, HoldingEngine
 from lmc_server.testing.inprocess import FakeClock, ThreadServer, run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
@@ -215,6 +215,72 @@ def test_past_the_drain_timeout_stores_are_answered_at_once_retrieves_when_copie
         assert kv.pages("full", list(range(16))) == kv.pages("full", list(range(16, 32)))
     assert ("drain timeout: 1 stores answered shutting_down, waiting for 1 retrieves"
             in caplog.text)
+
+
+def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
+    """Issue 23, item 6. A store whose chunk another store is writing waits for that
+    writer to settle (``server/settle.py``, up to 10 s); past the drain timeout it stops
+    waiting, so the drain waits for running copies only, never for the drain timeout
+    plus the settle timeout. Here the writer's copy is held: the waiting store's task
+    ends at the timeout while the copy is still held."""
+    engine = HoldingEngine()
+    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
+            Client(ts.endpoint) as writer, Client(ts.endpoint) as waiter:
+        kv.fill_random(7)
+        reg_w = writer.register(**kv.register_kwargs())
+        reg_b = waiter.register(**kv.register_kwargs())  # same namespace, same keys
+        ts.server.handlers.commits.timeout_s = 60.0  # longer than this test waits below
+        digests = chunk_digests(np.arange(CHUNK), CHUNK)
+        try:
+            send_store(writer, reg_w, 300, digests, block_ids_for(reg_w, 1))
+            engine.wait_held()  # its key is WRITING, its copy held
+            send_store(waiter, reg_b, 301, digests, block_ids_for(reg_b, 1))
+            waiter.send_raw([encode(m.Ping(req_id=302))])
+            reply = waiter.recv_reply(10)  # handled after the store: that one is waiting
+            assert isinstance(reply, m.Pong) and reply.req_id == 302, reply
+            assert len(ts.server.dispatch.tasks) == 2
+            ts.request_exit()
+            for c, req_id in ((writer, 300), (waiter, 301)):
+                reply = c.recv_reply(10)
+                assert isinstance(reply, m.Error) and reply.req_id == req_id, reply
+                assert reply.code == "shutting_down"
+            deadline = time.monotonic() + 10
+            while len(ts.server.dispatch.tasks) > 1:  # the waiting store's task ends
+                assert time.monotonic() < deadline, "a store still waits past the timeout"
+                time.sleep(0.01)
+            assert engine.submissions == 1  # the copy is still held
+        finally:
+            assert engine.release() == 1
+        ts.stop()
+        assert ts.exit_code == 0
+
+
+def test_past_the_drain_timeout_queued_copies_are_not_started(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 23, item 6. Copies queued in the engine behind others (a loaded server) are
+    not started once the drain timed out, so the drain ends with the copies already
+    running instead of the whole backlog: the store waiting for a copy thread is
+    answered ``shutting_down`` and its copy never runs (nothing of it is committed)."""
+    engine = BackloggedEngine()
+    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
+            Client(ts.endpoint) as c:
+        kv.fill_random(8)
+        reg = c.register(**kv.register_kwargs())
+        try:  # two chunks: 2 MiB, more than is copied inline on the loop
+            send_store(c, reg, 400, chunk_digests(np.arange(2 * CHUNK), CHUNK),
+                       block_ids_for(reg, 2))
+            engine.wait_submitted()  # queued behind the busy copy thread
+            ts.request_exit()
+            reply = c.recv_reply(10)
+            assert isinstance(reply, m.Error) and reply.req_id == 400, reply
+            assert reply.code == "shutting_down"
+        finally:
+            engine.release()
+        ts.stop()
+        assert ts.exit_code == 0
+        counters = ts.server.index.stats
+        assert counters.stored_objects == 0, "the queued copy ran and was committed"
+    assert "copy not started: the server is shutting down" in caplog.text
 
 
 # -- health and systemd, in process -------------------------------------------------------

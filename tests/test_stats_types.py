@@ -84,7 +84,7 @@ def test_every_l1_counter_is_exported_and_reported_from_its_own_field() -> None:
 def fake_tier(stats: L2Stats) -> Any:
     """What the L2 collector and the report read of a tier (a real one needs Redis)."""
     return SimpleNamespace(
-        stats=stats, up=True, state_reason="connected", display_url="redis://127.0.0.1:1",
+        stats=stats, kind="l2", label="L2", up=True, state_reason="connected", display_url="redis://127.0.0.1:1",
         backend=SimpleNamespace(name="redis"), clock=lambda: 12.5, state_since_s=10.0,
         writer=SimpleNamespace(depth=4, max_objects=64, in_flight=2))
 
@@ -140,7 +140,7 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
     stats = wire["stats"]
     assert set(stats) == {"version", "backend", "chunk_size", "separate_object_groups",
                           "eviction_policy", "uptime_s", "l1", "partitions", "sessions",
-                          "registrations", "leases", "counters", "phases", "l2",
+                          "registrations", "leases", "counters", "phases", "l2", "disk",
                           "kv_events"}
     assert set(stats["l1"]) == {"capacity_bytes", "ready_bytes", "slab_bytes", "slabs",
                                 "ready_slabs", "free_slabs", "used_bytes", "objects"}

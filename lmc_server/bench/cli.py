@@ -7,6 +7,7 @@ measuring lives in the benchmark modules.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -53,7 +54,7 @@ def bench() -> None:
               help="Server pool size (must hold three of the largest batches).")
 @click.option("--separate-object-groups/--no-separate-object-groups", "separate",
               default=True, help="Server object-group layout.")
-@click.option("--cuda-copy-mode", "copy_modes", default="staging,mapped",
+@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
               help="cuda only: copy modes to measure, comma-separated (one server each).")
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
@@ -81,7 +82,7 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
     from lmc_server.bench import throughput as tp
 
     modes = tuple(m.strip() for m in copy_modes.split(",") if m.strip())
-    bad = set(modes) - {"staging", "mapped"}
+    bad = {m.partition(":")[0] for m in modes} - {"auto", "staging", "mapped", "dma"}
     if bad:
         raise click.BadParameter(f"unknown copy modes {sorted(bad)}",
                                  param_hint="--cuda-copy-mode")
@@ -176,25 +177,33 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
 
 
 @bench.command()
+@click.option("--mode", type=click.Choice(["tp", "dp"]), default="tp",
+              help="tp: the tensor-parallel ranks of one engine (replicated KV; phases 1-3 "
+              "and the TP phases). dp: independent data-parallel engines, each rank 0 of "
+              "world size 1 (one namespace), storing their own prompts and loading "
+              "prefixes any engine stored, at their own pace (the DP phase, phase 3).")
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
               help="Transfer engine of the server; cuda: ranks round-robin over the GPUs.")
 @click.option("--ranks", type=click.IntRange(1, 256), default=8,
-              help="Worker processes, one registration each (tensor-parallel ranks).")
+              help="Worker processes, one registration each (TP ranks, or DP engines).")
 @click.option("--chunks", type=click.IntRange(1), default=1000,
               help="Chunks rank 0 stores in phase 1 (and slots of each KV region).")
 @click.option("--duration-s", type=click.FloatRange(min=0.1), default=60.0,
-              help="Seconds of concurrent store/retrieve on every rank (phase 2).")
+              help="Seconds of concurrent store/retrieve on every rank (phase 2; the DP "
+              "phase with --mode dp).")
 @click.option("--kill-one/--no-kill-one", default=True,
-              help="SIGKILL the last rank halfway through phase 2 (phase 3).")
+              help="SIGKILL the last rank halfway through phase 2 or the DP phase (phase 3).")
 @geometry_options
 @click.option("--num-blocks", type=click.IntRange(1), default=None,
               help="Blocks per KV group [default: the least two regions of --chunks need].")
 @click.option("--batch", type=click.IntRange(1), default=16,
-              help="Chunks per request in phase 1 stores and phase 2.")
+              help="Chunks per request in phase 1 stores and phase 2; with --mode dp, "
+              "chunks per prompt (each store, and the longest load).")
 @click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=None,
               help="Server pool [default: twice the phase-1 bytes plus 1 GiB].")
 @click.option("--verify-every", type=click.IntRange(1), default=8,
-              help="Phase 2: compare every n-th successful retrieve byte for byte.")
+              help="Phase 2: compare every n-th successful retrieve byte for byte (DP "
+              "mode compares every load).")
 @click.option("--raw-s", type=click.FloatRange(min=0.01), default=1.0,
               help="Seconds of each raw-copy baseline direction.")
 @click.option("--tp-modes", default="load,mixed", show_default=True,
@@ -208,16 +217,21 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
               help="Requests each rank keeps in flight in the TP phases.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
-def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bool,
-          num_blocks: int | None, batch: int, l1_size_gb: float | None, verify_every: int,
-          raw_s: float, json_path: str | None, tp_modes: str, tp_s: float,
-          tp_chunks: int | None, tp_inflight: int, **geometry: Any) -> None:
-    """Tensor-parallel ranks with replicated KV on one server: bytes, GB/s, a dead rank."""
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Write a PNG plot here (GB/s per rank or engine).")
+def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
+          kill_one: bool, num_blocks: int | None, batch: int, l1_size_gb: float | None,
+          verify_every: int, raw_s: float, json_path: str | None, plot_path: str | None,
+          tp_modes: str, tp_s: float, tp_chunks: int | None, tp_inflight: int,
+          **geometry: Any) -> None:
+    """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
+    a dead rank."""
     from lmc_server.bench import ranks as rk
     from lmc_server.bench.ranks_config import RanksConfig
     from lmc_server.bench.ranks_table import table
 
-    cfg = RanksConfig(backend=backend, ranks=ranks, chunks=chunks, duration_s=duration_s,
+    cfg = RanksConfig(mode=mode, backend=backend, ranks=ranks, chunks=chunks,
+                      duration_s=duration_s,
                       kill_one=kill_one, geometry=GeometryArgs.pop(geometry),
                       num_blocks=num_blocks, batch=min(batch, chunks),
                       l1_size_gb=l1_size_gb, verify_every=verify_every, raw_s=raw_s,
@@ -228,6 +242,10 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     emit(report, table(report), json_path)
+    if plot_path:
+        from lmc_server.bench.ranks_plot import plot
+
+        plot(report, plot_path)
     if not report.summary["ok"]:
         raise SystemExit(1)
 
@@ -244,10 +262,19 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
               help="Pool of each of the two servers.")
 @click.option("--redis-url", default="", help="An existing Redis/Valkey to use "
               "[default: start a redis-server on a free loopback port].")
+@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
+              help="The servers' --l2-connections.")
+@click.option("--disk-dir", default="", help="Instead: the disk tier on this directory "
+              "(two servers sharing it) vs plain os.pwrite/os.preadv there, and a restart.")
+@click.option("--restart-gb", type=click.FloatRange(min=0), default=2.0,
+              help="--disk-dir: fill the directory to this much before the restart run.")
 @click.option("--replay", "trace_path", type=click.Path(exists=True, dir_okay=False),
               default=None, help="Instead: replay this trace (as 'bench replay') with L1 "
               "alone and with L1 + L2; token hit ratio per tier. Uses a 2-layer geometry "
               "unless --layers is given.")
+@click.option("--replay-tier", type=click.Choice(["l2", "disk"]), default="l2",
+              help="--replay: the lower tier, Redis (l2) or the disk tier on a temporary "
+              "directory (disk: adds the model of the three disk write policies).")
 @click.option("--limit", type=click.IntRange(1), default=1000,
               help="--replay: the first N requests of the trace.")
 @click.option("--l1-fraction", type=click.FloatRange(min=0, min_open=True), default=0.05,
@@ -258,7 +285,9 @@ def ranks(backend: str, ranks: int, chunks: int, duration_s: float, kill_one: bo
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report as JSON here.")
 def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
-       l1_size_gb: float, redis_url: str, trace_path: str | None, limit: int,
+       l1_size_gb: float, redis_url: str, l2_connections: int, disk_dir: str,
+       restart_gb: float,
+       trace_path: str | None, replay_tier: str, limit: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
@@ -273,12 +302,83 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
             geo = GeometryArgs(**{**geo.__dict__, "layers": 2, "sliding_groups": 1})
         rep = l2replay.run(l2replay.L2ReplayConfig(
             trace=trace_path, limit=limit, l1_fraction=l1_fraction,
-            l2_fraction=l2_fraction, geometry=geo))
+            l2_fraction=l2_fraction, geometry=geo, disk=replay_tier == "disk"))
         emit(rep, l2replay.table(rep), json_path)
+        return
+    if disk_dir:
+        from lmc_server.bench import l2disk
+
+        report = l2disk.run(l2disk.DiskBenchConfig(
+            disk_dir=os.path.abspath(disk_dir), chunks=chunks, rounds=rounds,
+            latency_chunks=latency_chunks, repeats=repeats, restart_gb=restart_gb,
+            geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb))
+        emit(report, l2disk.table(report), json_path)
+        if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
+            raise SystemExit(1)
         return
     report = l2b.run(l2b.L2BenchConfig(
         chunks=chunks, rounds=rounds, latency_chunks=latency_chunks, repeats=repeats,
-        geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb, redis_url=redis_url))
+        geometry=GeometryArgs.pop(geometry), l1_size_gb=l1_size_gb, redis_url=redis_url,
+        l2_connections=l2_connections))
     emit(report, l2b.table(report), json_path)
     if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
+        raise SystemExit(1)
+
+
+def _names(allowed: tuple[str, ...], flag: str) -> Any:
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+        out = tuple(x.strip() for x in value.split(",") if x.strip())
+        bad = [x for x in out if x.partition(":")[0] not in allowed]
+        if not out or bad:
+            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
+                                     param_hint=flag)
+        return out
+    return parse
+
+
+@bench.command()
+@click.option("--engines", default="gemm,hbm", callback=_names(("gemm", "hbm", "decode"),
+                                                            "--engines"),
+              help="Engine workloads beside the server: gemm (bf16 8192^3 matmuls), hbm "
+                   "(1 GiB device copies), decode (a CUDA graph of small kernels).")
+@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
+              callback=_names(("auto", "staging", "mapped", "dma"), "--cuda-copy-mode"),
+              help="Server copy modes, comma-separated (one server each); staging:N also "
+                   "sets --cuda-staging-mb N.")
+@click.option("--ops", default="store,retrieve,both", callback=_names(
+    ("store", "retrieve", "both"), "--ops"),
+              help="Server loops: store, retrieve (lookup + retrieve + release), both.")
+@click.option("--chunks", default="64", callback=_ints, help="Chunks per request.")
+@click.option("--inflight", default="1,2", callback=_ints,
+              help="Requests of each kind kept in flight, comma-separated.")
+@click.option("--seconds", type=click.FloatRange(min=0.2), default=1.5,
+              help="Length of each measured window.")
+@click.option("--own-copy/--no-own-copy", default=True,
+              help="Also measure the engine's own side-stream copy of the same bytes.")
+@geometry_options
+@click.option("--l1-size-gb", type=click.FloatRange(min=0.5), default=4.0,
+              help="Server pool size.")
+@click.option("--block-order", type=click.Choice(["consecutive", "random"]),
+              default="consecutive",
+              help="Block ids of a request: consecutive (a fresh engine) or a random "
+                   "permutation (an engine's block pool after churn).")
+@click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
+@_output_options
+def interference(engines: tuple[str, ...], copy_modes: tuple[str, ...], ops: tuple[str, ...],
+                 chunks: tuple[int, ...], inflight: tuple[int, ...], seconds: float,
+                 own_copy: bool, l1_size_gb: float, block_order: str, device: int,
+                 json_path: str | None,
+                 plot_path: str | None, no_progress: bool, **geometry: Any) -> None:
+    """The server's GB/s and the engine's loss with an engine computing on the same GPU."""
+    from lmc_server.bench import interference as itf
+
+    report = itf.run(itf.InterferenceConfig(
+        engines=engines, copy_modes=copy_modes, ops=ops, chunks=chunks, inflight=inflight,
+        seconds=seconds, own_copy=own_copy, geometry=GeometryArgs.pop(geometry),
+        l1_size_gb=l1_size_gb, block_order=block_order, device=device,
+        show_progress=not no_progress))
+    emit(report, itf.table(report), json_path)
+    if plot_path:
+        itf.plot(report, plot_path)
+    if report.summary["mismatched_bytes"] or report.summary["failed_chunks"]:
         raise SystemExit(1)

@@ -49,6 +49,10 @@ def geometry_options(f: F) -> F:
                      help="Sliding window in tokens."),
         click.option("--stride-pad", type=click.IntRange(0, 1 << 20), default=0,
                      help="Extra bytes between blocks (engines may pad strides)."),
+        click.option("--placement", type=click.Choice(["block", "layer"]), default="block",
+                     help="Where the KV pages sit: block (every layer of a block side by "
+                          "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
+                          "layer)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -65,23 +69,25 @@ class GeometryArgs:
     kv_source_every: int = 2
     window_tokens: int = 128
     stride_pad: int = 0
+    placement: str = "block"
 
     @classmethod
     def pop(cls, kwargs: dict[str, Any]) -> GeometryArgs:
         return cls(**{k: kwargs.pop(k) for k in ("arch", "layers", "sliding_groups",
                                                    "kv_source_every", "window_tokens",
-                                                   "stride_pad")})
+                                                   "stride_pad", "placement")})
 
     def build(self, num_blocks: int) -> KVGeometry:
         return dsv41_flash(arch=self.arch, num_blocks=num_blocks, layers=self.layers,
                            sliding_groups=self.sliding_groups,
                            kv_source_every=self.kv_source_every,
-                           window_tokens=self.window_tokens, stride_pad=self.stride_pad)
+                           window_tokens=self.window_tokens, stride_pad=self.stride_pad,
+                           placement=self.placement)
 
     def describe(self) -> str:
         return (f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
                 f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
-                f"kv source every {self.kv_source_every}")
+                f"kv source every {self.kv_source_every}, {self.placement}-outermost pages")
 
 
 def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:

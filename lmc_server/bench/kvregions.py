@@ -41,12 +41,27 @@ class Regions:
     chunk_size: int
     max_batch: int
     layout: RegistrationLayout
+    #: ``consecutive``: a region's blocks in order, as a fresh engine hands them out;
+    #: ``random``: a fixed random permutation of each region's blocks, as an engine's
+    #: block pool hands them out after much churn (no two pages of a chunk adjacent).
+    block_order: str = "consecutive"
 
     @classmethod
     def build(cls, geometry: KVGeometry, chunk_size: int, max_batch: int,
-              separate: bool) -> Regions:
+              separate: bool, block_order: str = "consecutive") -> Regions:
+        if block_order not in ("consecutive", "random"):
+            raise ValueError(f"block order {block_order!r}: expected consecutive or random")
         return cls(geometry, chunk_size, max_batch,
-                   build_layout(geometry.groups, chunk_size, separate))
+                   build_layout(geometry.groups, chunk_size, separate), block_order)
+
+    def _order(self, g: GroupSpec, region: int) -> np.ndarray:
+        """Block ids of ``region`` in the order chunks use them."""
+        n = self.max_batch * self.bpc(g)
+        first = region * n
+        if self.block_order == "consecutive":
+            return np.arange(first, first + n, dtype=np.int32)
+        seed = sum(ord(ch) for ch in g.name) * 7 + region
+        return (first + np.random.default_rng(seed).permutation(n)).astype(np.int32)
 
     def _group(self, name: str) -> GroupSpec:
         for g in self.geometry.groups:
@@ -63,8 +78,7 @@ class Regions:
         out = {}
         for g in self.geometry.groups:
             if g.cached:
-                first = region * self.max_batch * self.bpc(g)
-                out[g.name] = np.arange(n_chunks * self.bpc(g), dtype=np.int32) + first
+                out[g.name] = self._order(g, region)[:n_chunks * self.bpc(g)]
         return out
 
     def sections(self) -> list[SectionLayout]:
@@ -84,9 +98,8 @@ class Regions:
 
     def written_blocks(self, sec: SectionLayout, region: int, n_chunks: int) -> list[int]:
         """Block ids in ``region`` that a retrieve of ``n_chunks`` writes for ``sec``."""
-        g = self._group(sec.group_name)
-        first = region * self.max_batch * self.bpc(g)
-        return [first + c * sec.blocks_per_chunk + sec.first_block + j
+        order = self._order(self._group(sec.group_name), region).tolist()
+        return [order[c * sec.blocks_per_chunk + sec.first_block + j]
                 for c in self.retrieved_chunks(sec, n_chunks) for j in range(sec.n_blocks)]
 
     def mismatched_bytes(self, kv: Any, src: int, dst: int, n_chunks: int) -> int:

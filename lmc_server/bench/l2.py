@@ -55,6 +55,7 @@ class L2BenchConfig:
     l1_size_gb: float = 1.0
     redis_url: str = ""
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    l2_connections: int = 1
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -101,7 +102,8 @@ class _Setup:
 
         n = max(cfg.chunks, *cfg.latency_chunks)
         args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups", "--l2", url,
-                "--l2-write-queue-objects", str(8 * n)]
+                "--l2-write-queue-objects", str(8 * n),
+                "--l2-connections", str(cfg.l2_connections)]
         self.a = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         probe = cfg.geometry.build(1)
@@ -170,7 +172,8 @@ def run(cfg: L2BenchConfig) -> Report:
                            "latency_chunks": list(cfg.latency_chunks),
                            "repeats": cfg.repeats, "geometry": cfg.geometry.describe(),
                            "chunk_size": cfg.chunk_size, "l1_size_gb": cfg.l1_size_gb,
-                           "redis": cfg.redis_url or "redis-server started here"})
+                           "redis": cfg.redis_url or "redis-server started here",
+                           "l2_connections": cfg.l2_connections})
     with _redis(cfg.redis_url) as url, ExitStack() as stack:
         s = _Setup(cfg, stack, url)
         n = cfg.chunks

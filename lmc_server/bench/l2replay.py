@@ -15,6 +15,7 @@ to the infinite-cache ratio of the same requests.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 
 from lmc_server.bench.bounds import infinite_hits
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
+from lmc_server.bench.tierpolicy import POLICIES, simulate
 from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
@@ -49,6 +51,9 @@ class L2ReplayConfig:
     geometry: GeometryArgs = GeometryArgs(layers=2, sliding_groups=1)
     slab_size_mb: int = 4
     show_progress: bool = True
+    #: The lower tier is the disk tier (a temporary directory of ``l2_fraction`` of the
+    #: distinct bytes) instead of Redis; adds the write-policy model's rows.
+    disk: bool = False
 
 
 def _drive(endpoint: str, requests: list[TraceRequest], kv: ShmKV, bar: Any
@@ -107,13 +112,22 @@ def run(cfg: L2ReplayConfig) -> Report:
     report.summary["infinite_ratio"] = infinite
     args = ["--chunk-size", str(CHUNK_TOKENS), "--no-separate-object-groups",
             "--slab-size-mb", str(cfg.slab_size_mb), "--eviction-policy", "LRU"]
+    disk_gb = cfg.l2_fraction * distinct * (chunk_bytes + VALUE_OVERHEAD_BYTES) / GIB
+    if cfg.disk:
+        report.config["disk_size_gb"] = disk_gb
     with ShmKV(geometry) as kv, progress(2 * len(requests), "l2 replay",
                                          cfg.show_progress) as bar:
-        for tier in ("L1 only", "L1 + L2"):
+        for tier in ("L1 only", "L1 + disk" if cfg.disk else "L1 + L2"):
+            l2_stats: L2Report | None = None
             if tier == "L1 only":
                 with ServerProcess(args, l1_size_gb=l1_gb) as srv:
                     l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
-                l2_stats: L2Report | None = None
+            elif cfg.disk:
+                with tempfile.TemporaryDirectory(prefix="lmc-replay-disk-") as d, \
+                        ServerProcess([*args, "--disk-dir", d, "--disk-size-gb",
+                                       f"{disk_gb:.6f}"], l1_size_gb=l1_gb) as srv:
+                    l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
+                    l2_stats = stats.disk
             else:
                 with RedisProcess(maxmemory_mb=l2_mb) as rp, \
                         ServerProcess([*args, "--l2", rp.url], l1_size_gb=l1_gb) as srv:
@@ -128,7 +142,13 @@ def run(cfg: L2ReplayConfig) -> Report:
                 "l2_dropped": sum(l2_stats.dropped_writes.values()) if l2_stats else None,
                 "l2_dropped_by_reason": l2_stats.dropped_writes if l2_stats else None,
                 "infinite_ratio": infinite,
-                "l2_invalid": sum(l2_stats.invalid.values()) if l2_stats else None})
+                "l2_invalid": sum(l2_stats.invalid.values()) if l2_stats else None,
+                "written_per_hit": l2_stats.objects_written / max(1, l2) if l2_stats
+                else None})
+    if cfg.disk:
+        _model_rows(report, chunks, n_slabs * (slab_bytes // chunk_bytes),
+                    int(disk_gb * GIB // (chunk_bytes + VALUE_OVERHEAD_BYTES)),
+                    total_tokens, infinite, chunk_bytes)
     report.notes.append(
         f"{len(requests)} requests, {distinct} distinct chunks of {chunk_bytes} B "
         f"({distinct_bytes / MIB:.1f} MiB); L1 {l1_gb * 1024:.1f} MiB "
@@ -137,10 +157,31 @@ def run(cfg: L2ReplayConfig) -> Report:
     return report
 
 
+def _model_rows(report: Report, chunks: list[list[int]], l1_chunks: int, disk_chunks: int,
+                total_tokens: int, infinite: float, chunk_bytes: int) -> None:
+    """The three disk write policies, modelled on the same trace and capacities."""
+    report.config["model_l1_chunks"], report.config["model_disk_chunks"] = \
+        l1_chunks, disk_chunks
+    for policy in POLICIES:
+        r = simulate(chunks, l1_chunks, disk_chunks, policy)
+        report.rows.append({
+            "tier": f"model: disk at {policy}",
+            "l1_hit_ratio": r.l1_hit_chunks * CHUNK_TOKENS / total_tokens,
+            "l2_hit_ratio": r.disk_hit_chunks * CHUNK_TOKENS / total_tokens,
+            "hit_ratio": (r.l1_hit_chunks + r.disk_hit_chunks) * CHUNK_TOKENS / total_tokens,
+            "evictions": None, "l2_written": r.disk_writes, "l2_dropped": None,
+            "l2_dropped_by_reason": None, "infinite_ratio": infinite, "l2_invalid": None,
+            "written_per_hit": r.disk_writes / max(1, r.disk_hit_chunks),
+            "written_bytes": r.disk_writes * chunk_bytes,
+            "l1_kept_on_disk": r.l1_kept_on_disk})
+
+
 def table(report: Report) -> str:
     return format_table(report.rows, [
         ("tier", "tiers", ""), ("l1_hit_ratio", "L1 token hit", ".4f"),
         ("l2_hit_ratio", "L2 token hit", ".4f"), ("hit_ratio", "total", ".4f"),
         ("infinite_ratio", "infinite", ".4f"),
         ("evictions", "L1 evictions", "d"), ("l2_written", "L2 writes", "d"),
-        ("l2_dropped", "L2 dropped", "d"), ("l2_invalid", "L2 invalid", "d")])
+        ("l2_dropped", "L2 dropped", "d"), ("l2_invalid", "L2 invalid", "d"),
+        ("written_per_hit", "writes per lower hit", ".2f"),
+        ("l1_kept_on_disk", "L1 kept on disk", ".2f")])

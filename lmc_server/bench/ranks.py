@@ -40,9 +40,15 @@ Phase 3 (``kill_one``): halfway through phase 2 the last rank gets SIGKILL; the 
 ranks must finish with no error, and within ``KILL_DETECT_S`` the server's
 registrations drop by one (on cpu, its maps of the victim's segments are gone too).
 
+DP mode (``mode="dp"``, :mod:`.ranks_dp`): the processes are independent engines
+instead (world size 1 each, one namespace); after the raw baseline, one DP phase of
+``duration_s`` in which each stores its own prompts and loads prefixes any engine stored,
+at its own pace, every loaded prefix checked byte for byte; phase 3 as above.
+
 Modules: :mod:`.ranks_config` (settings both sides share), :mod:`.ranks_procs` (the rank
-processes), :mod:`.ranks_table` (notes and table), :mod:`.ranks_worker` and
-:mod:`.ranks_kv` (a rank: its commands, its KV and byte checks).
+processes), :mod:`.ranks_table` (notes and table), :mod:`.ranks_plot` (the picture),
+:mod:`.ranks_worker`, :mod:`.ranks_dp_worker` and :mod:`.ranks_kv` (a rank: its commands,
+a DP engine's loops, its KV and byte checks).
 """
 
 from __future__ import annotations
@@ -56,12 +62,14 @@ from lmc_server.bench.common import Report
 from lmc_server.bench.ranks_config import (
     KILL_DETECT_S,
     MAX_ERRORS_KEPT,
+    MODES,
     POOL_READY_TIMEOUT_S,
     RAW_MIN_BYTES,
     RanksConfig,
     auto_l1_size_gb,
     blocks_needed,
 )
+from lmc_server.bench.ranks_dp import dp_phase
 from lmc_server.bench.ranks_procs import RankProcess, gather, maps_hold, union_bits
 from lmc_server.bench.ranks_table import notes
 from lmc_server.cache.layout import build_layout
@@ -85,7 +93,8 @@ class _Run:
 
     def start_ranks(self, num_blocks: int) -> None:
         cfg = self.cfg
-        base = {"endpoint": self.srv.endpoint, "backend": cfg.backend, "ranks": cfg.ranks,
+        base = {"endpoint": self.srv.endpoint, "mode": cfg.mode, "backend": cfg.backend,
+                "ranks": cfg.ranks,
                 "chunks": cfg.chunks, "batch": cfg.batch, "seed": cfg.seed,
                 "geometry": asdict(cfg.geometry), "num_blocks": num_blocks,
                 "chunk_size": cfg.chunk_size}
@@ -95,7 +104,7 @@ class _Run:
             r.info = r.recv(POOL_READY_TIMEOUT_S)
         info = self.ranks[0].info
         self.chunk_bytes, self.object_bytes = info["chunk_bytes"], info["object_bytes"]
-        assert len({r.info["namespace"] for r in self.ranks}) == 1, "one replicated namespace"
+        assert len({r.info["namespace"] for r in self.ranks}) == 1, "one namespace"
         self.report.config.update(chunk_bytes=self.chunk_bytes, arch=info["arch"],
                                   namespace=info["namespace"],
                                   devices=[r.info["device"] for r in self.ranks])
@@ -270,6 +279,12 @@ class _Run:
             self.checks["p2 L1 used == distinct chunks x chunk bytes"] = (
                 l1["used_bytes"] == l1["single_copy_bytes"])
 
+    def dp(self) -> None:
+        """The DP phase (:mod:`.ranks_dp`), phase 3 inside it when ``kill_one``."""
+        self.s["dp"], self.report.rows, checks = dp_phase(
+            self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3)
+        self.checks.update(checks)
+
     def phase3(self, victim: RankProcess) -> None:
         before = self.admin.stats().registrations
         victim.kill()
@@ -305,6 +320,11 @@ def run(cfg: RanksConfig) -> Report:
         raise ValueError("need ranks >= 1, chunks >= 1 and 1 <= batch <= chunks")
     if not set(cfg.tp_modes) <= {"load", "mixed"} or cfg.tp_inflight < 1:
         raise ValueError("tp modes are 'load' and 'mixed'; tp inflight >= 1")
+    if cfg.mode not in MODES:
+        raise ValueError(f"mode {cfg.mode!r}: choose from {', '.join(MODES)}")
+    if cfg.mode == "dp" and cfg.chunks < 2 * cfg.batch:
+        raise ValueError(f"--chunks {cfg.chunks}: DP loads into two halves of region B, "
+                         f"so it needs at least twice --batch ({2 * cfg.batch})")
     probe = cfg.geometry.build(1)
     need = blocks_needed(probe, cfg.chunks, cfg.chunk_size)
     num_blocks = cfg.num_blocks or need
@@ -316,13 +336,15 @@ def run(cfg: RanksConfig) -> Report:
     if l1_gb * (1 << 30) < 1.1 * cfg.chunks * chunk_bytes:
         raise ValueError(f"--l1-size-gb {l1_gb}: phase 1 needs "
                          f"{cfg.chunks * chunk_bytes / (1 << 30):.2f} GiB and some room")
+    tp_only = {"verify_every": cfg.verify_every, "tp_modes": list(cfg.tp_modes),
+               "tp_s": cfg.tp_s, "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks),
+               "tp_inflight": cfg.tp_inflight}
     report = Report("ranks", {
-        "backend": cfg.backend, "ranks": cfg.ranks, "chunks": cfg.chunks,
+        "mode": cfg.mode, "backend": cfg.backend, "ranks": cfg.ranks, "chunks": cfg.chunks,
         "duration_s": cfg.duration_s, "kill_one": cfg.kill_one, "batch": cfg.batch,
         "geometry": cfg.geometry.describe(), "num_blocks": num_blocks,
-        "chunk_size": cfg.chunk_size, "l1_size_gb": l1_gb, "verify_every": cfg.verify_every,
-        "tp_modes": list(cfg.tp_modes), "tp_s": cfg.tp_s,
-        "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks), "tp_inflight": cfg.tp_inflight,
+        "chunk_size": cfg.chunk_size, "l1_size_gb": l1_gb,
+        **(tp_only if cfg.mode == "tp" else {}),
         "separate_object_groups": True, "eviction_policy": "LRU"})
     args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
             "--eviction-policy", "LRU", "--log-level", "WARNING"]
@@ -332,11 +354,15 @@ def run(cfg: RanksConfig) -> Report:
         r = _Run(cfg, report, srv, admin)
         try:
             r.start_ranks(num_blocks)
-            r.phase1()
-            r.raw()
-            for mode in cfg.tp_modes:
-                r.tp(mode)
-            r.phase2()
+            if cfg.mode == "dp":
+                r.raw()
+                r.dp()
+            else:
+                r.phase1()
+                r.raw()
+                for mode in cfg.tp_modes:
+                    r.tp(mode)
+                r.phase2()
         finally:
             r.close()
         report.summary["registrations_at_end"] = admin.stats().registrations

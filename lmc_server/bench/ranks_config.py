@@ -2,6 +2,12 @@
 
 The parent (:mod:`.ranks`) and every rank process (:mod:`.ranks_worker`) import this,
 and nothing of each other: the parent sends a rank its settings as one JSON line.
+
+Data-parallel prompts (``mode="dp"``): engine ``e`` of ``n`` owns prompts ``q = j * n + e``
+(``j = 0, 1, ...``), so any engine knows who stored a prompt from its id alone. Chunk
+``k`` of prompt ``q`` is stored from region-A slot :func:`prompt_slots` and tagged with
+``(q, k)`` (:data:`TAG_BYTES` at the start of every page), so its bytes are the same on
+every engine and differ from every other prompt's.
 """
 
 from __future__ import annotations
@@ -26,10 +32,16 @@ RAW_MIN_BYTES = 64 << 20
 #: ends committed or failed (exact single-copy accounting), this often, this long.
 IN_PROGRESS_POLL_S = 0.002
 IN_PROGRESS_RETRY_S = 2.0
+#: DP mode: a load picks one of this many most recent prompts of the engine it reads.
+DP_RECENT_PROMPTS = 8
+#: DP mode: bytes at the start of every page that carry the prompt's tag.
+TAG_BYTES = 16
+MODES = ("tp", "dp")
 
 
 @dataclass(frozen=True)
 class RanksConfig:
+    mode: str = "tp"
     backend: str = "cpu"
     ranks: int = 8
     chunks: int = 1000
@@ -59,6 +71,20 @@ def digests(seed: int, phase: str, indices: Sequence[int] | np.ndarray) -> bytes
     """32-byte keys of chunk ``indices`` of a phase; the same on every rank."""
     return b"".join(hashlib.blake2b(f"{seed}:{phase}:{int(i)}".encode(), digest_size=32
                                     ).digest() for i in indices)
+
+
+def prompt_digests(seed: int, prompt: int, n: int) -> bytes:
+    """Keys of the first ``n`` chunks of DP prompt ``prompt``; the same on every engine."""
+    return digests(seed, f"dp:{prompt}", range(n))
+
+
+def prompt_owner(prompt: int, engines: int) -> int:
+    return prompt % engines
+
+
+def prompt_slots(prompt: int, n: int, chunks: int) -> np.ndarray:
+    """Region-A slots chunks ``0..n-1`` of DP prompt ``prompt`` are stored from."""
+    return (prompt * n + np.arange(n)) % chunks
 
 
 def auto_l1_size_gb(chunk_bytes: int, chunks: int) -> float:

@@ -13,14 +13,24 @@ def notes(report: Report, cfg: RanksConfig) -> None:
            "process per GPU), summed" if cfg.backend == "cuda" else
            "numpy copies shm <-> populated anonymous memory in every rank process at "
            "once, summed")
-    report.notes += [
-        f"raw = {raw}; ours = bytes copied by the server for all ranks (OK statuses x "
-        "object bytes) / phase seconds",
-        "phase 2: every rank stores the same fresh chunk sequence (the first copies, the "
-        "others get EXISTS or IN_PROGRESS) and retrieves chunks it saw committed",
-        "p2 single copy: distinct <= server stored bytes <= distinct + unknown (a killed "
-        "rank's in-flight writes) + evicted (re-stored after eviction)",
-    ]
+    report.notes.append(f"raw = {raw}; ours = bytes copied by the server for all ranks "
+                        "(OK statuses x object bytes) / phase seconds")
+    if cfg.mode == "dp":
+        report.notes += [
+            "dp: every engine is rank 0 of world size 1 (one namespace); each stores its "
+            "own prompts and loads the hit prefix of a recent prompt of a random engine "
+            "(itself included), at its own pace; cross-engine = loaded chunks another "
+            "engine stored",
+            "dp GB/s include the engines' byte checks of every loaded prefix (each runs on "
+            "a thread while the engine's next load runs)",
+        ]
+    else:
+        report.notes += [
+            "phase 2: every rank stores the same fresh chunk sequence (the first copies, "
+            "the others get EXISTS or IN_PROGRESS) and retrieves chunks it saw committed",
+            "p2 single copy: distinct <= server stored bytes <= distinct + unknown (a "
+            "killed rank's in-flight writes) + evicted (re-stored after eviction)",
+        ]
     for name, ok in report.summary["checks"].items():
         report.notes.append(f"check {'PASS' if ok else 'FAIL'}: {name}")
 
@@ -33,8 +43,46 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _aggregate(agg: list[dict[str, Any]]) -> str:
+    rows = [{k: (_fmt(v) if k != "what" else v) for k, v in a.items()} for a in agg]
+    return format_table(rows, [("what", "aggregate", ""), ("ours", "ours", ""),
+                               ("ref", "raw / expected", ""), ("ratio", "ratio", "")])
+
+
+def _dp_table(report: Report) -> str:
+    engines = format_table(report.rows, [
+        ("engine", "engine", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
+        ("store_gbps", "store GB/s", ".2f"), ("load_gbps", "load GB/s", ".2f"),
+        ("stored_prompts", "prompts", "d"), ("loads", "loads", "d"),
+        ("lookup_misses", "lookup misses", "d"),
+        ("cross_engine_chunks", "cross-engine chunks", "d"),
+        ("own_chunks", "own chunks", "d"), ("verified_loads", "verified", "d"),
+        ("mismatched_bytes", "mismatch B", "d"), ("failed_chunks", "failed", "d"),
+        ("errors", "errors", "d")])
+    s = report.summary
+    dp, raw = s.get("dp", {}), s.get("raw", {})
+    agg = [
+        {"what": "store GB/s (D2H), all engines", "ours": dp.get("store_gbps"),
+         "ref": raw.get("d2h_gbps"), "ratio": dp.get("store_ratio")},
+        {"what": "load GB/s (H2D), all engines", "ours": dp.get("load_gbps"),
+         "ref": raw.get("h2d_gbps"), "ratio": dp.get("load_ratio")},
+        {"what": "cross-engine chunks loaded", "ours": dp.get("cross_engine_chunks"),
+         "ref": None, "ratio": None},
+        {"what": "loads verified / loads", "ours": dp.get("verified_loads"),
+         "ref": dp.get("loads"), "ratio": None},
+        {"what": "mismatched bytes / checked", "ours": dp.get("mismatched_bytes"),
+         "ref": dp.get("checked_bytes"), "ratio": None},
+        {"what": "failed chunks", "ours": dp.get("failed_chunks"), "ref": 0, "ratio": None},
+        {"what": "dead engine detected (s)", "ours": s.get("phase3", {}).get("detected_s"),
+         "ref": KILL_DETECT_S, "ratio": None},
+    ]
+    return f"{engines}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
+
+
 def table(report: Report) -> str:
-    """Per-rank rows, then the aggregate figures."""
+    """Per-rank (per-engine) rows, then the aggregate figures."""
+    if report.config.get("mode") == "dp":
+        return _dp_table(report)
     ranks = format_table(report.rows, [
         ("rank", "rank", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
         ("p1_checked_bytes", "p1 checked B", "d"),
@@ -70,7 +118,4 @@ def table(report: Report) -> str:
         {"what": "dead rank detected (s)", "ours": s.get("phase3", {}).get("detected_s"),
          "ref": KILL_DETECT_S, "ratio": None},
     ]
-    rows = [{k: (_fmt(v) if k != "what" else v) for k, v in a.items()} for a in agg]
-    totals = format_table(rows, [("what", "aggregate", ""), ("ours", "ours", ""),
-                                 ("ref", "raw / expected", ""), ("ratio", "ratio", "")])
-    return f"{ranks}\n\n{totals}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
+    return f"{ranks}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"

@@ -1,9 +1,10 @@
 """Worker side of ``lmcache bench ranks``: one process per rank, driven over JSON lines.
 
 ``python -m lmc_server.bench.ranks_worker`` reads commands on stdin (``init``, phase-1
-store and retrieve, raw-copy baseline, TP phases, phase 2) and answers one JSON line each
-on stdout; see :mod:`lmc_server.bench.ranks` for the phases and what the parent checks.
-The rank's KV and byte checks are in :mod:`lmc_server.bench.ranks_kv`.
+store and retrieve, raw-copy baseline, TP phases, phase 2; in DP mode the seed prompt and
+the DP phase) and answers one JSON line each on stdout; see :mod:`lmc_server.bench.ranks`
+for the phases and what the parent checks. The rank's KV and byte checks are in
+:mod:`lmc_server.bench.ranks_kv`; a DP engine's loops in :mod:`.ranks_dp_worker`.
 """
 
 from __future__ import annotations
@@ -23,48 +24,17 @@ import numpy as np
 from lmc_server.bench.ranks_config import (
     IN_PROGRESS_POLL_S,
     IN_PROGRESS_RETRY_S,
-    MAX_ERRORS_KEPT,
     REGION_A,
     REGION_B,
     digests,
 )
+from lmc_server.bench.ranks_counts import Counts
+from lmc_server.bench.ranks_dp_worker import DPEngine
 from lmc_server.bench.ranks_kv import RankKV
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult, Registration, ServerError
 
 log = logging.getLogger(__name__)
-
-
-class _Counts:
-    """Outcomes of one direction on one rank: statuses, bytes copied, errors."""
-
-    def __init__(self, object_bytes: dict[str, int]) -> None:
-        self.object_bytes = object_bytes
-        self.requests = 0
-        self.status: dict[str, int] = {s.name.lower(): 0 for s in ChunkStatus}
-        self.copied_bytes = 0
-        self.busy_s = 0.0
-        self.errors: list[str] = []
-        self.n_errors = 0
-
-    def add(self, res: ChunkResult, seconds: float) -> None:
-        self.requests += 1
-        self.busy_s += seconds
-        for og, st in res.statuses.items():
-            counts = np.bincount(st, minlength=len(ChunkStatus))
-            for s in ChunkStatus:
-                self.status[s.name.lower()] += int(counts[s])
-            self.copied_bytes += int(counts[ChunkStatus.OK]) * self.object_bytes[og]
-
-    def error(self, e: BaseException) -> None:
-        self.n_errors += 1
-        if len(self.errors) < MAX_ERRORS_KEPT:
-            self.errors.append(f"{type(e).__name__}: {e}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"requests": self.requests, "status": self.status,
-                "copied_bytes": self.copied_bytes, "busy_s": self.busy_s,
-                "errors": self.n_errors, "error_samples": self.errors}
 
 
 class _Worker:
@@ -82,6 +52,7 @@ class _Worker:
         self.raw: Any = None
         self.raw_iters = 0
         self.raw_nbytes = 0
+        self.dp: DPEngine | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -89,7 +60,7 @@ class _Worker:
         assert self.reg is not None
         return {og.name: og.object_bytes for og in self.reg.object_groups}
 
-    async def _store(self, phase: str, idx: np.ndarray, counts: _Counts) -> ChunkResult | None:
+    async def _store(self, phase: str, idx: np.ndarray, counts: Counts) -> ChunkResult | None:
         assert self.reg is not None
         t0 = time.perf_counter()
         try:
@@ -102,7 +73,7 @@ class _Worker:
         counts.add(res, time.perf_counter() - t0)
         return res
 
-    async def _store_settled(self, idx: np.ndarray, counts: _Counts, until: float
+    async def _store_settled(self, idx: np.ndarray, counts: Counts, until: float
                              ) -> dict[str, np.ndarray]:
         """Store chunks ``idx`` of phase 2, storing again the ones another rank was
         writing (``IN_PROGRESS``) until each is committed (``EXISTS``), failed, or
@@ -123,7 +94,7 @@ class _Worker:
             await asyncio.sleep(IN_PROGRESS_POLL_S)
 
     async def _retrieve(self, phase: str, idx: np.ndarray, dst: np.ndarray,
-                        counts: _Counts) -> ChunkResult | None:
+                        counts: Counts) -> ChunkResult | None:
         assert self.reg is not None
         t0 = time.perf_counter()
         try:
@@ -138,12 +109,17 @@ class _Worker:
     async def init(self) -> dict[str, Any]:
         from lmc_server.client.aio import AsyncClient
 
-        self.client = await AsyncClient.connect(self.cfg["endpoint"], timeout_s=120,
-                                                client_name=f"bench-rank{self.rank}")
+        dp = self.cfg["mode"] == "dp"  # an engine of its own: rank 0 of world size 1
+        self.client = await AsyncClient.connect(
+            self.cfg["endpoint"], timeout_s=120,
+            client_name=f"bench-{'engine' if dp else 'rank'}{self.rank}")
         self.reg = await self.client.register(**self.kv.kv.register_kwargs(
-            world_size=self.cfg["ranks"], rank=self.rank, replicated=True))
+            world_size=1 if dp else self.cfg["ranks"], rank=0 if dp else self.rank,
+            replicated=True))
         assert self.reg.chunk_size == self.kv.chunk_size, "the server's chunk size is ours"
         assert self.reg.chunk_bytes == self.kv.layout.chunk_bytes, "layouts agree"
+        if dp:
+            self.dp = DPEngine(self.client, self.reg, self.kv, self.cfg)
         names = [s.name for s in self.kv.kv.segments] if not self.kv.cuda else []
         return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
                 "namespace": self.reg.namespace, "arch": self.kv.kv.geometry.arch,
@@ -151,7 +127,7 @@ class _Worker:
                 "segments": names, "pid": os.getpid()}
 
     async def p1_store(self) -> dict[str, Any]:
-        counts = _Counts(self._object_bytes())
+        counts = Counts(self._object_bytes())
         t0 = time.perf_counter()
         for start in range(0, self.chunks, self.batch):
             await self._store("p1", np.arange(start, min(start + self.batch, self.chunks)),
@@ -159,7 +135,7 @@ class _Worker:
         return {"seconds": time.perf_counter() - t0, **counts.to_json()}
 
     async def p1_retrieve(self) -> dict[str, Any]:
-        counts = _Counts(self._object_bytes())
+        counts = Counts(self._object_bytes())
         src = np.arange(self.chunks)
         dst = (src + self.rank) % self.chunks
         t0 = time.perf_counter()
@@ -177,7 +153,7 @@ class _Worker:
     async def p2(self, duration_s: float, verify_every: int) -> dict[str, Any]:
         """Store and retrieve loops on one connection until ``duration_s`` has passed."""
         ob = self._object_bytes()
-        st, rt = _Counts(ob), _Counts(ob)
+        st, rt = Counts(ob), Counts(ob)
         committed: list[int] = []
         stored_ok: dict[str, list[np.ndarray]] = {og: [] for og in ob}
         stored_pending: dict[str, list[np.ndarray]] = {og: [] for og in ob}
@@ -247,7 +223,7 @@ class _Worker:
         verified inside the timed loop; one poisoned retrieve after it is compared byte
         for byte, so a loop that wrote nothing cannot pass."""
         ob = self._object_bytes()
-        rt, st, vt = _Counts(ob), _Counts(ob), _Counts(ob)
+        rt, st, vt = Counts(ob), Counts(ob), Counts(ob)
         src = np.arange(n)
         dst = (src + 1 + self.rank) % self.chunks
         next_chunk = 0
@@ -342,6 +318,12 @@ async def _serve(first: dict[str, Any]) -> None:
                                        cmd["inflight"]))
             elif op == "p2":
                 _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
+            elif op == "dp_seed":
+                assert worker.dp is not None, "dp commands need mode dp"
+                _reply(await worker.dp.seed_prompt())
+            elif op == "dp":
+                assert worker.dp is not None, "dp commands need mode dp"
+                _reply(await worker.dp.run(cmd["duration_s"]))
             elif op == "exit":
                 break
             else:

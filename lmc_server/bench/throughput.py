@@ -136,7 +136,10 @@ def run(cfg: ThroughputConfig) -> Report:
                             "--separate-object-groups" if cfg.separate
                             else "--no-separate-object-groups"]
                     if cfg.backend == "cuda":
-                        args += ["--cuda-copy-mode", mode]
+                        name, _, staging_mb = mode.partition(":")
+                        args += ["--cuda-copy-mode", name]
+                        if staging_mb:
+                            args += ["--cuda-staging-mb", staging_mb]
                     if cfg.pipeline_mb >= 0:
                         args += ["--pipeline-mb", str(cfg.pipeline_mb)]
                     with ServerProcess(args, backend=cfg.backend,

@@ -6,23 +6,30 @@ compressed KV and its indexer) and ``window<W>`` per distinct sliding window W. 
 it, one object group ``all`` holds every cached group of a chunk. Scratch groups never
 appear in any object.
 
-Inside an object, each *section* (one engine group) stores, layer by layer, the pages
-of the blocks a future hit can use: every block of the chunk for full groups, only the
-trailing ``ceil(W / tokens_per_block)`` blocks for a sliding window of W tokens (all of
-them if W >= chunk size). Object byte layout::
+Inside an object, each *section* (one engine group) stores the pages of the blocks a
+future hit can use: every block of the chunk for full groups, only the trailing
+``ceil(W / tokens_per_block)`` blocks for a sliding window of W tokens (all of them if
+W >= chunk size). Object byte layout::
 
-    object = section_0 | section_1 | ...
-    section = layer_0 | layer_1 | ...          (in the order the worker declared)
-    layer   = page(block_first) | ... | page(block_last)
+    object  = section_0 | section_1 | ...
+    section = block_first | ... | block_last         (the stored blocks, block-major)
+    block   = page(layer_0) | page(layer_1) | ...    (in the order the worker declared)
 
-Layers of one group that sit in the same buffer at a constant distance from each other
-(one buffer holding many layers with padded strides) are coalesced into one
-:class:`LayerRun`, so a copy touches ``runs x chunks`` descriptors, not pages.
+Block-major is object format 2 (format 1 was layer-major): vLLM lays DeepSeek-V4's KV
+out block-outermost (every layer of a block side by side in one allocation), so each
+stored block of a section is then one contiguous range both in the worker's memory and
+in the object, which is what lets the copy engines move it in one DMA (docs/gpu.md). A
+layer-outermost worker (a tensor per layer, or the test preset) moves the same bytes
+with one strided 2-D copy per block. Layers of one group that sit in the same buffer at
+a constant distance from each other are coalesced into one :class:`LayerRun`, so a copy
+touches ``runs x chunks`` descriptors, not pages; how layers coalesce changes no byte of
+the object.
 
 The *fingerprint* of an object group hashes everything that decides its byte layout
-and meaning (kinds, windows, tokens and states per block, record formats, page bytes per
-layer) but nothing about where the worker keeps its pages: two workers with the same
-model and geometry share objects even if their buffers are laid out differently.
+and meaning (the object format, kinds, windows, tokens and states per block, record
+formats, page bytes per layer) but nothing about where the worker keeps its pages: two
+workers with the same model and geometry share objects even if their buffers are laid
+out differently, and the scheduler's placement-free registration agrees with them.
 """
 
 from __future__ import annotations
@@ -37,14 +44,22 @@ import numpy as np
 from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.retention import Retention, object_retentions, retention_kind
 
+#: Hashed into every fingerprint: objects of another byte order (format 1 stored runs
+#: layer-major) are foreign to this one, so an L2 or disk tier written by an older
+#: server is a miss, never misread.
+OBJECT_FORMAT = "objects-v2-block-major"
+
 
 @dataclass(frozen=True, slots=True)
 class LayerRun:
     """``n_layers`` layers of one group in one buffer, ``layer_stride`` bytes apart.
 
     Page of layer ``i`` (of the run) and block id ``b`` is at buffer offset
-    ``base_offset + i * layer_stride + b * block_stride``. In the object, the run's
-    pages are laid out ``[layer][stored block][page_bytes]`` from ``object_offset``.
+    ``base_offset + i * layer_stride + b * block_stride``; in the object, page ``(i, j)``
+    (stored block ``j``) is at ``object_offset + i * object_layer_stride + j *
+    object_block_stride``. Built by :func:`build_layout` block-major (the run is one
+    slice of each of its section's blocks); ``obj_layer_stride == 0`` means a run laid
+    out on its own, layer-major (``[layer][stored block]``, ``nbytes`` contiguous).
     """
 
     buffer: int
@@ -55,10 +70,27 @@ class LayerRun:
     page_bytes: int
     object_offset: int
     n_blocks: int
+    obj_layer_stride: int = 0
+    obj_block_stride: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.n_layers * self.n_blocks * self.page_bytes
+
+    @property
+    def object_layer_stride(self) -> int:
+        return self.obj_layer_stride or self.n_blocks * self.page_bytes
+
+    @property
+    def object_block_stride(self) -> int:
+        return self.obj_block_stride or self.page_bytes
+
+    @property
+    def object_extent(self) -> int:
+        """Bytes from ``object_offset`` to the end of the run's last page (the run's
+        pages and, block-major, the other runs' pages between them)."""
+        return ((self.n_layers - 1) * self.object_layer_stride
+                + (self.n_blocks - 1) * self.object_block_stride + self.page_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +166,13 @@ class RegistrationLayout:
 
 
 def _coalesce_runs(group: GroupSpec, n_blocks: int, start_offset: int) -> tuple[LayerRun, ...]:
-    runs: list[LayerRun] = []
-    offset = start_offset
+    """Runs of consecutive declared layers (same buffer, block stride and page size, a
+    constant distance apart), placed block-major in a section starting at
+    ``start_offset``: a stored block holds every layer's page in declared order."""
     layers = group.layers
+    block_bytes = sum(layer.page_bytes for layer in layers)
+    runs: list[LayerRun] = []
+    prefix = 0
     i = 0
     while i < len(layers):
         first = layers[i]
@@ -155,11 +191,12 @@ def _coalesce_runs(group: GroupSpec, n_blocks: int, start_offset: int) -> tuple[
                             or cand.offset != first.offset + n * stride):
                         break
                     n += 1
-        run = LayerRun(buffer=first.buffer, base_offset=first.offset, layer_stride=stride,
-                       n_layers=n, block_stride=first.block_stride, page_bytes=first.page_bytes,
-                       object_offset=offset, n_blocks=n_blocks)
-        runs.append(run)
-        offset += run.nbytes
+        runs.append(LayerRun(buffer=first.buffer, base_offset=first.offset,
+                             layer_stride=stride, n_layers=n, block_stride=first.block_stride,
+                             page_bytes=first.page_bytes, object_offset=start_offset + prefix,
+                             n_blocks=n_blocks, obj_layer_stride=first.page_bytes,
+                             obj_block_stride=block_bytes))
+        prefix += n * first.page_bytes
         i += n
     return tuple(runs)
 
@@ -177,6 +214,7 @@ def _section(group: GroupSpec, index: int, chunk_size: int, offset: int) -> Sect
 
 def _fingerprint(name: str, groups: list[GroupSpec], sections: list[SectionLayout]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
+    h.update(OBJECT_FORMAT.encode())
     h.update(name.encode())
     for s in sections:
         g = groups[s.group_index]

@@ -28,7 +28,7 @@ from lmc_server.config import (
     load_toml,
     physical_memory_bytes,
 )
-from lmc_server.net import tcp_endpoint
+from lmc_server.net import host_problem, tcp_endpoint
 
 _EXAMPLES = """
 \b
@@ -119,11 +119,18 @@ def cli() -> None:
 @click.option("--copy-threads", type=click.IntRange(0, 256), default=0,
               envvar="LMCACHE_COPY_THREADS",
               help="Copy threads of the cpu engine (0: min(4, cores)).")
-@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES), default="staging",
-              envvar="LMCACHE_CUDA_COPY_MODE",
-              help="cuda engine: 'staging' gathers pages on the GPU into a staging buffer "
-                   "and moves it with one DMA; 'mapped' has a kernel read/write pinned host "
-                   "memory directly.")
+@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES),
+              default=Config.cuda_copy_mode, envvar="LMCACHE_CUDA_COPY_MODE",
+              help="cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
+                   "kernel: nearly free for an engine computing on the same GPU); "
+                   "'staging' gathers pages with a short kernel into a staging buffer and "
+                   "moves it in one DMA (fastest on an idle GPU); 'auto' takes dma while "
+                   "the GPU runs kernels (NVML), staging while it is idle; 'mapped' has a "
+                   "kernel read/write pinned host memory. See docs/gpu.md.")
+@click.option("--cuda-staging-mb", type=click.IntRange(1, 4096), default=Config.cuda_staging_mb,
+              envvar="LMCACHE_CUDA_STAGING_MB",
+              help="cuda staging mode: least size in MiB of each of the two staging halves "
+                   "per copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).")
 @click.option("--pipeline-mb", type=click.IntRange(-1, 1 << 20), default=-1,
               envvar="LMCACHE_PIPELINE_MB",
               help="Stores larger than this many MiB are reserved and copied in up to four "
@@ -176,6 +183,16 @@ def cli() -> None:
               help="Chunks after an L1 hit that one lookup asks L2 for.")
 @click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
               envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
+@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
+              envvar="LMCACHE_L2_CONNECTIONS",
+              help="Redis connections for reads, and as many for writes; a batch is split "
+                   "across them.")
+@click.option("--disk-dir", default="", envvar="LMCACHE_DISK_DIR", metavar="PATH",
+              help="Disk tier between L1 and L2: a directory on local NVMe or a shared "
+                   "filesystem (PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.")
+@click.option("--disk-size-gb", type=click.FloatRange(0, 1 << 20), default=0.0,
+              envvar="LMCACHE_DISK_SIZE_GB",
+              help="Bytes the disk tier may hold; the least recently used files go first.")
 @click.option("--kv-events-endpoint", default="", envvar="LMCACHE_KV_EVENTS_ENDPOINT",
               metavar="ENDPOINT",
               help="Publish L1 stores and removals for KV-aware routers, in vLLM's "
@@ -232,9 +249,13 @@ def keygen(directory: str, name: str) -> None:
 
     import zmq.auth
 
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(directory, name)
+        os.chmod(secret, 0o600)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write keys into {directory}: {e.strerror}",
+                                 param_hint="DIRECTORY") from None
     click.echo(f"public: {public}\nsecret: {secret}")
 
 
@@ -264,6 +285,7 @@ def _endpoint_options(f: Any) -> Any:
     f = click.option("--port", type=click.IntRange(1, 65535), default=5555,
                      envvar="LMCACHE_PORT", help="Server port.")(f)
     f = click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
+                     callback=_check_host,
                      help="Server address (IPv4, IPv6 with or without brackets, or a name).")(f)
     f = click.option("--config", type=click.Path(dir_okay=False),
                      callback=_load_client_config, is_eager=True, expose_value=False,
@@ -288,12 +310,26 @@ def _curve(server_key_file: str, client_secret_key_file: str) -> Any:
         raise click.UsageError(f"cannot load CURVE keys: {e}") from None
 
 
+def _check_host(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A server address the client can connect to, or a usage error (exit 2) naming
+    the mistake, never an error from zmq's depths."""
+    problem = host_problem(value)
+    if problem is not None:
+        raise click.BadParameter(f"{value!r} {problem}")
+    return value
+
+
 def _client(host: str, port: int, timeout_s: float, curve: Any, hello: bool) -> Any:
+    import zmq
+
     from lmc_server.client.sync import Client
 
     endpoint = tcp_endpoint(host, port)
-    return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=hello,
-                  curve=curve)
+    try:
+        return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli",
+                      hello=hello, curve=curve)
+    except zmq.ZMQError as e:
+        raise click.UsageError(f"cannot connect to {endpoint}: {e.strerror}") from None
 
 
 @cli.command()
@@ -352,6 +388,13 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
                f"{l1.objects} objects")
     click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
                f"leases {report.leases}")
+    if (d := report.disk) is not None:
+        click.echo(f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
+                   f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+                   f"files, index {'whole' if d.rebuild.done else 'rebuilding'}")
+    if (l2 := report.l2) is not None:
+        click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects "
+                   f"written")
     if (ev := report.kv_events) is not None:
         click.echo(f"KV events on {ev.endpoint}: next seq {ev.next_seq}, "
                    f"{ev.published_objects} objects published, {ev.dropped_batches} "

@@ -25,6 +25,7 @@ from lmc_server import PROTOCOL_VERSION
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.keys import DIGEST_BYTES
+from lmc_server.client import shm
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
@@ -109,8 +110,10 @@ class RequestBuilder:
         msg = m.Register(req_id=next(self._ids), model=model, kv_dtype=kv_dtype, arch=arch,
                          world_size=world_size, rank=rank, replicated=replicated,
                          buffers=list(buffers), groups=list(groups))
+        shm.check_registrable(msg.buffers)
 
         def registration(reply: m.Registered) -> Registration:
+            shm.registered(msg.buffers)  # the server has opened them: names not needed
             return Registration(reply.registration_id, reply.namespace, reply.chunk_size,
                                 reply.lookup_only, list(reply.object_groups), list(groups))
         return Call(msg, m.Registered, registration)

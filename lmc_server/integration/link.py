@@ -19,7 +19,9 @@ A restarted server. The server forgets registrations when it restarts (or drops 
 session it thought dead); zmq reconnects the socket by itself and the next request is
 refused (``handshake`` or ``unknown_registration``). The link then connects afresh,
 registers again with the same arguments and retries the request once; a lookup,
-store or retrieve fails only if that fails too.
+store or retrieve fails only if that fails too. Shared-memory buffers can be registered
+again only if their segments kept their names (``ShmSegment(..., keep_name=True)``,
+:mod:`lmc_server.client.shm`); otherwise registering again fails, saying so.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from lmc_server.l2 import codec
+
+#: A value as an adapter returns or takes it: ``bytes`` (Redis) or a view of a buffer
+#: the adapter allocated (the disk tier's aligned buffers).
+Value = bytes | memoryview
+
 
 class L2Error(Exception):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
@@ -32,12 +38,31 @@ class L2Backend(ABC):
         """Open (or re-open) the connection and check the store answers."""
 
     @abstractmethod
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         """The value of each key, ``None`` where absent (one batched round trip)."""
 
     @abstractmethod
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         """Write every ``(key, value)``; batched (pipelined). Overwrites."""
+
+    def encode(self, space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> Value:
+        """The value of one object, in the buffer this store writes best from (called on
+        the tier's threads; the payload is an L1 slot, pinned meanwhile)."""
+        return codec.encode_value(space, chunk_key, mask, payload)
+
+    async def discard(self, keys: Sequence[bytes]) -> None:
+        """Values under ``keys`` were found damaged; a store that can delete them may
+        (the default leaves them: the next write replaces them)."""
+        return None
+
+    def release(self, values: Sequence[Value | None]) -> None:
+        """The tier is done with these values from :meth:`get_many` (nothing reads them
+        any more): an adapter that reuses its buffers may take them back."""
+        return None
+
+    def status(self) -> str:
+        """A phrase for /healthz about work in progress (empty: nothing to say)."""
+        return ""
 
     @abstractmethod
     async def close(self) -> None:

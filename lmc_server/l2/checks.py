@@ -29,6 +29,8 @@ class L2Settings(Protocol):
     def l2_prefetch_max_chunks(self) -> int: ...
     @property
     def l2_timeout_s(self) -> float: ...
+    @property
+    def l2_connections(self) -> int: ...
 
 
 def check_l2_config(config: L2Settings) -> None:
@@ -42,5 +44,7 @@ def check_l2_config(config: L2Settings) -> None:
         raise L2ConfigError("--l2-write-queue-objects must be in 1..16777216")
     if not 1 <= config.l2_prefetch_max_chunks <= 16384:
         raise L2ConfigError("--l2-prefetch-max-chunks must be in 1..16384")
+    if not 1 <= config.l2_connections <= 16:
+        raise L2ConfigError("--l2-connections must be in 1..16")
     if not 0.05 <= config.l2_timeout_s <= 60:
         raise L2ConfigError("--l2-timeout-s must be in 0.05..60")

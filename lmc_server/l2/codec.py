@@ -97,7 +97,7 @@ def encode_value(space: bytes, chunk_key: bytes, mask: int, payload: memoryview)
     return header(space, chunk_key, mask, payload) + payload
 
 
-def check_header(value: bytes, space: bytes, chunk_key: bytes,
+def check_header(value: bytes | memoryview, space: bytes, chunk_key: bytes,
                  object_bytes: int) -> tuple[int, Invalid | None]:
     """``(mask, None)`` if the header is the one expected, else ``(0, reason)``.
 
@@ -119,7 +119,7 @@ def check_header(value: bytes, space: bytes, chunk_key: bytes,
     return mask, None
 
 
-def check_payload(value: bytes) -> bool:
+def check_payload(value: bytes | memoryview) -> bool:
     """Whether the checksum of a value whose header passed :func:`check_header` matches."""
     view = memoryview(value)
     (want,) = struct.unpack_from("<Q", value, _SUM_OFFSET)
@@ -128,5 +128,5 @@ def check_payload(value: bytes) -> bool:
     return _checksum(head, view[HEADER_BYTES:]) == want
 
 
-def payload(value: bytes) -> memoryview:
+def payload(value: bytes | memoryview) -> memoryview:
     return memoryview(value)[HEADER_BYTES:]

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from lmc_server.cache.counters import L2Counters, counters_of
 from lmc_server.l2.codec import Invalid
+from lmc_server.l2.disk_index import DiskIndex
 from lmc_server.l2.stats import LATENCY_BUCKETS_S, Latency
 from lmc_server.l2.tier import L2Tier
 
@@ -30,7 +31,7 @@ KNOWN_LABELS = {"invalid": tuple(r.value for r in Invalid)}
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int],
               known: tuple[str, ...]) -> CounterMetricFamily:
-    fam = CounterMetricFamily(PREFIX + name, doc, labels=[label])
+    fam = CounterMetricFamily(name, doc, labels=[label])
     counted = dict.fromkeys(known, 0)
     counted.update(dict(values))
     for k, n in sorted(counted.items()):
@@ -45,29 +46,50 @@ def _histogram(name: str, doc: str, lat: Latency) -> HistogramMetricFamily:
         cumulative += n
         buckets.append((repr(float(bound)), cumulative))
     buckets.append(("+Inf", sum(counts)))
-    fam = HistogramMetricFamily(PREFIX + name, doc)
+    fam = HistogramMetricFamily(name, doc)
     fam.add_metric([], buckets, lat.seconds)
     return fam
 
 
 class L2Collector(Collector):
+    """One tier's families: ``lmcache_l2_*`` for the L2 store, ``lmcache_disk_*`` for the
+    disk tier (the same counters, and the disk's space and index rebuild)."""
+
     def __init__(self, tier: L2Tier) -> None:
         self.tier = tier
+        self.prefix = PREFIX if tier.kind == "l2" else f"lmcache_{tier.kind}_"
 
     def collect(self) -> Iterator[Metric]:
-        t, s = self.tier, self.tier.stats
-        yield GaugeMetricFamily(PREFIX + "up", "1 while the L2 store is reachable, 0 while "
-                                "degraded (serving from L1 only).", value=1 if t.up else 0)
-        yield GaugeMetricFamily(PREFIX + "write_queue_objects",
-                                "Objects waiting to be written to L2.", value=t.writer.depth)
+        t, s, pre = self.tier, self.tier.stats, self.prefix
+        yield GaugeMetricFamily(pre + "up", f"1 while the {t.label} tier is reachable, 0 "
+                                "while degraded (serving from L1 only).", value=1 if t.up else 0)
+        yield GaugeMetricFamily(pre + "write_queue_objects",
+                                "Objects waiting to be written to this tier.",
+                                value=t.writer.depth)
         for c in counters_of(L2Counters):  # the one definition of the L2 counters
             value = getattr(s, c.name)
             if c.label:
-                yield _labelled(c.metric, c.help, c.label, value,
+                yield _labelled(pre + c.metric, c.help, c.label, value,
                                 c.known + KNOWN_LABELS.get(c.name, ()))
             else:
-                yield CounterMetricFamily(PREFIX + c.metric, c.help, value=value)
-        yield _histogram("read_duration_seconds", "Wall time of one batched L2 read.",
+                yield CounterMetricFamily(pre + c.metric, c.help, value=value)
+        yield _histogram(pre + "read_duration_seconds", "Wall time of one batched read.",
                          s.read_latency)
-        yield _histogram("write_duration_seconds", "Wall time of one batched L2 write.",
+        yield _histogram(pre + "write_duration_seconds", "Wall time of one batched write.",
                          s.write_latency)
+        index = getattr(t.backend, "index", None)
+        if isinstance(index, DiskIndex):
+            yield from _disk_families(pre, index, getattr(t.backend, "evicted_objects", 0))
+
+
+def _disk_families(pre: str, index: DiskIndex, evicted: int) -> Iterator[Metric]:
+    yield GaugeMetricFamily(pre + "capacity_bytes", "Bytes the disk tier may hold.",
+                            value=index.capacity_bytes)
+    yield GaugeMetricFamily(pre + "used_bytes", "Bytes of the files the disk tier's index "
+                            "knows.", value=index.used_bytes)
+    yield GaugeMetricFamily(pre + "files", "Files the disk tier's index knows.",
+                            value=len(index.entries))
+    yield CounterMetricFamily(pre + "evicted_objects", "Files removed to stay within "
+                              "capacity.", value=evicted)
+    yield GaugeMetricFamily(pre + "index_rebuild_ratio", "How far the index rebuild after "
+                            "start is (1: done).", value=index.progress.fraction)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.backend import L2Backend, L2Error, Value
 
 MIB = 1 << 20
 
@@ -61,13 +61,13 @@ class MooncakeBackend(L2Backend):
         await self.close()
         self._store = await self._call(self._setup)
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._store is None:
             raise L2Error("mooncake: not connected")
         values = await self._call(self._store.get_batch, [k.hex() for k in keys])
         return [v if v else None for v in values]
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if self._store is None:
             raise L2Error("mooncake: not connected")
         rc = await self._call(self._store.upsert_batch, [k.hex() for k, _ in items],

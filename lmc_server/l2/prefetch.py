@@ -39,7 +39,7 @@ from lmc_server.cache.pool import Partition
 from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
@@ -64,7 +64,8 @@ class _Reserved:
     slot: int
     mask: int
     offset: int
-    value: bytes
+    value: Value
+    l2key: bytes
 
 
 class Prefetcher:
@@ -92,6 +93,13 @@ class Prefetcher:
         #: chunk key -> until when a lookup reaching it starts no prefetch.
         self._missing: dict[bytes, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        #: The next tier down: asked for what this one lacks, as soon as it is known
+        #: (``start`` of that tier's prefetcher, set by the tier chain).
+        self.fallthrough: Callable[[CacheView, str, list[bytes], int], int] | None = None
+        #: Called with the objects a prefetch committed (the chain promotes them into
+        #: the tiers above this one).
+        self.on_filled: Callable[[str, Partition, list[int]], None] | None = None
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
@@ -104,7 +112,7 @@ class Prefetcher:
             if missing_until > self.clock():
                 return 0
             del self._missing[keys[hit]]
-        if not self.is_up():
+        if not self.is_up() or self._stopping:
             return 0
         if len(self._tasks) >= MAX_PREFETCHES:
             self.stats.prefetches_skipped += 1
@@ -148,9 +156,14 @@ class Prefetcher:
 
     async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
                    pid: int) -> None:
+        bad: list[bytes] = []
         try:
-            end, committed = await self._fetch(view, namespace, keys)
+            end, committed = await self._fetch(view, namespace, keys, bad)
             self._remember_done(view, keys, end, committed)
+            if end < len(keys) and self.fallthrough is not None:
+                self.fallthrough(view, namespace, keys, end)
+            if bad:
+                await self.backend.discard(bad)
         except L2Error as e:
             self.stats.bump(self.stats.errors, "read")
             self.on_error(e)
@@ -164,12 +177,12 @@ class Prefetcher:
                 if covered is not None and covered[0] == pid:
                     del self._inflight[tag]
 
-    async def _fetch(self, view: CacheView, namespace: str,
-                     keys: list[bytes]) -> tuple[int, int]:
+    async def _fetch(self, view: CacheView, namespace: str, keys: list[bytes],
+                     bad: list[bytes]) -> tuple[int, int]:
         """Fetch and commit, in batches of chunks (``READ_BATCH_BYTES``): batch i+1 is
         read while batch i is verified and copied, and the run stops where a full object
         group is missing. Returns how many leading chunks L1 now has (or L2 had), and
-        how many objects were committed."""
+        how many objects were committed; ``bad`` gets the keys of values refused."""
         n = len(keys)
         ogs = view.layout.object_groups
         spaces = [self.space(namespace, part.fingerprint) for part in view.partitions]
@@ -186,7 +199,7 @@ class Prefetcher:
                            codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES:]))
                           for og, part in zip(ogs, view.partitions, strict=True)
                           for i in batch if keys[i] not in part.keys]
-                values: list[bytes | None] = []
+                values: list[Value | None] = []
                 if wanted:
                     t0 = time.perf_counter()
                     values = await self.backend.get_many([w[3] for w in wanted])
@@ -196,12 +209,14 @@ class Prefetcher:
                     filling = None
                     committed += done
                     end = min(end, bad_at)
-                good, end = self._check(view, keys, wanted, values, end)
+                good, end = self._check(view, keys, wanted, values, end, bad)
                 reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
                                               end)
+                kept = {id(r.value) for r in reserved}
+                self.backend.release([v for v in values if id(v) not in kept])
                 if reserved:
                     filling = asyncio.get_running_loop().create_task(
-                        self._fill_and_commit(view, reserved))
+                        self._fill_and_commit(view, namespace, reserved, bad))
             if filling is not None:
                 done, bad_at = await asyncio.shield(filling)
                 filling = None
@@ -213,13 +228,14 @@ class Prefetcher:
         return end, committed
 
     def _check(self, view: CacheView, keys: list[bytes],
-               wanted: list[tuple[int, int, bytes, bytes]], values: list[bytes | None],
-               end: int) -> tuple[list[tuple[int, int, int, bytes]], int]:
+               wanted: list[tuple[int, int, bytes, bytes]], values: list[Value | None],
+               end: int, bad_keys: list[bytes]
+               ) -> tuple[list[tuple[int, int, int, Value, bytes]], int]:
         """Header checks (cheap, on the loop): the values worth reserving, and ``end``
         shrunk to the first chunk whose full object group L2 cannot supply."""
         ogs = view.layout.object_groups
-        good: list[tuple[int, int, int, bytes]] = []  # og index, chunk, mask, value
-        for (og_index, i, space, _), value in zip(wanted, values, strict=True):
+        good: list[tuple[int, int, int, Value, bytes]] = []  # og, chunk, mask, value, key
+        for (og_index, i, space, l2key), value in zip(wanted, values, strict=True):
             if value is None:
                 self.stats.misses += 1
                 if ogs[og_index].has_full:
@@ -230,14 +246,17 @@ class Prefetcher:
                                            view.partitions[og_index].object_bytes)
             if bad is not None:
                 self.stats.bump(self.stats.invalid, bad.value)
+                if bad is not codec.Invalid.VERSION:  # another format's: not ours to delete
+                    bad_keys.append(l2key)
                 if ogs[og_index].has_full:
                     end = min(end, i)
                 continue
-            good.append((og_index, i, mask, value))
+            good.append((og_index, i, mask, value, l2key))
         return good, end
 
-    async def _fill_and_commit(self, view: CacheView,
-                               reserved: list[_Reserved]) -> tuple[int, int]:
+    async def _fill_and_commit(self, view: CacheView, namespace: str,
+                               reserved: list[_Reserved], bad_keys: list[bytes]
+                               ) -> tuple[int, int]:
         """Verify and copy on the tier's threads, then commit (or abort) each object.
 
         Returns ``(objects committed, first chunk of a full object group that failed
@@ -247,32 +266,40 @@ class Prefetcher:
         loop = asyncio.get_running_loop()
         ok: list[bool] = []
         committed, bad_at = 0, 1 << 62
+        filled: dict[int, list[int]] = {}
         try:
             ok = list(await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
                 for r in reserved)))
+            # Every copy has finished (else gather raised): the values may be reused.
+            self.backend.release([r.value for r in reserved])
         finally:
             for j, r in enumerate(reserved):
                 if j < len(ok) and ok[j]:
                     r.part.commit(r.slot, r.mask)
                     self.stats.hits += 1
                     committed += 1
+                    filled.setdefault(r.og_index, []).append(r.slot)
                 else:
                     r.part.abort(r.slot)
                     if j < len(ok):
                         self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
+                        bad_keys.append(r.l2key)
                         if ogs[r.og_index].has_full:
                             bad_at = min(bad_at, r.chunk)
+        if self.on_filled is not None:
+            for og_index, slots in filled.items():
+                self.on_filled(namespace, view.partitions[og_index], slots)
         return committed, bad_at
 
     def _reserve(self, view: CacheView, keys: list[bytes],
-                 good: list[tuple[int, int, int, bytes]], end: int
+                 good: list[tuple[int, int, int, Value, bytes]], end: int
                  ) -> tuple[list[_Reserved], int]:
         """Reserve a WRITING slot per object (skipping keys a store took meanwhile);
         ``end`` shrinks to the first chunk of a full object group L1 had no room for."""
-        by_og: dict[int, list[tuple[int, int, bytes]]] = {}
-        for og_index, i, mask, value in good:
-            by_og.setdefault(og_index, []).append((i, mask, value))
+        by_og: dict[int, list[tuple[int, int, Value, bytes]]] = {}
+        for og_index, i, mask, value, l2key in good:
+            by_og.setdefault(og_index, []).append((i, mask, value, l2key))
         self.index.tick += 1
         out: list[_Reserved] = []
         for og_index, items in by_og.items():
@@ -287,13 +314,14 @@ class Prefetcher:
             if not slots:
                 continue
             offsets = part.offsets(np.asarray(slots, dtype=np.int64))
-            for (i, mask, value), slot, offset in zip(items, slots, offsets.tolist(),
-                                                      strict=False):
+            for (i, mask, value, l2key), slot, offset in zip(items, slots, offsets.tolist(),
+                                                             strict=False):
                 part.reserve(keys[i], slot, self.index.tick)
-                out.append(_Reserved(og_index, i, part, slot, mask, int(offset), value))
+                out.append(_Reserved(og_index, i, part, slot, mask, int(offset), value,
+                                     l2key))
         return out, end
 
-    def _fill(self, offset: int, value: bytes) -> bool:
+    def _fill(self, offset: int, value: Value) -> bool:
         """Verify the checksum and copy the payload into its slot (worker thread)."""
         if not codec.check_payload(value):
             return False
@@ -303,6 +331,7 @@ class Prefetcher:
 
     async def stop(self, timeout_s: float) -> None:
         """Wait for running prefetches (their copies touch the pool), then cancel."""
+        self._stopping = True
         tasks = set(self._tasks)
         if not tasks:
             return

@@ -2,8 +2,10 @@
 
 Reads are ``MGET`` (one command per batch of keys), writes one pipeline of ``SET`` per
 batch (``transaction=False``: no MULTI/EXEC, the writes are independent). The calls run
-on two threads of the adapter's own, one for reads and one for writes (so a prefetch
-never queues behind a write-behind batch), with redis-py's synchronous client: measured
+on the adapter's own threads, ``connections`` (``--l2-connections``, default 1) for
+reads and as many for writes (so a prefetch never queues behind a write-behind batch;
+with more than one, each batch is split across them and sent over parallel
+connections), with redis-py's synchronous client: measured
 on the 2-core CI VM, its pipelined ``SET`` of MB-sized values is up to twice as fast as
 the asyncio client on the server's loop, and socket IO releases the GIL, so the event
 loop is never blocked. redis-py's own retries are off: a failed call surfaces at once as
@@ -26,7 +28,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64
@@ -40,25 +43,42 @@ def _error(op: str, e: BaseException) -> L2Error:
     return L2Error(f"redis {op}: {type(e).__name__}: {e}", unavailable=unavailable)
 
 
+def _split(seq: Sequence[T], most: int) -> list[Sequence[T]]:
+    """``seq`` in at most ``most`` contiguous parts of near-equal length (order kept:
+    the parts' results concatenate back to one per item)."""
+    n = len(seq)
+    parts = max(1, min(most, n))
+    step = -(-n // parts)
+    return [seq[i:i + step] for i in range(0, n, step)] or [seq]
+
+
 class RedisBackend(L2Backend):
     name = "redis"
 
-    def __init__(self, url: str, password: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, password: str | None = None, timeout_s: float = 2.0,
+                 connections: int = 1) -> None:
         scheme, rest = url.split("://", 1)
         scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme.lower(), scheme.lower())
         self.url = f"{scheme}://{rest}"
+        try:  # redis-py makes every query parameter a keyword of its connections: a
+            # name it does not know fails here, at startup, not in the background task
+            redis.ConnectionPool.from_url(self.url).make_connection()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--l2 {redact_url(url)}: redis-py cannot use this URL: "
+                             f"{e}") from None
         self.password = password
         self.timeout_s = timeout_s
+        self.connections = connections
         self._client: Any = None
-        self._reads = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-redis-r")
-        self._writes = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-redis-w")
+        self._reads = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-r")
+        self._writes = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-w")
 
     def _make(self) -> Any:
         return redis.Redis.from_url(
             self.url, password=self.password, socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False, health_check_interval=0, decode_responses=False,
-            max_connections=4)
+            max_connections=2 * self.connections + 1)
 
     async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T],
                     *args: Any) -> T:
@@ -73,28 +93,32 @@ class RedisBackend(L2Backend):
         await self._call(self._reads, "connect", client.ping)
         self._client = client
 
-    def _mget(self, client: Any, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _mget(self, client: Any, keys: Sequence[bytes]) -> list[Value | None]:
+        out: list[Value | None] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
             out.extend(client.mget(list(keys[i:i + GET_BATCH_KEYS])))
         return out
 
-    def _mset(self, client: Any, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def _mset(self, client: Any, items: Sequence[tuple[bytes, Value]]) -> None:
         for i in range(0, len(items), PUT_BATCH_KEYS):
             pipe = client.pipeline(transaction=False)
             for key, value in items[i:i + PUT_BATCH_KEYS]:
                 pipe.set(key, value)
             pipe.execute()
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
-        return await self._call(self._reads, "get", self._mget, self._client, keys)
+        parts = await asyncio.gather(*(
+            self._call(self._reads, "get", self._mget, self._client, part)
+            for part in _split(keys, self.connections)))
+        return [v for part in parts for v in part]
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await self._call(self._writes, "set", self._mset, self._client, items)
+        await asyncio.gather(*(self._call(self._writes, "set", self._mset, self._client, part)
+                               for part in _split(items, self.connections)))
 
     async def close(self) -> None:
         client, self._client = self._client, None

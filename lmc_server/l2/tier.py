@@ -26,6 +26,7 @@ from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.events import TierListeners
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.prefetch import Prefetcher
 from lmc_server.l2.stats import L2Stats
@@ -44,8 +45,14 @@ class L2Tier:
 
     def __init__(self, backend: L2Backend, display_url: str, index: L1Index, view: PoolView,
                  chunk_size: int, write_queue_objects: int, prefetch_max_chunks: int,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 kind: str = "l2") -> None:
         self.backend = backend
+        #: ``"l2"`` (a shared store) or ``"disk"``: names the tier in logs and reports.
+        self.kind = kind
+        self.label = "L2" if kind == "l2" else kind
+        self.listeners: TierListeners = getattr(backend, "listeners", None) \
+            or TierListeners(kind)
         self.display_url = display_url
         self.chunk_size = chunk_size
         self.timeout_s = timeout_s
@@ -57,7 +64,8 @@ class L2Tier:
         self._spaces: dict[tuple[str, bytes], bytes] = {}
         self._executor = ThreadPoolExecutor(L2_THREADS, thread_name_prefix="lmc-l2")
         self.writer = WriteBehind(backend, self.stats, view, self._executor,
-                                  write_queue_objects, self.space, self.is_up, self.failed)
+                                  write_queue_objects, self.space, self.is_up, self.failed,
+                                  self.listeners.stored)
         self.prefetcher = Prefetcher(index, backend, self.stats, view, self._executor,
                                      prefetch_max_chunks, self.space, self.is_up, self.failed)
         self._down = asyncio.Event()
@@ -99,10 +107,10 @@ class L2Tier:
             self.state_since_s = self.clock()
             self.stats.state_changes += 1
             if up:
-                log.info("L2 %s: connected", self.display_url)
+                log.info("%s %s: connected", self.label, self.display_url)
             else:
-                log.warning("L2 %s degraded (serving from L1 only): %s", self.display_url,
-                            reason)
+                log.warning("%s %s degraded (serving from L1 only): %s", self.label,
+                            self.display_url, reason)
 
     def failed(self, err: L2Error) -> None:
         """A call failed; an unreachable store makes the tier degraded (reconnects)."""
@@ -125,8 +133,8 @@ class L2Tier:
                 await asyncio.wait_for(self.backend.connect(), self.timeout_s * 2)
             except (L2Error, TimeoutError) as e:
                 if first:
-                    log.warning("L2 %s unreachable at start (serving from L1 only, "
-                                "retrying): %s", self.display_url, e)
+                    log.warning("%s %s unreachable at start (serving from L1 only, "
+                                "retrying): %s", self.label, self.display_url, e)
                     self.state_reason = str(e)
                     first = False
                 else:
@@ -167,5 +175,6 @@ class L2Tier:
     def health(self) -> str:
         """One phrase for /healthz (the server serves either way)."""
         if self.up:
-            return f"L2 {self.display_url} up"
-        return f"L2 {self.display_url} degraded: {self.state_reason}"
+            extra = self.backend.status()
+            return f"{self.label} {self.display_url} up" + (f" ({extra})" if extra else "")
+        return f"{self.label} {self.display_url} degraded: {self.state_reason}"

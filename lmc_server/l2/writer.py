@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ import numpy as np
 from lmc_server.cache.pool import COMMITTED, Partition
 from lmc_server.cache.store import StoreTicket
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
@@ -57,7 +57,8 @@ class WriteBehind:
     def __init__(self, backend: L2Backend, stats: L2Stats, view: PoolView,
                  executor: ThreadPoolExecutor, max_objects: int,
                  space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
-                 on_error: Callable[[L2Error], None]) -> None:
+                 on_error: Callable[[L2Error], None],
+                 on_stored: Callable[[list[bytes]], None] = lambda keys: None) -> None:
         self.backend = backend
         self.stats = stats
         self.view = view
@@ -66,6 +67,7 @@ class WriteBehind:
         self.space = space
         self.is_up = is_up
         self.on_error = on_error
+        self.on_stored = on_stored
         self._queue: deque[_Pending] = deque()
         self.depth = 0  # objects queued
         self.in_flight = 0  # objects taken from the queue, not yet written or dropped
@@ -79,24 +81,27 @@ class WriteBehind:
     def enqueue(self, namespace: str, ticket: StoreTicket) -> None:
         """Queue the objects a store just committed (event loop; O(objects), no IO)."""
         for r in ticket.reserved:
-            n = len(r.slots)
-            if not self.is_up():
-                self.stats.bump(self.stats.dropped_writes, "l2_down", n)
-                continue
-            room = self.max_objects - self.depth
-            if room < n:
-                self.stats.bump(self.stats.dropped_writes, "queue_full", n - max(room, 0))
-                n = max(room, 0)
-                if n == 0:
-                    continue
-            part = r.part
-            slots = list(r.slots[:n])
-            keys = [part.slot_key[s] or b"" for s in slots]  # (committed: never None)
-            self._queue.append(_Pending(self.space(namespace, part.fingerprint), part,
-                                        keys, slots))
-            self.depth += n
-        if self._queue:
-            self._wake.set()
+            self.enqueue_slots(namespace, r.part, r.slots)
+
+    def enqueue_slots(self, namespace: str, part: Partition, slots: Sequence[int]) -> None:
+        """Queue committed objects of one partition (a store's, or a prefetch's from a
+        lower tier being promoted into this one)."""
+        n = len(slots)
+        if not self.is_up():
+            self.stats.bump(self.stats.dropped_writes, "l2_down", n)
+            return
+        room = self.max_objects - self.depth
+        if room < n:
+            self.stats.bump(self.stats.dropped_writes, "queue_full", n - max(room, 0))
+            n = max(room, 0)
+            if n == 0:
+                return
+        slots = list(slots[:n])
+        keys = [part.slot_key[s] or b"" for s in slots]  # (committed: never None)
+        self._queue.append(_Pending(self.space(namespace, part.fingerprint), part,
+                                    keys, slots))
+        self.depth += n
+        self._wake.set()
 
     def _take_batch(self) -> list[tuple[bytes, Partition, bytes, int]]:
         """Pop up to one batch of ``(space, partition, key, slot)``."""
@@ -152,7 +157,7 @@ class WriteBehind:
                     await asyncio.gather(sending, return_exceptions=True)
 
     async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
-                            ) -> list[tuple[bytes, bytes]]:
+                            ) -> list[tuple[bytes, Value]]:
         """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
         jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
         pinned: list[tuple[Partition, int]] = []
@@ -176,7 +181,7 @@ class WriteBehind:
                 part.unpin(slot)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
-    async def _send(self, items: list[tuple[bytes, bytes]], taken: int) -> None:
+    async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:
         """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
             if not items:
@@ -197,13 +202,14 @@ class WriteBehind:
             self.stats.write_latency.observe(time.perf_counter() - t0)
             self.stats.objects_written += len(items)
             self.stats.bytes_written += sum(len(v) for _, v in items)
+            self.on_stored([k for k, _ in items])
         finally:
             self.in_flight -= taken
 
     def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
-                nbytes: int) -> bytes:
+                nbytes: int) -> Value:
         """Header and payload of one object (worker thread; the slot is pinned)."""
-        return codec.encode_value(space, chunk_key, mask, self.view(offset, nbytes).data)
+        return self.backend.encode(space, chunk_key, mask, self.view(offset, nbytes).data)
 
     async def stop(self, timeout_s: float) -> None:
         """Stop after the batch in progress (its copies are finished before returning)."""

@@ -81,6 +81,30 @@ class L2Report(L2Counters, kw_only=True):
     write_seconds: LatencySum
 
 
+class DiskRebuild(msgspec.Struct, kw_only=True):
+    """How far the disk tier's index rebuild is (hits are served meanwhile)."""
+
+    done: bool
+    fraction: float
+    dirs_total: int
+    dirs_done: int
+    files: int
+    bytes: int
+    stale_tmp_removed: int
+    seconds: float
+
+
+class DiskReport(L2Report, kw_only=True):
+    """The disk tier (with ``--disk-dir``): the L2 counters and state, plus its space."""
+
+    capacity_bytes: int
+    used_bytes: int  # of the files the index knows (see ``rebuild``)
+    files: int
+    evicted_objects: int
+    direct_io: bool
+    rebuild: DiskRebuild
+
+
 class KvEventsReport(KvEventCounters, kw_only=True):
     """The KV-event publisher (with ``--kv-events-endpoint``): its counters and state."""
 
@@ -109,8 +133,9 @@ class StatsReport(msgspec.Struct, kw_only=True):
     #: ``"op:phase"`` -> sums (see ``lmc_server.server.stats.PHASES``).
     phases: dict[str, PhaseSum]
     l2: L2Report | None = None
+    disk: DiskReport | None = None
     kv_events: KvEventsReport | None = None
 
 
-__all__ = ["Counters", "KvEventsReport", "L1Report", "L2Report", "LatencySum",
-           "PartitionReport", "PhaseSum", "StatsReport"]
+__all__ = ["Counters", "DiskRebuild", "DiskReport", "KvEventsReport", "L1Report", "L2Report",
+           "LatencySum", "PartitionReport", "PhaseSum", "StatsReport"]

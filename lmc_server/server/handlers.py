@@ -42,7 +42,7 @@ from lmc_server.server.validate import block_ids
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
-    from lmc_server.l2.tier import L2Tier
+    from lmc_server.l2.chain import TierChain
     from lmc_server.server.events import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ class Handlers:
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
         self.commits = CommitWatch()
-        #: The L2 tier (``--l2``), or None; called once per store commit and per lookup
-        #: that misses L1 (see :mod:`lmc_server.l2.tier`).
-        self.l2: L2Tier | None = None
+        #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
+        #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
+        self.l2: TierChain | None = None
         #: The KV-event publisher (``--kv-events-endpoint``), or None.
         self.events: KvEventPublisher | None = None
         #: The latest view of every namespace registered since start, for probes.

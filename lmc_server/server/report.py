@@ -18,6 +18,8 @@ from lmc_server.cache.index import L1Index
 from lmc_server.config import Config
 from lmc_server.protocol.stats import (
     Counters,
+    DiskRebuild,
+    DiskReport,
     KvEventsReport,
     L1Report,
     L2Report,
@@ -29,7 +31,8 @@ from lmc_server.protocol.stats import (
 from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
 
-if TYPE_CHECKING:  # the L2 tier is imported only with --l2
+if TYPE_CHECKING:  # the tiers below L1 are imported only with --l2 or --disk-dir
+    from lmc_server.l2.chain import TierChain
     from lmc_server.l2.tier import L2Tier
     from lmc_server.server.events import KvEventPublisher
 
@@ -45,7 +48,7 @@ def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str
 
 def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
                  stats: ServerStats, uptime_s: float,
-                 l2: L2Tier | None = None,
+                 tiers: TierChain | None = None,
                  events: KvEventPublisher | None = None) -> StatsReport:
     pool = index.pool
     parts = [PartitionReport(
@@ -79,7 +82,8 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
                       for (op, outcome), n in sorted(stats.requests.items())}),
         phases={f"{op}:{phase}": PhaseSum(count=int(n), seconds=seconds)
                 for (op, phase), (n, seconds) in sorted(stats.phases.items())},
-        l2=None if l2 is None else l2_report(l2),
+        l2=_tier_report(tiers, "l2", l2_report),
+        disk=_tier_report(tiers, "disk", disk_report),
         kv_events=None if events is None else KvEventsReport(
             **copy_counters(events.stats, KvEventCounters),
             endpoint=events.settings.endpoint,
@@ -87,6 +91,11 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
             next_seq=events.next_seq, replay_batches=events.replay_batches,
             published_objects=events.published_objects),
     )
+
+
+def _tier_report(tiers: TierChain | None, kind: str, report: Any) -> Any:
+    tier = None if tiers is None else tiers.tier(kind)
+    return None if tier is None else report(tier)
 
 
 def l2_report(tier: L2Tier) -> L2Report:
@@ -103,3 +112,21 @@ def l2_report(tier: L2Tier) -> L2Report:
         read_seconds=LatencySum(count=s.read_latency.count, sum=s.read_latency.seconds),
         write_seconds=LatencySum(count=s.write_latency.count, sum=s.write_latency.seconds),
     )
+
+
+def disk_report(tier: L2Tier) -> DiskReport:
+    """The ``disk`` part: what ``l2`` says of a tier, plus the disk's space and index."""
+    from lmc_server.l2.file_backend import FileBackend
+
+    backend = tier.backend
+    assert isinstance(backend, FileBackend)
+    p = backend.index.progress
+    return DiskReport(
+        **msgspec.structs.asdict(l2_report(tier)),
+        capacity_bytes=backend.index.capacity_bytes, used_bytes=backend.index.used_bytes,
+        files=len(backend.index.entries), evicted_objects=backend.evicted_objects,
+        direct_io=backend.direct,
+        rebuild=DiskRebuild(done=p.done, fraction=round(p.fraction, 4),
+                            dirs_total=p.dirs_total, dirs_done=p.dirs_done, files=p.files,
+                            bytes=p.bytes, stale_tmp_removed=p.stale_tmp_removed,
+                            seconds=round(p.seconds, 3)))

@@ -12,7 +12,11 @@ Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
 ``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
 closed, the pool is freed), then the process exits 0. Past the timeout, stores still
 copying are answered ``shutting_down`` at once (they are never committed visibly: no
-request is served after the drain); retrieves are answered when their copy stops,
+request is served after the drain), copies still queued in the engine are not started
+(cpu engine; the cuda engine's queued lane jobs still run), stores waiting for another
+writer's chunks stop waiting, and the server waits for running copies only (they
+cannot be interrupted);
+retrieves are answered when their copy stops,
 because it writes into the engine's memory and a reply before that would let the
 engine reuse blocks still being written. SIGHUP reopens the log file (see
 :mod:`lmc_server.logs`) and logs a one-line summary; nothing else is reloaded. The
@@ -45,6 +49,7 @@ from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.pool import SlabPool
 from lmc_server.config import Config
+from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs
 from lmc_server.metrics import (
     CounterCollector,
@@ -107,7 +112,7 @@ class Server:
         self._prev_signals: dict[int, Any] = {}
         self.on_started: list[Callable[[Server], None]] = []
         self.on_shutdown: list[Callable[[Server], None]] = []
-        self.l2: Any = None  # lmc_server.l2.tier.L2Tier with --l2
+        self.l2: Any = None  # lmc_server.l2.chain.TierChain with --l2 or --disk-dir
         self.events: KvEventPublisher | None = None  # with --kv-events-endpoint
 
     @property
@@ -164,7 +169,7 @@ class Server:
         self.started_at_s = self.clock()
         log.info("lmcache server %s starting: %s", __version__, _describe(cfg))
         self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads,
-                                                 cfg.cuda_copy_mode)
+                                                 cfg.cuda_copy_mode, cfg.cuda_staging_mb)
         if cfg.pipeline_mb >= 0:
             self.engine.pipeline_bytes = cfg.pipeline_mb << 20
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
@@ -172,11 +177,11 @@ class Server:
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)
         self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
                                  self.clock)
-        if cfg.l2_url:
-            from lmc_server.l2.setup import make_tier
+        if cfg.l2_url or cfg.disk_dir:
+            from lmc_server.l2.setup import make_chain
 
-            self.l2 = self.handlers.l2 = make_tier(cfg, self.index, self.host_pool,
-                                                   self.engine.name)
+            self.l2 = self.handlers.l2 = make_chain(cfg, self.index, self.host_pool,
+                                                    self.engine.name)
             self.l2.start()
         if cfg.kv_events_endpoint:
             self.events = self.handlers.events = KvEventPublisher(
@@ -228,7 +233,8 @@ class Server:
         if self.l2 is not None:
             from lmc_server.l2.metrics import L2Collector
 
-            registry.register(L2Collector(self.l2))
+            for tier in self.l2.tiers:
+                registry.register(L2Collector(tier))
         if self.events is not None:
             registry.register(CounterCollector("lmcache_kv_events_", self.events.stats))
         self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
@@ -322,6 +328,11 @@ class Server:
                      self.config.drain_timeout_s)
             _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
             if pending:
+                # From here on only running copies are waited for: copies still queued
+                # in the engine are not started, stores waiting on another writer's
+                # chunks stop waiting (settle); nothing else can delay the end.
+                self.engine.stop_queued()
+                self.handlers.commits.close()
                 self.dispatch.answer_unfinished(pending)
                 await asyncio.wait(pending)
         assert self.router is not None
@@ -363,8 +374,10 @@ class Server:
 
 
 def _describe(cfg: Config) -> str:
-    """Every effective setting, ``name=value``, for the startup log line."""
+    """Every effective setting, ``name=value``, for the startup log line (the L2 URL
+    through :func:`redact_url`, like every URL shown)."""
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    values["l2_url"] = redact_url(cfg.l2_url) if cfg.l2_url else ""
     values["l1_size_bytes"] = cfg.l1_size_bytes
     values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"

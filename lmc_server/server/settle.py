@@ -10,6 +10,13 @@ commit or abort wakes them) until each such key is settled:
   the client may store it again;
 * still WRITING after :data:`SETTLE_TIMEOUT_S`: ``IN_PROGRESS`` stays, meaning another
   store is still copying it; it may become visible later, count it as not stored.
+
+At shutdown the wait is cut short: once the drain times out the server calls
+:meth:`CommitWatch.close`, every waiting store returns at once (its undecided chunks
+stay ``IN_PROGRESS``) and none waits again, so past the drain timeout the server waits
+for copies only. (A writer that does not call :meth:`CommitWatch.changed`, such as an
+L2 prefetch, would otherwise keep a store waiting up to the whole settle timeout after
+the drain timeout.)
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ class CommitWatch:
     def __init__(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._changed: asyncio.Future[None] | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Shutdown, past the drain timeout: waiting stores return now, none waits again."""
+        self._closed = True
+        self.changed()
 
     def changed(self) -> None:
         """A store committed or aborted: let every waiter look again."""
@@ -59,7 +72,7 @@ class CommitWatch:
                     else:
                         waiting += 1
             left = deadline - time.monotonic()
-            if not waiting or left <= 0:
+            if not waiting or left <= 0 or self._closed:
                 return
             if self._changed is None:
                 self._changed = asyncio.get_running_loop().create_future()

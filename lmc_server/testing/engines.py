@@ -77,3 +77,37 @@ class HoldingEngine(CpuEngine):
             super().submit(mapping, copies, to_pool, done)
         except Exception as e:  # the server's own submit reports this way too
             done(f"copy not started: {e}")
+
+
+class BackloggedEngine(CpuEngine):
+    """The CPU engine with one copy thread, kept busy until :meth:`release`: copies
+    larger than ``INLINE_BYTES`` that are submitted meanwhile queue behind it, as they do
+    behind other copies on a loaded server (a backlog the test controls).
+    :attr:`submitted` counts submissions once the engine has queued them."""
+
+    def __init__(self) -> None:
+        super().__init__(copy_threads=1)
+        self._gate = threading.Event()
+        self._executor.submit(self._gate.wait, 60.0)
+        self._cond = threading.Condition()
+        self.submitted = 0
+
+    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
+               done: DoneCallback) -> None:
+        super().submit(mapping, copies, to_pool, done)
+        with self._cond:
+            self.submitted += 1
+            self._cond.notify_all()
+
+    def wait_submitted(self, n: int = 1, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.submitted >= n, timeout_s):
+                raise TimeoutError(f"{self.submitted} of {n} copies submitted in {timeout_s} s")
+
+    def release(self) -> None:
+        """Free the copy thread: the queued copies run (or are skipped if stopped)."""
+        self._gate.set()
+
+    def close(self) -> None:
+        self.release()
+        super().close()

@@ -55,14 +55,21 @@ class KVCache:
 
 
 class ShmKV(KVCache):
-    """Shared-memory buffers for ``geometry``; close (or use ``with``) to unlink them."""
+    """Shared-memory buffers for ``geometry``; close (or use ``with``) to unlink them.
 
-    def __init__(self, geometry: KVGeometry) -> None:
+    Tests register one KV cache from several clients and again after a server
+    restart, so its segments keep their names by default; ``keep_names=False`` is what
+    the client library's segments do (:mod:`lmc_server.client.shm`): the names go once
+    a server acknowledged a registration, and a process killed with SIGKILL after that
+    leaves nothing in ``/dev/shm`` (worker processes a test kills).
+    """
+
+    def __init__(self, geometry: KVGeometry, keep_names: bool = True) -> None:
         self.geometry = geometry
         self.segments: list[ShmSegment] = []
         try:
             for size in geometry.buffer_sizes:
-                self.segments.append(ShmSegment(size))
+                self.segments.append(ShmSegment(size, keep_name=keep_names))
         except BaseException:
             self.close()
             raise

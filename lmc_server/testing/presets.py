@@ -14,8 +14,10 @@ is 132 B. A page is one block of one layer:
 pads the block stride further, as engines may.
 
 Each group lives in its own buffer holding all its layers, ``num_blocks`` blocks per
-layer: layer ``l``, block ``b`` starts at ``l * num_blocks * block_stride +
-b * block_stride``.
+layer. ``placement="layer"`` (the default) puts layer ``l``, block ``b`` at ``l *
+num_blocks * stride + b * stride`` (layer-outermost, a tensor per layer laid end to
+end); ``placement="block"`` at ``b * n_layers * stride + l * stride`` (block-outermost:
+every layer of a block side by side, as vLLM lays out DeepSeek-V4's KV cache).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from lmc_server.cache.geometry import GroupSpec, LayerSpec, blocks_per_chunk
 
 MAIN_RECORD = {"sm100": (528, 512)}
+PLACEMENTS = ("layer", "block")
 DEFAULT_MAIN_RECORD = (584, 576)
 INDEXER_BYTES = 132
 
@@ -59,23 +62,30 @@ def round_up(n: int, align: int) -> int:
 
 def _group(name: str, kind: str, buffer: int, n_layers: int, num_blocks: int,
            tokens_per_block: int, states_per_block: int, record: str, bytes_per_state: int,
-           align: int, stride_pad: int, window: int = 0) -> tuple[GroupSpec, int]:
+           align: int, stride_pad: int, window: int = 0, placement: str = "layer"
+           ) -> tuple[GroupSpec, int]:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
     page = round_up(states_per_block * bytes_per_state, align)
     stride = page + stride_pad
-    layer_stride = num_blocks * stride
-    layers = [LayerSpec(buffer=buffer, offset=i * layer_stride, block_stride=stride,
+    if placement == "layer":
+        layer_stride, block_stride = num_blocks * stride, stride
+    else:
+        layer_stride, block_stride = stride, n_layers * stride
+    layers = [LayerSpec(buffer=buffer, offset=i * layer_stride, block_stride=block_stride,
                         page_bytes=page, name=f"{name}.{i}") for i in range(n_layers)]
     spec = GroupSpec(name=name, kind=kind,  # type: ignore[arg-type]
                      tokens_per_block=tokens_per_block, states_per_block=states_per_block,
                      record_format=record, bytes_per_state=bytes_per_state,
                      num_blocks=num_blocks, layers=layers, window_tokens=window)
-    return spec, n_layers * layer_stride
+    return spec, n_layers * num_blocks * stride
 
 
 def dsv41_flash(arch: str = "sm90", num_blocks: int = 64, layers: int = 44,
                 sliding_groups: int = 2, kv_source_every: int = 2, window_tokens: int = 128,
                 stride_pad: int = 0, scratch: bool = True,
-                model: str = "deepseek-ai/DeepSeek-V4.1-Flash") -> KVGeometry:
+                model: str = "deepseek-ai/DeepSeek-V4.1-Flash",
+                placement: str = "layer") -> KVGeometry:
     """The DeepSeek-V4.1-Flash preset (``fp8_ds_mla`` KV, MLA: replicated across ranks)."""
     main_bytes, main_align = MAIN_RECORD.get(arch, DEFAULT_MAIN_RECORD)
     groups: list[GroupSpec] = []
@@ -84,21 +94,22 @@ def dsv41_flash(arch: str = "sm90", num_blocks: int = 64, layers: int = 44,
                  for i in range(sliding_groups)]
     for i, n in enumerate(per_group):
         g, size = _group(f"swa{i}", "sliding_window", len(sizes), n, num_blocks, 32, 32,
-                         "fp8_ds_mla", main_bytes, main_align, stride_pad, window_tokens)
+                         "fp8_ds_mla", main_bytes, main_align, stride_pad, window_tokens,
+                         placement)
         groups.append(g)
         sizes.append(size)
     kv_layers = layers // kv_source_every
     g, size = _group("compressed", "full", len(sizes), kv_layers, num_blocks, 64, 32,
-                     "fp8_ds_mla", main_bytes, main_align, stride_pad)
+                     "fp8_ds_mla", main_bytes, main_align, stride_pad, placement=placement)
     groups.append(g)
     sizes.append(size)
     g, size = _group("indexer", "full", len(sizes), kv_layers, num_blocks, 64, 32,
-                     "indexer_fp8", INDEXER_BYTES, 1, stride_pad)
+                     "indexer_fp8", INDEXER_BYTES, 1, stride_pad, placement=placement)
     groups.append(g)
     sizes.append(size)
     if scratch:
         g, size = _group("compressor_scratch", "scratch", len(sizes), kv_layers, num_blocks,
-                         8, 8, "bf16", 512, 1, 0)
+                         8, 8, "bf16", 512, 1, 0, placement=placement)
         groups.append(g)
         sizes.append(size)
     return KVGeometry(model=model, kv_dtype="fp8_ds_mla", arch=arch, groups=groups,

@@ -126,5 +126,11 @@ class TransferEngine(ABC):
         if errors[0]:
             raise TransferError(errors[0])
 
+    def stop_queued(self) -> None:
+        """Shutdown, past the drain timeout: copies waiting for a copy thread or lane are
+        not started (each reports an error through its ``done``); running copies finish.
+        Irreversible. The default has nothing queued to stop."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...

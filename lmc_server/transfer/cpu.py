@@ -157,7 +157,8 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
     """Copy one run for each of its chunks; consecutive block ids go in one call."""
     r = c.run
     nb, page, nl = r.n_blocks, r.page_bytes, r.n_layers
-    obj_strides = (nb * page, page, 1)
+    ols, obs = r.object_layer_stride, r.object_block_stride
+    obj_strides = (ols, obs, 1)
     ids = c.block_ids
     consecutive = (np.diff(ids, axis=1) == 1).all(axis=1) if nb > 1 else np.ones(len(ids), bool)
     for ci in range(ids.shape[0]):
@@ -177,27 +178,36 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
                 continue
             eng = np.ndarray((nl, page), np.uint8, buf, r.base_offset + b * r.block_stride,
                              (r.layer_stride, 1))
-            obj = np.ndarray((nl, page), np.uint8, pool, dst_base + j * page, (nb * page, 1))
+            obj = np.ndarray((nl, page), np.uint8, pool, dst_base + j * obs, (ols, 1))
             if to_pool:
                 np.copyto(obj, eng)
             else:
                 np.copyto(eng, obj)
 
 
+#: What a piece stopped at shutdown reports (:meth:`CpuEngine.stop_queued`).
+STOPPED = "copy not started: the server is shutting down"
+
+
 class _Latch:
     """Counts the pieces of one copy down; the last to finish calls ``done`` once,
-    with the first failure if any piece failed."""
+    with the first failure if any piece failed. A piece that reaches a copy thread
+    after ``stopped`` is set is not copied and fails the copy."""
 
-    def __init__(self, pieces: int, done: DoneCallback) -> None:
+    def __init__(self, pieces: int, done: DoneCallback, stopped: threading.Event) -> None:
         self._left = pieces
         self._error = ""
         self._lock = threading.Lock()
         self._done = done
+        self._stopped = stopped
 
     def run(self, fn: Callable[..., None], *args: object) -> None:
         err = ""
         try:
-            fn(*args)
+            if self._stopped.is_set():
+                err = STOPPED
+            else:
+                fn(*args)
         except Exception as e:  # reported to the request, never lost in the pool
             err = f"copy failed: {e}"
         with self._lock:
@@ -218,6 +228,7 @@ class CpuEngine(TransferEngine):
         self.copy_threads = copy_threads or min(4, os.cpu_count() or 1)
         self._pool: CpuHostPool | None = None
         self._executor = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="lmc-copy")
+        self._stopped = threading.Event()
 
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
         self._pool = CpuHostPool(size_bytes, slab_bytes)
@@ -247,7 +258,7 @@ class CpuEngine(TransferEngine):
             done("")
             return
         work = self._split(live)
-        latch = _Latch(len(work), done)
+        latch = _Latch(len(work), done, self._stopped)
         for c in work:
             self._executor.submit(latch.run, _copy_run, c, arrays[c.run.buffer], pool, to_pool)
 
@@ -264,6 +275,11 @@ class CpuEngine(TransferEngine):
                 if hi > lo:
                     out.append(RunCopy(c.run, c.block_ids[lo:hi], c.object_offsets[lo:hi]))
         return out
+
+    def stop_queued(self) -> None:
+        """Pieces still waiting for a copy thread are not copied (see the base class);
+        a piece being copied finishes, so the wait is one piece at most per thread."""
+        self._stopped.set()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

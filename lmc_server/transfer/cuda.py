@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import cupy
 
@@ -50,14 +50,35 @@ from lmc_server.transfer.base import (
     TransferEngine,
     TransferError,
 )
+from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
-from lmc_server.transfer.cuda_lanes import CUDA_ERRORS, MEMCPY_DEFAULT, MIB, Job, Lane, Lanes
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_lanes import (
+    CUDA_ERRORS,
+    MEMCPY_DEFAULT,
+    MIB,
+    STAGING_HALF_BYTES,
+    Job,
+    Lane,
+    Lanes,
+)
+from lmc_server.transfer.cuda_plan import (
+    DEV_ADDR,
+    HEIGHT,
+    POOL_ADDR,
+    WIDTH,
+    DmaPlan,
+    Plan,
+    Region,
+    plan_dma,
+    plan_mapped,
+    plan_staging,
+)
 from lmc_server.transfer.cuda_pool import CudaHostPool
+from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
 
 log = logging.getLogger(__name__)
 
-COPY_MODES = ("staging", "mapped")
+COPY_MODES = ("auto", "staging", "mapped", "dma")
 LANES_PER_DEVICE = 4
 GATHER_THREADS = 256
 MAPPED_THREADS = 512
@@ -78,6 +99,10 @@ SPIN_S = 300e-6
 WAKE_MARGIN_S = 150e-6
 
 
+def _nvml_reader(device: int) -> Callable[[], int | None]:
+    return NvmlUtilization(str(cupy.cuda.Device(device).pci_bus_id)).read
+
+
 class CudaEngine(TransferEngine):
     """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
 
@@ -89,7 +114,10 @@ class CudaEngine(TransferEngine):
 
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
                  mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
-                 wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES) -> None:
+                 wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES,
+                 staging_half_bytes: int = STAGING_HALF_BYTES,
+                 kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
+                 batch_copies: bool = True) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
@@ -99,6 +127,19 @@ class CudaEngine(TransferEngine):
         self.pinning = pinning
         self.wait = wait
         self.first_piece_bytes = first_piece_bytes
+        self.staging_half_bytes = staging_half_bytes
+        #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
+        self._kernel_pct = kernel_pct or _nvml_reader
+        self._gates: dict[int, BusyGate] = {}
+        #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
+        #: (tests turn it off to run the one-call-per-row path).
+        self.batch_copies = batch_copies
+        self._queue_stopped = False
+        #: device -> the checked batch copier of mode dma (``None``: single copies)
+        self._batch: dict[int, BatchCopier | None] = {}
+        #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
+        #: diagnostics: what mode ``auto`` chose.
+        self.copies_by_path: dict[str, int] = {"dma": 0, "staging": 0, "mapped": 0}
         #: When set, each copy records CUDA timing events and fills :attr:`last_profile`
         #: (benchmarks only: it adds two event records and one stream wait per copy).
         self.profile = False
@@ -140,10 +181,15 @@ class CudaEngine(TransferEngine):
             with self._lanes_lock:
                 lanes = self._lanes.get(device)
                 if lanes is None:
-                    lanes = Lanes(device, self._lanes_per_device)
-                    self._lanes[device] = lanes
+                    lanes = Lanes(device, self._lanes_per_device, self.staging_half_bytes)
                     self._sm_count[device] = int(cupy.cuda.runtime.getDeviceProperties(
                         device)["multiProcessorCount"])
+                    if self.copy_mode == "auto":
+                        self._gates[device] = BusyGate(self._kernel_pct(device),
+                                                       name=f"GPU {device}")
+                    if self.copy_mode in ("auto", "dma") and self.batch_copies:
+                        self._batch[device] = batch_copier(device)
+                    self._lanes[device] = lanes  # last: readers take the lanes unlocked
         return lanes
 
     def _region(self, mapping: CudaMapping) -> Region:
@@ -174,6 +220,8 @@ class CudaEngine(TransferEngine):
         lanes = self._lanes_of(mapping.device_index)
         lane = lanes.take_or_queue(job)
         if lane is None:
+            if self._queue_stopped:
+                self._fail_queued(lanes)
             return  # launched by the waiter that frees a lane
         try:
             launched = self._launch(lane, job)
@@ -193,33 +241,51 @@ class CudaEngine(TransferEngine):
         try:
             with cupy.cuda.Device(device):
                 region = self._region(job.mapping)
-                if self.copy_mode == "staging":
-                    halves = lane.halves(max(c.run.nbytes for c in job.copies))
+                mode = self.copy_mode
+                if mode == "auto":
+                    mode = "dma" if self._gates[device].busy() else "staging"
+                plan: Plan | DmaPlan
+                if mode == "dma":
+                    plan = plan_dma(job.copies, region)
+                    if not plan.n_rows:
+                        job.done("")
+                        return False
+                elif mode == "staging":
+                    # the largest cluster a plan stages: a section of one object
+                    halves = lane.halves(max(max(c.run.nbytes,
+                                                 c.run.n_blocks * c.run.object_block_stride)
+                                             for c in job.copies))
                     plan = plan_staging(job.copies, region, halves, lane.half_bytes,
                                         self.first_piece_bytes)
                 else:
                     plan = plan_mapped(job.copies, region)
-                if not plan.pieces:
+                if isinstance(plan, Plan) and not plan.pieces:
                     job.done("")
                     return False
                 job.t_planned = time.perf_counter()
                 launched = True
+                self.copies_by_path[mode] += 1
                 if self.profile:
                     lane.timing[0].record(lane.sm)
                     lane.dma.wait_event(lane.timing[0])
-                units, ids = lane.upload(plan, lane.sm)
-                if self.copy_mode == "mapped":
-                    cuda_kernels.launch(device, "gather_units" if to_pool else "scatter_units",
-                                        units, ids, plan.n_units, 0, plan.n_units,
-                                        plan.max_layers, plan.max_blocks, self.mapped_blocks,
-                                        MAPPED_THREADS, lane.sm)
-                    last = lane.sm
-                elif to_pool:
-                    self._store_pieces(lane, plan, units, ids)
+                if isinstance(plan, DmaPlan):
+                    self._dma_rows(lane, plan, to_pool)
                     last = lane.dma
                 else:
-                    self._retrieve_pieces(lane, plan, units, ids)
-                    last = lane.sm
+                    units, ids = lane.upload(plan, lane.sm)
+                    if mode == "mapped":
+                        cuda_kernels.launch(device,
+                                            "gather_units" if to_pool else "scatter_units",
+                                            units, ids, plan.n_units, 0, plan.n_units,
+                                            plan.max_layers, plan.max_blocks,
+                                            self.mapped_blocks, MAPPED_THREADS, lane.sm)
+                        last = lane.sm
+                    elif to_pool:
+                        self._store_pieces(lane, plan, units, ids)
+                        last = lane.dma
+                    else:
+                        self._retrieve_pieces(lane, plan, units, ids)
+                        last = lane.sm
                 if self.profile:
                     lane.timing[1].record(last)
                 lane.done.record(last)
@@ -232,8 +298,11 @@ class CudaEngine(TransferEngine):
                 lane.drain()
             raise
         job.nbytes = plan.nbytes
-        job.pieces = len(plan.pieces)
-        job.dmas = sum(len(p.segments) for p in plan.pieces)
+        if isinstance(plan, DmaPlan):
+            job.pieces, job.dmas = 1, plan.n_rows
+        else:
+            job.pieces = len(plan.pieces)
+            job.dmas = sum(len(p.segments) for p in plan.pieces)
         job.t_launched = time.perf_counter()
         if lane.waiter is None:
             lane.waiter = threading.Thread(target=self._waiter, args=(lane,),
@@ -291,6 +360,32 @@ class CudaEngine(TransferEngine):
     def _blocks(self, device: int, pages: int) -> int:
         return max(1, min(pages, 4 * self._sm_count[device]))
 
+    def _dma_rows(self, lane: Lane, plan: DmaPlan, to_pool: bool) -> None:
+        """Issue the plan's copies on the lane's DMA stream (copy engines only): the 1-D
+        rows in one ``cuMemcpyBatchAsync`` where the driver passed its check
+        (:mod:`.cuda_batch`), 2-D rows (and every row without it) one call each."""
+        stream = lane.dma.ptr
+        rows = plan.rows
+        batch = self._batch.get(lane.device)
+        if batch is not None:
+            one = rows[:, HEIGHT] == 1
+            if one.any():
+                r = rows[one]
+                dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
+                if to_pool:
+                    batch.copy(pool, dev, width, stream)
+                else:
+                    batch.copy(dev, pool, width, stream)
+                rows = rows[~one]
+        copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
+        for dev, dpitch, pool, ppitch, width, height in rows.tolist():
+            dst, dst_pitch, src, src_pitch = ((pool, ppitch, dev, dpitch) if to_pool
+                                              else (dev, dpitch, pool, ppitch))
+            if height == 1:
+                copy1d(dst, src, width, MEMCPY_DEFAULT, stream)
+            else:
+                copy2d(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
+
     def _store_pieces(self, lane: Lane, plan: Plan, units: int, ids: int) -> None:
         """Gather each piece into a staging half (SMs), then DMA it out (copy engine).
 
@@ -328,6 +423,19 @@ class CudaEngine(TransferEngine):
                    plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
                    GATHER_THREADS, sm)
             lane.freed[h].record(sm)
+
+    def stop_queued(self) -> None:
+        """Past the drain timeout: copies waiting for a lane fail now (their chunks are
+        reported failed and never committed), and so does any later one that would
+        have to wait; copies on a lane finish."""
+        self._queue_stopped = True
+        for lanes in list(self._lanes.values()):
+            self._fail_queued(lanes)
+
+    @staticmethod
+    def _fail_queued(lanes: Lanes) -> None:
+        for job in lanes.stop_queued():
+            job.done("the server is shutting down: copy not started")
 
     def close(self) -> None:
         for lanes in list(self._lanes.values()):

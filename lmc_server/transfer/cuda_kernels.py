@@ -17,10 +17,11 @@ import cupy
 import numpy as np
 
 from lmc_server.transfer.base import TransferError
+from lmc_server.transfer.cuda_plan import UNIT_WORDS
 
 SOURCE = "copy_pages.cu"
 #: Bytes per unit row (``cuda_plan.UNIT_WORDS`` int64 words).
-UNIT_BYTES = 8 * 8
+UNIT_BYTES = UNIT_WORDS * 8
 MAX_THREADS = 1024
 KERNELS = ("gather_units", "scatter_units")
 

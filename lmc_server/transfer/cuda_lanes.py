@@ -43,8 +43,9 @@ class Lane:
     rewritten while a copy may still read it.
     """
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, min_half_bytes: int = STAGING_HALF_BYTES) -> None:
         self.device = device
+        self.min_half_bytes = min_half_bytes
         with cupy.cuda.Device(device):
             self.sm = cupy.cuda.Stream(non_blocking=True)
             self.dma = cupy.cuda.Stream(non_blocking=True)
@@ -64,7 +65,7 @@ class Lane:
 
     def halves(self, need_bytes: int) -> tuple[int, int]:
         if need_bytes > self.half_bytes:
-            size = max(STAGING_HALF_BYTES, -(-need_bytes // MIB) * MIB)
+            size = max(self.min_half_bytes, -(-need_bytes // MIB) * MIB)
             self.staging = None
             with cupy.cuda.Device(self.device):
                 self.staging = cupy.cuda.memory.Memory(2 * size)
@@ -131,9 +132,10 @@ class Lanes:
     never queued while a lane sits free.
     """
 
-    def __init__(self, device: int, limit: int) -> None:
+    def __init__(self, device: int, limit: int, half_bytes: int = STAGING_HALF_BYTES) -> None:
         self.device = device
         self.limit = limit
+        self.half_bytes = half_bytes
         self._free: list[Lane] = []
         self._pending: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -146,7 +148,7 @@ class Lanes:
             if len(self.all) >= self.limit:
                 self._pending.append(job)
                 return None
-            lane = Lane(self.device)
+            lane = Lane(self.device, self.half_bytes)
             self.all.append(lane)
             return lane
 
@@ -157,3 +159,10 @@ class Lanes:
                 return self._pending.popleft()
             self._free.append(lane)
             return None
+
+    def stop_queued(self) -> list[Job]:
+        """Take every queued job out (the caller fails them); later ones queue again."""
+        with self._lock:
+            jobs = list(self._pending)
+            self._pending.clear()
+            return jobs

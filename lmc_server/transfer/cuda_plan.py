@@ -41,9 +41,9 @@ from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import TransferError
 
 #: int64 words per unit row; column meanings match ``kernels/copy_pages.cu``.
-UNIT_WORDS = 8
-PAGE_BASE, LAYER_STRIDE, BLOCK_STRIDE, PAGE_BYTES, OBJECT, IDS_OFFSET, N_LAYERS, N_BLOCKS = (
-    range(UNIT_WORDS))
+UNIT_WORDS = 10
+(PAGE_BASE, LAYER_STRIDE, BLOCK_STRIDE, PAGE_BYTES, OBJECT, IDS_OFFSET, N_LAYERS, N_BLOCKS,
+ OBJ_LAYER_STRIDE, OBJ_BLOCK_STRIDE) = range(UNIT_WORDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +130,9 @@ def _check_ranges(ci: int, c: RunCopy, ids: np.ndarray, offs: np.ndarray,
         raise TransferError(
             f"copy {ci}: pages span bytes [{lo}, {hi}) of buffer {r.buffer}, which has "
             f"{int(region.buffer_sizes[r.buffer])} bytes (block ids {lo_id}..{hi_id})")
-    lo_off, hi_off = int(offs.min()), int(offs.max()) + r.nbytes
-    same_slab = (offs // region.slab_bytes) == ((offs + r.nbytes - 1) // region.slab_bytes)
+    ext = r.object_extent
+    lo_off, hi_off = int(offs.min()), int(offs.max()) + ext
+    same_slab = (offs // region.slab_bytes) == ((offs + ext - 1) // region.slab_bytes)
     if lo_off < 0 or hi_off > region.pool_bytes or not same_slab.all():
         raise TransferError(f"copy {ci}: object range outside the pool or across a slab "
                             "boundary")
@@ -143,7 +144,8 @@ class _Units:
     table: np.ndarray  # (U, UNIT_WORDS) int64, OBJECT column not filled yet
     ids: np.ndarray  # (N,) int64
     pool_off: np.ndarray  # (U,) int64
-    size: np.ndarray  # (U,) int64 object bytes per unit
+    size: np.ndarray  # (U,) int64 object bytes per unit (what it moves)
+    extent: np.ndarray  # (U,) int64 bytes from its first to past its last object byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,13 +156,14 @@ class _Template:
 
     table: np.ndarray  # (U, UNIT_WORDS) int64, OBJECT 0
     size: np.ndarray  # (U,) int64
+    extent: np.ndarray  # (U,) int64
     id_starts: np.ndarray  # (C,) first id of each copy in the concatenated ids
     off_starts: np.ndarray  # (C,) first unit of each copy
     block_stride: np.ndarray  # (C,) int64
     lo_extent: np.ndarray  # (C,) base_offset + lowest layer offset
     hi_extent: np.ndarray  # (C,) base_offset + highest layer offset + page_bytes
     buffer_bytes: np.ndarray  # (C,) int64
-    run_bytes: np.ndarray  # (C,) int64
+    run_extent: np.ndarray  # (C,) int64
 
 
 _TEMPLATES: dict[tuple[object, ...], _Template] = {}
@@ -181,14 +184,15 @@ def _template(live: list[RunCopy], region: Region) -> _Template:
         r = c.run
         m = int(c.block_ids.shape[0])
         rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
-                     r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks))
+                     r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks,
+                     r.object_layer_stride, r.object_block_stride))
         counts.append(m)
         id_starts.append(id_at)
         off_starts.append(off_at)
         last_layer = (r.n_layers - 1) * r.layer_stride
         consts.append((r.block_stride, r.base_offset + min(0, last_layer),
                        r.base_offset + max(0, last_layer) + r.page_bytes,
-                       int(region.buffer_sizes[r.buffer]), r.nbytes))
+                       int(region.buffer_sizes[r.buffer]), r.object_extent))
         id_at += m * r.n_blocks
         off_at += m
     n = np.asarray(counts, dtype=np.int64)
@@ -197,8 +201,8 @@ def _template(live: list[RunCopy], region: Region) -> _Template:
     table[:, IDS_OFFSET] += local * table[:, N_BLOCKS]
     size = table[:, PAGE_BYTES] * table[:, N_LAYERS] * table[:, N_BLOCKS]
     k = np.asarray(consts, dtype=np.int64)
-    t = _Template(table, size, np.asarray(id_starts, np.int64), np.asarray(off_starts, np.int64),
-                  k[:, 0], k[:, 1], k[:, 2], k[:, 3], k[:, 4])
+    t = _Template(table, size, _extent(table), np.asarray(id_starts, np.int64),
+                  np.asarray(off_starts, np.int64), k[:, 0], k[:, 1], k[:, 2], k[:, 3], k[:, 4])
     if len(_TEMPLATES) >= _TEMPLATES_MAX:
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
     _TEMPLATES[key] = t
@@ -238,12 +242,12 @@ def _units(copies: Sequence[RunCopy], region: Region) -> _Units | None:
     bad = ((t.lo_extent + np.minimum(a, b) < 0)
            | (t.hi_extent + np.maximum(a, b) > t.buffer_bytes))
     lo_off = np.minimum.reduceat(offs, t.off_starts)
-    hi_off = np.maximum.reduceat(offs, t.off_starts) + t.run_bytes
+    hi_off = np.maximum.reduceat(offs, t.off_starts) + t.run_extent
     bad |= (lo_off < 0) | (hi_off > region.pool_bytes)
     slab = region.slab_bytes
-    if bad.any() or not ((offs // slab) == ((offs + t.size - 1) // slab)).all():
+    if bad.any() or not ((offs // slab) == ((offs + t.extent - 1) // slab)).all():
         return _units_exact(copies, live, ids, offs, region)  # raises with the details
-    return _Units(t.table.copy(), ids, offs, t.size)
+    return _Units(t.table.copy(), ids, offs, t.size, t.extent)
 
 
 def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray,
@@ -261,7 +265,8 @@ def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray
         c_offs = offs[off_at:off_at + m]
         if _check_ranges(index[id(c)], c, c_ids, c_offs, region):
             rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
-                         r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks))
+                         r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks,
+                         r.object_layer_stride, r.object_block_stride))
             counts.append(m)
             keep_offs.append(c_offs)
         id_at += m * r.n_blocks
@@ -274,7 +279,13 @@ def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray
     table[:, IDS_OFFSET] += local * table[:, N_BLOCKS]
     size = table[:, PAGE_BYTES] * table[:, N_LAYERS] * table[:, N_BLOCKS]
     pool_off = keep_offs[0] if len(keep_offs) == 1 else np.concatenate(keep_offs)
-    return _Units(table, ids, pool_off, size)
+    return _Units(table, ids, pool_off, size, _extent(table))
+
+
+def _extent(table: np.ndarray) -> np.ndarray:
+    """Per unit row: bytes from its first object byte to past its last."""
+    return ((table[:, N_LAYERS] - 1) * table[:, OBJ_LAYER_STRIDE]
+            + (table[:, N_BLOCKS] - 1) * table[:, OBJ_BLOCK_STRIDE] + table[:, PAGE_BYTES])
 
 
 def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -302,7 +313,7 @@ def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
         return _EMPTY
     start = region.pool_addr(u.pool_off)
     slab_lo = region.slab_ptrs[u.pool_off // region.slab_bytes]
-    check_objects(start, u.size, slab_lo, slab_lo + region.slab_bytes)
+    check_objects(start, u.extent, slab_lo, slab_lo + region.slab_bytes)
     table = u.table
     table[:, OBJECT] = start
     return _finish(u, table, (Piece(0, table.shape[0], 0, np.zeros((0, 3), np.int64)),))
@@ -312,57 +323,203 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
                  half_bytes: int, first_piece_bytes: int = 0) -> Plan:
     """Units in pool order, packed into staging halves; one piece per half-fill.
 
-    ``halves`` are the device addresses of the lane's staging halves (used
-    alternately: piece ``k`` uses half ``k % len(halves)``). The first piece holds
-    about ``first_piece_bytes`` (``0``: a whole half, at least one unit), so the first
-    DMA waits only for a short gather. A unit larger than a half is refused (the engine
-    sizes halves to the largest run of the request).
+    Units whose object extents overlap (the runs of one block-major section, whose
+    pages interleave) form a *cluster*, which staging mirrors byte for byte: a unit's
+    staging address is its cluster's place in the half plus its offset in the cluster,
+    so the kernels write staging with the same strides as the pool, and one DMA moves a
+    cluster (neighbouring clusters merge). ``halves`` are the device addresses of the
+    lane's staging halves (used alternately: piece ``k`` uses half ``k % len(halves)``).
+    The first piece holds about ``first_piece_bytes`` (``0``: a whole half, at least one
+    cluster), so the first DMA waits only for a short gather. A cluster larger than a
+    half is refused (the engine sizes halves to the largest section of the request).
     """
     u = _units(copies, region)
     if u is None:
         return _EMPTY
     n_units = u.table.shape[0]
-    if int(u.size.max()) > half_bytes:
-        raise TransferError(f"one object run is {int(u.size.max())} bytes, more than the "
-                            f"{half_bytes}-byte staging half")
     order = np.argsort(u.pool_off, kind="stable")
     table = u.table[order]
-    s_off, s_size = u.pool_off[order], u.size[order]
-    cum_end = np.cumsum(s_size)
-    cum_start = cum_end - s_size
-    # Greedy packing at unit boundaries: one bisection per piece, not per unit.
+    s_lo = u.pool_off[order]
+    s_hi = s_lo + u.extent[order]
+    starts_cluster = np.ones(n_units, dtype=bool)
+    starts_cluster[1:] = s_lo[1:] >= np.maximum.accumulate(s_hi)[:-1]
+    cl_first = np.flatnonzero(starts_cluster)
+    n_cl = cl_first.size
+    cl_lo = s_lo[cl_first]
+    cl_size = np.maximum.reduceat(s_hi, cl_first) - cl_lo
+    unit_cl = np.repeat(np.arange(n_cl, dtype=np.int64), np.diff(np.append(cl_first, n_units)))
+    if int(cl_size.max()) > half_bytes:
+        raise TransferError(f"one object section is {int(cl_size.max())} bytes, more than "
+                            f"the {half_bytes}-byte staging half")
+    cum_end = np.cumsum(cl_size)
+    cum_start = cum_end - cl_size
+    # Greedy packing at cluster boundaries: one bisection per piece, not per cluster.
     ends = cum_end.tolist()
-    firsts_u = [0]
+    firsts_c = [0]
     cap = min(first_piece_bytes, half_bytes) if first_piece_bytes > 0 else half_bytes
     while True:
-        f = firsts_u[-1]
-        k = max(bisect.bisect_right(ends, ends[f] - int(s_size[f]) + cap), f + 1)
-        if k >= n_units:
+        f = firsts_c[-1]
+        k = max(bisect.bisect_right(ends, ends[f] - int(cl_size[f]) + cap), f + 1)
+        if k >= n_cl:
             break
-        firsts_u.append(k)
+        firsts_c.append(k)
         cap = half_bytes
-    n_pieces = len(firsts_u)
-    first_arr = np.asarray(firsts_u + [n_units], dtype=np.int64)
-    unit_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), np.diff(first_arr))
+    n_pieces = len(firsts_c)
+    first_arr = np.asarray(firsts_c + [n_cl], dtype=np.int64)
+    cl_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), np.diff(first_arr))
     half_addr = np.asarray([int(halves[p % len(halves)]) for p in range(n_pieces)],
                            dtype=np.int64)
-    unit_half = half_addr[unit_piece]
-    unit_stage = unit_half + cum_start - cum_start[first_arr[:-1]][unit_piece]
-    check_objects(unit_stage, s_size, unit_half, unit_half + half_bytes)
-    # DMA segments: neighbours in pool and staging, same piece, same slab, merge.
-    slab = s_off // region.slab_bytes
-    joins = np.zeros(n_units, dtype=bool)
-    joins[1:] = ((s_off[1:] == s_off[:-1] + s_size[:-1]) & (unit_piece[1:] == unit_piece[:-1])
+    cl_half = half_addr[cl_piece]
+    cl_stage = cl_half + cum_start - cum_start[first_arr[:-1]][cl_piece]
+    unit_stage = cl_stage[unit_cl] + (s_lo - cl_lo[unit_cl])
+    check_objects(unit_stage, s_hi - s_lo, cl_half[unit_cl], cl_half[unit_cl] + half_bytes)
+    # DMA segments: clusters neighbouring in pool and staging, same piece and slab, merge.
+    slab = cl_lo // region.slab_bytes
+    joins = np.zeros(n_cl, dtype=bool)
+    joins[1:] = ((cl_lo[1:] == cl_lo[:-1] + cl_size[:-1]) & (cl_piece[1:] == cl_piece[:-1])
                  & (slab[1:] == slab[:-1]))
     seg_first = np.flatnonzero(~joins)
     segments = np.empty((len(seg_first), 3), dtype=np.int64)
-    segments[:, 0] = unit_stage[seg_first]
-    segments[:, 1] = region.pool_addr(s_off[seg_first])
-    segments[:, 2] = np.add.reduceat(s_size, seg_first)
-    seg_bounds = np.searchsorted(unit_piece[seg_first], np.arange(n_pieces + 1)).tolist()
+    segments[:, 0] = cl_stage[seg_first]
+    segments[:, 1] = region.pool_addr(cl_lo[seg_first])
+    segments[:, 2] = np.add.reduceat(cl_size, seg_first)
+    seg_bounds = np.searchsorted(cl_piece[seg_first], np.arange(n_pieces + 1)).tolist()
     table[:, OBJECT] = unit_stage
-    counts = np.diff(first_arr).tolist()
-    pieces = tuple(Piece(firsts_u[p], counts[p], p % len(halves),
+    unit_firsts = np.append(cl_first, n_units)[first_arr].tolist()
+    pieces = tuple(Piece(unit_firsts[p], unit_firsts[p + 1] - unit_firsts[p], p % len(halves),
                          segments[seg_bounds[p]:seg_bounds[p + 1]])
                    for p in range(n_pieces))
     return _finish(u, table, pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class DmaPlan:
+    """Copy-engine descriptors of a request: no kernel, no staging.
+
+    ``rows`` are ``(device address, device pitch, pool address, pool pitch, width,
+    height)``: ``height`` rows of ``width`` bytes, the device-side rows ``device pitch``
+    bytes apart (a run's layers) and the pool-side rows ``pool pitch`` apart (the
+    object's layers). One row per (unit, run of consecutive block ids); ``nbytes`` is
+    what the rows move in all.
+    """
+
+    rows: np.ndarray  # (R, 6) int64
+    nbytes: int
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.rows.shape[0])
+
+
+DEV_ADDR, DEV_PITCH, POOL_ADDR, POOL_PITCH, WIDTH, HEIGHT = range(6)
+_EMPTY_DMA = DmaPlan(np.zeros((0, 6), np.int64), 0)
+
+
+def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
+    """2-D copy descriptors for the copy engines, checked like the kernels' plans.
+
+    The page envelope and object ranges are checked by :func:`_units` (the same checks
+    as the kernel paths) and every object range must lie in one pool slab. Pages of
+    consecutive block ids whose block stride equals the page size are contiguous in the
+    engine's buffer and in the object, so they merge into one row; a block id of -1
+    ("leave this page alone") ends a run and is skipped. A run's layers become the
+    height of one 2-D copy when its layer stride is at least the row's width (layers
+    that do not overlap, in increasing order); otherwise each layer is a row of its own.
+    """
+    u = _units(copies, region)
+    if u is None:
+        return _EMPTY_DMA
+    t = u.table
+    start = region.pool_addr(u.pool_off)
+    slab_lo = region.slab_ptrs[u.pool_off // region.slab_bytes]
+    check_objects(start, u.extent, slab_lo, slab_lo + region.slab_bytes)
+    n_blocks = t[:, N_BLOCKS]
+    unit = np.repeat(np.arange(t.shape[0], dtype=np.int64), n_blocks)
+    ids = _unit_ids(t, u.ids)
+    j = np.arange(ids.size, dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks,
+                                                        n_blocks)
+    page = t[unit, PAGE_BYTES]
+    contiguous = (t[unit, BLOCK_STRIDE] == page) & (t[unit, OBJ_BLOCK_STRIDE] == page)
+    live = ids >= 0
+    # a run continues where the id follows its predecessor in the same unit
+    follows = np.zeros(ids.size, dtype=bool)
+    follows[1:] = (j[1:] > 0) & live[:-1] & contiguous[1:] & (ids[1:] == ids[:-1] + 1)
+    follows &= live
+    first = np.flatnonzero(live & ~follows)
+    # a run ends at the next id that does not follow (a begin or a dead id)
+    breaks = np.append(np.flatnonzero(~follows), ids.size)
+    stop = breaks[np.searchsorted(breaks, first, side="right")]
+    length = stop - first
+    ru = unit[first]
+    width = length * page[first]
+    layers = t[ru, N_LAYERS]
+    lstride = t[ru, LAYER_STRIDE]
+    obj_pitch = t[ru, OBJ_LAYER_STRIDE]
+    dev = t[ru, PAGE_BASE] + ids[first] * t[ru, BLOCK_STRIDE]
+    pool = start[ru] + j[first] * t[ru, OBJ_BLOCK_STRIDE]
+    stacked = (layers == 1) | (lstride >= width)
+    rows = np.empty((first.size, 6), dtype=np.int64)
+    rows[:, DEV_ADDR], rows[:, DEV_PITCH] = dev, np.where(layers == 1, width, lstride)
+    rows[:, POOL_ADDR], rows[:, POOL_PITCH] = pool, obj_pitch
+    rows[:, WIDTH], rows[:, HEIGHT] = width, layers
+    row_unit = ru
+    if not stacked.all():  # one row per layer where layers cannot form a 2-D copy
+        flat = rows[~stacked]
+        reps = flat[:, HEIGHT]
+        per = np.repeat(flat, reps, axis=0)
+        li = np.arange(per.shape[0], dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
+        per[:, DEV_ADDR] += li * per[:, DEV_PITCH]
+        per[:, POOL_ADDR] += li * per[:, POOL_PITCH]
+        per[:, DEV_PITCH] = per[:, WIDTH]
+        per[:, HEIGHT] = 1
+        rows = np.concatenate([rows[stacked], per])
+        row_unit = np.concatenate([ru[stacked], np.repeat(ru[~stacked], reps)])
+    # rows whose layers are adjacent on both sides (block-major objects of a
+    # block-outermost worker) are one contiguous range: a 1-D copy
+    flat = (rows[:, HEIGHT] > 1) & (rows[:, DEV_PITCH] == rows[:, WIDTH]) & (
+        rows[:, POOL_PITCH] == rows[:, WIDTH])
+    if flat.any():
+        rows[flat, WIDTH] *= rows[flat, HEIGHT]
+        rows[flat, HEIGHT] = 1
+        rows[flat, DEV_PITCH] = rows[flat, WIDTH]
+        rows[flat, POOL_PITCH] = rows[flat, WIDTH]
+    return DmaPlan(_join_rows(rows, row_unit), int((rows[:, WIDTH] * rows[:, HEIGHT]).sum()))
+
+
+def _join_rows(rows: np.ndarray, row_unit: np.ndarray) -> np.ndarray:
+    """Merge 1-D rows of one unit that continue each other on both sides (consecutive
+    blocks whose slices tile both the worker's buffer and the object). Rows of one
+    unit lie in one pool slab, so a merged row never crosses a slab."""
+    one = rows[:, HEIGHT] == 1
+    if one.sum() < 2:
+        return rows
+    r, u = rows[one], row_unit[one]
+    order = np.lexsort((r[:, POOL_ADDR], u))
+    r, u = r[order], u[order]
+    joins = np.zeros(r.shape[0], dtype=bool)
+    end_pool = r[:-1, POOL_ADDR] + r[:-1, WIDTH]
+    end_dev = r[:-1, DEV_ADDR] + r[:-1, WIDTH]
+    joins[1:] = (u[1:] == u[:-1]) & (r[1:, POOL_ADDR] == end_pool) & (r[1:, DEV_ADDR] == end_dev)
+    if not joins.any():
+        return rows
+    first = np.flatnonzero(~joins)
+    merged = r[first].copy()
+    merged[:, WIDTH] = np.add.reduceat(r[:, WIDTH], first)
+    merged[:, DEV_PITCH] = merged[:, WIDTH]
+    merged[:, POOL_PITCH] = merged[:, WIDTH]
+    return np.concatenate([rows[~one], merged])
+
+
+def _unit_ids(t: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The block ids of every unit, concatenated in unit order.
+
+    Built plans lay them end to end already; a plan whose all-skipped copies were
+    dropped (:func:`_units_exact`) has gaps, and is gathered unit by unit.
+    """
+    offs, n = t[:, IDS_OFFSET], t[:, N_BLOCKS]
+    ends = offs + n
+    if (int(offs[0]) == 0 and int(ends[-1]) == ids.size
+            and bool((offs[1:] == ends[:-1]).all())):
+        return ids
+    return np.concatenate([ids[o:o + k] for o, k in zip(offs.tolist(), n.tolist(),
+                                                        strict=True)])

@@ -22,8 +22,8 @@ def cuda_available() -> bool:
         return False
 
 
-def make_engine(backend: str, copy_threads: int = 0,
-                cuda_copy_mode: str = "staging") -> TransferEngine:
+def make_engine(backend: str, copy_threads: int = 0, cuda_copy_mode: str = "auto",
+                cuda_staging_mb: int = 32) -> TransferEngine:
     """Instantiate the engine for ``--backend``; raises RuntimeError if unusable."""
     if backend == "auto":
         backend = "cuda" if cuda_available() else "cpu"
@@ -45,6 +45,7 @@ def make_engine(backend: str, copy_threads: int = 0,
             from lmc_server.transfer.cuda import CudaEngine
         except ImportError as e:
             raise RuntimeError(f"--backend cuda is not available: {e}") from None
-        engine: TransferEngine = CudaEngine(copy_mode=cuda_copy_mode)
+        engine: TransferEngine = CudaEngine(copy_mode=cuda_copy_mode,
+                                            staging_half_bytes=cuda_staging_mb << 20)
         return engine
     raise RuntimeError(f"unknown backend {backend!r}")

@@ -51,7 +51,8 @@ from lmc_server.testing.presets import dsv41_flash
 def geometry(args: dict) -> object:
     return dsv41_flash(arch=args.get("arch") or device_arch(0),
                        num_blocks=args.get("num_blocks", 64), layers=args.get("layers", 8),
-                       stride_pad=args.get("stride_pad", 0))
+                       stride_pad=args.get("stride_pad", 0),
+                       placement=args.get("placement", "layer"))
 
 
 def stored_blocks(g: GroupSpec, bpc: int) -> list[int]:

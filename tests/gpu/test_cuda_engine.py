@@ -42,13 +42,15 @@ SLAB = 64 << 20
 class Exported:
     """A worker process holding filled buffers until :meth:`close`."""
 
-    def __init__(self, arch: str, pad: int, num_blocks: int, layers: int) -> None:
+    def __init__(self, arch: str, pad: int, num_blocks: int, layers: int,
+                 placement: str = "layer") -> None:
         self.geo: KVGeometry = dsv41_flash(arch=arch, num_blocks=num_blocks, layers=layers,
-                                           stride_pad=pad)
+                                           stride_pad=pad, placement=placement)
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), json.dumps(
                 {"mode": "export", "arch": arch, "stride_pad": pad, "num_blocks": num_blocks,
-                 "layers": layers})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 "layers": layers, "placement": placement})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line, "worker exited before exporting"
@@ -61,10 +63,11 @@ class Exported:
         self.proc.stdout.close()
 
 
-def make_engine(mode: str, pool_bytes: int, pinning: str = "alloc") -> tuple[object, object]:
+def make_engine(mode: str, pool_bytes: int, pinning: str = "alloc",
+                kernel_pct: Any = None, **kwargs: Any) -> tuple[object, object]:
     from lmc_server.transfer.cuda import CudaEngine
 
-    engine = CudaEngine(copy_mode=mode, pinning=pinning)
+    engine = CudaEngine(copy_mode=mode, pinning=pinning, kernel_pct=kernel_pct, **kwargs)
     pool = engine.create_pool(pool_bytes, SLAB)
     done = threading.Event()
     ready: list[int] = []
@@ -120,26 +123,44 @@ def batch(geo: KVGeometry, n: int, rng: np.random.Generator,
     return copies, used
 
 
-CASES = [("sm90", 0), ("sm100", 0), ("sm90", 72), ("sm100", 13)]
+CASES = [("sm90", 0, "layer"), ("sm100", 0, "layer"), ("sm90", 72, "layer"),
+         ("sm100", 13, "layer"), ("sm90", 0, "block"), ("sm100", 0, "block"),
+         ("sm90", 72, "block")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-pad{p}" for a, p in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-pad{p}-{pl}" for a, p, pl in CASES])
 def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
-    arch, pad = request.param
-    e = Exported(arch, pad, num_blocks=96, layers=8)
+    arch, pad, placement = request.param
+    e = Exported(arch, pad, num_blocks=96, layers=8, placement=placement)
     yield e
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "mapped"])
+@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "dma-single",
+                                  "auto-busy", "auto-idle"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
-    engine, pool = make_engine(mode, 8 * SLAB)
+    """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
+    pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
+    engines while the (fake) kernel time says busy, staging while it says idle."""
+    name, _, variant = mode.partition("-")
+    pct = {"busy": 95, "idle": 0}.get(variant)
+    small: dict[str, Any] = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
+                             if variant == "pieces" else {})
+    if variant == "single":  # every dma row its own cudaMemcpy(2D)Async call
+        small["batch_copies"] = False
+    engine, pool = make_engine(name, 8 * SLAB,
+                               kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
+                               **small)
+    engine.profile = variant == "pieces"
+    activity = variant if pct is not None else ""
     mapping = engine.open(exported.buffers)
     try:
         rng = np.random.default_rng(42)
         src = read_buffers(mapping)
         copies, used = batch(exported.geo, 6, rng)
         engine.store(mapping, copies)
+        if variant == "pieces":
+            assert engine.last_profile["pieces"] > 2
         expect_pool = np.zeros(pool.size_bytes, np.uint8)
         for c in copies:
             _copy_run(c, src[c.run.buffer], expect_pool, True)
@@ -164,13 +185,69 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         got = read_buffers(mapping)
         for i, (g, e) in enumerate(zip(got, expect, strict=True)):
             assert np.array_equal(g, e), f"buffer {i} differs after retrieve"
+        if activity:
+            used = {k for k, v in engine.copies_by_path.items() if v}
+            assert used == {"dma" if activity == "busy" else "staging"}
     finally:
         mapping.close()
         engine.close()
 
 
-def test_engine_refuses_out_of_range_before_copy(exported: Exported) -> None:
-    engine, pool = make_engine("staging", 8 * SLAB)
+def test_stop_queued_fails_waiting_copies_only(exported: Exported) -> None:
+    """Past the drain timeout the copies waiting for a lane fail at once; the copy on
+    the lane completes, and a copy submitted afterwards that would wait fails too."""
+    from lmc_server.transfer.cuda import CudaEngine
+
+    engine = CudaEngine(copy_mode="staging", lanes_per_device=1)
+    pool = engine.create_pool(8 * SLAB, SLAB)
+    ready = threading.Event()
+    pool.start(lambda slab: ready.set() if slab == pool.n_slabs - 1 else None)
+    assert ready.wait(120)
+    mapping = engine.open(exported.buffers)
+    try:
+        copies, _ = batch(exported.geo, 6, np.random.default_rng(2))
+        results: list[str] = []
+        done = threading.Semaphore(0)
+
+        def report(err: str) -> None:
+            results.append(err)
+            done.release()
+
+        # the first takes the only lane for milliseconds (the same objects 64 times over)
+        engine.submit(mapping, copies * 64, True, report)
+        engine.submit(mapping, copies, True, report)  # waits for it
+        engine.stop_queued()
+        engine.submit(mapping, copies, True, report)  # would wait: refused
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        assert sorted(bool(r) for r in results) == [False, True, True]
+        assert all("shutting down" in r for r in results if r)
+    finally:
+        mapping.close()
+        engine.close()
+
+
+def test_batch_copies_pass_their_check_on_this_driver() -> None:
+    """The driver of the GPU machine has cuMemcpyBatchAsync and copies right with it
+    (the engine falls back to single copies elsewhere)."""
+    from lmc_server.transfer.cuda_batch import batch_copier
+
+    assert batch_copier(0) is not None
+
+
+def test_nvml_reads_this_gpu() -> None:
+    """The real reader finds this GPU by its PCI bus id and answers a percentage."""
+    import cupy
+
+    from lmc_server.transfer.gpu_activity import NvmlUtilization
+
+    pct = NvmlUtilization(str(cupy.cuda.Device(0).pci_bus_id)).read()
+    assert pct is not None and 0 <= pct <= 100
+
+
+@pytest.mark.parametrize("mode", ["staging", "dma"])
+def test_engine_refuses_out_of_range_before_copy(exported: Exported, mode: str) -> None:
+    engine, pool = make_engine(mode, 8 * SLAB)
     mapping = engine.open(exported.buffers)
     try:
         copies, _ = batch(exported.geo, 2, np.random.default_rng(1))
@@ -295,8 +372,8 @@ def _pool_dma_gbps(pool: object, nbytes: int) -> tuple[float, float]:
 
 
 #: (name, copy mode, mapped thread blocks, wait mode) measured by the benchmark.
-BENCH_CONFIGS = [("staging", "staging", 0, "hybrid"), ("staging-block", "staging", 0, "block"),
-                 ("mapped64", "mapped", 64, "hybrid"), ("mapped132", "mapped", 132, "hybrid")]
+BENCH_CONFIGS = [("staging", "staging", 0, "hybrid"), ("mapped64", "mapped", 64, "hybrid"),
+                 ("dma", "dma", 0, "hybrid")]
 BENCH_CHUNKS = (1, 16, 64)
 
 
@@ -311,7 +388,7 @@ def test_engine_benchmark() -> None:
     from lmc_server.testing.cuda_kv import device_arch, raw_copy_gbps
     from lmc_server.transfer.cuda import CudaEngine
 
-    e = Exported(device_arch(0), 0, num_blocks=1100, layers=44)
+    e = Exported(device_arch(0), 0, num_blocks=1100, layers=44, placement="block")
     results: dict[str, Any] = {}
     try:
         for name, mode, blocks, wait in BENCH_CONFIGS:

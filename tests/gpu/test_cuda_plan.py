@@ -17,7 +17,14 @@ from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_plan import (
+    DmaPlan,
+    Plan,
+    Region,
+    plan_dma,
+    plan_mapped,
+    plan_staging,
+)
 
 SLAB = 16 << 20
 
@@ -58,6 +65,17 @@ class Memory:
                 for stage, pool, n in p.segments.tolist():
                     self.mem[pool:pool + n] = self.mem[stage:stage + n]
 
+    def run_dma(self, plan: DmaPlan, to_pool: bool) -> None:
+        """Each 2-D copy the engine issues (``cudaMemcpy2DAsync``), row by row."""
+        for dev, dpitch, pool, ppitch, width, height in plan.rows.tolist():
+            assert width > 0 and height > 0 and dpitch >= width and ppitch >= width
+            for r in range(height):
+                d, p = dev + r * dpitch, pool + r * ppitch
+                if to_pool:
+                    self.mem[p:p + width] = self.mem[d:d + width]
+                else:
+                    self.mem[d:d + width] = self.mem[p:p + width]
+
     def kernel(self, plan: Plan, first: int, count: int, to_object: bool) -> None:
         """``copy_units`` of kernels/copy_pages.cu, slot by slot, on this memory."""
         per_unit = plan.max_layers * plan.max_blocks
@@ -66,20 +84,25 @@ class Memory:
         for k in range(plan.box_pages(count)):
             u, rem = divmod(k, per_unit)
             layer, j = divmod(rem, plan.max_blocks)
-            base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks = rows[u]
+            (base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks, o_lstride,
+             o_bstride) = rows[u]
             if layer >= n_layers or j >= n_blocks or ids[ids_off + j] < 0:
                 continue
             page = base + layer * l_stride + ids[ids_off + j] * b_stride
-            o = obj + (layer * n_blocks + j) * n
+            o = obj + layer * o_lstride + j * o_bstride
             if to_object:
                 self.mem[o:o + n] = self.mem[page:page + n]
             else:
                 self.mem[page:page + n] = self.mem[o:o + n]
 
 
-def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator
+def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator,
+                 consecutive: bool = False, placement: str = "layer"
                  ) -> tuple[list[RunCopy], list[int], int]:
-    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad)
+    """Copies of ``n_chunks`` chunks, block ids random (or consecutive, as a fresh
+    engine hands them out), objects in random slots."""
+    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad,
+                      placement=placement)
     layout = build_layout(geo.groups, 256, separate=True)
     copies: list[RunCopy] = []
     slots_per_slab = {og.name: SLAB // og.object_bytes for og in layout.object_groups}
@@ -91,29 +114,51 @@ def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Gener
         for s in og.sections:
             g = geo.groups[s.group_index]
             bpc = blocks_per_chunk(g, 256)
-            gids = rng.permutation(g.num_blocks)[:n_chunks * bpc].reshape(n_chunks, bpc)
+            order = (np.arange(g.num_blocks) if consecutive
+                     else rng.permutation(g.num_blocks))
+            gids = order[:n_chunks * bpc].reshape(n_chunks, bpc)
             copies += plan_copies(s, section_block_ids(s, gids), offs)
     return copies, geo.buffer_sizes, (slab + 1) * SLAB
 
 
-@pytest.mark.parametrize("mode", ["staging", "mapped"])
+@pytest.mark.parametrize("placement", ["layer", "block"])
+@pytest.mark.parametrize("consecutive", [False, True], ids=["random-ids", "consecutive-ids"])
+@pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
 @pytest.mark.parametrize(("arch", "pad"), [("sm90", 0), ("sm100", 0), ("sm90", 72)])
-def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int) -> None:
+def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive: bool,
+                                    placement: str) -> None:
     rng = np.random.default_rng(7)
-    copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng)
+    copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng, consecutive, placement)
     mem = Memory(sizes, pool_bytes, half_bytes=1 << 20)
     for i in range(len(sizes)):
         mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
 
-    def plan() -> Plan:
+    def plan() -> Plan | DmaPlan:
         if mode == "mapped":
             return plan_mapped(copies, mem.region)
+        if mode == "dma":
+            return plan_dma(copies, mem.region)
         return plan_staging(copies, mem.region, mem.halves, mem.half_bytes,
                             first_piece_bytes=256 << 10)
 
+    def execute(p: Plan | DmaPlan, to_pool: bool) -> None:
+        if isinstance(p, DmaPlan):
+            mem.run_dma(p, to_pool)
+        else:
+            mem.run(p, to_pool)
+
     p = plan()
     assert p.nbytes == sum(c.nbytes for c in copies)
-    if mode == "staging":
+    if isinstance(p, DmaPlan):
+        rows = int(p.rows[:, 5].sum())  # 1-D rows the copy engines walk
+        if placement == "block" and pad == 0:  # a block's layers: one contiguous copy,
+            # and a chunk's consecutive blocks one copy together
+            assert rows == p.n_rows == sum(c.block_ids.shape[0] if consecutive
+                                           else c.block_ids.size for c in copies)
+        else:  # one row per page, a block's layers stacked into one 2-D copy
+            assert rows == sum(c.block_ids.size * c.run.n_layers for c in copies)
+            assert p.n_rows == sum(c.block_ids.size for c in copies)
+    if isinstance(p, Plan) and mode == "staging":
         assert len(p.pieces) > 1  # 1 MiB halves force several pieces
         sizes_of = (p.units[:, 3] * p.units[:, 6] * p.units[:, 7]).tolist()
         fill = [sum(sizes_of[q.first:q.first + q.count]) for q in p.pieces]
@@ -122,7 +167,7 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int) -> None:
         assert [q.first for q in p.pieces] == np.cumsum([0] + [q.count for q in p.pieces[:-1]]
                                                         ).tolist()
         assert sum(q.count for q in p.pieces) == p.n_units
-    mem.run(p, to_pool=True)
+    execute(p, to_pool=True)
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for c in copies:
         _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
@@ -135,7 +180,7 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int) -> None:
     holed = [RunCopy(c.run, np.where(rng.random(c.block_ids.shape) < 0.2, -1, c.block_ids),
                      c.object_offsets) for c in copies]
     copies[:] = holed
-    mem.run(plan(), to_pool=False)
+    execute(plan(), to_pool=False)
     expect = [np.full(s, 0xEE, np.uint8) for s in sizes]
     for c in holed:
         _copy_run(c, expect[c.run.buffer], mem.pool_view(), False)
@@ -157,6 +202,8 @@ def test_out_of_range_block_refused() -> None:
         plan_staging(bad, mem.region, mem.halves, mem.half_bytes)
     with pytest.raises(TransferError, match="buffer"):
         plan_mapped(bad, mem.region)
+    with pytest.raises(TransferError, match="buffer"):
+        plan_dma(bad, mem.region)
     ids[0, 0] = -2
     with pytest.raises(TransferError, match="negative"):
         plan_mapped([RunCopy(c.run, ids, c.object_offsets)], mem.region)
@@ -164,6 +211,8 @@ def test_out_of_range_block_refused() -> None:
     offs[0] = pool_bytes - 1
     with pytest.raises(TransferError, match="pool"):
         plan_mapped([RunCopy(c.run, c.block_ids, offs)], mem.region)
+    with pytest.raises(TransferError, match="pool"):
+        plan_dma([RunCopy(c.run, c.block_ids, offs)], mem.region)
 
 
 def test_adjacent_objects_merge_into_one_dma() -> None:
@@ -218,3 +267,90 @@ def test_all_holes_copy_is_skipped_and_mixed_runs_share_a_box() -> None:
     for cc in [small] + copies[2:]:
         _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
     assert np.array_equal(mem.pool_view(), expect_pool)
+
+
+def test_dma_plan_skips_holes_and_all_hole_copies() -> None:
+    """Holes (-1) split runs and are never copied; a copy of holes only adds no row;
+    a run whose layers overlap (layer stride below the row width) is issued layer by
+    layer."""
+    rng = np.random.default_rng(11)
+    copies, sizes, pool_bytes = dsv41_copies("sm90", 4, 0, rng, consecutive=True)
+    mem = Memory(sizes, pool_bytes, 1 << 20)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1),
+                    copies[1].object_offsets)
+    c = copies[0]
+    ids = c.block_ids.copy()
+    ids[:, 1] = -1
+    holed = RunCopy(c.run, ids, c.object_offsets)
+    r = c.run  # the same pages, described as a run with a negative layer stride
+    flipped_run = type(r)(r.buffer, r.base_offset + (r.n_layers - 1) * r.layer_stride,
+                          -r.layer_stride, r.n_layers, r.block_stride, r.page_bytes,
+                          r.object_offset, r.n_blocks)
+    flipped = RunCopy(flipped_run, copies[2].block_ids, copies[2].object_offsets)
+    chosen = [holed, holes, flipped] + copies[3:]
+    p = plan_dma(chosen, mem.region)
+    assert p.nbytes == sum(int((cc.block_ids >= 0).sum()) * cc.run.n_layers
+                           * cc.run.page_bytes for cc in chosen)
+    mem.run_dma(p, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for cc in chosen:
+        _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
+    assert np.array_equal(mem.pool_view(), expect_pool)
+    assert plan_dma([holes], mem.region).n_rows == 0
+
+
+@pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
+def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
+    """Layers of one group spread over two buffers form runs whose object pages
+    interleave (block-major sections); every path still writes exactly the reference
+    bytes, and staging keeps a section's runs in one cluster of one piece."""
+    from msgspec.structs import replace
+
+    rng = np.random.default_rng(21)
+    geo = dsv41_flash(num_blocks=64, layers=8)
+    sizes = list(geo.buffer_sizes)
+    groups = []
+    for g in geo.groups:
+        if g.name == "compressed":  # odd layers move to a buffer of their own, in order
+            sizes.append(sizes[g.layers[0].buffer])
+            extra = len(sizes) - 1
+            g = replace(g, layers=[replace(layer, buffer=extra) if i % 2 else layer
+                                   for i, layer in enumerate(g.layers)])
+        groups.append(g)
+    layout = build_layout(groups, 256, separate=True)
+    full = layout.object_groups[0]
+    comp = next(s for s in full.sections if s.group_name == "compressed")
+    assert len(comp.runs) == len(groups[comp.group_index].layers)  # one run per layer
+    n = 3
+    offs = (np.arange(n, dtype=np.int64) * 2 + 1) * full.object_bytes  # gaps between
+    copies: list[RunCopy] = []
+    for s in full.sections:
+        g = groups[s.group_index]
+        bpc = blocks_per_chunk(g, 256)
+        gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
+        copies += plan_copies(s, section_block_ids(s, gids), offs)
+    pool_bytes = SLAB
+    mem = Memory(sizes, pool_bytes, half_bytes=4 << 20)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+    if mode == "dma":
+        p: Plan | DmaPlan = plan_dma(copies, mem.region)
+        assert isinstance(p, DmaPlan)
+        mem.run_dma(p, to_pool=True)
+    else:
+        p = (plan_mapped(copies, mem.region) if mode == "mapped" else
+             plan_staging(copies, mem.region, mem.halves, mem.half_bytes))
+        assert isinstance(p, Plan)
+        mem.run(p, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for c in copies:
+        _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
+    assert np.array_equal(mem.pool_view(), expect_pool)
+    if mode == "staging":
+        assert isinstance(p, Plan)
+        # one piece; one DMA per object (its sections are adjacent clusters)
+        assert len(p.pieces) == 1 and len(p.pieces[0].segments) == n
+        assert sorted(int(x) for q in p.pieces for x in q.segments[:, 2]) == [
+            full.object_bytes] * n

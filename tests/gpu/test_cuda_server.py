@@ -33,9 +33,11 @@ def run_worker(args: dict, env: dict[str, str] | None = None, timeout_s: float =
     return p.stdout
 
 
-@pytest.fixture(scope="module")
-def cuda_server() -> Iterator[ServerProcess]:
-    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
+@pytest.fixture(scope="module", params=["staging", "dma"])
+def cuda_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One server per explicit copy path (``auto`` picks one of them per request)."""
+    args = SERVER_ARGS + ["--cuda-copy-mode", request.param]
+    with ServerProcess(args, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
         srv.wait_pool_ready()  # stores right after start must not meet unpinned slabs
         yield srv
 
@@ -46,20 +48,41 @@ def device_count() -> int:
     return int(torch.cuda.device_count())
 
 
+@pytest.mark.parametrize("placement", ["layer", "block"])
 @pytest.mark.parametrize("stride_pad", [0, 72])
-def test_roundtrip_dsv41_all_groups(cuda_server: ServerProcess, stride_pad: int) -> None:
+def test_roundtrip_dsv41_all_groups(cuda_server: ServerProcess, stride_pad: int,
+                                    placement: str) -> None:
     """Byte-exact store and retrieve into other blocks, ordered by the worker's event."""
     out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 4,
                       "num_blocks": 96, "layers": 8, "stride_pad": stride_pad,
-                      "seed": stride_pad})
+                      "seed": stride_pad, "placement": placement})
     assert "ROUNDTRIP OK" in out
 
 
 def test_roundtrip_full_batch(cuda_server: ServerProcess) -> None:
-    """A 64-chunk batch of the full 44-layer preset, several pieces of staging."""
+    """A 64-chunk batch of the full 44-layer preset, laid out as vLLM does."""
     out = run_worker({"mode": "roundtrip", "endpoint": cuda_server.endpoint, "chunks": 64,
-                      "num_blocks": 1100, "layers": 44, "seed": 9}, timeout_s=300)
+                      "num_blocks": 1100, "layers": 44, "seed": 9, "placement": "block"},
+                     timeout_s=300)
     assert "ROUNDTRIP OK" in out
+
+
+@pytest.mark.parametrize("mode", ["auto", "staging:256"])
+def test_roundtrip_other_copy_modes(mode: str) -> None:
+    """The default mode and staging sized to a whole request, through a real server:
+    byte-exact for a 64-chunk batch of the full preset and a small padded one."""
+    name, _, staging_mb = mode.partition(":")
+    args = SERVER_ARGS + ["--cuda-copy-mode", name]
+    if staging_mb:
+        args += ["--cuda-staging-mb", staging_mb]
+    with ServerProcess(args, backend="cuda", l1_size_gb=2, start_timeout_s=60) as srv:
+        srv.wait_pool_ready()
+        out = run_worker({"mode": "roundtrip", "endpoint": srv.endpoint, "chunks": 64,
+                          "num_blocks": 1100, "layers": 44, "seed": 5}, timeout_s=300)
+        assert "ROUNDTRIP OK" in out
+        out = run_worker({"mode": "roundtrip", "endpoint": srv.endpoint, "chunks": 4,
+                          "num_blocks": 96, "layers": 8, "stride_pad": 72, "seed": 6})
+        assert "ROUNDTRIP OK" in out
 
 
 def test_server_benchmark(cuda_server: ServerProcess) -> None:

@@ -1,0 +1,312 @@
+"""``lmcache bench l2 --disk-dir DIR``: the disk tier through the server vs plain file I/O.
+
+Two servers with ``--disk-dir`` on one directory (as several servers may share one): A
+stores, B (empty L1) finds the objects on disk.
+
+- write: a store of ``--chunks`` fresh chunks on A, timed until A's write-behind has
+  written every object (so it includes the store into L1), against plain ``os.pwrite``
+  of the same values (read back from A's files) into other files of the same directory;
+- read: a lookup on B that misses L1, timed until every chunk is an L1 hit (prefetch:
+  file reads, header and checksum checks, copies into L1, commit), against plain
+  ``os.preadv`` of the same files;
+- latency: the same for 1, 16 and 64 chunks (B's L1 cleared before each), median of
+  ``--repeats``, against the plain reads of those files;
+- restart: the directory is filled to ``--restart-gb`` (A's objects plus filler files
+  written plainly), both servers stop, a third starts on it: seconds from its first
+  answer to ``ping`` until a lookup of A's prefix hits, and until its index is whole.
+
+The plain side uses the same I/O as the tier: ``O_DIRECT`` where the filesystem takes
+it (so neither side reads from the page cache), ``IO_THREADS`` threads, one whole file
+per object. The last read is retrieved and compared byte for byte with what A stored.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
+from lmc_server.bench.l2 import POLL_S, _digests, _wait
+from lmc_server.cache.geometry import blocks_per_chunk
+from lmc_server.client import Client, Registration
+from lmc_server.l2 import codec, direct_io
+from lmc_server.l2.file_backend import IO_THREADS, LAYOUT_DIR
+from lmc_server.protocol.stats import DiskReport
+from lmc_server.testing.kv import ShmKV, block_ids_for
+from lmc_server.testing.process import ServerProcess
+
+
+@dataclass(frozen=True)
+class DiskBenchConfig:
+    disk_dir: str
+    chunks: int = 64
+    rounds: int = 3
+    latency_chunks: tuple[int, ...] = (1, 16, 64)
+    repeats: int = 5
+    restart_gb: float = 2.0
+    geometry: GeometryArgs = field(default_factory=GeometryArgs)
+    l1_size_gb: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+def _disk(c: Client) -> DiskReport:
+    st = c.stats().disk
+    assert st is not None, "the server runs without --disk-dir"
+    return st
+
+
+def _written(c: Client) -> int:
+    st = _disk(c)
+    if st.write_queue_objects or st.writes_in_flight:
+        return -1
+    return int(st.objects_written)
+
+
+class _Plain:
+    """Plain whole-file I/O on the same filesystem, as the tier does it."""
+
+    def __init__(self, directory: str, direct: bool) -> None:
+        self.dir = os.path.join(directory, "bench-plain")
+        os.makedirs(self.dir, exist_ok=True)
+        self.direct = direct
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="bench-plain")
+
+    def _write_one(self, path: str, value: memoryview) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(path, flags, 0o640)
+        try:
+            out = memoryview(value.obj)[:direct_io.padded(len(value))] if self.direct \
+                else value
+            done = 0
+            while done < len(out):
+                done += os.pwrite(fd, out[done:], done)
+            if len(out) != len(value):
+                os.ftruncate(fd, len(value))
+        finally:
+            os.close(fd)
+
+    def _read_one(self, path: str, size: int) -> int:
+        buf = direct_io.aligned_buffer(size)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        try:
+            want = direct_io.padded(size) if self.direct else size
+            done = 0
+            while done < size:
+                got = os.preadv(fd, [memoryview(buf)[done:want]], done)
+                if not got:
+                    break
+                done += got
+            return done
+        finally:
+            os.close(fd)
+
+    def write(self, values: list[memoryview], tag: str) -> tuple[float, list[str]]:
+        paths = [os.path.join(self.dir, f"{tag}-{i}") for i in range(len(values))]
+        t0 = time.perf_counter()
+        list(self.pool.map(self._write_one, paths, values))
+        return time.perf_counter() - t0, paths
+
+    def read(self, paths: list[str]) -> float:
+        sizes = [os.path.getsize(p) for p in paths]
+        t0 = time.perf_counter()
+        list(self.pool.map(self._read_one, paths, sizes))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class _Setup:
+    def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
+        n = max(cfg.chunks, *cfg.latency_chunks)
+        self.args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
+                     "--disk-dir", cfg.disk_dir, "--disk-size-gb",
+                     str(max(4.0, 2 * cfg.restart_gb)), "--l2-write-queue-objects",
+                     str(8 * n)]
+        self.cfg = cfg
+        self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
+        self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
+        probe = cfg.geometry.build(1)
+        per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
+        geometry = cfg.geometry.build(n * per_chunk)
+        self.src = stack.enter_context(ShmKV(geometry))
+        self.src.fill_random(1)
+        self.dst = stack.enter_context(ShmKV(geometry))
+        self.dst.fill(0)
+        self.ca = stack.enter_context(Client(self.a.endpoint, timeout_s=60))
+        self.cb = stack.enter_context(Client(self.b.endpoint, timeout_s=60))
+        self.rega = self.ca.register(**self.src.register_kwargs())
+        self.regb = self.cb.register(**self.dst.register_kwargs())
+        for client in (self.ca, self.cb):
+            _wait(lambda: _disk(client).state == "up", "disk tier", 30)  # noqa: B023
+        self.direct = _disk(self.ca).direct_io
+        self.plain = _Plain(cfg.disk_dir, self.direct)
+        stack.callback(self.plain.close)
+        self.fps = {p.name: bytes.fromhex(p.fingerprint) for p in self.ca.stats().partitions}
+
+    def files(self, reg: Registration, digests: bytes) -> list[str]:
+        out = []
+        for og in reg.object_groups:
+            space = codec.space_of(reg.namespace, self.fps[og.name], reg.chunk_size).hex()
+            for i in range(0, len(digests), 32):
+                ck = digests[i:i + 32].hex()
+                out.append(os.path.join(self.cfg.disk_dir, LAYOUT_DIR, space, ck[:2], ck))
+        return out
+
+    def store(self, digests: bytes, seed: int) -> tuple[float, float, dict[str, np.ndarray]]:
+        """(store s, store until written s, block ids) of a store on A."""
+        n = len(digests) // 32
+        ids = block_ids_for(self.rega, n, np.random.default_rng(seed))
+        objects = n * len(self.rega.object_groups)
+        before = _written(self.ca)
+        t0 = time.perf_counter()
+        res = self.ca.store(self.rega, digests, ids)
+        if not res.ok.all():
+            raise RuntimeError(f"store failed: {res.statuses}")
+        t_store = time.perf_counter() - t0
+        _wait(lambda: _written(self.ca) >= before + objects, "write-behind")
+        return t_store, time.perf_counter() - t0, ids
+
+    def disk_hit(self, client: Client, reg: Registration, digests: bytes, n: int) -> float:
+        """Seconds from a lookup that misses L1 until all ``n`` chunks hit in L1."""
+        client.clear()
+        t0 = time.perf_counter()
+        while True:
+            r = client.lookup(reg, digests, lease=False)
+            if r.hit_chunks >= n:
+                return time.perf_counter() - t0
+            if not r.l2_pending_chunks:
+                raise RuntimeError(f"disk read stopped at {r.hit_chunks} of {n} chunks")
+            time.sleep(POLL_S)
+
+
+def _values(paths: list[str]) -> list[memoryview]:
+    out = []
+    for p in paths:
+        v = direct_io.read_file(p, False, 1 << 30)
+        if v is None:
+            raise RuntimeError(f"an object A wrote is missing: {p}")
+        out.append(v)
+    return out
+
+
+def _row(op: str, srv: list[float], raw: list[float], nbytes: int, objects: int) -> dict:
+    t_srv, t_raw = statistics.median(srv), statistics.median(raw)
+    return {"op": op, "server_s": t_srv, "raw_s": t_raw, "server_gbps": nbytes / t_srv / 1e9,
+            "raw_gbps": nbytes / t_raw / 1e9, "server_objps": objects / t_srv,
+            "raw_objps": objects / t_raw, "ratio": t_raw / t_srv}
+
+
+def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
+    """Fill to ``restart_gb``, stop both servers, time a third's first hit and index."""
+    cfg = s.cfg
+    sample = _values(s.files(s.rega, digests)[:1])[0]
+    filler_dir = os.path.join(cfg.disk_dir, LAYOUT_DIR, uuid.uuid4().hex)
+    used = _disk(s.ca).used_bytes
+    fill_files = max(0, int((cfg.restart_gb * (1 << 30) - used) // len(sample)))
+    for i in range(fill_files):  # plain files of the layout (never looked up here)
+        sub = os.path.join(filler_dir, f"{i % 256:02x}")
+        os.makedirs(sub, exist_ok=True)
+        name = f"{i % 256:02x}" + (uuid.uuid4().hex + uuid.uuid4().hex)[:62]
+        s.plain._write_one(os.path.join(sub, name), sample)
+    s.ca.close()
+    s.cb.close()
+    s.a.terminate()
+    s.b.terminate()
+    t0 = time.perf_counter()
+    third = stack.enter_context(ServerProcess(s.args, l1_size_gb=cfg.l1_size_gb))
+    t_ping = time.perf_counter() - t0
+    cc = stack.enter_context(Client(third.endpoint, timeout_s=60))
+    reg = cc.register(**s.dst.register_kwargs())
+    t1 = time.perf_counter()
+    t_first = 0.0
+    while (hit := cc.lookup(reg, digests, lease=False).hit_chunks) < n:
+        if hit and not t_first:
+            t_first = time.perf_counter() - t1
+        time.sleep(POLL_S)
+    t_all = time.perf_counter() - t1
+    _wait(lambda: _disk(cc).rebuild.done, "index rebuild", 600)
+    st = _disk(cc)
+    return {"restart_gb": round(st.used_bytes / (1 << 30), 2), "files": st.files,
+            "start_to_ping_s": t_ping, "ping_to_first_hit_s": t_first or t_all,
+            f"ping_to_{n}_chunk_hit_s": t_all, "index_rebuild_s": st.rebuild.seconds}
+
+
+def run(cfg: DiskBenchConfig) -> Report:
+    report = Report("l2-disk", {"chunks": cfg.chunks, "rounds": cfg.rounds,
+                                "latency_chunks": list(cfg.latency_chunks),
+                                "repeats": cfg.repeats, "restart_gb": cfg.restart_gb,
+                                "geometry": cfg.geometry.describe(),
+                                "chunk_size": cfg.chunk_size, "l1_size_gb": cfg.l1_size_gb,
+                                "disk_dir": cfg.disk_dir, "io_threads": IO_THREADS})
+    with ExitStack() as stack:
+        s = _Setup(cfg, stack)
+        report.config["direct_io"] = s.direct
+        n = cfg.chunks
+        obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)
+        nbytes, objects = n * obj_bytes, n * len(s.rega.object_groups)
+        report.config["chunk_bytes"] = obj_bytes
+        w_srv, w_raw, r_srv, r_raw, w_store = [], [], [], [], []
+        digests = b""
+        ids: dict[str, np.ndarray] = {}
+        for rnd in range(cfg.rounds):
+            digests = _digests(1000 + rnd, n, s.rega.chunk_size)
+            t_store, t_all, ids = s.store(digests, rnd)
+            w_store.append(t_store)
+            w_srv.append(t_all)
+            values = _values(s.files(s.rega, digests))
+            t_raw, plain_paths = s.plain.write(values, f"r{rnd}")
+            w_raw.append(t_raw)
+            r_srv.append(s.disk_hit(s.cb, s.regb, digests, n))
+            r_raw.append(s.plain.read(plain_paths))
+        dst_ids = block_ids_for(s.regb, n, np.random.default_rng(99))
+        look = s.cb.lookup(s.regb, digests)
+        res = s.cb.retrieve(s.regb, digests, dst_ids)
+        s.cb.release(look.lease_id)
+        mismatched = sum(
+            1 for g in s.regb.groups if g.cached and g.kind != "sliding_window"
+            and s.src.pages(g.name, ids[g.name].tolist())
+            != s.dst.pages(g.name, dst_ids[g.name].tolist()))
+        report.rows.append(_row(f"write {n} chunks", w_srv, w_raw, nbytes, objects))
+        report.rows[0]["store_s"] = statistics.median(w_store)
+        report.rows.append(_row(f"read {n} chunks", r_srv, r_raw, nbytes, objects))
+        for k in cfg.latency_chunks:
+            base = _digests(5000 + k, k, s.rega.chunk_size)
+            s.store(base, k)
+            paths = s.files(s.rega, base)
+            srv = [s.disk_hit(s.cb, s.regb, base, k) for _ in range(cfg.repeats)]
+            raw = [s.plain.read(paths) for _ in range(cfg.repeats)]
+            report.rows.append(_row(f"disk hit {k} chunks", srv, raw, k * obj_bytes,
+                                    k * len(s.rega.object_groups)))
+        disk_b = msgspec.to_builtins(_disk(s.cb))
+        restart = _restart(s, stack, digests, n)
+        report.summary = {"mismatched_groups": mismatched, "retrieved_ok": bool(res.ok.all()),
+                          "disk_b": disk_b, "restart": restart}
+    report.notes.append(
+        "ratio = plain time / server time (1.0: as fast as plain os.pwrite/os.preadv of "
+        "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)")
+    report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
+                        f"objects); write includes the store into L1; read = lookup miss "
+                        f"until every chunk is an L1 hit; direct I/O: {s.direct}")
+    return report
+
+
+def table(report: Report) -> str:
+    rows = format_table(report.rows, [
+        ("op", "operation", ""), ("server_s", "server s", ".4f"),
+        ("store_s", "of which store s", ".4f"), ("raw_s", "plain s", ".4f"),
+        ("server_gbps", "server GB/s", ".2f"), ("raw_gbps", "plain GB/s", ".2f"),
+        ("ratio", "plain/server", ".2f")])
+    r = report.summary.get("restart", {})
+    return rows + (f"\nrestart on {r.get('restart_gb')} GiB ({r.get('files')} files): "
+                   f"ping after {r.get('start_to_ping_s', 0):.2f} s, first hit "
+                   f"{r.get('ping_to_first_hit_s', 0):.3f} s after ping, index whole "
+                   f"{r.get('index_rebuild_s', 0):.2f} s after start\n" if r else "")

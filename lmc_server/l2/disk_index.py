@@ -1,0 +1,133 @@
+"""What the disk tier knows is on disk: sizes in LRU order, capacity, and the rebuild.
+
+The index is for capacity and eviction only; it never decides a hit. A read opens the
+file its key names whether the index knows it or not, so a server started on a full
+directory serves hits from its first lookup, and a file another server wrote into a
+shared directory is found as soon as it exists. Every value read is checked (header,
+checksum) by the tier before anything is served, so a stale index can cost a miss,
+never a wrong byte.
+
+The index rebuild walks the directory on a thread after start, in the background,
+and hands each fan-out directory's files to the event loop (:meth:`DiskIndex.merge`),
+oldest first (by mtime) at the cold end of the LRU order: everything this server wrote
+or read since it started stays hotter. It removes temporary files older than
+``STALE_TMP_S`` (left by a writer killed mid-write; a live writer's are seconds old).
+Capacity is enforced on what the index knows: until the rebuild is done, files not yet
+scanned are not counted; when it is done, the coldest files go until the total fits.
+
+Event-loop thread only, except :func:`scan`, which runs on a thread and touches nothing
+shared.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from lmc_server.l2.direct_io import TMP_SUFFIX
+
+#: A temporary file older than this was left by a dead writer.
+STALE_TMP_S = 60.0
+
+
+@dataclass(slots=True)
+class RebuildProgress:
+    """How far the index rebuild is (reported in ``stats`` and on /healthz)."""
+
+    dirs_total: int = 0
+    dirs_done: int = 0
+    files: int = 0
+    bytes: int = 0
+    stale_tmp_removed: int = 0
+    started_s: float = 0.0
+    seconds: float = 0.0
+    done: bool = False
+
+    @property
+    def fraction(self) -> float:
+        if self.done:
+            return 1.0
+        return self.dirs_done / self.dirs_total if self.dirs_total else 0.0
+
+
+@dataclass(slots=True)
+class DiskIndex:
+    """Known files (key -> bytes) in LRU order (first = coldest) and their total."""
+
+    capacity_bytes: int
+    entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
+    used_bytes: int = 0
+    progress: RebuildProgress = field(default_factory=RebuildProgress)
+
+    def touch(self, key: bytes, nbytes: int) -> None:
+        """``key`` was written or read (``nbytes`` on disk): now the hottest."""
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old
+        self.entries[key] = nbytes
+        self.used_bytes += nbytes
+
+    def forget(self, key: bytes) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old
+
+    def victims(self, incoming_bytes: int) -> list[bytes]:
+        """Remove and return the coldest keys until ``incoming_bytes`` more would fit."""
+        out: list[bytes] = []
+        while self.entries and self.used_bytes + incoming_bytes > self.capacity_bytes:
+            key, nbytes = self.entries.popitem(last=False)
+            self.used_bytes -= nbytes
+            out.append(key)
+        return out
+
+    def merge(self, found: list[tuple[bytes, int, float]]) -> None:
+        """Add scanned ``(key, bytes, mtime)`` not known yet, at the cold end, the
+        oldest coldest."""
+        for key, nbytes, _ in sorted(found, key=lambda f: f[2], reverse=True):
+            if key in self.entries:
+                continue
+            self.entries[key] = nbytes
+            self.entries.move_to_end(key, last=False)
+            self.used_bytes += nbytes
+        self.progress.files += len(found)
+        self.progress.bytes += sum(f[1] for f in found)
+
+
+def scan(leaf_dirs: list[str], key_of: Callable[[str, str], bytes | None],
+         now_s: Callable[[], float] = time.time
+         ) -> Iterator[tuple[list[tuple[bytes, int, float]], int]]:
+    """Per directory of ``leaf_dirs``: its value files ``(key, bytes, mtime)`` and how
+    many stale temporary files were removed. ``key_of(dir, name)`` maps a file name to
+    its key (``None``: not a value file, left alone). Thread; only reads the
+    filesystem and unlinks stale temporaries."""
+    for d in leaf_dirs:
+        found: list[tuple[bytes, int, float]] = []
+        removed = 0
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            yield found, removed
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone meanwhile (evicted, renamed over)
+            if e.name.endswith(TMP_SUFFIX):
+                if now_s() - st.st_mtime > STALE_TMP_S:
+                    try:
+                        os.unlink(e.path)
+                        removed += 1
+                    except OSError:
+                        pass
+                continue
+            if not e.is_file(follow_symlinks=False):
+                continue
+            key = key_of(d, e.name)
+            if key is not None:
+                found.append((key, st.st_size, st.st_mtime))
+        yield found, removed

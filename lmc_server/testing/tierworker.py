@@ -1,0 +1,84 @@
+"""A worker and the polling a scheduler does, for tests of the tiers below L1.
+
+A :class:`Worker` is a client with its own shared-memory KV cache (the DSV4.1-Flash
+preset), registered with one server. :func:`lookup_until` polls like vLLM's scheduler
+until a prefetch is done; :func:`retrieve_exact` retrieves what hit and compares it
+byte for byte with the pages the storing worker wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lmc_server.client import Client, Registration
+from lmc_server.testing.kv import ShmKV, assert_same_pages, block_ids_for
+from lmc_server.testing.presets import dsv41_flash
+
+CHUNK = 256
+NUM_BLOCKS = 64
+
+
+def tokens(seed: int, chunks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100_000, chunks * CHUNK)
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
+    t0 = time.monotonic()
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Worker:
+    """A client with its own shm KV cache, registered with one server."""
+
+    def __init__(self, endpoint: str, seed: int, arch: str = "sm90",
+                 num_blocks: int = NUM_BLOCKS) -> None:
+        self.kv = ShmKV(dsv41_flash(arch=arch, num_blocks=num_blocks))
+        self.kv.fill_random(seed) if seed else self.kv.fill(0)
+        self.client = Client(endpoint, timeout_s=30, client_name="pytest-tiers")
+        self.reg: Registration = self.client.register(**self.kv.register_kwargs())
+
+    def store(self, digests: bytes, block_seed: int) -> dict[str, np.ndarray]:
+        n = len(digests) // 32
+        ids = block_ids_for(self.reg, n, np.random.default_rng(block_seed))
+        res = self.client.store(self.reg, digests, ids)
+        assert res.ok.all(), res.statuses
+        return ids
+
+    def close(self) -> None:
+        self.client.close()
+        self.kv.close()
+
+
+def lookup_until(c: Client, reg: Registration, digests: bytes, want: int,
+                 timeout_s: float = 20.0) -> Any:
+    """Look up (no lease) until ``want`` chunks hit and nothing is pending; then take
+    the lease with one more lookup."""
+    def ready() -> bool:
+        r = c.lookup(reg, digests, lease=False)
+        return r.hit_chunks >= want and r.l2_pending_chunks == 0
+    wait_for(ready, f"{want} chunks to hit", timeout_s)
+    return c.lookup(reg, digests)
+
+
+def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,
+                   n: int) -> None:
+    """``n`` chunks hit on ``dst`` and come back exactly as ``src`` stored them."""
+    look = lookup_until(dst.client, dst.reg, digests, n)
+    assert look.hit_chunks >= n and look.lease_id
+    dst_ids = block_ids_for(dst.reg, n, np.random.default_rng(1234))
+    res = dst.client.retrieve(dst.reg, digests[:n * 32], dst_ids)
+    assert res.ok.all() and res.ok_prefix == n
+    total = len(digests) // 32
+    head = {g: ids[:len(ids) // total * n] for g, ids in src_ids.items()}
+    assert_same_pages(dst.reg, src.kv, head, dst.kv, dst_ids, n)
+    assert dst.client.release(look.lease_id)

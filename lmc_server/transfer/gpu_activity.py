@@ -1,0 +1,156 @@
+"""Whether a GPU is computing: what copy mode ``auto`` of the CUDA engine decides by.
+
+Measured on the H200 (docs/gpu.md, ``lmcache bench interference``): while another
+process computes, every kernel the server launches waits for a time slice of the GPU
+and costs that process 7-19 % of its throughput, whereas copy-engine DMAs run beside
+it at almost no cost (0-2.4 %). On an idle GPU the reverse holds for speed: the short SM
+gather into staging plus one DMA reaches 0.98 of the link, the copy engines' 2-D copies
+0.85-0.89. So ``auto`` uses the copy engines while the GPU is busy and staging while it
+is idle, and this module says which it is.
+
+The signal is NVML's per-process SM utilization (``nvmlDeviceGetProcessUtilization``:
+per process, the share of the last sample period its kernels held the SMs), summed over
+the processes on the GPU, read through ``libnvidia-ml`` with ctypes (it ships with the
+driver; no Python package needed) at most every ``refresh_s``. The device-wide
+``utilization.gpu`` is not used: measured on the H200, it stays high while only the
+server's own copy-engine DMAs run, so a gate on it never saw an idle GPU again once the
+copy engines were in use. SM utilization does not count DMAs, and the server's own
+staging kernels stay under the idle threshold. :class:`BusyGate` adds hysteresis so
+that a load near the threshold does not flip the path on every request. Where NVML
+cannot answer (no library, MIG instances, a permission error) the GPU counts as busy:
+the copy engines are never the wrong choice for the engine beside the server, only a
+slower one on an idle GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: Kernel time (percent) at or above which an idle GPU counts as busy, and below which
+#: a busy one counts as idle again. The server's own staging kernels stay well under
+#: the lower bound (a 345 MB gather is ~0.25 ms of a 6.3 ms copy).
+BUSY_PCT = 20
+IDLE_PCT = 10
+REFRESH_S = 0.1
+
+
+class _ProcessSample(ctypes.Structure):
+    """``nvmlProcessUtilizationSample_t``."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("timeStamp", ctypes.c_ulonglong),
+                ("smUtil", ctypes.c_uint), ("memUtil", ctypes.c_uint),
+                ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
+
+
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+MAX_SAMPLES = 256
+
+
+class NvmlUtilization:
+    """SM-time percent of one GPU, summed over its processes, found by PCI bus id (CUDA
+    device numbers and NVML indices differ under ``CUDA_VISIBLE_DEVICES``). ``read``
+    returns ``None`` when NVML cannot answer."""
+
+    _lib: ctypes.CDLL | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, pci_bus_id: str) -> None:
+        self.pci_bus_id = pci_bus_id
+        self._handle: ctypes.c_void_p | None = None
+        self._seen_us = 0
+        self._samples = (_ProcessSample * MAX_SAMPLES)()
+        lib = self._library()
+        if lib is None:
+            return
+        handle = ctypes.c_void_p()
+        rc = lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle))
+        if rc != NVML_SUCCESS:
+            log.warning("NVML has no device at PCI bus id %s (error %d): the GPU counts "
+                        "as busy", pci_bus_id, rc)
+            return
+        self._handle = handle
+
+    @classmethod
+    def _library(cls) -> ctypes.CDLL | None:
+        with cls._lock:
+            if cls._lib is None:
+                try:
+                    lib = ctypes.CDLL("libnvidia-ml.so.1")
+                    rc = lib.nvmlInit_v2()
+                except (OSError, AttributeError) as e:
+                    log.warning("NVML is not available (%s): the GPU counts as busy", e)
+                    return None
+                if rc != NVML_SUCCESS:
+                    log.warning("nvmlInit failed (error %d): the GPU counts as busy", rc)
+                    return None
+                cls._lib = lib
+            return cls._lib
+
+    def read(self) -> int | None:
+        """Sum over processes of their SM percent in the samples since the last read
+        (0 when no process used the SMs since then)."""
+        if self._handle is None or self._lib is None:
+            return None
+        count = ctypes.c_uint(MAX_SAMPLES)
+        rc = self._lib.nvmlDeviceGetProcessUtilization(
+            self._handle, self._samples, ctypes.byref(count), ctypes.c_ulonglong(self._seen_us))
+        if rc == NVML_ERROR_NOT_FOUND:
+            return 0
+        if rc not in (NVML_SUCCESS, NVML_ERROR_INSUFFICIENT_SIZE):
+            return None
+        per_pid: dict[int, int] = {}
+        for k in range(min(count.value, MAX_SAMPLES)):
+            smp = self._samples[k]
+            self._seen_us = max(self._seen_us, int(smp.timeStamp))
+            per_pid[int(smp.pid)] = max(per_pid.get(int(smp.pid), 0), int(smp.smUtil))
+        return min(100, sum(per_pid.values()))
+
+
+class BusyGate:
+    """``busy()``: whether the GPU computes, from ``read_pct`` with hysteresis.
+
+    ``read_pct`` is called at most every ``refresh_s`` (by whichever thread asks first
+    after that); ``None`` from it means unknown, which counts as busy.
+    """
+
+    def __init__(self, read_pct: Callable[[], int | None], *, busy_pct: int = BUSY_PCT,
+                 idle_pct: int = IDLE_PCT, refresh_s: float = REFRESH_S,
+                 clock: Callable[[], float] = time.monotonic, name: str = "gpu") -> None:
+        assert 0 <= idle_pct <= busy_pct <= 100, "idle_pct <= busy_pct"
+        self._read = read_pct
+        self.busy_pct = busy_pct
+        self.idle_pct = idle_pct
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self.name = name
+        self._busy = True
+        self._checked_at = -float("inf")
+        self.last_pct: int | None = None
+
+    def busy(self) -> bool:
+        now = self._clock()
+        if now - self._checked_at >= self.refresh_s:
+            self._checked_at = now
+            pct = self._read()
+            self.last_pct = pct
+            was = self._busy
+            if pct is None:
+                self._busy = True
+            elif self._busy:
+                self._busy = pct >= self.idle_pct
+            else:
+                self._busy = pct >= self.busy_pct
+            if self._busy != was:
+                log.info("%s %s (kernels %s%% of the time): copies use %s", self.name,
+                         "busy" if self._busy else "idle",
+                         "?" if pct is None else pct,
+                         "the copy engines" if self._busy else "SM staging")
+        return self._busy

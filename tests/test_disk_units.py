@@ -1,0 +1,198 @@
+"""The disk tier's adapter and index on their own: files, direct and buffered I/O,
+capacity, the rebuild. (End to end, with server processes: test_disk_tier.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmc_server.l2 import codec, direct_io
+from lmc_server.l2.backend import L2Error
+from lmc_server.l2.disk_config import DiskConfigError, check_disk_config, disk_path
+from lmc_server.l2.disk_index import STALE_TMP_S, DiskIndex
+from lmc_server.l2.file_backend import FileBackend
+
+SPACE = bytes(range(16))
+
+
+def key(i: int) -> bytes:
+    return codec.l2_key(SPACE, i.to_bytes(32, "big"))
+
+
+def value(backend: FileBackend, i: int, nbytes: int = 10_000) -> memoryview | bytes:
+    payload = np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+    return backend.encode(SPACE, i.to_bytes(32, "big"), 1, payload.data)
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_whole_files_no_temporaries(tmp_path: Path, direct: bool) -> None:
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 1 << 30, direct=direct)
+        await b.connect()
+        assert b.direct is direct or not direct_io.probe_direct(str(tmp_path))
+        items = [(key(i), value(b, i, 5000 + 4096 * i)) for i in range(5)]
+        await b.put_many(items)
+        got = await b.get_many([k for k, _ in items] + [key(99)])
+        for (_, v), g in zip(items, got, strict=False):
+            assert g is not None and bytes(g) == bytes(v)
+            mask, bad = codec.check_header(g, SPACE, bytes(g[24:56]), len(g) - codec.HEADER_BYTES)
+            assert bad is None and codec.check_payload(g)
+        assert got[-1] is None
+        names = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+        assert not [n for n in names if n.endswith(direct_io.TMP_SUFFIX)]
+        assert os.path.getsize(b.path_of(key(3))) == len(items[3][1])  # no padding left
+        await b.shutdown()
+    run(go())
+
+
+def test_plain_bytes_are_written_too(tmp_path: Path) -> None:
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 1 << 30)
+        await b.connect()
+        await b.put_many([(key(1), b"x" * 5000)])
+        assert bytes((await b.get_many([key(1)]))[0] or b"") == b"x" * 5000
+        await b.shutdown()
+    run(go())
+
+
+def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 3 * 20_000)
+        await b.connect()
+        for i in range(3):
+            await b.put_many([(key(i), value(b, i, 20_000 - codec.HEADER_BYTES))])
+        await b.get_many([key(0)])  # 0 is now hotter than 1
+        await b.put_many([(key(3), value(b, 3, 20_000 - codec.HEADER_BYTES))])
+        assert not os.path.exists(b.path_of(key(1)))
+        assert all(os.path.exists(b.path_of(key(i))) for i in (0, 2, 3))
+        assert b.index.used_bytes == 60_000 and b.evicted_objects == 1
+        await b.shutdown()
+    run(go())
+
+
+def test_rebuild_finds_files_and_removes_stale_temporaries(tmp_path: Path) -> None:
+    async def go() -> tuple[FileBackend, str, str]:
+        a = FileBackend(str(tmp_path), 1 << 30)
+        await a.connect()
+        await a.put_many([(key(i), value(a, i)) for i in range(4)])
+        await a.shutdown()
+        leaf = os.path.dirname(a.path_of(key(0)))
+        stale, live = (os.path.join(leaf, f".x.{n}{direct_io.TMP_SUFFIX}") for n in "ab")
+        for p in (stale, live):
+            Path(p).write_bytes(b"half")
+        os.utime(stale, (1.0, 1.0))
+        Path(leaf, "not-a-key").write_bytes(b"?")
+        b = FileBackend(str(tmp_path), 1 << 30)
+        await b.connect()
+        while not b.index.progress.done:
+            await asyncio.sleep(0.01)
+        assert set(b.index.entries) == {key(i) for i in range(4)}
+        assert b.index.progress.stale_tmp_removed == 1 and b.status() == ""
+        await b.shutdown()
+        return b, stale, live
+    _, stale, live = run(go())
+    assert not os.path.exists(stale) and os.path.exists(live)
+
+
+def test_rebuild_evicts_what_is_over_capacity_oldest_first(tmp_path: Path) -> None:
+    async def go() -> None:
+        a = FileBackend(str(tmp_path), 1 << 30)
+        await a.connect()
+        for i in range(4):
+            await a.put_many([(key(i), value(a, i, 10_000 - codec.HEADER_BYTES))])
+            os.utime(a.path_of(key(i)), (1000.0 + i, 1000.0 + i))
+        await a.shutdown()
+        b = FileBackend(str(tmp_path), 2 * 10_000)
+        await b.connect()
+        while not b.index.progress.done:
+            await asyncio.sleep(0.01)
+        assert list(b.index.entries) == [key(2), key(3)]
+        assert not os.path.exists(b.path_of(key(0))) and os.path.exists(b.path_of(key(3)))
+        await b.shutdown()
+    run(go())
+
+
+def test_unusable_directory_is_unavailable(tmp_path: Path) -> None:
+    async def go() -> None:
+        f = tmp_path / "file"
+        f.write_bytes(b"")
+        b = FileBackend(str(f), 1 << 30)
+        with pytest.raises(L2Error) as e:
+            await b.connect()
+        assert e.value.unavailable
+        await b.shutdown()
+    run(go())
+
+
+def test_index_merge_puts_scanned_files_coldest_first() -> None:
+    ix = DiskIndex(100)
+    ix.touch(b"new", 10)
+    ix.merge([(b"old", 10, 1.0), (b"older", 10, 0.5), (b"new", 10, 0.1)])
+    assert list(ix.entries) == [b"older", b"old", b"new"] and ix.used_bytes == 30
+    assert ix.victims(75) == [b"older"] and ix.used_bytes == 20
+    assert STALE_TMP_S >= 10  # a live writer's temporary file is never this old
+
+
+class _Settings:
+    def __init__(self, disk_dir: str, disk_size_gb: float, backend: str = "cpu") -> None:
+        self.disk_dir, self.disk_size_gb, self.backend = disk_dir, disk_size_gb, backend
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (("", 1.0), "needs --disk-dir"),
+    (("{tmp}", 0.0), "needs --disk-size-gb"),
+    (("{tmp}", 1.0, "null"), "null backend"),
+    (("{tmp}/f", 1.0), "not a directory"),
+    (("{tmp}", 1 << 20), "more than the filesystem"),
+    (("file://relative", 1.0), "absolute path"),
+])
+def test_config_refusals_name_the_setting(tmp_path: Path, settings: tuple, needle: str
+                                          ) -> None:
+    (tmp_path / "f").write_bytes(b"")
+    d, *rest = settings
+    with pytest.raises(DiskConfigError, match=needle):
+        check_disk_config(_Settings(d.format(tmp=tmp_path), *rest))
+
+
+def test_file_url_and_paths() -> None:
+    assert disk_path("file:///var/cache/x") == "/var/cache/x"
+    check_disk_config(_Settings("file:///tmp/lmc-disk-check-never-made", 0.001))
+
+
+def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Path) -> None:
+    """A key written again while it is the coldest must not be chosen as the victim that
+    makes room for itself (its unlink would race its own rename)."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 2 * 10_000)
+        await b.connect()
+        removed: list[bytes] = []
+        b.listeners.subscribe(removed=lambda kind, keys, why: removed.extend(keys))
+        await b.put_many([(key(1), value(b, 1, 10_000 - codec.HEADER_BYTES))])
+        await b.put_many([(key(2), value(b, 2, 10_000 - codec.HEADER_BYTES))])
+        await b.put_many([(key(1), value(b, 1, 10_000 - codec.HEADER_BYTES))])
+        assert b.evicted_objects == 0 and not removed
+        assert os.path.exists(b.path_of(key(1))) and os.path.exists(b.path_of(key(2)))
+        assert list(b.index.entries) == [key(2), key(1)] and b.index.used_bytes == 20_000
+        await b.shutdown()
+    run(go())
+
+
+def test_buffer_pool_reuses_and_never_hands_one_buffer_to_two_takers() -> None:
+    pool = direct_io.BufferPool(3 * direct_io.ALIGN_BYTES)
+    a = pool.take(100)
+    pool.give(a)
+    pool.give(a)
+    assert pool.take(100) is a
+    assert pool.take(100) is not a  # given twice, kept once
+    big = [pool.take(10_000) for _ in range(2)]  # 3 blocks each: only one fits idle
+    for b in big:
+        pool.give(b)
+    assert pool.take(10_000) is big[0] and pool.take(10_000) is not big[1]
