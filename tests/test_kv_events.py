@@ -41,6 +41,7 @@ from lmc_server.testing.events import engine_prompt
 from lmc_server.testing.events import replay as replay_from
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.testing.tierworker import wait_for
 
 CHUNK = 256
 BLOCK = 16  # tokens per engine block hash (the simple model's block size)
@@ -470,6 +471,53 @@ def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any],
             assert topic == TOPIC + MODEL and batch.events
     finally:
         sub.close(linger=0)
+
+
+def test_the_disk_tier_publishes_the_same_blocks_as_medium_disk(
+        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    """A store lands in L1 (CPU) and, written behind, on disk (DISK, same hashes, no
+    tokens); the disk evicting for capacity publishes DISK removals of those hashes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = server_args(tmp_path, "--disk-dir", str(disk), "--disk-size-gb", str(4 / 1024))
+    with ServerProcess(args, l1_size_gb=SLOTS / 1024) as srv, Client(srv.endpoint) as c:
+        reg = c.register(**kv.register_kwargs())
+        p = engine_prompt(3, seed=77, chunk_size=CHUNK, block_size=BLOCK)
+        assert c.store(reg, p.digests, block_ids_for(reg, 3), events=p.events()).ok.all()
+
+        def written(n: int) -> bool:
+            d = c.stats().disk
+            assert d is not None
+            return d.objects_written >= n and d.write_queue_objects == 0 \
+                and d.writes_in_flight == 0
+        wait_for(lambda: written(3), "three objects on disk")
+        for i in range(4):  # more than the disk holds: it evicts the oldest files
+            assert c.store(reg, chunk_digests(np.full(CHUNK, 50_000 + i), CHUNK),
+                           block_ids_for(reg, 1)).ok.all()
+        wait_for(lambda: written(7), "seven objects written")
+        st = c.stats()
+        events = [(e, t) for t, _, pl in replay(ctx, tmp_path, 0)
+                  for e in DECODER.decode(pl).events]
+    stored = {"CPU": [], "DISK": []}  # type: dict[str, list[list[bytes | int]]]
+    removed_disk: list[bytes | int] = []
+    for e, _ in events:
+        if isinstance(e, BlockStored):
+            stored[e.medium or ""].append(e.block_hashes)
+            if e.medium == "DISK":
+                assert e.token_ids == [] and e.parent_block_hash is None
+        elif isinstance(e, BlockRemoved) and e.medium == "DISK":
+            removed_disk += e.block_hashes
+    prompt_chunks = {tuple(p.chunk_hashes(k)) for k in range(3)}
+    assert {tuple(h) for h in stored["DISK"][:3]} == prompt_chunks  # the hashes of L1
+    assert [p.chunk_hashes(k) for k in range(3)] == stored["CPU"][:3]
+    assert len(stored["DISK"]) == st.disk.objects_written == 7  # type: ignore[union-attr]
+    on_disk = [h for hs in stored["DISK"] for h in hs]
+    assert removed_disk and set(removed_disk) <= set(on_disk)
+    # the disk holds about three objects of seven: the published ones still held agree
+    held = len(stored["DISK"]) - sum(1 if h not in p.hashes else 1 / PER
+                                     for h in removed_disk)
+    assert held == st.disk.files  # type: ignore[union-attr]
+    assert st.kv_events.published_disk_objects == held  # type: ignore[union-attr]
 
 
 def test_malformed_store_events_are_refused_and_the_server_serves_on(

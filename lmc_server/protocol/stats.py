@@ -113,6 +113,7 @@ class KvEventsReport(KvEventCounters, kw_only=True):
     next_seq: int  # the sequence number of the next batch
     replay_batches: int  # batches kept for replay now
     published_objects: int  # objects a subscriber was told of and not yet of their removal
+    published_disk_objects: int = 0  # the same for the disk tier (medium DISK)
 
 
 class StatsReport(msgspec.Struct, kw_only=True):

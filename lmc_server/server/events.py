@@ -20,21 +20,15 @@ per-block hashes and tokens (routers hash tokens themselves); any other object w
 hash per chunk (the first 8 bytes of its digest) and no tokens. Every ``BlockRemoved``
 names hashes an earlier ``BlockStored`` published.
 
-Bounded: the PUB socket has a high-water mark and ``XPUB_NODROP``, and every send is
-non-blocking, so a subscriber that stops reading costs the server nothing. A batch goes
-to every subscriber or, while one's queue is full, to none (``dropped_batches``; it
-stays in the replay buffer, and subscribers see the gap in sequence numbers): zmq tells
-the sender only that, and a count of what was lost is worth more to an operator than
-silent per-subscriber loss. So that one stuck subscriber cannot silence the stream for
-everyone, the PUB socket is re-created once sends have failed for longer than
-``--heartbeat-timeout-s`` (``stall_resets``): every subscriber is disconnected, the
-live ones reconnect by themselves (and replay the gap), a stopped one does not, a
-connected one that still does not read fills its queue again first. ZMTP heartbeats
-drop idle peers that are gone. Replays are sent in slices between requests and cut when
-the requester's queue is full. Everything here runs
-on the event-loop thread, called by the index (:class:`~lmc_server.cache.pool.SlotWatcher`)
-inside its operations: it only appends to lists; encoding and sending happen in
-:meth:`KvEventPublisher.flush`, scheduled once per loop iteration.
+Bounded: every send is non-blocking (a high-water mark and ``XPUB_NODROP``: a batch goes
+to every subscriber or, while one's queue is full, to none, counted in
+``dropped_batches`` and kept for replay); once sends have failed for longer than
+``--heartbeat-timeout-s`` the PUB socket is re-created (``stall_resets``), so one stuck
+subscriber cannot silence the stream for the others (docs/operations.md, "KV events").
+The disk tier's objects are published by :mod:`lmc_server.server.events_tiers`, replays
+served by :mod:`lmc_server.server.events_replay`. Loop thread only: the index calls
+:class:`~lmc_server.cache.pool.SlotWatcher` inside its operations, which only appends;
+encoding and sending happen in :meth:`KvEventPublisher.flush`, once per loop iteration.
 """
 
 from __future__ import annotations
@@ -45,7 +39,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -58,6 +52,10 @@ from lmc_server.config import Config
 from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.server.events_replay import ReplayBuffer
+from lmc_server.server.events_tiers import DiskEvents
+
+if TYPE_CHECKING:
+    from lmc_server.l2.events import TierListeners
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +113,13 @@ class _Removals:
     """A run of removals on one topic, merged into one ``BlockRemoved`` at flush:
     encoded uint64 elements and their count."""
 
+    medium: str
     parts: list[bytes] = field(default_factory=list)
     n: int = 0
 
     def event(self) -> ev.BlockRemoved:
         return ev.BlockRemoved(block_hashes=ev.raw_array(b"".join(self.parts), self.n),
-                               medium=ev.MEDIUM_CPU)
+                               medium=self.medium)
 
 
 class KvEventPublisher:
@@ -146,6 +145,9 @@ class KvEventPublisher:
         self._pending: dict[bytes, list[Any]] = {}
         self._flush_handle: asyncio.Handle | None = None
         self._stage: _Stage | None = None
+        #: (namespace, layout fingerprint, key prefix) of every watched object group
+        self._watched: list[tuple[str, bytes, bytes]] = []
+        self.disk: DiskEvents | None = None
         self.next_seq = 0
         #: ``monotonic`` time of the first failed send since the last one that went out
         self._stalled_since: float | None = None
@@ -200,9 +202,10 @@ class KvEventPublisher:
 
     # -- what is watched ----------------------------------------------------------------
 
-    def watch(self, view: CacheView, model: str, published: bool) -> None:
+    def watch(self, view: CacheView, namespace: str, model: str, published: bool) -> None:
         """A registration of ``view`` arrived: name its topic (or None when its
-        namespace is not ``published``) and watch the partitions a hit requires."""
+        namespace is not ``published``) and watch the partitions a hit requires (and
+        their objects in the disk tier, :meth:`attach_disk`)."""
         prefix = view.ns_prefix
         if prefix not in self._topics:
             topic = (self.settings.topic_prefix + model).encode() if published else None
@@ -217,6 +220,17 @@ class KvEventPublisher:
         for og, part in zip(groups, view.partitions, strict=True):
             if og.has_full or (not has_full and og.index == 0):
                 part.watcher = self
+                self._watched.append((namespace, og.fingerprint, prefix))
+                if self.disk is not None:
+                    self.disk.watch(namespace, og.fingerprint, prefix)
+
+    def attach_disk(self, listeners: TierListeners) -> None:
+        """Publish the disk tier's objects too (medium ``DISK``,
+        :mod:`lmc_server.server.events_tiers`)."""
+        self.disk = DiskEvents(self)
+        listeners.subscribe(stored=self.disk.stored, removed=self.disk.removed)
+        for namespace, fingerprint, prefix in self._watched:
+            self.disk.watch(namespace, fingerprint, prefix)
 
     def staged(self, keys: list[bytes], fields: StoreEvents | None, per: int,
                salted: bool) -> _Staging:
@@ -247,7 +261,7 @@ class KvEventPublisher:
         if i is None or stage is None or stage.fields is None:
             self._published[key] = None
             event = ev.BlockStored(
-                block_hashes=[int.from_bytes(key[_DIGEST_HASH], "big")],
+                block_hashes=[self.digest_hash(key)],
                 parent_block_hash=None, token_ids=[], block_size=self.chunk_size,
                 lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
         else:
@@ -276,17 +290,37 @@ class KvEventPublisher:
         hashes = self._published.pop(key)
         topic = self._topics[key[:NS_BYTES]]
         assert topic is not None
+        self.remove(topic, key, hashes, ev.MEDIUM_CPU)
+
+    def remove(self, topic: bytes, key: bytes, hashes: bytes | None, medium: str) -> None:
+        """Publish that ``medium`` no longer holds the object of L1 key ``key`` (its
+        encoded event hashes, None: derived from the digest); a run of removals of one
+        medium becomes one event."""
         if hashes is None:
             hashes = b"\xcf" + key[_DIGEST_HASH]
         events = self._pending.get(topic)
         run = events[-1] if events else None
-        if not isinstance(run, _Removals):  # else one event for a run of removals
-            run = _Removals()
+        if not isinstance(run, _Removals) or run.medium != medium:
+            run = _Removals(medium)
             self._append(topic, run)
         run.parts.append(hashes)
         run.n += len(hashes) // ev.U64_ELEMENT_BYTES
 
+    def digest_hash(self, key: bytes) -> int:
+        """The event hash of an object stored without the connector's fields."""
+        return int.from_bytes(key[_DIGEST_HASH], "big")
+
     # -- publishing ---------------------------------------------------------------------
+
+    def topic_of(self, prefix: bytes) -> bytes | None:
+        return self._topics.get(prefix)
+
+    def published_hashes(self, key: bytes) -> tuple[bool, bytes | None]:
+        """Whether the L1 object of ``key`` is published, and its encoded hashes."""
+        return key in self._published, self._published.get(key)
+
+    def append(self, topic: bytes, event: Any) -> None:
+        self._append(topic, event)
 
     @property
     def published_objects(self) -> int:

@@ -154,7 +154,8 @@ class Handlers:
         namespace = namespace_of(msg)
         view = self.views[namespace] = self.index.view(namespace, layout)
         if self.events is not None:
-            self.events.watch(view, msg.model, published=msg.replicated or msg.rank == 0)
+            self.events.watch(view, namespace, msg.model,
+                              published=msg.replicated or msg.rank == 0)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
         reg = Registration(self.sessions.new_registration_id(), session, namespace,
                            list(msg.groups), view, mapping, bpc)

@@ -89,7 +89,8 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
             endpoint=events.settings.endpoint,
             replay_endpoint=events.settings.replay_endpoint,
             next_seq=events.next_seq, replay_batches=events.replay_batches,
-            published_objects=events.published_objects),
+            published_objects=events.published_objects,
+            published_disk_objects=0 if events.disk is None else len(events.disk)),
     )
 
 

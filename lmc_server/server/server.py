@@ -187,6 +187,9 @@ class Server:
             self.events = self.handlers.events = KvEventPublisher(
                 kv_event_settings(cfg), self.loop, cfg.chunk_size)
             self.events.open()
+            disk = self.l2.tier("disk") if self.l2 is not None else None
+            if disk is not None:
+                self.events.attach_disk(disk.listeners)
         router = self.router = Router(cfg, self.loop, self.peers, self.dispatch.handle,
                                       self._disconnected)
         self.handlers.before_commit = router.drain
