@@ -9,6 +9,7 @@ need the machine (memory), and loads TOML files strictly (unknown keys refused).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
@@ -91,6 +92,11 @@ class Config:
     l2_connections: int = 1  # parallel Redis connections for reads, as many for writes
     disk_dir: str = ""  # empty: no disk tier (docs/l2.md, "The disk tier")
     disk_size_gb: float = 0.0  # the disk tier's capacity; required with disk_dir
+    kv_events_endpoint: str = ""  # empty: no KV events (docs/operations.md "KV events")
+    kv_events_replay_endpoint: str = ""  # empty: no replay socket
+    kv_events_topic: str = ""  # topic prefix before the model; empty: kv@<hostname>@
+    kv_events_hwm: int = 100_000  # batches queued per subscriber; past it they drop
+    kv_events_replay_batches: int = 10_000  # batches kept for replay
 
     @property
     def endpoint(self) -> str:
@@ -157,6 +163,7 @@ class Config:
                 f"refusing to listen on {self.host}: clients could map and read any KV "
                 f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
                 f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
+        self._check_kv_events()
         if self.l2_url:
             from lmc_server.l2.checks import check_l2_config
             from lmc_server.l2.url import L2ConfigError
@@ -182,6 +189,27 @@ class Config:
                 f"{mem / GIB:.1f} GiB of memory, of which at most {max(usable, 0) / GIB:.1f} "
                 f"GiB can be used with {SYSTEM_RESERVE_BYTES // GIB} GiB left for the "
                 f"system; lower --l1-size-gb")
+
+
+    def _check_kv_events(self) -> None:
+        ends = [e for e in (self.kv_events_endpoint, self.kv_events_replay_endpoint) if e]
+        for e in ends:
+            if not re.fullmatch(r"(tcp://[A-Za-z0-9.:\-\[\]*]+:\d{1,5}|ipc://\S+)", e):
+                raise ConfigError(f"KV events endpoint {e!r}: use tcp://HOST:PORT or "
+                                  f"ipc://PATH")
+        if len(set(ends)) != len(ends) or self.endpoint in ends:
+            raise ConfigError("the KV events endpoints must differ from each other and "
+                              "from the server's endpoint")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if not 1 <= self.kv_events_hwm <= 1 << 24:
+            raise ConfigError(f"KV events high-water mark {self.kv_events_hwm} is not in "
+                              f"1..{1 << 24}")
+        if not 1 <= self.kv_events_replay_batches <= 1 << 20:
+            raise ConfigError(f"KV events replay batches {self.kv_events_replay_batches} "
+                              f"is not in 1..{1 << 20}")
+        if "\x00" in self.kv_events_topic or len(self.kv_events_topic) > 256:
+            raise ConfigError("KV events topic: at most 256 characters, no NUL")
 
 
 CONFIG_KEYS = frozenset(f.name for f in fields(Config))

@@ -58,7 +58,8 @@ def test_throughput_cpu(tmp_path: Path) -> None:
 def test_latency(tmp_path: Path) -> None:
     r = _run(["latency", "--clients", "1,2", "--duration-s", "0.1"], tmp_path)
     ops = {(x["op"], x["clients"]) for x in r["rows"]}
-    assert ops == {(op, n) for op in ("ping", "lookup-1", "lookup-256", "store/retrieve")
+    assert ops == {(op, n) for op in ("ping", "lookup-1", "lookup-256", "probe-64x8",
+                                      "store/retrieve")
                    for n in (1, 2)}
     by_op = {x["op"]: x for x in r["rows"] if x["clients"] == 1}
     assert by_op["lookup-256"]["request_bytes"] > 256 * 32 > by_op["ping"]["request_bytes"]
@@ -66,6 +67,8 @@ def test_latency(tmp_path: Path) -> None:
         assert x["samples"] > 0 and 0 < x["p50_us"] <= x["p99_us"]
         assert x["p50_ratio"] == pytest.approx(x["p50_us"] / x["echo_p50_us"])
     assert "lookup256_p50_ratio" in r["summary"]
+    assert r["summary"]["probe_prompts_s"] == pytest.approx(
+        64 * max(x["ops_s"] for x in r["rows"] if x["op"] == "probe-64x8"))
 
 
 def test_startup(tmp_path: Path) -> None:

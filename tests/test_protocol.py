@@ -16,7 +16,13 @@ import pytest
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.client import Client, chunk_digests
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, decode_block_ids, decode_request, encode
+from lmc_server.protocol.codec import (
+    Limits,
+    check_store_events,
+    decode_block_ids,
+    decode_request,
+    encode,
+)
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.validate import block_ids
 from lmc_server.testing import ShmKV, simple_model
@@ -35,7 +41,13 @@ def test_round_trip_every_request_type() -> None:
             m.Store(req_id=8, registration_id=b"r" * 16, digests=b"d" * 32,
                     block_ids=[b"\0" * 64]),
             m.Retrieve(req_id=9, registration_id=b"r" * 16, digests=b"", block_ids=[]),
-            m.Unregister(req_id=10, registration_id=b"r" * 16)]
+            m.Unregister(req_id=10, registration_id=b"r" * 16),
+            m.Store(req_id=11, registration_id=b"r" * 16, digests=b"d" * 32,
+                    block_ids=[b"\0" * 64],
+                    events=m.StoreEvents(block_size=128, token_ids=b"t" * 1024,
+                                         block_hashes=b"h" * 16, parent_hashes=bytes(8))),
+            m.Probe(req_id=12, namespace="model=x", digests=b"d" * 64,
+                    prefix_ends=b"\1\0\0\0\2\0\0\0")]
     for msg in msgs:
         assert decode_request([encode(msg)], Limits()) == msg
 
@@ -54,6 +66,26 @@ def test_decoder_refuses_with_typed_errors(frame: bytes, code: ErrorCode) -> Non
     with pytest.raises(ProtocolError) as e:
         decode_request([frame], Limits(max_frame_bytes=MAX_FRAME))
     assert e.value.code == code
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"block_size": 0}, "does not divide"),
+    ({"block_size": 96}, "does not divide"),
+    ({"block_size": 512}, "does not divide"),
+    ({"token_ids": b"t" * 2044}, "token_ids is 2044 bytes; 2 chunks need 2048"),
+    ({"block_hashes": b"h" * 8}, "block_hashes is 8 bytes; 2 chunks need 32"),
+    ({"parent_hashes": b""}, "parent_hashes is 0 bytes; 2 chunks need 16"),
+])
+def test_store_events_must_cover_every_chunk(change: dict[str, object], message: str) -> None:
+    """A store's event fields: one token per position, one engine hash per block, one
+    parent per chunk (wire cost per chunk: 4 x chunk_size + 8 x blocks + 8 bytes)."""
+    good = m.StoreEvents(block_size=128, token_ids=b"t" * 2048, block_hashes=b"h" * 32,
+                         parent_hashes=bytes(16))
+    assert check_store_events(good, 2, 256, 1) == 2
+    with pytest.raises(ProtocolError) as e:
+        check_store_events(msgspec.structs.replace(good, **change), 2, 256, 1)
+    assert e.value.code == ErrorCode.BAD_REQUEST and message in e.value.message
+    assert e.value.req_id == 1
 
 
 def test_req_id_is_recovered_from_an_invalid_message() -> None:

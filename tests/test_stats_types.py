@@ -140,7 +140,8 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
     stats = wire["stats"]
     assert set(stats) == {"version", "backend", "chunk_size", "separate_object_groups",
                           "eviction_policy", "uptime_s", "l1", "partitions", "sessions",
-                          "registrations", "leases", "counters", "phases", "l2", "disk"}
+                          "registrations", "leases", "counters", "phases", "l2", "disk",
+                          "kv_events"}
     assert set(stats["l1"]) == {"capacity_bytes", "ready_bytes", "slab_bytes", "slabs",
                                 "ready_slabs", "free_slabs", "used_bytes", "objects"}
     assert set(stats["partitions"][0]) == {
@@ -148,9 +149,9 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
         "writing", "used_bytes", "capacity_bytes", "pinned_objects"}
     assert set(stats["counters"]) == {
         "lookups", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens",
-        "stored_objects", "stored_bytes", "retrieved_objects", "retrieved_bytes", "evictions",
-        "evicted_bytes", "slabs_moved", "leases_taken", "leases_released", "leases_expired",
-        "alloc_failures", "requests"}
+        "probes", "probe_tokens", "probe_hit_tokens", "stored_objects", "stored_bytes",
+        "retrieved_objects", "retrieved_bytes", "evictions", "evicted_bytes", "slabs_moved",
+        "leases_taken", "leases_released", "leases_expired", "alloc_failures", "requests"}
     assert stats["phases"] == {"store:copy": {"count": 2, "seconds": 0.25}}
     assert set(stats["l2"]) == {
         "url", "backend", "state", "reason", "state_for_s", "write_queue_objects",

@@ -7,6 +7,9 @@ client, all driven by one event loop in this process):
 - ``lookup`` of 1 and of 256 digests, all hits (256 chunks are stored first), without
   a lease (a lease costs a second round trip, ``release``, which would be measured
   against nothing);
+- ``probe-64x8``: a router's probe (no registration, no lease) of 64 prompts of 8 chunks
+  each (2,048 tokens at the default chunk size), all hits, in one request; prompts per
+  second are 64 x its ops/s (the summary's ``probe_prompts_s``, best over client counts);
 - ``store/retrieve``: alternately a store of one fresh chunk and a retrieve of it, on a
   tiny geometry (one 4 KiB chunk), so the copy is negligible and the request path is
   what is timed.
@@ -48,7 +51,9 @@ from lmc_server.testing.presets import simple_model
 from lmc_server.testing.process import ServerProcess
 
 LOOKUP_CHUNKS = 256
-OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", "store/retrieve")
+PROBE_PROMPTS, PROBE_CHUNKS = 64, 8
+PROBE_OP = f"probe-{PROBE_PROMPTS}x{PROBE_CHUNKS}"
+OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", PROBE_OP, "store/retrieve")
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,8 @@ class _Bench:
             elif op.startswith("lookup"):
                 k = int(op.split("-")[1])
                 calls.append(_lookup_call(c, reg, self.digests[:32 * k], k))
+            elif op == PROBE_OP:
+                calls.append(_probe_call(c, reg.namespace, self.digests[:32 * PROBE_CHUNKS]))
             else:
                 calls.append(_store_retrieve(c, reg, ids))
         return calls
@@ -152,6 +159,9 @@ class _Bench:
             k = int(op.split("-")[1])
             return len(encode(m.Lookup(req_id=1 << 20, registration_id=reg_id,
                                        digests=self.digests[:32 * k], lease=False)))
+        if op == PROBE_OP:
+            return len(encode(_probe_msg(self.regs[0].namespace,
+                                         self.digests[:32 * PROBE_CHUNKS])))
         ids = [np.arange(16, dtype="<i4").tobytes()]
         return len(encode(m.Store(req_id=1 << 20, registration_id=reg_id,
                                   digests=self.digests[:32], block_ids=ids)))
@@ -163,6 +173,25 @@ def _lookup_call(c: AsyncClient, reg: Registration, d: bytes,
         res = await c.lookup(reg, d, lease=False)
         if res.hit_chunks != k:
             raise RuntimeError(f"lookup hit {res.hit_chunks} of {k} chunks")
+    return call
+
+
+def _probe_ends() -> list[int]:
+    return list(range(PROBE_CHUNKS, PROBE_CHUNKS * PROBE_PROMPTS + 1, PROBE_CHUNKS))
+
+
+def _probe_msg(namespace: str, prompt: bytes) -> m.Probe:
+    return m.Probe(req_id=1 << 20, namespace=namespace, digests=prompt * PROBE_PROMPTS,
+                   prefix_ends=np.asarray(_probe_ends(), dtype="<i4").tobytes())
+
+
+def _probe_call(c: AsyncClient, namespace: str, prompt: bytes) -> Callable[[], Awaitable[Any]]:
+    digests, ends = prompt * PROBE_PROMPTS, _probe_ends()
+
+    async def call() -> None:
+        hits = await c.probe(namespace, digests, prefix_ends=ends)
+        if hits != [PROBE_CHUNKS] * PROBE_PROMPTS:
+            raise RuntimeError(f"probe hit {hits}")
     return call
 
 
@@ -229,10 +258,15 @@ def run(cfg: LatencyConfig) -> Report:
     key = (f"lookup-{LOOKUP_CHUNKS}", min(cfg.clients))
     if key in by:
         report.summary["lookup256_p50_ratio"] = by[key]["p50_ratio"]
+    probes = [r["ops_s"] for r in report.rows if r["op"] == PROBE_OP]
+    if probes:
+        report.summary["probe_prompts_s"] = max(probes) * PROBE_PROMPTS
     report.notes += [
         "echo = a plain pyzmq ROUTER process sending each request back, same tcp "
         "transport, request-sized messages; ratios are ours / echo (latency: lower is "
         "better, 1.0 = echo; ops/s: higher is better)",
+        f"{PROBE_OP}: one probe request of {PROBE_PROMPTS} prompts of {PROBE_CHUNKS} "
+        f"chunks, all hits; prompts/s = {PROBE_PROMPTS} x ops/s",
         f"lookups are all hits and take no lease; store/retrieve alternate on a "
         f"{16 * 16 * 16} B chunk (copy negligible); clients share one event loop in the "
         "benchmark process",

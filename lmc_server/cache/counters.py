@@ -100,6 +100,10 @@ class CacheStats(CounterSet, kw_only=True):
     lookup_tokens: Annotated[int, counter(
         "Tokens asked about by lookups (chunks x chunk size).")] = 0
     hit_tokens: Annotated[int, counter("Tokens reported as hits by lookups.")] = 0
+    probes: Annotated[int, counter(
+        "Prompts asked about by routers' probes (no lease, not counted as lookups).")] = 0
+    probe_tokens: Annotated[int, counter("Tokens asked about by probes.")] = 0
+    probe_hit_tokens: Annotated[int, counter("Tokens probes reported as hits.")] = 0
     stored_objects: Annotated[int, counter(
         "Objects (one chunk of one object group) committed to L1.")] = 0
     stored_bytes: Annotated[int, counter("Bytes of objects committed to L1.")] = 0
@@ -118,6 +122,26 @@ class CacheStats(CounterSet, kw_only=True):
         "Objects that could not be stored, by reason (no_space: nothing evictable; "
         "aborted: the copy failed or its writer left).", metric="allocation_failures",
         label="reason", known=("aborted", "no_space"))] = {}
+
+
+class KvEventCounters(CounterSet, kw_only=True):
+    """The KV-event publisher's counters (``lmcache_kv_events_<name>_total``, the
+    ``stats`` ``kv_events``); counted by ``lmc_server.server.events`` on the loop."""
+
+    batches: Annotated[int, counter("Event batches published (one sequence number each).",
+                                    metric="batches")] = 0
+    events: Annotated[int, counter("Events in published batches (stored, removed, "
+                                   "cleared).", metric="events")] = 0
+    dropped_batches: Annotated[int, counter(
+        "Batches not sent because a subscriber's queue was at the high-water mark (still "
+        "kept for replay).", metric="dropped_batches")] = 0
+    stall_resets: Annotated[int, counter(
+        "Times the PUB socket was re-created because a full subscriber queue blocked "
+        "every batch for longer than the heartbeat timeout.", metric="stall_resets")] = 0
+    replays: Annotated[int, counter("Replay requests served.", metric="replays")] = 0
+    replays_cut: Annotated[int, counter(
+        "Replays cut short because the requester's queue was full.",
+        metric="replays_cut")] = 0
 
 
 class L2Counters(CounterSet, kw_only=True):

@@ -32,7 +32,7 @@ from lmc_server.cache.leases import Lease, LeaseTable
 from lmc_server.cache.pool import Partition, SlabPool
 from lmc_server.cache.retrieve import RetrieveTicket
 from lmc_server.cache.store import StoreTicket
-from lmc_server.cache.view import CacheView, hit_chunks, needed_slots
+from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
 
 __all__ = ["L1Index"]
 
@@ -93,6 +93,18 @@ class L1Index:
             return k, None
         self.stats.leases_taken += 1
         return k, self.leases.take(owner, now_s + lease_ttl_s, k, pins)
+
+    def probe(self, view: CacheView, keys: list[bytes], ends: list[int]) -> list[int]:
+        """Longest hit prefix (in chunks) of each prompt ``keys[ends[i-1]:ends[i]]``, for
+        a router's probe: no lease, no touch (a probe is not a use, so it leaves the
+        eviction order alone), counted apart from lookups so hit rates stay the
+        engines'."""
+        hits = prompt_hits(view, keys, ends)
+        stats, chunk_size = self.stats, view.layout.chunk_size
+        stats.probes += len(ends)
+        stats.probe_tokens += len(keys) * chunk_size
+        stats.probe_hit_tokens += sum(hits) * chunk_size
+        return hits
 
     # -- allocation ---------------------------------------------------------------------
 

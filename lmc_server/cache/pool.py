@@ -22,6 +22,7 @@ maps to a ``WRITING`` or ``COMMITTED`` slot whose ``slot_key`` is that key.
 from __future__ import annotations
 
 from array import array
+from typing import Protocol
 
 import numpy as np
 
@@ -83,6 +84,19 @@ class SlabPool:
         self._free.append(slab)
 
 
+class SlotWatcher(Protocol):
+    """Told when an object of a watched partition becomes visible and when it goes.
+
+    Called on the thread that drives the index (the event loop), inside the index
+    operation: it must not call back into the index. ``gone`` runs while the slot
+    still holds its key (``part.slot_key[slot]``).
+    """
+
+    def visible(self, part: Partition, slot: int) -> None: ...
+
+    def gone(self, part: Partition, slot: int) -> None: ...
+
+
 class Partition:
     """Object slots of one layout: a key table, slot states, pins and a policy.
 
@@ -119,6 +133,9 @@ class Partition:
         self._free: list[int] = []
         self.n_committed = 0
         self.n_writing = 0
+        #: Told of every commit and every eviction (the KV-event publisher); None: one
+        #: attribute test per commit and eviction is all it costs.
+        self.watcher: SlotWatcher | None = None
         policy.bind_keys(self.slot_key)
 
     # -- capacity -------------------------------------------------------------------
@@ -199,6 +216,8 @@ class Partition:
         self.n_committed += 1
         if self.pins[slot] == 0:
             self.policy.admit(slot)
+        if self.watcher is not None:
+            self.watcher.visible(self, slot)
 
     def abort(self, slot: int) -> None:
         """The copy into ``slot`` failed or its writer died: forget it entirely."""
@@ -210,6 +229,8 @@ class Partition:
     def evict(self, slot: int) -> None:
         """Drop a committed, unpinned object (its slot becomes free)."""
         assert self.state[slot] == COMMITTED and self.pins[slot] == 0
+        if self.watcher is not None:
+            self.watcher.gone(self, slot)
         self.policy.forget(slot)
         self.n_committed -= 1
         self._release(slot)

@@ -19,6 +19,7 @@ import numpy as np
 
 from lmc_server.cache.layout import RegistrationLayout
 from lmc_server.cache.pool import Partition
+from lmc_server.cache.retention import FullRetention, Retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,45 @@ def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray
         else:
             return k, rows
     return 0, rows
+
+
+def prompt_hits(view: CacheView, keys: list[bytes], ends: list[int]) -> list[int]:
+    """:func:`hit_chunks` of each prompt ``keys[ends[i-1]:ends[i]]`` (a probe's batch),
+    with one dict pass per partition for the whole batch.
+
+    The prefix bound of a :class:`~lmc_server.cache.retention.FullRetention` (the first
+    chunk whose slot is not committed) is found for every prompt at once with numpy; the
+    other retentions run per prompt on slices of the same rows, as in
+    :func:`hit_chunks`, so the two agree (``tests/test_probe.py`` checks it).
+    """
+    n = len(keys)
+    his = np.asarray(ends, dtype=np.int64)
+    los = np.concatenate(([0], his[:-1])) if len(his) else his
+    limit = his - los
+    rest: list[tuple[Retention, Partition, np.ndarray]] = []
+    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+        row = og.retentions[0].new_row(part, keys)
+        for r in og.retentions:
+            if isinstance(r, FullRetention):
+                missing = np.flatnonzero(row < 0)
+                at = np.searchsorted(missing, los)
+                first = np.append(missing, n)[at]
+                limit = np.minimum(limit, np.minimum(first, his) - los)
+            else:
+                rest.append((r, part, row))
+    if not rest:
+        return [int(k) for k in limit]
+    out = []
+    for lo, hi, bound in zip(los.tolist(), his.tolist(), limit.tolist(), strict=True):
+        ks = keys[lo:hi]
+        segs = [(r, part, row[lo:hi]) for r, part, row in rest]
+        for r, part, seg in segs:
+            bound = r.limit(part, ks, seg, bound)
+        k = bound
+        while k > 0 and not all(r.hits_at(part, ks, seg, k) for r, part, seg in segs):
+            k -= 1
+        out.append(k)
+    return out
 
 
 def needed_slots(view: CacheView, slots: list[np.ndarray],

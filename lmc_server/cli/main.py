@@ -193,6 +193,27 @@ def cli() -> None:
 @click.option("--disk-size-gb", type=click.FloatRange(0, 1 << 20), default=0.0,
               envvar="LMCACHE_DISK_SIZE_GB",
               help="Bytes the disk tier may hold; the least recently used files go first.")
+@click.option("--kv-events-endpoint", default="", envvar="LMCACHE_KV_EVENTS_ENDPOINT",
+              metavar="ENDPOINT",
+              help="Publish L1 stores and removals for KV-aware routers, in vLLM's "
+                   "KV-event format, on this ZeroMQ PUB endpoint; as vLLM does, a "
+                   "wildcard (tcp://*:5557) or ipc:// endpoint is bound, any other "
+                   "connected to (a router's bound SUB). The stream carries prompt tokens: "
+                   "expose it only to the router. See docs/operations.md.")
+@click.option("--kv-events-replay-endpoint", default="",
+              envvar="LMCACHE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ENDPOINT",
+              help="ROUTER endpoint where subscribers ask for missed batches (vLLM's "
+                   "replay protocol).")
+@click.option("--kv-events-topic", default="", envvar="LMCACHE_KV_EVENTS_TOPIC",
+              help="Topic prefix; each model publishes on PREFIX<model>. Default "
+                   "kv@<hostname>@ (llm-d's kv@<pod>@<model>).")
+@click.option("--kv-events-hwm", type=click.IntRange(1, 1 << 24), default=100_000,
+              envvar="LMCACHE_KV_EVENTS_HWM",
+              help="Batches queued per subscriber; past it batches are dropped for "
+                   "everyone (counted, still replayable), never waited for.")
+@click.option("--kv-events-replay-batches", type=click.IntRange(1, 1 << 20),
+              default=10_000, envvar="LMCACHE_KV_EVENTS_REPLAY_BATCHES",
+              help="Batches kept for replay.")
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
     if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it
@@ -374,6 +395,10 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
     if (l2 := report.l2) is not None:
         click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects "
                    f"written")
+    if (ev := report.kv_events) is not None:
+        click.echo(f"KV events on {ev.endpoint}: next seq {ev.next_seq}, "
+                   f"{ev.published_objects} objects published, {ev.dropped_batches} "
+                   f"batches dropped, {ev.stall_resets} resets, {ev.replays} replays")
     if report.partitions:
         click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
                    f"{'capacity':>10}{'used':>14}")

@@ -162,8 +162,13 @@ class AsyncClient:
         return await self._run(self._b.release(lease_id))
 
     async def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                    salt: bytes = b"") -> ChunkResult:
-        return await self._run(self._b.store(reg, digests, block_ids, salt))
+                    salt: bytes = b"", events: m.StoreEvents | None = None) -> ChunkResult:
+        return await self._run(self._b.store(reg, digests, block_ids, salt, events))
+
+    async def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
+                    prefix_ends: Sequence[int] = ()) -> list[int]:
+        """Hit chunks per prompt, for a router (see ``m.Probe``)."""
+        return await self._run(self._b.probe(namespace, digests, salt, prefix_ends))
 
     async def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
                        salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:

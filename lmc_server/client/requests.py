@@ -134,13 +134,14 @@ class RequestBuilder:
                     _released)
 
     def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-              salt: bytes = b"") -> Call[ChunkResult]:
+              salt: bytes = b"", events: m.StoreEvents | None = None) -> Call[ChunkResult]:
         """Block ids are checked against the registration here, before anything is sent
-        (``KeyError``/``ValueError``, see :meth:`Registration.encode_block_ids`)."""
+        (``KeyError``/``ValueError``, see :meth:`Registration.encode_block_ids`).
+        ``events``: what KV-event subscribers see of these chunks (``m.StoreEvents``)."""
         msg = m.Store(req_id=next(self._ids), registration_id=reg.registration_id,
                       digests=digests,
                       block_ids=reg.encode_block_ids(block_ids, len(digests) // DIGEST_BYTES),
-                      salt=salt)
+                      salt=salt, events=events)
 
         def statuses(reply: m.StoreResult) -> ChunkResult:
             return chunk_result(reg, reply.statuses)
@@ -160,6 +161,19 @@ class RequestBuilder:
         def statuses(reply: m.RetrieveResult) -> ChunkResult:
             return chunk_result(reg, reply.statuses)
         return Call(msg, m.RetrieveResult, statuses)
+
+
+    def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
+              prefix_ends: Sequence[int] = ()) -> Call[list[int]]:
+        """Hit chunks per prompt (see ``m.Probe``), without a registration or a lease."""
+        msg = m.Probe(req_id=next(self._ids), namespace=namespace, digests=digests, salt=salt,
+                      prefix_ends=(np.asarray(prefix_ends, dtype="<i4").tobytes()
+                                   if len(prefix_ends) else b""))
+        return Call(msg, m.ProbeResult, _hit_chunks)
+
+
+def _hit_chunks(reply: m.ProbeResult) -> list[int]:
+    return np.frombuffer(reply.hit_chunks, dtype="<i4").tolist()
 
 
 def _nothing(reply: m._Msg) -> None:

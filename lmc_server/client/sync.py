@@ -134,8 +134,13 @@ class Client:
         return self._run(self._b.release(lease_id))
 
     def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-              salt: bytes = b"") -> ChunkResult:
-        return self._run(self._b.store(reg, digests, block_ids, salt))
+              salt: bytes = b"", events: m.StoreEvents | None = None) -> ChunkResult:
+        return self._run(self._b.store(reg, digests, block_ids, salt, events))
+
+    def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
+              prefix_ends: Sequence[int] = ()) -> list[int]:
+        """Hit chunks per prompt, for a router (see ``m.Probe``)."""
+        return self._run(self._b.probe(namespace, digests, salt, prefix_ends))
 
     def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
                  salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:

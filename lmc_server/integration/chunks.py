@@ -21,6 +21,7 @@ import numpy as np
 
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client.digests import hash_chain
+from lmc_server.protocol.messages import StoreEvents
 
 NULL_BLOCK_ID = 0
 """vLLM's null block (block 0 of its pool): a placeholder, never real KV."""
@@ -93,6 +94,24 @@ class ChunkGeometry:
                              f"chunks of {per} hashes")
         return hash_chain(b"".join(bytes(h) for h in block_hashes[k * per:(k + 1) * per])
                           for k in range(n_chunks))
+
+    def store_events(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
+                     first_chunk: int, n_chunks: int) -> StoreEvents:
+        """What a KV-event subscriber needs of chunks ``first_chunk..+n_chunks`` (the
+        server's ``events`` fields): their tokens, each engine block hash reduced to 64
+        bits as vLLM publishes it (the last 8 bytes, big-endian: vLLM's
+        ``maybe_convert_block_hash``), and the hash of the block before each chunk."""
+        per, cs = self.hashes_per_chunk, self.chunk_size
+        end = first_chunk + n_chunks
+
+        def short(i: int) -> bytes:
+            return bytes(block_hashes[i])[-8:]
+        mine = [short(i) for i in range(first_chunk * per, end * per)]
+        parents = [short(c * per - 1) if c else bytes(8) for c in range(first_chunk, end)]
+        tokens = np.asarray(token_ids[first_chunk * cs:(first_chunk + n_chunks) * cs],
+                            dtype="<u4")
+        return StoreEvents(block_size=self.hash_block_size, token_ids=tokens.tobytes(),
+                           block_hashes=b"".join(mine), parent_hashes=b"".join(parents))
 
     def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
                   n_chunks: int, keep_tokens: int = 0,

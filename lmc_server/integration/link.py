@@ -41,6 +41,7 @@ from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
 from lmc_server.integration.plans import LookupAnswer
+from lmc_server.protocol.messages import StoreEvents
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,20 @@ DEFAULT_MAX_INFLIGHT = 16
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
 
 Item = tuple[bytes, BlockIds]
+
+
+def join_events(parts: Sequence[StoreEvents | None]) -> StoreEvents | None:
+    """One request's event fields from its items' (None unless every item has them,
+    all with the same block size)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    ev = [p for p in parts if p is not None]
+    if len({p.block_size for p in ev}) != 1:
+        return None
+    return StoreEvents(block_size=ev[0].block_size,
+                       token_ids=b"".join(p.token_ids for p in ev),
+                       block_hashes=b"".join(p.block_hashes for p in ev),
+                       parent_hashes=b"".join(p.parent_hashes for p in ev))
 """One engine request's part of a batch: its chunk digests and block ids."""
 
 
@@ -209,10 +224,13 @@ class ServerLink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BUSY_RETRY_MAX_S)
 
-    def _split(self, items: Sequence[Item]) -> list[list[int]]:
-        """Item indices per server request: in order, within the server's limits."""
+    def _split(self, items: Sequence[Item], with_events: bool = False) -> list[list[int]]:
+        """Item indices per server request: in order, within the server's limits (a
+        chunk's event fields are at most 12 bytes per token and 8 more)."""
         ids_per_chunk = sum(self.reg.blocks_per_chunk(g) for g in self.reg.groups)
         chunk_bytes = DIGEST_BYTES + 4 * ids_per_chunk
+        if with_events:
+            chunk_bytes += 12 * self.reg.chunk_size + 8
         max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes))
         out: list[list[int]] = []
         n = 0
@@ -225,8 +243,8 @@ class ServerLink:
             n += k
         return out
 
-    def _batch(self, op: str, items: Sequence[Item],
-               ready: Callable[[], None] | None) -> list[Future[ChunkResult]]:
+    def _batch(self, op: str, items: Sequence[Item], ready: Callable[[], None] | None,
+               events: Sequence[StoreEvents | None] = ()) -> list[Future[ChunkResult]]:
         futs: list[Future[ChunkResult]] = [Future() for _ in items]
         for f in futs:
             f.set_running_or_notify_cancel()
@@ -241,7 +259,9 @@ class ServerLink:
                    for k in keys}
             try:
                 if op == "store":
-                    res = await self._send(op, digests, ids)
+                    res = await self._send(op, digests, ids,
+                                           events=join_events([events[i] for i in part])
+                                           if events else None)
                 else:
                     ends = np.cumsum(sizes).tolist()
                     res = await self._send(op, digests, ids, prefix_ends=ends)
@@ -260,7 +280,7 @@ class ServerLink:
             try:
                 if ready is not None:
                     await asyncio.get_running_loop().run_in_executor(None, ready)
-                await asyncio.gather(*(one(p) for p in self._split(items)),
+                await asyncio.gather(*(one(p) for p in self._split(items, bool(events))),
                                      return_exceptions=True)
             finally:
                 for f in futs:
@@ -270,13 +290,14 @@ class ServerLink:
         self.submit(run())
         return futs
 
-    def store_batch(self, items: Sequence[Item],
-                    ready: Callable[[], None] | None = None) -> list[Future[ChunkResult]]:
+    def store_batch(self, items: Sequence[Item], ready: Callable[[], None] | None = None,
+                    events: Sequence[StoreEvents | None] = ()) -> list[Future[ChunkResult]]:
         """Store every item's chunks, in as few server requests as the limits allow,
         once ``ready()`` (blocking: the engine's writes finished) returned; it runs on a
         worker thread, so neither the engine nor this link's loop waits. One future
-        per item."""
-        return self._batch("store", items, ready)
+        per item. ``events``: per item its KV-event fields (a server request carries
+        them when every item in it has them)."""
+        return self._batch("store", items, ready, events)
 
     def retrieve_batch(self, items: Sequence[Item]) -> list[Future[ChunkResult]]:
         """Retrieve every item's prefix (each item one prefix), batched; one future

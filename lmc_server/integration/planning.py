@@ -79,6 +79,9 @@ class _Request:
     req_id: str
     block_hashes: Sequence[bytes]
     num_prompt_tokens: int
+    #: the request's tokens (the engine's live list) when its stores carry KV-event
+    #: fields, else None
+    token_ids: Sequence[int] | None = None
     lookup: Future[LookupAnswer] | None = None
     lookup_chunks: int = 0
     lookup_at_s: float = 0.0
@@ -133,11 +136,12 @@ class SchedulerPlanner:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _req(self, req_id: str, block_hashes: Sequence[bytes],
-             num_prompt_tokens: int) -> _Request:
+    def _req(self, req_id: str, block_hashes: Sequence[bytes], num_prompt_tokens: int,
+             token_ids: Sequence[int] | None = None) -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens)
+            r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens,
+                                              token_ids)
         return r
 
     def _release(self, r: _Request) -> None:
@@ -187,9 +191,11 @@ class SchedulerPlanner:
             return None
         first = r.stored_chunks
         ids = g.block_ids(r.blocks, first, done - first, computed_tokens=computed_tokens)
+        events = (None if r.token_ids is None else
+                  g.store_events(r.block_hashes, r.token_ids, first, done - first))
         spec = StoreSpec(req_id=r.req_id, first_chunk=first,
                          digests=g.digests(r.block_hashes, done)[first * DIGEST_BYTES:],
-                         block_ids=ids, store_id=self._next_store_id)
+                         block_ids=ids, store_id=self._next_store_id, events=events)
         self._next_store_id += 1
         r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
         r.stored_chunks = done
@@ -199,14 +205,17 @@ class SchedulerPlanner:
     # -- scheduler hooks ----------------------------------------------------------------
 
     def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
-                       num_prompt_tokens: int, num_computed_tokens: int) -> int | None:
+                       num_prompt_tokens: int, num_computed_tokens: int,
+                       token_ids: Sequence[int] | None = None) -> int | None:
         """Tokens beyond ``num_computed_tokens`` the server can supply; ``None``: ask again.
 
         Idempotent while the answer stands: calling it again returns the same count.
+        ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
+        fields (``StoreSpec.events``); None: they do not.
         """
         self._drain_orphans()
         g = self.geometry
-        r = self._req(req_id, block_hashes, num_prompt_tokens)
+        r = self._req(req_id, block_hashes, num_prompt_tokens, token_ids)
         r.local_tokens = num_computed_tokens
         if not self.load_enabled:
             return 0

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from lmc_server.cache.keys import DIGEST_BYTES
+from lmc_server.protocol.messages import StoreEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ class StoreSpec:
     """Store chunks ``first_chunk..`` of a request from its blocks (``-1``: not read).
 
     ``store_id`` names the store for fences (:attr:`StepPlan.fence_store_ids`).
+    ``events``: what the server's KV-event subscribers see of these chunks (with
+    ``lmcache.mp.kv_events``), else None.
     """
 
     req_id: str
@@ -62,6 +65,7 @@ class StoreSpec:
     digests: bytes
     block_ids: dict[str, np.ndarray]
     store_id: int = 0
+    events: StoreEvents | None = None
 
     @property
     def n_chunks(self) -> int:

@@ -33,6 +33,7 @@ class ConnectorSettings:
     shutdown_timeout_s: float = 30.0
     max_inflight: int = 16
     l2_wait_s: float = 0.05
+    kv_events: bool = False
 
     @property
     def endpoint(self) -> str:

@@ -176,7 +176,8 @@ class WorkerTransfers:
         for sid in [i for i, f in self._by_store_id.items() if f.done()]:
             del self._by_store_id[sid]
         futs: list[Future[ChunkResult] | None] = list(
-            self.link.store_batch([(s.digests, s.block_ids) for s in stores], ready)
+            self.link.store_batch([(s.digests, s.block_ids) for s in stores], ready,
+                                  events=[s.events for s in stores])
             if self.stores and stores else [None] * len(stores))
         for spec, fut in zip(stores, futs, strict=True):
             self.tracker.store_planned(spec.req_id, fut)

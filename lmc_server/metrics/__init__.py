@@ -10,7 +10,12 @@ from __future__ import annotations
 from prometheus_client import PlatformCollector, ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
-from lmc_server.metrics.collector import LiveState, ServerCollector, ServerInfo
+from lmc_server.metrics.collector import (
+    CounterCollector,
+    LiveState,
+    ServerCollector,
+    ServerInfo,
+)
 from lmc_server.metrics.endpoint import MetricsServer
 
 
@@ -24,4 +29,5 @@ def make_registry(collector: ServerCollector) -> CollectorRegistry:
     return registry
 
 
-__all__ = ["LiveState", "MetricsServer", "ServerCollector", "ServerInfo", "make_registry"]
+__all__ = ["CounterCollector", "LiveState", "MetricsServer", "ServerCollector", "ServerInfo",
+           "make_registry"]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -63,6 +64,19 @@ def counter_families(prefix: str, source: object, counters: tuple[CounterInfo, .
         for k, n in sorted(counted.items()):
             fam.add_metric([k], n)
         yield fam
+
+
+class CounterCollector(Collector):
+    """Every counter of one counter Struct (:class:`~lmc_server.cache.counters.CounterSet`),
+    read at scrape time: the KV-event publisher's, ``lmcache_kv_events_*_total``."""
+
+    def __init__(self, prefix: str, source: msgspec.Struct) -> None:
+        self.prefix = prefix
+        self.source = source
+        self.counters = counters_of(type(source))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from counter_families(self.prefix, self.source, self.counters)
 
 
 class TransferCounts(Protocol):

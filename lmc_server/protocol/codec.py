@@ -14,7 +14,7 @@ import numpy as np
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
-from lmc_server.protocol.messages import Error, Reply, Request
+from lmc_server.protocol.messages import Error, Reply, Request, StoreEvents
 
 #: Default largest frame accepted, in bytes. A 256-chunk lookup is ~8 KiB; a 4096-chunk
 #: store of a 5-group registration is ~0.7 MiB. The zmq socket drops peers that send
@@ -125,3 +125,24 @@ def decode_block_ids(raw: bytes, expected: int, group: str, req_id: int) -> np.n
                             f"group {group!r}: expected {expected} block ids "
                             f"({4 * expected} bytes), got {len(raw)} bytes", req_id)
     return np.frombuffer(raw, dtype="<i4")
+
+
+def check_store_events(ev: StoreEvents, n_chunks: int, chunk_size: int, req_id: int) -> int:
+    """Check a store's event fields against its chunk count; the hashes per chunk.
+
+    BAD_REQUEST unless ``block_size`` divides ``chunk_size`` and every field holds
+    exactly one entry per token, engine block and chunk (:class:`StoreEvents`).
+    """
+    if not 0 < ev.block_size <= chunk_size or chunk_size % ev.block_size:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"events: block size {ev.block_size} does not divide the chunk "
+                            f"size {chunk_size}", req_id)
+    per = chunk_size // ev.block_size
+    for name, raw, expected in (("token_ids", ev.token_ids, 4 * chunk_size * n_chunks),
+                                ("block_hashes", ev.block_hashes, 8 * per * n_chunks),
+                                ("parent_hashes", ev.parent_hashes, 8 * n_chunks)):
+        if len(raw) != expected:
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"events: {name} is {len(raw)} bytes; {n_chunks} chunks "
+                                f"need {expected}", req_id)
+    return per

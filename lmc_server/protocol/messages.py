@@ -82,6 +82,25 @@ class Store(_Msg, frozen=True, tag="store"):
     digests: bytes
     block_ids: list[bytes]
     salt: bytes = b""
+    events: StoreEvents | None = None
+
+
+class StoreEvents(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a KV-event subscriber (a router) needs of the stored chunks, which the
+    server's digests cannot give it: the engine's own per-block hashes and the tokens.
+
+    ``block_size`` tokens per engine block hash (``chunk_size`` a multiple of it);
+    ``token_ids``: the chunks' tokens, uint32 LE, ``chunk_size`` per chunk;
+    ``block_hashes``: uint64 BE, ``chunk_size // block_size`` per chunk;
+    ``parent_hashes``: uint64 BE, one per chunk, the engine hash of the block before the
+    chunk, 0 for a chunk that starts its prompt. Used only for chunks this store makes
+    visible (docs/protocol.md gives the cost per chunk).
+    """
+
+    block_size: int
+    token_ids: bytes
+    block_hashes: bytes
+    parent_hashes: bytes
 
 
 class Retrieve(_Msg, frozen=True, tag="retrieve"):
@@ -111,8 +130,23 @@ class Clear(_Msg, frozen=True, tag="clear"):
     """Evict every unpinned object (administration)."""
 
 
+class Probe(_Msg, frozen=True, tag="probe"):
+    """How many leading chunks of each prompt would hit, for a router: no registration,
+    no lease, no effect on eviction order.
+
+    ``namespace`` as ``Registered.namespace`` reports it; ``digests`` and
+    ``prefix_ends`` as in :class:`Retrieve` (several prompts in one request). A
+    namespace no registration ever declared hits nothing.
+    """
+
+    namespace: str
+    digests: bytes
+    salt: bytes = b""
+    prefix_ends: bytes = b""
+
+
 Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Ping | Stats
-           | Clear)
+           | Clear | Probe)
 
 # -- replies ----------------------------------------------------------------------------
 
@@ -185,10 +219,17 @@ class Cleared(_Msg, frozen=True, tag="cleared"):
     evicted: int
 
 
+class ProbeResult(_Msg, frozen=True, tag="probe_result"):
+    """Per prompt of the probe, its hit chunks (int32 LE); tokens = chunks x chunk size."""
+
+    hit_chunks: bytes
+    chunk_size: int
+
+
 class Error(_Msg, frozen=True, tag="error"):
     code: str
     message: str
 
 
 Reply = (Welcome | Registered | Unregistered | LookupResult | Released | StoreResult
-         | RetrieveResult | Pong | StatsResult | Cleared | Error)
+         | RetrieveResult | Pong | StatsResult | Cleared | ProbeResult | Error)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lmc_server.cache.counters import CacheStats, L2Counters
+from lmc_server.cache.counters import CacheStats, KvEventCounters, L2Counters
 
 
 class L1Report(msgspec.Struct, kw_only=True):
@@ -105,6 +105,17 @@ class DiskReport(L2Report, kw_only=True):
     rebuild: DiskRebuild
 
 
+class KvEventsReport(KvEventCounters, kw_only=True):
+    """The KV-event publisher (with ``--kv-events-endpoint``): its counters and state."""
+
+    endpoint: str
+    replay_endpoint: str
+    next_seq: int  # the sequence number of the next batch
+    replay_batches: int  # batches kept for replay now
+    published_objects: int  # objects a subscriber was told of and not yet of their removal
+    published_disk_objects: int = 0  # the same for the disk tier (medium DISK)
+
+
 class StatsReport(msgspec.Struct, kw_only=True):
     """Configuration, capacity and use per partition, sessions, counters, phases, L2."""
 
@@ -124,7 +135,8 @@ class StatsReport(msgspec.Struct, kw_only=True):
     phases: dict[str, PhaseSum]
     l2: L2Report | None = None
     disk: DiskReport | None = None
+    kv_events: KvEventsReport | None = None
 
 
-__all__ = ["Counters", "DiskRebuild", "DiskReport", "L1Report", "L2Report", "LatencySum",
-           "PartitionReport", "PhaseSum", "StatsReport"]
+__all__ = ["Counters", "DiskRebuild", "DiskReport", "KvEventsReport", "L1Report", "L2Report",
+           "LatencySum", "PartitionReport", "PhaseSum", "StatsReport"]

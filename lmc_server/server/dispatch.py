@@ -42,6 +42,7 @@ PRE_HELLO_MESSAGES = 16
 _SYNC_HANDLERS: dict[type, str] = {
     m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
     m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
+    m.Probe: "probe",
 }
 _ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
 

@@ -29,9 +29,10 @@ from lmc_server.cache.geometry import ArchError, GeometryError, blocks_per_chunk
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import RunCopy, build_layout
 from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
+from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
@@ -42,6 +43,7 @@ from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
     from lmc_server.l2.chain import TierChain
+    from lmc_server.server.events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ class Handlers:
         #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
         #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
         self.l2: TierChain | None = None
+        #: The KV-event publisher (``--kv-events-endpoint``), or None.
+        self.events: KvEventPublisher | None = None
+        #: The latest view of every namespace registered since start, for probes.
+        self.views: dict[str, CacheView] = {}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -146,7 +152,10 @@ class Handlers:
                                     f"registration says arch {msg.arch} but its buffers are "
                                     f"on {mapping.device.description} ({dev_arch})", rid)
         namespace = namespace_of(msg)
-        view = self.index.view(namespace, layout)
+        view = self.views[namespace] = self.index.view(namespace, layout)
+        if self.events is not None:
+            self.events.watch(view, namespace, msg.model,
+                              published=msg.replicated or msg.rank == 0)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
         reg = Registration(self.sessions.new_registration_id(), session, namespace,
                            list(msg.groups), view, mapping, bpc)
@@ -183,6 +192,21 @@ class Handlers:
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
                               lease_id=lease.lease_id if lease else 0,
                               lease_ttl_s=ttl if lease else 0.0, l2_pending_chunks=pending)
+
+    def probe(self, session: Session, msg: m.Probe) -> m.ProbeResult:
+        """Hit chunks per prompt for a router (see ``m.Probe``): no lease, no touch."""
+        n = chunk_count(msg.digests, self.limits, msg.req_id)
+        ends = prefix_ends(msg.prefix_ends, n, msg.req_id) if n or msg.prefix_ends else []
+        view = self.views.get(msg.namespace)
+        hits = [0] * len(ends)
+        if view is not None and ends:
+            try:
+                keys = self.index.keys(view, msg.digests, msg.salt)
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+            hits = self.index.probe(view, keys, ends)
+        return m.ProbeResult(req_id=msg.req_id, chunk_size=self.config.chunk_size,
+                             hit_chunks=np.asarray(hits, dtype="<i4").tobytes())
 
     def release(self, session: Session, msg: m.Release) -> m.Released:
         return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
@@ -247,6 +271,8 @@ class Handlers:
         clock.mark("queue")
         reg, ids, keys = self._data_request(session, msg)
         n = len(keys)
+        per = (check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
+               if msg.events is not None else 0)
         parts = self._parts(n * reg.view.layout.chunk_bytes, n)
         completion = Completion(asyncio.get_running_loop())
         tickets: list[StoreTicket] = []
@@ -283,7 +309,7 @@ class Handlers:
                                         reg.registration_id.hex()[:8],
                                         err or "registration closed during the copy")
                     else:
-                        self.index.commit_store(ticket)
+                        self._commit(ticket, keys, msg, per)
                         nbytes += ticket.nbytes
                         if self.l2 is not None:
                             self.l2.on_commit(reg.namespace, ticket)
@@ -292,7 +318,7 @@ class Handlers:
                                                 completion.done_at - completion.started_at)
             else:
                 for ticket in tickets:
-                    self.index.commit_store(ticket)
+                    self._commit(ticket, keys, msg, per)
         finally:
             reg.end_op()
             if any(submitted):
@@ -301,6 +327,15 @@ class Handlers:
                     for s in zip(*(t.statuses for t in tickets), strict=True)]
         await self.commits.settle(reg.view, keys, statuses)  # IN_PROGRESS: wait
         return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
+
+    def _commit(self, ticket: StoreTicket, keys: list[bytes], msg: m.Store, per: int) -> None:
+        """Commit a store's ticket; the event publisher sees its objects with the
+        store's event fields (``per`` engine hashes per chunk)."""
+        if self.events is None:
+            self.index.commit_store(ticket)
+            return
+        with self.events.staged(keys, msg.events, per, salted=bool(msg.salt)):
+            self.index.commit_store(ticket)
 
     async def retrieve(self, session: Session, msg: m.Retrieve,
                        clock: PhaseClock) -> m.RetrieveResult:

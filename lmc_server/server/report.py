@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from lmc_server import __version__
-from lmc_server.cache.counters import CacheStats, L2Counters
+from lmc_server.cache.counters import CacheStats, KvEventCounters, L2Counters
 from lmc_server.cache.index import L1Index
 from lmc_server.config import Config
 from lmc_server.protocol.stats import (
     Counters,
     DiskRebuild,
     DiskReport,
+    KvEventsReport,
     L1Report,
     L2Report,
     LatencySum,
@@ -33,6 +34,7 @@ from lmc_server.server.stats import ServerStats
 if TYPE_CHECKING:  # the tiers below L1 are imported only with --l2 or --disk-dir
     from lmc_server.l2.chain import TierChain
     from lmc_server.l2.tier import L2Tier
+    from lmc_server.server.events import KvEventPublisher
 
 
 def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str, Any]:
@@ -46,7 +48,8 @@ def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str
 
 def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
                  stats: ServerStats, uptime_s: float,
-                 tiers: TierChain | None = None) -> StatsReport:
+                 tiers: TierChain | None = None,
+                 events: KvEventPublisher | None = None) -> StatsReport:
     pool = index.pool
     parts = [PartitionReport(
         name=p.name, fingerprint=p.fingerprint.hex(), object_bytes=p.object_bytes,
@@ -81,6 +84,13 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
                 for (op, phase), (n, seconds) in sorted(stats.phases.items())},
         l2=_tier_report(tiers, "l2", l2_report),
         disk=_tier_report(tiers, "disk", disk_report),
+        kv_events=None if events is None else KvEventsReport(
+            **copy_counters(events.stats, KvEventCounters),
+            endpoint=events.settings.endpoint,
+            replay_endpoint=events.settings.replay_endpoint,
+            next_seq=events.next_seq, replay_batches=events.replay_batches,
+            published_objects=events.published_objects,
+            published_disk_objects=0 if events.disk is None else len(events.disk)),
     )
 
 

@@ -52,6 +52,7 @@ from lmc_server.config import Config
 from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs
 from lmc_server.metrics import (
+    CounterCollector,
     LiveState,
     MetricsServer,
     ServerCollector,
@@ -60,6 +61,7 @@ from lmc_server.metrics import (
 )
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.dispatch import Dispatcher
+from lmc_server.server.events import KvEventPublisher, kv_event_settings
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.housekeeping import HOUSEKEEPING_INTERVAL_S, Housekeeper
 from lmc_server.server.liveness import HEALTH_STALL_S, Liveness
@@ -111,6 +113,7 @@ class Server:
         self.on_started: list[Callable[[Server], None]] = []
         self.on_shutdown: list[Callable[[Server], None]] = []
         self.l2: Any = None  # lmc_server.l2.chain.TierChain with --l2 or --disk-dir
+        self.events: KvEventPublisher | None = None  # with --kv-events-endpoint
 
     @property
     def draining(self) -> bool:
@@ -180,6 +183,13 @@ class Server:
             self.l2 = self.handlers.l2 = make_chain(cfg, self.index, self.host_pool,
                                                     self.engine.name)
             self.l2.start()
+        if cfg.kv_events_endpoint:
+            self.events = self.handlers.events = KvEventPublisher(
+                kv_event_settings(cfg), self.loop, cfg.chunk_size)
+            self.events.open()
+            disk = self.l2.tier("disk") if self.l2 is not None else None
+            if disk is not None:
+                self.events.attach_disk(disk.listeners)
         router = self.router = Router(cfg, self.loop, self.peers, self.dispatch.handle,
                                       self._disconnected)
         self.handlers.before_commit = router.drain
@@ -228,6 +238,8 @@ class Server:
 
             for tier in self.l2.tiers:
                 registry.register(L2Collector(tier))
+        if self.events is not None:
+            registry.register(CounterCollector("lmcache_kv_events_", self.events.stats))
         self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                             registry, self.health)
         self.metrics_server.start()
@@ -266,7 +278,8 @@ class Server:
     def report(self) -> StatsReport:
         """The ``stats`` reply (see :mod:`lmc_server.server.report`)."""
         return build_report(self.config, self.engine.name, self.index, self.sessions,
-                            self.stats, self.clock() - self.started_at_s, self.l2)
+                            self.stats, self.clock() - self.started_at_s, self.l2,
+                            self.events)
 
     # -- signals ------------------------------------------------------------------------
 
@@ -348,6 +361,8 @@ class Server:
             self.metrics_server.stop()
         if self.router is not None:
             self.router.close_socket()
+        if self.events is not None:
+            self.events.close()
         for session in self.sessions.sessions():
             self.sessions.drop(session)
         pool = getattr(self, "host_pool", None)

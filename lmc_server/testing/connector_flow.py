@@ -64,8 +64,11 @@ class ConnectorFlow:
 
     def __init__(self, fx: KVFixture, backing: Backing, endpoint: str, arch: str, *,
                  exporter: TensorExporter | None = None, rank: int = 0,
-                 world_size: int = 1, timeout_s: float = 30.0) -> None:
+                 world_size: int = 1, timeout_s: float = 30.0,
+                 kv_events: bool = False) -> None:
         self.fx = fx
+        #: stores carry KV-event fields, as with ``lmcache.mp.kv_events``
+        self.kv_events = kv_events
         self.backing = backing
         self.timeout_s = timeout_s
         self.tensors = backing.views(fx)
@@ -115,8 +118,9 @@ class ConnectorFlow:
     def _matched(self, req_id: str, tokens: list[int]) -> int:
         hashes = block_hashes(tokens, self.hash_block)
         deadline = time.monotonic() + self.timeout_s
+        events = tokens if self.kv_events else None
         while (n := self.planner.matched_tokens(req_id, hashes, len(tokens), len(tokens),
-                                                0)) is None:
+                                                0, events)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"lookup for {req_id} never answered")
             time.sleep(0.002)

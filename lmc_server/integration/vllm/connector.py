@@ -257,10 +257,20 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.planner is not None
         n = self.planner.matched_tokens(request.request_id, request.block_hashes,
                                         request.num_tokens, request.num_prompt_tokens,
-                                        num_computed_tokens)
+                                        num_computed_tokens, self._event_tokens(request))
         if n is None:
             return None, False
         return n, n > 0
+
+    def _event_tokens(self, request: Request) -> Any:
+        """The request's tokens for the server's KV events (``lmcache.mp.kv_events``),
+        or None. None too for a request whose block hashes cover more than its tokens
+        (LoRA, multimodal inputs, a cache salt): a router hashing the tokens alone would
+        take its chunks for another prompt's."""
+        if not self.settings.kv_events or request.lora_request is not None \
+                or request.mm_features or request.cache_salt:
+            return None
+        return request.all_token_ids
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
