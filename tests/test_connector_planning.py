@@ -3,7 +3,7 @@ store state machine, and the worker's exactly-once reports, against a real serve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -14,7 +14,7 @@ from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
 from lmc_server.integration.settings import ConnectorSettings
-from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import TransferTracker, WorkerTransfers, failures_by_block_ids
 from lmc_server.testing.connector_flow import block_hashes
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
@@ -46,6 +46,9 @@ class FakeLookups:
         fut: Future[LookupAnswer] = Future()
         self.pending.append((digests, fut))
         return fut
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        return [self.lookup(d) for d in prefixes]
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)
@@ -379,7 +382,7 @@ def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
             g = ChunkGeometry(256, per, groups)
             planner = SchedulerPlanner(g, sched)
-            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
             wt = WorkerTransfers(work, tracker)
             toks = list(range(5000, 5000 + 700))
             h = hashes(toks, per)
@@ -442,9 +445,10 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) ->
         work = _link(srv, kv, True)
         try:
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
-            g = ChunkGeometry(256, per, [EngineGroup(gs.name, gs.tokens_per_block, gs.cached,
-                                                     gs.window_tokens) for gs in geo.groups])
-            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            groups = [EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
+                      for gs in geo.groups]
+            g = ChunkGeometry(256, per, groups)
+            tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
             wt = WorkerTransfers(work, tracker)
             digests = g.digests(hashes(list(range(9000, 9600)), per), 2)  # never stored
             tables = [list(range(1, 30)) if gs.cached else [1] for gs in geo.groups]

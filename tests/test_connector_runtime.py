@@ -26,7 +26,12 @@ from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest
-from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import (
+    Report,
+    TransferTracker,
+    WorkerTransfers,
+    failures_by_block_ids,
+)
 from lmc_server.testing.connector_flow import block_hashes, check_batched_step
 from lmc_server.testing.kv import KVGeometry, ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
@@ -60,7 +65,7 @@ class Rig:
                   for g in geo.groups]
         per = min(g.tokens_per_block for g in geo.groups if g.cached)
         geometry = ChunkGeometry(CHUNK, per, groups)
-        tracker = TransferTracker(single_group=len(groups) == 1)
+        tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
         return cls(geo, kv, sched, work, geometry, SchedulerPlanner(geometry, sched),
                    tracker, WorkerTransfers(work, tracker), per)
 
@@ -247,7 +252,7 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         kv.fill_random(9)
         link = ServerLink(srv.endpoint, timeout_s=20)
         link.register(**kv.register_kwargs(replicated=True))
-        tracker = TransferTracker(single_group=True)
+        tracker = TransferTracker(by_block_ids=True)
         wt = WorkerTransfers(link, tracker)
         tokens = list(range(7000, 7000 + 1024))
         digests = geometry.digests(block_hashes(tokens, 16), 4)
@@ -273,7 +278,7 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         # once running again, serves on (the store completed whole or not at all)
         link = ServerLink(srv.endpoint, timeout_s=20)
         link.register(**kv.register_kwargs(replicated=True))
-        wt = WorkerTransfers(link, TransferTracker(single_group=True))
+        wt = WorkerTransfers(link, TransferTracker(by_block_ids=True))
         other = geometry.digests(block_hashes(list(range(9000, 9000 + 1024)), 16), 4)
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:

@@ -20,6 +20,17 @@ session it thought dead); zmq reconnects the socket by itself and the next reque
 refused (``handshake`` or ``unknown_registration``). The link then connects afresh,
 registers again with the same arguments and retries the request once; a lookup,
 store or retrieve fails only if that fails too.
+
+A server that died with requests in flight. Their replies will never come, and waiting
+for ``timeout_s`` would stall whatever waits on them (a fence stops the whole engine).
+When the connection drops with requests in flight, the link probes the endpoint until a
+server answers: one whose uptime is shorter than the time since the drop is a new
+process, and since only one process can listen on the port, the one that had the
+requests is gone. Every request in flight then fails at once (a failed store is simply
+not cached; a failed load is reported failed) and the link connects afresh. A server
+that answers with a longer uptime is the same one, silent for a while (zmq's heartbeat
+dropped the connection): it may still run those requests, so they keep waiting for
+their reply or ``timeout_s``, as before.
 """
 
 from __future__ import annotations
@@ -50,6 +61,11 @@ BUSY_RETRY_MAX_S = 0.05
 #: ``max_inflight_per_client`` (64 by default) with ``busy``.
 DEFAULT_MAX_INFLIGHT = 16
 
+#: How long one probe of a lost server waits for its answer, and the pause between
+#: probes (:meth:`ServerLink._fail_if_restarted`).
+PROBE_TIMEOUT_S = 0.5
+PROBE_INTERVAL_S = 0.05
+
 #: Refusals that mean "the server does not know this connection or registration".
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
 
@@ -79,8 +95,10 @@ class ServerLink:
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="lmc-server-link", daemon=True)
         self._thread.start()
+        self.restarts_detected = 0
         self._client: AsyncClient = self.wait(AsyncClient.connect(
             endpoint, timeout_s=timeout_s, client_name=client_name))
+        self._watch(self._client)
         self.registration: Registration | None = None
         self._slots = self.wait(_make_semaphore(max_inflight))
         welcome = self._client.welcome
@@ -131,9 +149,41 @@ class ServerLink:
                 await client.close()
                 raise
             self._client = client
+            self._watch(client)
             self._broken = False
             self.reconnects += 1
             await seen.close()
+
+    def _watch(self, client: AsyncClient) -> None:
+        def lost() -> None:
+            if client is self._client and client.in_flight and not self._broken:
+                self._loop.create_task(self._fail_if_restarted(client, self._loop.time()))
+
+        client.on_connection_lost(lost)
+
+    async def _fail_if_restarted(self, client: AsyncClient, lost_at: float) -> None:
+        """After ``client``'s connection dropped at ``lost_at`` with requests in flight:
+        fail them at once if the server that answers now started after the drop (see
+        the module docstring); otherwise leave them to their reply or timeout."""
+        deadline = lost_at + self.timeout_s
+        while client is self._client and client.in_flight and self._loop.time() < deadline:
+            try:
+                probe = await AsyncClient.connect(self.endpoint, timeout_s=PROBE_TIMEOUT_S,
+                                                  client_name=f"{self.client_name}-probe")
+                try:
+                    uptime_s = (await probe.stats()).uptime_s
+                finally:
+                    await probe.close()
+            except (TimeoutError, ConnectionError, ServerError):
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                continue
+            if uptime_s < self._loop.time() - lost_at and client is self._client:
+                logger.warning("server at %s restarted with %d requests in flight; failing "
+                               "them now", self.endpoint, client.in_flight)
+                self.restarts_detected += 1
+                self._broken = True
+                await client.close()
+            return
 
     def reset(self) -> None:
         """Close this connection now; the next request connects and registers afresh.
@@ -167,13 +217,38 @@ class ServerLink:
 
     # -- LookupService ------------------------------------------------------------------
 
-    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
-        async def run() -> LookupAnswer:
-            r = await self._request("lookup", digests, lease=True)
-            return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
-                                l2_pending_chunks=r.l2_pending_chunks)
+    async def _lookup(self, digests: bytes) -> LookupAnswer:
+        r = await self._request("lookup", digests, lease=True)
+        return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
+                            l2_pending_chunks=r.l2_pending_chunks)
 
-        return self.submit(run())
+    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
+        return self.lookup_batch([digests])[0]
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        """One lookup per prefix, all sent from one hop onto the link's thread (the
+        caller's cost does not grow with a hop per request); one future each."""
+        futs: list[Future[LookupAnswer]] = [Future() for _ in prefixes]
+        for f in futs:
+            f.set_running_or_notify_cancel()
+
+        async def one(digests: bytes, fut: Future[LookupAnswer]) -> None:
+            try:
+                fut.set_result(await self._lookup(digests))
+            except Exception as e:
+                fut.set_exception(e)
+
+        async def run() -> None:
+            try:
+                await asyncio.gather(*(one(d, f) for d, f in zip(prefixes, futs, strict=True)))
+            finally:
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(ConnectionError("lookup did not run"))
+
+        if prefixes:
+            self.submit(run())
+        return futs
 
     def release(self, lease_id: int) -> None:
         fut = self.submit(self._client.release(lease_id))

@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from lmc_server.cache.keys import DIGEST_BYTES
@@ -80,6 +81,8 @@ class _Request:
     block_hashes: Sequence[bytes]
     num_prompt_tokens: int
     lookup: Future[LookupAnswer] | None = None
+    #: a lookup waits to go out with the others of this step (:meth:`_flush_lookups`)
+    queued: bool = False
     lookup_chunks: int = 0
     lookup_at_s: float = 0.0
     answer: LookupAnswer | None = None
@@ -107,14 +110,32 @@ class SchedulerPlanner:
     0: never wait, use the L1 hit at once. ``l2_waits`` counts answers set aside to
     wait, ``l2_wait_expired`` the waits that ended at the bound with chunks still
     pending.
+
+    ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
+    one engine step, in total over every request of the step (0: never wait; the
+    first call then answers "ask again"). Lookups of requests that arrived since the
+    last step (:meth:`request_arrived`) go out together, from one hop onto the link's
+    thread, at the step's first :meth:`matched_tokens` (or :meth:`build_step`); each
+    :meth:`matched_tokens` then waits for its own answer only while the step's budget
+    lasts, so a server that answers within it costs no step, and a slow one at most
+    ``lookup_wait_s`` per step. ``lookup_wait_used_s`` sums the time waited,
+    ``lookups_answered_at_once`` counts answers that came within the budget at a
+    request's first call.
     """
 
     def __init__(self, geometry: ChunkGeometry, service: LookupService,
                  clock: Callable[[], float] = time.monotonic, store: bool = True,
                  load: bool = True, store_generated: bool = True,
-                 l2_wait_s: float = 0.05) -> None:
+                 l2_wait_s: float = 0.05, lookup_wait_s: float = 0.0) -> None:
         if not 0.0 <= l2_wait_s < float("inf"):
             raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
+        if not 0.0 <= lookup_wait_s < float("inf"):
+            raise ValueError(f"lookup_wait_s {lookup_wait_s} must be finite and >= 0")
+        self.lookup_wait_s = lookup_wait_s
+        self._wait_left_s = lookup_wait_s
+        self._queued: list[_Request] = []
+        self.lookup_wait_used_s = 0.0
+        self.lookups_answered_at_once = 0
         self.geometry = geometry
         self.l2_wait_s = l2_wait_s
         self.l2_waits = 0
@@ -128,7 +149,6 @@ class SchedulerPlanner:
         self._pending_loads: list[LoadSpec] = []
         self._pending_stores: list[StoreSpec] = []
         self._pending_fences: set[int] = set()
-        self._orphans: list[Future[LookupAnswer]] = []
         self._next_store_id = 1
 
     # -- helpers ------------------------------------------------------------------------
@@ -145,15 +165,15 @@ class SchedulerPlanner:
             self.service.release(r.lease_id)
             r.lease_id = 0
 
-    def _drain_orphans(self) -> None:
-        """Release leases of lookups whose request ended before the answer came."""
-        keep = []
-        for fut in self._orphans:
-            if not fut.done():
-                keep.append(fut)
-            elif fut.exception() is None and fut.result().lease_id:
-                self.service.release(fut.result().lease_id)
-        self._orphans = keep
+    def _release_when_answered(self, fut: Future[LookupAnswer]) -> None:
+        """Release the lease of a lookup whose request ended before the answer came,
+        as soon as it comes (on the link's thread), whether or not the engine steps
+        again: an idle engine takes no step."""
+        def release(done: Future[LookupAnswer]) -> None:
+            if done.exception() is None and done.result().lease_id:
+                self.service.release(done.result().lease_id)
+
+        fut.add_done_callback(release)
 
     @property
     def tracked(self) -> int:
@@ -161,8 +181,38 @@ class SchedulerPlanner:
 
     @property
     def lookups_in_flight(self) -> int:
+        """Lookups sent or queued to go out, not answered yet."""
         return sum(1 for r in self._reqs.values()
-                   if r.lookup is not None and not r.lookup.done())
+                   if r.queued or (r.lookup is not None and not r.lookup.done()))
+
+    def _flush_lookups(self) -> None:
+        """Send the queued lookups, all from one hop onto the link's thread."""
+        if not self._queued:
+            return
+        reqs = [r for r in self._queued if r.queued and not r.ended]
+        self._queued = []
+        g = self.geometry
+        futs = self.service.lookup_batch([g.digests(r.block_hashes, r.lookup_chunks)
+                                          for r in reqs])
+        for r, fut in zip(reqs, futs, strict=True):
+            r.lookup, r.queued = fut, False
+
+    def _drop_lookup(self, r: _Request) -> None:
+        """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
+        r.queued = False
+        if r.lookup is not None:
+            self._release_when_answered(r.lookup)
+            r.lookup = None
+
+    def _await_answer(self, fut: Future[LookupAnswer]) -> None:
+        """Wait for ``fut`` while this step's lookup budget lasts."""
+        if fut.done() or self._wait_left_s <= 0:
+            return
+        t0 = time.perf_counter()
+        wait_futures([fut], timeout=self._wait_left_s)
+        waited_s = time.perf_counter() - t0
+        self._wait_left_s = max(0.0, self._wait_left_s - waited_s)
+        self.lookup_wait_used_s += waited_s
 
     def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
         """Fence ``r``'s stores that read blocks the engine may free at
@@ -198,13 +248,30 @@ class SchedulerPlanner:
 
     # -- scheduler hooks ----------------------------------------------------------------
 
+    def request_arrived(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
+                        num_prompt_tokens: int) -> None:
+        """A new request: queue its lookup to go out with the others of this step."""
+        if not self.load_enabled:
+            return
+        n = self.geometry.max_chunks(num_tokens, len(block_hashes))
+        if n <= 0:
+            return
+        r = self._req(req_id, block_hashes, num_prompt_tokens)
+        if r.queued or r.lookup is not None or r.answer is not None:
+            return
+        r.queued = True
+        r.lookup_chunks = n
+        r.lookup_at_s = self.clock()
+        self._queued.append(r)
+
     def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                        num_prompt_tokens: int, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` the server can supply; ``None``: ask again.
 
         Idempotent while the answer stands: calling it again returns the same count.
+        Waits for the answer within the step's budget (``lookup_wait_s``).
         """
-        self._drain_orphans()
+        self._flush_lookups()
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens)
         r.local_tokens = num_computed_tokens
@@ -214,19 +281,26 @@ class SchedulerPlanner:
             return 0
         n = g.max_chunks(num_tokens, len(block_hashes))
         if n * g.chunk_size <= num_computed_tokens:
+            self._drop_lookup(r)
             return 0
         now = self.clock()
         if r.answer is not None and r.lease_id and (
                 now - r.lookup_at_s > r.answer.lease_ttl_s / 2 or r.lookup_chunks != n):
             self._release(r)
             r.answer = None
+        if r.lookup is not None and r.lookup_chunks != n:
+            self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.service.lookup(g.digests(block_hashes, n))
+            r.lookup = self.service.lookup_batch([g.digests(block_hashes, n)])[0]
             r.lookup_chunks = n
             r.lookup_at_s = now
         if r.lookup is not None:
+            first_call = not r.lookup.done()
+            self._await_answer(r.lookup)
             if not r.lookup.done():
                 return None
+            if first_call:
+                self.lookups_answered_at_once += 1
             fut, r.lookup = r.lookup, None
             exc = fut.exception()
             if exc is not None:
@@ -305,7 +379,8 @@ class SchedulerPlanner:
                    preempted_req_ids: Iterable[str] = ()) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
-        self._drain_orphans()
+        self._flush_lookups()
+        self._wait_left_s = self.lookup_wait_s
         g = self.geometry
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads, self._pending_stores = [], []
@@ -318,6 +393,7 @@ class SchedulerPlanner:
                 r.computed_tokens = 0
                 self._release(r)
         for s in scheduled:
+            plan.scheduled_tokens += s.num_scheduled_tokens
             r = self._reqs.get(s.req_id)
             if r is None:
                 continue
@@ -340,8 +416,15 @@ class SchedulerPlanner:
         return plan
 
     def transfers_finished(self, finished_recving: Iterable[str],
-                           finished_sending: Iterable[str]) -> None:
-        """Every worker reported these loads / held stores finished."""
+                           finished_sending: Iterable[str],
+                           failed_recving: Iterable[str] = ()) -> None:
+        """Every worker reported these loads / held stores finished; the loads of
+        ``failed_recving`` failed (the engine computes those requests afresh, and the
+        chunks the server did not deliver are stored again once computed)."""
+        for req_id in failed_recving:
+            r = self._reqs.get(req_id)
+            if r is not None:
+                r.stored_chunks = 0
         for req_id in finished_recving:
             r = self._reqs.get(req_id)
             if r is None:
@@ -367,9 +450,7 @@ class SchedulerPlanner:
         if r is None:
             return False
         r.ended = True
-        if r.lookup is not None:
-            self._orphans.append(r.lookup)
-            r.lookup = None
+        self._drop_lookup(r)
         hold_for_load = r.loading
         if not r.loading:
             self._release(r)

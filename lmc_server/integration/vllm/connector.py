@@ -37,7 +37,11 @@ from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest, StepPlan
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.vllm.geometry import build_groups, describe
-from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import (
+    TransferTracker,
+    WorkerTransfers,
+    failures_by_block_ids,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +53,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+#: The longest a step without a forward pass waits for the loads it started.
+IDLE_LOAD_WAIT_S = 0.01
 
 
 @dataclass
@@ -121,7 +128,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                                             store=self.settings.store,
                                             load=self.settings.load,
                                             store_generated=self.settings.store_generated,
-                                            l2_wait_s=self.settings.l2_wait_s)
+                                            l2_wait_s=self.settings.l2_wait_s,
+                                            lookup_wait_s=self.settings.lookup_wait_s)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The worker's KV cache as it registered it, for the scheduler (below)."""
@@ -179,7 +187,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                            groups=vg.groups, buffers=vg.buffers,
                            world_size=self.world_size, rank=rank, replicated=vg.replicated)
         stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
-        tracker = TransferTracker(single_group=len(vg.engine_groups) == 1)
+        tracker = TransferTracker(by_block_ids=failures_by_block_ids(vg.engine_groups))
         self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
         self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
                                          fence_timeout_s=self.settings.fence_timeout_s)
@@ -221,8 +229,15 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.transfers.start_stores(plan.stores, ready)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What finished since the last step. In a step without a forward pass (the
+        engine waits for nothing but loads) the step's loads are waited for, at most
+        :data:`IDLE_LOAD_WAIT_S`, so that a hit is reported, and its prefill
+        scheduled, one step earlier."""
         if self.transfers is None:
             return KVConnectorTransferResults()
+        plan = self._plan()
+        if plan is not None and plan.loads and not plan.scheduled_tokens:
+            self.transfers.wait_loads(IDLE_LOAD_WAIT_S)
         rep = self.transfers.tracker.poll(finished_req_ids)
         self._invalid_block_ids |= rep.invalid_block_ids
         return KVConnectorTransferResults(finished_sending=rep.finished_sending,
@@ -251,6 +266,14 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self.loaded_group_ids
+
+    def on_new_request(self, request: Request) -> None:
+        """Queue the request's lookup; it goes out with the others that arrive before
+        the next step, and its answer is usually back by the first
+        :meth:`get_num_new_matched_tokens`."""
+        assert self.planner is not None
+        self.planner.request_arrived(request.request_id, request.block_hashes,
+                                     request.num_tokens, request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -285,7 +308,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.planner is not None
         self.planner.transfers_finished(connector_output.finished_recving or (),
-                                        connector_output.finished_sending or ())
+                                        connector_output.finished_sending or (),
+                                        connector_output.failed_recving or ())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
