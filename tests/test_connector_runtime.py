@@ -402,3 +402,16 @@ def test_link_survives_a_server_restart() -> None:
         finally:
             first.kill()
             link.close(unregister_timeout_s=2)
+
+
+def test_load_time_is_measured_byte_exact(srv: ServerProcess) -> None:
+    """The CPU twin of tests/gpu/test_connector_load_time.py: hits of 1 and 4 chunks load
+    byte-exact through the connector and the time from the scheduler's decision to
+    ``finished_recving`` is measured (the figures come from the GPU run)."""
+    from lmc_server.testing.connector_timing import blocks_needed, load_times
+
+    with ShmKV(simple_model(num_blocks=blocks_needed((1, 4)), layers=2)) as kv:
+        kv.fill_random(5)
+        res = load_times(srv.endpoint, kv, (1, 4), repeats=2)
+    assert set(res) == {1, 4}
+    assert all(0 < r["median_s"] <= r["max_s"] for r in res.values())

@@ -96,6 +96,8 @@ class ServerLink:
                                         name="lmc-server-link", daemon=True)
         self._thread.start()
         self.restarts_detected = 0
+        self._release_lock = threading.Lock()
+        self._releases: list[int] = []
         self._client: AsyncClient = self.wait(AsyncClient.connect(
             endpoint, timeout_s=timeout_s, client_name=client_name))
         self._watch(self._client)
@@ -251,8 +253,20 @@ class ServerLink:
         return futs
 
     def release(self, lease_id: int) -> None:
-        fut = self.submit(self._client.release(lease_id))
-        fut.add_done_callback(_log_failure("release"))
+        """Give a lease back, without waiting. Releases asked for together (one engine
+        step's) go out from one hop onto the link's thread."""
+        with self._release_lock:
+            self._releases.append(lease_id)
+            if len(self._releases) > 1:
+                return  # a hop is already scheduled
+        self._loop.call_soon_threadsafe(self._send_releases)
+
+    def _send_releases(self) -> None:
+        with self._release_lock:
+            ids, self._releases = self._releases, []
+        for lease_id in ids:
+            task = self._loop.create_task(self._client.release(lease_id))
+            task.add_done_callback(_log_task_failure("release"))
 
     # -- transfers ----------------------------------------------------------------------
 
@@ -390,10 +404,9 @@ async def _make_semaphore(n: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(n)
 
 
-def _log_failure(what: str) -> Any:
-    def cb(fut: Future[Any]) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            logger.warning("%s failed: %s", what, exc)
+def _log_task_failure(what: str) -> Any:
+    def cb(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("%s failed: %s", what, task.exception())
 
     return cb

@@ -81,6 +81,8 @@ class _Request:
     block_hashes: Sequence[bytes]
     num_prompt_tokens: int
     lookup: Future[LookupAnswer] | None = None
+    #: chunk digests computed so far (a prefix of the request's; they never change)
+    digests: bytes = b""
     #: a lookup waits to go out with the others of this step (:meth:`_flush_lookups`)
     queued: bool = False
     lookup_chunks: int = 0
@@ -160,6 +162,11 @@ class SchedulerPlanner:
             r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens)
         return r
 
+    def _digests(self, r: _Request, n_chunks: int) -> bytes:
+        """``r``'s first ``n_chunks`` chunk digests, each hashed once per request."""
+        r.digests = self.geometry.digests(r.block_hashes, n_chunks, r.digests)
+        return r.digests[:n_chunks * DIGEST_BYTES]
+
     def _release(self, r: _Request) -> None:
         if r.lease_id:
             self.service.release(r.lease_id)
@@ -191,9 +198,7 @@ class SchedulerPlanner:
             return
         reqs = [r for r in self._queued if r.queued and not r.ended]
         self._queued = []
-        g = self.geometry
-        futs = self.service.lookup_batch([g.digests(r.block_hashes, r.lookup_chunks)
-                                          for r in reqs])
+        futs = self.service.lookup_batch([self._digests(r, r.lookup_chunks) for r in reqs])
         for r, fut in zip(reqs, futs, strict=True):
             r.lookup, r.queued = fut, False
 
@@ -238,7 +243,7 @@ class SchedulerPlanner:
         first = r.stored_chunks
         ids = g.block_ids(r.blocks, first, done - first, computed_tokens=computed_tokens)
         spec = StoreSpec(req_id=r.req_id, first_chunk=first,
-                         digests=g.digests(r.block_hashes, done)[first * DIGEST_BYTES:],
+                         digests=self._digests(r, done)[first * DIGEST_BYTES:],
                          block_ids=ids, store_id=self._next_store_id)
         self._next_store_id += 1
         r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
@@ -291,7 +296,7 @@ class SchedulerPlanner:
         if r.lookup is not None and r.lookup_chunks != n:
             self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.service.lookup_batch([g.digests(block_hashes, n)])[0]
+            r.lookup = self.service.lookup_batch([self._digests(r, n)])[0]
             r.lookup_chunks = n
             r.lookup_at_s = now
         if r.lookup is not None:
@@ -369,7 +374,7 @@ class SchedulerPlanner:
         assert r.answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // g.chunk_size
         self._pending_loads.append(LoadSpec(
-            req_id=req_id, digests=g.digests(r.block_hashes, n),
+            req_id=req_id, digests=self._digests(r, n),
             block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
             lease_id=r.lease_id))
         r.loading = True

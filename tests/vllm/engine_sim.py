@@ -268,6 +268,9 @@ class SimEngine:
         #: scheduled tokens of it (its prefill's first step)
         self.added_at_step: dict[str, int] = {}
         self.first_scheduled_step: dict[str, int] = {}
+        #: the same as times (``time.perf_counter``): arrival, first scheduled tokens
+        self.added_at_s: dict[str, float] = {}
+        self.first_scheduled_s: dict[str, float] = {}
 
     # -- requests -------------------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class SimEngine:
         self.requests[req_id] = req
         self.seq[req_id] = list(prompt)
         self.added_at_step[req_id] = self.steps
+        self.added_at_s[req_id] = time.perf_counter()
         return req
 
     # -- the oracle -----------------------------------------------------------------------
@@ -392,8 +396,10 @@ class SimEngine:
         runs += [(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
                  for i, rid in enumerate(cached.req_ids)]
         sampled: dict[str, list[int]] = {}
+        now_s = time.perf_counter()
         for rid, _, _ in runs:
             self.first_scheduled_step.setdefault(rid, self.steps)
+            self.first_scheduled_s.setdefault(rid, now_s)
         for rid, computed, n in runs:  # the forward pass
             seq = self.seq[rid]
             assert computed + n <= len(seq), f"{rid}: scheduled past its known tokens"

@@ -54,9 +54,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The longest a step without a forward pass waits for the loads it started.
-IDLE_LOAD_WAIT_S = 0.01
-
 
 @dataclass
 class LMCacheMPHandshake(KVConnectorHandshakeMetadata):
@@ -231,13 +228,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """What finished since the last step. In a step without a forward pass (the
         engine waits for nothing but loads) the step's loads are waited for, at most
-        :data:`IDLE_LOAD_WAIT_S`, so that a hit is reported, and its prefill
-        scheduled, one step earlier."""
+        ``idle_load_wait_s``, so that a hit is reported, and its prefill scheduled,
+        one step earlier."""
         if self.transfers is None:
             return KVConnectorTransferResults()
         plan = self._plan()
         if plan is not None and plan.loads and not plan.scheduled_tokens:
-            self.transfers.wait_loads(IDLE_LOAD_WAIT_S)
+            self.transfers.wait_loads(self.settings.idle_load_wait_s)
         rep = self.transfers.tracker.poll(finished_req_ids)
         self._invalid_block_ids |= rep.invalid_block_ids
         return KVConnectorTransferResults(finished_sending=rep.finished_sending,
