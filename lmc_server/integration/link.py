@@ -66,6 +66,9 @@ DEFAULT_MAX_INFLIGHT = 16
 PROBE_TIMEOUT_S = 0.5
 PROBE_INTERVAL_S = 0.05
 
+#: Lookups of one batch sent before the link reads the answers that came meanwhile.
+LOOKUP_GROUP = 8
+
 #: Refusals that mean "the server does not know this connection or registration".
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
 
@@ -229,7 +232,10 @@ class ServerLink:
 
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         """One lookup per prefix, all sent from one hop onto the link's thread (the
-        caller's cost does not grow with a hop per request); one future each."""
+        caller's cost does not grow with a hop per request); one future each. They go
+        out in order, :data:`LOOKUP_GROUP` at a time with the answers read in between,
+        so the first answers (the requests the scheduler visits first) do not wait
+        behind every send."""
         futs: list[Future[LookupAnswer]] = [Future() for _ in prefixes]
         for f in futs:
             f.set_running_or_notify_cancel()
@@ -241,8 +247,15 @@ class ServerLink:
                 fut.set_exception(e)
 
         async def run() -> None:
+            tasks = []
             try:
-                await asyncio.gather(*(one(d, f) for d, f in zip(prefixes, futs, strict=True)))
+                for i in range(0, len(prefixes), LOOKUP_GROUP):
+                    if i:  # let the reader take the answers that came meanwhile
+                        await asyncio.sleep(0)
+                    tasks += [asyncio.ensure_future(one(d, f)) for d, f in
+                              zip(prefixes[i:i + LOOKUP_GROUP], futs[i:i + LOOKUP_GROUP],
+                                  strict=True)]
+                await asyncio.gather(*tasks)
             finally:
                 for f in futs:
                     if not f.done():

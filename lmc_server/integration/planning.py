@@ -85,6 +85,8 @@ class _Request:
     digests: bytes = b""
     #: a lookup waits to go out with the others of this step (:meth:`_flush_lookups`)
     queued: bool = False
+    #: the lookup in flight was answered "ask again" at least once
+    asked_again: bool = False
     lookup_chunks: int = 0
     lookup_at_s: float = 0.0
     answer: LookupAnswer | None = None
@@ -204,7 +206,7 @@ class SchedulerPlanner:
 
     def _drop_lookup(self, r: _Request) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
-        r.queued = False
+        r.queued = r.asked_again = False
         if r.lookup is not None:
             self._release_when_answered(r.lookup)
             r.lookup = None
@@ -300,12 +302,13 @@ class SchedulerPlanner:
             r.lookup_chunks = n
             r.lookup_at_s = now
         if r.lookup is not None:
-            first_call = not r.lookup.done()
             self._await_answer(r.lookup)
             if not r.lookup.done():
+                r.asked_again = True
                 return None
-            if first_call:
+            if not r.asked_again:
                 self.lookups_answered_at_once += 1
+            r.asked_again = False
             fut, r.lookup = r.lookup, None
             exc = fut.exception()
             if exc is not None:

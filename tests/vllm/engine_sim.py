@@ -157,7 +157,8 @@ class SimEngine:
                  max_num_seqs: int = 256, load_failure_policy: str = "fail",
                  extra: dict[str, Any] | None = None, arch: str = "sm90",
                  compressed_block: int = 64, model_name: str = "",
-                 async_scheduling: bool = False, forward_s: float = 0.0) -> None:
+                 async_scheduling: bool = False, forward_s: float = 0.0,
+                 idle_step_s: float = 0.0) -> None:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -262,8 +263,10 @@ class SimEngine:
         self._in_flight: tuple[Any, Any] | None = None
         self.max_loads_per_step = 0
         self.before_worker: Callable[[Any], None] | None = None
-        #: seconds a simulated forward pass with tokens scheduled takes
+        #: seconds a simulated forward pass with tokens scheduled takes, and a step
+        #: without (the round trip to the workers; the thread waits, as on an RPC)
         self.forward_s = forward_s
+        self.idle_step_s = idle_step_s
         #: per request: the step count when it was added, and the step that first
         #: scheduled tokens of it (its prefill's first step)
         self.added_at_step: dict[str, int] = {}
@@ -412,6 +415,8 @@ class SimEngine:
         w.start_load_kv(None)
         if runs and self.forward_s:  # the GPU runs the forward pass; loads overlap it
             time.sleep(self.forward_s)
+        elif not runs and self.idle_step_s:
+            time.sleep(self.idle_step_s)
         w.wait_for_save()
         res = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
