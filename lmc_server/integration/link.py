@@ -378,17 +378,20 @@ class ServerLink:
         per item."""
         return self._batch("store", items, ready)
 
-    def retrieve_batch(self, items: Sequence[Item]) -> list[Future[ChunkResult]]:
-        """Retrieve every item's prefix (each item one prefix), batched; one future
-        per item."""
-        return self._batch("retrieve", items, None)
+    def retrieve_batch(self, items: Sequence[Item],
+                       ready: Callable[[], None] | None = None) -> list[Future[ChunkResult]]:
+        """Retrieve every item's prefix (each item one prefix), batched, once
+        ``ready()`` returned (as for stores: the engine's earlier writes to those
+        blocks, such as zeroing them, finished); one future per item."""
+        return self._batch("retrieve", items, ready)
 
     def store(self, digests: bytes, block_ids: BlockIds,
               ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
         return self.store_batch([(digests, block_ids)], ready)[0]
 
-    def retrieve(self, digests: bytes, block_ids: BlockIds) -> Future[ChunkResult]:
-        return self.retrieve_batch([(digests, block_ids)])[0]
+    def retrieve(self, digests: bytes, block_ids: BlockIds,
+                 ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
+        return self.retrieve_batch([(digests, block_ids)], ready)[0]
 
     def close(self, unregister_timeout_s: float | None = None) -> None:
         """Unregister (waiting at most ``unregister_timeout_s``, default the link's

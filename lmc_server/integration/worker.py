@@ -190,8 +190,13 @@ class WorkerTransfers:
             self.link.reset()
         return not pending and not unknown
 
-    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
-        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads])
+    def start_loads(self, loads: Sequence[LoadSpec],
+                    ready: Callable[[], None] | None = None) -> None:
+        """Start the step's loads, sent once ``ready()`` returned (see
+        :meth:`~lmc_server.integration.link.ServerLink.retrieve_batch`)."""
+        if not loads:
+            return
+        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads], ready)
         for spec, fut in zip(loads, futs, strict=True):
             self.tracker.load_started(spec, fut)
 

@@ -186,6 +186,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
         tracker = TransferTracker(by_block_ids=failures_by_block_ids(vg.engine_groups))
         self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        self._zeroes_blocks = bool(getattr(self.kv_cache_config, "needs_kv_cache_zeroing",
+                                           False))
         self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
                                          fence_timeout_s=self.settings.fence_timeout_s)
 
@@ -203,9 +205,21 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self.transfers.fence(kv_connector_metadata.plan.fence_store_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start the step's loads. When vLLM zeroes newly allocated blocks
+        (``needs_kv_cache_zeroing``: mixed-precision caches such as DeepSeek-V4.1's,
+        Mamba) it does so on its stream in this step's preprocessing, into the very
+        blocks a load writes; the server copies on its own streams, so on CUDA the
+        retrieve is sent only once an event recorded here (after the zeroing was
+        queued) completed, else a late zeroing could overwrite loaded KV."""
         plan = self._plan()
-        if plan is not None and self.transfers is not None:
-            self.transfers.start_loads(plan.loads)
+        if plan is None or self.transfers is None or not plan.loads:
+            return
+        ready = None
+        if self._exporter_event and self._zeroes_blocks:
+            from lmc_server.client.cuda import stream_done
+
+            ready = stream_done()
+        self.transfers.start_loads(plan.loads, ready)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request is computed only after its load finished."""
