@@ -99,7 +99,7 @@ class ChunkGeometry:
             return known[:n_chunks * DIGEST_BYTES]
         seed = {"seed": known[(have - 1) * DIGEST_BYTES:have * DIGEST_BYTES]} if have else {}
         return known[:have * DIGEST_BYTES] + hash_chain(
-            (b"".join(bytes(h) for h in block_hashes[k * per:(k + 1) * per])
+            (b"".join(map(bytes, block_hashes[k * per:(k + 1) * per]))
              for k in range(have, n_chunks)), **seed)
 
     def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,

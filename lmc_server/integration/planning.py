@@ -11,8 +11,10 @@ Chunk arithmetic (block ids, digests, freed window blocks) is
 
 Invariants:
 
-* a lookup never blocks the caller: :meth:`SchedulerPlanner.matched_tokens` returns
-  ``None`` ("ask again") while the server's answer is in flight;
+* a lookup blocks the caller at most ``lookup_wait_s`` per engine step in all
+  (:class:`~lmc_server.integration.lookups.StepLookups`):
+  :meth:`SchedulerPlanner.matched_tokens` returns ``None`` ("ask again") while the
+  server's answer is in flight past that;
 * an answer whose hit stops short while the server is still bringing the continuation
   in from its L2 tier (``l2_pending_chunks > 0``) is set aside, its lease released at
   once, and ``None`` returned: the next call looks up again. Waiting ends when an
@@ -24,7 +26,8 @@ Invariants:
 * a load never rewrites blocks the engine's own prefix cache already holds: their ids
   are sent as ``-1``;
 * every lease is released exactly once: when every worker reported the load finished,
-  when the request ends first, or when the hit turned out useless; an unused lease
+  when the request ends first (as the answer comes, if it was still in flight), or
+  when the hit turned out useless; an unused lease
   older than half its TTL is refreshed by a new lookup;
 * a request that had a store planned is held (blocks not freed) until the workers
   report its stores finished;
@@ -47,11 +50,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry
+from lmc_server.integration.lookups import Queued, StepLookups
 from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
@@ -83,7 +86,7 @@ class _Request:
     lookup: Future[LookupAnswer] | None = None
     #: chunk digests computed so far (a prefix of the request's; they never change)
     digests: bytes = b""
-    #: a lookup waits to go out with the others of this step (:meth:`_flush_lookups`)
+    #: a lookup waits to go out with the others of this step (:class:`StepLookups`)
     queued: bool = False
     #: the lookup in flight was answered "ask again" at least once
     asked_again: bool = False
@@ -117,14 +120,10 @@ class SchedulerPlanner:
 
     ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
     one engine step, in total over every request of the step (0: never wait; the
-    first call then answers "ask again"). Lookups of requests that arrived since the
-    last step (:meth:`request_arrived`) go out together, from one hop onto the link's
-    thread, at the step's first :meth:`matched_tokens` (or :meth:`build_step`); each
-    :meth:`matched_tokens` then waits for its own answer only while the step's budget
-    lasts, so a server that answers within it costs no step, and a slow one at most
-    ``lookup_wait_s`` per step. ``lookup_wait_used_s`` sums the time waited,
-    ``lookups_answered_at_once`` counts answers that came within the budget at a
-    request's first call.
+    first call then answers "ask again"); lookups of requests that arrived since the
+    last step (:meth:`request_arrived`) go out together (:class:`StepLookups`).
+    ``lookup_wait_used_s`` sums the time waited, ``lookups_answered_at_once`` counts
+    answers that came within the budget at a request's first call.
     """
 
     def __init__(self, geometry: ChunkGeometry, service: LookupService,
@@ -133,12 +132,7 @@ class SchedulerPlanner:
                  l2_wait_s: float = 0.05, lookup_wait_s: float = 0.0) -> None:
         if not 0.0 <= l2_wait_s < float("inf"):
             raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
-        if not 0.0 <= lookup_wait_s < float("inf"):
-            raise ValueError(f"lookup_wait_s {lookup_wait_s} must be finite and >= 0")
-        self.lookup_wait_s = lookup_wait_s
-        self._wait_left_s = lookup_wait_s
-        self._queued: list[_Request] = []
-        self.lookup_wait_used_s = 0.0
+        self.lookups = StepLookups(service, lookup_wait_s)
         self.lookups_answered_at_once = 0
         self.geometry = geometry
         self.l2_wait_s = l2_wait_s
@@ -174,15 +168,9 @@ class SchedulerPlanner:
             self.service.release(r.lease_id)
             r.lease_id = 0
 
-    def _release_when_answered(self, fut: Future[LookupAnswer]) -> None:
-        """Release the lease of a lookup whose request ended before the answer came,
-        as soon as it comes (on the link's thread), whether or not the engine steps
-        again: an idle engine takes no step."""
-        def release(done: Future[LookupAnswer]) -> None:
-            if done.exception() is None and done.result().lease_id:
-                self.service.release(done.result().lease_id)
-
-        fut.add_done_callback(release)
+    @property
+    def lookup_wait_used_s(self) -> float:
+        return self.lookups.waited_s
 
     @property
     def tracked(self) -> int:
@@ -194,32 +182,16 @@ class SchedulerPlanner:
         return sum(1 for r in self._reqs.values()
                    if r.queued or (r.lookup is not None and not r.lookup.done()))
 
-    def _flush_lookups(self) -> None:
-        """Send the queued lookups, all from one hop onto the link's thread."""
-        if not self._queued:
-            return
-        reqs = [r for r in self._queued if r.queued and not r.ended]
-        self._queued = []
-        futs = self.service.lookup_batch([self._digests(r, r.lookup_chunks) for r in reqs])
-        for r, fut in zip(reqs, futs, strict=True):
-            r.lookup, r.queued = fut, False
+    def _queued_digests(self, q: Queued) -> bytes:
+        assert isinstance(q, _Request)
+        return self._digests(q, q.lookup_chunks)
 
     def _drop_lookup(self, r: _Request) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
         r.queued = r.asked_again = False
         if r.lookup is not None:
-            self._release_when_answered(r.lookup)
+            self.lookups.release_when_answered(r.lookup)
             r.lookup = None
-
-    def _await_answer(self, fut: Future[LookupAnswer]) -> None:
-        """Wait for ``fut`` while this step's lookup budget lasts."""
-        if fut.done() or self._wait_left_s <= 0:
-            return
-        t0 = time.perf_counter()
-        wait_futures([fut], timeout=self._wait_left_s)
-        waited_s = time.perf_counter() - t0
-        self._wait_left_s = max(0.0, self._wait_left_s - waited_s)
-        self.lookup_wait_used_s += waited_s
 
     def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
         """Fence ``r``'s stores that read blocks the engine may free at
@@ -266,10 +238,9 @@ class SchedulerPlanner:
         r = self._req(req_id, block_hashes, num_prompt_tokens)
         if r.queued or r.lookup is not None or r.answer is not None:
             return
-        r.queued = True
         r.lookup_chunks = n
         r.lookup_at_s = self.clock()
-        self._queued.append(r)
+        self.lookups.queue(r)
 
     def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                        num_prompt_tokens: int, num_computed_tokens: int) -> int | None:
@@ -278,7 +249,7 @@ class SchedulerPlanner:
         Idempotent while the answer stands: calling it again returns the same count.
         Waits for the answer within the step's budget (``lookup_wait_s``).
         """
-        self._flush_lookups()
+        self.lookups.flush(self._queued_digests)
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens)
         r.local_tokens = num_computed_tokens
@@ -298,11 +269,11 @@ class SchedulerPlanner:
         if r.lookup is not None and r.lookup_chunks != n:
             self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.service.lookup_batch([self._digests(r, n)])[0]
+            r.lookup = self.lookups.send(self._digests(r, n))
             r.lookup_chunks = n
             r.lookup_at_s = now
         if r.lookup is not None:
-            self._await_answer(r.lookup)
+            self.lookups.wait(r.lookup)
             if not r.lookup.done():
                 r.asked_again = True
                 return None
@@ -387,8 +358,7 @@ class SchedulerPlanner:
                    preempted_req_ids: Iterable[str] = ()) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
-        self._flush_lookups()
-        self._wait_left_s = self.lookup_wait_s
+        self.lookups.new_step(self._queued_digests)
         g = self.geometry
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads, self._pending_stores = [], []
