@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -44,6 +44,9 @@ class FakeLookups:
         fut: Future[LookupAnswer] = Future()
         self.pending.append(fut)
         return fut
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        return [self.lookup(d) for d in prefixes]
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)

@@ -3,7 +3,8 @@ store state machine, and the worker's exactly-once reports, against a real serve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -14,7 +15,7 @@ from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
 from lmc_server.integration.settings import ConnectorSettings
-from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import TransferTracker, WorkerTransfers, failures_by_block_ids
 from lmc_server.testing.connector_flow import block_hashes
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
@@ -46,6 +47,9 @@ class FakeLookups:
         fut: Future[LookupAnswer] = Future()
         self.pending.append((digests, fut))
         return fut
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        return [self.lookup(d) for d in prefixes]
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)
@@ -161,8 +165,87 @@ def test_abort_during_lookup_releases_the_late_lease() -> None:
     assert p.matched_tokens("r", h, 600, 600, 0) is None
     assert p.request_finished("r") is False
     svc.pending[0][1].set_result(LookupAnswer(2, 9, 30.0))
-    p.build_step([])
+    # released when the answer came, with no further call (an idle engine makes none)
     assert svc.released == [9] and p.tracked == 0
+
+
+class AnsweringLookups(FakeLookups):
+    """Lookups answered as they are sent (a server within the bound), ``hit`` chunks;
+    counts the batches."""
+
+    def __init__(self, hit: int = 0) -> None:
+        super().__init__()
+        self.hit = hit
+        self.batches: list[int] = []
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        self.batches.append(len(prefixes))
+        futs = super().lookup_batch(prefixes)
+        for f in futs:
+            f.set_result(LookupAnswer(self.hit, 7 if self.hit else 0, 30.0))
+        return futs
+
+
+def test_arrived_requests_are_looked_up_together_and_answered_at_once() -> None:
+    """Lookups of the requests that arrived before a step go out in one batch at the
+    step's first call; an answer within the bound is returned at once (no "ask
+    again"); a request shorter than a chunk is not looked up; a request that ends
+    before its queued lookup went out is never looked up."""
+    svc = AnsweringLookups(hit=2)
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
+                         lookup_wait_s=0.001)
+    h = hashes(list(range(600)))
+    for i in range(5):
+        p.request_arrived(f"r{i}", h, 600, 600)
+    p.request_arrived("short", hashes(list(range(200))), 200, 200)
+    p.request_arrived("gone", h, 600, 600)
+    assert p.request_finished("gone") is False
+    assert p.lookups_in_flight == 5
+    assert p.matched_tokens("r0", h, 600, 600, 0) == 512
+    assert svc.batches == [5]
+    assert [p.matched_tokens(f"r{i}", h, 600, 600, 0) for i in range(1, 5)] == [512] * 4
+    assert svc.batches == [5] and p.lookups_answered_at_once == 5
+    assert p.matched_tokens("short", hashes(list(range(200))), 200, 200, 0) == 0
+    assert svc.batches == [5]
+
+
+def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
+    """A server that does not answer: the first call of a step waits out the step's
+    budget, the other requests of the step do not wait again; every call answers
+    "ask again"; the next step has a new budget; the answers, once in, are returned."""
+    svc = FakeLookups()
+    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
+                         lookup_wait_s=0.05)
+    h = hashes(list(range(600)))
+    for i in range(20):
+        p.request_arrived(f"r{i}", h, 600, 600)
+    t0 = time.monotonic()
+    assert [p.matched_tokens(f"r{i}", h, 600, 600, 0) for i in range(20)] == [None] * 20
+    took_s = time.monotonic() - t0
+    assert 0.05 <= took_s < 0.5  # one budget, not 20 (1 s)
+    p.build_step([])
+    t0 = time.monotonic()
+    assert p.matched_tokens("r0", h, 600, 600, 0) is None
+    assert time.monotonic() - t0 >= 0.05  # a new step, a new budget
+    for _, fut in svc.pending:
+        fut.set_result(LookupAnswer(1, 3, 30.0))
+    assert p.matched_tokens("r1", h, 600, 600, 0) == 256
+    assert p.lookups_answered_at_once == 0
+
+
+def test_wait_settings() -> None:
+    s = ConnectorSettings.from_extra({})
+    assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.001, 0.01)
+    s = ConnectorSettings.from_extra({"lmcache.mp.lookup_wait_s": "0",
+                                      "lmcache.mp.idle_load_wait_s": 0.1})
+    assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.0, 0.1)
+    for key in ("lookup_wait_s", "idle_load_wait_s"):
+        for bad in (-0.001, 0.2, "nan"):
+            with pytest.raises(ValueError, match=key):
+                ConnectorSettings.from_extra({f"lmcache.mp.{key}": bad})
+    with pytest.raises(ValueError, match="lookup_wait_s"):
+        SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), FakeLookups(),
+                         lookup_wait_s=-1.0)
 
 
 def test_load_then_store_plan_and_hold_rules() -> None:
@@ -379,7 +462,7 @@ def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
             g = ChunkGeometry(256, per, groups)
             planner = SchedulerPlanner(g, sched)
-            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
             wt = WorkerTransfers(work, tracker)
             toks = list(range(5000, 5000 + 700))
             h = hashes(toks, per)
@@ -442,9 +525,10 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) ->
         work = _link(srv, kv, True)
         try:
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
-            g = ChunkGeometry(256, per, [EngineGroup(gs.name, gs.tokens_per_block, gs.cached,
-                                                     gs.window_tokens) for gs in geo.groups])
-            tracker = TransferTracker(single_group=len(geo.groups) == 1)
+            groups = [EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
+                      for gs in geo.groups]
+            g = ChunkGeometry(256, per, groups)
+            tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
             wt = WorkerTransfers(work, tracker)
             digests = g.digests(hashes(list(range(9000, 9600)), per), 2)  # never stored
             tables = [list(range(1, 30)) if gs.cached else [1] for gs in geo.groups]

@@ -26,7 +26,12 @@ from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest
-from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import (
+    Report,
+    TransferTracker,
+    WorkerTransfers,
+    failures_by_block_ids,
+)
 from lmc_server.testing.connector_flow import block_hashes, check_batched_step
 from lmc_server.testing.kv import KVGeometry, ShmKV
 from lmc_server.testing.presets import dsv41_flash, simple_model
@@ -60,7 +65,7 @@ class Rig:
                   for g in geo.groups]
         per = min(g.tokens_per_block for g in geo.groups if g.cached)
         geometry = ChunkGeometry(CHUNK, per, groups)
-        tracker = TransferTracker(single_group=len(groups) == 1)
+        tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
         return cls(geo, kv, sched, work, geometry, SchedulerPlanner(geometry, sched),
                    tracker, WorkerTransfers(work, tracker), per)
 
@@ -247,7 +252,7 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         kv.fill_random(9)
         link = ServerLink(srv.endpoint, timeout_s=20)
         link.register(**kv.register_kwargs(replicated=True))
-        tracker = TransferTracker(single_group=True)
+        tracker = TransferTracker(by_block_ids=True)
         wt = WorkerTransfers(link, tracker)
         tokens = list(range(7000, 7000 + 1024))
         digests = geometry.digests(block_hashes(tokens, 16), 4)
@@ -273,7 +278,7 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         # once running again, serves on (the store completed whole or not at all)
         link = ServerLink(srv.endpoint, timeout_s=20)
         link.register(**kv.register_kwargs(replicated=True))
-        wt = WorkerTransfers(link, TransferTracker(single_group=True))
+        wt = WorkerTransfers(link, TransferTracker(by_block_ids=True))
         other = geometry.digests(block_hashes(list(range(9000, 9000 + 1024)), 16), 4)
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -396,4 +401,92 @@ def test_link_survives_a_server_restart() -> None:
                 assert link.reconnects == 1
         finally:
             first.kill()
+            link.close(unregister_timeout_s=2)
+
+
+def test_load_time_is_measured_byte_exact(srv: ServerProcess) -> None:
+    """The CPU twin of tests/gpu/test_connector_load_time.py: hits of 1 and 4 chunks load
+    byte-exact through the connector and the time from the scheduler's decision to
+    ``finished_recving`` is measured (the figures come from the GPU run)."""
+    from lmc_server.testing.connector_timing import blocks_needed, load_times
+
+    with ShmKV(simple_model(num_blocks=blocks_needed((1, 4)), layers=2)) as kv:
+        kv.fill_random(5)
+        res = load_times(srv.endpoint, kv, (1, 4), repeats=2)
+    assert set(res) == {1, 4}
+    assert all(0 < r["median_s"] <= r["max_s"] for r in res.values())
+
+
+def _link_with_store_kv(endpoint: str, kv: ShmKV, timeout_s: float) -> ServerLink:
+    link = ServerLink(endpoint, timeout_s=timeout_s)
+    link.register(**kv.register_kwargs(replicated=True))
+    return link
+
+
+def test_store_in_flight_fails_at_once_when_the_server_restarts() -> None:
+    """A store goes to a server that hangs (SIGSTOP), is killed 0.5 s later and
+    started again 0.5 s after that: the link sees the connection drop, finds a server
+    younger than the drop, and fails the store at once (well before ``timeout_s``,
+    20 s); the next store succeeds on the new server."""
+    geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    digests = geometry.digests(block_hashes(list(range(600)), 16), 2)
+    ids = {"full": np.arange(1, 33, dtype=np.int32)}
+    args = ["--chunk-size", "256", "--separate-object-groups"]
+    with ShmKV(geo) as kv:
+        kv.fill_random(3)
+        first = ServerProcess(args, l1_size_gb=0.25).start()
+        fresh: list[ServerProcess] = []
+        link = _link_with_store_kv(first.endpoint, kv, timeout_s=20)
+        try:
+            assert first.proc is not None
+            os.kill(first.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            fut = link.store(digests, ids)
+            time.sleep(0.5)
+            first.kill()
+            time.sleep(0.5)
+            fresh.append(ServerProcess(args, port=first.port, l1_size_gb=0.25).start())
+            with pytest.raises(ConnectionError):
+                fut.result(20)
+            assert time.monotonic() - t0 < 10.0
+            assert link.restarts_detected == 1
+            assert link.store(digests, ids).result(15).ok.all()
+            assert link.lookup(digests).result(10).hit_chunks == 2
+        finally:
+            first.kill()
+            link.close(unregister_timeout_s=2)
+            for s in fresh:
+                s.terminate()
+
+
+def test_store_to_a_stalled_server_is_not_failed_early() -> None:
+    """The server stops for 6 s with a store in flight: zmq's heartbeat (4 s) drops the
+    connection, but the server that answers afterwards is the same process (it may
+    still run the store), so the store is not failed at the drop: it ends at
+    ``timeout_s`` as before, and the link then serves on."""
+    geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    digests = geometry.digests(block_hashes(list(range(600)), 16), 2)
+    ids = {"full": np.arange(1, 33, dtype=np.int32)}
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"],
+                       l1_size_gb=0.25) as srv, ShmKV(geo) as kv:
+        kv.fill_random(4)
+        link = _link_with_store_kv(srv.endpoint, kv, timeout_s=9)
+        assert srv.proc is not None
+        try:
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            fut = link.store(digests, ids)
+            time.sleep(6.0)
+            os.kill(srv.proc.pid, signal.SIGCONT)
+            try:
+                assert fut.result(15).ok.all()  # the connection survived the stall
+            except TimeoutError:
+                pass  # dropped by the heartbeat: it ended at timeout_s, as before
+            assert time.monotonic() - t0 >= 6.0
+            assert link.restarts_detected == 0
+            assert link.store(digests, ids).result(15).ok.all()
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
             link.close(unregister_timeout_s=2)

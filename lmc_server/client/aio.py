@@ -5,6 +5,13 @@ by ``req_id``. What each request sends and how its reply is read is
 A reader task owns the socket's receive side and resolves one future per request, so
 callers can ``await`` stores, retrieves and lookups concurrently (the vLLM connector
 and the latency benchmark do).
+
+A watcher task reads the socket's monitor: when the connection to the server drops
+(the server process died, or zmq's heartbeat gave up on a silent one) it calls the
+callbacks given to :meth:`AsyncClient.on_connection_lost`. Requests in flight are not
+failed here: a silent server may still be running them, and only the caller knows
+whether that is safe to ignore (the vLLM connector's link checks whether the server
+restarted, :mod:`lmc_server.integration.link`).
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
@@ -35,13 +43,16 @@ from lmc_server.protocol.stats import StatsReport
 T = TypeVar("T")
 
 
-def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context) -> None:
+def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
+             monitor: zmq.asyncio.Socket) -> None:
     """Close the socket (no linger) and destroy the context: never blocks.
 
     Runs from :meth:`AsyncClient.close`, or from a ``weakref.finalize`` when a client is
     garbage-collected or still open at interpreter exit, so a forgotten ``close`` can
     never leave ``Context.term`` waiting on an open socket.
     """
+    if not monitor.closed:
+        monitor.close(linger=0)
     if not sock.closed:
         sock.close(linger=0)
     if not ctx.closed:
@@ -63,13 +74,17 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx,
+                                           self._monitor)
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
         self._client_name = ""
         self._pending: dict[int, asyncio.Future[m.Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._lost_callbacks: list[Callable[[], None]] = []
         self.welcome: m.Welcome | None = None
 
     @classmethod
@@ -77,9 +92,24 @@ class AsyncClient:
                       client_name: str = "", curve: CurveKeys | None = None) -> AsyncClient:
         self = cls(endpoint, timeout_s, curve)
         self._client_name = client_name
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        await self._hello()
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._watcher = loop.create_task(self._watch())
+        try:
+            await self._hello()
+        except BaseException:
+            await self.close()
+            raise
         return self
+
+    def on_connection_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) each time the connection drops."""
+        self._lost_callbacks.append(callback)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
 
     async def _hello(self) -> None:
         self.welcome = await self._run(self._b.hello(self._client_name))
@@ -91,11 +121,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reader = self._watcher = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionError("client closed"))
@@ -109,6 +140,13 @@ class AsyncClient:
             fut = self._pending.pop(reply.req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                for cb in list(self._lost_callbacks):
+                    cb()
 
     async def _run(self, call: Call[T]) -> T:
         reply = await self._roundtrip(call.msg)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.geometry import blocks_per_chunk
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.digests import hash_chain
 from lmc_server.protocol.messages import StoreEvents
 
@@ -86,14 +87,21 @@ class ChunkGeometry:
         return min(max(0, num_tokens - 1) // self.chunk_size,
                    num_hashes // self.hashes_per_chunk)
 
-    def digests(self, block_hashes: Sequence[bytes], n_chunks: int) -> bytes:
-        """Prefix-chained digests of the first ``n_chunks`` chunks."""
+    def digests(self, block_hashes: Sequence[bytes], n_chunks: int,
+                known: bytes = b"") -> bytes:
+        """Prefix-chained digests of the first ``n_chunks`` chunks. ``known``: digests of
+        leading chunks computed before from the same hashes; only the rest is hashed."""
         per = self.hashes_per_chunk
         if len(block_hashes) < n_chunks * per:
             raise ValueError(f"{len(block_hashes)} block hashes cannot cover {n_chunks} "
                              f"chunks of {per} hashes")
-        return hash_chain(b"".join(bytes(h) for h in block_hashes[k * per:(k + 1) * per])
-                          for k in range(n_chunks))
+        have = min(len(known) // DIGEST_BYTES, n_chunks)
+        if have == n_chunks:
+            return known[:n_chunks * DIGEST_BYTES]
+        seed = {"seed": known[(have - 1) * DIGEST_BYTES:have * DIGEST_BYTES]} if have else {}
+        return known[:have * DIGEST_BYTES] + hash_chain(
+            (b"".join(map(bytes, block_hashes[k * per:(k + 1) * per]))
+             for k in range(have, n_chunks)), **seed)
 
     def store_events(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                      first_chunk: int, n_chunks: int) -> StoreEvents:

@@ -22,6 +22,17 @@ registers again with the same arguments and retries the request once; a lookup,
 store or retrieve fails only if that fails too. Shared-memory buffers can be registered
 again only if their segments kept their names (``ShmSegment(..., keep_name=True)``,
 :mod:`lmc_server.client.shm`); otherwise registering again fails, saying so.
+
+A server that died with requests in flight. Their replies will never come, and waiting
+for ``timeout_s`` would stall whatever waits on them (a fence stops the whole engine).
+When the connection drops with requests in flight, the link probes the endpoint until a
+server answers: one whose uptime is shorter than the time since the drop is a new
+process, and since only one process can listen on the port, the one that had the
+requests is gone. Every request in flight then fails at once (a failed store is simply
+not cached; a failed load is reported failed) and the link connects afresh. A server
+that answers with a longer uptime is the same one, silent for a while (zmq's heartbeat
+dropped the connection): it may still run those requests, so they keep waiting for
+their reply or ``timeout_s``, as before.
 """
 
 from __future__ import annotations
@@ -52,6 +63,14 @@ BUSY_RETRY_MAX_S = 0.05
 #: Stores and retrieves this link keeps in flight; the server refuses more than its
 #: ``max_inflight_per_client`` (64 by default) with ``busy``.
 DEFAULT_MAX_INFLIGHT = 16
+
+#: How long one probe of a lost server waits for its answer, and the pause between
+#: probes (:meth:`ServerLink._fail_if_restarted`).
+PROBE_TIMEOUT_S = 0.5
+PROBE_INTERVAL_S = 0.05
+
+#: Lookups of one batch sent before the link reads the answers that came meanwhile.
+LOOKUP_GROUP = 8
 
 #: Refusals that mean "the server does not know this connection or registration".
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
@@ -96,8 +115,12 @@ class ServerLink:
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="lmc-server-link", daemon=True)
         self._thread.start()
+        self.restarts_detected = 0
+        self._release_lock = threading.Lock()
+        self._releases: list[int] = []
         self._client: AsyncClient = self.wait(AsyncClient.connect(
             endpoint, timeout_s=timeout_s, client_name=client_name))
+        self._watch(self._client)
         self.registration: Registration | None = None
         self._slots = self.wait(_make_semaphore(max_inflight))
         welcome = self._client.welcome
@@ -148,9 +171,41 @@ class ServerLink:
                 await client.close()
                 raise
             self._client = client
+            self._watch(client)
             self._broken = False
             self.reconnects += 1
             await seen.close()
+
+    def _watch(self, client: AsyncClient) -> None:
+        def lost() -> None:
+            if client is self._client and client.in_flight and not self._broken:
+                self._loop.create_task(self._fail_if_restarted(client, self._loop.time()))
+
+        client.on_connection_lost(lost)
+
+    async def _fail_if_restarted(self, client: AsyncClient, lost_at: float) -> None:
+        """After ``client``'s connection dropped at ``lost_at`` with requests in flight:
+        fail them at once if the server that answers now started after the drop (see
+        the module docstring); otherwise leave them to their reply or timeout."""
+        deadline = lost_at + self.timeout_s
+        while client is self._client and client.in_flight and self._loop.time() < deadline:
+            try:
+                probe = await AsyncClient.connect(self.endpoint, timeout_s=PROBE_TIMEOUT_S,
+                                                  client_name=f"{self.client_name}-probe")
+                try:
+                    uptime_s = (await probe.stats()).uptime_s
+                finally:
+                    await probe.close()
+            except (TimeoutError, ConnectionError, ServerError):
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                continue
+            if uptime_s < self._loop.time() - lost_at and client is self._client:
+                logger.warning("server at %s restarted with %d requests in flight; failing "
+                               "them now", self.endpoint, client.in_flight)
+                self.restarts_detected += 1
+                self._broken = True
+                await client.close()
+            return
 
     def reset(self) -> None:
         """Close this connection now; the next request connects and registers afresh.
@@ -184,17 +239,64 @@ class ServerLink:
 
     # -- LookupService ------------------------------------------------------------------
 
-    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
-        async def run() -> LookupAnswer:
-            r = await self._request("lookup", digests, lease=True)
-            return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
-                                l2_pending_chunks=r.l2_pending_chunks)
+    async def _lookup(self, digests: bytes) -> LookupAnswer:
+        r = await self._request("lookup", digests, lease=True)
+        return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
+                            l2_pending_chunks=r.l2_pending_chunks)
 
-        return self.submit(run())
+    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
+        return self.lookup_batch([digests])[0]
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
+        """One lookup per prefix, all sent from one hop onto the link's thread (the
+        caller's cost does not grow with a hop per request); one future each. They go
+        out in order, :data:`LOOKUP_GROUP` at a time with the answers read in between,
+        so the first answers (the requests the scheduler visits first) do not wait
+        behind every send."""
+        futs: list[Future[LookupAnswer]] = [Future() for _ in prefixes]
+        for f in futs:
+            f.set_running_or_notify_cancel()
+
+        async def one(digests: bytes, fut: Future[LookupAnswer]) -> None:
+            try:
+                fut.set_result(await self._lookup(digests))
+            except Exception as e:
+                fut.set_exception(e)
+
+        async def run() -> None:
+            tasks = []
+            try:
+                for i in range(0, len(prefixes), LOOKUP_GROUP):
+                    if i:  # let the reader take the answers that came meanwhile
+                        await asyncio.sleep(0)
+                    tasks += [asyncio.ensure_future(one(d, f)) for d, f in
+                              zip(prefixes[i:i + LOOKUP_GROUP], futs[i:i + LOOKUP_GROUP],
+                                  strict=True)]
+                await asyncio.gather(*tasks)
+            finally:
+                for f in futs:
+                    if not f.done():
+                        f.set_exception(ConnectionError("lookup did not run"))
+
+        if prefixes:
+            self.submit(run())
+        return futs
 
     def release(self, lease_id: int) -> None:
-        fut = self.submit(self._client.release(lease_id))
-        fut.add_done_callback(_log_failure("release"))
+        """Give a lease back, without waiting. Releases asked for together (one engine
+        step's) go out from one hop onto the link's thread."""
+        with self._release_lock:
+            self._releases.append(lease_id)
+            if len(self._releases) > 1:
+                return  # a hop is already scheduled
+        self._loop.call_soon_threadsafe(self._send_releases)
+
+    def _send_releases(self) -> None:
+        with self._release_lock:
+            ids, self._releases = self._releases, []
+        for lease_id in ids:
+            task = self._loop.create_task(self._client.release(lease_id))
+            task.add_done_callback(_log_task_failure("release"))
 
     # -- transfers ----------------------------------------------------------------------
 
@@ -299,17 +401,20 @@ class ServerLink:
         them when every item in it has them)."""
         return self._batch("store", items, ready, events)
 
-    def retrieve_batch(self, items: Sequence[Item]) -> list[Future[ChunkResult]]:
-        """Retrieve every item's prefix (each item one prefix), batched; one future
-        per item."""
-        return self._batch("retrieve", items, None)
+    def retrieve_batch(self, items: Sequence[Item],
+                       ready: Callable[[], None] | None = None) -> list[Future[ChunkResult]]:
+        """Retrieve every item's prefix (each item one prefix), batched, once
+        ``ready()`` returned (as for stores: the engine's earlier writes to those
+        blocks, such as zeroing them, finished); one future per item."""
+        return self._batch("retrieve", items, ready)
 
     def store(self, digests: bytes, block_ids: BlockIds,
               ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
         return self.store_batch([(digests, block_ids)], ready)[0]
 
-    def retrieve(self, digests: bytes, block_ids: BlockIds) -> Future[ChunkResult]:
-        return self.retrieve_batch([(digests, block_ids)])[0]
+    def retrieve(self, digests: bytes, block_ids: BlockIds,
+                 ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
+        return self.retrieve_batch([(digests, block_ids)], ready)[0]
 
     def close(self, unregister_timeout_s: float | None = None) -> None:
         """Unregister (waiting at most ``unregister_timeout_s``, default the link's
@@ -338,10 +443,9 @@ async def _make_semaphore(n: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(n)
 
 
-def _log_failure(what: str) -> Any:
-    def cb(fut: Future[Any]) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            logger.warning("%s failed: %s", what, exc)
+def _log_task_failure(what: str) -> Any:
+    def cb(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("%s failed: %s", what, task.exception())
 
     return cb

@@ -11,8 +11,10 @@ Chunk arithmetic (block ids, digests, freed window blocks) is
 
 Invariants:
 
-* a lookup never blocks the caller: :meth:`SchedulerPlanner.matched_tokens` returns
-  ``None`` ("ask again") while the server's answer is in flight;
+* a lookup blocks the caller at most ``lookup_wait_s`` per engine step in all
+  (:class:`~lmc_server.integration.lookups.StepLookups`):
+  :meth:`SchedulerPlanner.matched_tokens` returns ``None`` ("ask again") while the
+  server's answer is in flight past that;
 * an answer whose hit stops short while the server is still bringing the continuation
   in from its L2 tier (``l2_pending_chunks > 0``) is set aside, its lease released at
   once, and ``None`` returned: the next call looks up again. Waiting ends when an
@@ -24,7 +26,8 @@ Invariants:
 * a load never rewrites blocks the engine's own prefix cache already holds: their ids
   are sent as ``-1``;
 * every lease is released exactly once: when every worker reported the load finished,
-  when the request ends first, or when the hit turned out useless; an unused lease
+  when the request ends first (as the answer comes, if it was still in flight), or
+  when the hit turned out useless; an unused lease
   older than half its TTL is refreshed by a new lookup;
 * a request that had a store planned is held (blocks not freed) until the workers
   report its stores finished;
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry
+from lmc_server.integration.lookups import Queued, StepLookups
 from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
@@ -83,6 +87,12 @@ class _Request:
     #: fields, else None
     token_ids: Sequence[int] | None = None
     lookup: Future[LookupAnswer] | None = None
+    #: chunk digests computed so far (a prefix of the request's; they never change)
+    digests: bytes = b""
+    #: a lookup waits to go out with the others of this step (:class:`StepLookups`)
+    queued: bool = False
+    #: the lookup in flight was answered "ask again" at least once
+    asked_again: bool = False
     lookup_chunks: int = 0
     lookup_at_s: float = 0.0
     answer: LookupAnswer | None = None
@@ -110,14 +120,23 @@ class SchedulerPlanner:
     0: never wait, use the L1 hit at once. ``l2_waits`` counts answers set aside to
     wait, ``l2_wait_expired`` the waits that ended at the bound with chunks still
     pending.
+
+    ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
+    one engine step, in total over every request of the step (0: never wait; the
+    first call then answers "ask again"); lookups of requests that arrived since the
+    last step (:meth:`request_arrived`) go out together (:class:`StepLookups`).
+    ``lookup_wait_used_s`` sums the time waited, ``lookups_answered_at_once`` counts
+    answers that came within the budget at a request's first call.
     """
 
     def __init__(self, geometry: ChunkGeometry, service: LookupService,
                  clock: Callable[[], float] = time.monotonic, store: bool = True,
                  load: bool = True, store_generated: bool = True,
-                 l2_wait_s: float = 0.05) -> None:
+                 l2_wait_s: float = 0.05, lookup_wait_s: float = 0.0) -> None:
         if not 0.0 <= l2_wait_s < float("inf"):
             raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
+        self.lookups = StepLookups(service, lookup_wait_s)
+        self.lookups_answered_at_once = 0
         self.geometry = geometry
         self.l2_wait_s = l2_wait_s
         self.l2_waits = 0
@@ -131,7 +150,6 @@ class SchedulerPlanner:
         self._pending_loads: list[LoadSpec] = []
         self._pending_stores: list[StoreSpec] = []
         self._pending_fences: set[int] = set()
-        self._orphans: list[Future[LookupAnswer]] = []
         self._next_store_id = 1
 
     # -- helpers ------------------------------------------------------------------------
@@ -142,22 +160,23 @@ class SchedulerPlanner:
         if r is None:
             r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens,
                                               token_ids)
+        elif r.token_ids is None and token_ids is not None:  # queued by request_arrived
+            r.token_ids = token_ids
         return r
+
+    def _digests(self, r: _Request, n_chunks: int) -> bytes:
+        """``r``'s first ``n_chunks`` chunk digests, each hashed once per request."""
+        r.digests = self.geometry.digests(r.block_hashes, n_chunks, r.digests)
+        return r.digests[:n_chunks * DIGEST_BYTES]
 
     def _release(self, r: _Request) -> None:
         if r.lease_id:
             self.service.release(r.lease_id)
             r.lease_id = 0
 
-    def _drain_orphans(self) -> None:
-        """Release leases of lookups whose request ended before the answer came."""
-        keep = []
-        for fut in self._orphans:
-            if not fut.done():
-                keep.append(fut)
-            elif fut.exception() is None and fut.result().lease_id:
-                self.service.release(fut.result().lease_id)
-        self._orphans = keep
+    @property
+    def lookup_wait_used_s(self) -> float:
+        return self.lookups.waited_s
 
     @property
     def tracked(self) -> int:
@@ -165,8 +184,20 @@ class SchedulerPlanner:
 
     @property
     def lookups_in_flight(self) -> int:
+        """Lookups sent or queued to go out, not answered yet."""
         return sum(1 for r in self._reqs.values()
-                   if r.lookup is not None and not r.lookup.done())
+                   if r.queued or (r.lookup is not None and not r.lookup.done()))
+
+    def _queued_digests(self, q: Queued) -> bytes:
+        assert isinstance(q, _Request)
+        return self._digests(q, q.lookup_chunks)
+
+    def _drop_lookup(self, r: _Request) -> None:
+        """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
+        r.queued = r.asked_again = False
+        if r.lookup is not None:
+            self.lookups.release_when_answered(r.lookup)
+            r.lookup = None
 
     def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
         """Fence ``r``'s stores that read blocks the engine may free at
@@ -194,7 +225,7 @@ class SchedulerPlanner:
         events = (None if r.token_ids is None else
                   g.store_events(r.block_hashes, r.token_ids, first, done - first))
         spec = StoreSpec(req_id=r.req_id, first_chunk=first,
-                         digests=g.digests(r.block_hashes, done)[first * DIGEST_BYTES:],
+                         digests=self._digests(r, done)[first * DIGEST_BYTES:],
                          block_ids=ids, store_id=self._next_store_id, events=events)
         self._next_store_id += 1
         r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
@@ -204,16 +235,32 @@ class SchedulerPlanner:
 
     # -- scheduler hooks ----------------------------------------------------------------
 
+    def request_arrived(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
+                        num_prompt_tokens: int) -> None:
+        """A new request: queue its lookup to go out with the others of this step."""
+        if not self.load_enabled:
+            return
+        n = self.geometry.max_chunks(num_tokens, len(block_hashes))
+        if n <= 0:
+            return
+        r = self._req(req_id, block_hashes, num_prompt_tokens)
+        if r.queued or r.lookup is not None or r.answer is not None:
+            return
+        r.lookup_chunks = n
+        r.lookup_at_s = self.clock()
+        self.lookups.queue(r)
+
     def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                        num_prompt_tokens: int, num_computed_tokens: int,
                        token_ids: Sequence[int] | None = None) -> int | None:
         """Tokens beyond ``num_computed_tokens`` the server can supply; ``None``: ask again.
 
         Idempotent while the answer stands: calling it again returns the same count.
+        Waits for the answer within the step's budget (``lookup_wait_s``).
         ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
         fields (``StoreSpec.events``); None: they do not.
         """
-        self._drain_orphans()
+        self.lookups.flush(self._queued_digests)
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens, token_ids)
         r.local_tokens = num_computed_tokens
@@ -223,19 +270,27 @@ class SchedulerPlanner:
             return 0
         n = g.max_chunks(num_tokens, len(block_hashes))
         if n * g.chunk_size <= num_computed_tokens:
+            self._drop_lookup(r)
             return 0
         now = self.clock()
         if r.answer is not None and r.lease_id and (
                 now - r.lookup_at_s > r.answer.lease_ttl_s / 2 or r.lookup_chunks != n):
             self._release(r)
             r.answer = None
+        if r.lookup is not None and r.lookup_chunks != n:
+            self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.service.lookup(g.digests(block_hashes, n))
+            r.lookup = self.lookups.send(self._digests(r, n))
             r.lookup_chunks = n
             r.lookup_at_s = now
         if r.lookup is not None:
+            self.lookups.wait(r.lookup)
             if not r.lookup.done():
+                r.asked_again = True
                 return None
+            if not r.asked_again:
+                self.lookups_answered_at_once += 1
+            r.asked_again = False
             fut, r.lookup = r.lookup, None
             exc = fut.exception()
             if exc is not None:
@@ -304,7 +359,7 @@ class SchedulerPlanner:
         assert r.answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // g.chunk_size
         self._pending_loads.append(LoadSpec(
-            req_id=req_id, digests=g.digests(r.block_hashes, n),
+            req_id=req_id, digests=self._digests(r, n),
             block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
             lease_id=r.lease_id))
         r.loading = True
@@ -314,7 +369,7 @@ class SchedulerPlanner:
                    preempted_req_ids: Iterable[str] = ()) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
-        self._drain_orphans()
+        self.lookups.new_step(self._queued_digests)
         g = self.geometry
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads, self._pending_stores = [], []
@@ -327,6 +382,7 @@ class SchedulerPlanner:
                 r.computed_tokens = 0
                 self._release(r)
         for s in scheduled:
+            plan.scheduled_tokens += s.num_scheduled_tokens
             r = self._reqs.get(s.req_id)
             if r is None:
                 continue
@@ -349,8 +405,15 @@ class SchedulerPlanner:
         return plan
 
     def transfers_finished(self, finished_recving: Iterable[str],
-                           finished_sending: Iterable[str]) -> None:
-        """Every worker reported these loads / held stores finished."""
+                           finished_sending: Iterable[str],
+                           failed_recving: Iterable[str] = ()) -> None:
+        """Every worker reported these loads / held stores finished; the loads of
+        ``failed_recving`` failed (the engine computes those requests afresh, and the
+        chunks the server did not deliver are stored again once computed)."""
+        for req_id in failed_recving:
+            r = self._reqs.get(req_id)
+            if r is not None:
+                r.stored_chunks = 0
         for req_id in finished_recving:
             r = self._reqs.get(req_id)
             if r is None:
@@ -376,9 +439,7 @@ class SchedulerPlanner:
         if r is None:
             return False
         r.ended = True
-        if r.lookup is not None:
-            self._orphans.append(r.lookup)
-            r.lookup = None
+        self._drop_lookup(r)
         hold_for_load = r.loading
         if not r.loading:
             self._release(r)

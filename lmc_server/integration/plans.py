@@ -34,6 +34,8 @@ class LookupService(Protocol):
 
     def lookup(self, digests: bytes) -> Future[LookupAnswer]: ...
 
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]: ...
+
     def release(self, lease_id: int) -> None: ...
 
 
@@ -84,6 +86,8 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     fence_store_ids: set[int] = field(default_factory=set)
+    #: tokens the step computes (0: no forward pass, the engine is otherwise idle)
+    scheduled_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

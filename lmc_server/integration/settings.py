@@ -16,6 +16,9 @@ PREFIX = "lmcache.mp."
 #: The longest a request may wait in the scheduler for L2 chunks (``l2_wait_s``): a
 #: prefetch that takes longer is slower than recomputing most prompts.
 MAX_L2_WAIT_S = 5.0
+#: The longest ``lookup_wait_s`` and ``idle_load_wait_s``: the scheduler thread, or a
+#: worker in a step without a forward pass, waits this long at most per step.
+MAX_LOOKUP_WAIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class ConnectorSettings:
     max_inflight: int = 16
     l2_wait_s: float = 0.05
     kv_events: bool = False
+    lookup_wait_s: float = 0.001
+    idle_load_wait_s: float = 0.01
 
     @property
     def endpoint(self) -> str:
@@ -66,6 +71,14 @@ class ConnectorSettings:
             raise ValueError(f"{PREFIX}l2_wait_s {s.l2_wait_s} out of range "
                              f"0..{MAX_L2_WAIT_S} (seconds a request may wait for chunks "
                              "the server brings in from L2; 0: never wait)")
+        if not 0.0 <= s.idle_load_wait_s <= MAX_LOOKUP_WAIT_S:
+            raise ValueError(f"{PREFIX}idle_load_wait_s {s.idle_load_wait_s} out of range "
+                             f"0..{MAX_LOOKUP_WAIT_S} (seconds a step without a forward "
+                             "pass waits for its loads; 0: never wait)")
+        if not 0.0 <= s.lookup_wait_s <= MAX_LOOKUP_WAIT_S:
+            raise ValueError(f"{PREFIX}lookup_wait_s {s.lookup_wait_s} out of range "
+                             f"0..{MAX_LOOKUP_WAIT_S} (seconds the scheduler thread may "
+                             "wait for lookup answers per step; 0: never wait)")
         return s
 
 

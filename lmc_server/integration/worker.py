@@ -9,8 +9,9 @@ Reporting contract (what vLLM's KV output aggregator relies on):
 
 * ``finished_recving``: every load is reported exactly once, when its retrieve
   finished, successfully or not. A failed load is also reported as failed: by block ids
-  (single-group engines) or in ``failed_recving`` (hybrid engines, whose block ids are
-  not unique across groups). A failed load is never reported as success.
+  where vLLM's recovery from them is sound (:func:`failures_by_block_ids`), otherwise
+  in ``failed_recving`` (the whole request). A failed load is never reported as
+  success.
 * ``finished_sending``: a request with a store planned is reported exactly once, after
   the engine said it finished and every store this rank issued for it completed. Ranks
   that do not store (replicated KV: only one rank stores) report it as soon as it
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmc_server.client.core import ChunkResult
+from lmc_server.integration.chunks import EngineGroup
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.plans import LoadSpec, StepPlan, StoreSpec
 
@@ -48,11 +50,33 @@ class Report:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
-class TransferTracker:
-    """In-flight transfers per request and the exactly-once reports derived from them."""
+def failures_by_block_ids(groups: Sequence[EngineGroup]) -> bool:
+    """Whether a failed load may be reported by block ids rather than as a failed request.
 
-    def __init__(self, single_group: bool) -> None:
-        self.single_group = single_group
+    vLLM 0.33 resumes a request whose load reported invalid blocks at the first of them
+    (``_update_requests_with_invalid_blocks``), keeping its block table; attention there
+    reads every earlier position (full attention) or the window before it. Every
+    earlier block of a full-attention table is one vLLM held or one a chunk that did
+    not fail wrote, so that is sound for one full-attention group. A sliding-window
+    group holds only the window at the hit's end (earlier entries are the null block,
+    which cannot be named), so the window before any failed block may never have been
+    written: there, and with several groups (vLLM refuses block ids then), the request
+    is reported failed (``failed_recving``); vLLM then frees its blocks and schedules
+    it afresh, from its own prefix cache, never from a window it does not hold.
+    """
+    cached = [g for g in groups if g.cached]
+    return len(groups) == 1 and len(cached) == 1 and not cached[0].window_tokens
+
+
+class TransferTracker:
+    """In-flight transfers per request and the exactly-once reports derived from them.
+
+    ``by_block_ids``: report failed loads by block ids (:func:`failures_by_block_ids`);
+    otherwise by request (``failed_recving``).
+    """
+
+    def __init__(self, by_block_ids: bool) -> None:
+        self.by_block_ids = by_block_ids
         self._loads: dict[str, _Load] = {}
         self._stores: dict[str, list[Future[ChunkResult]]] = {}
         self._finished: set[str] = set()
@@ -103,7 +127,7 @@ class TransferTracker:
             failed = self._failed_blocks(load.spec, result)
             if failed or (result is None):
                 logger.warning("load for request %s: %d blocks failed", req_id, len(failed))
-                if self.single_group:
+                if self.by_block_ids:
                     rep.invalid_block_ids |= failed
                 else:
                     rep.failed_recving.add(req_id)
@@ -166,8 +190,13 @@ class WorkerTransfers:
             self.link.reset()
         return not pending and not unknown
 
-    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
-        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads])
+    def start_loads(self, loads: Sequence[LoadSpec],
+                    ready: Callable[[], None] | None = None) -> None:
+        """Start the step's loads, sent once ``ready()`` returned (see
+        :meth:`~lmc_server.integration.link.ServerLink.retrieve_batch`)."""
+        if not loads:
+            return
+        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads], ready)
         for spec, fut in zip(loads, futs, strict=True):
             self.tracker.load_started(spec, fut)
 
@@ -188,6 +217,13 @@ class WorkerTransfers:
         """Before the forward pass: fence, then start this step's loads."""
         self.fence(plan.fence_store_ids)
         self.start_loads(plan.loads)
+
+    def wait_loads(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the loads in flight (so that they are reported
+        in this step)."""
+        futs = self.tracker.load_futures()
+        if futs:
+            wait_futures(futs, timeout=timeout_s)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every store and load in flight (shutdown);

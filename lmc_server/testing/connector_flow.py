@@ -32,7 +32,12 @@ from lmc_server.integration.kvlayout import RegistrationPlan, derive_registratio
 from lmc_server.integration.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LoadSpec, ScheduledRequest, StepPlan
-from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import (
+    Report,
+    TransferTracker,
+    WorkerTransfers,
+    failures_by_block_ids,
+)
 from lmc_server.testing.kvfixture import (
     Backing,
     KVFixture,
@@ -94,7 +99,8 @@ class ConnectorFlow:
         self.geometry = ChunkGeometry(self.work.reg.chunk_size, self.hash_block,
                                       self.plan.engine_groups)
         self.planner = SchedulerPlanner(self.geometry, self.sched)
-        self.tracker = TransferTracker(single_group=len(self.plan.engine_groups) == 1)
+        self.tracker = TransferTracker(
+            by_block_ids=failures_by_block_ids(self.plan.engine_groups))
         self.transfers = WorkerTransfers(self.work, self.tracker)
         self._next_block = 1
 
@@ -272,7 +278,7 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
         work.register(**kv.register_kwargs(replicated=True))
         geometry = ChunkGeometry(work.reg.chunk_size, 16, [EngineGroup(g.name, 16)])
         planner = SchedulerPlanner(geometry, sched)
-        tracker = TransferTracker(single_group=True)
+        tracker = TransferTracker(by_block_ids=True)
         wt = WorkerTransfers(work, tracker)
         n_tok = geometry.chunk_size + 1
         per = -(-n_tok // 16)

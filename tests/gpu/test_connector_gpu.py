@@ -87,7 +87,7 @@ def test_store_then_load_byte_exact_on_gpu(cuda_server: ServerProcess, kind: str
 @pytest.mark.parametrize("kind", ["dsv41", "llama"])
 def test_failed_load_is_reported_not_success_on_gpu(cuda_server: ServerProcess,
                                                     kind: str) -> None:
-    """Chunks never stored: reported failed (block ids with one engine group, the
+    """Chunks never stored: reported failed (block ids with one full-attention group, the
     request with several, as vLLM 0.33 requires), never as success; no byte changes."""
     from lmc_server.integration.exporters import CudaExporter
     from lmc_server.testing.connector_flow import ConnectorFlow

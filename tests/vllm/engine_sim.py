@@ -49,6 +49,9 @@ TINY_MODEL = {
     "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 16384,
     "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": 64}
 
+#: the window of the ``swa`` model (tokens)
+SWA_WINDOW = 128
+
 _model_config: Any = None
 
 
@@ -80,8 +83,9 @@ def fixture_script() -> Any:
 
 def kv_cache_config(model: str, num_blocks: int, arch: str = "sm90",
                     compressed_block: int = 64) -> tuple[Any, Any]:
-    """vLLM's ``KVCacheConfig`` for ``model`` (``plain`` or ``dsv41``) and the KV cache
-    layout its backends resolve, as the engine core plans them."""
+    """vLLM's ``KVCacheConfig`` for ``model`` (``plain``: full attention; ``swa``: one
+    sliding-window group, window 128; ``dsv41``) and the KV cache layout its backends
+    resolve, as the engine core plans them."""
     import torch
     from vllm.v1.core.kv_cache_planning import (
         get_kv_cache_config_from_groups,
@@ -89,13 +93,16 @@ def kv_cache_config(model: str, num_blocks: int, arch: str = "sm90",
     )
 
     fx = fixture_script()
-    if model == "plain":
+    if model in ("plain", "swa"):
         vc = fx.vllm_config(16, "auto", num_blocks)
         specs, backends = fx.plain_layers(2)
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-        small = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                  dtype=torch.bfloat16)
+        small: Any = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                       dtype=torch.bfloat16)
+        if model == "swa":
+            small = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                      dtype=torch.bfloat16, sliding_window=SWA_WINDOW)
         specs = {n: small for n in specs}
     else:
         old = fx.DSV41_BLOCK
@@ -150,7 +157,8 @@ class SimEngine:
                  max_num_seqs: int = 256, load_failure_policy: str = "fail",
                  extra: dict[str, Any] | None = None, arch: str = "sm90",
                  compressed_block: int = 64, model_name: str = "",
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, forward_s: float = 0.0,
+                 idle_step_s: float = 0.0) -> None:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -255,6 +263,17 @@ class SimEngine:
         self._in_flight: tuple[Any, Any] | None = None
         self.max_loads_per_step = 0
         self.before_worker: Callable[[Any], None] | None = None
+        #: seconds a simulated forward pass with tokens scheduled takes, and a step
+        #: without (the round trip to the workers; the thread waits, as on an RPC)
+        self.forward_s = forward_s
+        self.idle_step_s = idle_step_s
+        #: per request: the step count when it was added, and the step that first
+        #: scheduled tokens of it (its prefill's first step)
+        self.added_at_step: dict[str, int] = {}
+        self.first_scheduled_step: dict[str, int] = {}
+        #: the same as times (``time.perf_counter``): arrival, first scheduled tokens
+        self.added_at_s: dict[str, float] = {}
+        self.first_scheduled_s: dict[str, float] = {}
 
     # -- requests -------------------------------------------------------------------------
 
@@ -271,6 +290,8 @@ class SimEngine:
         self.scheduler.add_request(req)
         self.requests[req_id] = req
         self.seq[req_id] = list(prompt)
+        self.added_at_step[req_id] = self.steps
+        self.added_at_s[req_id] = time.perf_counter()
         return req
 
     # -- the oracle -----------------------------------------------------------------------
@@ -378,6 +399,10 @@ class SimEngine:
         runs += [(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
                  for i, rid in enumerate(cached.req_ids)]
         sampled: dict[str, list[int]] = {}
+        now_s = time.perf_counter()
+        for rid, _, _ in runs:
+            self.first_scheduled_step.setdefault(rid, self.steps)
+            self.first_scheduled_s.setdefault(rid, now_s)
         for rid, computed, n in runs:  # the forward pass
             seq = self.seq[rid]
             assert computed + n <= len(seq), f"{rid}: scheduled past its known tokens"
@@ -388,6 +413,10 @@ class SimEngine:
                 seq.append(next_token(seq))
                 sampled[rid] = [seq[-1]]
         w.start_load_kv(None)
+        if runs and self.forward_s:  # the GPU runs the forward pass; loads overlap it
+            time.sleep(self.forward_s)
+        elif not runs and self.idle_step_s:
+            time.sleep(self.idle_step_s)
         w.wait_for_save()
         res = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()

@@ -61,14 +61,18 @@ def test_shared_prefixes_and_partial_hits(srv: ServerProcess, tmp_model: Path,
         e.add("a", base, max_tokens=4)
         e.run(["a"])
         e.forget_local_cache()
-        # b: the same 900 tokens then more (hit: 3 chunks); c: 600 shared (2 chunks)
+        # b: the same 900 tokens then more (hit: 3 chunks); c: 600 shared (2 chunks),
+        # after vLLM forgot b (else c may find b's blocks in vLLM's own cache, once b's
+        # load finished before c's lookup answered)
         e.add("b", base + prompt(2, 300), max_tokens=4)
+        e.run(["b"])
+        e.forget_local_cache()
         e.add("c", base[:600] + prompt(3, 200), max_tokens=4)
-        e.run(["b", "c"])
+        e.run(["c"])
         assert not e.failed
         assert e.loaded_tokens == {"b": 768, "c": 512}
-        # d: vLLM's own cache holds b's blocks now; the server adds nothing beyond
-        e.add("d", base + prompt(2, 300) + prompt(4, 50), max_tokens=2)
+        # d: vLLM's own cache holds c's blocks now; the server adds nothing beyond
+        e.add("d", base[:600] + prompt(3, 200) + prompt(4, 50), max_tokens=2)
         e.run(["d"])
         assert "d" not in e.loaded_tokens and not e.failed
         e.assert_no_wrong_bytes()

@@ -37,7 +37,11 @@ from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest, StepPlan
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.vllm.geometry import build_groups, describe
-from lmc_server.integration.worker import TransferTracker, WorkerTransfers
+from lmc_server.integration.worker import (
+    TransferTracker,
+    WorkerTransfers,
+    failures_by_block_ids,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -121,7 +125,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                                             store=self.settings.store,
                                             load=self.settings.load,
                                             store_generated=self.settings.store_generated,
-                                            l2_wait_s=self.settings.l2_wait_s)
+                                            l2_wait_s=self.settings.l2_wait_s,
+                                            lookup_wait_s=self.settings.lookup_wait_s)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The worker's KV cache as it registered it, for the scheduler (below)."""
@@ -179,8 +184,10 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                            groups=vg.groups, buffers=vg.buffers,
                            world_size=self.world_size, rank=rank, replicated=vg.replicated)
         stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
-        tracker = TransferTracker(single_group=len(vg.engine_groups) == 1)
+        tracker = TransferTracker(by_block_ids=failures_by_block_ids(vg.engine_groups))
         self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
+        self._zeroes_blocks = bool(getattr(self.kv_cache_config, "needs_kv_cache_zeroing",
+                                           False))
         self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
                                          fence_timeout_s=self.settings.fence_timeout_s)
 
@@ -198,9 +205,21 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self.transfers.fence(kv_connector_metadata.plan.fence_store_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start the step's loads. When vLLM zeroes newly allocated blocks
+        (``needs_kv_cache_zeroing``: mixed-precision caches such as DeepSeek-V4.1's,
+        Mamba) it does so on its stream in this step's preprocessing, into the very
+        blocks a load writes; the server copies on its own streams, so on CUDA the
+        retrieve is sent only once an event recorded here (after the zeroing was
+        queued) completed, else a late zeroing could overwrite loaded KV."""
         plan = self._plan()
-        if plan is not None and self.transfers is not None:
-            self.transfers.start_loads(plan.loads)
+        if plan is None or self.transfers is None or not plan.loads:
+            return
+        ready = None
+        if self._exporter_event and self._zeroes_blocks:
+            from lmc_server.client.cuda import stream_done
+
+            ready = stream_done()
+        self.transfers.start_loads(plan.loads, ready)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request is computed only after its load finished."""
@@ -221,8 +240,15 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.transfers.start_stores(plan.stores, ready)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What finished since the last step. In a step without a forward pass (the
+        engine waits for nothing but loads) the step's loads are waited for, at most
+        ``idle_load_wait_s``, so that a hit is reported, and its prefill scheduled,
+        one step earlier."""
         if self.transfers is None:
             return KVConnectorTransferResults()
+        plan = self._plan()
+        if plan is not None and plan.loads and not plan.scheduled_tokens:
+            self.transfers.wait_loads(self.settings.idle_load_wait_s)
         rep = self.transfers.tracker.poll(finished_req_ids)
         self._invalid_block_ids |= rep.invalid_block_ids
         return KVConnectorTransferResults(finished_sending=rep.finished_sending,
@@ -251,6 +277,14 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self.loaded_group_ids
+
+    def on_new_request(self, request: Request) -> None:
+        """Queue the request's lookup; it goes out with the others that arrive before
+        the next step, and its answer is usually back by the first
+        :meth:`get_num_new_matched_tokens`."""
+        assert self.planner is not None
+        self.planner.request_arrived(request.request_id, request.block_hashes,
+                                     request.num_tokens, request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -295,7 +329,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.planner is not None
         self.planner.transfers_finished(connector_output.finished_recving or (),
-                                        connector_output.finished_sending or ())
+                                        connector_output.finished_sending or (),
+                                        connector_output.failed_recving or ())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -1,0 +1,202 @@
+"""What LMCacheMPConnector costs under vLLM 0.33's own scheduler: added steps and
+scheduler-thread time.
+
+Run with the vLLM environment (docs/vllm.md), from the repository root:
+
+    /work/vllm-venv/bin/python scripts/bench-connector-steps.py [--waiting 1,16,256]
+
+For each scheduler (``Scheduler``, ``AsyncScheduler``), case (``miss``: nothing cached;
+``hit``: every prompt's 2 whole chunks cached on the server, vLLM's own prefix cache
+empty) and number of requests arriving at once, it runs ``tests/vllm/engine_sim.py``
+(vLLM's scheduler and KV cache manager, both connector sides, a real server process on
+the CPU engine, a simulated forward pass of ``--forward-ms`` and, for a step without
+tokens, ``--idle-step-ms`` of waiting, the round trip to the workers; without it the
+simulation's idle steps spin in Python and starve the link's thread of the GIL) and
+reports:
+
+* added steps (and milliseconds): per request, the steps from its arrival to its
+  first scheduled tokens, minus the same for the same requests with loads off (the
+  connector looks nothing up: a miss without lookups, a hit recomputed), mean and max;
+* connector time per step: the time the scheduler thread spent in the scheduler-side
+  connector's hooks (``on_new_request``, ``get_num_new_matched_tokens``,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+  ``request_finished``), wall (waits for lookup answers included) and CPU time of
+  the thread, mean and max over the steps until every request was scheduled.
+
+Prompts are 700 tokens (2 whole 256-token chunks and a tail), one generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "vllm"))
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
+HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+         "build_connector_meta", "update_connector_output", "request_finished")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [1000 + (seed * 7919 + i * 31) % 20000 for i in range(n)]
+
+
+class HookTimer:
+    """Wraps the scheduler-side connector's hooks; sums their time per engine step."""
+
+    def __init__(self, connector: Any) -> None:
+        self.step_s: list[float] = []
+        self.step_cpu_s: list[float] = []
+        self._now_s = 0.0
+        self._cpu_s = 0.0
+        for name in HOOKS:
+            setattr(connector, name, self._wrap(getattr(connector, name)))
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._now_s += time.perf_counter() - t0
+                self._cpu_s += time.thread_time() - c0
+
+        return timed
+
+    def end_step(self) -> None:
+        self.step_s.append(self._now_s)
+        self.step_cpu_s.append(self._cpu_s)
+        self._now_s = self._cpu_s = 0.0
+
+
+def run_case(port: int, tmp: Path, *, n: int, hit: bool, async_scheduling: bool,
+             load: bool, forward_s: float, idle_step_s: float, seed: int, rounds: int,
+             settings: dict[str, Any]) -> dict[str, Any]:
+    """``rounds`` times: ``n`` requests arrive at once (for a hit: their prompts stored
+    and vLLM's own cache emptied first); step until every one was scheduled."""
+    from engine_sim import SimEngine
+
+    e = SimEngine(port, tmp, model="plain", num_blocks=max(600, n * 50),
+                  max_num_batched_tokens=8192, async_scheduling=async_scheduling,
+                  forward_s=forward_s, idle_step_s=idle_step_s,
+                  extra={"lmcache.mp.load": load, **settings})
+    out: dict[str, Any] = {"first_scheduled": {}, "first_scheduled_s": {}, "step_s": [],
+                           "step_cpu_s": [], "loaded": 0, "failed": 0}
+    try:
+        timer = HookTimer(e.connector)
+        for k in range(rounds):
+            prompts = {f"r{k}-{i}": prompt(seed + 1000 * k + i, 700) for i in range(n)}
+            if hit:  # store the prompts first, then forget vLLM's own copy
+                for rid, p in prompts.items():
+                    e.add("w" + rid, p, max_tokens=1)
+                e.run(["w" + r for r in prompts], max_steps=20000, timeout_s=600)
+                e.forget_local_cache()
+            e.step()  # idle: requests arrive between steps, as from EngineCore's queue
+            timer.end_step()
+            for rid, p in prompts.items():
+                e.add(rid, p + [1], max_tokens=1)
+            first = len(timer.step_s)
+            while not set(prompts) <= set(e.first_scheduled_step):
+                e.step()
+                timer.end_step()
+                assert len(timer.step_s) - first < 10000
+            out["step_s"] += timer.step_s[first:]
+            out["step_cpu_s"] += timer.step_cpu_s[first:]
+            e.run(prompts, max_steps=20000, timeout_s=600)
+            for r in prompts:
+                out["first_scheduled"][r] = e.first_scheduled_step[r] - e.added_at_step[r]
+                out["first_scheduled_s"][r] = e.first_scheduled_s[r] - e.added_at_s[r]
+            out["loaded"] += sum(1 for r in prompts if e.loaded_tokens.get(r))
+        out["failed"] = len(e.failed)
+        return out
+    finally:
+        e.close()
+
+
+def main() -> int:
+    from lmc_server.testing.process import ServerProcess
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--waiting", default="1,16,256", help="requests arriving at once")
+    ap.add_argument("--forward-ms", type=float, default=5.0,
+                    help="simulated forward pass of a step that computes tokens")
+    ap.add_argument("--idle-step-ms", type=float, default=0.5,
+                    help="a step without tokens (the round trip to the workers)")
+    ap.add_argument("--lookup-wait-ms", type=float, default=1.0,
+                    help="lmcache.mp.lookup_wait_s, in ms")
+    ap.add_argument("--idle-load-wait-ms", type=float, default=10.0,
+                    help="lmcache.mp.idle_load_wait_s, in ms")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians)")
+    ap.add_argument("--schedulers", default="sync,async")
+    ap.add_argument("--cases", default="miss,hit")
+    ap.add_argument("--json", default="", help="write the results here")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-steps-"))
+    rows = []
+    seed = 1
+    settings = {"lmcache.mp.lookup_wait_s": args.lookup_wait_ms / 1000,
+                "lmcache.mp.idle_load_wait_s": args.idle_load_wait_ms / 1000}
+    for async_scheduling in [s == "async" for s in args.schedulers.split(",")]:
+        for hit in [c == "hit" for c in args.cases.split(",")]:
+            for n in [int(x) for x in args.waiting.split(",")]:
+                res = {}
+                for load in (True, False):
+                    seed += 1000 * args.rounds
+                    with ServerProcess(SERVER_ARGS, l1_size_gb=1.0) as srv:
+                        res[load] = run_case(srv.port, tmp, n=n, hit=hit,
+                                             async_scheduling=async_scheduling, load=load,
+                                             forward_s=args.forward_ms / 1000,
+                                             idle_step_s=args.idle_step_ms / 1000,
+                                             seed=seed, rounds=args.rounds,
+                                             settings=settings)
+                on, off = res[True], res[False]
+                added = [on["first_scheduled"][r] - off["first_scheduled"][r]
+                         for r in on["first_scheduled"]]
+                added_ms = [1e3 * (on["first_scheduled_s"][r] - off["first_scheduled_s"][r])
+                            for r in on["first_scheduled_s"]]
+                steps, cpu = on["step_s"], on["step_cpu_s"]
+                row = {"scheduler": "async" if async_scheduling else "sync",
+                       "case": "hit" if hit else "miss", "waiting": n,
+                       "added_steps_median": statistics.median(added),
+                       "added_ms_median": statistics.median(added_ms),
+                       "connector_cpu_ms_per_step_median": 1e3 * statistics.median(cpu),
+                       "added_steps_mean": sum(added) / len(added),
+                       "added_steps_max": max(added),
+                       "added_ms_mean": sum(added_ms) / len(added_ms),
+                       "added_ms_max": max(added_ms),
+                       "connector_ms_per_step_mean": 1e3 * sum(steps) / len(steps),
+                       "connector_ms_per_step_max": 1e3 * max(steps),
+                       "connector_cpu_ms_per_step_mean": 1e3 * sum(cpu) / len(cpu),
+                       "connector_cpu_ms_per_step_max": 1e3 * max(cpu),
+                       "steps": len(steps), "loaded": on["loaded"],
+                       "failed": on["failed"] + off["failed"]}
+                rows.append(row)
+                print(f"{row['scheduler']:5} {row['case']:4} waiting {n:3}: added steps "
+                      f"median {row['added_steps_median']:.1f} mean "
+                      f"{row['added_steps_mean']:.2f} max {row['added_steps_max']} "
+                      f"({row['added_ms_mean']:.1f} ms, max {row['added_ms_max']:.1f}); "
+                      f"connector per step: wall mean "
+                      f"{row['connector_ms_per_step_mean']:.3f} ms max "
+                      f"{row['connector_ms_per_step_max']:.3f}, cpu median "
+                      f"{row['connector_cpu_ms_per_step_median']:.3f} mean "
+                      f"{row['connector_cpu_ms_per_step_mean']:.3f} max "
+                      f"{row['connector_cpu_ms_per_step_max']:.3f}, {row['steps']} steps; "
+                      f"{row['loaded']} loaded, {row['failed']} failed", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
