@@ -127,19 +127,26 @@ class _Run:
                  "chunk_size": cfg.chunk_size, "geometry": cfg.geometry.__dict__,
                  "separate": cfg.separate, "seed": cfg.seed, "block_order": cfg.block_order})
             try:
-                info = worker.recv(300)
-                self.report.config.setdefault("chunk_bytes", info["chunk_bytes"])
-                self.report.config.setdefault("arch", info["arch"])
-                self.request_bytes = {"store": info["store_bytes"],
-                                      "retrieve": info["retrieve_bytes"]}
-                self.engine.call({"cmd": "pause"}, 60)
-                idle = {(op, n, k): _op_figures(self._load(worker, op, n, k, cfg.seconds), op)
-                        for op in cfg.ops for n in cfg.chunks for k in cfg.inflight}
-                for kind in cfg.engines:
-                    self._kind(worker, kind, mode, idle, own=first and cfg.own_copy)
-                    self.engine.call({"cmd": "pause"}, 60)
+                self._mode_points(worker, mode, first)
+            except (RuntimeError, TimeoutError) as e:
+                raise RuntimeError(f"{e}\nserver log (last lines):\n{srv.log()[-3000:]}"
+                                   ) from None
             finally:
                 worker.close()
+
+    def _mode_points(self, worker: JsonLineProcess, mode: str, first: bool) -> None:
+        """The idle figures of every point, then every engine kind's busy ones."""
+        cfg = self.cfg
+        info = worker.recv(300)
+        self.report.config.setdefault("chunk_bytes", info["chunk_bytes"])
+        self.report.config.setdefault("arch", info["arch"])
+        self.request_bytes = {"store": info["store_bytes"], "retrieve": info["retrieve_bytes"]}
+        self.engine.call({"cmd": "pause"}, 60)
+        idle = {(op, n, k): _op_figures(self._load(worker, op, n, k, cfg.seconds), op)
+                for op in cfg.ops for n in cfg.chunks for k in cfg.inflight}
+        for kind in cfg.engines:
+            self._kind(worker, kind, mode, idle, own=first and cfg.own_copy)
+            self.engine.call({"cmd": "pause"}, 60)
 
     def _kind(self, worker: JsonLineProcess, kind: str, mode: str,
               idle: dict[tuple[str, int, int], dict[str, Any]], own: bool) -> None:

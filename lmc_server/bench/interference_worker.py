@@ -116,7 +116,9 @@ class Worker:
         assert self.regions is not None
         if op in ("retrieve", "both"):
             src, res = await self._store(n, A1)
-            assert res.ok.all(), "the source batch of the retrieves was not stored"
+            if not res.ok.all():
+                raise RuntimeError("the source batch of the retrieves was not stored: "
+                                   f"{ {k: v.tolist() for k, v in res.statuses.items()} }")
             self._poison_b(n)
         deadline = time.perf_counter() + seconds
         lat: dict[str, list[float]] = {"store": [], "retrieve": []}
