@@ -12,6 +12,10 @@ The driver is reached with ctypes (``libcuda.so.1``; CuPy does not wrap the call
 12.8 ``cuMemcpyBatchAsync``. :func:`batch_copier` checks the call once per process on
 the device with a small copy each way, byte for byte, and returns ``None`` (callers
 then issue single copies) if the driver lacks it or anything differs.
+
+Not on by default (``CudaEngine(batch_copies=True)`` turns it on): byte-exact in the
+engine's GPU tests on the H200, but the device time of the session that wrote it ran out
+before it was measured through a server (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "dma-single",
+@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "dma-batch",
                                   "auto-busy", "auto-idle"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
@@ -146,8 +146,8 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     pct = {"busy": 95, "idle": 0}.get(variant)
     small: dict[str, Any] = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
                              if variant == "pieces" else {})
-    if variant == "single":  # every dma row its own cudaMemcpy(2D)Async call
-        small["batch_copies"] = False
+    if variant == "batch":  # the 1-D rows in cuMemcpyBatchAsync calls
+        small["batch_copies"] = True
     engine, pool = make_engine(name, 8 * SLAB,
                                kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
                                **small)
