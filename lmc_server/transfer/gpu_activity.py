@@ -12,9 +12,9 @@ The signal is NVML's per-process SM utilization (``nvmlDeviceGetProcessUtilizati
 per process, the share of the last sample period its kernels held the SMs), summed over
 the processes on the GPU, read through ``libnvidia-ml`` with ctypes (it ships with the
 driver; no Python package needed) at most every ``refresh_s``. The device-wide
-``utilization.gpu`` is not used: measured on the H200, it stays high while only the
-server's own copy-engine DMAs run, so a gate on it never saw an idle GPU again once the
-copy engines were in use. SM utilization does not count DMAs, and the server's own
+``utilization.gpu`` is not used: in a run on the H200 a gate on it never saw the idle GPU
+again once the server's own copy-engine DMAs ran (``auto`` gave dma's figures on the idle
+GPU), so it counts copy-engine activity. SM utilization does not count DMAs, and the server's own
 staging kernels stay under the idle threshold. :class:`BusyGate` adds hysteresis so
 that a load near the threshold does not flip the path on every request. Where NVML
 cannot answer (no library, MIG instances, a permission error) the GPU counts as busy:
