@@ -48,9 +48,11 @@ print(free_port(), free_port())
 PYEOF
 )
 
-echo "ops-checks: starting a server (cpu backend, 1 GiB) on $PORT, metrics on $METRICS_PORT"
+echo "ops-checks: starting a server (cpu backend, 1 GiB, a 1 GiB disk tier) on $PORT, metrics on $METRICS_PORT"
+mkdir -p "$WORK/disk"  # with a disk tier, so the alerts' lmcache_disk_* series exist too
 "$PY" -m lmc_server server --backend cpu --l1-size-gb 1 --chunk-size 256 \
     --separate-object-groups --port "$PORT" --metrics-port "$METRICS_PORT" \
+    --disk-dir "$WORK/disk" --disk-size-gb 1 \
     >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 
