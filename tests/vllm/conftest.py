@@ -9,8 +9,13 @@ package (one with an origin file) counts as vLLM being installed.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from sim_common import SERVER_ARGS
+
+from lmc_server.testing.process import ServerProcess
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,3 +26,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("vllm"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def srv() -> Iterator[ServerProcess]:
+    """A CPU-engine server process, as the scheduler-driven tests use it."""
+    with ServerProcess(SERVER_ARGS, l1_size_gb=0.5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tmp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model")

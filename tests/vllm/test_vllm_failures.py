@@ -10,11 +10,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sim_common import SERVER_ARGS, engine, prompt
 
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
@@ -23,29 +23,9 @@ pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
 SCHEDULERS = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
-@pytest.fixture
-def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(SERVER_ARGS, l1_size_gb=0.5) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tmp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("model")
-
-
-def engine(srv: ServerProcess, tmp: Path, model: str, **kw: Any) -> Any:
-    from engine_sim import SimEngine
-
-    return SimEngine(srv.port, tmp, model=model, **kw)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [1000 + (seed * 7919 + i * 31) % 20000 for i in range(n)]
 
 
 def leases(endpoint: str) -> int:

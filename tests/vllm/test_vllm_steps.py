@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sim_common import engine, prompt
 
 from lmc_server.testing.process import ServerProcess
 
@@ -22,32 +22,12 @@ pytestmark = pytest.mark.vllm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
 SCHEDULERS = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 #: bounds generous enough that a loaded test machine answers within them: the tests
 #: check what happens while the server answers within the bound
 BOUNDS = {"lmcache.mp.lookup_wait_s": 0.1, "lmcache.mp.idle_load_wait_s": 0.1}
 
 
-@pytest.fixture
-def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(SERVER_ARGS, l1_size_gb=0.5) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tmp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("model")
-
-
-def engine(srv: ServerProcess, tmp: Path, model: str, **kw: Any) -> Any:
-    from engine_sim import SimEngine
-
-    return SimEngine(srv.port, tmp, model=model, **kw)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [1000 + (seed * 7919 + i * 31) % 20000 for i in range(n)]
 
 
 def added_steps(e: Any, req_id: str) -> int:
