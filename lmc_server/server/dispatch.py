@@ -90,6 +90,7 @@ class Dispatcher:
         if session.conn is None:
             session.conn = self._attribute(identity, frames[0])
         op = "invalid"
+        msg: Any = None
         try:
             if not session.hello:
                 session.pre_hello += 1
@@ -129,8 +130,8 @@ class Dispatcher:
         except ProtocolError as e:
             self._send(identity, self._refused(session, op, e))
             return
-        except Exception:
-            self._send(identity, self._internal_error(op, 0))
+        except Exception:  # a bug: answered under the request's id when it was decoded
+            self._send(identity, self._internal_error(op, getattr(msg, "req_id", 0)))
             return
         self.stats.count_request(op, "ok")
         self._send(identity, encode(reply))
