@@ -220,15 +220,26 @@ def test_unregister_unmaps_shared_memory(server: ServerProcess, client: Client) 
         assert not any(name in maps.read_text() for name in names)
 
 
-def test_lookup_only_registration_cannot_copy(client: Client) -> None:
+def test_lookup_only_registration_sees_the_workers_chunks_and_cannot_copy(
+        client: Client) -> None:
+    """The scheduler's registration (no buffers) looks up what a worker of the same model
+    stored, and nothing else, and may not copy."""
     geo = dsv41_flash(num_blocks=NUM_BLOCKS)
     reg = client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90",
                           groups=geo.groups)
     assert reg.lookup_only
-    digests = chunk_digests(tokens(1, 1), 256)
-    assert client.lookup(reg, digests).hit_chunks >= 0
-    with pytest.raises(ServerError, match="lookup_only"):
-        client.store(reg, digests, block_ids_for(reg, 1))
+    stored = chunk_digests(tokens(7, 2), 256)
+    unseen = chunk_digests(tokens(8, 2), 256)
+    with ShmKV(geo) as kv:
+        worker = client.register(**kv.register_kwargs())
+        assert client.store(worker, stored, block_ids_for(worker, 2)).ok.all()
+        hit = client.lookup(reg, stored)
+        assert hit.hit_chunks == 2
+        client.release(hit.lease_id)
+        assert client.lookup(reg, unseen).hit_chunks == 0
+        with pytest.raises(ServerError, match="lookup_only"):
+            client.store(reg, unseen[:32], block_ids_for(reg, 1))
+        client.unregister(worker)
 
 
 def test_bad_shared_memory_name_refused(client: Client) -> None:
