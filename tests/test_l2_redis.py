@@ -12,9 +12,8 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,9 +26,8 @@ from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
+from lmc_server.testing.tierworker import CHUNK, NUM_BLOCKS, Worker, lookup_until, tokens, wait_for
 
-NUM_BLOCKS = 64
-CHUNK = 256
 ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU",
         "--l2-timeout-s", "0.5"]
 
@@ -52,47 +50,10 @@ def l2_server(url: str, *extra: str, metrics_port: int = 0) -> ServerProcess:
                          metrics_port=metrics_port)
 
 
-def tokens(seed: int, chunks: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 100_000, chunks * CHUNK)
-
-
-def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
-    t0 = time.monotonic()
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def l2_stats(c: Client) -> L2Report:
     out = c.stats().l2
     assert out is not None, "the server runs without --l2"
     return out
-
-
-class Worker:
-    """A client with its own shm KV cache, registered with one server."""
-
-    def __init__(self, endpoint: str, seed: int, arch: str = "sm90",
-                 num_blocks: int = NUM_BLOCKS) -> None:
-        self.kv = ShmKV(dsv41_flash(arch=arch, num_blocks=num_blocks))
-        self.kv.fill_random(seed) if seed else self.kv.fill(0)
-        self.client = Client(endpoint, timeout_s=30, client_name="pytest-l2")
-        self.reg: Registration = self.client.register(**self.kv.register_kwargs())
-
-    def store(self, digests: bytes, block_seed: int) -> dict[str, np.ndarray]:
-        n = len(digests) // 32
-        ids = block_ids_for(self.reg, n, np.random.default_rng(block_seed))
-        res = self.client.store(self.reg, digests, ids)
-        assert res.ok.all(), res.statuses
-        return ids
-
-    def close(self) -> None:
-        self.client.close()
-        self.kv.close()
 
 
 def wait_written(c: Client, objects: int) -> None:
@@ -101,17 +62,6 @@ def wait_written(c: Client, objects: int) -> None:
         return bool(st.objects_written >= objects and st.write_queue_objects == 0
                     and st.writes_in_flight == 0)
     wait_for(done, f"{objects} objects written to L2")
-
-
-def lookup_until(c: Client, reg: Registration, digests: bytes, want: int,
-                 timeout_s: float = 20.0) -> Any:
-    """Poll like a scheduler: look up (no lease) until ``want`` chunks hit and nothing
-    is pending; then take the lease with one more lookup."""
-    def ready() -> bool:
-        r = c.lookup(reg, digests, lease=False)
-        return r.hit_chunks >= want and r.l2_pending_chunks == 0
-    wait_for(ready, f"{want} chunks to hit", timeout_s)
-    return c.lookup(reg, digests)
 
 
 def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,
