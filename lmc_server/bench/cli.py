@@ -19,6 +19,7 @@ from lmc_server.bench.common import (
     parse_floats,
     parse_ints,
 )
+from lmc_server.config import CUDA_COPY_MODES
 
 
 def _ints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -27,6 +28,17 @@ def _ints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int
 
 def _floats(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
     return tuple(parse_floats(value))
+
+
+def _names(allowed: tuple[str, ...], flag: str) -> Any:
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+        out = tuple(x.strip() for x in value.split(",") if x.strip())
+        bad = [x for x in out if x.partition(":")[0] not in allowed]
+        if not out or bad:
+            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
+                                     param_hint=flag)
+        return out
+    return parse
 
 
 def _output_options(f: Any) -> Any:
@@ -55,7 +67,9 @@ def bench() -> None:
 @click.option("--separate-object-groups/--no-separate-object-groups", "separate",
               default=True, help="Server object-group layout.")
 @click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
-              help="cuda only: copy modes to measure, comma-separated (one server each).")
+              callback=_names(CUDA_COPY_MODES, "--cuda-copy-mode"),
+              help="cuda only: copy modes to measure, comma-separated (one server each); "
+                   "staging:N also sets --cuda-staging-mb N.")
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
                    "[default: on for cuda].")
@@ -74,21 +88,16 @@ def bench() -> None:
               "default).")
 @_output_options
 def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
-               copy_modes: str, concurrent: bool | None, inflight: tuple[int, ...],
+               copy_modes: tuple[str, ...], concurrent: bool | None, inflight: tuple[int, ...],
                min_time_s: float,
                min_iters: int, device: int, json_path: str | None, plot_path: str | None,
                no_progress: bool, pipeline_mb: int, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
     from lmc_server.bench import throughput as tp
 
-    modes = tuple(m.strip() for m in copy_modes.split(",") if m.strip())
-    bad = {m.partition(":")[0] for m in modes} - {"auto", "staging", "mapped", "dma"}
-    if bad:
-        raise click.BadParameter(f"unknown copy modes {sorted(bad)}",
-                                 param_hint="--cuda-copy-mode")
     cfg = tp.ThroughputConfig(
         backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
-        l1_size_gb=l1_size_gb, separate=separate, copy_modes=modes,
+        l1_size_gb=l1_size_gb, separate=separate, copy_modes=copy_modes,
         concurrent=backend == "cuda" if concurrent is None else concurrent,
         inflight=tuple(k for k in inflight if k > 1), min_time_s=min_time_s,
         min_iters=min_iters, device=device, pipeline_mb=pipeline_mb,
@@ -325,24 +334,13 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
         raise SystemExit(1)
 
 
-def _names(allowed: tuple[str, ...], flag: str) -> Any:
-    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
-        out = tuple(x.strip() for x in value.split(",") if x.strip())
-        bad = [x for x in out if x.partition(":")[0] not in allowed]
-        if not out or bad:
-            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
-                                     param_hint=flag)
-        return out
-    return parse
-
-
 @bench.command()
 @click.option("--engines", default="gemm,hbm", callback=_names(("gemm", "hbm", "decode"),
                                                             "--engines"),
               help="Engine workloads beside the server: gemm (bf16 8192^3 matmuls), hbm "
                    "(1 GiB device copies), decode (a CUDA graph of small kernels).")
 @click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
-              callback=_names(("auto", "staging", "mapped", "dma"), "--cuda-copy-mode"),
+              callback=_names(CUDA_COPY_MODES, "--cuda-copy-mode"),
               help="Server copy modes, comma-separated (one server each); staging:N also "
                    "sets --cuda-staging-mb N.")
 @click.option("--ops", default="store,retrieve,both", callback=_names(
