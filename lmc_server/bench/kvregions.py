@@ -10,7 +10,7 @@ server's own layout (:func:`lmc_server.cache.layout.build_layout`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,9 @@ class Regions:
     #: ``random``: a fixed random permutation of each region's blocks, as an engine's
     #: block pool hands them out after much churn (no two pages of a chunk adjacent).
     block_order: str = "consecutive"
+    #: (group, region) -> block order, made once (the timing loops ask per request)
+    _orders: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, compare=False,
+                                                        repr=False)
 
     @classmethod
     def build(cls, geometry: KVGeometry, chunk_size: int, max_batch: int,
@@ -56,12 +59,18 @@ class Regions:
 
     def _order(self, g: GroupSpec, region: int) -> np.ndarray:
         """Block ids of ``region`` in the order chunks use them."""
-        n = self.max_batch * self.bpc(g)
-        first = region * n
-        if self.block_order == "consecutive":
-            return np.arange(first, first + n, dtype=np.int32)
-        seed = sum(ord(ch) for ch in g.name) * 7 + region
-        return (first + np.random.default_rng(seed).permutation(n)).astype(np.int32)
+        order = self._orders.get((g.name, region))
+        if order is None:
+            n = self.max_batch * self.bpc(g)
+            first = region * n
+            if self.block_order == "consecutive":
+                order = np.arange(first, first + n, dtype=np.int32)
+            else:
+                seed = sum(ord(ch) for ch in g.name) * 7 + region
+                order = (first + np.random.default_rng(seed).permutation(n)).astype(np.int32)
+            order.flags.writeable = False  # callers get slices of it
+            self._orders[(g.name, region)] = order
+        return order
 
     def _group(self, name: str) -> GroupSpec:
         for g in self.geometry.groups:
