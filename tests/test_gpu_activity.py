@@ -68,3 +68,66 @@ def test_nvml_without_a_device_reads_none() -> None:
     reader = NvmlUtilization("ffff:ff:1f.7")
     assert reader.read() is None
     assert BusyGate(reader.read).busy()
+
+
+class FakeNvml:
+    """Stands in for ``libnvidia-ml``: the two calls the reader makes, answering the
+    per-process samples a test queues (``None``: no sample newer than asked for)."""
+
+    def __init__(self) -> None:
+        self.answers: list[list[tuple[int, int, int]] | None] = []
+        self.asked_since: list[int] = []
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus_id: bytes, handle: object) -> int:
+        handle._obj.value = 1  # type: ignore[attr-defined]
+        return 0
+
+    def nvmlDeviceGetProcessUtilization(self, handle: object, samples: object,
+                                        count: object, since: object) -> int:
+        self.asked_since.append(since.value)  # type: ignore[attr-defined]
+        answer = self.answers.pop(0)
+        if answer is None:
+            return 6  # NVML_ERROR_NOT_FOUND
+        for k, (pid, stamp_us, sm_pct) in enumerate(answer):
+            samples[k].pid, samples[k].timeStamp, samples[k].smUtil = (  # type: ignore[index]
+                pid, stamp_us, sm_pct)
+        count._obj.value = len(answer)  # type: ignore[attr-defined]
+        return 0
+
+
+def test_no_new_sample_is_no_news_until_stale() -> None:
+    """NVML samples every ~1/6 s, so a read 0.1 s after one finds nothing newer: the
+    last figure stands (the engine is still computing) until no sample came for
+    STALE_S, then the GPU reads idle."""
+    from lmc_server.transfer.gpu_activity import STALE_S
+
+    clock, lib = Clock(), FakeNvml()
+    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock)  # type: ignore[arg-type]
+    lib.answers = [[(10, 1_000, 95), (11, 1_100, 3), (10, 1_200, 97)], None, None, None,
+                   [(10, 9_000, 0)]]
+    assert reader.read() == 100  # the engine's 97 plus the server's own 3
+    clock.t += 0.1
+    assert reader.read() == 100  # no sample newer: still busy
+    clock.t += STALE_S - 0.2
+    assert reader.read() == 100
+    clock.t += 0.2
+    assert reader.read() == 0  # nothing for STALE_S: idle
+    assert reader.read() == 0  # a sample of an idle process
+    # each read asks only for samples newer than the newest it has seen
+    assert lib.asked_since == [0, 1_200, 1_200, 1_200, 1_200]
+
+
+def test_gate_stays_on_copy_engines_between_nvml_samples() -> None:
+    """The gate beside a computing engine: reads every 0.1 s, samples every 0.17 s;
+    busy throughout (it flipped to idle on every read between samples before)."""
+    clock, lib = Clock(), FakeNvml()
+    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock)  # type: ignore[arg-type]
+    g = BusyGate(reader.read, refresh_s=0.1, clock=clock)
+    seen = []
+    for k in range(20):
+        t_us = int(clock.t * 1e6)
+        fresh = k % 5 in (0, 2)  # a new sample on two reads of five, none in between
+        lib.answers.append([(10, t_us + 1, 99)] if fresh else None)
+        seen.append(g.busy())
+        clock.t += 0.1
+    assert all(seen)

@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 BUSY_PCT = 20
 IDLE_PCT = 10
 REFRESH_S = 0.1
+#: NVML samples process utilization only every so often (about 1/6 s on the H200's
+#: driver 580), so a read soon after the last sample finds none newer
+#: (``NVML_ERROR_NOT_FOUND``). That is "no news", not "idle": the reader keeps its
+#: last figure until no sample has come for this long, and only then answers 0. (Taking
+#: it as idle made ``auto`` flip to staging on every other request beside a GEMM
+#: engine and cost the engine 3-6 % in the 12:50Z run, docs/gpu.md.)
+STALE_S = 1.0
 
 
 class _ProcessSample(ctypes.Structure):
@@ -57,19 +64,29 @@ MAX_SAMPLES = 256
 class NvmlUtilization:
     """SM-time percent of one GPU, summed over its processes, found by PCI bus id (CUDA
     device numbers and NVML indices differ under ``CUDA_VISIBLE_DEVICES``). ``read``
-    returns ``None`` when NVML cannot answer."""
+    returns ``None`` when NVML cannot answer.
+
+    ``lib`` stands in for ``libnvidia-ml`` (tests); ``clock`` measures ``STALE_S``.
+    """
 
     _lib: ctypes.CDLL | None = None
     _lock = threading.Lock()
 
-    def __init__(self, pci_bus_id: str) -> None:
+    def __init__(self, pci_bus_id: str, *, lib: ctypes.CDLL | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pci_bus_id = pci_bus_id
         self._handle: ctypes.c_void_p | None = None
         self._seen_us = 0
         self._samples = (_ProcessSample * MAX_SAMPLES)()
-        lib = self._library()
+        self._clock = clock
+        self._last_pct = 0
+        self._sampled_at = -float("inf")
+        self._nvml: ctypes.CDLL | None = None
+        if lib is None:
+            lib = self._library()
         if lib is None:
             return
+        self._nvml = lib
         handle = ctypes.c_void_p()
         rc = lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle))
         if rc != NVML_SUCCESS:
@@ -95,15 +112,18 @@ class NvmlUtilization:
             return cls._lib
 
     def read(self) -> int | None:
-        """Sum over processes of their SM percent in the samples since the last read
-        (0 when no process used the SMs since then)."""
-        if self._handle is None or self._lib is None:
+        """Sum over processes of their SM percent in the samples since the last read;
+        with no newer sample, the last sum, or 0 once none came for ``STALE_S``."""
+        if self._handle is None or self._nvml is None:
             return None
         count = ctypes.c_uint(MAX_SAMPLES)
-        rc = self._lib.nvmlDeviceGetProcessUtilization(
+        rc = self._nvml.nvmlDeviceGetProcessUtilization(
             self._handle, self._samples, ctypes.byref(count), ctypes.c_ulonglong(self._seen_us))
-        if rc == NVML_ERROR_NOT_FOUND:
-            return 0
+        now = self._clock()
+        if rc == NVML_ERROR_NOT_FOUND or (rc == NVML_SUCCESS and count.value == 0):
+            if now - self._sampled_at >= STALE_S:
+                self._last_pct = 0
+            return self._last_pct
         if rc not in (NVML_SUCCESS, NVML_ERROR_INSUFFICIENT_SIZE):
             return None
         per_pid: dict[int, int] = {}
@@ -111,7 +131,9 @@ class NvmlUtilization:
             smp = self._samples[k]
             self._seen_us = max(self._seen_us, int(smp.timeStamp))
             per_pid[int(smp.pid)] = max(per_pid.get(int(smp.pid), 0), int(smp.smUtil))
-        return min(100, sum(per_pid.values()))
+        self._sampled_at = now
+        self._last_pct = min(100, sum(per_pid.values()))
+        return self._last_pct
 
 
 class BusyGate:
