@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO
 
 import zmq
@@ -81,6 +82,11 @@ def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
             time.sleep(0.05)
 
 
+#: A directory: every :class:`ServerProcess` writes its whole log there when it ends
+#: (device runs set it to their output folder, so a failure can be read afterwards).
+KEEP_LOGS_ENV = "LMC_KEEP_SERVER_LOGS"
+
+
 class ServerProcess:
     """A server subprocess; ``log()`` returns what it wrote to stderr so far."""
 
@@ -126,6 +132,12 @@ class ServerProcess:
             self._final_log = self.log()
             self._log.close()
             self._log = None
+            keep = os.environ.get(KEEP_LOGS_ENV)
+            if keep:
+                # GPU runs keep every server's log for reading afterwards
+                path = Path(keep) / f"server-{self.port}-{int(time.time())}.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(self._final_log)
 
     def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
         """Signal the server and wait; returns its exit status."""
