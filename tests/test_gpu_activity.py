@@ -96,16 +96,17 @@ class FakeNvml:
 
 
 def test_no_new_sample_is_no_news_until_stale() -> None:
-    """NVML samples every ~1/6 s, so a read 0.1 s after one finds nothing newer: the
+    """NVML samples at its own period, so a read 0.1 s after one may find nothing newer: the
     last figure stands (the engine is still computing) until no sample came for
     STALE_S, then the GPU reads idle."""
     from lmc_server.transfer.gpu_activity import STALE_S
 
     clock, lib = Clock(), FakeNvml()
-    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock)  # type: ignore[arg-type]
-    lib.answers = [[(10, 1_000, 95), (11, 1_100, 3), (10, 1_200, 97)], None, None, None,
-                   [(10, 9_000, 0)]]
-    assert reader.read() == 100  # the engine's 97 plus the server's own 3
+    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock,  # type: ignore[arg-type]
+                             own_pid=99)
+    lib.answers = [[(10, 1_000, 95), (11, 1_100, 3), (10, 1_200, 97), (99, 1_150, 40)],
+                   None, None, None, [(10, 9_000, 0)]]
+    assert reader.read() == 100  # the engine's 97 plus another process's 3
     clock.t += 0.1
     assert reader.read() == 100  # no sample newer: still busy
     clock.t += STALE_S - 0.2
@@ -117,8 +118,17 @@ def test_no_new_sample_is_no_news_until_stale() -> None:
     assert lib.asked_since == [0, 1_200, 1_200, 1_200, 1_200]
 
 
+def test_own_kernels_do_not_make_the_gpu_busy() -> None:
+    """The server's own staging kernels (its pid) are left out of the sum."""
+    lib = FakeNvml()
+    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=Clock(),  # type: ignore[arg-type]
+                             own_pid=99)
+    lib.answers = [[(99, 1_000, 35), (10, 1_000, 4)]]
+    assert reader.read() == 4
+
+
 def test_gate_stays_on_copy_engines_between_nvml_samples() -> None:
-    """The gate beside a computing engine: reads every 0.1 s, samples every 0.17 s;
+    """The gate beside a computing engine: reads every 0.1 s, NVML samples less often;
     busy throughout (it flipped to idle on every read between samples before)."""
     clock, lib = Clock(), FakeNvml()
     reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock)  # type: ignore[arg-type]

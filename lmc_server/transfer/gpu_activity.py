@@ -10,7 +10,7 @@ is idle, and this module says which it is.
 
 The signal is NVML's per-process SM utilization (``nvmlDeviceGetProcessUtilization``:
 per process, the share of the last sample period its kernels held the SMs), summed over
-the processes on the GPU, read through ``libnvidia-ml`` with ctypes (it ships with the
+the other processes on the GPU, read through ``libnvidia-ml`` with ctypes (it ships with the
 driver; no Python package needed) at most every ``refresh_s``. The device-wide
 ``utilization.gpu`` is not used: in a run on the H200 a gate on it never saw the idle GPU
 again once the server's own copy-engine DMAs ran (``auto`` gave dma's figures on the idle
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 BUSY_PCT = 20
 IDLE_PCT = 10
 REFRESH_S = 0.1
-#: NVML samples process utilization only every so often (about 1/6 s on the H200's
-#: driver 580), so a read soon after the last sample finds none newer
+#: NVML samples process utilization at a period of its own, so a read soon after the
+#: last sample finds none newer
 #: (``NVML_ERROR_NOT_FOUND``). That is "no news", not "idle": the reader keeps its
 #: last figure until no sample has come for this long, and only then answers 0. (Taking
 #: it as idle made ``auto`` flip to staging on every other request beside a GEMM
@@ -66,6 +67,12 @@ class NvmlUtilization:
     device numbers and NVML indices differ under ``CUDA_VISIBLE_DEVICES``). ``read``
     returns ``None`` when NVML cannot answer.
 
+    The reading process's own samples are left out: its staging kernels take a
+    share of the SMs on an idle GPU (more with loads in flight), and counting them
+    flipped ``auto`` to the copy engines and back. Where the process runs in its own
+    PID namespace (a container without ``--pid=host``) NVML's host PIDs do not match
+    ``own_pid`` and its kernels count; the gate's hysteresis then has to absorb them.
+
     ``lib`` stands in for ``libnvidia-ml`` (tests); ``clock`` measures ``STALE_S``.
     """
 
@@ -73,8 +80,10 @@ class NvmlUtilization:
     _lock = threading.Lock()
 
     def __init__(self, pci_bus_id: str, *, lib: ctypes.CDLL | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, own_pid: int | None = None
+                 ) -> None:
         self.pci_bus_id = pci_bus_id
+        self.own_pid = os.getpid() if own_pid is None else own_pid
         self._handle: ctypes.c_void_p | None = None
         self._seen_us = 0
         self._samples = (_ProcessSample * MAX_SAMPLES)()
@@ -130,6 +139,8 @@ class NvmlUtilization:
         for k in range(min(count.value, MAX_SAMPLES)):
             smp = self._samples[k]
             self._seen_us = max(self._seen_us, int(smp.timeStamp))
+            if int(smp.pid) == self.own_pid:
+                continue  # the server's own staging kernels are not an engine computing
             per_pid[int(smp.pid)] = max(per_pid.get(int(smp.pid), 0), int(smp.smUtil))
         self._sampled_at = now
         self._last_pct = min(100, sum(per_pid.values()))
