@@ -117,7 +117,9 @@ class CudaEngine(TransferEngine):
                  wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES,
                  staging_half_bytes: int = STAGING_HALF_BYTES,
                  kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
-                 batch_copies: bool = False) -> None:
+                 batch_copies: bool = True,
+                 make_batch_copier: Callable[[int], BatchCopier | None] = batch_copier
+                 ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
@@ -131,13 +133,16 @@ class CudaEngine(TransferEngine):
         #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
         self._kernel_pct = kernel_pct or _nvml_reader
         self._gates: dict[int, BusyGate] = {}
-        #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check.
-        #: Off by default: byte-exact in the engine's GPU tests, but not yet measured
-        #: through a server (docs/gpu.md); the server issues one call per row.
+        #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
+        #: (``make_batch_copier``: device -> copier or ``None``). On the H200 it took
+        #: stores beside a GEMM engine from 48.9 to 54.2 GB/s (docs/gpu.md).
         self.batch_copies = batch_copies
+        self._make_batch_copier = make_batch_copier
         self._queue_stopped = False
         #: device -> the checked batch copier of mode dma (``None``: single copies)
         self._batch: dict[int, BatchCopier | None] = {}
+        #: batch calls the driver refused, whose rows went out as single copies
+        self.batch_fallbacks = 0
         #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
         #: diagnostics: what mode ``auto`` chose.
         self.copies_by_path: dict[str, int] = {"dma": 0, "staging": 0, "mapped": 0}
@@ -189,7 +194,7 @@ class CudaEngine(TransferEngine):
                         self._gates[device] = BusyGate(self._kernel_pct(device),
                                                        name=f"GPU {device}")
                     if self.copy_mode in ("auto", "dma") and self.batch_copies:
-                        self._batch[device] = batch_copier(device)
+                        self._batch[device] = self._make_batch_copier(device)
                     self._lanes[device] = lanes  # last: readers take the lanes unlocked
         return lanes
 
@@ -364,7 +369,12 @@ class CudaEngine(TransferEngine):
     def _dma_rows(self, lane: Lane, plan: DmaPlan, to_pool: bool) -> None:
         """Issue the plan's copies on the lane's DMA stream (copy engines only): the 1-D
         rows in one ``cuMemcpyBatchAsync`` where the driver passed its check
-        (:mod:`.cuda_batch`), 2-D rows (and every row without it) one call each."""
+        (:mod:`.cuda_batch`), 2-D rows (and every row without it) one call each.
+
+        A batch call the driver refuses is issued again as single copies: a copy
+        writes the same bytes however often it runs, and the singles follow whatever
+        part of the batch the driver did queue in stream order, so the result is the
+        same (``batch_fallbacks`` counts them)."""
         stream = lane.dma.ptr
         rows = plan.rows
         batch = self._batch.get(lane.device)
@@ -373,11 +383,18 @@ class CudaEngine(TransferEngine):
             if one.any():
                 r = rows[one]
                 dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
-                if to_pool:
-                    batch.copy(pool, dev, width, stream)
-                else:
-                    batch.copy(dev, pool, width, stream)
-                rows = rows[~one]
+                try:
+                    if to_pool:
+                        batch.copy(pool, dev, width, stream)
+                    else:
+                        batch.copy(dev, pool, width, stream)
+                    rows = rows[~one]
+                except TransferError as e:
+                    self.batch_fallbacks += 1
+                    if self.batch_fallbacks == 1 or self.batch_fallbacks % 1000 == 0:
+                        log.warning("%s; issued as %d single copies instead (%d batch "
+                                    "calls refused so far)", e, int(one.sum()),
+                                    self.batch_fallbacks)
         copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
         for dev, dpitch, pool, ppitch, width, height in rows.tolist():
             dst, dst_pitch, src, src_pitch = ((pool, ppitch, dev, dpitch) if to_pool

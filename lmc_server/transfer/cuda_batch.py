@@ -13,9 +13,13 @@ The driver is reached with ctypes (``libcuda.so.1``; CuPy does not wrap the call
 the device with a small copy each way, byte for byte, and returns ``None`` (callers
 then issue single copies) if the driver lacks it or anything differs.
 
-Not on by default (``CudaEngine(batch_copies=True)`` turns it on): byte-exact in the
-engine's GPU tests on the H200, but the device time of the session that wrote it ran out
-before it was measured through a server (docs/gpu.md).
+On by default in modes ``dma`` and ``auto`` (``CudaEngine(batch_copies=False)`` turns
+it off). On the H200 it took 64-chunk stores, two in flight beside a GEMM engine, from
+48.9 to 54.2 GB/s (docs/gpu.md). The driver there refused a few batch calls early in a
+DP run with CUresult 1 (invalid value) for no cause found (``scripts/gpu-batch-race.py``
+reproduces none under concurrent pinning, registering or batching); the engine then
+issues the same rows as single copies, which write the same bytes (``CudaEngine``
+``_dma_rows``).
 """
 
 from __future__ import annotations

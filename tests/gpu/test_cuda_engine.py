@@ -44,6 +44,7 @@ class Exported:
 
     def __init__(self, arch: str, pad: int, num_blocks: int, layers: int,
                  placement: str = "layer") -> None:
+        self.placement, self.pad = placement, pad
         self.geo: KVGeometry = dsv41_flash(arch=arch, num_blocks=num_blocks, layers=layers,
                                            stride_pad=pad, placement=placement)
         self.proc = subprocess.Popen(
@@ -136,8 +137,22 @@ def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
     e.close()
 
 
-@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma", "dma-batch",
-                                  "auto-busy", "auto-idle"])
+class RefusingCopier:
+    """A batch copier whose every call the driver refuses (as the H200's did for a few
+    calls of a DP run): the engine must issue the same rows as single copies."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def copy(self, *_: object) -> None:
+        from lmc_server.transfer.base import TransferError
+
+        self.calls += 1
+        raise TransferError("cuMemcpyBatchAsync of n copies failed (CUresult 1)")
+
+
+@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma-single",
+                                  "dma-batch", "dma-refused", "auto-busy", "auto-idle"])
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
     pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
@@ -146,8 +161,11 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     pct = {"busy": 95, "idle": 0}.get(variant)
     small: dict[str, Any] = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
                              if variant == "pieces" else {})
-    if variant == "batch":  # the 1-D rows in cuMemcpyBatchAsync calls
-        small["batch_copies"] = True
+    if variant == "single":  # one driver call per row
+        small["batch_copies"] = False
+    refusing = RefusingCopier()
+    if variant == "refused":  # every batch refused: single copies instead
+        small["make_batch_copier"] = lambda _device: refusing
     engine, pool = make_engine(name, 8 * SLAB,
                                kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
                                **small)
@@ -185,6 +203,10 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         got = read_buffers(mapping)
         for i, (g, e) in enumerate(zip(got, expect, strict=True)):
             assert np.array_equal(g, e), f"buffer {i} differs after retrieve"
+        if variant == "refused":  # every refused call went out as single copies
+            assert engine.batch_fallbacks == refusing.calls
+            if exported.placement == "block" and exported.pad == 0:  # 1-D rows
+                assert refusing.calls >= 2
         if activity:
             used = {k for k, v in engine.copies_by_path.items() if v}
             assert used == {"dma" if activity == "busy" else "staging"}
