@@ -20,6 +20,7 @@ Checks that relate two settings or need the machine stay explicit code in ``Conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,8 +105,10 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def declarations(cls: type) -> list[Declared]:
-    """The declared fields of ``cls``, in field order (the order of ``--help``)."""
+@functools.cache
+def declarations(cls: type) -> tuple[Declared, ...]:
+    """The declared fields of ``cls``, in field order (the order of ``--help``); every
+    field must be declared (a ``TypeError`` otherwise, at import of the config)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -114,7 +117,7 @@ def declarations(cls: type) -> list[Declared]:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting()")
         kind, optional = _value_type(hints[f.name])
         out.append(Declared(f.name, kind, optional, f.default, meta))
-    return out
+    return tuple(out)
 
 
 def _value_type(hint: Any) -> tuple[type, bool]:
@@ -129,7 +132,8 @@ def _value_type(hint: Any) -> tuple[type, bool]:
 def check_declared(obj: object) -> None:
     """Raise :class:`ConfigError` for the first field of ``obj`` whose value is not of its
     type, not in its range or not one of its choices."""
-    for d in declarations(type(obj)):
+    cls: type = type(obj)
+    for d in declarations(cls):
         value = getattr(obj, d.name)
         if value is None and d.optional:
             continue
