@@ -8,7 +8,7 @@ that relate settings or need the machine (memory), and loads TOML files strictly
 (unknown keys refused, ``files.py``).
 """
 
-from lmc_server.config.declare import ConfigError, Declared, Setting, declarations, setting
+from lmc_server.config.declare import ConfigError, Declared, declarations
 from lmc_server.config.files import (
     CLIENT_KEYS,
     CONFIG_KEYS,
@@ -32,6 +32,5 @@ from lmc_server.config.settings import (
 
 __all__ = ["BACKENDS", "CLIENT_KEYS", "CONFIG_KEYS", "CUDA_COPY_MODES", "FLAG_NAMES", "GIB",
            "LOG_FORMATS", "LOG_LEVELS", "METRICS_PORT", "MIB", "SYSTEM_RESERVE_BYTES",
-           "Config", "ConfigError", "Declared", "Setting", "declarations",
-           "default_l1_size_gb", "load_client_toml", "load_toml", "physical_memory_bytes",
-           "setting"]
+           "Config", "ConfigError", "Declared", "declarations", "default_l1_size_gb",
+           "load_client_toml", "load_toml", "physical_memory_bytes"]
