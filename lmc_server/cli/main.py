@@ -14,13 +14,9 @@ import click
 import msgspec
 
 from lmc_server import __version__
-from lmc_server.cache.eviction import POLICIES, POLICY_HELP
+from lmc_server.cli.options import declared_options
 from lmc_server.config import (
-    BACKENDS,
-    CUDA_COPY_MODES,
     GIB,
-    LOG_LEVELS,
-    METRICS_PORT,
     Config,
     ConfigError,
     default_l1_size_gb,
@@ -79,146 +75,12 @@ def cli() -> None:
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config_file,
               is_eager=True, expose_value=False, envvar="LMCACHE_CONFIG",
               help="TOML file with settings (names as below, '-' or '_').")
-@click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
-              help="Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
-                   "loopback only unless CURVE is configured.")
-@click.option("--port", type=click.IntRange(1, 65535), default=5555, envvar="LMCACHE_PORT",
-              help="TCP port for clients.")
-@click.option("--chunk-size", type=click.IntRange(1, 1 << 20), default=Config.chunk_size,
-              envvar="LMCACHE_CHUNK_SIZE",
-              help="Tokens per chunk (the caching unit); must be a multiple of every "
-                   "cached group's tokens per block.")
-@click.option("--separate-object-groups/--no-separate-object-groups", default=False,
-              envvar="LMCACHE_SEPARATE_OBJECT_GROUPS",
-              help="One object per chunk per retention need (full vs each sliding "
-                   "window) instead of one object per chunk.")
-@click.option("--l1-size-gb", type=click.FloatRange(min=0, min_open=True), default=None,
-              envvar="LMCACHE_L1_SIZE_GB",
-              help=f"L1 pool size in GiB [default: a quarter of this machine's memory, "
-                   f"{default_l1_size_gb():.0f} here].")
-@click.option("--eviction-policy", type=click.Choice(list(POLICIES), case_sensitive=False),
-              default="LRU", envvar="LMCACHE_EVICTION_POLICY", help=POLICY_HELP)
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto",
-              envvar="LMCACHE_BACKEND",
-              help="Transfer engine: cuda (GPU workers), cpu (shared memory), auto "
-                   "(cuda when a GPU and CuPy are present), or null (moves no bytes; "
-                   "trace-replay benchmarks only).")
-@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
-              default="INFO", envvar="LMCACHE_LOG_LEVEL", help="Log level.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
-              envvar="LMCACHE_LOG_FORMAT", help="Log line format.")
-@click.option("--log-file", default="", envvar="LMCACHE_LOG_FILE",
-              help="Append logs to this file instead of stderr; SIGHUP reopens it "
-                   "(for logrotate).")
-@click.option("--lease-ttl-s", type=click.FloatRange(min=0, min_open=True), default=30.0,
-              envvar="LMCACHE_LEASE_TTL_S",
-              help="Seconds a lookup's lease keeps its chunks from eviction.")
-@click.option("--slab-size-mb", type=click.IntRange(1, 4096), default=64,
-              envvar="LMCACHE_SLAB_SIZE_MB",
-              help="Pool slab size in MiB (largest object; unit moved between partitions).")
-@click.option("--copy-threads", type=click.IntRange(0, 256), default=0,
-              envvar="LMCACHE_COPY_THREADS",
-              help="Copy threads of the cpu engine (0: min(4, cores)).")
-@click.option("--cuda-copy-mode", type=click.Choice(CUDA_COPY_MODES),
-              default=Config.cuda_copy_mode, envvar="LMCACHE_CUDA_COPY_MODE",
-              help="cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
-                   "kernel: nearly free for an engine computing on the same GPU); "
-                   "'staging' gathers pages with a short kernel into a staging buffer and "
-                   "moves it in one DMA (fastest on an idle GPU); 'auto' takes dma while "
-                   "the GPU runs kernels (NVML), staging while it is idle; 'mapped' has a "
-                   "kernel read/write pinned host memory. See docs/gpu.md.")
-@click.option("--cuda-staging-mb", type=click.IntRange(1, 4096), default=Config.cuda_staging_mb,
-              envvar="LMCACHE_CUDA_STAGING_MB",
-              help="cuda staging mode: least size in MiB of each of the two staging halves "
-                   "per copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).")
-@click.option("--pipeline-mb", type=click.IntRange(-1, 1 << 20), default=-1,
-              envvar="LMCACHE_PIPELINE_MB",
-              help="Stores larger than this many MiB are reserved and copied in up to four "
-                   "sub-batches, the first copying while the next is prepared (0: never; "
-                   "-1: the engine's default, which is 0 on cpu and cuda).")
-@click.option("--max-frame-bytes", type=click.IntRange(65536, 1 << 30),
-              default=Config.max_frame_bytes, envvar="LMCACHE_MAX_FRAME_BYTES",
-              help="Largest request frame answered; larger ones get too_large.")
-@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=10.0,
-              envvar="LMCACHE_DRAIN_TIMEOUT_S",
-              help="On SIGTERM, how long in-flight copies may take to finish.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=METRICS_PORT,
-              envvar="LMCACHE_METRICS_PORT", help="Prometheus /metrics port (0: off).")
-@click.option("--metrics-host", default="127.0.0.1", envvar="LMCACHE_METRICS_HOST",
-              help="Address of the metrics endpoint.")
-@click.option("--heartbeat-timeout-s", type=click.FloatRange(0.5, 3600), default=4.0,
-              envvar="LMCACHE_HEARTBEAT_TIMEOUT_S",
-              help="A client whose connection is silent this long (zmq heartbeats) is "
-                   "dropped and its registrations, mappings and leases reclaimed.")
-@click.option("--max-inflight-per-client", type=click.IntRange(1, 65536), default=64,
-              envvar="LMCACHE_MAX_INFLIGHT_PER_CLIENT",
-              help="Concurrent stores and retrieves per connection; more get 'busy'.")
-@click.option("--ipc-path", default="", envvar="LMCACHE_IPC_PATH",
-              help="Also listen on ipc://PATH; its folder is created mode 0700 (0770 with "
-                   "--ipc-group).")
-@click.option("--ipc-group", default="", envvar="LMCACHE_IPC_GROUP",
-              help="Group (the engine's) allowed to use the ipc socket.")
-@click.option("--curve-secret-key-file", default="", envvar="LMCACHE_CURVE_SECRET_KEY_FILE",
-              help="zmq CURVE server certificate (from 'lmcache keygen'); required to "
-                   "listen on a non-loopback address.")
-@click.option("--curve-clients-dir", default="", envvar="LMCACHE_CURVE_CLIENTS_DIR",
-              help="Folder of client public certificates allowed to connect with CURVE.")
-@click.option("--memory-check/--no-memory-check", default=True,
-              envvar="LMCACHE_MEMORY_CHECK",
-              help="Refuse an --l1-size-gb larger than this machine's memory (less 2 GiB). "
-                   "Turn off only where the reported memory understates what the machine "
-                   "really has (memory that grows on use, as in some VMs).")
-@click.option("--l2", "l2_url", default="", envvar="LMCACHE_L2", metavar="URL",
-              help="L2 tier shared across hosts: redis://HOST:PORT/DB (rediss:// for TLS, "
-                   "valkey:// too) or mooncake://MASTER:PORT. The password comes from "
-                   "LMCACHE_L2_PASSWORD or --l2-password-file, never the URL. See docs/l2.md.")
-@click.option("--l2-password-file", default="", envvar="LMCACHE_L2_PASSWORD_FILE",
-              help="File whose first line is the L2 password.")
-@click.option("--l2-write-queue-objects", type=click.IntRange(1, 1 << 24), default=4096,
-              envvar="LMCACHE_L2_WRITE_QUEUE_OBJECTS",
-              help="Objects waiting to be written to L2; past this, writes are dropped "
-                   "(counted).")
-@click.option("--l2-prefetch-max-chunks", type=click.IntRange(1, 16384), default=256,
-              envvar="LMCACHE_L2_PREFETCH_MAX_CHUNKS",
-              help="Chunks after an L1 hit that one lookup asks L2 for.")
-@click.option("--l2-timeout-s", type=click.FloatRange(0.05, 60), default=2.0,
-              envvar="LMCACHE_L2_TIMEOUT_S", help="L2 connect and call timeout.")
-@click.option("--l2-connections", type=click.IntRange(1, 16), default=1,
-              envvar="LMCACHE_L2_CONNECTIONS",
-              help="Redis connections for reads, and as many for writes; a batch is split "
-                   "across them.")
-@click.option("--disk-dir", default="", envvar="LMCACHE_DISK_DIR", metavar="PATH",
-              help="Disk tier between L1 and L2: a directory on local NVMe or a shared "
-                   "filesystem (PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.")
-@click.option("--disk-size-gb", type=click.FloatRange(0, 1 << 20), default=0.0,
-              envvar="LMCACHE_DISK_SIZE_GB",
-              help="Bytes the disk tier may hold; the least recently used files go first.")
-@click.option("--kv-events-endpoint", default="", envvar="LMCACHE_KV_EVENTS_ENDPOINT",
-              metavar="ENDPOINT",
-              help="Publish L1 stores and removals for KV-aware routers, in vLLM's "
-                   "KV-event format, on this ZeroMQ PUB endpoint; as vLLM does, a "
-                   "wildcard (tcp://*:5557) or ipc:// endpoint is bound, any other "
-                   "connected to (a router's bound SUB). The stream carries prompt tokens: "
-                   "expose it only to the router. See docs/operations.md.")
-@click.option("--kv-events-replay-endpoint", default="",
-              envvar="LMCACHE_KV_EVENTS_REPLAY_ENDPOINT", metavar="ENDPOINT",
-              help="ROUTER endpoint where subscribers ask for missed batches (vLLM's "
-                   "replay protocol).")
-@click.option("--kv-events-topic", default="", envvar="LMCACHE_KV_EVENTS_TOPIC",
-              help="Topic prefix; each model publishes on PREFIX<model>. Default "
-                   "kv@<hostname>@ (llm-d's kv@<pod>@<model>).")
-@click.option("--kv-events-hwm", type=click.IntRange(1, 1 << 24), default=100_000,
-              envvar="LMCACHE_KV_EVENTS_HWM",
-              help="Batches queued per subscriber; past it batches are dropped for "
-                   "everyone (counted, still replayable), never waited for.")
-@click.option("--kv-events-replay-batches", type=click.IntRange(1, 1 << 20),
-              default=10_000, envvar="LMCACHE_KV_EVENTS_REPLAY_BATCHES",
-              help="Batches kept for replay.")
+@declared_options(Config)
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
-    if kwargs["l1_size_gb"] is None:  # resolved here, so the startup log shows it
-        kwargs["l1_size_gb"] = default_l1_size_gb()
     config = Config(**kwargs)
+    if config.l1_size_gb is None:  # resolved here, so the startup log shows it
+        config.l1_size_gb = default_l1_size_gb()
     try:
         config.check()
     except ConfigError as e:
