@@ -23,6 +23,7 @@ import numpy as np
 
 from lmc_server import __version__
 from lmc_server.config import Config
+from lmc_server.protocol.stats import PhaseSum
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -223,3 +224,16 @@ def save_figure(fig: Any, path: str) -> None:
     fig.savefig(path)
     plt.close(fig)
     click.echo(f"wrote {path}")
+
+
+def phase_means(before: dict[str, PhaseSum], after: dict[str, PhaseSum]
+                ) -> dict[str, dict[str, float]]:
+    """op -> phase -> mean ms per request, over the requests between two snapshots."""
+    out: dict[str, dict[str, float]] = {}
+    for key, a in after.items():
+        b = before.get(key, PhaseSum(count=0, seconds=0.0))
+        n = a.count - b.count
+        if n > 0:
+            op, phase = key.split(":", 1)
+            out.setdefault(op, {})[phase] = 1e3 * (a.seconds - b.seconds) / n
+    return out

@@ -93,7 +93,9 @@ def _op_figures(res: dict[str, Any], op: str) -> dict[str, Any]:
             "requests": sum(res[k]["requests"] for k in kinds),
             "failed_chunks": sum(res[k]["failed_chunks"] for k in kinds),
             "mismatched_bytes": res.get("retrieve", {}).get("mismatched_bytes", 0),
-            "short_chunks": res.get("retrieve", {}).get("short_chunks", 0)}
+            "short_chunks": res.get("retrieve", {}).get("short_chunks", 0),
+            # where a request's time went inside the server: op -> phase -> mean ms
+            "server_ms": res.get("server_ms", {})}
 
 
 class _Run:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmc_server.bench.common import GeometryArgs
+from lmc_server.bench.common import GeometryArgs, phase_means
 from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
@@ -113,7 +113,7 @@ class Worker:
         return res, hit.hit_chunks
 
     async def load(self, op: str, n: int, inflight: int, seconds: float) -> dict[str, Any]:
-        assert self.regions is not None
+        assert self.regions is not None and self.client is not None
         if op in ("retrieve", "both"):
             src, res = await self._store(n, A1)
             if not res.ok.all():
@@ -144,6 +144,7 @@ class Worker:
                 short += n - hits
 
         tasks = []
+        phases_before = (await self.client.stats()).phases
         t_start = time.perf_counter()
         for _ in range(inflight):
             if op in ("store", "both"):
@@ -152,7 +153,8 @@ class Worker:
                 tasks.append(retrieves())
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t_start
-        out: dict[str, Any] = {"wall_s": wall}
+        out: dict[str, Any] = {"wall_s": wall, "server_ms": phase_means(
+            phases_before, (await self.client.stats()).phases)}
         st_bytes = self.regions.store_bytes(n)
         rt_bytes = self.regions.retrieve_bytes(n)
         for kind, nbytes in (("store", st_bytes), ("retrieve", rt_bytes)):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lmc_server.bench.common import phase_means
 from lmc_server.bench.kvregions import A1, A2, B, Regions
 from lmc_server.bench.rawcopy import CpuRawCopy
 from lmc_server.client.aio import AsyncClient
@@ -85,19 +86,6 @@ class Session:
         return (await self.client.stats()).phases
 
 
-def _phase_means(before: dict[str, PhaseSum], after: dict[str, PhaseSum]
-                 ) -> dict[str, dict[str, float]]:
-    """op -> phase -> mean ms per request, over the requests between two snapshots."""
-    out: dict[str, dict[str, float]] = {}
-    for key, a in after.items():
-        b = before.get(key, PhaseSum(count=0, seconds=0.0))
-        n = a.count - b.count
-        if n > 0:
-            op, phase = key.split(":", 1)
-            out.setdefault(op, {})[phase] = 1e3 * (a.seconds - b.seconds) / n
-    return out
-
-
 def _enough(times: list[float], cfg: ThroughputConfig) -> bool:
     return len(times) >= cfg.max_iters or (len(times) >= cfg.min_iters
                                            and sum(times) >= cfg.min_time_s)
@@ -151,7 +139,7 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
     after = await s.phases()
     rows.append(_row("store", copy_mode, n, st_bytes, times,
                      raw.gbps("d2h", st_bytes, 0, raw_times), 0, failed,
-                     _phase_means(before, after)))
+                     phase_means(before, after)))
     # retrieve: alternate sources so every request changes region B, verify each
     times, raw_times, failed, bad = [], [], 0, 0
     before = after
@@ -167,7 +155,7 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
     after = await s.phases()
     rows.append(_row("retrieve", copy_mode, n, rt_bytes, times,
                      raw.gbps("h2d", rt_bytes, 0, raw_times), bad, failed,
-                     _phase_means(before, after)))
+                     phase_means(before, after)))
     if cfg.concurrent:
         times, raw_times, failed, bad = [], [], 0, 0
         before = await s.phases()
@@ -182,7 +170,7 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
                 bad += regions.mismatched_bytes(s.kv, src, B, n)
         rows.append(_row("store+retrieve", copy_mode, n, st_bytes + rt_bytes, times,
                          raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
-                         _phase_means(before, await s.phases())))
+                         phase_means(before, await s.phases())))
     for k in cfg.inflight:  # last: their stores evict what the rows above read
         rows += await _measure_inflight(s, n, k, cfg, copy_mode, raw)
     return rows
@@ -245,7 +233,7 @@ async def _measure_inflight(s: Session, n: int, k: int, cfg: ThroughputConfig,
             bad = regions.mismatched_bytes(s.kv, A1, B, n)
         rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes, latencies,
                          raw.gbps(direction, nbytes, 0, raw_times), bad, failed,
-                         _phase_means(before, after), seconds_per_request=wall / issued))
+                         phase_means(before, after), seconds_per_request=wall / issued))
     if cfg.concurrent:  # k stores and k retrieves in flight at once, both directions
         source, res0 = await s.store(n, A1)
         assert res0.ok.all(), "the source batch of the retrieves was not stored"
@@ -260,7 +248,7 @@ async def _measure_inflight(s: Session, n: int, k: int, cfg: ThroughputConfig,
         bad = regions.mismatched_bytes(s.kv, A1, B, n) if all(r.ok.all() for r in res_r) else 0
         row = _row(f"store+retrieve x{k}", copy_mode, n, nbytes, lat_s + lat_r,
                    raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
-                   _phase_means(before, after), seconds_per_request=max(wall_s, wall_r))
+                   phase_means(before, after), seconds_per_request=max(wall_s, wall_r))
         row["bytes"] = st_bytes + rt_bytes  # one store and one retrieve, like the x1 row
         rows.append(row)
     return rows
