@@ -21,8 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from lmc_server.cache.index import L1Index
-from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
@@ -63,7 +62,7 @@ class L2Tier:
         self.state_since_s = clock()
         self._spaces: dict[tuple[str, bytes], bytes] = {}
         self._executor = ThreadPoolExecutor(L2_THREADS, thread_name_prefix="lmc-l2")
-        self.writer = WriteBehind(backend, self.stats, view, self._executor,
+        self.writer = WriteBehind(index, backend, self.stats, view, self._executor,
                                   write_queue_objects, self.space, self.is_up, self.failed,
                                   self.listeners.stored)
         self.prefetcher = Prefetcher(index, backend, self.stats, view, self._executor,

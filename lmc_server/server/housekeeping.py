@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.server.sessions import Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Housekeeper:
         d_ev, d_bytes, d_fail = (a - b for a, b in zip(mark, self._eviction_mark, strict=True))
         self._eviction_mark = mark
         if d_ev or d_fail:
-            used = sum(p.used_bytes for p in self.index.partitions.values())
+            used = self.index.used_bytes
             log.info("last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
                      "L1 %.1f of %.1f GiB used, %d free slabs", EVICTION_LOG_INTERVAL_S,
                      d_ev, d_bytes / (1 << 20), d_fail, used / (1 << 30),

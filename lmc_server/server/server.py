@@ -47,7 +47,7 @@ import zmq
 
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config
 from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from lmc_server.cache.pool import COMMITTED
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 
@@ -37,7 +37,8 @@ SETTLE_TIMEOUT_S = 10.0
 class CommitWatch:
     """Wakes waiting stores whenever any store commits or aborts (event-loop thread only)."""
 
-    def __init__(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    def __init__(self, index: L1Index, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        self.index = index
         self.timeout_s = timeout_s
         self._changed: asyncio.Future[None] | None = None
         self._closed = False
@@ -61,16 +62,7 @@ class CommitWatch:
             return
         deadline = time.monotonic() + self.timeout_s
         while True:
-            waiting = 0
-            for part, st in zip(view.partitions, statuses, strict=True):
-                for i in np.flatnonzero(st == ChunkStatus.IN_PROGRESS).tolist():
-                    slot = part.keys.get(keys[i])
-                    if slot is None:
-                        st[i] = ChunkStatus.FAILED
-                    elif part.state[slot] == COMMITTED:
-                        st[i] = ChunkStatus.EXISTS
-                    else:
-                        waiting += 1
+            waiting = self.index.settle_in_progress(view, keys, statuses)
             left = deadline - time.monotonic()
             if not waiting or left <= 0 or self._closed:
                 return
