@@ -78,7 +78,7 @@ class Handlers:
         #: (its registration closes) and its object is aborted, not committed.
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
-        self.commits = CommitWatch(index)
+        self.commits = CommitWatch(index, clock)
         #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
         #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
         self.l2: TierChain | None = None
