@@ -62,7 +62,7 @@ class L1Index:
         self.policy_name = policy
         self._partitions: dict[bytes, Partition] = {}
         self._namespaces: dict[str, int] = {}
-        self.leases = LeaseTable()
+        self._leases = LeaseTable()
         self.stats = CacheStats()
         self.tick = 0
         self._allocator = SlotAllocator(pool, self._partitions, self.stats)
@@ -108,7 +108,7 @@ class L1Index:
         if not take_lease:
             return k, None
         self.stats.leases_taken += 1
-        return k, self.leases.take(owner, now_s + lease_ttl_s, k, pins)
+        return k, self._leases.take(owner, now_s + lease_ttl_s, k, pins)
 
     def probe(self, view: CacheView, keys: list[bytes], ends: list[int]) -> list[int]:
         """Longest hit prefix (in chunks) of each prompt ``keys[ends[i-1]:ends[i]]``, for
@@ -193,18 +193,18 @@ class L1Index:
     # -- leases and housekeeping -----------------------------------------------------------
 
     def release(self, lease_id: int) -> bool:
-        released = self.leases.release(lease_id) is not None
+        released = self._leases.release(lease_id) is not None
         self.stats.leases_released += released
         return released
 
     def expire_leases(self, now_s: float) -> int:
-        n = len(self.leases.expire(now_s))
+        n = len(self._leases.expire(now_s))
         self.stats.leases_expired += n
         return n
 
     def drop_owner(self, owner: int) -> int:
         """Release the leases of a session that went away."""
-        n = self.leases.release_owner(owner)
+        n = self._leases.release_owner(owner)
         self.stats.leases_released += n
         return n
 
@@ -228,6 +228,11 @@ class L1Index:
     def usage(self) -> list[PartitionUsage]:
         """Capacity and use of every partition (safe to call from another thread)."""
         return [usage_of(p) for p in list(self._partitions.values())]
+
+    @property
+    def lease_count(self) -> int:
+        """Leases alive (taken, not yet released or expired)."""
+        return len(self._leases)
 
     @property
     def used_bytes(self) -> int:

@@ -273,4 +273,4 @@ class ServerCollector(Collector):
                                 "Active worker registrations (mapped KV buffers).",
                                 value=self.sessions.registrations)
         yield GaugeMetricFamily(PREFIX + "leases", "Active leases (chunks pinned for a "
-                                "retrieve that follows a lookup).", value=len(self.index.leases))
+                                "retrieve that follows a lookup).", value=self.index.lease_count)

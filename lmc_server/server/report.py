@@ -74,7 +74,7 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         partitions=parts,
         sessions=len(sessions),
         registrations=sessions.registrations,
-        leases=len(index.leases),
+        leases=index.lease_count,
         counters=Counters(
             **copy_counters(index.stats, CacheStats),
             requests={f"{op}:{outcome}": n
