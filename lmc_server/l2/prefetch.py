@@ -261,12 +261,13 @@ class Prefetcher:
         """
         ogs = view.layout.object_groups
         loop = asyncio.get_running_loop()
-        jobs = [(offset, value) for f in reserved
-                for offset, value in zip(f.objects.offsets().tolist(), f.values, strict=True)]
         ok: list[bool] = []
         committed, bad_at = 0, 1 << 62
         filled: list[Reservation] = []
         try:
+            jobs = [(offset, value) for f in reserved
+                    for offset, value in zip(f.objects.offsets().tolist(), f.values,
+                                             strict=True)]
             ok = list(await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._fill, int(offset), value)
                 for offset, value in jobs)))
