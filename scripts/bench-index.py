@@ -47,7 +47,10 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
     """An index of ``package`` holding one hot 64-chunk prefix, and one callable per case."""
     index_mod = importlib.import_module(f"{package}.cache.index")
     layout_mod = importlib.import_module(f"{package}.cache.layout")
-    pool_mod = importlib.import_module(f"{package}.cache.pool")
+    try:  # SlabPool's module since 2026-12-01 (before: cache.pool, with the partitions)
+        pool_mod = importlib.import_module(f"{package}.cache.slabs")
+    except ModuleNotFoundError:
+        pool_mod = importlib.import_module(f"{package}.cache.pool")
     presets = importlib.import_module(f"{package}.testing.presets")
     geo = presets.dsv41_flash()
     layout = layout_mod.build_layout(geo.groups, 256, separate)

@@ -13,7 +13,8 @@ import random
 from lmc_server.cache.allocator import DONOR_AGE_RATIO, SlotAllocator
 from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.eviction import make_policy
-from lmc_server.cache.pool import COMMITTED, WRITING, Partition, SlabPool
+from lmc_server.cache.pool import COMMITTED, WRITING, Partition
+from lmc_server.cache.slabs import SlabPool
 
 SLAB = 1024
 

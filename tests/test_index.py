@@ -13,7 +13,7 @@ import pytest
 import lmc_server
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.testing.digests import chained_digests as digests

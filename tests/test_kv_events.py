@@ -29,7 +29,8 @@ import zmq
 from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import COMMITTED, Partition, SlabPool
+from lmc_server.cache.pool import COMMITTED
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.config import Config, ConfigError
 from lmc_server.protocol import kv_events
@@ -150,15 +151,14 @@ class Recorder:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, bytes]] = []
+        self.part: Any = None  # to check that the index calls inside its operation
 
-    def visible(self, part: Partition, slot: int) -> None:
-        key = part.slot_key[slot]
-        assert key is not None and part.state[slot] == COMMITTED
+    def visible(self, key: bytes) -> None:
+        assert self.part.state[self.part.keys[key]] == COMMITTED
         self.log.append(("visible", key))
 
-    def gone(self, part: Partition, slot: int) -> None:
-        key = part.slot_key[slot]
-        assert key is not None and part.keys[key] == slot  # still holds its key
+    def gone(self, key: bytes) -> None:
+        assert key in self.part.keys  # the slot still holds its key
         self.log.append(("gone", key))
 
     def live(self) -> set[bytes]:
@@ -180,7 +180,8 @@ def test_the_index_tells_a_watcher_of_every_commit_and_every_removal() -> None:
     view = idx.view("ns", build_layout(simple_model(layers=4).groups, CHUNK, True))
     rec = Recorder()
     (part,) = view.partitions
-    part.watcher = rec
+    rec.part = part
+    view.watch(0, rec)
 
     def committed() -> set[bytes]:
         return {k for k, s in part.keys.items() if part.state[s] == COMMITTED}

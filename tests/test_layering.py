@@ -9,8 +9,10 @@ cannot be fixed yet is listed, per file and target, in :data:`KNOWN_EXCEPTIONS` 
 the reason, so a new upward edge fails even in a file that already has one.
 
 Also checked: the third-party imports that define a layer's promise (the cache core is
-numpy and msgspec only, the protocol is sans-IO, CuPy only in the transfer engines), and
-that ``lmcache server`` loads neither the benchmarks nor the test helpers nor the client.
+numpy and msgspec only, the protocol is sans-IO, CuPy only in the transfer engines),
+that ``lmcache server`` loads neither the benchmarks nor the test helpers nor the client,
+and that the cache core has one door: its partitions and the modules that change slot
+states are imported inside ``lmc_server/cache/`` only (:data:`CACHE_PRIVATE`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ ALLOWED: dict[str, set[str]] = {
 #: names what must happen to remove it; the test fails if an entry is no longer needed.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
 }
+
+#: Modules of the cache core that hold the partitions or change slot states. Only the
+#: core imports them; the server, the tiers below L1, the metrics and the tests go
+#: through ``L1Index`` (``cache/index.py``, which re-exports the types it hands out),
+#: so every slot transition keeps the core's invariants and eviction order.
+CACHE_PRIVATE = {"pool", "allocator", "reservation", "store", "retrieve", "leases"}
+#: Unit tests of those modules on their own (the core's rules below the index).
+CACHE_WHITE_BOX_TESTS = {"test_allocator.py", "test_retention.py", "test_policies.py",
+                         "test_kv_events.py"}
+TESTS = PACKAGE.parent / "tests"
 
 #: layer -> third-party or stdlib top-level modules it must not import.
 THIRD_PARTY_FORBIDDEN: dict[str, set[str]] = {
@@ -206,6 +218,33 @@ def test_third_party_imports_keep_each_layer_promise() -> None:
             if target.split(".")[0] in forbidden:
                 bad.append(f"{mod}:{line} imports {target}")
     assert not bad, "\n".join(bad)
+
+
+def _cache_private(target: str) -> bool:
+    parts = target.split(".")
+    return parts[:2] == ["lmc_server", "cache"] and len(parts) > 2 \
+        and parts[2] in CACHE_PRIVATE
+
+
+def test_the_cache_core_has_one_door() -> None:
+    """Nothing outside ``lmc_server/cache/`` imports the partitions or what changes
+    slot states: not the package's other layers, not the tests (but the core's own
+    unit tests), not the scripts."""
+    bad = []
+    for path in package_files():
+        if layer_of(module_name(path)) == "cache":
+            continue
+        bad += [f"{module_name(path)}:{line} -> {target}"
+                for line, target in imports(path) if _cache_private(target)]
+    outside = [p for p in sorted(TESTS.rglob("*.py"))
+               if p.name not in CACHE_WHITE_BOX_TESTS]
+    outside += sorted((PACKAGE.parent / "scripts").glob("*.py"))
+    assert len(outside) > 40, outside
+    for path in outside:
+        bad += [f"{path.relative_to(PACKAGE.parent)}:{line} -> {target}"
+                for line, target in imports(path) if _cache_private(target)]
+    assert not bad, "cache internals imported outside the core (use L1Index):\n" + \
+        "\n".join(bad)
 
 
 def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from lmc_server.cache.eviction import POLICIES
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import COMMITTED, WRITING, SlabPool
+from lmc_server.cache.pool import COMMITTED, WRITING
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.cli.main import cli

@@ -16,7 +16,7 @@ import pytest
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.view import hit_chunks, prompt_hits
 from lmc_server.client import Client, Registration, ServerError, chunk_digests
 from lmc_server.testing import ShmKV, simple_model

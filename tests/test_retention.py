@@ -20,13 +20,14 @@ import pytest
 from lmc_server.cache.geometry import GroupSpec, check_groups
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import COMMITTED, SlabPool
+from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.retention import (
     FullRetention,
     WindowRetention,
     object_retentions,
     retention_kind,
 )
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.testing.digests import chained_digests as digests

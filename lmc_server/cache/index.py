@@ -12,7 +12,17 @@ job to its module:
 * store reservation (``reserve_store`` then ``commit_store`` or ``abort_store``):
   :mod:`lmc_server.cache.store`, so a half-written object is never visible;
 * retrieve pinning (``pin_retrieve`` then ``unpin_retrieve``):
-  :mod:`lmc_server.cache.retrieve`, so an object being read is never evicted.
+  :mod:`lmc_server.cache.retrieve`, so an object being read is never evicted;
+* the tiers below L1: a prefetch's slots (``reserve_fill`` then ``finish_fill``) are
+  the same :class:`~lmc_server.cache.reservation.Reservation` a store holds, committed
+  from the last chunk to the first the same way; the write-behind pins each object for
+  its read (``pin_object`` / ``unpin_object``);
+* a store's wait for another writer: ``settle_in_progress``;
+* what each partition holds, for the report and the gauges: ``usage``.
+
+This is the only door into L1's slot states: nothing outside ``lmc_server/cache/``
+imports the partitions (:mod:`lmc_server.cache.pool`) or the modules that change them
+(``tests/test_layering.py``).
 
 It never copies bytes. A lookup reports the longest hit prefix and may take a lease that
 pins exactly the objects a retrieve of that prefix reads.
@@ -20,21 +30,27 @@ pins exactly the objects a retrieve of that prefix reads.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+
 import numpy as np
 
-from lmc_server.cache import retrieve, store
+from lmc_server.cache import reservation, retrieve, store
 from lmc_server.cache.allocator import SlotAllocator
 from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.eviction import make_policy
 from lmc_server.cache.keys import chunk_keys, namespace_prefix
 from lmc_server.cache.layout import ObjectGroupLayout, RegistrationLayout
 from lmc_server.cache.leases import Lease, LeaseTable
-from lmc_server.cache.pool import Partition, SlabPool
+from lmc_server.cache.pool import Partition
+from lmc_server.cache.reservation import Reservation
 from lmc_server.cache.retrieve import RetrieveTicket
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.usage import PartitionUsage, usage_of
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
 
-__all__ = ["L1Index"]
+__all__ = ["L1Index", "Lease", "PartitionUsage", "Reservation", "RetrieveTicket",
+           "StoreTicket"]
 
 
 class L1Index:
@@ -44,12 +60,12 @@ class L1Index:
         make_policy(policy)  # validate the name early
         self.pool = pool
         self.policy_name = policy
-        self.partitions: dict[bytes, Partition] = {}
+        self._partitions: dict[bytes, Partition] = {}
         self._namespaces: dict[str, int] = {}
-        self.leases = LeaseTable()
+        self._leases = LeaseTable()
         self.stats = CacheStats()
         self.tick = 0
-        self._allocator = SlotAllocator(pool, self.partitions, self.stats)
+        self._allocator = SlotAllocator(pool, self._partitions, self.stats)
 
     # -- registration -----------------------------------------------------------------
 
@@ -60,11 +76,11 @@ class L1Index:
         return CacheView(ns_prefix=namespace_prefix(ns_id), layout=layout, partitions=parts)
 
     def _partition(self, og: ObjectGroupLayout) -> Partition:
-        part = self.partitions.get(og.fingerprint)
+        part = self._partitions.get(og.fingerprint)
         if part is None:
-            part = Partition(len(self.partitions), og.fingerprint, og.name, og.object_bytes,
+            part = Partition(len(self._partitions), og.fingerprint, og.name, og.object_bytes,
                              self.pool, make_policy(self.policy_name))
-            self.partitions[og.fingerprint] = part
+            self._partitions[og.fingerprint] = part
         return part
 
     def keys(self, view: CacheView, digests: bytes, salt: bytes = b"") -> list[bytes]:
@@ -92,7 +108,7 @@ class L1Index:
         if not take_lease:
             return k, None
         self.stats.leases_taken += 1
-        return k, self.leases.take(owner, now_s + lease_ttl_s, k, pins)
+        return k, self._leases.take(owner, now_s + lease_ttl_s, k, pins)
 
     def probe(self, view: CacheView, keys: list[bytes], ends: list[int]) -> list[int]:
         """Longest hit prefix (in chunks) of each prompt ``keys[ends[i-1]:ends[i]]``, for
@@ -106,14 +122,36 @@ class L1Index:
         stats.probe_hit_tokens += sum(hits) * chunk_size
         return hits
 
-    # -- allocation ---------------------------------------------------------------------
+    # -- the tiers below L1 ----------------------------------------------------------------
 
-    def alloc_slots(self, part: Partition, m: int) -> list[int]:
-        """Up to ``m`` free slots of ``part`` for a caller that fills them itself (the
-        L2 prefetch), by :meth:`~lmc_server.cache.allocator.SlotAllocator.alloc`. The
-        caller reserves, commits or aborts each slot through the partition, so a
-        half-written object is never visible."""
-        return self._allocator.alloc(part, m, self.tick)
+    def missing(self, view: CacheView, og_index: int, keys: list[bytes],
+                chunks: Iterable[int]) -> list[int]:
+        """The chunks (indices into ``keys``) whose object of object group ``og_index``
+        L1 holds neither committed nor being written."""
+        held = view.partitions[og_index].keys
+        return [i for i in chunks if keys[i] not in held]
+
+    def reserve_fill(self, view: CacheView, keys: list[bytes],
+                     wanted: Mapping[int, tuple[Iterable[int], Iterable[int]]]
+                     ) -> tuple[list[Reservation], dict[int, list[int]]]:
+        """WRITING slots for objects the caller copies in itself (an L2 prefetch), one
+        step of the index clock (:func:`~lmc_server.cache.reservation.reserve_fill`).
+        The caller ends each reservation with :meth:`finish_fill`."""
+        self.tick += 1
+        return reservation.reserve_fill(view, keys, wanted, self._allocator, self.tick)
+
+    def finish_fill(self, r: Reservation, ok: Sequence[bool]) -> Reservation:
+        """Commit the filled objects whose copy was verified (``ok[j]``), abort the
+        rest, last chunk first; returns the committed ones."""
+        return reservation.finish(r, ok)
+
+    def pin_object(self, r: Reservation, j: int) -> tuple[int, int] | None:
+        """Pin committed object ``j`` of ``r`` for a read (the L2 write-behind): its
+        (pool offset, section mask), or None when it was evicted since."""
+        return reservation.pin_object(r, j)
+
+    def unpin_object(self, r: Reservation, j: int) -> None:
+        reservation.unpin_object(r, j)
 
     # -- store and retrieve -------------------------------------------------------------
 
@@ -133,6 +171,13 @@ class L1Index:
         """The copy failed or its writer is gone: free every reserved slot."""
         store.abort_store(ticket, self.stats)
 
+    def settle_in_progress(self, view: CacheView, keys: list[bytes],
+                           statuses: list[np.ndarray]) -> int:
+        """Settle a store's ``IN_PROGRESS`` chunks whose other writer finished (in
+        place); how many are still being written
+        (:func:`~lmc_server.cache.store.settle_in_progress`)."""
+        return store.settle_in_progress(view, keys, statuses)
+
     def pin_retrieve(self, view: CacheView, keys: list[bytes],
                      group_ids: dict[int, np.ndarray],
                      prefix_ends: list[int] | None = None) -> RetrieveTicket:
@@ -148,25 +193,25 @@ class L1Index:
     # -- leases and housekeeping -----------------------------------------------------------
 
     def release(self, lease_id: int) -> bool:
-        released = self.leases.release(lease_id) is not None
+        released = self._leases.release(lease_id) is not None
         self.stats.leases_released += released
         return released
 
     def expire_leases(self, now_s: float) -> int:
-        n = len(self.leases.expire(now_s))
+        n = len(self._leases.expire(now_s))
         self.stats.leases_expired += n
         return n
 
     def drop_owner(self, owner: int) -> int:
         """Release the leases of a session that went away."""
-        n = self.leases.release_owner(owner)
+        n = self._leases.release_owner(owner)
         self.stats.leases_released += n
         return n
 
     def clear(self) -> int:
         """Evict every committed, unpinned object; give fully free slabs back."""
         n = 0
-        for part in self.partitions.values():
+        for part in self._partitions.values():
             while (v := part.policy.peek()) is not None:
                 part.evict(v)
                 n += 1
@@ -178,7 +223,23 @@ class L1Index:
                     part.release_segment(seg)
         return n
 
+    # -- reporting ---------------------------------------------------------------------
+
+    def usage(self) -> list[PartitionUsage]:
+        """Capacity and use of every partition (safe to call from another thread)."""
+        return [usage_of(p) for p in list(self._partitions.values())]
+
+    @property
+    def lease_count(self) -> int:
+        """Leases alive (taken, not yet released or expired)."""
+        return len(self._leases)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of committed and being-written objects in L1."""
+        return sum(p.used_bytes for p in list(self._partitions.values()))
+
     def check(self) -> None:
         """Every partition's invariants, and pins == lease pins + in-flight reads."""
-        for part in self.partitions.values():
+        for part in self._partitions.values():
             part.check()

@@ -1,11 +1,12 @@
-"""The slab pool and its partitions: fixed-size object slots with O(1) allocation.
+"""Partitions: fixed-size object slots with O(1) allocation. Private to the cache core.
 
-The L1 pool (one large host allocation owned by the transfer engine) is carved into
-``slab_bytes`` slabs. A slab is ``PENDING`` until the engine has made it usable (pinned
-or populated, in the background), then ``FREE``, then owned by exactly one
-:class:`Partition`. A partition serves one object layout (one fingerprint) and carves
-each of its slabs into ``slab_bytes // object_bytes`` equal slots, so there is no
-fragmentation and allocation is a pop from a free list.
+A :class:`Partition` owns whole slabs of the :class:`~lmc_server.cache.slabs.SlabPool`,
+serves one object layout (one fingerprint) and carves each of its slabs into
+``slab_bytes // object_bytes`` equal slots, so there is no fragmentation and allocation
+is a pop from a free list. Nothing outside ``lmc_server/cache/`` imports this module
+(``tests/test_layering.py``): the server and the tiers below L1 change slot states only
+through :class:`~lmc_server.cache.index.L1Index`, so every transition keeps the
+invariants below and the eviction order the index promises.
 
 Slot states (``Partition.state``)::
 
@@ -22,79 +23,14 @@ maps to a ``WRITING`` or ``COMMITTED`` slot whose ``slot_key`` is that key.
 from __future__ import annotations
 
 from array import array
-from typing import Protocol
 
 import numpy as np
 
 from lmc_server.cache.eviction import EvictionPolicy
+from lmc_server.cache.slabs import SlabPool
+from lmc_server.cache.watch import SlotWatcher
 
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
-PENDING_SLAB = -2
-FREE_SLAB = -1
-
-
-class SlabPool:
-    """Which slabs are ready and which partition owns each; no bytes are touched here.
-
-    ``owner[s]`` is ``PENDING_SLAB`` until :meth:`mark_ready`, then ``FREE_SLAB`` or
-    the id of the owning partition.
-    """
-
-    def __init__(self, size_bytes: int, slab_bytes: int) -> None:
-        if slab_bytes <= 0 or size_bytes < slab_bytes:
-            raise ValueError(
-                f"pool of {size_bytes} bytes cannot hold one slab of {slab_bytes} bytes"
-            )
-        self.slab_bytes = slab_bytes
-        self.n_slabs = size_bytes // slab_bytes
-        self.owner = array("i", [PENDING_SLAB] * self.n_slabs)
-        self._free: list[int] = []
-        self.ready_slabs = 0
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.n_slabs * self.slab_bytes
-
-    @property
-    def ready_bytes(self) -> int:
-        return self.ready_slabs * self.slab_bytes
-
-    @property
-    def free_slabs(self) -> int:
-        return len(self._free)
-
-    def mark_ready(self, slab: int) -> None:
-        """The engine finished preparing ``slab``; it may now be handed out."""
-        assert self.owner[slab] == PENDING_SLAB, f"slab {slab} marked ready twice"
-        self.owner[slab] = FREE_SLAB
-        self.ready_slabs += 1
-        self._free.append(slab)
-
-    def take(self, partition_id: int) -> int | None:
-        """A ready free slab for ``partition_id``, or ``None`` when there is none."""
-        if not self._free:
-            return None
-        slab = self._free.pop()
-        self.owner[slab] = partition_id
-        return slab
-
-    def give_back(self, slab: int) -> None:
-        assert self.owner[slab] >= 0, f"slab {slab} is not owned"
-        self.owner[slab] = FREE_SLAB
-        self._free.append(slab)
-
-
-class SlotWatcher(Protocol):
-    """Told when an object of a watched partition becomes visible and when it goes.
-
-    Called on the thread that drives the index (the event loop), inside the index
-    operation: it must not call back into the index. ``gone`` runs while the slot
-    still holds its key (``part.slot_key[slot]``).
-    """
-
-    def visible(self, part: Partition, slot: int) -> None: ...
-
-    def gone(self, part: Partition, slot: int) -> None: ...
 
 
 class Partition:
@@ -217,7 +153,9 @@ class Partition:
         if self.pins[slot] == 0:
             self.policy.admit(slot)
         if self.watcher is not None:
-            self.watcher.visible(self, slot)
+            key = self.slot_key[slot]
+            assert key is not None
+            self.watcher.visible(key)
 
     def abort(self, slot: int) -> None:
         """The copy into ``slot`` failed or its writer died: forget it entirely."""
@@ -230,7 +168,9 @@ class Partition:
         """Drop a committed, unpinned object (its slot becomes free)."""
         assert self.state[slot] == COMMITTED and self.pins[slot] == 0
         if self.watcher is not None:
-            self.watcher.gone(self, slot)
+            key = self.slot_key[slot]
+            assert key is not None
+            self.watcher.gone(key)
         self.policy.forget(slot)
         self.n_committed -= 1
         self._release(slot)

@@ -19,20 +19,10 @@ import numpy as np
 from lmc_server.cache.allocator import SlotAllocator
 from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.layout import RunCopy, plan_objects, section_block_ids
-from lmc_server.cache.pool import COMMITTED, Partition
+from lmc_server.cache.pool import COMMITTED
+from lmc_server.cache.reservation import Reservation, finish
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Slots reserved in one object group's partition: chunk index, slot, section mask."""
-
-    og_index: int
-    part: Partition
-    chunks: array
-    slots: array
-    masks: array
 
 
 @dataclass(slots=True, eq=False)
@@ -105,7 +95,8 @@ def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nd
         statuses.append(st)
         if not chunks:
             continue
-        reserved.append(Reservation(og.index, part, chunks, slots, masks))
+        reserved.append(Reservation(og.index, part, chunks, slots, masks,
+                                    [keys[i] for i in fresh]))
         offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
         nbytes += plan_objects(og, offsets, np.frombuffer(chunks, dtype=np.int32), avail,
                                group_ids, copies)
@@ -117,8 +108,7 @@ def commit_store(ticket: StoreTicket, stats: CacheStats) -> None:
     assert not ticket.done, "store ticket finished twice"
     ticket.done = True
     for r in ticket.reserved:
-        for i in range(len(r.slots) - 1, -1, -1):  # chunk 0 ends most recent
-            r.part.commit(r.slots[i], r.masks[i])
+        finish(r)
         stats.stored_objects += len(r.slots)
         stats.stored_bytes += len(r.slots) * r.part.object_bytes
 
@@ -128,8 +118,25 @@ def abort_store(ticket: StoreTicket, stats: CacheStats) -> None:
     assert not ticket.done, "store ticket finished twice"
     ticket.done = True
     for r in ticket.reserved:
-        st = ticket.statuses[r.og_index]
-        for i, s in zip(r.chunks, r.slots, strict=True):
-            r.part.abort(s)
-            st[i] = ChunkStatus.FAILED
+        finish(r, [False] * len(r))
+        ticket.statuses[r.og_index][np.frombuffer(r.chunks, dtype=np.int32)] = \
+            ChunkStatus.FAILED
         stats.bump(stats.alloc_failures, "aborted", len(r.slots))
+
+
+def settle_in_progress(view: CacheView, keys: list[bytes],
+                       statuses: list[np.ndarray]) -> int:
+    """A store's ``IN_PROGRESS`` chunks whose other writer finished, settled in place:
+    ``EXISTS`` once committed, ``FAILED`` once gone (the copy failed or its writer went
+    away). Returns how many are still being written."""
+    waiting = 0
+    for part, st in zip(view.partitions, statuses, strict=True):
+        for i in np.flatnonzero(st == ChunkStatus.IN_PROGRESS).tolist():
+            slot = part.keys.get(keys[i])
+            if slot is None:
+                st[i] = ChunkStatus.FAILED
+            elif part.state[slot] == COMMITTED:
+                st[i] = ChunkStatus.EXISTS
+            else:
+                waiting += 1
+    return waiting

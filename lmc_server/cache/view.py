@@ -20,6 +20,7 @@ import numpy as np
 from lmc_server.cache.layout import RegistrationLayout
 from lmc_server.cache.pool import Partition
 from lmc_server.cache.retention import FullRetention, Retention
+from lmc_server.cache.watch import SlotWatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,11 @@ class CacheView:
     ns_prefix: bytes
     layout: RegistrationLayout
     partitions: tuple[Partition, ...]
+
+    def watch(self, og_index: int, watcher: SlotWatcher) -> None:
+        """Tell ``watcher`` of every object of object group ``og_index`` (of every
+        namespace sharing its partition) that becomes visible or goes."""
+        self.partitions[og_index].watcher = watcher
 
 
 def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:

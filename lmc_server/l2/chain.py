@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmc_server.cache.pool import Partition
-from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.index import Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2.tier import L2Tier
 
@@ -39,10 +38,10 @@ class TierChain:
                 tier.prefetcher.on_filled = self._promoter(tiers[:i])
 
     @staticmethod
-    def _promoter(above: list[L2Tier]) -> Callable[[str, Partition, list[int]], None]:
-        def promote(namespace: str, part: Partition, slots: list[int]) -> None:
+    def _promoter(above: list[L2Tier]) -> Callable[[str, Reservation], None]:
+        def promote(namespace: str, objects: Reservation) -> None:
             for tier in above:
-                tier.writer.enqueue_slots(namespace, part, slots)
+                tier.writer.enqueue_objects(namespace, objects)
         return promote
 
     def tier(self, kind: str) -> L2Tier | None:

@@ -8,10 +8,13 @@ retrieved like any other).
 
 A prefetch: one batched read of every object (each object group, each chunk) not
 already in L1; the header of each value is checked on the loop (cheap) and the objects
-of the contiguous run of chunks L2 can complete are reserved in L1 (WRITING: invisible,
-like a store); the checksum and the copy into the slot run on the tier's threads;
-then each object is committed, or aborted if its checksum failed. A half-written
-object is never visible and a value that fails any check is never served.
+of the contiguous run of chunks L2 can complete are reserved in L1 through the index
+(WRITING: invisible, the same reservation a store holds); the checksum and the copy
+into the slot run on the tier's threads; then the index commits each object, or aborts
+it if its checksum failed, from the last chunk to the first as a store's commit does,
+so chunk 0 is evicted last. A half-written object is never visible and a value that
+fails any check is never served. (A prefetch larger than one read batch commits batch
+by batch, in chunk order, so the batches stay visible as they land.)
 
 Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
 (even after part of it landed and the hit grew) starts nothing and reports what is
@@ -34,9 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import Partition
-from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.index import L1Index, Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error, Value
@@ -55,17 +56,13 @@ READ_BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class _Reserved:
-    """A fetched object and the WRITING slot reserved for it."""
+class _Filling:
+    """WRITING slots of one object group and, per object, the fetched value and its
+    L2 key."""
 
-    og_index: int
-    chunk: int
-    part: Partition
-    slot: int
-    mask: int
-    offset: int
-    value: Value
-    l2key: bytes
+    objects: Reservation
+    values: list[Value]
+    l2keys: list[bytes]
 
 
 class Prefetcher:
@@ -86,7 +83,7 @@ class Prefetcher:
         self.is_up = is_up
         self.on_error = on_error
         self.clock = clock
-        #: (chunk key, partitions) of every chunk an in-flight prefetch covers ->
+        #: (chunk key, layout fingerprints) of every chunk an in-flight prefetch covers ->
         #: (that prefetch's id, chunks it covers from there to its end).
         self._inflight: dict[Any, tuple[int, int]] = {}
         self._next_id = 0
@@ -99,11 +96,12 @@ class Prefetcher:
         self.fallthrough: Callable[[CacheView, str, list[bytes], int], int] | None = None
         #: Called with the objects a prefetch committed (the chain promotes them into
         #: the tiers above this one).
-        self.on_filled: Callable[[str, Partition, list[int]], None] | None = None
+        self.on_filled: Callable[[str, Reservation], None] | None = None
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
-        tag = (keys[hit], view.partitions)
+        fps = _fingerprints(view)
+        tag = (keys[hit], fps)
         covered = self._inflight.get(tag)
         if covered is not None:
             return covered[1]
@@ -121,7 +119,7 @@ class Prefetcher:
         self._next_id += 1
         pid = self._next_id
         for i, key in enumerate(want):
-            self._inflight[(key, view.partitions)] = (pid, len(want) - i)
+            self._inflight[(key, fps)] = (pid, len(want) - i)
         self.stats.prefetches += 1
         task = asyncio.get_running_loop().create_task(
             self._run(view, namespace, want, pid), name="l2-prefetch")
@@ -149,10 +147,8 @@ class Prefetcher:
         if not self._missing:
             return
         for r in ticket.reserved:
-            for slot in r.slots:
-                key = r.part.slot_key[slot]
-                if key is not None:
-                    self._missing.pop(key, None)
+            for key in r.keys:
+                self._missing.pop(key, None)
 
     async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
                    pid: int) -> None:
@@ -171,8 +167,9 @@ class Prefetcher:
             log.exception("L2 prefetch failed")
             self.stats.bump(self.stats.errors, "read")
         finally:
+            fps = _fingerprints(view)
             for key in keys:
-                tag = (key, view.partitions)
+                tag = (key, fps)
                 covered = self._inflight.get(tag)
                 if covered is not None and covered[0] == pid:
                     del self._inflight[tag]
@@ -185,11 +182,11 @@ class Prefetcher:
         how many objects were committed; ``bad`` gets the keys of values refused."""
         n = len(keys)
         ogs = view.layout.object_groups
-        spaces = [self.space(namespace, part.fingerprint) for part in view.partitions]
+        spaces = [self.space(namespace, og.fingerprint) for og in ogs]
         chunk_bytes = max(1, sum(og.object_bytes for og in ogs))
         per_batch = max(1, READ_BATCH_BYTES // chunk_bytes)
         end, committed = n, 0
-        filling: asyncio.Task[tuple[int, int]] | None = None
+        filling: asyncio.Task[tuple[int, int]] | None = None  # (the copies of a batch)
         try:
             for first in range(0, n, per_batch):
                 if first >= end:
@@ -197,8 +194,8 @@ class Prefetcher:
                 batch = range(first, min(n, first + per_batch))
                 wanted = [(og.index, i, spaces[og.index],
                            codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES:]))
-                          for og, part in zip(ogs, view.partitions, strict=True)
-                          for i in batch if keys[i] not in part.keys]
+                          for og in ogs
+                          for i in self.index.missing(view, og.index, keys, batch)]
                 values: list[Value | None] = []
                 if wanted:
                     t0 = time.perf_counter()
@@ -212,7 +209,7 @@ class Prefetcher:
                 good, end = self._check(view, keys, wanted, values, end, bad)
                 reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
                                               end)
-                kept = {id(r.value) for r in reserved}
+                kept = {id(v) for f in reserved for v in f.values}
                 self.backend.release([v for v in values if id(v) not in kept])
                 if reserved:
                     filling = asyncio.get_running_loop().create_task(
@@ -243,7 +240,7 @@ class Prefetcher:
                 continue
             self.stats.bytes_read += len(value)
             mask, bad = codec.check_header(value, space, keys[i][-codec.CHUNK_KEY_BYTES:],
-                                           view.partitions[og_index].object_bytes)
+                                           ogs[og_index].object_bytes)
             if bad is not None:
                 self.stats.bump(self.stats.invalid, bad.value)
                 if bad is not codec.Invalid.VERSION:  # another format's: not ours to delete
@@ -255,7 +252,7 @@ class Prefetcher:
         return good, end
 
     async def _fill_and_commit(self, view: CacheView, namespace: str,
-                               reserved: list[_Reserved], bad_keys: list[bytes]
+                               reserved: list[_Filling], bad_keys: list[bytes]
                                ) -> tuple[int, int]:
         """Verify and copy on the tier's threads, then commit (or abort) each object.
 
@@ -266,59 +263,59 @@ class Prefetcher:
         loop = asyncio.get_running_loop()
         ok: list[bool] = []
         committed, bad_at = 0, 1 << 62
-        filled: dict[int, list[int]] = {}
+        filled: list[Reservation] = []
         try:
+            jobs = [(offset, value) for f in reserved
+                    for offset, value in zip(f.objects.offsets().tolist(), f.values,
+                                             strict=True)]
             ok = list(await asyncio.gather(*(
-                loop.run_in_executor(self.executor, self._fill, r.offset, r.value)
-                for r in reserved)))
+                loop.run_in_executor(self.executor, self._fill, int(offset), value)
+                for offset, value in jobs)))
             # Every copy has finished (else gather raised): the values may be reused.
-            self.backend.release([r.value for r in reserved])
+            self.backend.release([value for _, value in jobs])
         finally:
-            for j, r in enumerate(reserved):
-                if j < len(ok) and ok[j]:
-                    r.part.commit(r.slot, r.mask)
-                    self.stats.hits += 1
-                    committed += 1
-                    filled.setdefault(r.og_index, []).append(r.slot)
-                else:
-                    r.part.abort(r.slot)
-                    if j < len(ok):
+            at = 0
+            for f in reserved:
+                r, n = f.objects, len(f.objects)
+                done = self.index.finish_fill(r, [at + j < len(ok) and ok[at + j]
+                                                  for j in range(n)])
+                committed += len(done)
+                self.stats.hits += len(done)
+                if done:
+                    filled.append(done)
+                for j in range(n):
+                    if at + j < len(ok) and not ok[at + j]:
                         self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
-                        bad_keys.append(r.l2key)
+                        bad_keys.append(f.l2keys[j])
                         if ogs[r.og_index].has_full:
-                            bad_at = min(bad_at, r.chunk)
+                            bad_at = min(bad_at, r.chunks[j])
+                at += n
         if self.on_filled is not None:
-            for og_index, slots in filled.items():
-                self.on_filled(namespace, view.partitions[og_index], slots)
+            for done in filled:
+                self.on_filled(namespace, done)
         return committed, bad_at
 
     def _reserve(self, view: CacheView, keys: list[bytes],
                  good: list[tuple[int, int, int, Value, bytes]], end: int
-                 ) -> tuple[list[_Reserved], int]:
-        """Reserve a WRITING slot per object (skipping keys a store took meanwhile);
-        ``end`` shrinks to the first chunk of a full object group L1 had no room for."""
+                 ) -> tuple[list[_Filling], int]:
+        """Reserve a WRITING slot per object through the index (which skips keys a
+        store took meanwhile); ``end`` shrinks to the first chunk of a full object group
+        L1 had no room for."""
         by_og: dict[int, list[tuple[int, int, Value, bytes]]] = {}
         for og_index, i, mask, value, l2key in good:
             by_og.setdefault(og_index, []).append((i, mask, value, l2key))
-        self.index.tick += 1
-        out: list[_Reserved] = []
-        for og_index, items in by_og.items():
-            part = view.partitions[og_index]
-            items = [it for it in items if keys[it[0]] not in part.keys]
-            # L1 index allocation: free slots, then slabs, then eviction by policy.
-            slots = self.index.alloc_slots(part, len(items))
-            if len(slots) < len(items):
-                self.stats.prefetch_no_space += len(items) - len(slots)
-                if view.layout.object_groups[og_index].has_full:
-                    end = min(end, items[len(slots)][0])
-            if not slots:
-                continue
-            offsets = part.offsets(np.asarray(slots, dtype=np.int64))
-            for (i, mask, value, l2key), slot, offset in zip(items, slots, offsets.tolist(),
-                                                             strict=False):
-                part.reserve(keys[i], slot, self.index.tick)
-                out.append(_Reserved(og_index, i, part, slot, mask, int(offset), value,
-                                     l2key))
+        wanted = {og_index: ([it[0] for it in items], [it[1] for it in items])
+                  for og_index, items in by_og.items()}
+        reserved, no_space = self.index.reserve_fill(view, keys, wanted)
+        for og_index, left in no_space.items():
+            self.stats.prefetch_no_space += len(left)
+            if view.layout.object_groups[og_index].has_full:
+                end = min(end, left[0])
+        out: list[_Filling] = []
+        for r in reserved:
+            fetched = {it[0]: it for it in by_og[r.og_index]}
+            items = [fetched[i] for i in r.chunks]
+            out.append(_Filling(r, [it[2] for it in items], [it[3] for it in items]))
         return out, end
 
     def _fill(self, offset: int, value: Value) -> bool:
@@ -340,3 +337,8 @@ class Prefetcher:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _fingerprints(view: CacheView) -> tuple[bytes, ...]:
+    """What names a view's partitions: the layout fingerprints of its object groups."""
+    return tuple(og.fingerprint for og in view.layout.object_groups)

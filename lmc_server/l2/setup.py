@@ -1,7 +1,13 @@
-"""Build the tiers below L1 from the server's configuration (called once at startup)."""
+"""Build the tiers below L1 from the server's configuration (called once at startup).
+
+Every tier reads the server's clock (``clock``): what a tier decides by time (how long
+a known miss is remembered, how long it has been up or degraded) moves with a test's
+fake clock as the rest of the server does.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from lmc_server.cache.index import L1Index
@@ -30,7 +36,8 @@ def make_backend(target: L2Target, password: str | None, timeout_s: float,
     return MooncakeBackend(target.url, timeout_s)
 
 
-def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: str) -> L2Tier:
+def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: str,
+              clock: Callable[[], float]) -> L2Tier:
     """The tier for ``config.l2_url``; raises ``ValueError``/``RuntimeError`` if unusable
     (the server then refuses to start, naming the problem)."""
     target = parse_l2_url(config.l2_url)
@@ -39,27 +46,28 @@ def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: s
     view = PoolView(pool, engine_name)  # after what may fail: a view holds the pool open
     return L2Tier(backend, target.display, index, view, config.chunk_size,
                   config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
-                  config.l2_timeout_s)
+                  config.l2_timeout_s, clock)
 
 
 class TierSettings(L2Settings, DiskSettings, Protocol):
     """Everything :func:`make_chain` reads."""
 
 
-def make_disk_tier(config: TierSettings, index: L1Index, view: PoolView) -> L2Tier:
+def make_disk_tier(config: TierSettings, index: L1Index, view: PoolView,
+                   clock: Callable[[], float]) -> L2Tier:
     path = disk_path(config.disk_dir)
     backend = FileBackend(path, capacity_bytes(config))
     return L2Tier(backend, f"file://{path}", index, view, config.chunk_size,
                   config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
-                  config.l2_timeout_s, kind="disk")
+                  config.l2_timeout_s, clock, kind="disk")
 
 
-def make_chain(config: TierSettings, index: L1Index, pool: HostPool,
-               engine_name: str) -> TierChain:
+def make_chain(config: TierSettings, index: L1Index, pool: HostPool, engine_name: str,
+               clock: Callable[[], float]) -> TierChain:
     """The tiers below L1 that ``config`` asks for, in order: disk, then L2."""
     tiers: list[L2Tier] = []
     if config.disk_dir:
-        tiers.append(make_disk_tier(config, index, PoolView(pool, engine_name)))
+        tiers.append(make_disk_tier(config, index, PoolView(pool, engine_name), clock))
     if config.l2_url:
-        tiers.append(make_tier(config, index, pool, engine_name))
+        tiers.append(make_tier(config, index, pool, engine_name, clock))
     return TierChain(tiers)

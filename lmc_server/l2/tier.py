@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from lmc_server.cache.index import L1Index
-from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
@@ -41,12 +39,15 @@ L2_THREADS = 4
 
 
 class L2Tier:
-    """Write-behind, prefetch and the connection state of one L2 store."""
+    """Write-behind, prefetch and the connection state of one L2 store.
+
+    ``clock`` is the server's: how long a known miss is remembered and how long the
+    tier has been in its state are read from it, so a test's fake clock moves them.
+    """
 
     def __init__(self, backend: L2Backend, display_url: str, index: L1Index, view: PoolView,
                  chunk_size: int, write_queue_objects: int, prefetch_max_chunks: int,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 kind: str = "l2") -> None:
+                 timeout_s: float, clock: Callable[[], float], kind: str = "l2") -> None:
         self.backend = backend
         #: ``"l2"`` (a shared store) or ``"disk"``: names the tier in logs and reports.
         self.kind = kind
@@ -63,11 +64,12 @@ class L2Tier:
         self.state_since_s = clock()
         self._spaces: dict[tuple[str, bytes], bytes] = {}
         self._executor = ThreadPoolExecutor(L2_THREADS, thread_name_prefix="lmc-l2")
-        self.writer = WriteBehind(backend, self.stats, view, self._executor,
+        self.writer = WriteBehind(index, backend, self.stats, view, self._executor,
                                   write_queue_objects, self.space, self.is_up, self.failed,
                                   self.listeners.stored)
         self.prefetcher = Prefetcher(index, backend, self.stats, view, self._executor,
-                                     prefetch_max_chunks, self.space, self.is_up, self.failed)
+                                     prefetch_max_chunks, self.space, self.is_up, self.failed,
+                                     clock)
         self._down = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False

@@ -6,13 +6,15 @@ crash finds its working set in L2. (Writing at eviction would write less, but on
 what L1 no longer wants, after the moment it was most useful to other hosts, and
 nothing at all for objects still in L1 when the server dies.)
 
-The queue is bounded in objects (``max_objects``). It holds references to L1 slots,
-not bytes: at write time the writer checks that each slot still holds the same key
-and is committed (else the object was evicted first: counted, skipped), pins the slots
-for the length of the copy (so eviction cannot reuse them under the copy), builds the
-values (header, checksum, one copy of the payload) on its own threads, unpins, and sends
-one pipelined batch. Nothing here ever waits for L2 on a store's or retrieve's path:
-when the queue is full, or L2 is down, new writes are dropped and counted.
+The queue is bounded in objects (``max_objects``). It holds the reservations the
+index committed (:class:`~lmc_server.cache.reservation.Reservation`), not bytes: at
+write time the index pins each object that is still there for the length of the copy
+(:meth:`~lmc_server.cache.index.L1Index.pin_object`: an evicted one is counted and
+skipped; a pinned one cannot be evicted, its slot not reused, under the copy), the
+writer builds the values (header, checksum, one copy of the payload) on its own
+threads, unpins, and sends one pipelined batch. Nothing here ever waits for L2 on a
+store's or retrieve's path: when the queue is full, or L2 is down, new writes are
+dropped and counted.
 """
 
 from __future__ import annotations
@@ -21,14 +23,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
-from lmc_server.cache.pool import COMMITTED, Partition
-from lmc_server.cache.store import StoreTicket
+from lmc_server.cache.index import L1Index, Reservation, StoreTicket
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
@@ -43,22 +42,23 @@ WRITE_BATCH_BYTES = 64 << 20
 
 @dataclass(slots=True)
 class _Pending:
-    """Objects of one partition committed by one store, waiting to be written."""
+    """Objects ``next .. end-1`` of one committed reservation, waiting to be written."""
 
     space: bytes
-    part: Partition
-    keys: list[bytes]
-    slots: list[int]
+    objects: Reservation
+    next: int
+    end: int
 
 
 class WriteBehind:
     """The bounded write queue and the task that drains it (see the module docstring)."""
 
-    def __init__(self, backend: L2Backend, stats: L2Stats, view: PoolView,
+    def __init__(self, index: L1Index, backend: L2Backend, stats: L2Stats, view: PoolView,
                  executor: ThreadPoolExecutor, max_objects: int,
                  space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
                  on_error: Callable[[L2Error], None],
                  on_stored: Callable[[list[bytes]], None] = lambda keys: None) -> None:
+        self.index = index
         self.backend = backend
         self.stats = stats
         self.view = view
@@ -79,14 +79,15 @@ class WriteBehind:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="l2-writer")
 
     def enqueue(self, namespace: str, ticket: StoreTicket) -> None:
-        """Queue the objects a store just committed (event loop; O(objects), no IO)."""
+        """Queue the objects a store just committed (event loop; O(1) per object group,
+        no IO)."""
         for r in ticket.reserved:
-            self.enqueue_slots(namespace, r.part, r.slots)
+            self.enqueue_objects(namespace, r)
 
-    def enqueue_slots(self, namespace: str, part: Partition, slots: Sequence[int]) -> None:
+    def enqueue_objects(self, namespace: str, objects: Reservation) -> None:
         """Queue committed objects of one partition (a store's, or a prefetch's from a
         lower tier being promoted into this one)."""
-        n = len(slots)
+        n = len(objects)
         if not self.is_up():
             self.stats.bump(self.stats.dropped_writes, "l2_down", n)
             return
@@ -96,26 +97,24 @@ class WriteBehind:
             n = max(room, 0)
             if n == 0:
                 return
-        slots = list(slots[:n])
-        keys = [part.slot_key[s] or b"" for s in slots]  # (committed: never None)
-        self._queue.append(_Pending(self.space(namespace, part.fingerprint), part,
-                                    keys, slots))
+        self._queue.append(_Pending(self.space(namespace, objects.fingerprint), objects,
+                                    0, n))
         self.depth += n
         self._wake.set()
 
-    def _take_batch(self) -> list[tuple[bytes, Partition, bytes, int]]:
-        """Pop up to one batch of ``(space, partition, key, slot)``."""
-        out: list[tuple[bytes, Partition, bytes, int]] = []
+    def _take_batch(self) -> list[tuple[bytes, Reservation, int]]:
+        """Pop up to one batch of ``(space, reservation, object position)``."""
+        out: list[tuple[bytes, Reservation, int]] = []
         nbytes = 0
         while self._queue and len(out) < WRITE_BATCH_OBJECTS and nbytes < WRITE_BATCH_BYTES:
             p = self._queue[0]
-            take = min(len(p.slots), WRITE_BATCH_OBJECTS - len(out),
-                       max(1, (WRITE_BATCH_BYTES - nbytes) // p.part.object_bytes))
-            for key, slot in zip(p.keys[:take], p.slots[:take], strict=True):
-                out.append((p.space, p.part, key, slot))
-            nbytes += take * p.part.object_bytes
-            del p.keys[:take], p.slots[:take]
-            if not p.slots:
+            object_bytes = p.objects.object_bytes
+            take = min(p.end - p.next, WRITE_BATCH_OBJECTS - len(out),
+                       max(1, (WRITE_BATCH_BYTES - nbytes) // object_bytes))
+            out += [(p.space, p.objects, j) for j in range(p.next, p.next + take)]
+            nbytes += take * object_bytes
+            p.next += take
+            if p.next == p.end:
                 self._queue.popleft()
         self.depth -= len(out)
         return out
@@ -156,20 +155,20 @@ class WriteBehind:
                 if sending is not None:
                     await asyncio.gather(sending, return_exceptions=True)
 
-    async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
+    async def _encode_batch(self, batch: list[tuple[bytes, Reservation, int]]
                             ) -> list[tuple[bytes, Value]]:
         """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
         jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
-        pinned: list[tuple[Partition, int]] = []
-        for space, part, key, slot in batch:
-            if part.slot_key[slot] != key or part.state[slot] != COMMITTED:
+        pinned: list[tuple[Reservation, int]] = []
+        for space, objects, j in batch:
+            at = self.index.pin_object(objects, j)
+            if at is None:
                 self.stats.bump(self.stats.dropped_writes, "evicted")
                 continue
-            part.pin(slot)
-            pinned.append((part, slot))
-            offset = int(part.offsets(np.array([slot]))[0])
-            jobs.append((space, key[-codec.CHUNK_KEY_BYTES:], part.mask[slot], offset,
-                         part.object_bytes))
+            pinned.append((objects, j))
+            offset, mask = at
+            jobs.append((space, objects.keys[j][-codec.CHUNK_KEY_BYTES:], mask, offset,
+                         objects.object_bytes))
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
@@ -177,8 +176,8 @@ class WriteBehind:
             values = await asyncio.gather(*(
                 loop.run_in_executor(self.executor, self._encode, *job) for job in jobs))
         finally:
-            for part, slot in pinned:
-                part.unpin(slot)
+            for objects, j in pinned:
+                self.index.unpin_object(objects, j)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
     async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from lmc_server import __version__
 from lmc_server.cache.counters import CacheStats, CounterInfo, counters_of
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 
 PREFIX = "lmcache_"
 #: Upper bounds (seconds) of the transfer-duration histogram buckets; a transfer's
@@ -253,20 +253,16 @@ class ServerCollector(Collector):
         pinned_o = family("l1_partition_pinned_objects",
                           "Objects pinned by leases or retrieves.")
         object_b = family("l1_partition_object_bytes", "Size of one object of a partition.")
-        slab_bytes = self.pool.slab_bytes
-        for p in list(self.index.partitions.values()):
-            lv = [p.name, p.fingerprint.hex()[:12]]
-            pins = p.pins
-            n_pinned = len(pins) - pins.count(0)
-            slabs = p.slabs
-            capacity_b.add_metric(lv, slabs * slab_bytes)
-            used_b.add_metric(lv, p.used_bytes)
-            pinned_b.add_metric(lv, n_pinned * p.object_bytes)
-            capacity_o.add_metric(lv, slabs * p.slots_per_slab)
-            objects.add_metric(lv, p.n_committed)
-            writing.add_metric(lv, p.n_writing)
-            pinned_o.add_metric(lv, n_pinned)
-            object_b.add_metric(lv, p.object_bytes)
+        for u in self.index.usage():
+            lv = [u.name, u.fingerprint.hex()[:12]]
+            capacity_b.add_metric(lv, u.capacity_bytes)
+            used_b.add_metric(lv, u.used_bytes)
+            pinned_b.add_metric(lv, u.pinned_bytes)
+            capacity_o.add_metric(lv, u.capacity_objects)
+            objects.add_metric(lv, u.objects)
+            writing.add_metric(lv, u.writing)
+            pinned_o.add_metric(lv, u.pinned_objects)
+            object_b.add_metric(lv, u.object_bytes)
         yield from (capacity_b, used_b, pinned_b, capacity_o, objects, writing, pinned_o,
                     object_b)
 
@@ -277,4 +273,4 @@ class ServerCollector(Collector):
                                 "Active worker registrations (mapped KV buffers).",
                                 value=self.sessions.registrations)
         yield GaugeMetricFamily(PREFIX + "leases", "Active leases (chunks pinned for a "
-                                "retrieve that follows a lookup).", value=len(self.index.leases))
+                                "retrieve that follows a lookup).", value=self.index.lease_count)

@@ -27,7 +27,7 @@ to every subscriber or, while one's queue is full, to none, counted in
 subscriber cannot silence the stream for the others (docs/operations.md, "KV events").
 The disk tier's objects are published by :mod:`lmc_server.server.events_tiers`, replays
 served by :mod:`lmc_server.server.events_replay`. Loop thread only: the index calls
-:class:`~lmc_server.cache.pool.SlotWatcher` inside its operations, which only appends;
+:class:`~lmc_server.cache.watch.SlotWatcher` inside its operations, which only appends;
 encoding and sending happen in :meth:`KvEventPublisher.flush`, once per loop iteration.
 """
 
@@ -46,7 +46,6 @@ import zmq
 
 from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.keys import NS_BYTES
-from lmc_server.cache.pool import Partition
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import kv_events as ev
@@ -217,9 +216,9 @@ class KvEventPublisher:
             return  # its partitions are watched for the namespaces that are published
         groups = view.layout.object_groups
         has_full = any(og.has_full for og in groups)
-        for og, part in zip(groups, view.partitions, strict=True):
+        for og in groups:
             if og.has_full or (not has_full and og.index == 0):
-                part.watcher = self
+                view.watch(og.index, self)
                 self._watched.append((namespace, og.fingerprint, prefix))
                 if self.disk is not None:
                     self.disk.watch(namespace, og.fingerprint, prefix)
@@ -246,9 +245,7 @@ class KvEventPublisher:
 
     # -- SlotWatcher (called by the index on the loop thread) ---------------------------
 
-    def visible(self, part: Partition, slot: int) -> None:
-        key = part.slot_key[slot]
-        assert key is not None
+    def visible(self, key: bytes) -> None:
         topic = self._topics.get(key[:NS_BYTES])
         if topic is None or key in self._published:
             return
@@ -282,9 +279,7 @@ class KvEventPublisher:
         else:
             self._append(topic, event)
 
-    def gone(self, part: Partition, slot: int) -> None:
-        key = part.slot_key[slot]
-        assert key is not None
+    def gone(self, key: bytes) -> None:
         if key not in self._published:
             return
         hashes = self._published.pop(key)

@@ -26,9 +26,8 @@ import numpy as np
 
 from lmc_server import PROTOCOL_VERSION, __version__
 from lmc_server.cache.geometry import ArchError, GeometryError, blocks_per_chunk, check_groups
-from lmc_server.cache.index import L1Index
+from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.layout import RunCopy, build_layout
-from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
@@ -79,7 +78,7 @@ class Handlers:
         #: (its registration closes) and its object is aborted, not committed.
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
-        self.commits = CommitWatch()
+        self.commits = CommitWatch(index, clock)
         #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
         #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
         self.l2: TierChain | None = None

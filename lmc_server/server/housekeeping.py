@@ -1,6 +1,7 @@
 """Housekeeping: the jobs the server does by time, not by request.
 
-One tick every :data:`HOUSEKEEPING_INTERVAL_S` (a loop timer) expires leases; when due,
+One tick every :data:`HOUSEKEEPING_INTERVAL_S` (a loop timer) expires leases and tells
+``on_tick`` the time (stores waiting for another writer give up by it); when due,
 it also forgets idle sessions and logs a summary of evictions. "Due" and "expired" are
 decided by the server's clock (``clock``, ``time.monotonic`` unless a test injects a
 fake one), the tick's period by the event loop: a test that moves a fake clock sees
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.server.sessions import Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -33,18 +34,21 @@ class Housekeeper:
     """The housekeeping tick. Invariant: at most one timer handle is held, so a server
     idle for months holds no growing list of timers (``tests/test_housekeeping.py``).
 
-    ``drop_session`` reclaims what an idle session held (the handlers' job).
+    ``drop_session`` reclaims what an idle session held (the handlers' job);
+    ``on_tick`` is told the clock's time on every tick (the settle timeout's check).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, clock: Callable[[], float],
                  index: L1Index, slab_pool: SlabPool, sessions: SessionTable,
-                 drop_session: Callable[[Session, str], None], interval_s: float) -> None:
+                 drop_session: Callable[[Session, str], None], interval_s: float,
+                 on_tick: Callable[[float], None] = lambda now_s: None) -> None:
         self.loop = loop
         self.clock = clock
         self.index = index
         self.slab_pool = slab_pool
         self.sessions = sessions
         self.drop_session = drop_session
+        self.on_tick = on_tick
         self.interval_s = interval_s
         #: Ticks run so far (tests, diagnostics).
         self.ticks = 0
@@ -75,6 +79,7 @@ class Housekeeper:
         self.ticks += 1
         now = self.clock()
         self._sweep_leases()
+        self.on_tick(now)
         if now >= self._due["sessions"]:
             self._due["sessions"] = now + SESSION_SWEEP_INTERVAL_S
             self._sweep_sessions()
@@ -105,7 +110,7 @@ class Housekeeper:
         d_ev, d_bytes, d_fail = (a - b for a, b in zip(mark, self._eviction_mark, strict=True))
         self._eviction_mark = mark
         if d_ev or d_fail:
-            used = sum(p.used_bytes for p in self.index.partitions.values())
+            used = self.index.used_bytes
             log.info("last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
                      "L1 %.1f of %.1f GiB used, %d free slabs", EVICTION_LOG_INTERVAL_S,
                      d_ev, d_bytes / (1 << 20), d_fail, used / (1 << 30),

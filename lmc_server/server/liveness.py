@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config
 from lmc_server.server.notify import Notifier
 from lmc_server.server.sessions import SessionTable
@@ -85,7 +85,7 @@ class Liveness:
 
     def status_line(self) -> str:
         idx, st = self.index, self.index.stats
-        used = sum(p.used_bytes for p in list(idx.partitions.values()))
+        used = idx.used_bytes
         ratio = st.hit_chunks / st.lookup_chunks if st.lookup_chunks else 0.0
         return (f"serving: {self.sessions.registrations} registrations, L1 "
                 f"{used / (1 << 30):.1f} of {self.slab_pool.capacity_bytes / (1 << 30):.1f} "

@@ -52,12 +52,11 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
                  events: KvEventPublisher | None = None) -> StatsReport:
     pool = index.pool
     parts = [PartitionReport(
-        name=p.name, fingerprint=p.fingerprint.hex(), object_bytes=p.object_bytes,
-        slabs=p.slabs, capacity_objects=p.capacity_objects, objects=p.n_committed,
-        writing=p.n_writing, used_bytes=p.used_bytes,
-        capacity_bytes=p.slabs * pool.slab_bytes,
-        pinned_objects=sum(1 for x in p.pins if x),
-    ) for p in index.partitions.values()]
+        name=u.name, fingerprint=u.fingerprint.hex(), object_bytes=u.object_bytes,
+        slabs=u.slabs, capacity_objects=u.capacity_objects, objects=u.objects,
+        writing=u.writing, used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes,
+        pinned_objects=u.pinned_objects,
+    ) for u in index.usage()]
     return StatsReport(
         version=__version__,
         backend=backend,
@@ -75,7 +74,7 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         partitions=parts,
         sessions=len(sessions),
         registrations=sessions.registrations,
-        leases=len(index.leases),
+        leases=index.lease_count,
         counters=Counters(
             **copy_counters(index.stats, CacheStats),
             requests={f"{op}:{outcome}": n

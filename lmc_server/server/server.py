@@ -47,7 +47,7 @@ import zmq
 
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.pool import SlabPool
+from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config
 from lmc_server.l2.url import redact_url
 from lmc_server.logs import reopen_logs
@@ -181,7 +181,7 @@ class Server:
             from lmc_server.l2.setup import make_chain
 
             self.l2 = self.handlers.l2 = make_chain(cfg, self.index, self.host_pool,
-                                                    self.engine.name)
+                                                    self.engine.name, self.clock)
             self.l2.start()
         if cfg.kv_events_endpoint:
             self.events = self.handlers.events = KvEventPublisher(
@@ -204,7 +204,8 @@ class Server:
         self.host_pool.start(self.liveness.slab_ready_threadsafe)
         self.housekeeper = Housekeeper(self.loop, self.clock, self.index, self.slab_pool,
                                        self.sessions, self.handlers.drop_session,
-                                       self.housekeeping_interval_s)
+                                       self.housekeeping_interval_s,
+                                       self.handlers.commits.expire)
         if not self.should_exit:  # no tick once shutdown is asked for
             self.housekeeper.start()
         self.liveness.heartbeat()

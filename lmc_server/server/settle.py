@@ -17,16 +17,21 @@ stay ``IN_PROGRESS``) and none waits again, so past the drain timeout the server
 for copies only. (A writer that does not call :meth:`CommitWatch.changed`, such as an
 L2 prefetch, would otherwise keep a store waiting up to the whole settle timeout after
 the drain timeout.)
+
+The timeout is the server's clock's: a waiting store also looks again when the
+housekeeping tick finds its deadline passed (:meth:`CommitWatch.expire`), so a test
+that moves a fake clock past the timeout sees the store answered at the next tick.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import math
+from collections.abc import Callable
 
 import numpy as np
 
-from lmc_server.cache.pool import COMMITTED
+from lmc_server.cache.index import L1Index
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 
@@ -37,9 +42,14 @@ SETTLE_TIMEOUT_S = 10.0
 class CommitWatch:
     """Wakes waiting stores whenever any store commits or aborts (event-loop thread only)."""
 
-    def __init__(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    def __init__(self, index: L1Index, clock: Callable[[], float],
+                 timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        self.index = index
+        self.clock = clock
         self.timeout_s = timeout_s
         self._changed: asyncio.Future[None] | None = None
+        #: The earliest deadline of a waiting store (``clock`` time; inf: none).
+        self._due_s = math.inf
         self._closed = False
 
     def close(self) -> None:
@@ -52,6 +62,12 @@ class CommitWatch:
         if self._changed is not None and not self._changed.done():
             self._changed.set_result(None)
         self._changed = None
+        self._due_s = math.inf  # every waiter names its deadline again
+
+    def expire(self, now_s: float) -> None:
+        """The housekeeping tick: wake the waiters once one's deadline has passed."""
+        if now_s >= self._due_s:
+            self.changed()
 
     async def settle(self, view: CacheView, keys: list[bytes],
                      statuses: list[np.ndarray]) -> None:
@@ -59,23 +75,15 @@ class CommitWatch:
         their writers finish (in place), waiting up to ``timeout_s``."""
         if not any((st == ChunkStatus.IN_PROGRESS).any() for st in statuses):
             return
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.clock() + self.timeout_s
         while True:
-            waiting = 0
-            for part, st in zip(view.partitions, statuses, strict=True):
-                for i in np.flatnonzero(st == ChunkStatus.IN_PROGRESS).tolist():
-                    slot = part.keys.get(keys[i])
-                    if slot is None:
-                        st[i] = ChunkStatus.FAILED
-                    elif part.state[slot] == COMMITTED:
-                        st[i] = ChunkStatus.EXISTS
-                    else:
-                        waiting += 1
-            left = deadline - time.monotonic()
+            waiting = self.index.settle_in_progress(view, keys, statuses)
+            left = deadline - self.clock()
             if not waiting or left <= 0 or self._closed:
                 return
             if self._changed is None:
                 self._changed = asyncio.get_running_loop().create_future()
+            self._due_s = min(self._due_s, deadline)
             try:
                 await asyncio.wait_for(asyncio.shield(self._changed), left)
             except TimeoutError:
