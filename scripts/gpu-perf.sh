@@ -4,8 +4,7 @@
 # Usage (repository root, project importable, e.g. PYTHONPATH=$PWD, on a GPU machine):
 #   bash scripts/gpu-perf.sh [throughput|ranks|dp|latency|l2|all]   (default: all)
 # Writes under $OUT (the device tool's output folder) or ./.bench/gpu-perf:
-#   throughput.json / throughput-pipeline64.json   bench throughput, stores whole (the
-#                                              default) and in 64 MiB sub-batches
+#   throughput.json  bench throughput (staging)
 #   spy-server.txt   py-spy raw stacks of the server process during the first throughput
 #                    run (when py-spy is installed; 250 Hz, non-blocking)
 #   ranks-1gpu.json  bench ranks, 8 ranks on GPU 0 (TP load and mixed phases)
@@ -43,8 +42,6 @@ if [ "$what" = all ] || [ "$what" = throughput ]; then
   fi
   wait $pid || status=1
   cat "$out/throughput.log"
-  bench "${tp[@]}" --pipeline-mb 64 --no-concurrent \
-    --json "$out/throughput-pipeline64.json" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = ranks ]; then
   rk=(ranks --backend cuda --ranks 8 --chunks 256 --batch 16 --duration-s 5 --no-kill-one

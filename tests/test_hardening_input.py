@@ -178,7 +178,7 @@ def test_every_flag_is_accepted_in_the_config_file_under_its_name(tmp_path: Path
         "l1_size_gb": 0.0625, "eviction_policy": "ARC", "backend": "cpu",
         "log_level": "DEBUG", "log_format": "text", "log_file": str(log_file),
         "lease_ttl_s": 12.5, "slab_size_mb": 16, "copy_threads": 1,
-        "cuda_copy_mode": "mapped", "pipeline_mb": 0, "max_frame_bytes": 131072,
+        "cuda_copy_mode": "mapped", "max_frame_bytes": 131072,
         "drain_timeout_s": 3.5, "metrics_port": free_port(), "metrics_host": "localhost",
         "heartbeat_timeout_s": 5.5, "max_inflight_per_client": 8,
         "ipc_path": str(tmp_path / "ipc" / "sock"),

@@ -83,15 +83,12 @@ def bench() -> None:
 @click.option("--min-iters", type=click.IntRange(1), default=3,
               help="Least requests timed per point.")
 @click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
-@click.option("--pipeline-mb", type=click.IntRange(-1), default=-1, show_default=True,
-              help="The server's --pipeline-mb (stores above it in sub-batches; -1: its "
-              "default).")
 @_output_options
 def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
                copy_modes: tuple[str, ...], concurrent: bool | None, inflight: tuple[int, ...],
                min_time_s: float,
                min_iters: int, device: int, json_path: str | None, plot_path: str | None,
-               no_progress: bool, pipeline_mb: int, **geometry: Any) -> None:
+               no_progress: bool, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
     from lmc_server.bench import throughput as tp
 
@@ -100,7 +97,7 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
         l1_size_gb=l1_size_gb, separate=separate, copy_modes=copy_modes,
         concurrent=backend == "cuda" if concurrent is None else concurrent,
         inflight=tuple(k for k in inflight if k > 1), min_time_s=min_time_s,
-        min_iters=min_iters, device=device, pipeline_mb=pipeline_mb,
+        min_iters=min_iters, device=device,
         show_progress=not no_progress)
     report = tp.run(cfg)
     emit(report, tp.table(report), json_path)

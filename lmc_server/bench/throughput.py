@@ -65,7 +65,6 @@ class ThroughputConfig:
     raw_iters: int = 10
     device: int = 0
     seed: int = 0
-    pipeline_mb: int = -1
     show_progress: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
 
@@ -120,8 +119,7 @@ def run(cfg: ThroughputConfig) -> Report:
         "geometry": cfg.geometry.describe(), "chunk_size": cfg.chunk_size,
         "separate_object_groups": cfg.separate, "l1_size_gb": cfg.l1_size_gb,
         "copy_modes": list(modes), "concurrent": cfg.concurrent,
-        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters,
-        "pipeline_mb": cfg.pipeline_mb})
+        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters})
     with _kv(cfg, num_blocks) as kv:
         kv.fill_random(cfg.seed)
         regions = Regions.build(kv.geometry, cfg.chunk_size, max_batch, cfg.separate)
@@ -140,8 +138,6 @@ def run(cfg: ThroughputConfig) -> Report:
                         args += ["--cuda-copy-mode", name]
                         if staging_mb:
                             args += ["--cuda-staging-mb", staging_mb]
-                    if cfg.pipeline_mb >= 0:
-                        args += ["--pipeline-mb", str(cfg.pipeline_mb)]
                     with ServerProcess(args, backend=cfg.backend,
                                        l1_size_gb=cfg.l1_size_gb) as srv:
                         report.rows += asyncio.run(_run_server(srv.endpoint, kv, cfg, mode,

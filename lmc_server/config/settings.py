@@ -99,10 +99,6 @@ class Config:
         32, "cuda staging mode: least size in MiB of each of the two staging halves per "
         "copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).", low=1,
         high=4096)
-    pipeline_mb: int = setting(
-        -1, "Stores larger than this many MiB are reserved and copied in up to four "
-        "sub-batches, the first copying while the next is prepared (0: never; -1: the "
-        "engine's default, which is 0 on cpu and cuda).", low=-1, high=1 << 20)
     max_frame_bytes: int = setting(
         DEFAULT_MAX_FRAME_BYTES, "Largest request frame answered; larger ones get "
         "too_large.", low=65536, high=1 << 30)

@@ -1,8 +1,8 @@
 """Engine completions back onto the event loop: one wake-up per request.
 
-A data request submits one or more copies (sub-batches, see
-:mod:`lmc_server.server.handlers`) to the transfer engine; each reports its end by
-calling ``done(error)`` from whatever thread saw it finish. :class:`Completion`
+A data request submits its copies to the transfer engine (one part, see
+:mod:`lmc_server.server.handlers`); each part reports its end by calling ``done(error)``
+from whatever thread saw it finish. :class:`Completion`
 counts those calls and wakes the request's coroutine once, when the last arrives
 (``call_soon_threadsafe``, or directly when the last report comes from the loop's own
 thread, as with engines that copy inline). It remembers each part's error and when the

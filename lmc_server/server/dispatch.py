@@ -29,7 +29,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.protocol.stats import StatsReport
-from lmc_server.server.handlers import Handlers
+from lmc_server.server.handlers import DataRequest, Handlers
 from lmc_server.server.peers import Conn
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
@@ -39,12 +39,18 @@ log = logging.getLogger(__name__)
 #: Messages a peer may send before hello; past that it is ignored (no amplification).
 PRE_HELLO_MESSAGES = 16
 
-_SYNC_HANDLERS: dict[type, str] = {
-    m.Hello: "hello", m.Register: "register", m.Unregister: "unregister",
-    m.Lookup: "lookup", m.Release: "release", m.Ping: "ping", m.Clear: "clear",
-    m.Probe: "probe",
-}
-_ASYNC_HANDLERS: dict[type, str] = {m.Store: "store", m.Retrieve: "retrieve"}
+#: Requests answered on the loop at once, by their message type; each is handled by the
+#: :class:`Handlers` method named by the message's tag (its wire name, also the ``op``
+#: label of the request metrics), bound once in :meth:`Dispatcher.attach`.
+SYNC_REQUESTS: tuple[type, ...] = (
+    m.Hello, m.Register, m.Unregister, m.Lookup, m.Release, m.Ping, m.Clear, m.Probe)
+#: Requests that copy: checked at once (:meth:`Handlers.data_request`), then run as a task.
+DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
+
+
+def tag_of(cls: type) -> str:
+    """A message type's tag: its name on the wire, in handlers and in metrics."""
+    return str(cls.__struct_config__.tag)  # type: ignore[attr-defined]
 
 
 class Dispatcher:
@@ -76,6 +82,12 @@ class Dispatcher:
                attribute: Callable[[bytes, zmq.Frame], Conn]) -> None:
         self.loop = loop
         self.handlers = handlers
+        self._sync: dict[type, Callable[[Session, Any], m.Reply]] = {
+            cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS}
+        self._data: dict[type, Callable[..., Any]] = {
+            cls: getattr(handlers, tag_of(cls)) for cls in DATA_REQUESTS}
+        self._ops: dict[type, str] = {cls: tag_of(cls) for cls in
+                                      (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)}
         self._send = send
         self._after_io = after_io
         self._attribute = attribute
@@ -100,7 +112,7 @@ class Dispatcher:
                                     identity.hex()[:8], PRE_HELLO_MESSAGES)
                     return
             msg = decode_request(payload, self.handlers.limits)
-            op = type(msg).__name__.lower()
+            op = self._ops[type(msg)]
             if not session.hello and not isinstance(msg, m.Hello | m.Ping):
                 raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
             if self.draining:
@@ -108,13 +120,12 @@ class Dispatcher:
                                     msg.req_id)
             if isinstance(msg, m.Stats):
                 reply: m.Reply = m.StatsResult(req_id=msg.req_id, stats=self.report())
-            elif (name := _SYNC_HANDLERS.get(type(msg))) is not None:
-                reply = getattr(self.handlers, name)(session, msg)
+            elif (handler := self._sync.get(type(msg))) is not None:
+                reply = handler(session, msg)
             else:
-                if (isinstance(msg, m.Store | m.Retrieve)  # unknown ids: not "busy"
-                        and self.sessions.find(session, msg.registration_id) is None):
-                    raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
-                                        "no such registration on this connection", msg.req_id)
+                clock = PhaseClock(t_recv)
+                req = self.handlers.data_request(session, msg)  # refusals: not "busy"
+                clock.mark("prepare")
                 if session.inflight >= self.config.max_inflight_per_client:
                     raise ProtocolError(
                         ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
@@ -122,7 +133,7 @@ class Dispatcher:
                         msg.req_id)
                 session.inflight += 1
                 task = self.loop.create_task(
-                    self._run_async(session, op, msg, PhaseClock(t_recv)))
+                    self._run_async(session, op, self._data[type(msg)], req, clock))
                 self.tasks.add(task)
                 self._task_requests[task] = (identity, op, msg.req_id)
                 task.add_done_callback(self._task_done)
@@ -154,12 +165,12 @@ class Dispatcher:
         self.tasks.discard(task)
         self._task_requests.pop(task, None)
 
-    async def _run_async(self, session: Session, op: str, msg: Any,
-                         clock: PhaseClock) -> None:
+    async def _run_async(self, session: Session, op: str, handler: Callable[..., Any],
+                         req: DataRequest, clock: PhaseClock) -> None:
+        msg = req.msg
         ok = False
         try:
-            reply = await getattr(self.handlers, _ASYNC_HANDLERS[type(msg)])(session, msg,
-                                                                            clock)
+            reply = await handler(session, req, clock)
             payload = encode(reply)
             self.stats.count_request(op, "ok")
             ok = True

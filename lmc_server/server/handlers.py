@@ -4,10 +4,11 @@ Control requests (hello, register, lookup, release, ping, stats, clear) run to
 completion on the event-loop thread. Store and retrieve do their bookkeeping on the
 loop, hand the copy to the engine (``submit``: planned and launched here, completed on
 the engine's threads, one wake-up back through a :class:`Completion`), and finish the
-bookkeeping on the loop again, so the index is only ever touched from one thread. With
-``--pipeline-mb``, a large store is reserved and submitted in sub-batches. Slots a copy
-may still write are freed or unpinned only after that copy reported, even when a bug
-raises in between.
+bookkeeping on the loop again, so the index is only ever touched from one thread. A
+store or retrieve is parsed and checked once, into a :class:`DataRequest`, by
+:meth:`Handlers.data_request` (the dispatcher calls it before the request gets a task),
+and copied in one submission. Slots a copy may still write are freed or unpinned only
+after that copy reported, even when a bug raises in between.
 
 Every refusal raises :class:`ProtocolError` before anything is copied; the server
 turns it into an ``Error`` reply and goes on serving.
@@ -20,6 +21,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,8 +48,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Most sub-batches one request is cut into (each takes one copy lane of its GPU).
-MAX_PARTS = 4
+
+@dataclass(frozen=True, slots=True)
+class DataRequest:
+    """A store or retrieve checked against its registration: what the handler needs,
+    resolved once (the registration, one block-id array per group, the chunk keys; a
+    retrieve's prefix ends, a store's engine hashes per chunk for its KV events)."""
+
+    msg: m.Store | m.Retrieve
+    reg: Registration
+    ids: dict[int, np.ndarray]
+    keys: list[bytes]
+    ends: list[int]
+    events_per_chunk: int
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+\-]{1,256}$")
 _ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
@@ -221,9 +234,9 @@ class Handlers:
 
     # -- data path --------------------------------------------------------------------
 
-    def _data_request(self, session: Session,
-                      msg: m.Store | m.Retrieve) -> tuple[Registration, dict[int, np.ndarray],
-                                                          list[bytes]]:
+    def data_request(self, session: Session, msg: m.Store | m.Retrieve) -> DataRequest:
+        """Resolve and check a store or retrieve once (a refusal raises
+        :class:`ProtocolError` before anything is reserved or copied)."""
         reg = self._registration(session, msg)
         if reg.lookup_only:
             raise ProtocolError(ErrorCode.LOOKUP_ONLY,
@@ -234,20 +247,16 @@ class Handlers:
             keys = self.index.keys(reg.view, msg.digests, msg.salt)
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
-        return reg, ids, keys
-
-    def _parts(self, nbytes: int, n: int) -> list[tuple[int, int]]:
-        """Chunk ranges of a request's sub-batches (see the module docstring)."""
-        step = self.engine.pipeline_bytes
-        parts = 1 if step <= 0 else min(MAX_PARTS, n, -(-nbytes // step))
-        if parts <= 1:
-            return [(0, n)]
-        bounds = [n * i // parts for i in range(parts + 1)]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        if isinstance(msg, m.Retrieve):
+            return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id),
+                               0)
+        per = (check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
+               if msg.events is not None else 0)
+        return DataRequest(msg, reg, ids, keys, [], per)
 
     def _submit(self, reg: Registration, copies: list[RunCopy], to_pool: bool,
                 completion: Completion) -> None:
-        """Hand one sub-batch to the engine; a refusal is reported as that part's error."""
+        """Hand a request's copies to the engine; a refusal is reported as its error."""
         done = completion.part()
         assert reg.mapping is not None
         try:
@@ -264,66 +273,45 @@ class Handlers:
         clock.mark("hop_out")
         return errors
 
-    async def store(self, session: Session, msg: m.Store, clock: PhaseClock) -> m.StoreResult:
-        """Reserve, copy, commit; a large store is reserved and submitted in sub-batches,
-        so the first sub-batch copies while the next is being reserved and planned."""
+    async def store(self, session: Session, req: DataRequest,
+                    clock: PhaseClock) -> m.StoreResult:
+        """Reserve, copy, commit (last chunk first, see :mod:`lmc_server.cache`)."""
         clock.mark("queue")
-        reg, ids, keys = self._data_request(session, msg)
-        n = len(keys)
-        per = (check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
-               if msg.events is not None else 0)
-        parts = self._parts(n * reg.view.layout.chunk_bytes, n)
-        completion = Completion(asyncio.get_running_loop())
-        tickets: list[StoreTicket] = []
-        submitted: list[bool] = []
-        reg.begin_op()
-        try:
+        msg, reg, keys, per = req.msg, req.reg, req.keys, req.events_per_chunk
+        assert isinstance(msg, m.Store)
+        ticket = self.index.reserve_store(reg.view, keys, req.ids)
+        clock.mark("prepare")
+        if not ticket.copies:  # every chunk already stored or being stored
+            self._commit(ticket, keys, msg, per)
+        else:
+            completion = Completion(asyncio.get_running_loop())
+            reg.begin_op()
             try:
-                for lo, hi in parts:
-                    sub = ids if len(parts) == 1 else {g: a[lo:hi] for g, a in ids.items()}
-                    ticket = self.index.reserve_store(reg.view, keys[lo:hi], sub)
-                    tickets.append(ticket)
-                    submitted.append(bool(ticket.copies))
-                    clock.mark("prepare")
-                    if ticket.copies:
-                        self._submit(reg, ticket.copies, True, completion)
-                        clock.mark("submit")
-            except BaseException:
-                # A bug past a submission: its copy may still be writing into the slots,
-                # so they are freed only once every submitted part has reported.
-                await completion.wait()
-                for ticket in tickets:
+                try:
+                    self._submit(reg, ticket.copies, True, completion)
+                except BaseException:
+                    # a bug past the submission: its copy may still be writing into
+                    # the slots, so they are freed only once it has reported
+                    await completion.wait()
                     self.index.abort_store(ticket)
-                raise
-            if any(submitted):
-                errors = iter(await self._wait(completion, clock))
+                    raise
+                clock.mark("submit")
+                err = next((e for e in await self._wait(completion, clock) if e), "")
                 self.before_commit()
-                nbytes = 0
-                for ticket, copied in zip(tickets, submitted, strict=True):
-                    err = next(errors) if copied else ""
-                    if err or reg.closing:
-                        self.index.abort_store(ticket)
-                        if copied:
-                            log.warning("store by %s failed: %s",
-                                        reg.registration_id.hex()[:8],
-                                        err or "registration closed during the copy")
-                    else:
-                        self._commit(ticket, keys, msg, per)
-                        nbytes += ticket.nbytes
-                        if self.l2 is not None:
-                            self.l2.on_commit(reg.namespace, ticket)
-                if nbytes:
-                    self.stats.observe_transfer("store", nbytes,
-                                                completion.done_at - completion.started_at)
-            else:
-                for ticket in tickets:
+                if err or reg.closing:
+                    self.index.abort_store(ticket)
+                    log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
+                                err or "registration closed during the copy")
+                else:
                     self._commit(ticket, keys, msg, per)
-        finally:
-            reg.end_op()
-            if any(submitted):
+                    self.stats.observe_transfer("store", ticket.nbytes,
+                                                completion.done_at - completion.started_at)
+                    if self.l2 is not None:
+                        self.l2.on_commit(reg.namespace, ticket)
+            finally:
+                reg.end_op()
                 self.commits.changed()
-        statuses = [s[0] if len(s) == 1 else np.concatenate(s)
-                    for s in zip(*(t.statuses for t in tickets), strict=True)]
+        statuses = list(ticket.statuses)
         await self.commits.settle(reg.view, keys, statuses)  # IN_PROGRESS: wait
         return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
 
@@ -336,15 +324,13 @@ class Handlers:
         with self.events.staged(keys, msg.events, per, salted=bool(msg.salt)):
             self.index.commit_store(ticket)
 
-    async def retrieve(self, session: Session, msg: m.Retrieve,
+    async def retrieve(self, session: Session, req: DataRequest,
                        clock: PhaseClock) -> m.RetrieveResult:
-        """Pin, copy, unpin. One submission: the pins cannot be split (the window rule
-        looks at the prefix's end) and measured on the H200, planning a retrieve in
-        sub-batches cost more than the overlap won (docs/benchmarks.md)."""
+        """Pin, copy, unpin."""
         clock.mark("queue")
-        reg, ids, keys = self._data_request(session, msg)
-        ends = prefix_ends(msg.prefix_ends, len(keys), msg.req_id)
-        ticket = self.index.pin_retrieve(reg.view, keys, ids, ends)
+        msg, reg, ids, keys = req.msg, req.reg, req.ids, req.keys
+        assert isinstance(msg, m.Retrieve)
+        ticket = self.index.pin_retrieve(reg.view, keys, ids, req.ends)
         clock.mark("prepare")
         if not ticket.copies:
             self.index.unpin_retrieve(ticket, True)

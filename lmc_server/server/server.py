@@ -170,8 +170,6 @@ class Server:
         log.info("lmcache server %s starting: %s", __version__, _describe(cfg))
         self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads,
                                                  cfg.cuda_copy_mode, cfg.cuda_staging_mb)
-        if cfg.pipeline_mb >= 0:
-            self.engine.pipeline_bytes = cfg.pipeline_mb << 20
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
         self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)

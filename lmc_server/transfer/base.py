@@ -80,9 +80,6 @@ class TransferEngine(ABC):
     """Copies pages between mapped buffers and the pool."""
 
     name: str
-    #: Requests larger than this are submitted in sub-batches of about this many bytes
-    #: (at most four), so the first one copies while the next is prepared; 0: whole.
-    pipeline_bytes: int = 0
 
     @abstractmethod
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool: ...

@@ -107,10 +107,6 @@ class CudaEngine(TransferEngine):
     """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
 
     name = "cuda"
-    #: Stores are not cut in sub-batches by default: measured on the H200
-    #: (docs/benchmarks.md), one 64-chunk store gained nothing (0.70 vs 0.71 of raw) and
-    #: two 16-chunk stores in flight lost (0.71 vs 0.87); ``--pipeline-mb`` turns it on.
-    pipeline_bytes = 0
 
     def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
                  mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",

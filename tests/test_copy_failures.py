@@ -1,9 +1,8 @@
-"""Large stores in sub-batches: every byte lands, a failed sub-batch fails exactly its
-chunks, and nothing half-written becomes visible; a failed retrieve fails every chunk
-and loses nothing.
+"""A copy that fails or an engine that raises: a failed store fails its chunks and
+commits nothing, nothing half-written becomes visible, a failed retrieve fails every
+chunk and loses nothing, and the server goes on serving byte-exact.
 
-The server runs in process (:func:`run_server`) with ``--pipeline-mb 1``, so every store
-of more than one chunk is cut in sub-batches, and a CPU engine that fails chosen
+The server runs in process (:func:`run_server`) with a CPU engine that fails chosen
 submissions, so the real server path (zmq, index, engine threads, completions) is
 exercised with real bytes.
 """
@@ -19,7 +18,6 @@ import pytest
 from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import ChunkResult, Client, Registration, ServerError, chunk_digests
-from lmc_server.server.handlers import MAX_PARTS
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
@@ -31,10 +29,10 @@ NUM_BLOCKS = 512
 N = 8
 
 
-class SplittingEngine(CpuEngine):
+class FailingEngine(CpuEngine):
     """The CPU engine recording each submission's chunk count; submissions whose 0-based
-    number is in ``fail`` report an error instead of copying (the number counts every
-    submission of the server's life)."""
+    number is in ``fail`` report an error instead of copying, those in ``boom`` raise
+    (the number counts every submission of the server's life)."""
 
     def __init__(self, fail: Sequence[int] = (), boom: Sequence[int] = ()) -> None:
         super().__init__(copy_threads=2)
@@ -57,10 +55,8 @@ class SplittingEngine(CpuEngine):
 
 
 @contextmanager
-def _server(engine: CpuEngine, pipeline_mb: int = 1) -> Iterator[ThreadServer]:
-    """An in-process server whose stores above ``pipeline_mb`` MiB go in sub-batches."""
-    with run_server(engine=engine, separate_object_groups=True,
-                    pipeline_mb=pipeline_mb) as ts:
+def _server(engine: CpuEngine) -> Iterator[ThreadServer]:
+    with run_server(engine=engine, separate_object_groups=True) as ts:
         wait_pool_ready(ts.endpoint, 60)
         yield ts
 
@@ -83,53 +79,45 @@ def kv() -> Iterator[tuple[ShmKV, ShmKV]]:
         yield src, dst
 
 
-def test_large_store_and_retrieve_in_sub_batches_are_byte_exact(
+def test_store_and_retrieve_are_one_submission_each_and_byte_exact(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
-    engine = SplittingEngine()
+    engine = FailingEngine()
     with _server(engine) as ts, Client(ts.endpoint) as c:
         reg, digests, a, stored = _store(c, src)
-        assert stored.ok.all()
-        assert max(engine.parts) < N and engine.submissions >= MAX_PARTS, engine.parts
+        assert stored.ok.all() and engine.parts == [N]
         reg_b = c.register(**dst.register_kwargs())
         b = block_ids_for(reg_b, N, np.random.default_rng(2))
         assert c.lookup(reg_b, digests, lease=False).hit_chunks == N
-        before = engine.submissions
         res = c.retrieve(reg_b, digests, b)
-        assert res.ok.all() and engine.submissions - before == 1  # retrieves: whole
+        assert res.ok.all() and engine.submissions == 2
         assert_same_pages(reg, src, a, dst, b, N)
 
 
-def test_a_failed_store_sub_batch_fails_exactly_its_chunks(kv: tuple[ShmKV, ShmKV]) -> None:
+def test_a_failed_store_fails_its_chunks_and_commits_nothing(kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
-    # the first store is cut in MAX_PARTS sub-batches; the second one fails
-    engine = SplittingEngine(fail=[1])
+    engine = FailingEngine(fail=[0])
     with _server(engine) as ts, Client(ts.endpoint) as c:
         reg, digests, a, res = _store(c, src)
-        lo, hi = N // MAX_PARTS, 2 * N // MAX_PARTS  # the failed part's chunks
         for name, st in res.statuses.items():
-            want = [ChunkStatus.FAILED if lo <= i < hi else ChunkStatus.OK
-                    for i in range(N)]
-            assert st.tolist() == want, name
+            assert st.tolist() == [ChunkStatus.FAILED] * N, name
         stats = c.stats()
         assert all(p.writing == 0 for p in stats.partitions)
-        assert stats.l1.objects == 2 * (N - (hi - lo))
-        # the prefix stops where the failed chunks begin; what is there is exact
-        assert c.lookup(reg, digests, lease=False).hit_chunks == lo
-        reg_b = c.register(**dst.register_kwargs())
-        b = block_ids_for(reg_b, lo, np.random.default_rng(2))
-        assert c.retrieve(reg_b, digests[:32 * lo], b).ok.all()
-        assert_same_pages(reg, src, {k: v[:len(b[k])] for k, v in a.items()}, dst, b, lo)
-        # storing again fills the hole, and everything is served
-        assert c.store(reg, digests, a).statuses["full"][lo:hi].tolist() == \
-            [ChunkStatus.OK] * (hi - lo)
+        assert stats.l1.objects == 0
+        assert c.lookup(reg, digests, lease=False).hit_chunks == 0
+        # storing again stores everything, and it is served byte-exact
+        assert c.store(reg, digests, a).ok.all()
         assert c.lookup(reg, digests, lease=False).hit_chunks == N
+        reg_b = c.register(**dst.register_kwargs())
+        b = block_ids_for(reg_b, N, np.random.default_rng(2))
+        assert c.retrieve(reg_b, digests, b).ok.all()
+        assert_same_pages(reg, src, a, dst, b, N)
 
 
 def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
-    engine = SplittingEngine()
+    engine = FailingEngine()
     with _server(engine) as ts, Client(ts.endpoint) as c:
         reg, digests, a, stored = _store(c, src)
         assert stored.ok.all()
@@ -148,20 +136,13 @@ def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         assert_same_pages(reg, src, a, dst, b, N)
 
 
-def test_pipeline_mb_zero_stores_in_one_submission(kv: tuple[ShmKV, ShmKV]) -> None:
+def test_an_engine_bug_in_a_store_leaves_nothing_half_written(
+        kv: tuple[ShmKV, ShmKV]) -> None:
+    """The engine raises on the store's submission: the store is answered with an
+    internal error, its slots are freed, nothing becomes visible, and the server goes
+    on serving."""
     src, _ = kv
-    engine = SplittingEngine()
-    with _server(engine, pipeline_mb=0) as ts, Client(ts.endpoint) as c:
-        assert _store(c, src)[3].ok.all()
-        assert engine.parts == [N]
-
-
-def test_an_engine_bug_mid_store_leaves_nothing_half_written(kv: tuple[ShmKV, ShmKV]) -> None:
-    """Submission 1 raises after submission 0 started copying: the store is answered
-    with an internal error, its slots are freed only after the running copy reported,
-    nothing becomes visible, and the server goes on serving."""
-    src, _ = kv
-    engine = SplittingEngine(boom=[1])
+    engine = FailingEngine(boom=[0])
     with _server(engine) as ts, Client(ts.endpoint) as c:
         with pytest.raises(ServerError, match="internal"):
             _store(c, src)
@@ -175,8 +156,8 @@ def test_an_engine_bug_mid_store_leaves_nothing_half_written(kv: tuple[ShmKV, Sh
 def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(
         kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
-    engine = SplittingEngine()
-    with _server(engine, pipeline_mb=0) as ts, Client(ts.endpoint) as c:
+    engine = FailingEngine()
+    with _server(engine) as ts, Client(ts.endpoint) as c:
         reg, digests, a, stored = _store(c, src)
         assert stored.ok.all()
         reg_b = c.register(**dst.register_kwargs())
