@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.backend import L2Error
+from lmc_server.l2.backend import L2Error, SlotObject
 from lmc_server.l2.disk_config import DiskConfigError, check_disk_config, disk_path
 from lmc_server.l2.disk_index import STALE_TMP_S, DiskIndex
 from lmc_server.l2.file_backend import FileBackend
@@ -49,6 +49,42 @@ def test_round_trip_whole_files_no_temporaries(tmp_path: Path, direct: bool) -> 
         names = [p.name for p in tmp_path.rglob("*") if p.is_file()]
         assert not [n for n in names if n.endswith(direct_io.TMP_SUFFIX)]
         assert os.path.getsize(b.path_of(key(3))) == len(items[3][1])  # no padding left
+        await b.shutdown()
+    run(go())
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, codec.PIECE_BYTES - 1, codec.PIECE_BYTES,
+                                    3 * codec.PIECE_BYTES + 4097])
+def test_encode_into_is_encode_value(nbytes: int) -> None:
+    """The one-pass copy and checksum builds exactly the bytes of the reference encoder
+    (pieces of every size: none, one short one, several and a ragged end)."""
+    payload = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = bytearray(codec.HEADER_BYTES + nbytes + 7)
+    n = codec.encode_into(dst, SPACE, bytes(32), 3, payload.data)
+    assert n == codec.HEADER_BYTES + nbytes
+    assert bytes(dst[:n]) == codec.encode_value(SPACE, bytes(32), 3, payload.data)
+    with pytest.raises(ValueError, match="cannot hold"):
+        codec.encode_into(bytearray(n - 1), SPACE, bytes(32), 3, payload.data)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_put_slots_writes_the_values_of_the_slots(tmp_path: Path, direct: bool) -> None:
+    """Written straight from (unaligned) slots of a pool: each file is the value the
+    reference encoder makes of its slot, and passes the reader's checks."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 1 << 30, direct=direct)
+        await b.connect()
+        pool = np.random.default_rng(7).integers(0, 256, 10 * 9_999, dtype=np.uint8)
+        objs = [SlotObject(key(i), SPACE, i.to_bytes(32, "big"), 1,
+                           pool[i * 9_999:(i + 1) * 9_999].data) for i in range(10)]
+        await b.put_slots(objs)
+        got = await b.get_many([o.key for o in objs])
+        for o, g in zip(objs, got, strict=True):
+            assert g is not None
+            assert bytes(g) == codec.encode_value(SPACE, o.chunk_key, 1, o.payload)
+            assert codec.check_header(g, SPACE, o.chunk_key, 9_999)[1] is None
+            assert codec.check_payload(g)
+        assert b.index.used_bytes == 10 * objs[0].value_bytes
         await b.shutdown()
     run(go())
 

@@ -11,8 +11,12 @@ not bytes: at write time the writer checks that each slot still holds the same k
 and is committed (else the object was evicted first: counted, skipped), pins the slots
 for the length of the copy (so eviction cannot reuse them under the copy), builds the
 values (header, checksum, one copy of the payload) on its own threads, unpins, and sends
-one pipelined batch. Nothing here ever waits for L2 on a store's or retrieve's path:
-when the queue is full, or L2 is down, new writes are dropped and counted.
+one pipelined batch. A backend that writes from the slots itself
+(``writes_from_slots``: the disk tier) gets the pinned slots instead and builds and
+writes each value on its own I/O threads; its slots stay pinned until the batch is
+written (at most one batch, ``WRITE_BATCH_BYTES``, pinned at a time). Nothing here
+ever waits for L2 on a store's or retrieve's path: when the queue is full, or L2 is
+down, new writes are dropped and counted.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from lmc_server.cache.pool import COMMITTED, Partition
 from lmc_server.cache.store import StoreTicket
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
@@ -139,6 +144,12 @@ class WriteBehind:
                         break
                     batch = self._take_batch()
                     self.in_flight += len(batch)
+                    if self.backend.writes_from_slots:  # nothing to build ahead
+                        if sending is not None:
+                            await sending
+                        sending = asyncio.get_running_loop().create_task(
+                            self._send_slots(batch))
+                        continue
                     try:
                         items = await self._encode_batch(batch)
                     except BaseException:
@@ -156,10 +167,11 @@ class WriteBehind:
                 if sending is not None:
                     await asyncio.gather(sending, return_exceptions=True)
 
-    async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
-                            ) -> list[tuple[bytes, Value]]:
-        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
-        jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
+    def _pin(self, batch: list[tuple[bytes, Partition, bytes, int]]
+             ) -> tuple[list[tuple[bytes, bytes, int, int, int]], list[tuple[Partition, int]]]:
+        """Pin the slots of ``batch`` still holding their object (event loop): the jobs
+        ``(space, chunk key, mask, offset, bytes)`` and the pins to undo."""
+        jobs: list[tuple[bytes, bytes, int, int, int]] = []
         pinned: list[tuple[Partition, int]] = []
         for space, part, key, slot in batch:
             if part.slot_key[slot] != key or part.state[slot] != COMMITTED:
@@ -170,6 +182,12 @@ class WriteBehind:
             offset = int(part.offsets(np.array([slot]))[0])
             jobs.append((space, key[-codec.CHUNK_KEY_BYTES:], part.mask[slot], offset,
                          part.object_bytes))
+        return jobs, pinned
+
+    async def _encode_batch(self, batch: list[tuple[bytes, Partition, bytes, int]]
+                            ) -> list[tuple[bytes, Value]]:
+        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
+        jobs, pinned = self._pin(batch)
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
@@ -181,30 +199,53 @@ class WriteBehind:
                 part.unpin(slot)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
+    async def _send_slots(self, batch: list[tuple[bytes, Partition, bytes, int]]) -> None:
+        """Write ``batch`` straight from its slots (:attr:`L2Backend.writes_from_slots`),
+        pinned until the backend returns; the objects leave ``in_flight`` however it
+        ends."""
+        pinned: list[tuple[Partition, int]] = []
+        try:
+            jobs, pinned = self._pin(batch)
+            objects = [SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
+                       for sp, ck, mask, off, n in jobs]
+            await self._put(self.backend.put_slots(objects),
+                            [o.key for o in objects], sum(o.value_bytes for o in objects))
+        finally:
+            for part, slot in pinned:
+                part.unpin(slot)
+            self.in_flight -= len(batch)
+
     async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:
         """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
-            if not items:
-                return
-            t0 = time.perf_counter()
-            try:
-                await self.backend.put_many(items)
-            except L2Error as e:
-                self.stats.bump(self.stats.errors, "write")
-                self.stats.bump(self.stats.dropped_writes, "error", len(items))
-                self.on_error(e)
-                return
-            except Exception:
-                log.exception("L2 write failed")
-                self.stats.bump(self.stats.errors, "write")
-                self.stats.bump(self.stats.dropped_writes, "error", len(items))
-                return
-            self.stats.write_latency.observe(time.perf_counter() - t0)
-            self.stats.objects_written += len(items)
-            self.stats.bytes_written += sum(len(v) for _, v in items)
-            self.on_stored([k for k, _ in items])
+            await self._put(self.backend.put_many(items), [k for k, _ in items],
+                            sum(len(v) for _, v in items))
         finally:
             self.in_flight -= taken
+
+    async def _put(self, put: Coroutine[Any, Any, None], keys: list[bytes],
+                   nbytes: int) -> None:
+        """Await one batch's write ``put`` of ``keys`` (``nbytes`` in all); count it."""
+        if not keys:
+            put.close()
+            return
+        t0 = time.perf_counter()
+        try:
+            await put
+        except L2Error as e:
+            self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, "error", len(keys))
+            self.on_error(e)
+            return
+        except Exception:
+            log.exception("L2 write failed")
+            self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, "error", len(keys))
+            return
+        self.stats.write_latency.observe(time.perf_counter() - t0)
+        self.stats.objects_written += len(keys)
+        self.stats.bytes_written += nbytes
+        self.on_stored(keys)
 
     def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
                 nbytes: int) -> Value:
