@@ -114,6 +114,31 @@ def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
     run(go())
 
 
+def test_capacity_holds_for_a_batch_larger_than_it(tmp_path: Path) -> None:
+    """A batch (or one object) larger than the whole capacity is written only as far as
+    it fits: the rest is refused (a counted refusal, the tier stays up), never written
+    past ``--disk-size-gb``; what was written is said so the writer counts it."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 50_000)
+        await b.connect()
+        with pytest.raises(L2Error) as refused:
+            await b.put_many([(key(i), value(b, i, 20_000 - codec.HEADER_BYTES))
+                              for i in range(4)])
+        assert not refused.value.unavailable and "--disk-size-gb" in str(refused.value)
+        assert refused.value.written == [key(0), key(1)]
+        assert [os.path.exists(b.path_of(key(i))) for i in range(4)] == [
+            True, True, False, False]
+        assert b.index.used_bytes == 40_000
+        with pytest.raises(L2Error) as too_big:  # larger than the capacity on its own
+            await b.put_many([(key(9), value(b, 9, 60_000))])
+        assert too_big.value.written == [] and not os.path.exists(b.path_of(key(9)))
+        assert b.index.used_bytes <= 50_000
+        await b.put_many([(key(5), value(b, 5, 20_000 - codec.HEADER_BYTES))])  # serves on
+        assert os.path.exists(b.path_of(key(5))) and b.index.used_bytes <= 50_000
+        await b.shutdown()
+    run(go())
+
+
 def test_rebuild_finds_files_and_removes_stale_temporaries(tmp_path: Path) -> None:
     async def go() -> tuple[FileBackend, str, str]:
         a = FileBackend(str(tmp_path), 1 << 30)

@@ -202,19 +202,33 @@ class FileBackend(L2Backend):
     async def _put(self, sizes: list[tuple[bytes, int]], writes: list[Callable[[], None]]
                    ) -> None:
         """Make room for ``sizes`` (evicting by LRU), run ``writes`` on the I/O threads,
-        and index what was written; the first failure raised as :class:`L2Error`."""
+        and index what was written; the first failure raised as :class:`L2Error`.
+
+        Never past the capacity: objects of a batch beyond what the whole capacity holds
+        (a batch, or one object, larger than ``--disk-size-gb``) are not written, a
+        refusal (the tier stays up)."""
         if not self._connected:
             raise L2Error("disk: not ready")
         known = {k: self.index.entries[k] for k, _ in sizes if k in self.index.entries}
         for k in known:  # a rewrite replaces its file: never its own victim
             self.index.forget(k)
-        victims = self.index.victims(sum(n for _, n in sizes))
+        fit, total = 0, 0  # the objects that fit in the whole capacity, in order
+        while fit < len(sizes) and total + sizes[fit][1] <= self.index.capacity_bytes:
+            total += sizes[fit][1]
+            fit += 1
+        refused = len(sizes) - fit
+        for key, _ in sizes[fit:]:
+            if key in known:  # not rewritten: its old file stays
+                self.index.touch(key, known.pop(key))
+        sizes, writes = sizes[:fit], writes[:fit]
+        victims = self.index.victims(total)
         jobs = [self._run(self._unlink, k) for k in victims]
         jobs += [self._run(w) for w in writes]
         results = await asyncio.gather(*jobs, return_exceptions=True)
         self.evicted_objects += len(victims)
         self.listeners.removed(victims, "evicted")
         failure: OSError | None = None
+        written: list[bytes] = []
         for (key, nbytes), r in zip(sizes, results[len(victims):], strict=True):
             if isinstance(r, BaseException):
                 if not isinstance(r, OSError):
@@ -224,9 +238,14 @@ class FileBackend(L2Backend):
                     self.index.touch(key, known[key])
             else:
                 self.index.touch(key, nbytes)
+                written.append(key)
         if failure is not None:
             raise L2Error(f"disk write {self.root}: {failure.strerror or failure}",
-                          unavailable=failure.errno not in _REFUSALS)
+                          unavailable=failure.errno not in _REFUSALS, written=written)
+        if refused:
+            raise L2Error(f"disk {self.root}: {refused} objects do not fit in "
+                          f"--disk-size-gb ({self.index.capacity_bytes} bytes) with the "
+                          f"rest of their batch", unavailable=False, written=written)
 
     async def discard(self, keys: Sequence[bytes]) -> None:
         """Delete files the tier found damaged (a later write replaces them anyway)."""

@@ -209,7 +209,7 @@ class WriteBehind:
             objects = [SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
                        for sp, ck, mask, off, n in jobs]
             await self._put(self.backend.put_slots(objects),
-                            [o.key for o in objects], sum(o.value_bytes for o in objects))
+                            [(o.key, o.value_bytes) for o in objects])
         finally:
             for part, slot in pinned:
                 part.unpin(slot)
@@ -218,15 +218,14 @@ class WriteBehind:
     async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:
         """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
-            await self._put(self.backend.put_many(items), [k for k, _ in items],
-                            sum(len(v) for _, v in items))
+            await self._put(self.backend.put_many(items), [(k, len(v)) for k, v in items])
         finally:
             self.in_flight -= taken
 
-    async def _put(self, put: Coroutine[Any, Any, None], keys: list[bytes],
-                   nbytes: int) -> None:
-        """Await one batch's write ``put`` of ``keys`` (``nbytes`` in all); count it."""
-        if not keys:
+    async def _put(self, put: Coroutine[Any, Any, None], sizes: list[tuple[bytes, int]]
+                   ) -> None:
+        """Await one batch's write ``put`` of ``sizes`` (L2 key, value bytes); count it."""
+        if not sizes:
             put.close()
             return
         t0 = time.perf_counter()
@@ -234,15 +233,21 @@ class WriteBehind:
             await put
         except L2Error as e:
             self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(keys))
+            self.stats.bump(self.stats.dropped_writes, "error", len(sizes) - len(e.written))
             self.on_error(e)
+            if e.written:
+                nbytes = dict(sizes)
+                self._written(e.written, sum(nbytes[k] for k in e.written))
             return
         except Exception:
             log.exception("L2 write failed")
             self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(keys))
+            self.stats.bump(self.stats.dropped_writes, "error", len(sizes))
             return
         self.stats.write_latency.observe(time.perf_counter() - t0)
+        self._written([k for k, _ in sizes], sum(n for _, n in sizes))
+
+    def _written(self, keys: list[bytes], nbytes: int) -> None:
         self.stats.objects_written += len(keys)
         self.stats.bytes_written += nbytes
         self.on_stored(keys)
