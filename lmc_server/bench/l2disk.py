@@ -299,8 +299,8 @@ def run(cfg: DiskBenchConfig) -> Report:
         "ratio = plain time / server time (1.0: as fast as plain os.pwrite/os.preadv of "
         "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)")
     report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
-                        f"objects); write includes the store into L1, write-behind starts at the store's "
-                        f"reply (the commit); read = lookup miss "
+                        f"objects); write includes the store into L1, write-behind starts at "
+                        f"the store's reply (the commit); read = lookup miss "
                         f"until every chunk is an L1 hit; direct I/O: {s.direct}")
     return report
 
