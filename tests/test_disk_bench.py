@@ -20,7 +20,8 @@ def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
     assert [r["op"] for r in report["rows"]] == [
-        "write 2 chunks", "read 2 chunks", "disk hit 1 chunks", "disk hit 2 chunks"]
+        "write 2 chunks", "write-behind 2 chunks", "read 2 chunks", "disk hit 1 chunks",
+        "disk hit 2 chunks"]
     for r in report["rows"]:
         assert r["server_s"] > 0 and r["raw_s"] > 0
     assert not report["summary"]["disk_b"]["invalid"]

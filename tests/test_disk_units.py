@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.backend import L2Error
+from lmc_server.l2.backend import L2Error, SlotObject
 from lmc_server.l2.disk_config import DiskConfigError, check_disk_config, disk_path
 from lmc_server.l2.disk_index import STALE_TMP_S, DiskIndex
 from lmc_server.l2.file_backend import FileBackend
@@ -53,6 +53,42 @@ def test_round_trip_whole_files_no_temporaries(tmp_path: Path, direct: bool) -> 
     run(go())
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, codec.PIECE_BYTES - 1, codec.PIECE_BYTES,
+                                    3 * codec.PIECE_BYTES + 4097])
+def test_encode_into_is_encode_value(nbytes: int) -> None:
+    """The one-pass copy and checksum builds exactly the bytes of the reference encoder
+    (pieces of every size: none, one short one, several and a ragged end)."""
+    payload = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = bytearray(codec.HEADER_BYTES + nbytes + 7)
+    n = codec.encode_into(dst, SPACE, bytes(32), 3, payload.data)
+    assert n == codec.HEADER_BYTES + nbytes
+    assert bytes(dst[:n]) == codec.encode_value(SPACE, bytes(32), 3, payload.data)
+    with pytest.raises(ValueError, match="cannot hold"):
+        codec.encode_into(bytearray(n - 1), SPACE, bytes(32), 3, payload.data)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_put_slots_writes_the_values_of_the_slots(tmp_path: Path, direct: bool) -> None:
+    """Written straight from (unaligned) slots of a pool: each file is the value the
+    reference encoder makes of its slot, and passes the reader's checks."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 1 << 30, direct=direct)
+        await b.connect()
+        pool = np.random.default_rng(7).integers(0, 256, 10 * 9_999, dtype=np.uint8)
+        objs = [SlotObject(key(i), SPACE, i.to_bytes(32, "big"), 1,
+                           pool[i * 9_999:(i + 1) * 9_999].data) for i in range(10)]
+        await b.put_slots(objs)
+        got = await b.get_many([o.key for o in objs])
+        for o, g in zip(objs, got, strict=True):
+            assert g is not None
+            assert bytes(g) == codec.encode_value(SPACE, o.chunk_key, 1, o.payload)
+            assert codec.check_header(g, SPACE, o.chunk_key, 9_999)[1] is None
+            assert codec.check_payload(g)
+        assert b.index.used_bytes == 10 * objs[0].value_bytes
+        await b.shutdown()
+    run(go())
+
+
 def test_plain_bytes_are_written_too(tmp_path: Path) -> None:
     async def go() -> None:
         b = FileBackend(str(tmp_path), 1 << 30)
@@ -74,6 +110,31 @@ def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
         assert not os.path.exists(b.path_of(key(1)))
         assert all(os.path.exists(b.path_of(key(i))) for i in (0, 2, 3))
         assert b.index.used_bytes == 60_000 and b.evicted_objects == 1
+        await b.shutdown()
+    run(go())
+
+
+def test_capacity_holds_for_a_batch_larger_than_it(tmp_path: Path) -> None:
+    """A batch (or one object) larger than the whole capacity is written only as far as
+    it fits: the rest is refused (a counted refusal, the tier stays up), never written
+    past ``--disk-size-gb``; what was written is said so the writer counts it."""
+    async def go() -> None:
+        b = FileBackend(str(tmp_path), 50_000)
+        await b.connect()
+        with pytest.raises(L2Error) as refused:
+            await b.put_many([(key(i), value(b, i, 20_000 - codec.HEADER_BYTES))
+                              for i in range(4)])
+        assert not refused.value.unavailable and "--disk-size-gb" in str(refused.value)
+        assert refused.value.written == [key(0), key(1)]
+        assert [os.path.exists(b.path_of(key(i))) for i in range(4)] == [
+            True, True, False, False]
+        assert b.index.used_bytes == 40_000
+        with pytest.raises(L2Error) as too_big:  # larger than the capacity on its own
+            await b.put_many([(key(9), value(b, 9, 60_000))])
+        assert too_big.value.written == [] and not os.path.exists(b.path_of(key(9)))
+        assert b.index.used_bytes <= 50_000
+        await b.put_many([(key(5), value(b, 5, 20_000 - codec.HEADER_BYTES))])  # serves on
+        assert os.path.exists(b.path_of(key(5))) and b.index.used_bytes <= 50_000
         await b.shutdown()
     run(go())
 

@@ -7,6 +7,7 @@ skip, except under CI=true, where a missing redis-server fails them (CI installs
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ import pytest
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
+from lmc_server.l2.backend import L2Error, SlotObject
+from lmc_server.l2.redis_backend import RedisBackend
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
@@ -444,3 +447,39 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
         finally:
             wa.close()
             wb.close()
+
+
+# -- the adapter's own RESP writes -----------------------------------------------------
+
+
+def test_put_slots_writes_exact_values_and_an_error_reply_keeps_the_connection() -> None:
+    """Values sent from slots are exactly the reference encoder's bytes; a store that
+    refuses (out of memory) is a refusal, and the next calls on the same connections
+    work (every reply was read)."""
+    space = bytes(range(16))
+    pool = np.random.default_rng(3).integers(0, 256, 6 * 300_001, dtype=np.uint8)
+    objs = [SlotObject(codec.l2_key(space, i.to_bytes(32, "big")), space,
+                       i.to_bytes(32, "big"), i % 4, pool[i * 300_001:(i + 1) * 300_001].data)
+            for i in range(6)]
+
+    async def go(r: RedisProcess) -> None:
+        b = RedisBackend(r.url, timeout_s=5.0)
+        await b.connect()
+        await b.put_slots(objs)
+        got = await b.get_many([o.key for o in objs])
+        for o, g in zip(objs, got, strict=True):
+            assert g == codec.encode_value(space, o.chunk_key, o.mask, o.payload)
+        with r.client() as c:
+            c.config_set("maxmemory", "1")  # noeviction: every SET refused from now
+        with pytest.raises(L2Error) as refused:
+            await b.put_slots(objs[:3])
+        assert not refused.value.unavailable and "maxmemory" in str(refused.value)
+        assert (await b.get_many([objs[0].key]))[0] == got[0]  # in step, still served
+        with r.client() as c:
+            c.config_set("maxmemory", "0")
+        await b.put_slots(objs[3:])
+        assert await b.get_many([o.key for o in objs]) == got
+        await b.shutdown()
+
+    with RedisProcess(policy="noeviction") as r:
+        asyncio.run(go(r))

@@ -6,6 +6,8 @@ stores, B (empty L1) finds the objects on disk.
 - write: a store of ``--chunks`` fresh chunks on A, timed until A's write-behind has
   written every object (so it includes the store into L1), against plain ``os.pwrite``
   of the same values (read back from A's files) into other files of the same directory;
+  and the write-behind alone (from the store's reply, when its objects are committed
+  and queued, until written), the disk tier's own share of that time;
 - read: a lookup on B that misses L1, timed until every chunk is an L1 hit (prefetch:
   file reads, header and checksum checks, copies into L1, commit), against plain
   ``os.preadv`` of the same files;
@@ -202,7 +204,8 @@ def _row(op: str, srv: list[float], raw: list[float], nbytes: int, objects: int)
     t_srv, t_raw = statistics.median(srv), statistics.median(raw)
     return {"op": op, "server_s": t_srv, "raw_s": t_raw, "server_gbps": nbytes / t_srv / 1e9,
             "raw_gbps": nbytes / t_raw / 1e9, "server_objps": objects / t_srv,
-            "raw_objps": objects / t_raw, "ratio": t_raw / t_srv}
+            "raw_objps": objects / t_raw, "ratio": t_raw / t_srv,
+            "server_rounds_s": srv, "raw_rounds_s": raw}
 
 
 def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
@@ -277,6 +280,8 @@ def run(cfg: DiskBenchConfig) -> Report:
             != s.dst.pages(g.name, dst_ids[g.name].tolist()))
         report.rows.append(_row(f"write {n} chunks", w_srv, w_raw, nbytes, objects))
         report.rows[0]["store_s"] = statistics.median(w_store)
+        report.rows.append(_row(f"write-behind {n} chunks", [a - b for a, b in zip(
+            w_srv, w_store, strict=True)], w_raw, nbytes, objects))
         report.rows.append(_row(f"read {n} chunks", r_srv, r_raw, nbytes, objects))
         for k in cfg.latency_chunks:
             base = _digests(5000 + k, k, s.rega.chunk_size)
@@ -294,7 +299,8 @@ def run(cfg: DiskBenchConfig) -> Report:
         "ratio = plain time / server time (1.0: as fast as plain os.pwrite/os.preadv of "
         "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)")
     report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
-                        f"objects); write includes the store into L1; read = lookup miss "
+                        f"objects); write includes the store into L1, write-behind starts at "
+                        f"the store's reply (the commit); read = lookup miss "
                         f"until every chunk is an L1 hit; direct I/O: {s.direct}")
     return report
 

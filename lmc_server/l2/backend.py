@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lmc_server.l2 import codec
 
@@ -20,18 +21,47 @@ from lmc_server.l2 import codec
 Value = bytes | memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class SlotObject:
+    """One L1 object to be written straight from its slot (:meth:`L2Backend.put_slots`).
+
+    ``payload`` is a view of the L1 slot: valid only until the call that received it
+    returns (the writer keeps the slot pinned until then, so eviction cannot reuse it).
+    """
+
+    key: bytes  # the L2 key
+    space: bytes
+    chunk_key: bytes
+    mask: int
+    payload: memoryview
+
+    @property
+    def value_bytes(self) -> int:
+        return codec.HEADER_BYTES + len(self.payload)
+
+
 class L2Error(Exception):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
 
-    def __init__(self, message: str, unavailable: bool = True) -> None:
+    def __init__(self, message: str, unavailable: bool = True,
+                 written: list[bytes] | None = None) -> None:
         super().__init__(message)
         self.unavailable = unavailable
+        #: A write of several objects that failed for some: the keys that were written
+        #: all the same (the writer counts and announces those; empty: none).
+        self.written: list[bytes] = written or []
 
 
 class L2Backend(ABC):
     """One remote store. ``connect`` may be called again after a failure (reconnect)."""
 
     name: str
+    #: ``True``: the writer hands whole batches of pinned L1 slots to :meth:`put_slots`,
+    #: which builds and writes each value itself (the disk tier: the copy of one object
+    #: overlaps the writes of others, with no barrier between building a batch and
+    #: writing it). ``False``: the writer builds values with :meth:`encode` first and
+    #: unpins before :meth:`put_many` (a network store, whose send copies anyway).
+    writes_from_slots = False
 
     @abstractmethod
     async def connect(self) -> None:
@@ -44,6 +74,11 @@ class L2Backend(ABC):
     @abstractmethod
     async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         """Write every ``(key, value)``; batched (pipelined). Overwrites."""
+
+    async def put_slots(self, objects: Sequence[SlotObject]) -> None:
+        """Build and write every object's value from its slot (only called when
+        :attr:`writes_from_slots`); raises :class:`L2Error` as :meth:`put_many` does."""
+        raise NotImplementedError(f"{self.name} does not write from slots")
 
     def encode(self, space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> Value:
         """The value of one object, in the buffer this store writes best from (called on

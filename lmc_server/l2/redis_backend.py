@@ -1,7 +1,8 @@
 """The Redis / Valkey adapter: redis-py, pipelined, on the adapter's own threads.
 
 Reads are ``MGET`` (one command per batch of keys), writes one pipeline of ``SET`` per
-batch (``transaction=False``: no MULTI/EXEC, the writes are independent). The calls run
+batch (no MULTI/EXEC, the writes are independent), sent straight from the L1 slots
+(``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
 on the adapter's own threads, ``connections`` (``--l2-connections``, default 1) for
 reads and as many for writes (so a prefetch never queues behind a write-behind batch;
 with more than one, each batch is split across them and sent over parallel
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -28,12 +30,15 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.l2 import codec
+from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64
 PUT_BATCH_KEYS = 64
+#: Threads that checksum the values of a write batch ahead of its connection's send.
+HASH_THREADS = 2
 T = TypeVar("T")
 
 
@@ -54,6 +59,7 @@ def _split(seq: Sequence[T], most: int) -> list[Sequence[T]]:
 
 class RedisBackend(L2Backend):
     name = "redis"
+    writes_from_slots = True
 
     def __init__(self, url: str, password: str | None = None, timeout_s: float = 2.0,
                  connections: int = 1) -> None:
@@ -72,6 +78,7 @@ class RedisBackend(L2Backend):
         self._client: Any = None
         self._reads = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-r")
         self._writes = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-w")
+        self._hash = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="lmc-l2-redis-h")
 
     def _make(self) -> Any:
         return redis.Redis.from_url(
@@ -106,6 +113,61 @@ class RedisBackend(L2Backend):
                 pipe.set(key, value)
             pipe.execute()
 
+    def _send_slots(self, client: Any, objects: Sequence[SlotObject]) -> None:
+        """``SET`` every object, pipelined, its payload sent from the L1 slot itself.
+
+        The commands are RESP written here, not by redis-py: its packer (hiredis's)
+        copies every argument into one new bytes object, and building a value first
+        (header + payload) is another copy; measured with py-spy on the 2-core CI VM,
+        that packing took more of the write thread than the socket did. So each value
+        goes out as its command prefix and header (small), then the slot's bytes, with
+        the checksums computed ahead on ``HASH_THREADS`` threads while earlier objects
+        are being sent. Every reply is read, so an error reply (out of memory) leaves
+        the connection in step; it is raised once all were read.
+        """
+        heads = [self._hash.submit(codec.header, o.space, o.chunk_key, o.mask, o.payload)
+                 for o in objects]
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            for i in range(0, len(objects), PUT_BATCH_KEYS):
+                part = range(i, min(len(objects), i + PUT_BATCH_KEYS))
+                chunks: list[bytes | memoryview] = []
+                lead = b""
+                for k in part:
+                    o = objects[k]
+                    chunks.append(lead + b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
+                        len(o.key), o.key, o.value_bytes, heads[k].result()))
+                    chunks.append(o.payload.cast("B"))
+                    lead = b"\r\n"
+                chunks.append(lead)
+                conn.send_packed_command(chunks, check_health=False)
+                failed: RedisError | None = None
+                for _ in part:
+                    try:
+                        conn.read_response()
+                    except redis.exceptions.ResponseError as e:
+                        failed = failed or e
+                if failed is not None:
+                    raise failed
+        except redis.exceptions.ResponseError:
+            raise  # every reply was read: the connection is in step
+        except BaseException:
+            conn.disconnect()  # part of a batch may be sent: never reuse this stream
+            raise
+        finally:
+            for h in heads:
+                h.cancel()
+            futures.wait(heads)  # none still reads a slot once the writer unpins it
+            pool.release(conn)
+
+    async def put_slots(self, objects: Sequence[SlotObject]) -> None:
+        if self._client is None:
+            raise L2Error("redis: not connected")
+        await asyncio.gather(*(self._call(self._writes, "set", self._send_slots,
+                                          self._client, part)
+                               for part in _split(objects, self.connections)))
+
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
@@ -129,6 +191,12 @@ class RedisBackend(L2Backend):
                 pass
 
     async def shutdown(self) -> None:
+        """Close, then wait for the threads that read L1 slots (writes from slots,
+        checksums): the engine unmaps the pool after this returns, and a thread still
+        sending from a slot would read unmapped memory (each blocks at most the
+        socket timeout)."""
         await self.close()
         self._reads.shutdown(wait=False)
-        self._writes.shutdown(wait=False)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._writes.shutdown, True)
+        await loop.run_in_executor(None, self._hash.shutdown, True)

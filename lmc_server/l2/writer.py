@@ -8,13 +8,16 @@ nothing at all for objects still in L1 when the server dies.)
 
 The queue is bounded in objects (``max_objects``). It holds the reservations the
 index committed (:class:`~lmc_server.cache.reservation.Reservation`), not bytes: at
-write time the index pins each object that is still there for the length of the copy
+write time the index pins each object that is still there
 (:meth:`~lmc_server.cache.index.L1Index.pin_object`: an evicted one is counted and
-skipped; a pinned one cannot be evicted, its slot not reused, under the copy), the
-writer builds the values (header, checksum, one copy of the payload) on its own
-threads, unpins, and sends one pipelined batch. Nothing here ever waits for L2 on a
-store's or retrieve's path: when the queue is full, or L2 is down, new writes are
-dropped and counted.
+skipped; a pinned one cannot be evicted, its slot not reused, while pinned). The writer
+builds the values (header, checksum, one copy of the payload) on its own threads,
+unpins, and sends one pipelined batch. A backend that writes from the slots itself
+(``writes_from_slots``: the disk tier) gets the pinned slots instead and builds and
+writes each value on its own I/O threads; its objects stay pinned until the batch is
+written (at most one batch, ``WRITE_BATCH_BYTES``, pinned at a time). Nothing here
+ever waits for L2 on a store's or retrieve's path: when the queue is full, or L2 is
+down, new writes are dropped and counted.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from lmc_server.cache.index import L1Index, Reservation, StoreTicket
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
@@ -138,6 +142,12 @@ class WriteBehind:
                         break
                     batch = self._take_batch()
                     self.in_flight += len(batch)
+                    if self.backend.writes_from_slots:  # nothing to build ahead
+                        if sending is not None:
+                            await sending
+                        sending = asyncio.get_running_loop().create_task(
+                            self._send_slots(batch))
+                        continue
                     try:
                         items = await self._encode_batch(batch)
                     except BaseException:
@@ -155,10 +165,11 @@ class WriteBehind:
                 if sending is not None:
                     await asyncio.gather(sending, return_exceptions=True)
 
-    async def _encode_batch(self, batch: list[tuple[bytes, Reservation, int]]
-                            ) -> list[tuple[bytes, Value]]:
-        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
-        jobs: list[tuple[bytes, bytes, int, int, int]] = []  # space, key, mask, offset, n
+    def _pin(self, batch: list[tuple[bytes, Reservation, int]]
+             ) -> tuple[list[tuple[bytes, bytes, int, int, int]], list[tuple[Reservation, int]]]:
+        """Pin the objects of ``batch`` still in L1 (event loop): the jobs
+        ``(space, chunk key, mask, offset, bytes)`` and the pins to undo."""
+        jobs: list[tuple[bytes, bytes, int, int, int]] = []
         pinned: list[tuple[Reservation, int]] = []
         for space, objects, j in batch:
             at = self.index.pin_object(objects, j)
@@ -169,6 +180,12 @@ class WriteBehind:
             offset, mask = at
             jobs.append((space, objects.keys[j][-codec.CHUNK_KEY_BYTES:], mask, offset,
                          objects.object_bytes))
+        return jobs, pinned
+
+    async def _encode_batch(self, batch: list[tuple[bytes, Reservation, int]]
+                            ) -> list[tuple[bytes, Value]]:
+        """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
+        jobs, pinned = self._pin(batch)
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
@@ -180,30 +197,58 @@ class WriteBehind:
                 self.index.unpin_object(objects, j)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
+    async def _send_slots(self, batch: list[tuple[bytes, Reservation, int]]) -> None:
+        """Write ``batch`` straight from its slots (:attr:`L2Backend.writes_from_slots`),
+        pinned until the backend returns; the objects leave ``in_flight`` however it
+        ends."""
+        pinned: list[tuple[Reservation, int]] = []
+        try:
+            jobs, pinned = self._pin(batch)
+            objects = [SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
+                       for sp, ck, mask, off, n in jobs]
+            await self._put(self.backend.put_slots(objects),
+                            [(o.key, o.value_bytes) for o in objects])
+        finally:
+            for reservation, j in pinned:
+                self.index.unpin_object(reservation, j)
+            self.in_flight -= len(batch)
+
     async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:
         """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
-            if not items:
-                return
-            t0 = time.perf_counter()
-            try:
-                await self.backend.put_many(items)
-            except L2Error as e:
-                self.stats.bump(self.stats.errors, "write")
-                self.stats.bump(self.stats.dropped_writes, "error", len(items))
-                self.on_error(e)
-                return
-            except Exception:
-                log.exception("L2 write failed")
-                self.stats.bump(self.stats.errors, "write")
-                self.stats.bump(self.stats.dropped_writes, "error", len(items))
-                return
-            self.stats.write_latency.observe(time.perf_counter() - t0)
-            self.stats.objects_written += len(items)
-            self.stats.bytes_written += sum(len(v) for _, v in items)
-            self.on_stored([k for k, _ in items])
+            await self._put(self.backend.put_many(items), [(k, len(v)) for k, v in items])
         finally:
             self.in_flight -= taken
+
+    async def _put(self, put: Coroutine[Any, Any, None], sizes: list[tuple[bytes, int]]
+                   ) -> None:
+        """Await one batch's write ``put`` of ``sizes`` (L2 key, value bytes); count it."""
+        if not sizes:
+            put.close()
+            return
+        t0 = time.perf_counter()
+        try:
+            await put
+        except L2Error as e:
+            self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, "error", len(sizes) - len(e.written))
+            self.on_error(e)
+            if e.written:
+                nbytes = dict(sizes)
+                self._written(e.written, sum(nbytes[k] for k in e.written))
+            return
+        except Exception:
+            log.exception("L2 write failed")
+            self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, "error", len(sizes))
+            return
+        self.stats.write_latency.observe(time.perf_counter() - t0)
+        self._written([k for k, _ in sizes], sum(n for _, n in sizes))
+
+    def _written(self, keys: list[bytes], nbytes: int) -> None:
+        self.stats.objects_written += len(keys)
+        self.stats.bytes_written += nbytes
+        self.on_stored(keys)
 
     def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
                 nbytes: int) -> Value:

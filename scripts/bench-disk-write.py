@@ -1,0 +1,118 @@
+"""The disk tier's write path in one process, without a server: how its structure
+compares with plain writes of the same bytes, on one directory, rounds interleaved.
+
+Three ways to write ``--objects`` objects of ``--object-bytes`` from a numpy "pool"
+(unaligned slots, as L1's are) into the tier's directory layout:
+
+- ``batch``: the writer's generic path (each batch's values built first with
+  ``FileBackend.encode`` on four threads, then ``put_many``; one batch built while the
+  previous one is written): how the disk tier wrote before ``writes_from_slots``;
+- ``slots``: ``put_slots`` (each I/O thread copies, checksums and writes one object):
+  the disk tier's path now, batches one after the other as the writer sends them;
+- ``plain``: ``os.pwrite`` of ready values on four threads (``bench l2 --disk-dir``'s
+  plain side).
+
+No server, no stores, no polling: what is left is the tier's own work. Usage::
+
+    python scripts/bench-disk-write.py /tmp/diskbench --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from lmc_server.bench.l2disk import _Plain
+from lmc_server.l2 import codec
+from lmc_server.l2.backend import SlotObject
+from lmc_server.l2.file_backend import FileBackend
+from lmc_server.l2.writer import WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
+
+SPACE = bytes(16)
+
+
+def _batches(n: int, object_bytes: int) -> list[range]:
+    per = max(1, min(WRITE_BATCH_OBJECTS, WRITE_BATCH_BYTES // object_bytes))
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+
+async def _batch_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int,
+                      executor: ThreadPoolExecutor) -> None:
+    loop = asyncio.get_running_loop()
+    sending: asyncio.Future[None] | None = None
+    for part in _batches(len(pool) // size, size):
+        values = await asyncio.gather(*(loop.run_in_executor(
+            executor, fb.encode, SPACE, _ck(tag, i), 0, pool[i * size:(i + 1) * size].data)
+            for i in part))
+        items = [(codec.l2_key(SPACE, _ck(tag, i)), v) for i, v in zip(part, values,
+                                                                       strict=True)]
+        if sending is not None:
+            await sending
+        sending = asyncio.ensure_future(fb.put_many(items))
+    if sending is not None:
+        await sending
+
+
+async def _slots_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int) -> None:
+    for part in _batches(len(pool) // size, size):
+        await fb.put_slots([SlotObject(codec.l2_key(SPACE, _ck(tag, i)), SPACE, _ck(tag, i),
+                                       0, pool[i * size:(i + 1) * size].data) for i in part])
+
+
+def _ck(tag: int, i: int) -> bytes:
+    return (tag * 1_000_000 + i).to_bytes(32, "big")
+
+
+def _ratio(plain: Sequence[float], other: Sequence[float]) -> float:
+    return statistics.median(plain) / statistics.median(other)
+
+
+async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    pool = np.random.default_rng(0).integers(0, 256, objects * object_bytes, dtype=np.uint8)
+    fb = FileBackend(directory, 1 << 40)
+    await fb.connect()
+    plain = _Plain(directory, fb.direct)
+    executor = ThreadPoolExecutor(4)
+    times: dict[str, list[float]] = {"batch": [], "slots": [], "plain": []}
+    ready = [fb.encode(SPACE, _ck(0, i), 0, pool[i * object_bytes:(i + 1) * object_bytes].data)
+             for i in range(objects)]
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        await _batch_path(fb, pool, object_bytes, 2 * rnd, executor)
+        times["batch"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await _slots_path(fb, pool, object_bytes, 2 * rnd + 1)
+        times["slots"].append(time.perf_counter() - t0)
+        t, _ = plain.write(ready, f"r{rnd}")
+        times["plain"].append(t)
+    nbytes = objects * (object_bytes + codec.HEADER_BYTES)
+    print(f"{objects} objects of {object_bytes} bytes, direct I/O {fb.direct}, "
+          f"medians of {rounds} rounds:")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:5s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
+              f"{_ratio(times['plain'], ts):.2f}  rounds {' '.join(f'{t:.3f}' for t in ts)}")
+    plain.close()
+    executor.shutdown()
+    await fb.shutdown()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("directory")
+    ap.add_argument("--objects", type=int, default=128)
+    ap.add_argument("--object-bytes", type=int, default=2_694_912)
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args()
+    asyncio.run(main(a.directory, a.objects, a.object_bytes, a.rounds))
