@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -382,7 +381,7 @@ def _make_certs(d: str) -> None:
         "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.needs_tool("openssl", "Debian: openssl; CI: .ci/install-ops-tools.sh")
 def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
     """rediss:// with a CA from the URL query; the password from --l2-password-file
     (and a wrong one from the environment is not used: the file wins)."""
