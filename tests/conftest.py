@@ -5,6 +5,11 @@ GPU tests (marker ``gpu``) skip without CUDA and CuPy, and fail instead when
 skipped). Tests that run an outside command (marker ``needs_tool``) skip when it is
 not installed, and fail instead under ``CI=true``: CI installs every such command
 before pytest (.ci/run), so a missing one is a broken CI setup, not a skip.
+
+Every :class:`ServerProcess` a test starts is returned by ``start()`` with its pool
+prepared (``pool_ready_by_default``): a test that stores at once must not race the
+preparing thread on a loaded machine; a test of start-up itself passes
+``pool_ready=False``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import pytest
 
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
+
+
+ServerProcess.pool_ready_by_default = True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

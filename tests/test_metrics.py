@@ -29,7 +29,7 @@ from lmc_server.metrics import MetricsServer
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import dsv41_flash
-from lmc_server.testing.process import ServerProcess, free_port, wait_for_ping
+from lmc_server.testing.process import ServerProcess, free_port
 
 CHUNK = 256
 #: Label names allowed on lmcache_ metrics: every one has a small, fixed value set.
@@ -77,9 +77,6 @@ def metrics_server() -> Iterator[Served]:
     port = free_port()
     with ServerProcess(["--chunk-size", str(CHUNK), "--separate-object-groups"],
                        l1_size_gb=1, metrics_port=port) as srv:
-        # /healthz is 503 until the first slab is prepared (the server answers ping
-        # before that); a test that runs first on a loaded machine must not race it.
-        wait_for_ping(srv.endpoint, srv.start_timeout_s, srv.proc, ready=True)
         yield Served(srv, port)
 
 
