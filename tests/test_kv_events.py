@@ -443,7 +443,12 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
             assert last == st.next_seq - 1, (
                 f"{st.dropped_batches} batches dropped; the newest heard is {last} of "
                 f"{st.next_seq - 1}")
-            assert st.stall_resets >= 1 and st.dropped_batches > 0
+            # It stalled the stream, and was cut off: by the ZMTP heartbeat (its zmq
+            # thread is stopped) or by the socket's re-creation (stall_resets), both at
+            # the heartbeat timeout; which comes first is a race on a loaded machine.
+            # The re-creation is driven in process by
+            # test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch.
+            assert st.dropped_batches > 0
         finally:
             stuck.kill()
             stuck.wait()
