@@ -23,7 +23,6 @@ import pytest
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
 
-
 ServerProcess.pool_ready_by_default = True
 
 

@@ -276,7 +276,7 @@ def test_stream_through_store_eviction_replay_and_restart(
             p = engine_prompt(3, seed=1, chunk_size=CHUNK, block_size=BLOCK)
             hashes, digests = p.hashes, p.digests
             assert c.store(reg, digests, block_ids_for(reg, 3), events=p.events()).ok.all()
-            live: dict[int, str] = {}  # event hash -> what stored it
+            live: dict[Any, str] = {}  # event hash -> what stored it
             stored = removed = 0
             seqs = []
             while stored < 3:
