@@ -3,21 +3,25 @@ leave every policy in exactly the state one pin or unpin at a time leaves it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from lmc_server.cache.eviction import POLICIES
+from lmc_server.cache.eviction_base import EvictionPolicy
 from lmc_server.cache.pool import PIN_VECTOR_MIN
 
 
-def make(name: str, n: int):  # type: ignore[no-untyped-def]
-    p = POLICIES[name](n)
+def make(name: str, n: int) -> EvictionPolicy:
+    cls: Any = POLICIES[name]
+    p: EvictionPolicy = cls(n)
     for s in range(n):
         p.admit(s)
     return p
 
 
-def drain(p) -> list[int]:  # type: ignore[no-untyped-def]
+def drain(p: EvictionPolicy) -> list[int]:
     out = []
     while (v := p.pop_victim()) is not None:
         out.append(v)
