@@ -8,6 +8,7 @@ and the server (and the refused connection) serving on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -171,3 +172,51 @@ def test_an_oversized_batch_frame_is_refused_and_the_server_serves_on(
     reply = c.recv_reply(10)
     assert isinstance(reply, m.Error) and reply.code == "too_large" and reply.req_id == 78
     still_serving(c, reg, kv)
+
+
+# -- the connector's link -------------------------------------------------------------------
+
+
+def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow() -> None:
+    """600 lookups of 2 chunks against a server of 64 KiB frames (at most 1,024 chunks
+    per request from the link): 2 ``lookup_batch`` requests, each answer the one of its
+    own prefix, a lease each; a prefix of no chunks is answered at once; a refused
+    batch fails its lookups and the link serves on."""
+    from lmc_server.integration.link import ServerLink
+
+    with ServerProcess(["--chunk-size", str(CHUNK), "--max-frame-bytes", "65536"],
+                       l1_size_gb=0.25) as srv, \
+            ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv, \
+            Client(srv.endpoint) as c:
+        kv.fill_random(1)
+        reg = c.register(**kv.register_kwargs())
+        prefixes = [prompt(100 + i, 2) for i in range(600)]
+        for i in range(0, 600, 3):  # every third prompt: chunk 0 stored
+            assert c.store(reg, prefixes[i][:32], block_ids_for(reg, 1)).ok.all()
+        link = ServerLink(srv.endpoint, timeout_s=10)
+        try:
+            link.register(**kv.register_kwargs(buffers=[]))
+            before = c.stats().counters.requests.get("lookupbatch:ok", 0)
+            pending = link.lookup_batch([*prefixes, b""])
+            answers = [p.result(10) for p in pending]
+            assert [a.hit_chunks for a in answers] == [1 if i % 3 == 0 else 0
+                                                     for i in range(600)] + [0]
+            assert all(bool(a.lease_id) == bool(a.hit_chunks) for a in answers)
+            assert c.stats().counters.requests["lookupbatch:ok"] - before == 2
+            assert c.stats().leases == 200
+            for a in answers:
+                if a.lease_id:
+                    link.release(a.lease_id)
+            # one prefix over the frame limit (not 4x over it: then zmq drops the
+            # peer without a reply): refused, its lookup fails alone
+            [bad] = link.lookup_batch([bytes(32 * 2100)])
+            with pytest.raises(ServerError) as e:
+                bad.result(10)
+            assert e.value.code == "too_large"
+            assert link.lookup(prefixes[0]).result(10).hit_chunks == 1
+        finally:
+            link.close(unregister_timeout_s=2)
+        deadline = time.monotonic() + 10
+        while c.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)  # releases are sent without waiting
+        assert c.stats().leases == 0
