@@ -220,3 +220,30 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
         while c.stats().leases and time.monotonic() < deadline:
             time.sleep(0.05)  # releases are sent without waiting
         assert c.stats().leases == 0
+
+
+def test_a_lookup_batch_is_answered_once_and_calls_back_once() -> None:
+    """The connector's answers of one batch (``plans.LookupBatch``): not done, then all
+    done together; the first ``set`` counts; a callback added before the answers runs
+    once when they come, one added after runs at once; an error fails every lookup."""
+    from lmc_server.integration.plans import LookupAnswer, LookupBatch
+
+    batch = LookupBatch()
+    first, second = batch.answer(0), batch.answer(1)
+    assert not first.done()
+    with pytest.raises(TimeoutError):
+        first.exception(0.01)
+    seen: list[object] = []
+    first.add_done_callback(seen.append)
+    batch.set([LookupAnswer(2, 5, 30.0), LookupAnswer(0, 0, 0.0)])
+    batch.set(error=ConnectionError("late"))  # ignored: already answered
+    assert seen == [first] and first.done() and second.done()
+    assert first.result(0) == LookupAnswer(2, 5, 30.0) and second.exception() is None
+    assert second.result().hit_chunks == 0
+    second.add_done_callback(seen.append)
+    assert seen == [first, second]
+    failed = LookupBatch()
+    failed.set(error=ConnectionError("lost"))
+    assert isinstance(failed.answer(0).exception(), ConnectionError)
+    with pytest.raises(ConnectionError):
+        failed.answer(1).result()

@@ -93,7 +93,8 @@ class _BatchAnswer:
         return self.batch._event.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self.batch._event.wait(timeout):
+        event = self.batch._event
+        if not event.is_set() and not event.wait(timeout):  # is_set: no lock when done
             raise TimeoutError("lookup not answered yet")
         return self.batch._error
 
