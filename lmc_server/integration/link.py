@@ -9,7 +9,9 @@ Batches and back-pressure. :meth:`ServerLink.store_batch` and
 :meth:`ServerLink.retrieve_batch` carry the chunks of many engine requests in one
 server request (chunk digests are independent keys; a batched retrieve names where
 each prefix ends, so sliding windows are read at every request's end), split only
-where the server's ``max_chunks_per_request`` or frame limit requires. At most
+where the server's ``max_chunks_per_request`` or frame limit requires, and retrieves
+also at :data:`LOAD_PART_CHUNKS` (a reply comes when its whole request is done, so
+the loads of one busy step finish part by part, not all at the last). At most
 ``max_inflight`` stores and retrieves are in flight on the connection (below the
 server's per-client limit); more wait in a queue, and a ``busy`` refusal is retried
 until ``timeout_s``. A transfer therefore fails only for a reason that persists:
@@ -73,6 +75,13 @@ DEFAULT_MAX_INFLIGHT = 16
 #: probes (:meth:`ServerLink._fail_if_restarted`).
 PROBE_TIMEOUT_S = 0.5
 PROBE_INTERVAL_S = 0.05
+
+#: Most chunks of one retrieve request, where several requests' loads share it (one
+#: request's load is never split). A server request is answered once, when all its
+#: chunks are in: a step that starts 256 loads would otherwise report none finished
+#: before the last; parts this size finish one after another, up to ``max_inflight``
+#: copying at once (32 chunks of a Llama-3-8B-like cache: 1 GiB, docs/benchmarks.md).
+LOAD_PART_CHUNKS = 32
 
 #: Refusals that mean "the server does not know this connection or registration".
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
@@ -345,14 +354,18 @@ class ServerLink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BUSY_RETRY_MAX_S)
 
-    def _split(self, items: Sequence[Item], with_events: bool = False) -> list[list[int]]:
+    def _split(self, items: Sequence[Item], with_events: bool = False,
+               cap_chunks: int | None = None) -> list[list[int]]:
         """Item indices per server request: in order, within the server's limits (a
-        chunk's event fields are at most 12 bytes per token and 8 more)."""
+        chunk's event fields are at most 12 bytes per token and 8 more) and at most
+        ``cap_chunks`` chunks, except where one item alone has more (an item is never
+        split)."""
         ids_per_chunk = sum(self.reg.blocks_per_chunk(g) for g in self.reg.groups)
         chunk_bytes = DIGEST_BYTES + 4 * ids_per_chunk
         if with_events:
             chunk_bytes += 12 * self.reg.chunk_size + 8
-        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes))
+        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes,
+                                cap_chunks or self.max_chunks))
         out: list[list[int]] = []
         n = 0
         for i, (digests, _) in enumerate(items):
@@ -401,7 +414,8 @@ class ServerLink:
             try:
                 if ready is not None:
                     await asyncio.get_running_loop().run_in_executor(None, ready)
-                await asyncio.gather(*(one(p) for p in self._split(items, bool(events))),
+                cap = LOAD_PART_CHUNKS if op == "retrieve" else None
+                await asyncio.gather(*(one(p) for p in self._split(items, bool(events), cap)),
                                      return_exceptions=True)
             finally:
                 for f in futs:
