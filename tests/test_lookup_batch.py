@@ -83,8 +83,8 @@ def test_a_batch_answers_what_single_lookups_answer_each_with_its_own_lease(
     assert after.leases - before.leases == 4
     assert after.counters.lookups - before.counters.lookups == 5  # each one a lookup
     assert after.counters.leases_taken - before.counters.leases_taken == 4
-    assert after.counters.requests.get("lookupbatch:ok", 0) \
-        - before.counters.requests.get("lookupbatch:ok", 0) == 1
+    assert after.counters.requests.get("lookup_batch:ok", 0) \
+        - before.counters.requests.get("lookup_batch:ok", 0) == 1
     # each lease goes back alone, exactly once
     assert c.release(held[0]) and not c.release(held[0])
     assert c.stats().leases == after.leases - 1
@@ -196,13 +196,13 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
         link = ServerLink(srv.endpoint, timeout_s=10)
         try:
             link.register(**kv.register_kwargs(buffers=[]))
-            before = c.stats().counters.requests.get("lookupbatch:ok", 0)
+            before = c.stats().counters.requests.get("lookup_batch:ok", 0)
             pending = link.lookup_batch([*prefixes, b""])
             answers = [p.result(10) for p in pending]
             assert [a.hit_chunks for a in answers] == [1 if i % 3 == 0 else 0
                                                      for i in range(600)] + [0]
             assert all(bool(a.lease_id) == bool(a.hit_chunks) for a in answers)
-            assert c.stats().counters.requests["lookupbatch:ok"] - before == 2
+            assert c.stats().counters.requests["lookup_batch:ok"] - before == 2
             assert c.stats().leases == 200
             for a in answers:
                 if a.lease_id:

@@ -1,7 +1,7 @@
 """Request handlers: one method per message type, typed request in, typed reply out.
 
-Control requests (hello, register, lookup, release, ping, stats, clear) run to
-completion on the event-loop thread. Store and retrieve do their bookkeeping on the
+Control requests (hello, register, lookup, lookup_batch, release, ping, stats, clear)
+run to completion on the event-loop thread. Store and retrieve do their bookkeeping on the
 loop, hand the copy to the engine (``submit``: planned and launched here, completed on
 the engine's threads, one wake-up back through a :class:`Completion`), and finish the
 bookkeeping on the loop again, so the index is only ever touched from one thread. A

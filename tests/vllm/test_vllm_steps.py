@@ -109,8 +109,8 @@ def test_lookups_of_one_step_go_out_as_one_request(
             e.run([f"b{i}" for i in range(n)])
             after = c.stats().counters
         sent = {k: after.requests.get(k, 0) - before.requests.get(k, 0)
-                for k in ("lookupbatch:ok", "lookup:ok")}
-        assert sent == {"lookupbatch:ok": 1, "lookup:ok": 0}, sent
+                for k in ("lookup_batch:ok", "lookup:ok")}
+        assert sent == {"lookup_batch:ok": 1, "lookup:ok": 0}, sent
         assert after.lookups - before.lookups == n
         assert e.connector.planner.lookups_answered_at_once == n
         assert not e.failed and len(e.finished) == n
