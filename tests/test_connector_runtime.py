@@ -215,7 +215,8 @@ def test_fence_timeout_aborts_the_store(srv: ServerProcess) -> None:
 
 def test_hundred_requests_hit_in_one_step(srv: ServerProcess) -> None:
     """Defect 2. 120 requests store in one step and 120 load in one step: one batched
-    store and one batched retrieve, no ``busy``, every load succeeds byte-exact."""
+    store and batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (4), no
+    ``busy``, every load succeeds byte-exact."""
     n = 120
     with ShmKV(simple_model(num_blocks=34 * n + 8, layers=2, bytes_per_token=32)) as kv:
         kv.fill_random(3)

@@ -196,6 +196,11 @@ class AsyncClient:
                      lease: bool = True) -> m.LookupResult:
         return await self._run(self._b.lookup(reg, digests, salt, lease))
 
+    async def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes],
+                           salt: bytes = b"", lease: bool = True) -> list[m.LookupResult]:
+        """One lookup per prefix in one request (see ``m.LookupBatch``)."""
+        return await self._run(self._b.lookup_batch(reg, prefixes, salt, lease))
+
     async def release(self, lease_id: int) -> bool:
         return await self._run(self._b.release(lease_id))
 

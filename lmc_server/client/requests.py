@@ -129,6 +129,16 @@ class RequestBuilder:
         return Call(m.Lookup(req_id=next(self._ids), registration_id=reg.registration_id,
                              digests=digests, salt=salt, lease=lease), m.LookupResult, _same)
 
+    def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"",
+                     lease: bool = True) -> Call[list[m.LookupResult]]:
+        """One lookup per prefix (each its own chunks' digests) in one request
+        (``m.LookupBatch``); the answers in order, each as :meth:`lookup` gives it."""
+        ends = np.cumsum([len(p) // DIGEST_BYTES for p in prefixes], dtype=np.int64)
+        msg = m.LookupBatch(req_id=next(self._ids), registration_id=reg.registration_id,
+                            digests=b"".join(prefixes), salt=salt, lease=lease,
+                            prefix_ends=ends.astype("<i4").tobytes())
+        return Call(msg, m.LookupBatchResult, _lookup_results)
+
     def release(self, lease_id: int) -> Call[bool]:
         return Call(m.Release(req_id=next(self._ids), lease_id=lease_id), m.Released,
                     _released)
@@ -174,6 +184,22 @@ class RequestBuilder:
 
 def _hit_chunks(reply: m.ProbeResult) -> list[int]:
     return np.frombuffer(reply.hit_chunks, dtype="<i4").tolist()
+
+
+def _lookup_results(reply: m.LookupBatchResult) -> list[m.LookupResult]:
+    """One :class:`m.LookupResult` per lookup of the batch; a reply whose arrays
+    disagree in length raises ``ValueError``."""
+    hits = np.frombuffer(reply.hit_chunks, dtype="<i4").tolist()
+    leases = np.frombuffer(reply.lease_ids, dtype="<u8").tolist()
+    pending = (np.frombuffer(reply.l2_pending_chunks, dtype="<i4").tolist()
+               if reply.l2_pending_chunks else [0] * len(hits))
+    if not len(hits) == len(leases) == len(pending):
+        raise ValueError(f"lookup_batch_result of {len(hits)} hits, {len(leases)} leases "
+                         f"and {len(pending)} pending counts")
+    return [m.LookupResult(req_id=reply.req_id, hit_chunks=h, lease_id=lid,
+                           lease_ttl_s=reply.lease_ttl_s if lid else 0.0,
+                           l2_pending_chunks=p)
+            for h, lid, p in zip(hits, leases, pending, strict=True)]
 
 
 def _nothing(reply: m._Msg) -> None:

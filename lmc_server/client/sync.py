@@ -130,6 +130,11 @@ class Client:
                lease: bool = True) -> m.LookupResult:
         return self._run(self._b.lookup(reg, digests, salt, lease))
 
+    def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"",
+                     lease: bool = True) -> list[m.LookupResult]:
+        """One lookup per prefix in one request (see ``m.LookupBatch``)."""
+        return self._run(self._b.lookup_batch(reg, prefixes, salt, lease))
+
     def release(self, lease_id: int) -> bool:
         return self._run(self._b.release(lease_id))
 

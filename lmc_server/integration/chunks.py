@@ -99,9 +99,10 @@ class ChunkGeometry:
         if have == n_chunks:
             return known[:n_chunks * DIGEST_BYTES]
         seed = {"seed": known[(have - 1) * DIGEST_BYTES:have * DIGEST_BYTES]} if have else {}
+        # bytes.join takes the hashes as they are (bytes-like): no copy of each one
         return known[:have * DIGEST_BYTES] + hash_chain(
-            (b"".join(map(bytes, block_hashes[k * per:(k + 1) * per]))
-             for k in range(have, n_chunks)), **seed)
+            [b"".join(block_hashes[k * per:(k + 1) * per]) for k in range(have, n_chunks)],
+            **seed)
 
     def store_events(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                      first_chunk: int, n_chunks: int) -> StoreEvents:

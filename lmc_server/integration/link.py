@@ -9,11 +9,18 @@ Batches and back-pressure. :meth:`ServerLink.store_batch` and
 :meth:`ServerLink.retrieve_batch` carry the chunks of many engine requests in one
 server request (chunk digests are independent keys; a batched retrieve names where
 each prefix ends, so sliding windows are read at every request's end), split only
-where the server's ``max_chunks_per_request`` or frame limit requires. At most
+where the server's ``max_chunks_per_request`` or frame limit requires, and retrieves
+also at :data:`LOAD_PART_CHUNKS` (a reply comes when its whole request is done, so
+the loads of one busy step finish part by part, not all at the last). At most
 ``max_inflight`` stores and retrieves are in flight on the connection (below the
 server's per-client limit); more wait in a queue, and a ``busy`` refusal is retried
 until ``timeout_s``. A transfer therefore fails only for a reason that persists:
 never because the connection was momentarily full.
+
+:meth:`ServerLink.lookup_batch` sends the lookups of many engine requests as one
+``lookup_batch`` request (each answered as a lookup, with a lease of its own), so the
+link's thread encodes, sends and reads one message per scheduler step, not one per
+request.
 
 A restarted server. The server forgets registrations when it restarts (or drops a
 session it thought dead); zmq reconnects the socket by itself and the next request is
@@ -51,7 +58,7 @@ from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import BlockIds, ChunkResult, Registration, ServerError
-from lmc_server.integration.plans import LookupAnswer
+from lmc_server.integration.plans import LookupAnswer, LookupBatch, PendingLookup
 from lmc_server.protocol.messages import StoreEvents
 
 logger = logging.getLogger(__name__)
@@ -69,8 +76,12 @@ DEFAULT_MAX_INFLIGHT = 16
 PROBE_TIMEOUT_S = 0.5
 PROBE_INTERVAL_S = 0.05
 
-#: Lookups of one batch sent before the link reads the answers that came meanwhile.
-LOOKUP_GROUP = 8
+#: Most chunks of one retrieve request, where several requests' loads share it (one
+#: request's load is never split). A server request is answered once, when all its
+#: chunks are in: a step that starts 256 loads would otherwise report none finished
+#: before the last; parts this size finish one after another, up to ``max_inflight``
+#: copying at once (32 chunks of a Llama-3-8B-like cache: 1 GiB, docs/benchmarks.md).
+LOAD_PART_CHUNKS = 32
 
 #: Refusals that mean "the server does not know this connection or registration".
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
@@ -239,48 +250,65 @@ class ServerLink:
 
     # -- LookupService ------------------------------------------------------------------
 
-    async def _lookup(self, digests: bytes) -> LookupAnswer:
-        r = await self._request("lookup", digests, lease=True)
-        return LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
-                            l2_pending_chunks=r.l2_pending_chunks)
-
-    def lookup(self, digests: bytes) -> Future[LookupAnswer]:
+    def lookup(self, digests: bytes) -> PendingLookup:
         return self.lookup_batch([digests])[0]
 
-    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
-        """One lookup per prefix, all sent from one hop onto the link's thread (the
-        caller's cost does not grow with a hop per request); one future each. They go
-        out in order, :data:`LOOKUP_GROUP` at a time with the answers read in between,
-        so the first answers (the requests the scheduler visits first) do not wait
-        behind every send."""
-        futs: list[Future[LookupAnswer]] = [Future() for _ in prefixes]
-        for f in futs:
-            f.set_running_or_notify_cancel()
+    def _lookup_parts(self, prefixes: Sequence[bytes]) -> list[list[int]]:
+        """Indices of the non-empty prefixes per ``lookup_batch`` request: in order,
+        each request within the server's chunk and frame limits."""
+        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
+        out: list[list[int]] = []
+        n = max_chunks
+        for i, digests in enumerate(prefixes):
+            k = len(digests) // DIGEST_BYTES
+            if not k:
+                continue
+            if n + k > max_chunks:
+                out.append([])
+                n = 0
+            out[-1].append(i)
+            n += k
+        return out
 
-        async def one(digests: bytes, fut: Future[LookupAnswer]) -> None:
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[PendingLookup]:
+        """One lookup per prefix, sent as ``lookup_batch`` requests (one unless the
+        server's limits split them) from one hop onto the link's thread: neither the
+        caller nor the link's thread pays a message per lookup. The answers of one
+        request are set together (:class:`LookupBatch`). A prefix of no chunks is
+        answered at once (no hit, no lease)."""
+        empty = LookupBatch()
+        empty.set([LookupAnswer(0, 0, 0.0)])
+        parts = self._lookup_parts(prefixes)
+        batches = [LookupBatch() for _ in parts]
+        where: list[PendingLookup | None] = [None] * len(prefixes)
+        for b, part in zip(batches, parts, strict=True):
+            for j, i in enumerate(part):
+                where[i] = b.answer(j)
+        out = [w if w is not None else empty.answer(0) for w in where]
+
+        async def one(batch: LookupBatch, part: list[int]) -> None:
             try:
-                fut.set_result(await self._lookup(digests))
+                results = await self._request("lookup_batch", [prefixes[i] for i in part],
+                                              lease=True)
+                if len(results) != len(part):
+                    raise ServerError("bad_request", f"{len(results)} answers to a batch of "
+                                      f"{len(part)} lookups")
             except Exception as e:
-                fut.set_exception(e)
+                batch.set(error=e)
+                return
+            batch.set([LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
+                                    l2_pending_chunks=r.l2_pending_chunks) for r in results])
 
         async def run() -> None:
-            tasks = []
             try:
-                for i in range(0, len(prefixes), LOOKUP_GROUP):
-                    if i:  # let the reader take the answers that came meanwhile
-                        await asyncio.sleep(0)
-                    tasks += [asyncio.ensure_future(one(d, f)) for d, f in
-                              zip(prefixes[i:i + LOOKUP_GROUP], futs[i:i + LOOKUP_GROUP],
-                                  strict=True)]
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*(one(b, p) for b, p in zip(batches, parts, strict=True)))
             finally:
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(ConnectionError("lookup did not run"))
+                for b in batches:  # cancelled with the link: nothing set above
+                    b.set(error=ConnectionError("lookup did not run"))
 
-        if prefixes:
+        if parts:
             self.submit(run())
-        return futs
+        return out
 
     def release(self, lease_id: int) -> None:
         """Give a lease back, without waiting. Releases asked for together (one engine
@@ -326,14 +354,18 @@ class ServerLink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BUSY_RETRY_MAX_S)
 
-    def _split(self, items: Sequence[Item], with_events: bool = False) -> list[list[int]]:
+    def _split(self, items: Sequence[Item], with_events: bool = False,
+               cap_chunks: int | None = None) -> list[list[int]]:
         """Item indices per server request: in order, within the server's limits (a
-        chunk's event fields are at most 12 bytes per token and 8 more)."""
+        chunk's event fields are at most 12 bytes per token and 8 more) and at most
+        ``cap_chunks`` chunks, except where one item alone has more (an item is never
+        split)."""
         ids_per_chunk = sum(self.reg.blocks_per_chunk(g) for g in self.reg.groups)
         chunk_bytes = DIGEST_BYTES + 4 * ids_per_chunk
         if with_events:
             chunk_bytes += 12 * self.reg.chunk_size + 8
-        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes))
+        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes,
+                                cap_chunks or self.max_chunks))
         out: list[list[int]] = []
         n = 0
         for i, (digests, _) in enumerate(items):
@@ -382,7 +414,8 @@ class ServerLink:
             try:
                 if ready is not None:
                     await asyncio.get_running_loop().run_in_executor(None, ready)
-                await asyncio.gather(*(one(p) for p in self._split(items, bool(events))),
+                cap = LOAD_PART_CHUNKS if op == "retrieve" else None
+                await asyncio.gather(*(one(p) for p in self._split(items, bool(events), cap)),
                                      return_exceptions=True)
             finally:
                 for f in futs:

@@ -15,7 +15,7 @@ request of the engine the time waited. :class:`StepLookups` takes the middle roa
 * a lookup whose request is gone has its lease released as soon as the answer comes,
   on the link's thread: an idle engine takes no further step that could do it.
 
-Pure bookkeeping over :class:`~lmc_server.integration.plans.LookupService` futures;
+Pure bookkeeping over :class:`~lmc_server.integration.plans.LookupService` answers;
 the planner (:mod:`lmc_server.integration.planning`) decides what to look up.
 """
 
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
-from typing import Protocol
+from typing import Any, Protocol
 
-from lmc_server.integration.plans import LookupAnswer, LookupService
+from lmc_server.integration.plans import LookupService, PendingLookup
 
 
 class Queued(Protocol):
@@ -35,7 +33,7 @@ class Queued(Protocol):
 
     queued: bool
     ended: bool
-    lookup: Future[LookupAnswer] | None
+    lookup: PendingLookup | None
 
 
 class StepLookups:
@@ -69,16 +67,19 @@ class StepLookups:
         for r, fut in zip(reqs, futs, strict=True):
             r.lookup, r.queued = fut, False
 
-    def send(self, digests: bytes) -> Future[LookupAnswer]:
+    def send(self, digests: bytes) -> PendingLookup:
         """One lookup now (a request looked up again: preempted, lease refresh)."""
         return self.service.lookup_batch([digests])[0]
 
-    def wait(self, fut: Future[LookupAnswer]) -> None:
+    def wait(self, fut: PendingLookup) -> None:
         """Wait for ``fut`` while this step's budget lasts."""
         if fut.done() or self._left_s <= 0:
             return
         t0 = time.perf_counter()
-        wait_futures([fut], timeout=self._left_s)
+        try:
+            fut.exception(self._left_s)
+        except TimeoutError:
+            pass
         waited_s = time.perf_counter() - t0
         self._left_s = max(0.0, self._left_s - waited_s)
         self.waited_s += waited_s
@@ -88,9 +89,9 @@ class StepLookups:
         self.flush(digests)
         self._left_s = self.wait_s
 
-    def release_when_answered(self, fut: Future[LookupAnswer]) -> None:
+    def release_when_answered(self, fut: PendingLookup) -> None:
         """Release the lease of ``fut``'s answer when it comes (its request is gone)."""
-        def release(done: Future[LookupAnswer]) -> None:
+        def release(done: Any) -> None:
             if done.exception() is None and done.result().lease_id:
                 self.service.release(done.result().lease_id)
 

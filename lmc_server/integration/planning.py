@@ -49,7 +49,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from lmc_server.cache.keys import DIGEST_BYTES
@@ -59,6 +58,7 @@ from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
     LookupService,
+    PendingLookup,
     ScheduledRequest,
     StepPlan,
     StoreSpec,
@@ -86,7 +86,7 @@ class _Request:
     #: the request's tokens (the engine's live list) when its stores carry KV-event
     #: fields, else None
     token_ids: Sequence[int] | None = None
-    lookup: Future[LookupAnswer] | None = None
+    lookup: PendingLookup | None = None
     #: chunk digests computed so far (a prefix of the request's; they never change)
     digests: bytes = b""
     #: a lookup waits to go out with the others of this step (:class:`StepLookups`)

@@ -1,7 +1,8 @@
 """What scheduler-side planning exchanges with the rest of the connector.
 
 In: :class:`ScheduledRequest` (what the adapter reads from the engine each step) and
-:class:`LookupAnswer` (the server's answer, through a :class:`LookupService`). Out:
+:class:`LookupAnswer` (the server's answer, through a :class:`LookupService`, as a
+:class:`PendingLookup` until it comes). Out:
 :class:`StepPlan`, the loads and stores the workers run in one engine step
 (:mod:`lmc_server.integration.worker`). Plain values, so the planner, the link and the
 workers depend on these and not on each other.
@@ -9,10 +10,10 @@ workers depend on these and not on each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,12 +30,94 @@ class LookupAnswer:
     l2_pending_chunks: int = 0
 
 
+class PendingLookup(Protocol):
+    """A lookup's answer to come: the part of :class:`concurrent.futures.Future` the
+    planner uses (a ``Future[LookupAnswer]`` is one). ``exception(timeout)`` waits at
+    most ``timeout`` and raises ``TimeoutError`` if the answer has not come."""
+
+    def done(self) -> bool: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+    def result(self, timeout: float | None = None) -> LookupAnswer: ...
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
+
+
+class LookupBatch:
+    """The answers of one batch of lookups, set together by the thread that read them
+    (:meth:`set`); :meth:`answer` is lookup ``i``'s :class:`PendingLookup`.
+
+    Why not one ``Future`` per lookup: a step that takes 256 arrivals would build and
+    read 256 of them on the scheduler thread (a lock and a condition each) and resolve
+    256 on the link's thread; one event per batch costs the same for 1 or 256.
+    Invariants: the batch is set exactly once (answers or one error for all); a
+    callback added before runs once on the setting thread, one added after runs at once.
+    """
+
+    __slots__ = ("_answers", "_callbacks", "_error", "_event", "_lock")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._answers: Sequence[LookupAnswer] = ()
+        self._error: BaseException | None = None
+        self._callbacks: list[tuple[Callable[[Any], object], _BatchAnswer]] = []
+
+    def answer(self, i: int) -> PendingLookup:
+        return _BatchAnswer(self, i)
+
+    def set(self, answers: Sequence[LookupAnswer] = (),
+            error: BaseException | None = None) -> None:
+        """Every answer (in order), or ``error`` for all of them; only the first call
+        counts."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._answers, self._error = answers, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn, pending in callbacks:
+            fn(pending)
+
+
+class _BatchAnswer:
+    """Lookup ``i`` of a :class:`LookupBatch`."""
+
+    __slots__ = ("batch", "i")
+
+    def __init__(self, batch: LookupBatch, i: int) -> None:
+        self.batch, self.i = batch, i
+
+    def done(self) -> bool:
+        return self.batch._event.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        event = self.batch._event
+        if not event.is_set() and not event.wait(timeout):  # is_set: no lock when done
+            raise TimeoutError("lookup not answered yet")
+        return self.batch._error
+
+    def result(self, timeout: float | None = None) -> LookupAnswer:
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self.batch._answers[self.i]
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None:
+        with self.batch._lock:
+            if not self.batch._event.is_set():
+                self.batch._callbacks.append((fn, self))
+                return
+        fn(self)
+
+
 class LookupService(Protocol):
     """The scheduler's link to the server (a lookup-only registration)."""
 
-    def lookup(self, digests: bytes) -> Future[LookupAnswer]: ...
+    def lookup(self, digests: bytes) -> PendingLookup: ...
 
-    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]: ...
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> Sequence[PendingLookup]: ...
 
     def release(self, lease_id: int) -> None: ...
 

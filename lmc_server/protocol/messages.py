@@ -65,6 +65,24 @@ class Lookup(_Msg, frozen=True, tag="lookup"):
     lease: bool = True
 
 
+class LookupBatch(_Msg, frozen=True, tag="lookup_batch"):
+    """Many lookups in one request (one per engine request of a scheduler step).
+
+    ``digests`` and ``prefix_ends`` as in :class:`Retrieve`: chunks ``ends[i-1]..ends[i]``
+    are lookup ``i``'s digests (chunks 0..n-1 of its prompt, chained from zero); the
+    batch is bounded like one request (``max_chunks_per_request`` in all). Each lookup
+    is answered exactly as :class:`Lookup` would answer it, with a lease of its own;
+    ``salt`` applies to every one. The whole batch is checked before the first lease
+    is taken: a refused batch pins nothing.
+    """
+
+    registration_id: bytes
+    digests: bytes
+    prefix_ends: bytes = b""
+    salt: bytes = b""
+    lease: bool = True
+
+
 class Release(_Msg, frozen=True, tag="release"):
     lease_id: int
 
@@ -145,8 +163,8 @@ class Probe(_Msg, frozen=True, tag="probe"):
     prefix_ends: bytes = b""
 
 
-Request = (Hello | Register | Unregister | Lookup | Release | Store | Retrieve | Ping | Stats
-           | Clear | Probe)
+Request = (Hello | Register | Unregister | Lookup | LookupBatch | Release | Store | Retrieve
+           | Ping | Stats | Clear | Probe)
 
 # -- replies ----------------------------------------------------------------------------
 
@@ -192,6 +210,21 @@ class LookupResult(_Msg, frozen=True, tag="lookup_result", omit_defaults=True):
     l2_pending_chunks: int = 0
 
 
+class LookupBatchResult(_Msg, frozen=True, tag="lookup_batch_result", omit_defaults=True):
+    """Per lookup of the batch, in order: ``hit_chunks`` (int32 LE) and ``lease_ids``
+    (uint64 LE, 0: no lease taken), as :class:`LookupResult` gives them for one.
+
+    ``lease_ttl_s``: every lease's TTL (0.0 when none was taken).
+    ``l2_pending_chunks``: int32 LE per lookup as in :class:`LookupResult`; omitted
+    (empty) when 0 for every lookup (always, without an L2 tier).
+    """
+
+    hit_chunks: bytes
+    lease_ids: bytes
+    lease_ttl_s: float = 0.0
+    l2_pending_chunks: bytes = b""
+
+
 class Released(_Msg, frozen=True, tag="released"):
     released: bool
 
@@ -231,5 +264,5 @@ class Error(_Msg, frozen=True, tag="error"):
     message: str
 
 
-Reply = (Welcome | Registered | Unregistered | LookupResult | Released | StoreResult
-         | RetrieveResult | Pong | StatsResult | Cleared | ProbeResult | Error)
+Reply = (Welcome | Registered | Unregistered | LookupResult | LookupBatchResult | Released
+         | StoreResult | RetrieveResult | Pong | StatsResult | Cleared | ProbeResult | Error)

@@ -43,7 +43,8 @@ PRE_HELLO_MESSAGES = 16
 #: :class:`Handlers` method named by the message's tag (its wire name, also the ``op``
 #: label of the request metrics), bound once in :meth:`Dispatcher.attach`.
 SYNC_REQUESTS: tuple[type, ...] = (
-    m.Hello, m.Register, m.Unregister, m.Lookup, m.Release, m.Ping, m.Clear, m.Probe)
+    m.Hello, m.Register, m.Unregister, m.Lookup, m.LookupBatch, m.Release, m.Ping, m.Clear,
+    m.Probe)
 #: Requests that copy: checked at once (:meth:`Handlers.data_request`), then run as a task.
 DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
 

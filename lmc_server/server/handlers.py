@@ -1,7 +1,7 @@
 """Request handlers: one method per message type, typed request in, typed reply out.
 
-Control requests (hello, register, lookup, release, ping, stats, clear) run to
-completion on the event-loop thread. Store and retrieve do their bookkeeping on the
+Control requests (hello, register, lookup, lookup_batch, release, ping, stats, clear)
+run to completion on the event-loop thread. Store and retrieve do their bookkeeping on the
 loop, hand the copy to the engine (``submit``: planned and launched here, completed on
 the engine's threads, one wake-up back through a :class:`Completion`), and finish the
 bookkeeping on the loop again, so the index is only ever touched from one thread. A
@@ -204,6 +204,35 @@ class Handlers:
         return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
                               lease_id=lease.lease_id if lease else 0,
                               lease_ttl_s=ttl if lease else 0.0, l2_pending_chunks=pending)
+
+    def lookup_batch(self, session: Session, msg: m.LookupBatch) -> m.LookupBatchResult:
+        """Each prefix of the batch looked up as :meth:`lookup` does, with its own lease.
+        Everything is checked (registration, chunk count, ``prefix_ends``, salt) before
+        the first lease is taken, so a refused batch pins nothing."""
+        reg = self._registration(session, msg)
+        n = chunk_count(msg.digests, self.limits, msg.req_id)
+        ends = prefix_ends(msg.prefix_ends, n, msg.req_id) if n or msg.prefix_ends else []
+        try:
+            keys = self.index.keys(reg.view, msg.digests, msg.salt)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+        ttl, now_s = self.config.lease_ttl_s, self.clock()
+        hits, lease_ids, pending = [], [], []
+        lo = 0
+        for hi in ends:
+            part, lo = keys[lo:hi], hi
+            hit, lease = self.index.lookup(reg.view, part, session.sid, ttl, now_s,
+                                           take_lease=msg.lease)
+            hits.append(hit)
+            lease_ids.append(lease.lease_id if lease else 0)
+            pending.append(self.l2.on_lookup(reg.view, reg.namespace, part, hit)
+                           if self.l2 is not None and hit < len(part) else 0)
+        return m.LookupBatchResult(
+            req_id=msg.req_id, hit_chunks=np.asarray(hits, dtype="<i4").tobytes(),
+            lease_ids=np.asarray(lease_ids, dtype="<u8").tobytes(),
+            lease_ttl_s=ttl if any(lease_ids) else 0.0,
+            l2_pending_chunks=np.asarray(pending, dtype="<i4").tobytes() if any(pending)
+            else b"")
 
     def probe(self, session: Session, msg: m.Probe) -> m.ProbeResult:
         """Hit chunks per prompt for a router (see ``m.Probe``): no lease, no touch."""

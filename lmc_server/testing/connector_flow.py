@@ -29,7 +29,7 @@ import numpy as np
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.exporters import TensorExporter
 from lmc_server.integration.kvlayout import RegistrationPlan, derive_registration
-from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link import LOAD_PART_CHUNKS, ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LoadSpec, ScheduledRequest, StepPlan
 from lmc_server.integration.worker import (
@@ -256,8 +256,10 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
                        ready: Callable[[], None] | None = None,
                        timeout_s: float = 60.0) -> None:
     """``n_requests`` requests store in one step, then ``n_requests`` others hit in one
-    step: one batched store and one batched retrieve on the worker's connection (the
-    server counts them), every load succeeds and writes exactly the stored pages.
+    step: one batched store, and batched retrieves of at most
+    :data:`~lmc_server.integration.link.LOAD_PART_CHUNKS` chunks each, on the worker's
+    connection (the server counts them); every load succeeds and writes exactly the
+    stored pages.
 
     ``kv`` is a :class:`~lmc_server.testing.kv.ShmKV` or
     :class:`~lmc_server.testing.cuda_kv.CudaKV` of a full-attention geometry with 16
@@ -334,7 +336,8 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
         work.close()
     with Client(endpoint) as c:
         after = dict(c.stats().counters.requests)
-    for op in ("store", "retrieve"):
+    parts = -(-n_requests // LOAD_PART_CHUNKS)  # loads of one chunk each
+    for op, want in (("store", 1), ("retrieve", parts)):
         sent = after.get(f"{op}:ok", 0) - before.get(f"{op}:ok", 0)
-        assert sent == 1, f"{n_requests} requests took {sent} {op} requests, not one"
+        assert sent == want, f"{n_requests} requests took {sent} {op} requests, not {want}"
     assert not any(k.endswith(":busy") for k in after), after

@@ -145,7 +145,8 @@ def test_second_worker_process_loads_replicated_kv(cuda_server: ServerProcess) -
 
 def test_batched_step_of_many_requests_on_gpu(cuda_server: ServerProcess) -> None:
     """120 requests store in one step and 120 hit in one step, on GPU memory exported
-    as IPC handles: one batched store and one batched retrieve, no ``busy``, every
+    as IPC handles: one batched store and batched retrieves of at most
+    ``LOAD_PART_CHUNKS`` chunks, no ``busy``, every
     load byte-exact (the CPU twin: tests/test_connector_runtime.py)."""
     from lmc_server.client.cuda import stream_done
     from lmc_server.testing.connector_flow import check_batched_step

@@ -88,3 +88,32 @@ def test_scheduler_waits_at_most_the_bound_per_step(
         e.assert_no_wrong_bytes()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_lookups_of_one_step_go_out_as_one_request(
+        srv: ServerProcess, tmp_model: Path, async_scheduling: bool) -> None:
+    """256 requests arrive before one step: their lookups reach the server as one
+    ``lookup_batch`` request (one message, 256 lookups), every answer is in at its
+    request's first question (no "ask again"), and every request is served right."""
+    from lmc_server.client import Client
+
+    n = 256
+    e = engine(srv, tmp_model, "plain", extra=BOUNDS, num_blocks=n * 50,
+               max_num_batched_tokens=8192, async_scheduling=async_scheduling)
+    try:
+        with Client(srv.endpoint) as c:
+            before = c.stats().counters
+            for i in range(n):
+                e.add(f"b{i}", prompt(2000 + i, 600), max_tokens=1)
+            e.run([f"b{i}" for i in range(n)])
+            after = c.stats().counters
+        sent = {k: after.requests.get(k, 0) - before.requests.get(k, 0)
+                for k in ("lookup_batch:ok", "lookup:ok")}
+        assert sent == {"lookup_batch:ok": 1, "lookup:ok": 0}, sent
+        assert after.lookups - before.lookups == n
+        assert e.connector.planner.lookups_answered_at_once == n
+        assert not e.failed and len(e.finished) == n
+        e.assert_no_wrong_bytes()
+    finally:
+        e.close()
