@@ -132,7 +132,8 @@ def test_malformed_batches_are_refused_without_a_lease_and_the_server_serves_on(
             "past the digests": np.array([1, 3], "<i4").tobytes(),
             "not int32": b"\x01\x00\x00"}
     cases: list[tuple[dict[str, object], str, str]] = [
-        *(({"prefix_ends": e}, "bad_request", "prefix_ends") for e in ends.values()),
+        ({"prefix_ends": e}, "bad_request", "prefix_ends") for e in ends.values()]
+    cases += [
         ({"digests": two[:40], "prefix_ends": np.array([1], "<i4").tobytes()},
          "bad_request", "not a multiple of 32"),
         ({"salt": b"x" * 300}, "bad_request", "salt"),
@@ -140,6 +141,7 @@ def test_malformed_batches_are_refused_without_a_lease_and_the_server_serves_on(
         ({"prefix_ends": [1, 2]}, "bad_request", "invalid message"),  # wrong type
         ({"registration_id": b"r" * 16}, "unknown_registration", "no such registration"),
     ]
+    assert c.welcome is not None
     over = c.welcome.max_chunks_per_request + 1
     cases.append(({"digests": bytes(32 * over)}, "too_large", "chunks in one request"))
     before = c.stats()
@@ -165,6 +167,7 @@ def test_malformed_batches_are_refused_without_a_lease_and_the_server_serves_on(
 def test_an_oversized_batch_frame_is_refused_and_the_server_serves_on(
         setup: tuple[Client, Registration, ShmKV]) -> None:
     c, reg, kv = setup
+    assert c.welcome is not None
     limit = c.welcome.max_frame_bytes
     frame = encode(m.LookupBatch(req_id=78, registration_id=reg.registration_id,
                                  digests=bytes(32 * (limit // 32 + 1))))
