@@ -90,7 +90,7 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
                min_iters: int, device: int, json_path: str | None, plot_path: str | None,
                no_progress: bool, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
-    from lmc_server.bench import throughput as tp
+    from lmc_server.bench.throughput import run as tp
 
     cfg = tp.ThroughputConfig(
         backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
@@ -165,7 +165,7 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
            slab_size_mb: int, json_path: str | None, plot_path: str | None,
            no_progress: bool, **geometry: Any) -> None:
     """Token hit ratio per eviction policy on a trace vs infinite-cache and Belady bounds."""
-    from lmc_server.bench import replay as rp
+    from lmc_server.bench.traces import replay as rp
     from lmc_server.cache.eviction import POLICIES
 
     names = tuple(p.strip().upper() for p in policies.split(",") if p.strip())
@@ -232,9 +232,9 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
           **geometry: Any) -> None:
     """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
     a dead rank."""
-    from lmc_server.bench import ranks as rk
-    from lmc_server.bench.ranks_config import RanksConfig
-    from lmc_server.bench.ranks_table import table
+    from lmc_server.bench.ranks import run as rk
+    from lmc_server.bench.ranks.config import RanksConfig
+    from lmc_server.bench.ranks.table import table
 
     cfg = RanksConfig(mode=mode, backend=backend, ranks=ranks, chunks=chunks,
                       duration_s=duration_s,
@@ -249,7 +249,7 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
         raise click.UsageError(str(e)) from None
     emit(report, table(report), json_path)
     if plot_path:
-        from lmc_server.bench.ranks_plot import plot
+        from lmc_server.bench.ranks.plot import plot
 
         plot(report, plot_path)
     if not report.summary["ok"]:
@@ -297,10 +297,10 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
-    from lmc_server.bench import l2 as l2b
+    from lmc_server.bench.l2 import run as l2b
 
     if trace_path is not None:
-        from lmc_server.bench import l2replay
+        from lmc_server.bench.l2 import replay as l2replay
 
         src = click.get_current_context().get_parameter_source("layers")
         geo = GeometryArgs.pop(geometry)
@@ -312,7 +312,7 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
         emit(rep, l2replay.table(rep), json_path)
         return
     if disk_dir:
-        from lmc_server.bench import l2disk
+        from lmc_server.bench.l2 import disk as l2disk
 
         report = l2disk.run(l2disk.DiskBenchConfig(
             disk_dir=os.path.abspath(disk_dir), chunks=chunks, rounds=rounds,
@@ -365,7 +365,7 @@ def interference(engines: tuple[str, ...], copy_modes: tuple[str, ...], ops: tup
                  json_path: str | None,
                  plot_path: str | None, no_progress: bool, **geometry: Any) -> None:
     """The server's GB/s and the engine's loss with an engine computing on the same GPU."""
-    from lmc_server.bench import interference as itf
+    from lmc_server.bench.interference import run as itf
 
     report = itf.run(itf.InterferenceConfig(
         engines=engines, copy_modes=copy_modes, ops=ops, chunks=chunks, inflight=inflight,

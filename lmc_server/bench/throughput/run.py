@@ -17,14 +17,14 @@ process and the asyncio client:
 
 Bytes are what the server moves: a store copies whole objects, a retrieve copies the
 full-prefix sections of every chunk but sliding-window sections only for the chunks in
-the window. The raw copy of the same bytes (:mod:`lmc_server.bench.rawcopy`) is timed in
+the window. The raw copy of the same bytes (:mod:`lmc_server.bench.baselines.rawcopy`) is timed in
 the same run; ``ratio`` is ours / raw.
 
 Each row also says where the time went inside the server: the mean per request of the
 server's phases (``stats`` ``phases``: queue, prepare, submit, copy, hop_out, finish,
 docs/protocol.md) over the timed requests. ``srv ms`` is their sum and ``copy ms`` the
 engine call; the rest of ``p50 ms`` is the client, the sockets and the wake-ups between
-them. The timing loops are in :mod:`.throughput_timing`.
+them. The timing loops are in :mod:`.timing`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lmc_server.bench.common import (
     progress,
 )
 from lmc_server.bench.kvregions import Regions, max_blocks_per_chunk
-from lmc_server.bench.throughput_timing import Raw, Session, measure_batch
+from lmc_server.bench.throughput.timing import Raw, Session, measure_batch
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.process import ServerProcess
 
