@@ -6,25 +6,14 @@
 #    that scrape; the rules and the scrape config pass promtool;
 # 3. the server exits 0 on SIGTERM;
 # 4. `systemd-analyze verify` accepts deploy/lmcache-server.service.
-# Installs promtool (Debian's prometheus package) and systemd-analyze if missing (root).
+# Installs promtool and systemd-analyze if missing (.ci/install-ops-tools.sh).
 set -euo pipefail
 
 PY="${1:?usage: .ci/ops-checks.sh /path/to/venv/bin/python}"
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 
-missing=()
-command -v promtool >/dev/null || missing+=(prometheus)
-command -v systemd-analyze >/dev/null || missing+=(systemd)
-if ((${#missing[@]})); then
-    if [ "$(id -u)" != 0 ]; then
-        echo "ops-checks: need root to install ${missing[*]}" >&2
-        exit 1
-    fi
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+bash .ci/install-ops-tools.sh  # a no-op under .ci/run, which installed them already
 
 WORK="$(mktemp -d)"
 SERVER_PID=""

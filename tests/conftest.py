@@ -2,18 +2,28 @@
 
 GPU tests (marker ``gpu``) skip without CUDA and CuPy, and fail instead when
 ``LMC_REQUIRE_GPU=1`` (set on the GPU machine, so a broken CUDA setup cannot pass as
-skipped).
+skipped). Tests that run an outside command (marker ``needs_tool``) skip when it is
+not installed, and fail instead under ``CI=true``: CI installs every such command
+before pytest (.ci/run), so a missing one is a broken CI setup, not a skip.
+
+Every :class:`ServerProcess` a test starts is returned by ``start()`` with its pool
+prepared (``pool_ready_by_default``): a test that stores at once must not race the
+preparing thread on a loaded machine; a test of start-up itself passes
+``pool_ready=False``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
+
+ServerProcess.pool_ready_by_default = True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,6 +39,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs_tool"):
+        command, install = mark.args
+        if shutil.which(command) is not None:
+            continue
+        missing = f"{command} is not installed ({install})"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {missing}", pytrace=False)
+        pytest.skip(missing)
 
 
 @pytest.fixture(scope="module")

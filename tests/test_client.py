@@ -66,7 +66,7 @@ def sync_client(endpoint: str, **kwargs: Any) -> Client:
     return Client(endpoint, **kwargs)
 
 
-CLIENTS = {"sync": sync_client, "asyncio": Blocking}
+CLIENTS: dict[str, Callable[..., Any]] = {"sync": sync_client, "asyncio": Blocking}
 
 
 # -- byte-identical requests --------------------------------------------------------------

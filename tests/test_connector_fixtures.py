@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,8 +146,8 @@ class OneBuffer:
 
 
 def one_layer(**overrides: object) -> KVLayout:
-    layer = dict(name="l0", record_format="bf16", states_per_block=4, bytes_per_state=16,
-                 page_bytes=64, block_stride=64, offset=0)
+    layer: dict[str, Any] = dict(name="l0", record_format="bf16", states_per_block=4,
+                                 bytes_per_state=16, page_bytes=64, block_stride=64, offset=0)
     layer.update(overrides)
     return KVLayout(num_blocks=8, groups=(GroupDesc("full", 4, (LayerDesc(**layer),)),))
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,7 @@ class Clock:
         return self.t
 
 
-def planner(svc: FakeLookups, clock: Clock, **kw: float) -> SchedulerPlanner:
+def planner(svc: FakeLookups, clock: Clock, **kw: Any) -> SchedulerPlanner:
     return SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
                             clock=clock, **kw)
 

@@ -313,7 +313,7 @@ def test_store_fenced_in_the_first_step_that_may_free_its_blocks(first_step: int
     plan = p.build_step([ScheduledRequest("w", 0, first_step, DSV_TABLES, True)])
     stores = {s.store_id: s for s in plan.stores}
     assert not plan.fence_store_ids and "compressor_scratch" not in plan.stores[0].block_ids
-    computed, fenced = first_step, set()
+    computed, fenced = first_step, set[int]()
     while computed < 1000 and len(fenced) < len(stores):
         plan = p.build_step([ScheduledRequest("w", computed, 1, None)])
         stores.update({s.store_id: s for s in plan.stores})

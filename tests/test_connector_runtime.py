@@ -153,14 +153,14 @@ def test_store_finishes_before_freed_window_blocks_are_rewritten(srv: ServerProc
             # B: the first chunk only, loaded into fresh blocks: its window must be A's
             b_tokens = tokens[:257]
             assert rig.matched("B", b_tokens) == 256
-            b = _tables(geo, 40, 257)
-            rig.planner.after_alloc("B", b, 256)
+            b_tables = _tables(geo, 40, 257)
+            rig.planner.after_alloc("B", b_tables, 256)
             step3 = rig.planner.build_step([])
             rig.wt.begin_step(step3)
             rep = rig.poll(set(), "finished_recving")
             assert not rep.failed_recving
             for n in window0:
-                got = kv.pages(n, b[[g.name for g in geo.groups].index(n)][4:8])
+                got = kv.pages(n, b_tables[[g.name for g in geo.groups].index(n)][4:8])
                 assert got == before[n], f"{n}: chunk 0's window is not what A computed"
             assert waited > 1.0, "the step did not wait for the store reading freed blocks"
         finally:

@@ -25,7 +25,7 @@ import pytest
 from lmc_server.client import Client, chunk_digests
 from lmc_server.protocol.stats import DiskReport
 from lmc_server.testing.process import ServerProcess
-from lmc_server.testing.redis_process import RedisProcess, redis_server_path
+from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import CHUNK, Worker, retrieve_exact, tokens, wait_for
 
 ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU",
@@ -122,7 +122,7 @@ def test_disk_that_cannot_keep_up_drops_writes_and_l1_serves(tmp_path: Path) -> 
             dst.close()
 
 
-@pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")
+@pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh")
 def test_hung_redis_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
     """The redis-server stopped (SIGSTOP: connections open, no replies, as a store that
     hangs): every L2 call times out and is counted; L1 and the disk serve meanwhile;
@@ -174,7 +174,7 @@ def written_to_both(c: Client, objects: int) -> bool:
             and disk_stats(c).objects_written >= objects)
 
 
-@pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")
+@pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh")
 def test_redis_gone_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
     n = 3
     on_disk = chunk_digests(tokens(61, n), CHUNK)

@@ -24,7 +24,7 @@ from lmc_server.client import Client, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.protocol.stats import DiskReport
 from lmc_server.testing.process import ServerProcess, free_port
-from lmc_server.testing.redis_process import RedisProcess, redis_server_path
+from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import (
     CHUNK,
     Worker,
@@ -260,7 +260,7 @@ def test_directory_gone_degrades_the_tier_and_l1_serves_on(tmp_path: Path) -> No
 # -- with an L2 store below ------------------------------------------------------------
 
 
-@pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")
+@pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh")
 def test_l2_hit_is_promoted_to_the_disk_then_served_from_it(tmp_path: Path) -> None:
     n = 5
     digests = chunk_digests(tokens(101, n), CHUNK)

@@ -88,7 +88,7 @@ def test_random_operations_keep_membership(policy: EvictionPolicy) -> None:
         elif op < 0.7:
             v = policy.pop_victim()
             assert v in present
-            present.discard(v)  # type: ignore[arg-type]
+            present.discard(v)
         assert len(policy) == len(present)
     assert {s for s in range(64) if s in policy} == present
 
@@ -174,8 +174,8 @@ def test_peek_is_what_pop_returns_under_churn(policy: EvictionPolicy) -> None:
             if rng.random() < 0.5:
                 assert policy.pop_victim() == v
             else:
-                policy.forget(v)  # type: ignore[arg-type]
-            present.discard(v)  # type: ignore[arg-type]
+                policy.forget(v)
+            present.discard(v)
     assert len(policy) == len(present)
 
 
@@ -252,7 +252,7 @@ def test_arc_ghost_hit_in_b1_grows_t1_target() -> None:
         p.admit(s)
     assert p.pop_victim() == 0  # k0 -> B1
     p.admit(0)  # k0 stored again: it was evicted too early
-    assert p._p >= 1  # type: ignore[attr-defined]
+    assert p._p >= 1
     assert p.peek() != 0  # it came back into T2, behind T1's objects
 
 

@@ -72,6 +72,7 @@ def test_curve_admits_only_known_clients(tmp_path: Path) -> None:
     srv.endpoint = f"tcp://127.0.0.1:{port}"
     server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
     client_public, client_secret = zmq.auth.load_certificate(str(keys / "engine.key_secret"))
+    assert client_secret is not None
     stranger_public, stranger_secret = zmq.curve_keypair()
 
     def ping(public: bytes, secret: bytes) -> bool:

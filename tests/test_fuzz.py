@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmc_server import PROTOCOL_VERSION
-from lmc_server.client import Client, chunk_digests
+from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, decode_reply, decode_request, encode
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
@@ -98,7 +98,7 @@ def fuzz_server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def bystander(fuzz_server: ServerProcess) -> Iterator[tuple[Client, object, bytes]]:
+def bystander(fuzz_server: ServerProcess) -> Iterator[tuple[Client, Registration, bytes]]:
     with Client(fuzz_server.endpoint) as c, ShmKV(simple_model()) as kv:
         kv.fill_random(4)
         reg = c.register(**kv.register_kwargs())
@@ -111,7 +111,7 @@ def bystander(fuzz_server: ServerProcess) -> Iterator[tuple[Client, object, byte
 
 
 def test_decoder_and_dispatcher_survive_fuzzing(
-        fuzz_server: ServerProcess, bystander: tuple[Client, object, bytes]) -> None:
+        fuzz_server: ServerProcess, bystander: tuple[Client, Registration, bytes]) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -170,8 +170,8 @@ def test_decoder_and_dispatcher_survive_fuzzing(
         ctx.term()
         kv.close()
     assert seen["inputs"] >= TOTAL_INPUTS
-    c, reg, digests = bystander
+    c, reg, mine = bystander
     assert c.ping().server_version
-    assert c.lookup(reg, digests, lease=False).hit_chunks == 1  # type: ignore[arg-type]
+    assert c.lookup(reg, mine, lease=False).hit_chunks == 1
     print(f"fuzzed {seen['inputs']} inputs: {seen['errors']} typed errors, "
           f"{seen['ok']} valid replies")

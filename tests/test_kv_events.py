@@ -276,7 +276,7 @@ def test_stream_through_store_eviction_replay_and_restart(
             p = engine_prompt(3, seed=1, chunk_size=CHUNK, block_size=BLOCK)
             hashes, digests = p.hashes, p.digests
             assert c.store(reg, digests, block_ids_for(reg, 3), events=p.events()).ok.all()
-            live: dict[int, str] = {}  # event hash -> what stored it
+            live: dict[Any, str] = {}  # event hash -> what stored it
             stored = removed = 0
             seqs = []
             while stored < 3:
@@ -434,14 +434,21 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
                 assert c.store(reg, p.digests, block_ids_for(reg, 1), events=p.events()).ok.all()
                 while healthy.poll(0):
                     last = int.from_bytes(healthy.recv_multipart()[1], "big")
-            st = c.stats().kv_events
-            assert st is not None and st.batches >= 3000
             while healthy.poll(1000):  # what is still in flight
                 last = int.from_bytes(healthy.recv_multipart()[1], "big")
+            # Read after the drain: a batch flushed after a reading taken before it
+            # (a loaded machine) would be heard, yet be newer than that reading.
+            st = c.stats().kv_events
+            assert st is not None and st.batches >= 3000
             assert last == st.next_seq - 1, (
                 f"{st.dropped_batches} batches dropped; the newest heard is {last} of "
                 f"{st.next_seq - 1}")
-            assert st.stall_resets >= 1 and st.dropped_batches > 0
+            # It stalled the stream, and was cut off: by the ZMTP heartbeat (its zmq
+            # thread is stopped) or by the socket's re-creation (stall_resets), both at
+            # the heartbeat timeout; which comes first is a race on a loaded machine.
+            # The re-creation is driven in process by
+            # test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch.
+            assert st.dropped_batches > 0
         finally:
             stuck.kill()
             stuck.wait()

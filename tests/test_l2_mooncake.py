@@ -91,7 +91,7 @@ def test_adapter_contract(mooncake_url: str) -> None:
 
 
 def test_store_on_server_a_retrieve_on_server_b_byte_exact(mooncake_url: str) -> None:
-    from test_l2_redis import (
+    from test_l2_redis import (  # type: ignore[import-not-found]  # a sibling test module
         ARGS,
         CHUNK,
         Worker,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -31,8 +30,11 @@ from lmc_server.testing.process import ServerProcess, free_port
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 from lmc_server.testing.tierworker import CHUNK, NUM_BLOCKS, Worker, lookup_until, tokens, wait_for
 
-ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU",
-        "--l2-timeout-s", "0.5"]
+#: A short L2 timeout, so the tests of a store going away converge quickly.
+L2_TIMEOUT_S = 0.5
+BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy",
+             "LRU"]
+ARGS = [*BASE_ARGS, "--l2-timeout-s", str(L2_TIMEOUT_S)]
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":
@@ -48,8 +50,10 @@ def redis_proc() -> Iterator[RedisProcess]:
         yield r
 
 
-def l2_server(url: str, *extra: str, metrics_port: int = 0) -> ServerProcess:
-    return ServerProcess([*ARGS, "--l2", url, *extra], l1_size_gb=0.25,
+def l2_server(url: str, *extra: str, metrics_port: int = 0,
+              l2_timeout_s: float = L2_TIMEOUT_S) -> ServerProcess:
+    return ServerProcess([*BASE_ARGS, "--l2-timeout-s", str(l2_timeout_s), "--l2", url,
+                          *extra], l1_size_gb=0.25,
                          metrics_port=metrics_port)
 
 
@@ -377,7 +381,7 @@ def _make_certs(d: str) -> None:
         "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.needs_tool("openssl", "Debian: openssl; CI: .ci/install-ops-tools.sh")
 def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
     """rediss:// with a CA from the URL query; the password from --l2-password-file
     (and a wrong one from the environment is not used: the file wins)."""
@@ -424,10 +428,13 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
     """A scheduler polls until the hit stops growing: while L2 has the rest, every
     answer short of the full prefix must say chunks are pending (a prefetch reads 11
     chunks of this preset per batch, so the hit grows in steps), also right after L1
-    lost the chunks again."""
+    lost the chunks again. The servers keep the default L2 timeout (2 s): a prefetch reads
+    64 MiB per call, which a loaded machine can take longer than the module's 0.5 s
+    over, and a timed-out read rightly degrades the tier (nothing pending then)."""
     n = 16
     digests = chunk_digests(tokens(95, n), CHUNK)
-    with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
+    with l2_server(redis_proc.url, l2_timeout_s=2.0) as a, \
+            l2_server(redis_proc.url, l2_timeout_s=2.0) as b:
         wa = Worker(a.endpoint, seed=17, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
@@ -441,7 +448,8 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
                     r = wb.client.lookup(wb.reg, digests, lease=False)
                     if r.hit_chunks == n:
                         break
-                    assert r.l2_pending_chunks > 0, f"stalled at {r.hit_chunks} of {n}"
+                    assert r.l2_pending_chunks > 0, \
+                        f"stalled at {r.hit_chunks} of {n}: {l2_stats(wb.client)}"
                     assert time.monotonic() - t0 < 20
                     time.sleep(0.002)
         finally:

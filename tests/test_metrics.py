@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -207,7 +206,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_server: Served) 
     assert build and build[0].labels["version"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.needs_tool("promtool", "Debian: prometheus; CI: .ci/install-ops-tools.sh")
 def test_promtool_finds_no_problems(metrics_server: Served,
                                     traffic: dict[str, object]) -> None:
     _, _, body = get(metrics_server.port, "/metrics")

@@ -11,12 +11,19 @@ from pathlib import Path
 import numpy as np
 
 from lmc_server.client import Client, chunk_digests
+from lmc_server.protocol.stats import DiskReport
 from lmc_server.testing.inprocess import run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.tierworker import wait_for
 
 CHUNK = 256
+
+
+def disk_of(c: Client) -> DiskReport:
+    disk = c.stats().disk
+    assert disk is not None, "the server runs without a disk tier"
+    return disk
 
 
 def digests_of(seed: int, chunks: int) -> bytes:
@@ -41,8 +48,8 @@ def test_an_l2_prefetch_commits_a_prefix_from_its_last_chunk_to_its_first(
         prefix = digests_of(3, n)
         ids = block_ids_for(reg, n)
         assert c.store(reg, prefix, ids).ok.all()
-        wait_for(lambda: c.stats().disk.objects_written >= n
-                 and c.stats().disk.writes_in_flight == 0, "the prefix on disk")
+        wait_for(lambda: disk_of(c).objects_written >= n
+                 and disk_of(c).writes_in_flight == 0, "the prefix on disk")
         assert c.clear() == n
         wait_for(lambda: c.lookup(reg, prefix, lease=False).hit_chunks == n, "prefetched")
         st = c.stats()

@@ -48,8 +48,8 @@ def test_batched_hit_rule_agrees_with_the_lookups(separate: bool, preset: str) -
         ids = {}
         for og in view.layout.object_groups:
             for sec in og.sections:
-                a = np.arange(len(keys) * sec.blocks_per_chunk, dtype=np.int64)
-                a = a.reshape(len(keys), sec.blocks_per_chunk) % 64
+                a = np.arange(len(keys) * sec.blocks_per_chunk, dtype=np.int64).reshape(
+                    len(keys), sec.blocks_per_chunk) % 64
                 if sec.group_index != 0:
                     a[rng.random(len(keys)) < 0.3] = -1
                 ids[sec.group_index] = a
@@ -128,7 +128,7 @@ def test_bad_probes_are_refused_and_the_server_serves_on(
                             ({"prefix_ends": [1]}, "prefix_ends"),
                             ({"salt": b"x" * 300}, "salt")):
         with pytest.raises(ServerError) as e:
-            c.probe(reg.namespace, two, **kwargs)  # type: ignore[arg-type]
+            c.probe(reg.namespace, two, **kwargs)
         assert e.value.code == "bad_request" and message in str(e.value)
     for digests, ends in ((two[:40], ()), (b"", (1,))):  # ragged digests; ends past them
         with pytest.raises(ServerError) as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -104,7 +105,7 @@ def test_lookup_matches_the_rule_and_a_retrieve_of_the_hit_never_misses(
     view = index.view("ns", layout)
     n = 10
     prompts = [index.keys(view, digests(n, b"p%d" % p)) for p in range(3)]
-    leases = []
+    leases: list[Any] = []
     hits = 0
     for step in range(60):
         keys = rng.choice(prompts)

@@ -9,6 +9,7 @@ miss is forgotten when the clock moves past its memory, without real waiting.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2.prefetch import MISS_MEMORY_S
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import encode
+from lmc_server.protocol.stats import L2Report
 from lmc_server.server.settle import SETTLE_TIMEOUT_S
 from lmc_server.testing.engines import HoldingEngine
 from lmc_server.testing.inprocess import FakeClock, run_server
@@ -27,6 +29,12 @@ from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 from lmc_server.testing.tierworker import wait_for
 
 CHUNK = 256
+
+
+def l2_of(c: Client) -> L2Report:
+    l2 = c.stats().l2
+    assert l2 is not None, "the server runs without an L2 tier"
+    return l2
 
 
 def digests_of(seed: int, chunks: int) -> bytes:
@@ -93,23 +101,23 @@ def test_a_remembered_l2_miss_is_forgotten_by_the_servers_clock(
     copy is in L2, B still reports nothing pending until the test moves B's clock past
     the memory; then the next lookup fetches it."""
     clock = FakeClock()
-    fields = {"l2_url": redis_proc.url, "l2_timeout_s": 0.5}
+    fields: dict[str, Any] = {"l2_url": redis_proc.url, "l2_timeout_s": 0.5}
     with ShmKV(simple_model()) as kv, run_server(**fields) as a, \
             run_server(clock=clock, **fields) as b, \
             Client(a.endpoint) as ca, Client(b.endpoint) as cb:
         kv.fill_random(4)
         reg_a, reg_b = ca.register(**kv.register_kwargs()), cb.register(**kv.register_kwargs())
         for c in (ca, cb):
-            wait_for(lambda c=c: c.stats().l2.state == "up", "L2 connected")
+            wait_for(lambda c=c: l2_of(c).state == "up", "L2 connected")  # type: ignore[misc]
         digests = digests_of(2, 2)
 
         def pending() -> int:
             return cb.lookup(reg_b, digests, lease=False).l2_pending_chunks
 
         assert pending() == 2  # a prefetch starts, and misses
-        wait_for(lambda: pending() == 0 and cb.stats().l2.misses >= 1, "B's miss")
+        wait_for(lambda: pending() == 0 and l2_of(cb).misses >= 1, "B's miss")
         assert ca.store(reg_a, digests, block_ids_for(reg_a, 2)).ok.all()
-        wait_for(lambda: ca.stats().l2.objects_written >= 2, "A's objects in L2")
+        wait_for(lambda: l2_of(ca).objects_written >= 2, "A's objects in L2")
         assert pending() == 0  # remembered: no L2 read, whatever the real time
         clock.advance(MISS_MEMORY_S + 0.5)
         assert pending() == 2  # forgotten: fetching

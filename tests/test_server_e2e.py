@@ -30,7 +30,7 @@ def run_worker(endpoint: str, **kw: object) -> dict[str, list[int]]:
     out = subprocess.run([sys.executable, WORKER, json.dumps(args)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def tokens(token_seed: int, chunks: int) -> np.ndarray:

@@ -11,7 +11,6 @@ test holds; a stuck event loop is in ``tests/test_lifecycle.py``.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -146,8 +145,7 @@ def test_unit_file_has_the_promised_settings() -> None:
             assert envvar in env_file, f"{envvar} is not documented in the env file"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed")
+@pytest.mark.needs_tool("systemd-analyze", "Debian: systemd; CI: .ci/install-ops-tools.sh")
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     """The unit as shipped, with ExecStart pointed at this environment's executable.
 

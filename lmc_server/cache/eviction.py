@@ -99,6 +99,62 @@ class LRUPolicy(EvictionPolicy):
         else:
             assert self._in[slot], f"slot {slot} is not in the LRU order"
 
+    def pin_run(self, slots: list[int]) -> None:
+        """Unlink ``slots``: O(1) when they form a contiguous run of the order, forward or
+        backward (a prefix stored or used together, the usual case), else one unlink
+        per slot."""
+        if len(slots) < _VECTOR_MIN:
+            for s in slots:
+                self._unlink(s)
+            return
+        run = np.array(slots, dtype=np.int32)
+        nxt = np.frombuffer(self._next, dtype=np.int32)
+        inside = np.frombuffer(self._in, dtype=np.int8)
+        assert inside[run].all(), "pinning a slot not in the LRU order"
+        if (nxt[run[:-1]] == run[1:]).all():
+            first, last = slots[0], slots[-1]
+        elif (nxt[run[1:]] == run[:-1]).all():  # the run in reverse (unpinned last first)
+            first, last = slots[-1], slots[0]
+        else:
+            for s in slots:
+                self._unlink(s)
+            return
+        p, n = self._prev[first], self._next[last]
+        if p == _NIL:
+            self._head = n
+        else:
+            self._next[p] = n
+        if n == _NIL:
+            self._tail = p
+        else:
+            self._prev[n] = p
+        inside[run] = 0
+        self._len -= len(slots)
+
+    def unpin_run(self, slots: list[int]) -> None:
+        """Append ``slots`` in this order in one numpy pass."""
+        if len(slots) < _VECTOR_MIN:
+            for s in slots:
+                self._append(s)
+            return
+        run = np.array(slots, dtype=np.int32)
+        inside = np.frombuffer(self._in, dtype=np.int8)
+        assert not inside[run].any(), "unpinning a slot already in the LRU order"
+        prv = np.frombuffer(self._prev, dtype=np.int32)
+        nxt = np.frombuffer(self._next, dtype=np.int32)
+        first, last = slots[0], slots[-1]
+        prv[run[1:]] = run[:-1]
+        nxt[run[:-1]] = run[1:]
+        prv[first] = self._tail
+        nxt[last] = _NIL
+        if self._tail == _NIL:
+            self._head = first
+        else:
+            nxt[self._tail] = first
+        self._tail = last
+        inside[run] = 1
+        self._len += len(slots)
+
     def touch_run(self, slots: list[int]) -> None:
         """Move ``slots`` to the back in this order. O(1) when they already form a
         contiguous run in that order (the usual case: a prefix stored or looked up

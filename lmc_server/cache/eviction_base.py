@@ -87,6 +87,16 @@ class EvictionPolicy(ABC):
         for s in slots:
             self.touch(s)
 
+    def pin_run(self, slots: list[int]) -> None:
+        """:meth:`pin` each of ``slots`` in this order (all present, distinct)."""
+        for s in slots:
+            self.pin(s)
+
+    def unpin_run(self, slots: list[int]) -> None:
+        """:meth:`unpin` each of ``slots`` in this order (none present, distinct)."""
+        for s in slots:
+            self.unpin(s)
+
     def first(self, k: int) -> list[int]:
         """Up to ``k`` slots from the front of the order (at least :meth:`peek`'s)."""
         v = self.peek()

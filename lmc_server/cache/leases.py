@@ -52,8 +52,7 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         for part, slots in pins:
-            for s in slots:
-                part.pin(s)
+            part.pin_many(slots)
         lease = Lease(lease_id, owner, deadline_s, chunks, pins)
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (deadline_s, lease_id))
@@ -66,8 +65,7 @@ class LeaseTable:
         if lease is None:
             return None
         for part, slots in lease.pins:
-            for s in reversed(slots):  # chunk 0 ends most recent
-                part.unpin(s)
+            part.unpin_many(slots)  # last to first: chunk 0 ends most recent
         owned = self._by_owner.get(lease.owner)
         if owned is not None:
             owned.discard(lease_id)

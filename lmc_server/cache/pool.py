@@ -33,6 +33,11 @@ from lmc_server.cache.watch import SlotWatcher
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
 
 
+
+#: Below this many slots :meth:`Partition.pin_many` and ``unpin_many`` loop (numpy's
+#: fixed cost is more than the loop's).
+PIN_VECTOR_MIN = 16
+
 class Partition:
     """Object slots of one layout: a key table, slot states, pins and a policy.
 
@@ -194,6 +199,40 @@ class Partition:
         self.pins[slot] -= 1
         if self.pins[slot] == 0 and self.state[slot] == COMMITTED:
             self.policy.unpin(slot)
+
+    def pin_many(self, slots: array) -> None:
+        """:meth:`pin` each of ``slots`` (committed) in one pass: the ones pinned for the
+        first time leave the eviction order in one :meth:`pin_run`. A list with a slot
+        twice (a request naming a chunk twice) goes slot by slot."""
+        idx = np.frombuffer(slots, dtype=np.int32)
+        if idx.size < PIN_VECTOR_MIN or np.unique(idx).size != idx.size:
+            for s in slots:
+                self.pin(s)
+            return
+        assert (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED).all(), \
+            "pinning a slot that is not committed"
+        pins = np.frombuffer(self.pins, dtype=np.int32)
+        before = pins[idx]
+        pins[idx] = before + 1
+        first = idx[before == 0]
+        if first.size:
+            self.policy.pin_run(first.tolist())
+
+    def unpin_many(self, slots: array) -> None:
+        """:meth:`unpin` each of ``slots`` in one pass, last to first (so the first,
+        chunk 0 of a prefix, ends most recent), as one :meth:`unpin_run`."""
+        idx = np.frombuffer(slots, dtype=np.int32)[::-1]
+        if idx.size < PIN_VECTOR_MIN or np.unique(idx).size != idx.size:
+            for s in reversed(slots):
+                self.unpin(s)
+            return
+        pins = np.frombuffer(self.pins, dtype=np.int32)
+        before = pins[idx]
+        assert (before > 0).all(), "unpinning a slot that is not pinned"
+        pins[idx] = before - 1
+        back = idx[(before == 1) & (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED)]
+        if back.size:
+            self.policy.unpin_run(back.tolist())
 
     def touch(self, slot: int, tick: int) -> None:
         self.tick[slot] = tick

@@ -72,8 +72,7 @@ def pin_retrieve(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nda
         need[:, missed] = False
         chunks = array("i", cand[hit].tolist())
         slots = array("i", found[hit].tolist())
-        for s in slots:
-            part.pin(s)  # pinned objects leave the eviction order: no touch needed
+        part.pin_many(slots)  # pinned objects leave the eviction order: no touch needed
         np.frombuffer(part.tick, dtype=np.int64)[found[hit]] = tick
         st[cand[hit]] = ChunkStatus.OK
         statuses.append(st)
@@ -93,8 +92,7 @@ def unpin_retrieve(ticket: RetrieveTicket, ok: bool, stats: CacheStats) -> None:
     assert not ticket.done, "retrieve ticket finished twice"
     ticket.done = True
     for part, slots in ticket.pinned:
-        for s in reversed(slots):
-            part.unpin(s)
+        part.unpin_many(slots)
     if ok:
         stats.retrieved_objects += ticket.objects
         stats.retrieved_bytes += ticket.nbytes

@@ -88,12 +88,22 @@ KEEP_LOGS_ENV = "LMC_KEEP_SERVER_LOGS"
 
 
 class ServerProcess:
-    """A server subprocess; ``log()`` returns what it wrote to stderr so far."""
+    """A server subprocess; ``log()`` returns what it wrote to stderr so far.
+
+    :meth:`start` returns once the server answers ping; with ``pool_ready`` (default:
+    :attr:`pool_ready_by_default`) also once every slab of its pool is prepared, so a
+    store right after start cannot meet ``NO_SPACE`` from a pool still being prepared
+    (on a loaded machine the preparing thread may lag the first requests).
+    """
+
+    #: The test suite sets this (tests/conftest.py); benchmarks that time the pool's
+    #: preparation keep the default and wait (or not) themselves.
+    pool_ready_by_default = False
 
     def __init__(self, args: Sequence[str] = (), port: int | None = None,
                  backend: str = "cpu", l1_size_gb: float = 1.0, start_timeout_s: float = 20.0,
                  env: dict[str, str] | None = None, metrics_port: int = 0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", pool_ready: bool | None = None) -> None:
         self.port = port or free_port()
         self.endpoint = tcp_endpoint(host, self.port)
         self.args = ["--host", host, "--port", str(self.port), "--backend", backend,
@@ -105,6 +115,7 @@ class ServerProcess:
         self._log: IO[bytes] | None = None
         self.returncode: int | None = None
         self._final_log = ""
+        self.pool_ready = self.pool_ready_by_default if pool_ready is None else pool_ready
 
     def start(self) -> ServerProcess:
         self._log = tempfile.TemporaryFile()
@@ -112,6 +123,8 @@ class ServerProcess:
                                      stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
             wait_for_ping(self.endpoint, self.start_timeout_s, self.proc)
+            if self.pool_ready:
+                wait_pool_ready(self.endpoint)
         except BaseException:
             self.kill()
             raise

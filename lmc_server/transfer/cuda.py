@@ -51,28 +51,18 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
+from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
     CUDA_ERRORS,
-    MEMCPY_DEFAULT,
     MIB,
     STAGING_HALF_BYTES,
     Job,
     Lane,
     Lanes,
 )
-from lmc_server.transfer.cuda_plan import (
-    DEV_ADDR,
-    HEIGHT,
-    POOL_ADDR,
-    WIDTH,
-    DmaPlan,
-    Plan,
-    Region,
-    plan_dma,
-    plan_mapped,
-    plan_staging,
-)
+from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
+from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
 from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
 
@@ -80,7 +70,6 @@ log = logging.getLogger(__name__)
 
 COPY_MODES = ("auto", "staging", "mapped", "dma")
 LANES_PER_DEVICE = 4
-GATHER_THREADS = 256
 MAPPED_THREADS = 512
 #: Thread blocks of the mapped-mode kernel: enough loads in flight to fill PCIe.
 MAPPED_BLOCKS = 64
@@ -271,7 +260,9 @@ class CudaEngine(TransferEngine):
                     lane.timing[0].record(lane.sm)
                     lane.dma.wait_event(lane.timing[0])
                 if isinstance(plan, DmaPlan):
-                    self._dma_rows(lane, plan, to_pool)
+                    refused = issue_dma(lane, plan, to_pool, self._batch.get(device))
+                    if refused:
+                        self._batch_refused(plan, refused)
                     last = lane.dma
                 else:
                     units, ids = lane.upload(plan, lane.sm)
@@ -283,10 +274,10 @@ class CudaEngine(TransferEngine):
                                             self.mapped_blocks, MAPPED_THREADS, lane.sm)
                         last = lane.sm
                     elif to_pool:
-                        self._store_pieces(lane, plan, units, ids)
+                        store_pieces(lane, plan, units, ids, self._sm_count[device])
                         last = lane.dma
                     else:
-                        self._retrieve_pieces(lane, plan, units, ids)
+                        retrieve_pieces(lane, plan, units, ids, self._sm_count[device])
                         last = lane.sm
                 if self.profile:
                     lane.timing[1].record(last)
@@ -359,84 +350,12 @@ class CudaEngine(TransferEngine):
                 time.sleep(0)
         lane.done.synchronize()
 
-    def _blocks(self, device: int, pages: int) -> int:
-        return max(1, min(pages, 4 * self._sm_count[device]))
-
-    def _dma_rows(self, lane: Lane, plan: DmaPlan, to_pool: bool) -> None:
-        """Issue the plan's copies on the lane's DMA stream (copy engines only): the 1-D
-        rows in one ``cuMemcpyBatchAsync`` where the driver passed its check
-        (:mod:`.cuda_batch`), 2-D rows (and every row without it) one call each.
-
-        A batch call the driver refuses is issued again as single copies: a copy
-        writes the same bytes however often it runs, and the singles follow whatever
-        part of the batch the driver did queue in stream order, so the result is the
-        same (``batch_fallbacks`` counts them)."""
-        stream = lane.dma.ptr
-        rows = plan.rows
-        batch = self._batch.get(lane.device)
-        if batch is not None:
-            one = rows[:, HEIGHT] == 1
-            if one.any():
-                r = rows[one]
-                dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
-                try:
-                    if to_pool:
-                        batch.copy(pool, dev, width, stream)
-                    else:
-                        batch.copy(dev, pool, width, stream)
-                    rows = rows[~one]
-                except TransferError as e:
-                    self.batch_fallbacks += 1
-                    if self.batch_fallbacks == 1 or self.batch_fallbacks % 1000 == 0:
-                        log.warning("%s; issued as %d single copies instead (%d batch "
-                                    "calls refused so far)", e, int(one.sum()),
-                                    self.batch_fallbacks)
-        copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
-        for dev, dpitch, pool, ppitch, width, height in rows.tolist():
-            dst, dst_pitch, src, src_pitch = ((pool, ppitch, dev, dpitch) if to_pool
-                                              else (dev, dpitch, pool, ppitch))
-            if height == 1:
-                copy1d(dst, src, width, MEMCPY_DEFAULT, stream)
-            else:
-                copy2d(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
-
-    def _store_pieces(self, lane: Lane, plan: Plan, units: int, ids: int) -> None:
-        """Gather each piece into a staging half (SMs), then DMA it out (copy engine).
-
-        Piece ``k`` uses half ``k % 2``; its gather waits until the DMA of piece
-        ``k - 2`` has drained that half.
-        """
-        sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
-        for k, p in enumerate(plan.pieces):
-            h = k % 2
-            if k >= 2:
-                sm.wait_event(lane.freed[h])
-            launch(device, "gather_units", units, ids, n, p.first, p.count, plan.max_layers,
-                   plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
-                   GATHER_THREADS, sm)
-            lane.filled[h].record(sm)
-            dma.wait_event(lane.filled[h])
-            for stage, pool, nbytes in p.segments.tolist():
-                memcpy(pool, stage, nbytes, MEMCPY_DEFAULT, dma.ptr)
-            lane.freed[h].record(dma)
-
-    def _retrieve_pieces(self, lane: Lane, plan: Plan, units: int, ids: int) -> None:
-        """DMA each piece into a staging half, then scatter it into the pages (SMs)."""
-        sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-        launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
-        for k, p in enumerate(plan.pieces):
-            h = k % 2
-            if k >= 2:
-                dma.wait_event(lane.freed[h])
-            for stage, pool, nbytes in p.segments.tolist():
-                memcpy(stage, pool, nbytes, MEMCPY_DEFAULT, dma.ptr)
-            lane.filled[h].record(dma)
-            sm.wait_event(lane.filled[h])
-            launch(device, "scatter_units", units, ids, n, p.first, p.count, plan.max_layers,
-                   plan.max_blocks, self._blocks(device, plan.box_pages(p.count)),
-                   GATHER_THREADS, sm)
-            lane.freed[h].record(sm)
+    def _batch_refused(self, plan: DmaPlan, why: str) -> None:
+        """Count (and now and then log) a batch call the driver refused."""
+        self.batch_fallbacks += 1
+        if self.batch_fallbacks == 1 or self.batch_fallbacks % 1000 == 0:
+            log.warning("%s; the plan's %d rows went out as single copies (%d batch "
+                        "calls refused so far)", why, plan.n_rows, self.batch_fallbacks)
 
     def stop_queued(self) -> None:
         """Past the drain timeout: copies waiting for a lane fail now (their chunks are

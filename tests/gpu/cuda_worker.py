@@ -45,10 +45,10 @@ from lmc_server.client.aio import AsyncClient
 from lmc_server.client.cuda import stream_done
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.presets import dsv41_flash
+from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
 
-def geometry(args: dict) -> object:
+def geometry(args: dict) -> KVGeometry:
     return dsv41_flash(arch=args.get("arch") or device_arch(0),
                        num_blocks=args.get("num_blocks", 64), layers=args.get("layers", 8),
                        stride_pad=args.get("stride_pad", 0),
@@ -249,7 +249,8 @@ def verify_kill(args: dict) -> None:
     geo = geometry(args)
     n = args["chunks"]
     ids_a = {k: np.asarray(v, dtype=np.int32) for k, v in args["ids"].items()}
-    visible, misses, i = [], 0, 0
+    visible: list[int] = []
+    misses, i = 0, 0
     with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
                                        client_name="verifier") as c:
         reg = c.register(**kv.register_kwargs(replicated=True))

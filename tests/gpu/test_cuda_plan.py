@@ -17,14 +17,8 @@ from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_plan import (
-    DmaPlan,
-    Plan,
-    Region,
-    plan_dma,
-    plan_mapped,
-    plan_staging,
-)
+from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
+from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 
 SLAB = 16 << 20
 

@@ -158,7 +158,8 @@ def test_worker_on_gpu1_with_other_numbering() -> None:
 def test_answers_at_once_with_a_large_pool() -> None:
     """Pinning runs slab by slab in the background; ping answers long before it ends."""
     t0 = time.monotonic()
-    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=16, start_timeout_s=60) as srv:
+    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=16, start_timeout_s=60,
+                       pool_ready=False) as srv:
         first_ping_s = time.monotonic() - t0
         with Client(srv.endpoint, timeout_s=30) as c:
             deadline = time.monotonic() + 60

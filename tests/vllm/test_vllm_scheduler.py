@@ -191,14 +191,15 @@ def test_stalled_server(srv: ServerProcess, tmp_model: Path, model: str,
         prompts = {f"s{i}": prompt(300 + i, 520 + 130 * i) for i in range(5)}
         for rid, p in prompts.items():
             e.add(rid, p, max_tokens=40)
-        assert srv.proc is not None
+        proc = srv.proc
+        assert proc is not None
         stopped = threading.Event()
 
         def stall(out: Any) -> None:
             if e.steps == 2 and not stopped.is_set():
                 stopped.set()
-                os.kill(srv.proc.pid, signal.SIGSTOP)
-                threading.Timer(3.0, os.kill, (srv.proc.pid, signal.SIGCONT)).start()
+                os.kill(proc.pid, signal.SIGSTOP)
+                threading.Timer(3.0, os.kill, (proc.pid, signal.SIGCONT)).start()
 
         e.before_worker = stall
         t0 = time.monotonic()
