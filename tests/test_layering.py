@@ -86,7 +86,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
 CACHE_PRIVATE = {"pool", "allocator", "reservation", "store", "retrieve", "leases"}
 #: Unit tests of those modules on their own (the core's rules below the index).
 CACHE_WHITE_BOX_TESTS = {"test_allocator.py", "test_retention.py", "test_policies.py",
-                         "test_kv_events.py"}
+                         "test_kv_events.py", "test_pin_runs.py"}
 TESTS = PACKAGE.parent / "tests"
 
 #: layer -> third-party or stdlib top-level modules it must not import.
