@@ -24,8 +24,8 @@ from click.testing import CliRunner
 
 from lmc_server.bench.cli import bench
 from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks_config import REGION_A, REGION_B, TAG_BYTES, blocks_needed
-from lmc_server.bench.ranks_kv import RankKV
+from lmc_server.bench.ranks.config import REGION_A, REGION_B, TAG_BYTES, blocks_needed
+from lmc_server.bench.ranks.kv import RankKV
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

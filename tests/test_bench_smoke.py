@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from lmc_server.bench.bounds import belady_hits, infinite_hits, next_uses
 from lmc_server.bench.cli import bench
 from lmc_server.bench.servers import ThreadServer
-from lmc_server.bench.trace import load_trace
+from lmc_server.bench.traces.bounds import belady_hits, infinite_hits, next_uses
+from lmc_server.bench.traces.trace import load_trace
 from lmc_server.client import Client
 from lmc_server.config import Config
 from lmc_server.testing.process import free_port

@@ -1,11 +1,11 @@
-"""The disk write-policy model (lmc_server.bench.tierpolicy) on traces small enough to
+"""The disk write-policy model (lmc_server.bench.traces.tierpolicy) on traces small enough to
 follow by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmc_server.bench.tierpolicy import simulate
+from lmc_server.bench.traces.tierpolicy import simulate
 
 
 def test_commit_writes_every_stored_chunk_and_keeps_l1_on_disk() -> None:

@@ -12,7 +12,9 @@ Also checked: the third-party imports that define a layer's promise (the cache c
 numpy and msgspec only, the protocol is sans-IO, CuPy only in the transfer engines),
 that ``lmcache server`` loads neither the benchmarks nor the test helpers nor the client,
 and that the cache core has one door: its partitions and the modules that change slot
-states are imported inside ``lmc_server/cache/`` only (:data:`CACHE_PRIVATE`).
+states are imported inside ``lmc_server/cache/`` only (:data:`CACHE_PRIVATE`), and that
+no import circle closes inside a layer (between modules of one layer, subpackages
+included; the table above already keeps circles from crossing layers).
 """
 
 from __future__ import annotations
@@ -245,6 +247,93 @@ def test_the_cache_core_has_one_door() -> None:
                 for line, target in imports(path) if _cache_private(target)]
     assert not bad, "cache internals imported outside the core (use L1Index):\n" + \
         "\n".join(bad)
+
+
+def module_graph(files: list[Path] | None = None,
+                 root: Path = PACKAGE) -> dict[str, dict[str, str]]:
+    """module -> {imported module of the same layer: "module:line"} over the package.
+    A ``from pkg import name`` counts as an import of ``pkg`` (its ``__init__``) unless
+    ``name`` is a submodule; the root package and other layers are left out."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in package_files() if files is None else files:
+        mod = module_name(path, root)
+        out = graph.setdefault(mod, {})
+        for line, target in imports(path, root):
+            if target.startswith("lmc_server.") and target != mod \
+                    and layer_of(target) == layer_of(mod):
+                out.setdefault(target, f"{mod}:{line}")
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative), each as its sorted module names: every import circle is inside one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, {}))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_no_import_circle_inside_a_layer() -> None:
+    """A circle (``a`` imports ``b`` imports ``a``, at module level or not, under
+    ``TYPE_CHECKING`` too) means neither module can be read or moved without the other:
+    the shared part belongs in a module both import."""
+    graph = module_graph()
+    found = []
+    for circle in import_circles(graph):
+        found.append(" <-> ".join(circle) + ": " + ", ".join(
+            f"{graph[a][b]} -> {b}" for a in circle for b in circle if b in graph[a]))
+    assert not found, "import circles inside a layer:\n" + "\n".join(found)
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
+    """Three modules in a ring (one import under TYPE_CHECKING, one relative) and a
+    fourth that only imports into the ring: one circle of three."""
+    root = tmp_path / "lmc_server"
+    (root / "bench").mkdir(parents=True)
+    (root / "bench" / "a.py").write_text("import lmc_server.bench.b\n")
+    (root / "bench" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import X\n")
+    (root / "bench" / "c.py").write_text("def f():\n    import lmc_server.bench.a\n")
+    (root / "bench" / "d.py").write_text("from lmc_server.bench.a import f\n")
+    files = sorted(root.rglob("*.py"))
+    graph = module_graph(files, root)
+    assert import_circles(graph) == [["lmc_server.bench.a", "lmc_server.bench.b",
+                                      "lmc_server.bench.c"]], graph
 
 
 def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:

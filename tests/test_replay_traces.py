@@ -8,9 +8,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from lmc_server.bench.cli import bench
-from lmc_server.bench.policy_ops import run_one
-from lmc_server.bench.trace import chunk_ids, load_trace
-from lmc_server.bench.traces import GENERATORS, multi_turn, shared_prompts, write
+from lmc_server.bench.micro.policy_ops import run_one
+from lmc_server.bench.traces.generate import GENERATORS, multi_turn, shared_prompts, write
+from lmc_server.bench.traces.trace import chunk_ids, load_trace
 from lmc_server.cache.eviction import POLICIES
 
 

@@ -12,42 +12,20 @@ from typing import Any
 
 import click
 
-from lmc_server.bench.common import (
-    GeometryArgs,
-    emit,
+from lmc_server.bench.common import GeometryArgs, emit
+from lmc_server.bench.options import (
+    backend_option,
+    copy_modes_option,
+    device_option,
+    floats,
     geometry_options,
+    ints,
+    json_option,
+    names,
+    output_options,
     parse_floats,
-    parse_ints,
+    plot_option,
 )
-from lmc_server.config import CUDA_COPY_MODES
-
-
-def _ints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
-    return tuple(parse_ints(value))
-
-
-def _floats(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
-    return tuple(parse_floats(value))
-
-
-def _names(allowed: tuple[str, ...], flag: str) -> Any:
-    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
-        out = tuple(x.strip() for x in value.split(",") if x.strip())
-        bad = [x for x in out if x.partition(":")[0] not in allowed]
-        if not out or bad:
-            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
-                                     param_hint=flag)
-        return out
-    return parse
-
-
-def _output_options(f: Any) -> Any:
-    f = click.option("--no-progress", is_flag=True, help="Hide the progress bar.")(f)
-    f = click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-                     help="Write a PNG plot here.")(f)
-    f = click.option("--json", "json_path", type=click.Path(dir_okay=False),
-                     help="Write the full report as JSON here.")(f)
-    return f
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
@@ -57,23 +35,20 @@ def bench() -> None:
 
 
 @bench.command()
-@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
-              help="Transfer engine of the server (and kind of KV memory).")
-@click.option("--batches", default="1,2,4,8,16,32,64", callback=_ints,
+@backend_option("Transfer engine of the server (and kind of KV memory).")
+@click.option("--batches", default="1,2,4,8,16,32,64", callback=ints,
               help="Chunks per request, comma-separated.")
 @geometry_options
 @click.option("--l1-size-gb", type=click.FloatRange(min=0.1), default=2.0,
               help="Server pool size (must hold three of the largest batches).")
 @click.option("--separate-object-groups/--no-separate-object-groups", "separate",
               default=True, help="Server object-group layout.")
-@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
-              callback=_names(CUDA_COPY_MODES, "--cuda-copy-mode"),
-              help="cuda only: copy modes to measure, comma-separated (one server each); "
+@copy_modes_option("cuda only: copy modes to measure, comma-separated (one server each); "
                    "staging:N also sets --cuda-staging-mb N.")
 @click.option("--concurrent/--no-concurrent", default=None,
               help="Also time a store and a retrieve in flight at once "
                    "[default: on for cuda].")
-@click.option("--inflight", default="1,2", callback=_ints,
+@click.option("--inflight", default="1,2", callback=ints,
               help="Also time sustained throughput with N requests of the same kind "
                    "kept in flight (a new one as soon as one completes, as a pipelining "
                    "engine does), for each N > 1 of a comma-separated list; 1: single "
@@ -82,15 +57,15 @@ def bench() -> None:
               help="Least time spent timing each (mode, batch) point.")
 @click.option("--min-iters", type=click.IntRange(1), default=3,
               help="Least requests timed per point.")
-@click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
-@_output_options
+@device_option
+@output_options
 def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separate: bool,
                copy_modes: tuple[str, ...], concurrent: bool | None, inflight: tuple[int, ...],
                min_time_s: float,
                min_iters: int, device: int, json_path: str | None, plot_path: str | None,
                no_progress: bool, **geometry: Any) -> None:
     """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
-    from lmc_server.bench import throughput as tp
+    from lmc_server.bench.throughput import run as tp
 
     cfg = tp.ThroughputConfig(
         backend=backend, batches=batches, geometry=GeometryArgs.pop(geometry),
@@ -108,11 +83,11 @@ def throughput(backend: str, batches: tuple[int, ...], l1_size_gb: float, separa
 
 
 @bench.command()
-@click.option("--clients", default="1,8,64", callback=_ints,
+@click.option("--clients", default="1,8,64", callback=ints,
               help="Concurrent clients, comma-separated.")
 @click.option("--duration-s", type=click.FloatRange(min=0.01), default=1.0,
               help="Seconds timed per (operation, clients) point, ours and echo each.")
-@_output_options
+@output_options
 def latency(clients: tuple[int, ...], duration_s: float, json_path: str | None,
             plot_path: str | None, no_progress: bool) -> None:
     """Round trips (p50, p99) and ops/s of ping, lookup and store/retrieve vs pyzmq echo."""
@@ -126,13 +101,12 @@ def latency(clients: tuple[int, ...], duration_s: float, json_path: str | None,
 
 
 @bench.command()
-@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
-              help="Transfer engine of the server.")
+@backend_option("Transfer engine of the server.")
 @click.option("--l1-size-gb", "sizes", default=None, callback=lambda c, p, v:
               None if v is None else tuple(parse_floats(v)),
               help="Pool sizes in GiB, comma-separated [default: 1,16; 1,16,100 on cuda].")
 @click.option("--repeats", type=click.IntRange(1), default=3, help="Cold starts per size.")
-@_output_options
+@output_options
 def startup(backend: str, sizes: tuple[float, ...] | None, repeats: int,
             json_path: str | None, plot_path: str | None, no_progress: bool) -> None:
     """Seconds from process start until ping answers and until the pool is ready."""
@@ -151,7 +125,7 @@ def startup(backend: str, sizes: tuple[float, ...] | None, repeats: int,
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False),
               required=True,
               help="Trace file (JSON lines: timestamp, input_length, hash_ids).")
-@click.option("--fractions", default="0.01,0.05,0.1,0.25,0.5", callback=_floats,
+@click.option("--fractions", default="0.01,0.05,0.1,0.25,0.5", callback=floats,
               help="L1 sizes as fractions of the trace's distinct chunk bytes.")
 @click.option("--policies", default="LRU,FIFO,ARC,S3FIFO,SARC",
               help="Eviction policies, comma-separated.")
@@ -160,12 +134,12 @@ def startup(backend: str, sizes: tuple[float, ...] | None, repeats: int,
 @click.option("--slab-size-mb", type=click.IntRange(1, 4096), default=64,
               help="Server slab size (capacity is whole slabs of whole objects).")
 @geometry_options
-@_output_options
+@output_options
 def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: int | None,
            slab_size_mb: int, json_path: str | None, plot_path: str | None,
            no_progress: bool, **geometry: Any) -> None:
     """Token hit ratio per eviction policy on a trace vs infinite-cache and Belady bounds."""
-    from lmc_server.bench import replay as rp
+    from lmc_server.bench.traces import replay as rp
     from lmc_server.cache.eviction import POLICIES
 
     names = tuple(p.strip().upper() for p in policies.split(",") if p.strip())
@@ -188,8 +162,7 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
               "and the TP phases). dp: independent data-parallel engines, each rank 0 of "
               "world size 1 (one namespace), storing their own prompts and loading "
               "prefixes any engine stored, at their own pace (the DP phase, phase 3).")
-@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
-              help="Transfer engine of the server; cuda: ranks round-robin over the GPUs.")
+@backend_option("Transfer engine of the server; cuda: ranks round-robin over the GPUs.")
 @click.option("--ranks", type=click.IntRange(1, 256), default=8,
               help="Worker processes, one registration each (TP ranks, or DP engines).")
 @click.option("--chunks", type=click.IntRange(1), default=1000,
@@ -221,10 +194,8 @@ def replay(trace_path: str, fractions: tuple[float, ...], policies: str, limit: 
               help="Chunks per TP request (the prefix length) [default: --batch].")
 @click.option("--tp-inflight", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Requests each rank keeps in flight in the TP phases.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Write the full report as JSON here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Write a PNG plot here (GB/s per rank or engine).")
+@json_option
+@plot_option("Write a PNG plot here (GB/s per rank or engine).")
 def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
           kill_one: bool, num_blocks: int | None, batch: int, l1_size_gb: float | None,
           verify_every: int, raw_s: float, json_path: str | None, plot_path: str | None,
@@ -232,9 +203,9 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
           **geometry: Any) -> None:
     """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
     a dead rank."""
-    from lmc_server.bench import ranks as rk
-    from lmc_server.bench.ranks_config import RanksConfig
-    from lmc_server.bench.ranks_table import table
+    from lmc_server.bench.ranks import run as rk
+    from lmc_server.bench.ranks.config import RanksConfig
+    from lmc_server.bench.ranks.table import table
 
     cfg = RanksConfig(mode=mode, backend=backend, ranks=ranks, chunks=chunks,
                       duration_s=duration_s,
@@ -249,7 +220,7 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
         raise click.UsageError(str(e)) from None
     emit(report, table(report), json_path)
     if plot_path:
-        from lmc_server.bench.ranks_plot import plot
+        from lmc_server.bench.ranks.plot import plot
 
         plot(report, plot_path)
     if not report.summary["ok"]:
@@ -260,7 +231,7 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
 @click.option("--chunks", type=click.IntRange(1, 4096), default=64,
               help="Chunks per throughput round (store on A, L2 read on B).")
 @click.option("--rounds", type=click.IntRange(1), default=3, help="Throughput rounds.")
-@click.option("--latency-chunks", default="1,16,64", callback=_ints,
+@click.option("--latency-chunks", default="1,16,64", callback=ints,
               help="Chunks of the L1-miss-L2-hit latency points, comma-separated.")
 @click.option("--repeats", type=click.IntRange(1), default=5,
               help="Timings per latency point (median reported).")
@@ -288,8 +259,7 @@ def ranks(mode: str, backend: str, ranks: int, chunks: int, duration_s: float,
 @click.option("--l2-fraction", type=click.FloatRange(min=0, min_open=True), default=0.5,
               help="--replay: L2 maxmemory as a fraction of the distinct chunk bytes.")
 @geometry_options
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
-              help="Write the full report as JSON here.")
+@json_option
 def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
        l1_size_gb: float, redis_url: str, l2_connections: int, disk_dir: str,
        restart_gb: float,
@@ -297,10 +267,10 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
        l1_fraction: float, l2_fraction: float, json_path: str | None,
        **geometry: Any) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
-    from lmc_server.bench import l2 as l2b
+    from lmc_server.bench.l2 import run as l2b
 
     if trace_path is not None:
-        from lmc_server.bench import l2replay
+        from lmc_server.bench.l2 import replay as l2replay
 
         src = click.get_current_context().get_parameter_source("layers")
         geo = GeometryArgs.pop(geometry)
@@ -312,7 +282,7 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
         emit(rep, l2replay.table(rep), json_path)
         return
     if disk_dir:
-        from lmc_server.bench import l2disk
+        from lmc_server.bench.l2 import disk as l2disk
 
         report = l2disk.run(l2disk.DiskBenchConfig(
             disk_dir=os.path.abspath(disk_dir), chunks=chunks, rounds=rounds,
@@ -332,19 +302,17 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
 
 
 @bench.command()
-@click.option("--engines", default="gemm,hbm", callback=_names(("gemm", "hbm", "decode"),
+@click.option("--engines", default="gemm,hbm", callback=names(("gemm", "hbm", "decode"),
                                                             "--engines"),
               help="Engine workloads beside the server: gemm (bf16 8192^3 matmuls), hbm "
                    "(1 GiB device copies), decode (a CUDA graph of small kernels).")
-@click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
-              callback=_names(CUDA_COPY_MODES, "--cuda-copy-mode"),
-              help="Server copy modes, comma-separated (one server each); staging:N also "
+@copy_modes_option("Server copy modes, comma-separated (one server each); staging:N also "
                    "sets --cuda-staging-mb N.")
-@click.option("--ops", default="store,retrieve,both", callback=_names(
+@click.option("--ops", default="store,retrieve,both", callback=names(
     ("store", "retrieve", "both"), "--ops"),
               help="Server loops: store, retrieve (lookup + retrieve + release), both.")
-@click.option("--chunks", default="64", callback=_ints, help="Chunks per request.")
-@click.option("--inflight", default="1,2", callback=_ints,
+@click.option("--chunks", default="64", callback=ints, help="Chunks per request.")
+@click.option("--inflight", default="1,2", callback=ints,
               help="Requests of each kind kept in flight, comma-separated.")
 @click.option("--seconds", type=click.FloatRange(min=0.2), default=1.5,
               help="Length of each measured window.")
@@ -357,15 +325,15 @@ def l2(chunks: int, rounds: int, latency_chunks: tuple[int, ...], repeats: int,
               default="consecutive",
               help="Block ids of a request: consecutive (a fresh engine) or a random "
                    "permutation (an engine's block pool after churn).")
-@click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")
-@_output_options
+@device_option
+@output_options
 def interference(engines: tuple[str, ...], copy_modes: tuple[str, ...], ops: tuple[str, ...],
                  chunks: tuple[int, ...], inflight: tuple[int, ...], seconds: float,
                  own_copy: bool, l1_size_gb: float, block_order: str, device: int,
                  json_path: str | None,
                  plot_path: str | None, no_progress: bool, **geometry: Any) -> None:
     """The server's GB/s and the engine's loss with an engine computing on the same GPU."""
-    from lmc_server.bench import interference as itf
+    from lmc_server.bench.interference import run as itf
 
     report = itf.run(itf.InterferenceConfig(
         engines=engines, copy_modes=copy_modes, ops=ops, chunks=chunks, inflight=inflight,

@@ -1,4 +1,4 @@
-"""What every benchmark shares: geometry options, statistics, machine facts, output.
+"""What every benchmark shares: the geometry, statistics, machine facts, output.
 
 A benchmark produces a :class:`Report`: a list of result rows (plain dicts), the exact
 command, the machine and the date, and notes the reader must see (what was and was not
@@ -14,9 +14,9 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import numpy as np
@@ -26,38 +26,11 @@ from lmc_server.config import Config
 from lmc_server.protocol.stats import PhaseSum
 from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
-F = TypeVar("F", bound=Callable[..., Any])
-N = TypeVar("N", int, float)
 GB = 1e9
 #: Tokens per chunk of the servers a benchmark starts unless its config says otherwise:
 #: the server's own default (``lmcache server --chunk-size``). Clients then take the
 #: chunk size from the server's reply (``Registered.chunk_size``), never a constant.
 DEFAULT_CHUNK_SIZE: int = Config.chunk_size
-
-
-def geometry_options(f: F) -> F:
-    """Click options that build a DSV4.1-Flash-shaped geometry (preset defaults)."""
-    opts = [
-        click.option("--arch", type=click.Choice(["sm90", "sm100"]), default="sm90",
-                     help="Record format of the preset (584 B/state on sm90, 528 on sm100)."),
-        click.option("--layers", type=click.IntRange(1, 512), default=44,
-                     help="Layers of the preset (illustrative; the model card has none)."),
-        click.option("--sliding-groups", type=click.IntRange(1, 16), default=2,
-                     help="Sliding-window engine groups the layers are split into."),
-        click.option("--kv-source-every", type=click.IntRange(1, 64), default=2,
-                     help="Every n-th layer has compressed KV and an indexer."),
-        click.option("--window-tokens", type=click.IntRange(1, 1 << 16), default=128,
-                     help="Sliding window in tokens."),
-        click.option("--stride-pad", type=click.IntRange(0, 1 << 20), default=0,
-                     help="Extra bytes between blocks (engines may pad strides)."),
-        click.option("--placement", type=click.Choice(["block", "layer"]), default="block",
-                     help="Where the KV pages sit: block (every layer of a block side by "
-                          "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
-                          "layer)."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
 
 
 @dataclass(frozen=True)
@@ -89,27 +62,6 @@ class GeometryArgs:
         return (f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
                 f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
                 f"kv source every {self.kv_source_every}, {self.placement}-outermost pages")
-
-
-def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:
-    try:
-        out = [conv(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}"
-                                 ) from None
-    if not out or min(out) <= 0:
-        raise click.BadParameter(f"{text!r}: give positive {what}")
-    return out
-
-
-def parse_ints(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (click callback helper)."""
-    return _parse_positive(text, int, "integers")
-
-
-def parse_floats(text: str) -> list[float]:
-    """``"0.05,0.1"`` -> ``[0.05, 0.1]`` (click callback helper)."""
-    return _parse_positive(text, float, "numbers")
 
 
 def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:

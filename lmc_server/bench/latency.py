@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from lmc_server.bench.baselines.echo import EchoServer
 from lmc_server.bench.common import (
     DEFAULT_CHUNK_SIZE,
     Report,
@@ -40,7 +41,6 @@ from lmc_server.bench.common import (
     percentiles_us,
     progress,
 )
-from lmc_server.bench.echo import EchoServer
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import Registration
 from lmc_server.client.digests import hash_chain

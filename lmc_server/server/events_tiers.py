@@ -21,21 +21,35 @@ removals could not be. Per object held on disk this keeps its key and encoded ha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from lmc_server.protocol import kv_events as ev
-
-if TYPE_CHECKING:
-    from lmc_server.server.events import KvEventPublisher
 
 #: ``medium`` of objects in the disk tier.
 MEDIUM_DISK = "DISK"
 
 
+class Publisher(Protocol):
+    """What the disk tier's events need of ``events.KvEventPublisher``, which builds
+    :class:`DiskEvents`: named here so that this module does not import it back."""
+
+    chunk_size: int
+
+    def topic_of(self, prefix: bytes) -> bytes | None: ...
+
+    def published_hashes(self, key: bytes) -> tuple[bool, bytes | None]: ...
+
+    def digest_hash(self, key: bytes) -> int: ...
+
+    def append(self, topic: bytes, event: Any) -> None: ...
+
+    def remove(self, topic: bytes, key: bytes, hashes: bytes | None, medium: str) -> None: ...
+
+
 class DiskEvents:
     """Maps the disk tier's keys back to published L1 objects and publishes them."""
 
-    def __init__(self, publisher: KvEventPublisher) -> None:
+    def __init__(self, publisher: Publisher) -> None:
         from lmc_server.l2 import codec  # the L2 package loads only with a lower tier
 
         self.publisher = publisher

@@ -1,10 +1,10 @@
 """Worker side of ``lmcache bench ranks``: one process per rank, driven over JSON lines.
 
-``python -m lmc_server.bench.ranks_worker`` reads commands on stdin (``init``, phase-1
+``python -m lmc_server.bench.ranks.worker`` reads commands on stdin (``init``, phase-1
 store and retrieve, raw-copy baseline, TP phases, phase 2; in DP mode the seed prompt and
-the DP phase) and answers one JSON line each on stdout; see :mod:`lmc_server.bench.ranks`
+the DP phase) and answers one JSON line each on stdout; see :mod:`lmc_server.bench.ranks.run`
 for the phases and what the parent checks. The rank's KV and byte checks are in
-:mod:`lmc_server.bench.ranks_kv`; a DP engine's loops in :mod:`.ranks_dp_worker`.
+:mod:`lmc_server.bench.ranks.kv`; a DP engine's loops in :mod:`.dp_worker`.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.ranks_config import (
+from lmc_server.bench.ranks.config import (
     IN_PROGRESS_POLL_S,
     IN_PROGRESS_RETRY_S,
     REGION_A,
     REGION_B,
     digests,
 )
-from lmc_server.bench.ranks_counts import Counts
-from lmc_server.bench.ranks_dp_worker import DPEngine
-from lmc_server.bench.ranks_kv import RankKV
+from lmc_server.bench.ranks.counts import Counts
+from lmc_server.bench.ranks.dp_worker import DPEngine
+from lmc_server.bench.ranks.kv import RankKV
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult, Registration, ServerError
 
@@ -261,7 +261,7 @@ class _Worker:
             gbps = raw_copy_gbps(nbytes, "d2h", device=self.kv.device, iters=3)
             self.raw_iters = max(3, int(raw_s * gbps * 1e9 / nbytes))
         else:
-            from lmc_server.bench.rawcopy import CpuRawCopy
+            from lmc_server.bench.baselines.rawcopy import CpuRawCopy
 
             self.raw = CpuRawCopy(nbytes)
             self.raw.seconds("d2h", nbytes)

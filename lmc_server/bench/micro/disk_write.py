@@ -14,7 +14,7 @@ Three ways to write ``--objects`` objects of ``--object-bytes`` from a numpy "po
 
 No server, no stores, no polling: what is left is the tier's own work. Usage::
 
-    python scripts/bench-disk-write.py /tmp/diskbench --rounds 7
+    python -m lmc_server.bench.micro.disk_write /tmp/diskbench --rounds 7
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from lmc_server.bench.l2disk import _Plain
+from lmc_server.bench.l2.disk import _Plain
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import SlotObject
 from lmc_server.l2.file_backend import FileBackend

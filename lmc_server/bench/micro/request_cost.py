@@ -6,7 +6,7 @@ path: building the message (block ids included), the re-hello check, reading the
 into the caller's value. Best of 7 runs of 20,000 calls each, for the blocking and the
 asyncio client. Compare two trees back to back on one machine:
 
-    cd /tmp && PYTHONPATH=/path/to/tree python /path/to/scripts/client-request-cost.py
+    cd /tmp && PYTHONPATH=/path/to/tree python -m lmc_server.bench.micro.request_cost
 
 (run outside the checkout, so that the current directory does not shadow PYTHONPATH).
 """
@@ -54,7 +54,7 @@ async def fake_aroundtrip(msg: Any) -> m.Reply:
     return fake_roundtrip(msg)
 
 
-def best_us(run: Callable[[], None]) -> float:
+def best_us(run: Callable[[], object]) -> float:
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The parent's side of the rank processes of ``lmcache bench ranks``.
 
-:class:`RankProcess` starts ``python -m lmc_server.bench.ranks_worker``
+:class:`RankProcess` starts ``python -m lmc_server.bench.ranks.worker``
 (:class:`~lmc_server.bench.jsonproc.JsonLineProcess`: JSON lines both ways, no pickle); the helpers
 send one command to many ranks at once and read what the server still maps.
 """
@@ -20,13 +20,13 @@ from lmc_server.client.shm import SHM_DIR
 
 
 class RankProcess(JsonLineProcess):
-    """A rank subprocess (``python -m lmc_server.bench.ranks_worker``)."""
+    """A rank subprocess (``python -m lmc_server.bench.ranks.worker``)."""
 
     def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
         self.rank = rank
         self.info: dict[str, Any] = {}
         self.killed = False
-        super().__init__("lmc_server.bench.ranks_worker", f"rank {rank}", cfg)
+        super().__init__("lmc_server.bench.ranks.worker", f"rank {rank}", cfg)
 
     def kill(self) -> None:
         self.killed = True

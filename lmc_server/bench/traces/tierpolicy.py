@@ -105,11 +105,11 @@ def simulate(requests: list[list[int]], l1_chunks: int, disk_chunks: int,
 
 
 def main() -> None:
-    """``python -m lmc_server.bench.tierpolicy TRACE...``: the model alone, per trace and
+    """``python -m lmc_server.bench.traces.tierpolicy TRACE...``: the model alone, per trace and
     capacity pair (fractions of the trace's distinct chunks), in seconds."""
     import argparse
 
-    from lmc_server.bench.trace import load_trace
+    from lmc_server.bench.traces.trace import load_trace
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("traces", nargs="+")
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--sizes", default="0.05:0.25,0.05:1.0,0.2:0.5",
                    help="L1:disk fractions of the distinct chunks, comma-separated")
     args = p.parse_args()
-    from lmc_server.bench.trace import chunk_ids
+    from lmc_server.bench.traces.trace import chunk_ids
 
     print("trace | L1 | disk | policy | token hit | of which disk | disk writes per "
           "disk hit | L1 also on disk")

@@ -1,6 +1,6 @@
 """What both sides of ``lmcache bench ranks`` agree on: settings, regions, chunk keys.
 
-The parent (:mod:`.ranks`) and every rank process (:mod:`.ranks_worker`) import this,
+The parent (:mod:`.run`) and every rank process (:mod:`.worker`) import this,
 and nothing of each other: the parent sends a rank its settings as one JSON line.
 
 Data-parallel prompts (``mode="dp"``): engine ``e`` of ``n`` owns prompts ``q = j * n + e``

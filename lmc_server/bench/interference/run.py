@@ -105,7 +105,7 @@ class _Run:
         self.cfg = cfg
         self.report = report
         self.bar = bar
-        self.engine = JsonLineProcess("lmc_server.bench.interference_engine", "engine",
+        self.engine = JsonLineProcess("lmc_server.bench.interference.engine", "engine",
                                       {"device": cfg.device})
         report.config["gpu"] = self.engine.recv(300)["gpu"]
         self.load_timeout_s = 60 + 4 * (cfg.seconds + 2 * cfg.warm_s)
@@ -124,7 +124,7 @@ class _Run:
         with ServerProcess(server_args(cfg, mode), backend="cuda",
                            l1_size_gb=cfg.l1_size_gb) as srv:
             worker = JsonLineProcess(
-                "lmc_server.bench.interference_worker", "worker",
+                "lmc_server.bench.interference.worker", "worker",
                 {"endpoint": srv.endpoint, "device": cfg.device, "max_chunks": max(cfg.chunks),
                  "chunk_size": cfg.chunk_size, "geometry": cfg.geometry.__dict__,
                  "separate": cfg.separate, "seed": cfg.seed, "block_order": cfg.block_order})

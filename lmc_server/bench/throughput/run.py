@@ -17,14 +17,14 @@ process and the asyncio client:
 
 Bytes are what the server moves: a store copies whole objects, a retrieve copies the
 full-prefix sections of every chunk but sliding-window sections only for the chunks in
-the window. The raw copy of the same bytes (:mod:`lmc_server.bench.rawcopy`) is timed in
+the window. The raw copy of the same bytes (:mod:`lmc_server.bench.baselines.rawcopy`) is timed in
 the same run; ``ratio`` is ours / raw.
 
 Each row also says where the time went inside the server: the mean per request of the
 server's phases (``stats`` ``phases``: queue, prepare, submit, copy, hop_out, finish,
 docs/protocol.md) over the timed requests. ``srv ms`` is their sum and ``copy ms`` the
 engine call; the rest of ``p50 ms`` is the client, the sockets and the wake-ups between
-them. The timing loops are in :mod:`.throughput_timing`.
+them. The timing loops are in :mod:`.timing`.
 """
 
 from __future__ import annotations
@@ -32,41 +32,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from lmc_server.bench.common import (
-    DEFAULT_CHUNK_SIZE,
-    GeometryArgs,
-    Report,
-    format_table,
-    progress,
-)
+from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.kvregions import Regions, max_blocks_per_chunk
-from lmc_server.bench.throughput_timing import Raw, Session, measure_batch
+from lmc_server.bench.throughput.config import ThroughputConfig
+from lmc_server.bench.throughput.timing import Raw, Session, measure_batch
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.process import ServerProcess
-
-
-@dataclass(frozen=True)
-class ThroughputConfig:
-    backend: str = "cpu"
-    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    geometry: GeometryArgs = GeometryArgs()
-    l1_size_gb: float = 2.0
-    separate: bool = True
-    copy_modes: tuple[str, ...] = ("staging",)
-    concurrent: bool = False
-    #: Sustained runs, one per number of requests kept in flight (each > 1).
-    inflight: tuple[int, ...] = ()
-    min_time_s: float = 0.5
-    min_iters: int = 3
-    max_iters: int = 200
-    raw_iters: int = 10
-    device: int = 0
-    seed: int = 0
-    show_progress: bool = True
-    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 @contextmanager

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.bounds import infinite_hits
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
-from lmc_server.bench.tierpolicy import POLICIES, simulate
-from lmc_server.bench.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
+from lmc_server.bench.traces.bounds import infinite_hits
+from lmc_server.bench.traces.tierpolicy import POLICIES, simulate
+from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
 from lmc_server.client import Client

@@ -3,7 +3,7 @@
 DeepSeek-V4-Flash serves long contexts faster data-parallel than tensor-parallel, so one
 server is often shared by several independent engines (world size 1 each, same model,
 hence one namespace) rather than by the ranks of one engine in lockstep. Each engine
-process (:mod:`.ranks_dp_worker`) first stores one seed prompt (the only barrier, before
+process (:mod:`.dp_worker`) first stores one seed prompt (the only barrier, before
 the timed phase), then for ``duration_s`` stores its own prompts and loads prefixes of
 any engine's prompts at its own pace, checking every loaded prefix byte for byte
 against what its storer wrote.
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmc_server.bench.ranks_config import MAX_ERRORS_KEPT, RanksConfig
-from lmc_server.bench.ranks_procs import RankProcess, gather
+from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
+from lmc_server.bench.ranks.procs import RankProcess, gather
 from lmc_server.client.sync import Client
 
 _SUMMED = ("lookups", "lookup_misses", "partial_hits", "loads", "cross_engine_chunks",

@@ -40,14 +40,14 @@ Phase 3 (``kill_one``): halfway through phase 2 the last rank gets SIGKILL; the 
 ranks must finish with no error, and within ``KILL_DETECT_S`` the server's
 registrations drop by one (on cpu, its maps of the victim's segments are gone too).
 
-DP mode (``mode="dp"``, :mod:`.ranks_dp`): the processes are independent engines
+DP mode (``mode="dp"``, :mod:`.dp`): the processes are independent engines
 instead (world size 1 each, one namespace); after the raw baseline, one DP phase of
 ``duration_s`` in which each stores its own prompts and loads prefixes any engine stored,
 at its own pace, every loaded prefix checked byte for byte; phase 3 as above.
 
-Modules: :mod:`.ranks_config` (settings both sides share), :mod:`.ranks_procs` (the rank
-processes), :mod:`.ranks_table` (notes and table), :mod:`.ranks_plot` (the picture),
-:mod:`.ranks_worker`, :mod:`.ranks_dp_worker` and :mod:`.ranks_kv` (a rank: its commands,
+Modules: :mod:`.config` (settings both sides share), :mod:`.procs` (the rank
+processes), :mod:`.table` (notes and table), :mod:`.plot` (the picture),
+:mod:`.worker`, :mod:`.dp_worker` and :mod:`.kv` (a rank: its commands,
 a DP engine's loops, its KV and byte checks).
 """
 
@@ -59,7 +59,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lmc_server.bench.common import Report
-from lmc_server.bench.ranks_config import (
+from lmc_server.bench.ranks.config import (
     KILL_DETECT_S,
     MAX_ERRORS_KEPT,
     MODES,
@@ -69,9 +69,9 @@ from lmc_server.bench.ranks_config import (
     auto_l1_size_gb,
     blocks_needed,
 )
-from lmc_server.bench.ranks_dp import dp_phase
-from lmc_server.bench.ranks_procs import RankProcess, gather, maps_hold, union_bits
-from lmc_server.bench.ranks_table import notes
+from lmc_server.bench.ranks.dp import dp_phase
+from lmc_server.bench.ranks.procs import RankProcess, gather, maps_hold, union_bits
+from lmc_server.bench.ranks.table import notes
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.testing.process import ServerProcess
@@ -280,7 +280,7 @@ class _Run:
                 l1["used_bytes"] == l1["single_copy_bytes"])
 
     def dp(self) -> None:
-        """The DP phase (:mod:`.ranks_dp`), phase 3 inside it when ``kill_one``."""
+        """The DP phase (:mod:`.dp`), phase 3 inside it when ``kill_one``."""
         self.s["dp"], self.report.rows, checks = dp_phase(
             self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3)
         self.checks.update(checks)

@@ -12,7 +12,7 @@ the other one a package name of its own:
     git archive <rev> lmc_server | tar -x -C /tmp/old
     mv /tmp/old/lmc_server /tmp/old/lmc_old
     grep -rl lmc_server /tmp/old/lmc_old | xargs sed -i 's/\\blmc_server\\b/lmc_old/g'
-    PYTHONPATH=/tmp/old python scripts/bench-index.py --packages lmc_old,lmc_server
+    PYTHONPATH=/tmp/old python -m lmc_server.bench.micro.index --packages lmc_old,lmc_server
 
 Prints one line per case and package: microseconds per call, the best of ``--repeat``
 rounds of ``--calls`` calls (a tenth of them for stores and retrieves).

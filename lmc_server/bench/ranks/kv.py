@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lmc_server.bench.common import GeometryArgs
-from lmc_server.bench.ranks_config import REGION_A, REGION_B, TAG_BYTES
+from lmc_server.bench.ranks.config import REGION_A, REGION_B, TAG_BYTES
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RegistrationLayout, build_layout
 from lmc_server.testing.presets import KVGeometry

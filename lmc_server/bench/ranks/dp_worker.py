@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.ranks_config import (
+from lmc_server.bench.ranks.config import (
     DP_RECENT_PROMPTS,
     REGION_A,
     REGION_B,
@@ -36,8 +36,8 @@ from lmc_server.bench.ranks_config import (
     prompt_owner,
     prompt_slots,
 )
-from lmc_server.bench.ranks_counts import Counts
-from lmc_server.bench.ranks_kv import RankKV
+from lmc_server.bench.ranks.counts import Counts
+from lmc_server.bench.ranks.kv import RankKV
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult, Registration, ServerError

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmc_server.bench.common import Report, format_table
-from lmc_server.bench.ranks_config import KILL_DETECT_S, RanksConfig
+from lmc_server.bench.ranks.config import KILL_DETECT_S, RanksConfig
 
 
 def notes(report: Report, cfg: RanksConfig) -> None:

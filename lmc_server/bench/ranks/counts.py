@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.ranks_config import MAX_ERRORS_KEPT
+from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.core import ChunkResult
 

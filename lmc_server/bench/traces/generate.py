@@ -14,8 +14,8 @@ block yields two full 256-token chunks.
   each behind one of a few system prompts. What pays: keeping live sessions' histories
   until their next turn; most of a finished session's history is never used again.
 
-    python -m lmc_server.bench.traces shared-prompts .bench/shared.jsonl
-    python -m lmc_server.bench.traces multi-turn .bench/multiturn.jsonl
+    python -m lmc_server.bench.traces.generate shared-prompts .bench/shared.jsonl
+    python -m lmc_server.bench.traces.generate multi-turn .bench/multiturn.jsonl
 """
 
 from __future__ import annotations

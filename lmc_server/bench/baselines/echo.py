@@ -1,6 +1,6 @@
 """The latency baseline: a plain pyzmq ROUTER that sends every message straight back.
 
-It runs as its own process (``python -m lmc_server.bench.echo PORT``) on the same
+It runs as its own process (``python -m lmc_server.bench.baselines.echo PORT``) on the same
 transport as the server, so ``ours / echo`` isolates what the server adds on top of
 zmq and Python: decoding, dispatch, the handler and encoding the reply.
 """
@@ -39,7 +39,7 @@ class EchoServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EchoServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server.bench.echo",
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server.bench.baselines.echo",
                                       str(self.port)])
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)

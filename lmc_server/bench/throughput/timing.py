@@ -1,4 +1,4 @@
-"""The timing loops of ``lmcache bench throughput`` (see :mod:`.throughput`).
+"""The timing loops of ``lmcache bench throughput`` (see :mod:`.run`).
 
 :func:`measure_batch` times one batch size through one registration: single stores,
 single retrieves (each verified byte for byte), a store and a retrieve at once, and
@@ -11,19 +11,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from lmc_server.bench.baselines.rawcopy import CpuRawCopy
 from lmc_server.bench.common import phase_means
 from lmc_server.bench.kvregions import A1, A2, B, Regions
-from lmc_server.bench.rawcopy import CpuRawCopy
+from lmc_server.bench.throughput.config import ThroughputConfig
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import ChunkResult, Registration
 from lmc_server.protocol.stats import PhaseSum
-
-if TYPE_CHECKING:
-    from lmc_server.bench.throughput import ThroughputConfig
 
 WARMUP_ITERS = 3
 

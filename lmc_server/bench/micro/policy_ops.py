@@ -8,7 +8,7 @@ table as a partition binds it, is filled with ``n`` objects, then driven through
 memory locality). The figure is wall time / operations; flat across sizes means O(1)
 per operation (the fill is not timed).
 
-    python -m lmc_server.bench.policy_ops --sizes 10000,100000,1000000 --ops 1000000
+    python -m lmc_server.bench.micro.policy_ops --sizes 10000,100000,1000000 --ops 1000000
 """
 
 from __future__ import annotations

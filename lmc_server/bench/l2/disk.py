@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
-from lmc_server.bench.l2 import POLL_S, _digests, _wait
+from lmc_server.bench.l2.run import POLL_S, _digests, _wait
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, Registration
 from lmc_server.l2 import codec, direct_io

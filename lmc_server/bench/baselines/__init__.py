@@ -1,0 +1,1 @@
+"""What the benchmarks measure the server against: a pyzmq echo and raw copies."""

@@ -1,0 +1,1 @@
+"""Request traces: the file format, generators, `lmcache bench replay`, bounds, tier models."""
