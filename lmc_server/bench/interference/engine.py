@@ -1,6 +1,6 @@
 """The "engine" process of ``lmcache bench interference``: a GPU kept busy the way vLLM's is.
 
-Run as ``python -m lmc_server.bench.interference_engine`` by the benchmark (JSON lines on
+Run as ``python -m lmc_server.bench.interference.engine`` by the benchmark (JSON lines on
 stdin and stdout, no pickle). It keeps its GPU busy with one of three workloads and
 reports how much work it got done in a window of wall time:
 

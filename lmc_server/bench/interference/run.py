@@ -3,9 +3,9 @@
 vLLM's GPUs are never idle while the server copies, so this benchmark measures both
 sides at once, with three processes on one GPU, as in production:
 
-- an *engine* (:mod:`.interference_engine`) keeping the GPU busy (``gemm``, ``hbm`` or
+- an *engine* (:mod:`.engine`) keeping the GPU busy (``gemm``, ``hbm`` or
   ``decode``) and counting its own throughput;
-- a *worker* (:mod:`.interference_worker`) holding the DeepSeek-V4.1 preset's KV in GPU
+- a *worker* (:mod:`.worker`) holding the DeepSeek-V4.1 preset's KV in GPU
   memory and driving the server with store loops, load loops (lookup, retrieve,
   release) or both, ``inflight`` requests of each kind in flight;
 - the server, ``lmcache server --backend cuda`` as users run it (a separate process),

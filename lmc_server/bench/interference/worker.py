@@ -1,6 +1,6 @@
 """The "worker" process of ``lmcache bench interference``: KV in GPU memory, driving a server.
 
-Run as ``python -m lmc_server.bench.interference_worker`` by the benchmark (JSON lines on
+Run as ``python -m lmc_server.bench.interference.worker`` by the benchmark (JSON lines on
 stdin and stdout, no pickle). It holds the DeepSeek-V4.1 preset's KV cache in GPU memory
 (:class:`~lmc_server.testing.cuda_kv.CudaKV`, three block regions as in ``bench
 throughput``: sources ``A1``/``A2``, destination ``B``), registers it with the server
