@@ -42,8 +42,7 @@ def setup_logging(level: str, fmt: str = "text", log_file: str = "") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -64,8 +63,7 @@ def reopen_logs() -> list[str]:
         try:
             stream = open(h.baseFilename, "a", encoding=h.encoding)
         except OSError as e:
-            logging.getLogger(__name__).error("cannot reopen log file %s: %s",
-                                              h.baseFilename, e)
+            logging.getLogger(__name__).error("cannot reopen log file %s: %s", h.baseFilename, e)
             continue
         old = h.setStream(stream)
         if old is not None:

@@ -44,8 +44,9 @@ def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}"
 
 
-def host_problem(host: str, bind: bool = False,
-                 resolver: Resolver = socket.getaddrinfo) -> str | None:
+def host_problem(
+    host: str, bind: bool = False, resolver: Resolver = socket.getaddrinfo
+) -> str | None:
     """Why ``host`` cannot be connected to (or, with ``bind``, listened on), or None.
 
     Accepted: IPv4 and IPv6 literals (IPv6 with or without brackets) and host names of
@@ -68,8 +69,9 @@ def host_problem(host: str, bind: bool = False,
         pass
     name = inner[:-1] if inner.endswith(".") else inner
     if len(name) > MAX_NAME_CHARS or not all(_LABEL.fullmatch(x) for x in name.split(".")):
-        return ("is not an address: use an IPv4 address, an IPv6 address (::1 or [::1]) "
-                "or a host name")
+        return (
+            "is not an address: use an IPv4 address, an IPv6 address (::1 or [::1]) or a host name"
+        )
     if not resolve(name, resolver):
         return "does not resolve to an address"
     return None

@@ -47,8 +47,14 @@ sys.path.insert(0, str(REPO / "tests" / "vllm"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
-HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
-         "build_connector_meta", "update_connector_output", "request_finished")
+HOOKS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -92,20 +98,45 @@ class HookTimer:
         self._hooks_cpu_s = {}
 
 
-def run_case(port: int, tmp: Path, *, n: int, hit: bool, async_scheduling: bool,
-             load: bool, forward_s: float, idle_step_s: float, seed: int, rounds: int,
-             settings: dict[str, Any]) -> dict[str, Any]:
+def run_case(
+    port: int,
+    tmp: Path,
+    *,
+    n: int,
+    hit: bool,
+    async_scheduling: bool,
+    load: bool,
+    forward_s: float,
+    idle_step_s: float,
+    seed: int,
+    rounds: int,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
     """``rounds`` times: ``n`` requests arrive at once (for a hit: their prompts stored
     and vLLM's own cache emptied first); step until every one was scheduled."""
     from engine_sim import SimEngine
 
-    e = SimEngine(port, tmp, model="plain", num_blocks=max(600, n * 50),
-                  max_num_batched_tokens=8192, async_scheduling=async_scheduling,
-                  forward_s=forward_s, idle_step_s=idle_step_s,
-                  extra={"lmcache.mp.load": load, **settings})
-    out: dict[str, Any] = {"first_scheduled": {}, "first_scheduled_s": {}, "step_s": [],
-                           "step_cpu_s": [], "arrival_cpu_s": [], "arrival_hooks_cpu_s": [],
-                           "loaded": 0, "failed": 0}
+    e = SimEngine(
+        port,
+        tmp,
+        model="plain",
+        num_blocks=max(600, n * 50),
+        max_num_batched_tokens=8192,
+        async_scheduling=async_scheduling,
+        forward_s=forward_s,
+        idle_step_s=idle_step_s,
+        extra={"lmcache.mp.load": load, **settings},
+    )
+    out: dict[str, Any] = {
+        "first_scheduled": {},
+        "first_scheduled_s": {},
+        "step_s": [],
+        "step_cpu_s": [],
+        "arrival_cpu_s": [],
+        "arrival_hooks_cpu_s": [],
+        "loaded": 0,
+        "failed": 0,
+    }
     try:
         timer = HookTimer(e.connector)
         for k in range(rounds):
@@ -144,14 +175,24 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--waiting", default="1,16,256", help="requests arriving at once")
-    ap.add_argument("--forward-ms", type=float, default=5.0,
-                    help="simulated forward pass of a step that computes tokens")
-    ap.add_argument("--idle-step-ms", type=float, default=0.5,
-                    help="a step without tokens (the round trip to the workers)")
-    ap.add_argument("--lookup-wait-ms", type=float, default=1.0,
-                    help="lmcache.mp.lookup_wait_s, in ms")
-    ap.add_argument("--idle-load-wait-ms", type=float, default=10.0,
-                    help="lmcache.mp.idle_load_wait_s, in ms")
+    ap.add_argument(
+        "--forward-ms",
+        type=float,
+        default=5.0,
+        help="simulated forward pass of a step that computes tokens",
+    )
+    ap.add_argument(
+        "--idle-step-ms",
+        type=float,
+        default=0.5,
+        help="a step without tokens (the round trip to the workers)",
+    )
+    ap.add_argument(
+        "--lookup-wait-ms", type=float, default=1.0, help="lmcache.mp.lookup_wait_s, in ms"
+    )
+    ap.add_argument(
+        "--idle-load-wait-ms", type=float, default=10.0, help="lmcache.mp.idle_load_wait_s, in ms"
+    )
     ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians)")
     ap.add_argument("--schedulers", default="sync,async")
     ap.add_argument("--cases", default="miss,hit")
@@ -160,8 +201,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-steps-"))
     rows = []
     seed = 1
-    settings = {"lmcache.mp.lookup_wait_s": args.lookup_wait_ms / 1000,
-                "lmcache.mp.idle_load_wait_s": args.idle_load_wait_ms / 1000}
+    settings = {
+        "lmcache.mp.lookup_wait_s": args.lookup_wait_ms / 1000,
+        "lmcache.mp.idle_load_wait_s": args.idle_load_wait_ms / 1000,
+    }
     for async_scheduling in [s == "async" for s in args.schedulers.split(",")]:
         for hit in [c == "hit" for c in args.cases.split(",")]:
             for n in [int(x) for x in args.waiting.split(",")]:
@@ -169,54 +212,71 @@ def main() -> int:
                 for load in (True, False):
                     seed += 1000 * args.rounds
                     with ServerProcess(SERVER_ARGS, l1_size_gb=1.0) as srv:
-                        res[load] = run_case(srv.port, tmp, n=n, hit=hit,
-                                             async_scheduling=async_scheduling, load=load,
-                                             forward_s=args.forward_ms / 1000,
-                                             idle_step_s=args.idle_step_ms / 1000,
-                                             seed=seed, rounds=args.rounds,
-                                             settings=settings)
+                        res[load] = run_case(
+                            srv.port,
+                            tmp,
+                            n=n,
+                            hit=hit,
+                            async_scheduling=async_scheduling,
+                            load=load,
+                            forward_s=args.forward_ms / 1000,
+                            idle_step_s=args.idle_step_ms / 1000,
+                            seed=seed,
+                            rounds=args.rounds,
+                            settings=settings,
+                        )
                 on, off = res[True], res[False]
-                added = [on["first_scheduled"][r] - off["first_scheduled"][r]
-                         for r in on["first_scheduled"]]
-                added_ms = [1e3 * (on["first_scheduled_s"][r] - off["first_scheduled_s"][r])
-                            for r in on["first_scheduled_s"]]
+                added = [
+                    on["first_scheduled"][r] - off["first_scheduled"][r]
+                    for r in on["first_scheduled"]
+                ]
+                added_ms = [
+                    1e3 * (on["first_scheduled_s"][r] - off["first_scheduled_s"][r])
+                    for r in on["first_scheduled_s"]
+                ]
                 steps, cpu = on["step_s"], on["step_cpu_s"]
-                row = {"scheduler": "async" if async_scheduling else "sync",
-                       "case": "hit" if hit else "miss", "waiting": n,
-                       "added_steps_median": statistics.median(added),
-                       "added_ms_median": statistics.median(added_ms),
-                       "connector_cpu_ms_per_step_median": 1e3 * statistics.median(cpu),
-                       "added_steps_mean": sum(added) / len(added),
-                       "added_steps_max": max(added),
-                       "added_ms_mean": sum(added_ms) / len(added_ms),
-                       "added_ms_max": max(added_ms),
-                       "connector_ms_per_step_mean": 1e3 * sum(steps) / len(steps),
-                       "connector_ms_per_step_max": 1e3 * max(steps),
-                       "connector_cpu_ms_per_step_mean": 1e3 * sum(cpu) / len(cpu),
-                       "connector_cpu_ms_per_step_max": 1e3 * max(cpu),
-                       "arrival_step_cpu_ms_median": 1e3 * statistics.median(
-                           on["arrival_cpu_s"]),
-                       "arrival_step_cpu_ms_max": 1e3 * max(on["arrival_cpu_s"]),
-                       "arrival_step_cpu_ms_by_hook_median": {
-                           h: 1e3 * statistics.median(d.get(h, 0.0)
-                                                      for d in on["arrival_hooks_cpu_s"])
-                           for h in HOOKS},
-                       "steps": len(steps), "loaded": on["loaded"],
-                       "failed": on["failed"] + off["failed"]}
+                row = {
+                    "scheduler": "async" if async_scheduling else "sync",
+                    "case": "hit" if hit else "miss",
+                    "waiting": n,
+                    "added_steps_median": statistics.median(added),
+                    "added_ms_median": statistics.median(added_ms),
+                    "connector_cpu_ms_per_step_median": 1e3 * statistics.median(cpu),
+                    "added_steps_mean": sum(added) / len(added),
+                    "added_steps_max": max(added),
+                    "added_ms_mean": sum(added_ms) / len(added_ms),
+                    "added_ms_max": max(added_ms),
+                    "connector_ms_per_step_mean": 1e3 * sum(steps) / len(steps),
+                    "connector_ms_per_step_max": 1e3 * max(steps),
+                    "connector_cpu_ms_per_step_mean": 1e3 * sum(cpu) / len(cpu),
+                    "connector_cpu_ms_per_step_max": 1e3 * max(cpu),
+                    "arrival_step_cpu_ms_median": 1e3 * statistics.median(on["arrival_cpu_s"]),
+                    "arrival_step_cpu_ms_max": 1e3 * max(on["arrival_cpu_s"]),
+                    "arrival_step_cpu_ms_by_hook_median": {
+                        h: 1e3 * statistics.median(d.get(h, 0.0) for d in on["arrival_hooks_cpu_s"])
+                        for h in HOOKS
+                    },
+                    "steps": len(steps),
+                    "loaded": on["loaded"],
+                    "failed": on["failed"] + off["failed"],
+                }
                 rows.append(row)
-                print(f"{row['scheduler']:5} {row['case']:4} waiting {n:3}: added steps "
-                      f"median {row['added_steps_median']:.1f} mean "
-                      f"{row['added_steps_mean']:.2f} max {row['added_steps_max']} "
-                      f"({row['added_ms_mean']:.1f} ms, max {row['added_ms_max']:.1f}); "
-                      f"connector per step: wall mean "
-                      f"{row['connector_ms_per_step_mean']:.3f} ms max "
-                      f"{row['connector_ms_per_step_max']:.3f}, cpu median "
-                      f"{row['connector_cpu_ms_per_step_median']:.3f} mean "
-                      f"{row['connector_cpu_ms_per_step_mean']:.3f} max "
-                      f"{row['connector_cpu_ms_per_step_max']:.3f}, the arrivals' step "
-                      f"median {row['arrival_step_cpu_ms_median']:.3f} max "
-                      f"{row['arrival_step_cpu_ms_max']:.3f}, {row['steps']} steps; "
-                      f"{row['loaded']} loaded, {row['failed']} failed", flush=True)
+                print(
+                    f"{row['scheduler']:5} {row['case']:4} waiting {n:3}: added steps "
+                    f"median {row['added_steps_median']:.1f} mean "
+                    f"{row['added_steps_mean']:.2f} max {row['added_steps_max']} "
+                    f"({row['added_ms_mean']:.1f} ms, max {row['added_ms_max']:.1f}); "
+                    f"connector per step: wall mean "
+                    f"{row['connector_ms_per_step_mean']:.3f} ms max "
+                    f"{row['connector_ms_per_step_max']:.3f}, cpu median "
+                    f"{row['connector_cpu_ms_per_step_median']:.3f} mean "
+                    f"{row['connector_cpu_ms_per_step_mean']:.3f} max "
+                    f"{row['connector_cpu_ms_per_step_max']:.3f}, the arrivals' step "
+                    f"median {row['arrival_step_cpu_ms_median']:.3f} max "
+                    f"{row['arrival_step_cpu_ms_max']:.3f}, {row['steps']} steps; "
+                    f"{row['loaded']} loaded, {row['failed']} failed",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

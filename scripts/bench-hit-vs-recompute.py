@@ -72,14 +72,20 @@ class DecoderStack:
         self.device = device
 
         def w(*shape: int) -> Any:
-            return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
-                    * 0.02)
+            return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+
         qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-        self.layers = [dict(qkv=w(HIDDEN, qkv), o=w(HEADS * HEAD_DIM, HIDDEN),
-                            gate_up=w(HIDDEN, 2 * FFN), down=w(FFN, HIDDEN),
-                            norm1=torch.ones(HIDDEN, device=device, dtype=torch.bfloat16),
-                            norm2=torch.ones(HIDDEN, device=device, dtype=torch.bfloat16))
-                       for _ in range(layers)]
+        self.layers = [
+            dict(
+                qkv=w(HIDDEN, qkv),
+                o=w(HEADS * HEAD_DIM, HIDDEN),
+                gate_up=w(HIDDEN, 2 * FFN),
+                down=w(FFN, HIDDEN),
+                norm1=torch.ones(HIDDEN, device=device, dtype=torch.bfloat16),
+                norm2=torch.ones(HIDDEN, device=device, dtype=torch.bfloat16),
+            )
+            for _ in range(layers)
+        ]
 
     def forward(self, new_tokens: int, past_tokens: int, matmuls_only: bool = False) -> Any:
         """One forward pass of ``new_tokens`` over ``past_tokens`` already in the cache
@@ -90,20 +96,22 @@ class DecoderStack:
         x = torch.randn(1, new_tokens, HIDDEN, device=self.device, dtype=torch.bfloat16)
         past_k = past_v = None
         if past_tokens and not matmuls_only:
-            past_k = torch.randn(1, HEADS, past_tokens, HEAD_DIM, device=self.device,
-                                 dtype=torch.bfloat16)
+            past_k = torch.randn(
+                1, HEADS, past_tokens, HEAD_DIM, device=self.device, dtype=torch.bfloat16
+            )
             past_v = torch.randn_like(past_k)
         rep = HEADS // KV_HEADS
         for p in self.layers:
             if matmuls_only:
                 a = x @ p["qkv"]
-                x = a[..., :HEADS * HEAD_DIM] @ p["o"]
+                x = a[..., : HEADS * HEAD_DIM] @ p["o"]
                 g = x @ p["gate_up"]
                 x = g[..., :FFN] @ p["down"]
                 continue
             h = _rms_norm(x, p["norm1"])
-            q, k, v = (h @ p["qkv"]).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
-                                            KV_HEADS * HEAD_DIM], dim=-1)
+            q, k, v = (h @ p["qkv"]).split(
+                [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1
+            )
             q = q.view(1, new_tokens, HEADS, HEAD_DIM).transpose(1, 2)
             k = k.view(1, new_tokens, KV_HEADS, HEAD_DIM).transpose(1, 2)
             v = v.view(1, new_tokens, KV_HEADS, HEAD_DIM).transpose(1, 2)
@@ -137,8 +145,7 @@ def timed(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 3) -> 
     times_s = []
     for _ in range(repeats):
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
@@ -151,8 +158,9 @@ def timed(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 3) -> 
     return statistics.median(times_s)
 
 
-def load_figures(backend: str, chunks: list[int], repeats: int, layers: int
-                 ) -> dict[int, dict[str, float]]:
+def load_figures(
+    backend: str, chunks: list[int], repeats: int, layers: int
+) -> dict[int, dict[str, float]]:
     """The connector's hit path for each hit size (:func:`load_times`), over a KV cache
     of ``layers`` layers of the stack's KV size, on the ``backend`` engine."""
     from lmc_server.testing.connector_timing import blocks_needed, load_times
@@ -164,17 +172,26 @@ def load_figures(backend: str, chunks: list[int], repeats: int, layers: int
         from lmc_server.client.cuda import stream_done
         from lmc_server.testing.cuda_kv import CudaKV, device_arch
 
-        geo = simple_model(arch=device_arch(0), num_blocks=blocks_needed(chunks),
-                           layers=layers, bytes_per_token=KV_BYTES_PER_TOKEN)
-        with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=pool_gb,
-                           start_timeout_s=60) as srv, CudaKV(geo) as kv:
+        geo = simple_model(
+            arch=device_arch(0),
+            num_blocks=blocks_needed(chunks),
+            layers=layers,
+            bytes_per_token=KV_BYTES_PER_TOKEN,
+        )
+        with (
+            ServerProcess(
+                SERVER_ARGS, backend="cuda", l1_size_gb=pool_gb, start_timeout_s=60
+            ) as srv,
+            CudaKV(geo) as kv,
+        ):
             srv.wait_pool_ready()
             kv.fill_random(23)
             return load_times(srv.endpoint, kv, chunks, repeats=repeats, ready=stream_done())
     from lmc_server.testing.kv import ShmKV
 
-    geo = simple_model(num_blocks=blocks_needed(chunks), layers=layers,
-                       bytes_per_token=KV_BYTES_PER_TOKEN)
+    geo = simple_model(
+        num_blocks=blocks_needed(chunks), layers=layers, bytes_per_token=KV_BYTES_PER_TOKEN
+    )
     with ServerProcess(SERVER_ARGS, l1_size_gb=pool_gb) as srv, ShmKV(geo) as kv:
         kv.fill_random(23)
         return load_times(srv.endpoint, kv, chunks, repeats=repeats)
@@ -198,29 +215,43 @@ def main() -> int:
     with torch.inference_mode():
         for n in chunks:
             hit_tokens = n * CHUNK
-            recompute_s = timed(partial(stack.forward, hit_tokens + 1, 0), device,
-                                args.repeats)
-            floor_s = timed(partial(stack.forward, hit_tokens + 1, 0, matmuls_only=True),
-                            device, args.repeats)
+            recompute_s = timed(partial(stack.forward, hit_tokens + 1, 0), device, args.repeats)
+            floor_s = timed(
+                partial(stack.forward, hit_tokens + 1, 0, matmuls_only=True), device, args.repeats
+            )
             tail_s = timed(partial(stack.forward, 1, hit_tokens), device, args.repeats)
             load_s = loads[n]["median_s"]
             hit_s = load_s + tail_s
-            row = {"chunks": n, "prompt_tokens": hit_tokens + 1,
-                   "load_bytes": hit_tokens * args.layers * KV_BYTES_PER_TOKEN,
-                   "load_s": load_s, "load_max_s": loads[n]["max_s"], "tail_s": tail_s,
-                   "hit_s": hit_s, "recompute_s": recompute_s, "recompute_floor_s": floor_s,
-                   "hit_no_later_than_recompute": hit_s <= recompute_s,
-                   "hit_no_later_than_recompute_floor": hit_s <= floor_s}
+            row = {
+                "chunks": n,
+                "prompt_tokens": hit_tokens + 1,
+                "load_bytes": hit_tokens * args.layers * KV_BYTES_PER_TOKEN,
+                "load_s": load_s,
+                "load_max_s": loads[n]["max_s"],
+                "tail_s": tail_s,
+                "hit_s": hit_s,
+                "recompute_s": recompute_s,
+                "recompute_floor_s": floor_s,
+                "hit_no_later_than_recompute": hit_s <= recompute_s,
+                "hit_no_later_than_recompute_floor": hit_s <= floor_s,
+            }
             rows.append(row)
-            print(f"{n:3} chunks ({row['load_bytes'] / 2**20:6.0f} MiB): hit {1e3 * hit_s:7.2f} "
-                  f"ms (load {1e3 * load_s:.2f}, max {1e3 * row['load_max_s']:.2f}; tail "
-                  f"{1e3 * tail_s:.2f}) vs recompute {1e3 * recompute_s:7.2f} ms (matmul "
-                  f"floor {1e3 * floor_s:.2f})", flush=True)
-    out = {"device": (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
-           "backend": args.backend, "layers": args.layers, "repeats": args.repeats,
-           "model": f"Llama-3-8B-like: hidden {HIDDEN}, {HEADS}/{KV_HEADS} heads of "
-                    f"{HEAD_DIM}, ffn {FFN}, bf16",
-           "rows": rows}
+            print(
+                f"{n:3} chunks ({row['load_bytes'] / 2**20:6.0f} MiB): hit {1e3 * hit_s:7.2f} "
+                f"ms (load {1e3 * load_s:.2f}, max {1e3 * row['load_max_s']:.2f}; tail "
+                f"{1e3 * tail_s:.2f}) vs recompute {1e3 * recompute_s:7.2f} ms (matmul "
+                f"floor {1e3 * floor_s:.2f})",
+                flush=True,
+            )
+    out = {
+        "device": (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
+        "backend": args.backend,
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "model": f"Llama-3-8B-like: hidden {HIDDEN}, {HEADS}/{KV_HEADS} heads of "
+        f"{HEAD_DIM}, ffn {FFN}, bf16",
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

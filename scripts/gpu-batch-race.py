@@ -68,8 +68,11 @@ def main() -> None:
         t.join()
         got = np.frombuffer(host, dtype=np.uint8, count=total)
         ok = np.array_equal(got, dev.get())
-        print(f"{name:28s} batch calls {calls[0]:6d}  refused {refused[0]:5d}  "
-              f"disturber refused {refused[1]:5d}  bytes {'ok' if ok else 'WRONG'}", flush=True)
+        print(
+            f"{name:28s} batch calls {calls[0]:6d}  refused {refused[0]:5d}  "
+            f"disturber refused {refused[1]:5d}  bytes {'ok' if ok else 'WRONG'}",
+            flush=True,
+        )
 
     def idle(_: list[int]) -> None:
         time.sleep(0.01)

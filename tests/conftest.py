@@ -55,8 +55,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     """One CPU-backend server per test module: 1 GiB, separate object groups."""
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
-                        "--eviction-policy", "LRU"], l1_size_gb=1) as srv:
+    with ServerProcess(
+        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"],
+        l1_size_gb=1,
+    ) as srv:
         yield srv
 
 

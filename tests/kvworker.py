@@ -31,13 +31,20 @@ def tokens(token_seed: int, chunks: int, chunk_size: int = 256) -> np.ndarray:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    geo = dsv41_flash(arch=args.get("arch", "sm90"), num_blocks=args.get("num_blocks", 32),
-                      layers=args.get("layers", 44))
+    geo = dsv41_flash(
+        arch=args.get("arch", "sm90"),
+        num_blocks=args.get("num_blocks", 32),
+        layers=args.get("layers", 44),
+    )
     with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo, keep_names=False) as kv:
         kv.fill_random(args["seed"])
-        reg = c.register(**kv.register_kwargs(
-            world_size=args.get("world_size", 1), rank=args.get("rank", 0),
-            replicated=args.get("replicated", False)))
+        reg = c.register(
+            **kv.register_kwargs(
+                world_size=args.get("world_size", 1),
+                rank=args.get("rank", 0),
+                replicated=args.get("replicated", False),
+            )
+        )
         n = args["chunks"]
         ids = block_ids_for(reg, n, np.random.default_rng(args["block_seed"]))
         if args.get("loop"):

@@ -26,8 +26,11 @@ def main() -> None:
     rng = np.random.default_rng(seed)
     geo = dsv41_flash(num_blocks=64, layers=8)
     ops = mismatches = errors = 0
-    with Client(endpoint, timeout_s=20) as c, ShmKV(geo, keep_names=False) as src, \
-            ShmKV(geo, keep_names=False) as dst:
+    with (
+        Client(endpoint, timeout_s=20) as c,
+        ShmKV(geo, keep_names=False) as src,
+        ShmKV(geo, keep_names=False) as dst,
+    ):
         src.fill_random(1234)  # every worker holds the same bytes for the same prefix
         reg = c.register(**src.register_kwargs(replicated=True, world_size=2))
         dreg = c.register(**dst.register_kwargs(replicated=True, world_size=2, rank=1))
@@ -48,7 +51,7 @@ def main() -> None:
                     if k:
                         dst.fill(0)
                         target = block_ids_for(dreg, k, first_block=32)
-                        res = c.retrieve(dreg, digests[:32 * k], target)
+                        res = c.retrieve(dreg, digests[: 32 * k], target)
                         for g in reg.groups:
                             if not g.cached or not res.ok.all():
                                 continue
@@ -56,9 +59,10 @@ def main() -> None:
                             a = ids[g.name].reshape(n, bpc)[:k]
                             b = target[g.name].reshape(k, bpc)
                             if g.kind == "sliding_window":
-                                a, b = a[-1:, bpc // 2:], b[-1:, bpc // 2:]
-                            if src.pages(g.name, a.ravel().tolist()) != \
-                                    dst.pages(g.name, b.ravel().tolist()):
+                                a, b = a[-1:, bpc // 2 :], b[-1:, bpc // 2 :]
+                            if src.pages(g.name, a.ravel().tolist()) != dst.pages(
+                                g.name, b.ravel().tolist()
+                            ):
                                 mismatches += 1
                         c.release(look.lease_id)
                 ops += 1

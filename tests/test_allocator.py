@@ -19,8 +19,7 @@ from lmc_server.cache.slabs import SlabPool
 SLAB = 1024
 
 
-def setup(n_slabs: int, object_bytes: tuple[int, ...]
-          ) -> tuple[SlotAllocator, list[Partition]]:
+def setup(n_slabs: int, object_bytes: tuple[int, ...]) -> tuple[SlotAllocator, list[Partition]]:
     pool = SlabPool(n_slabs * SLAB, SLAB)
     for s in range(n_slabs):
         pool.mark_ready(s)
@@ -64,8 +63,7 @@ def test_no_slab_moves_when_every_slab_holds_a_pin_or_a_writer() -> None:
     alloc, (old, new) = setup(2, (256, 512))
     slots = fill(alloc, old, 8, tick=1, tag="o")
     old.pin(slots[0])
-    victim = next(s for s in slots
-                  if s // old.slots_per_slab != slots[0] // old.slots_per_slab)
+    victim = next(s for s in slots if s // old.slots_per_slab != slots[0] // old.slots_per_slab)
     old.evict(victim)
     old.reserve(b"w", victim, 2)
     assert alloc.alloc(new, 1, tick=10) == []

@@ -21,8 +21,7 @@ import lmc_server
 
 PACKAGE = Path(lmc_server.__file__).parent
 ROOT = PACKAGE.parent
-MICRO = sorted(p.stem for p in (PACKAGE / "bench" / "micro").glob("*.py")
-               if p.stem != "__init__")
+MICRO = sorted(p.stem for p in (PACKAGE / "bench" / "micro").glob("*.py") if p.stem != "__init__")
 #: ``python -m lmc_server...`` in prose and shell; a name followed by ``.<`` is a pattern
 #: (``micro.<name>``), not a module.
 RUN_MODULE = re.compile(r"python3? -m (lmc_server(?:\.\w+)*)(\.<)?")
@@ -42,8 +41,12 @@ def _exists(name: str, run: bool = False) -> bool:
 
 
 def test_modules_the_docs_and_scripts_run_exist() -> None:
-    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
-             *sorted((ROOT / "scripts").iterdir()), *sorted((ROOT / "deploy").rglob("*"))]
+    texts = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "scripts").iterdir()),
+        *sorted((ROOT / "deploy").rglob("*")),
+    ]
     named: dict[str, str] = {}
     for path in texts:
         if not path.is_file():
@@ -53,8 +56,9 @@ def test_modules_the_docs_and_scripts_run_exist() -> None:
                 if not pattern:
                     named.setdefault(name, f"{path.relative_to(ROOT)}:{n}")
     assert len(named) >= 5, sorted(named)
-    missing = [f"{where}: {name}" for name, where in sorted(named.items())
-               if not _exists(name, run=True)]
+    missing = [
+        f"{where}: {name}" for name, where in sorted(named.items()) if not _exists(name, run=True)
+    ]
     assert not missing, "no such module:\n" + "\n".join(missing)
 
 
@@ -67,19 +71,26 @@ def test_module_names_in_the_package_strings_exist() -> None:
             if not isinstance(call, ast.Call):
                 continue
             for node in (n for arg in call.args for n in ast.walk(arg)):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                        and MODULE_STRING.fullmatch(node.value):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and MODULE_STRING.fullmatch(node.value)
+                ):
                     named.setdefault(node.value, f"{path.relative_to(ROOT)}:{node.lineno}")
     assert len(named) >= 3, sorted(named)
-    missing = [f"{where}: {name}" for name, where in sorted(named.items())
-               if not _exists(name)]
+    missing = [f"{where}: {name}" for name, where in sorted(named.items()) if not _exists(name)]
     assert not missing, "no such module:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("name", [m for m in MICRO if m != "request_cost"])
 def test_each_micro_benchmark_answers_help(name: str) -> None:
     """``request_cost`` takes no arguments (it runs on any argv), so it is left out."""
-    out = subprocess.run([sys.executable, "-m", f"lmc_server.bench.micro.{name}", "--help"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", f"lmc_server.bench.micro.{name}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:"), out.stdout

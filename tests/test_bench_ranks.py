@@ -32,10 +32,19 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _rank_kv(chunks: int) -> RankKV:
     geometry = GeometryArgs(layers=2)
-    return RankKV({"rank": 0, "ranks": 1, "chunks": chunks, "batch": 2, "seed": 3,
-                   "backend": "cpu", "geometry": asdict(geometry),
-                   "num_blocks": blocks_needed(geometry.build(1), chunks, 256),
-                   "chunk_size": 256})
+    return RankKV(
+        {
+            "rank": 0,
+            "ranks": 1,
+            "chunks": chunks,
+            "batch": 2,
+            "seed": 3,
+            "backend": "cpu",
+            "geometry": asdict(geometry),
+            "num_blocks": blocks_needed(geometry.build(1), chunks, 256),
+            "chunk_size": 256,
+        }
+    )
 
 
 def _copy_a_to_b(w: RankKV, src: np.ndarray, dst: np.ndarray) -> None:
@@ -77,8 +86,9 @@ def test_tagged_checker_tells_prompts_from_the_same_slots_apart() -> None:
         _copy_a_to_b(w, src, dst)  # ... and what a retrieve of it writes
         bad, checked = w.mismatch(src, dst, one_request=False, prompt=7)
         assert bad == 0 and checked == chunks * w.layout.chunk_bytes
-        pages = sum(len(g.layers) * w.slots.bpc[g.name] * chunks
-                    for g in w.kv.geometry.groups if g.cached)
+        pages = sum(
+            len(g.layers) * w.slots.bpc[g.name] * chunks for g in w.kv.geometry.groups if g.cached
+        )
         # prompt 15 is stored from the same slots: only its tags tell it apart
         bad, _ = w.mismatch(src, dst, one_request=False, prompt=15)
         assert 0 < bad <= pages * TAG_BYTES
@@ -93,10 +103,33 @@ def test_tagged_checker_tells_prompts_from_the_same_slots_apart() -> None:
 
 def test_ranks_dp_cpu_smoke(tmp_path: Path) -> None:
     out, png = tmp_path / "dp.json", tmp_path / "dp.png"
-    res = CliRunner().invoke(bench, [
-        "ranks", "--mode", "dp", "--ranks", "3", "--chunks", "8", "--batch", "4",
-        "--duration-s", "3", "--layers", "2", "--raw-s", "0.1", "--l1-size-gb", "1",
-        "--json", str(out), "--plot", str(png)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        bench,
+        [
+            "ranks",
+            "--mode",
+            "dp",
+            "--ranks",
+            "3",
+            "--chunks",
+            "8",
+            "--batch",
+            "4",
+            "--duration-s",
+            "3",
+            "--layers",
+            "2",
+            "--raw-s",
+            "0.1",
+            "--l1-size-gb",
+            "1",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == PNG
     r = json.loads(out.read_text())
@@ -122,19 +155,46 @@ def test_ranks_dp_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_ranks_dp_refuses_a_region_too_small_for_two_prompts() -> None:
-    res = CliRunner().invoke(bench, ["ranks", "--mode", "dp", "--chunks", "7",
-                                     "--batch", "4", "--layers", "2"])
+    res = CliRunner().invoke(
+        bench, ["ranks", "--mode", "dp", "--chunks", "7", "--batch", "4", "--layers", "2"]
+    )
     assert res.exit_code == 2
     assert "--chunks 7" in res.output and "twice --batch (8)" in res.output
 
 
 def test_ranks_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
-    res = CliRunner().invoke(bench, [
-        "ranks", "--ranks", "4", "--chunks", "8", "--duration-s", "3", "--layers", "2",
-        "--batch", "4", "--verify-every", "1", "--raw-s", "0.1", "--l1-size-gb", "1",
-        "--tp-s", "0.5", "--tp-chunks", "6", "--json", str(out),
-        "--plot", str(tmp_path / "ranks.png")], catch_exceptions=False)
+    res = CliRunner().invoke(
+        bench,
+        [
+            "ranks",
+            "--ranks",
+            "4",
+            "--chunks",
+            "8",
+            "--duration-s",
+            "3",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--verify-every",
+            "1",
+            "--raw-s",
+            "0.1",
+            "--l1-size-gb",
+            "1",
+            "--tp-s",
+            "0.5",
+            "--tp-chunks",
+            "6",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "ranks.png"),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "ranks.png").read_bytes()[:8] == PNG
     r = json.loads(out.read_text())
@@ -158,8 +218,9 @@ def test_ranks_cpu_smoke(tmp_path: Path) -> None:
     assert p2["store_gbps"] > 0 and p2["retrieve_gbps"] > 0 and p2["ranks_reporting"] == 3
     assert l1["copied_bytes_phase2"] == l1["distinct_bytes_phase2"] > 0
     if l1["evicted_bytes_phase2"] == 0:
-        assert l1["used_bytes"] == l1["single_copy_bytes"] >= (
-            8 * chunk + l1["distinct_bytes_phase2"])
+        assert (
+            l1["used_bytes"] == l1["single_copy_bytes"] >= (8 * chunk + l1["distinct_bytes_phase2"])
+        )
     assert s["raw"]["d2h_gbps"] > 0 and s["raw"]["processes"] == 4
     p3 = s["phase3"]
     assert p3["victim_rank"] == 3 and p3["registrations_after"] == 3

@@ -23,8 +23,11 @@ from lmc_server.testing.process import free_port
 def _run(args: list[str], tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / "report.json"
     plot = tmp_path / "plot.png"
-    res = CliRunner().invoke(bench, [*args, "--json", str(out), "--plot", str(plot),
-                                     "--no-progress"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        bench,
+        [*args, "--json", str(out), "--plot", str(plot), "--no-progress"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report: dict[str, Any] = json.loads(out.read_text())
@@ -33,13 +36,38 @@ def _run(args: list[str], tmp_path: Path) -> dict[str, Any]:
 
 
 def test_throughput_cpu(tmp_path: Path) -> None:
-    r = _run(["throughput", "--layers", "4", "--batches", "1,3", "--min-time-s", "0.05",
-              "--min-iters", "2", "--l1-size-gb", "1", "--concurrent", "--inflight", "1,2"],
-             tmp_path)
+    r = _run(
+        [
+            "throughput",
+            "--layers",
+            "4",
+            "--batches",
+            "1,3",
+            "--min-time-s",
+            "0.05",
+            "--min-iters",
+            "2",
+            "--l1-size-gb",
+            "1",
+            "--concurrent",
+            "--inflight",
+            "1,2",
+        ],
+        tmp_path,
+    )
     rows = r["rows"]
     assert {(x["mode"], x["chunks"]) for x in rows} == {
-        (m, n) for m in ("store", "retrieve", "store+retrieve", "store x2", "retrieve x2",
-                         "store+retrieve x2") for n in (1, 3)}
+        (m, n)
+        for m in (
+            "store",
+            "retrieve",
+            "store+retrieve",
+            "store x2",
+            "retrieve x2",
+            "store+retrieve x2",
+        )
+        for n in (1, 3)
+    }
     chunk = r["config"]["chunk_bytes"]
     for x in rows:
         assert x["mismatched_bytes"] == 0 and x["failed_chunks"] == 0
@@ -58,9 +86,11 @@ def test_throughput_cpu(tmp_path: Path) -> None:
 def test_latency(tmp_path: Path) -> None:
     r = _run(["latency", "--clients", "1,2", "--duration-s", "0.1"], tmp_path)
     ops = {(x["op"], x["clients"]) for x in r["rows"]}
-    assert ops == {(op, n) for op in ("ping", "lookup-1", "lookup-256", "probe-64x8",
-                                      "store/retrieve")
-                   for n in (1, 2)}
+    assert ops == {
+        (op, n)
+        for op in ("ping", "lookup-1", "lookup-256", "probe-64x8", "store/retrieve")
+        for n in (1, 2)
+    }
     by_op = {x["op"]: x for x in r["rows"] if x["clients"] == 1}
     assert by_op["lookup-256"]["request_bytes"] > 256 * 32 > by_op["ping"]["request_bytes"]
     for x in r["rows"]:
@@ -68,7 +98,8 @@ def test_latency(tmp_path: Path) -> None:
         assert x["p50_ratio"] == pytest.approx(x["p50_us"] / x["echo_p50_us"])
     assert "lookup256_p50_ratio" in r["summary"]
     assert r["summary"]["probe_prompts_s"] == pytest.approx(
-        64 * max(x["ops_s"] for x in r["rows"] if x["op"] == "probe-64x8"))
+        64 * max(x["ops_s"] for x in r["rows"] if x["op"] == "probe-64x8")
+    )
 
 
 def test_startup(tmp_path: Path) -> None:
@@ -89,8 +120,16 @@ def _conversation_trace(path: Path) -> list[list[int]]:
             ids = [0] + [100 * conv + k for k in range(1, turn + 2)]
             reqs.append(ids)
             # the last block holds 300 tokens: one full 256-token chunk of it counts
-            lines.append(json.dumps({"timestamp": t, "input_length": 512 * len(ids) - 212,
-                                     "output_length": 1, "hash_ids": ids}))
+            lines.append(
+                json.dumps(
+                    {
+                        "timestamp": t,
+                        "input_length": 512 * len(ids) - 212,
+                        "output_length": 1,
+                        "hash_ids": ids,
+                    }
+                )
+            )
             t += 10
     path.write_text("\n".join(lines) + "\n")
     return reqs
@@ -102,7 +141,7 @@ def test_trace_chunks(tmp_path: Path) -> None:
     trace = load_trace(str(p))
     assert [r.n_chunks for r in trace] == [2 * len(ids) - 1 for ids in reqs]
     # same prefix, same digests: turn 2 of conversation 0 starts with turn 1's chunks
-    assert trace[4].digests[:32 * trace[0].n_chunks] == trace[0].digests
+    assert trace[4].digests[: 32 * trace[0].n_chunks] == trace[0].digests
     assert trace[1].digests[:64] == trace[0].digests[:64]
     assert trace[1].digests[64:96] != trace[0].digests[64:96]
 
@@ -123,8 +162,22 @@ def test_bounds_by_hand() -> None:
 def test_replay(tmp_path: Path) -> None:
     p = tmp_path / "trace.jsonl"
     _conversation_trace(p)
-    r = _run(["replay", "--trace", str(p), "--layers", "2", "--slab-size-mb", "1",
-              "--fractions", "0.2,1.0", "--policies", "LRU,FIFO"], tmp_path)
+    r = _run(
+        [
+            "replay",
+            "--trace",
+            str(p),
+            "--layers",
+            "2",
+            "--slab-size-mb",
+            "1",
+            "--fractions",
+            "0.2,1.0",
+            "--policies",
+            "LRU,FIFO",
+        ],
+        tmp_path,
+    )
     # by hand: turn 1 hits chunks of block 0 (2 chunks) after the first conversation;
     # later turns hit their whole previous request (2 * turn + 1 chunks)
     hits = [0, 2, 2, 2] + [3] * 4 + [5] * 4
@@ -142,8 +195,9 @@ def test_replay(tmp_path: Path) -> None:
 
 def test_thread_server_null_backend() -> None:
     """The in-process fallback replay uses for L1 sizes the config check refuses."""
-    ts = ThreadServer(Config(port=free_port(), backend="null", l1_size_gb=4096,
-                             metrics_port=0)).start()
+    ts = ThreadServer(
+        Config(port=free_port(), backend="null", l1_size_gb=4096, metrics_port=0)
+    ).start()
     try:
         with Client(ts.endpoint, timeout_s=10) as c:
             assert c.stats().l1.capacity_bytes == 4096 << 30

@@ -34,16 +34,26 @@ REAP_S = 5.0
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"],
-                       l1_size_gb=1) as s:
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"], l1_size_gb=1) as s:
         yield s
 
 
 def spawn(endpoint: str, **kw: Any) -> subprocess.Popen[str]:
-    args = {"endpoint": endpoint, "num_blocks": NUM_BLOCKS, "seed": 7, "token_seed": 1000,
-            "block_seed": 3, **kw}
-    return subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = {
+        "endpoint": endpoint,
+        "num_blocks": NUM_BLOCKS,
+        "seed": 7,
+        "token_seed": 1000,
+        "block_seed": 3,
+        **kw,
+    }
+    return subprocess.Popen(
+        [sys.executable, WORKER, json.dumps(args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_line(proc: subprocess.Popen[str], prefix: str, timeout_s: float = 60) -> str:
@@ -97,8 +107,10 @@ def tokens(seed: int, n: int) -> np.ndarray:
 def verify_batches(c: Client, batches: int, n: int) -> int:
     """Every chunk the server reports for the worker's batches comes back byte-exact."""
     checked = 0
-    with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as src, \
-            ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst:
+    with (
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as src,
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst,
+    ):
         src.fill_random(7)
         reg = c.register(**dst.register_kwargs())
         src_ids = block_ids_for(reg, n, np.random.default_rng(3))
@@ -110,7 +122,7 @@ def verify_batches(c: Client, batches: int, n: int) -> int:
                 continue
             dst.fill(0)
             ids = block_ids_for(reg, k, np.random.default_rng(50 + b))
-            assert c.retrieve(reg, digests[:32 * k], ids).ok.all()
+            assert c.retrieve(reg, digests[: 32 * k], ids).ok.all()
             for g in reg.groups:
                 if not g.cached:
                     continue
@@ -118,9 +130,10 @@ def verify_batches(c: Client, batches: int, n: int) -> int:
                 a = src_ids[g.name].reshape(n, bpc)[:k]
                 d = ids[g.name].reshape(k, bpc)
                 if g.kind == "sliding_window":
-                    a, d = a[-1:, bpc // 2:], d[-1:, bpc // 2:]
-                assert src.pages(g.name, a.ravel().tolist()) == \
-                    dst.pages(g.name, d.ravel().tolist()), f"batch {b} group {g.name}"
+                    a, d = a[-1:, bpc // 2 :], d[-1:, bpc // 2 :]
+                assert src.pages(g.name, a.ravel().tolist()) == dst.pages(
+                    g.name, d.ravel().tolist()
+                ), f"batch {b} group {g.name}"
             c.release(look.lease_id)
             checked += k
         c.unregister(reg)
@@ -188,8 +201,7 @@ def test_kill9_server_then_restart_clients_recover() -> None:
     assert first.proc is not None
     first_pid, second_pid = first.proc.pid, -1
     shm_before = set(os.listdir("/dev/shm"))
-    with Client(first.endpoint, timeout_s=2) as c, \
-            ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as kv:
+    with Client(first.endpoint, timeout_s=2) as c, ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as kv:
         kv.fill_random(1)
         reg = c.register(**kv.register_kwargs())
         digests = chunk_digests(tokens(5, 2), 256)

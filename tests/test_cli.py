@@ -17,10 +17,16 @@ from lmc_server.config import Config, ConfigError, load_toml
 from lmc_server.testing.process import ServerProcess, free_port
 
 
-def lmcache(*args: str, env: dict[str, str] | None = None,
-            timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lmc_server", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+def lmcache(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmc_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_the_exact_production_command_line_starts_and_stops_cleanly() -> None:
@@ -52,14 +58,17 @@ def test_ping_without_server_exits_one() -> None:
     assert out.returncode == 1 and "no answer" in out.stderr
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--chunk-size", "0"], "chunk-size"),
-    (["--eviction-policy", "MRU"], "eviction-policy"),
-    (["--backend", "tpu"], "backend"),
-    (["--port", "70000"], "port"),
-    (["--l1-size-gb", "-1"], "l1-size-gb"),
-    (["--l1-size-gb", "100000"], "does not fit this machine"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--chunk-size", "0"], "chunk-size"),
+        (["--eviction-policy", "MRU"], "eviction-policy"),
+        (["--backend", "tpu"], "backend"),
+        (["--port", "70000"], "port"),
+        (["--l1-size-gb", "-1"], "l1-size-gb"),
+        (["--l1-size-gb", "100000"], "does not fit this machine"),
+    ],
+)
 def test_bad_flag_values_are_usage_errors(args: list[str], needle: str) -> None:
     out = lmcache("server", *args)
     assert out.returncode == 2, out.stderr
@@ -69,8 +78,7 @@ def test_bad_flag_values_are_usage_errors(args: list[str], needle: str) -> None:
 def test_help_shows_defaults_and_examples() -> None:
     out = CliRunner().invoke(cli, ["server", "--help"])
     assert out.exit_code == 0
-    for needle in ("--separate-object-groups", "default: 256", "Examples:",
-                   "--l1-size-gb 100"):
+    for needle in ("--separate-object-groups", "default: 256", "Examples:", "--l1-size-gb 100"):
         assert needle in out.output
 
 
@@ -107,8 +115,17 @@ def test_l1_larger_than_memory_is_refused_with_the_numbers() -> None:
 def test_port_in_use_is_a_clean_startup_failure() -> None:
     srv = ServerProcess().start()
     try:
-        out = lmcache("server", "--port", str(srv.port), "--l1-size-gb", "1",
-                      "--metrics-port", "0", "--backend", "cpu")
+        out = lmcache(
+            "server",
+            "--port",
+            str(srv.port),
+            "--l1-size-gb",
+            "1",
+            "--metrics-port",
+            "0",
+            "--backend",
+            "cpu",
+        )
         assert out.returncode == 3, out.stderr
         assert "startup failed" in out.stderr and "Traceback" not in out.stderr
     finally:

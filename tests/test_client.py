@@ -76,34 +76,70 @@ OBJECT_GROUPS = [m.ObjectGroupInfo(name="kv", object_bytes=4096, groups=["full"]
 
 #: A small, complete stats report (the reply is typed: every required field present).
 STATS = StatsReport(
-    version="t", backend="cpu", chunk_size=CHUNK, separate_object_groups=True,
-    eviction_policy="LRU", uptime_s=1.5,
-    l1=L1Report(capacity_bytes=1 << 30, ready_bytes=1 << 30, slab_bytes=1 << 26, slabs=16,
-                ready_slabs=16, free_slabs=16, used_bytes=0, objects=3),
-    partitions=[], sessions=1, registrations=1, leases=0,
-    counters=Counters(lookups=2, requests={"lookup:ok": 2}), phases={}, l2=None)
+    version="t",
+    backend="cpu",
+    chunk_size=CHUNK,
+    separate_object_groups=True,
+    eviction_policy="LRU",
+    uptime_s=1.5,
+    l1=L1Report(
+        capacity_bytes=1 << 30,
+        ready_bytes=1 << 30,
+        slab_bytes=1 << 26,
+        slabs=16,
+        ready_slabs=16,
+        free_slabs=16,
+        used_bytes=0,
+        objects=3,
+    ),
+    partitions=[],
+    sessions=1,
+    registrations=1,
+    leases=0,
+    counters=Counters(lookups=2, requests={"lookup:ok": 2}),
+    phases={},
+    l2=None,
+)
 
 
 def canned_reply(req: m._Msg) -> m._Msg:
     """A fixed, valid answer to each request type (the same for every client)."""
     rid = req.req_id
     if isinstance(req, m.Hello):
-        return m.Welcome(req_id=rid, protocol_version=PROTOCOL_VERSION, server_version="t",
-                         chunk_size=CHUNK, backend="cpu", max_frame_bytes=MAX_FRAME,
-                         max_chunks_per_request=16)
+        return m.Welcome(
+            req_id=rid,
+            protocol_version=PROTOCOL_VERSION,
+            server_version="t",
+            chunk_size=CHUNK,
+            backend="cpu",
+            max_frame_bytes=MAX_FRAME,
+            max_chunks_per_request=16,
+        )
     if isinstance(req, m.Register):
-        return m.Registered(req_id=rid, registration_id=b"R" * 16, namespace="ns",
-                            chunk_size=CHUNK, lookup_only=not req.buffers,
-                            object_groups=OBJECT_GROUPS)
+        return m.Registered(
+            req_id=rid,
+            registration_id=b"R" * 16,
+            namespace="ns",
+            chunk_size=CHUNK,
+            lookup_only=not req.buffers,
+            object_groups=OBJECT_GROUPS,
+        )
     if isinstance(req, m.Lookup):
-        return m.LookupResult(req_id=rid, hit_chunks=len(req.digests) // 32 - 1,
-                              lease_id=7 if req.lease else 0,
-                              lease_ttl_s=2.5 if req.lease else 0.0, l2_pending_chunks=1)
+        return m.LookupResult(
+            req_id=rid,
+            hit_chunks=len(req.digests) // 32 - 1,
+            lease_id=7 if req.lease else 0,
+            lease_ttl_s=2.5 if req.lease else 0.0,
+            l2_pending_chunks=1,
+        )
     if isinstance(req, m.Store | m.Retrieve):
         n = len(req.digests) // 32
         statuses = [bytes(range(n))]
-        return (m.StoreResult(req_id=rid, statuses=statuses) if isinstance(req, m.Store)
-                else m.RetrieveResult(req_id=rid, statuses=statuses))
+        return (
+            m.StoreResult(req_id=rid, statuses=statuses)
+            if isinstance(req, m.Store)
+            else m.RetrieveResult(req_id=rid, statuses=statuses)
+        )
     if isinstance(req, m.Release):
         return m.Released(req_id=rid, released=req.lease_id == 7)
     if isinstance(req, m.Stats):
@@ -143,8 +179,9 @@ class RecordingServer:
             req = decoder.decode(frame)
             if self.forget_once is not None and isinstance(req, self.forget_once):
                 self.forget_once = None
-                reply: m._Msg = m.Error(req_id=req.req_id, code="handshake",
-                                        message="send hello first")
+                reply: m._Msg = m.Error(
+                    req_id=req.req_id, code="handshake", message="send hello first"
+                )
             else:
                 reply = canned_reply(req)
             self._sock.send_multipart([identity, encode(reply)])
@@ -164,13 +201,21 @@ def every_request(c: Any, kv: ShmKV) -> list[Any]:
     ids = {"full": np.arange(3 * CHUNK // 16, dtype=np.int32)}
     listed = {"full": list(range(3 * CHUNK // 16))}
     return [
-        c.ping(), c.stats(), c.welcome, reg, scheduler,
-        c.lookup(reg, digests), c.lookup(scheduler, digests[:64], salt=b"s", lease=False),
-        c.release(7), c.release(8),
-        c.store(reg, digests, ids).statuses, c.store(reg, digests, listed, salt=b"s").statuses,
+        c.ping(),
+        c.stats(),
+        c.welcome,
+        reg,
+        scheduler,
+        c.lookup(reg, digests),
+        c.lookup(scheduler, digests[:64], salt=b"s", lease=False),
+        c.release(7),
+        c.release(8),
+        c.store(reg, digests, ids).statuses,
+        c.store(reg, digests, listed, salt=b"s").statuses,
         c.retrieve(reg, digests, ids).statuses,
         c.retrieve(reg, digests, ids, salt=b"s", prefix_ends=[1, 3]).statuses,
-        c.clear(), c.unregister(scheduler),
+        c.clear(),
+        c.unregister(scheduler),
     ]
 
 
@@ -182,10 +227,12 @@ def equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.mark.parametrize("forget", [None, m.Lookup, m.Store],
-                         ids=["plain", "rehello-lookup", "rehello-store"])
+@pytest.mark.parametrize(
+    "forget", [None, m.Lookup, m.Store], ids=["plain", "rehello-lookup", "rehello-store"]
+)
 def test_both_clients_send_the_same_bytes_and_read_the_same_values(
-        forget: type[m._Msg] | None) -> None:
+    forget: type[m._Msg] | None,
+) -> None:
     frames: dict[str, list[bytes]] = {}
     values: dict[str, list[Any]] = {}
     with ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv:
@@ -261,8 +308,9 @@ def refusal_lookup_only(c: Any, kv: ShmKV) -> None:
 
 def refusal_block_out_of_range(c: Any, kv: ShmKV) -> None:
     reg = c.register(**kv.register_kwargs())
-    c.store(reg, chunk_digests(np.arange(CHUNK), CHUNK),
-            {"full": np.arange(16, dtype=np.int32) + 60})
+    c.store(
+        reg, chunk_digests(np.arange(CHUNK), CHUNK), {"full": np.arange(16, dtype=np.int32) + 60}
+    )
 
 
 def refusal_digest_length(c: Any, kv: ShmKV) -> None:
@@ -272,8 +320,9 @@ def refusal_digest_length(c: Any, kv: ShmKV) -> None:
 
 def refusal_prefix_ends(c: Any, kv: ShmKV) -> None:
     reg = c.register(**kv.register_kwargs())
-    c.retrieve(reg, chunk_digests(np.arange(2 * CHUNK), CHUNK), block_ids_for(reg, 2),
-               prefix_ends=[2, 1])
+    c.retrieve(
+        reg, chunk_digests(np.arange(2 * CHUNK), CHUNK), block_ids_for(reg, 2), prefix_ends=[2, 1]
+    )
 
 
 def refusal_model_name(c: Any, kv: ShmKV) -> None:
@@ -282,10 +331,16 @@ def refusal_model_name(c: Any, kv: ShmKV) -> None:
 
 #: scenario -> (what it does, the code every client must raise, part of the message)
 REFUSALS: dict[str, tuple[Callable[[Any, ShmKV], None], str, str]] = {
-    "unregistered-lookup": (refusal_unknown_registration, "unknown_registration",
-                            "no such registration"),
-    "unregistered-store": (refusal_unknown_registration_store, "unknown_registration",
-                           "no such registration"),
+    "unregistered-lookup": (
+        refusal_unknown_registration,
+        "unknown_registration",
+        "no such registration",
+    ),
+    "unregistered-store": (
+        refusal_unknown_registration_store,
+        "unknown_registration",
+        "no such registration",
+    ),
     "wrong-chunk-size": (refusal_chunk_size, "geometry", "48"),
     "oversized-frame": (refusal_oversized_frame, "too_large", "frame"),
     "too-many-chunks": (refusal_too_many_chunks, "too_large", "chunks in one request"),
@@ -299,8 +354,11 @@ REFUSALS: dict[str, tuple[Callable[[Any, ShmKV], None], str, str]] = {
 
 def still_serving(endpoint: str) -> None:
     """A fresh client stores and retrieves one chunk, byte-exactly."""
-    with Client(endpoint) as c, ShmKV(simple_model(layers=1, bytes_per_token=16)) as src, \
-            ShmKV(simple_model(layers=1, bytes_per_token=16)) as dst:
+    with (
+        Client(endpoint) as c,
+        ShmKV(simple_model(layers=1, bytes_per_token=16)) as src,
+        ShmKV(simple_model(layers=1, bytes_per_token=16)) as dst,
+    ):
         src.fill_random(3)
         dst.fill(0)
         reg_src, reg_dst = c.register(**src.register_kwargs()), c.register(**dst.register_kwargs())
@@ -312,8 +370,9 @@ def still_serving(endpoint: str) -> None:
 
 
 @pytest.mark.parametrize("scenario", list(REFUSALS), ids=list(REFUSALS))
-def test_both_clients_raise_the_same_error_for_each_refusal(server: ThreadServer,
-                                                           scenario: str) -> None:
+def test_both_clients_raise_the_same_error_for_each_refusal(
+    server: ThreadServer, scenario: str
+) -> None:
     errors: dict[str, ServerError] = {}
     with ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv:
         for name, make in CLIENTS.items():
@@ -331,13 +390,17 @@ def test_both_clients_raise_the_same_error_for_each_refusal(server: ThreadServer
     still_serving(server.endpoint)
 
 
-@pytest.mark.parametrize("block_ids,error", [
-    ({"full": np.arange(15, dtype=np.int32)}, ValueError),
-    ({}, KeyError),
-    ({"full": np.arange(16, dtype=np.int32), "other": [0]}, KeyError),
-])
+@pytest.mark.parametrize(
+    "block_ids,error",
+    [
+        ({"full": np.arange(15, dtype=np.int32)}, ValueError),
+        ({}, KeyError),
+        ({"full": np.arange(16, dtype=np.int32), "other": [0]}, KeyError),
+    ],
+)
 def test_both_clients_refuse_bad_block_ids_before_sending(
-        block_ids: dict[str, Any], error: type[Exception]) -> None:
+    block_ids: dict[str, Any], error: type[Exception]
+) -> None:
     messages = []
     with ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv:
         for make in CLIENTS.values():

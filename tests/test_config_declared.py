@@ -28,8 +28,11 @@ BASE: dict[str, Any] = {"l1_size_gb": 1.0}
 
 def _options() -> list[click.Option]:
     command = cli.commands["server"]
-    return [p for p in command.params if isinstance(p, click.Option)
-            and p.name not in (None, "help", "config")]
+    return [
+        p
+        for p in command.params
+        if isinstance(p, click.Option) and p.name not in (None, "help", "config")
+    ]
 
 
 def _flag(opt: click.Option) -> str:
@@ -57,13 +60,22 @@ CASES = [(opt.name, _flag(opt), value) for opt in _options() for value in _outsi
 
 def test_the_cases_cover_the_ranged_and_chosen_settings() -> None:
     names = {name for name, _, _ in CASES}
-    assert {"port", "chunk_size", "max_frame_bytes", "l2_connections", "eviction_policy",
-            "kv_events_hwm", "l1_size_gb", "drain_timeout_s"} <= names, names
+    assert {
+        "port",
+        "chunk_size",
+        "max_frame_bytes",
+        "l2_connections",
+        "eviction_policy",
+        "kv_events_hwm",
+        "l1_size_gb",
+        "drain_timeout_s",
+    } <= names, names
 
 
 @pytest.mark.parametrize("name,flag,value", CASES)
 def test_what_the_command_line_refuses_the_config_check_refuses(
-        name: str, flag: str, value: Any) -> None:
+    name: str, flag: str, value: Any
+) -> None:
     with pytest.raises(ConfigError) as e:
         Config(**{**BASE, name: value}).check()
     assert flag in str(e.value), str(e.value)
@@ -94,14 +106,16 @@ def _refused(res: Any, flag: str) -> None:
 
 @pytest.mark.parametrize("name,flag,value", CASES)
 def test_a_bad_value_from_the_environment_is_refused_naming_the_flag(
-        name: str, flag: str, value: Any) -> None:
+    name: str, flag: str, value: Any
+) -> None:
     env = {ENVVARS[name]: str(value)}
     _refused(CliRunner().invoke(cli, ["server", *GUARD], env=env), flag)
 
 
 @pytest.mark.parametrize("name,flag,value", CASES)
 def test_a_bad_value_from_the_config_file_is_refused_naming_the_flag(
-        tmp_path: Path, name: str, flag: str, value: Any) -> None:
+    tmp_path: Path, name: str, flag: str, value: Any
+) -> None:
     toml = tmp_path / "server.toml"
     toml.write_text(f"{KEYS[name]} = {json.dumps(value)}\n")
     _refused(CliRunner().invoke(cli, ["server", "--config", str(toml), *GUARD]), flag)

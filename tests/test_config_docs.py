@@ -30,7 +30,7 @@ def _section(doc: str, title: str) -> str:
     text = (ROOT / "docs" / doc).read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else len(text)]
+    return text[start : end if end != -1 else len(text)]
 
 
 def _rows() -> list[tuple[str, str, str, str]]:
@@ -49,8 +49,11 @@ ROWS = _rows()
 def test_every_setting_is_documented_once_and_nothing_else_is() -> None:
     flags = [flag for _, flag, _, _ in ROWS]
     assert sorted(set(flags) - COMMAND_ONLY) == sorted(DECLARED), (
-        "in the docs, not declared:", set(flags) - COMMAND_ONLY - set(DECLARED),
-        "declared, not in the docs:", set(DECLARED) - set(flags))
+        "in the docs, not declared:",
+        set(flags) - COMMAND_ONLY - set(DECLARED),
+        "declared, not in the docs:",
+        set(DECLARED) - set(flags),
+    )
     assert len(flags) == len(set(flags)), [f for f in flags if flags.count(f) > 1]
 
 
@@ -59,7 +62,8 @@ DOCUMENTED = [r for r in ROWS if r[1] in DECLARED]
 
 @pytest.mark.parametrize("doc,flag,env,cell", DOCUMENTED, ids=[r[1] for r in DOCUMENTED])
 def test_the_documented_variable_and_default_are_the_declared_ones(
-        doc: str, flag: str, env: str, cell: str) -> None:
+    doc: str, flag: str, env: str, cell: str
+) -> None:
     d = DECLARED[flag]
     assert env == d.envvar, f"docs/{doc}: {flag} is read from {d.envvar}, not {env!r}"
     assert _agrees(d, cell), f"docs/{doc}: {flag}'s default is {d.default!r}, not {cell!r}"

@@ -43,8 +43,10 @@ def prompt(salt: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
-                        "--eviction-policy", "LRU"], l1_size_gb=0.5) as s:
+    with ServerProcess(
+        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"],
+        l1_size_gb=0.5,
+    ) as s:
         yield s
 
 
@@ -66,10 +68,12 @@ def test_fixture_rebuilds_vllm_allocation(name: str) -> None:
         assert (plan.kv_dtype, plan.replicated) == (fx.kv_dtype, fx.replicated)
         assert plan.engine_groups == [
             EngineGroup(**{**g, "server_groups": tuple(g["server_groups"])})
-            for g in fx.raw["registration"]["engine_groups"]]
+            for g in fx.raw["registration"]["engine_groups"]
+        ]
         lookup = derive_registration(fx.layout)
         assert [(g.name, [layer.page_bytes for layer in g.layers]) for g in lookup.groups] == [
-            (g.name, [layer.page_bytes for layer in g.layers]) for g in plan.groups]
+            (g.name, [layer.page_bytes for layer in g.layers]) for g in plan.groups
+        ]
 
 
 def test_dsv41_fixture_has_every_kind_of_group() -> None:
@@ -100,8 +104,13 @@ def test_sm100_128_token_compressed_blocks_register_and_follow_the_chunk_rule() 
         ChunkGeometry(192, 32, derive_registration(fx.layout).engine_groups)
     with ServerProcess(["--chunk-size", "192"], l1_size_gb=0.1) as s, Client(s.endpoint) as c:
         with pytest.raises(ServerError) as err:
-            c.register(model=fx.model, kv_dtype=fx.kv_dtype, arch="sm100",
-                       groups=derive_registration(fx.layout).groups, replicated=True)
+            c.register(
+                model=fx.model,
+                kv_dtype=fx.kv_dtype,
+                arch="sm100",
+                groups=derive_registration(fx.layout).groups,
+                replicated=True,
+            )
         assert err.value.code == "geometry"
         assert "g2.0" in err.value.message and "128" in err.value.message
         assert c.ping().server_version
@@ -113,8 +122,10 @@ def test_store_then_load_byte_exact(srv: ServerProcess, name: str) -> None:
     exactly the stored pages of every cached group and layer, and nothing else (the
     scratch rings, which share the allocation, keep their bytes)."""
     fx = fixture(name)
-    with ShmBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
+    with (
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow,
+    ):
         # one prompt per fixture: sm100 and sm100-b128 share a namespace and, rightly,
         # their sliding-window objects, but this test's bytes are random, not a
         # function of the tokens
@@ -126,8 +137,10 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, name: str) -> N
     """Chunks never stored: the load finishes as failed (block ids for one engine group,
     the request for several, as vLLM 0.33 requires), and no byte changes."""
     fx = fixture(name)
-    with ShmBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow:
+    with (
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, srv.endpoint, cpu_arch(fx)) as flow,
+    ):
         flow.check_failed_load(SEED + 1, prompt(2 + 10 * NAMES.index(name)))
 
 
@@ -141,20 +154,30 @@ class OneBuffer:
         self.array = array
 
     def export(self, tensor: object) -> ExportedBuffer:
-        return ExportedBuffer(ShmBuffer(name="lmc-test", size_bytes=self.array.size),
-                              int(self.array.ctypes.data), self.array.size)
+        return ExportedBuffer(
+            ShmBuffer(name="lmc-test", size_bytes=self.array.size),
+            int(self.array.ctypes.data),
+            self.array.size,
+        )
 
 
 def one_layer(**overrides: object) -> KVLayout:
-    layer: dict[str, Any] = dict(name="l0", record_format="bf16", states_per_block=4,
-                                 bytes_per_state=16, page_bytes=64, block_stride=64, offset=0)
+    layer: dict[str, Any] = dict(
+        name="l0",
+        record_format="bf16",
+        states_per_block=4,
+        bytes_per_state=16,
+        page_bytes=64,
+        block_stride=64,
+        offset=0,
+    )
     layer.update(overrides)
     return KVLayout(num_blocks=8, groups=(GroupDesc("full", 4, (LayerDesc(**layer),)),))
 
 
 def test_derivation_checks_placement_against_the_plan() -> None:
     mem = np.zeros(8 * 64 * 2, dtype=np.uint8)
-    blocks = HostTensor(mem[64 * 8:].reshape(8, 64))  # the second half, 512 bytes in
+    blocks = HostTensor(mem[64 * 8 :].reshape(8, 64))  # the second half, 512 bytes in
     plan = derive_registration(one_layer(offset=512), {"l0": blocks}, OneBuffer(mem))
     assert plan.groups[0].layers[0].offset == 512
     with pytest.raises(ValueError, match="planned block 0 at byte 0"):
@@ -186,9 +209,12 @@ def test_one_block_table_drives_every_record_of_its_group() -> None:
 def test_the_derivation_imports_neither_vllm_nor_torch() -> None:
     """What the GPU machine (no vLLM) and CI (no torch) rely on; a fresh interpreter,
     since this one may have imported either for other tests."""
-    code = ("import sys, lmc_server.integration.kvlayout, lmc_server.testing.connector_flow, "
-            "lmc_server.integration.vllm; "
-            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import sys, lmc_server.integration.kvlayout, lmc_server.testing.connector_flow, "
+        "lmc_server.integration.vllm; "
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"

@@ -67,8 +67,9 @@ class Clock:
 
 
 def planner(svc: FakeLookups, clock: Clock, **kw: Any) -> SchedulerPlanner:
-    return SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
-                            clock=clock, **kw)
+    return SchedulerPlanner(
+        ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc, clock=clock, **kw
+    )
 
 
 # a prompt of 4 whole chunks and a tail: at most 4 chunks (1024 tokens) can hit
@@ -182,15 +183,27 @@ def test_l2_wait_setting() -> None:
 def _need_redis() -> None:
     if redis_server_path() is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("CI=true but redis-server is not installed (.ci/install-redis.sh)",
-                        pytrace=False)
+            pytest.fail(
+                "CI=true but redis-server is not installed (.ci/install-redis.sh)", pytrace=False
+            )
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
 
 
 def _l2_server(url: str) -> ServerProcess:
-    return ServerProcess(["--chunk-size", str(CHUNK), "--separate-object-groups",
-                          "--eviction-policy", "LRU", "--l2-timeout-s", "2", "--l2", url],
-                         l1_size_gb=0.25)
+    return ServerProcess(
+        [
+            "--chunk-size",
+            str(CHUNK),
+            "--separate-object-groups",
+            "--eviction-policy",
+            "LRU",
+            "--l2-timeout-s",
+            "2",
+            "--l2",
+            url,
+        ],
+        l1_size_gb=0.25,
+    )
 
 
 def _l2_stats(srv: ServerProcess) -> L2Report:
@@ -200,8 +213,9 @@ def _l2_stats(srv: ServerProcess) -> L2Report:
         return out
 
 
-def _wait_l2(srv: ServerProcess, done: Callable[[L2Report], bool], what: str,
-             timeout_s: float = 30.0) -> None:
+def _wait_l2(
+    srv: ServerProcess, done: Callable[[L2Report], bool], what: str, timeout_s: float = 30.0
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not done(st := _l2_stats(srv)):
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
@@ -216,10 +230,14 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
     fx = KVFixture.load(FIXTURES / "vllm-llama.json")
     arch = fx.arch or "cpu"
     tokens = [424_242 + i for i in range(2 * CHUNK + 40)]
-    with RedisProcess() as redis, _l2_server(redis.url) as a, _l2_server(redis.url) as b, \
-            ShmBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, a.endpoint, arch) as fa, \
-            ConnectorFlow(fx, mem, b.endpoint, arch) as fb:
+    with (
+        RedisProcess() as redis,
+        _l2_server(redis.url) as a,
+        _l2_server(redis.url) as b,
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, a.endpoint, arch) as fa,
+        ConnectorFlow(fx, mem, b.endpoint, arch) as fb,
+    ):
         for srv in (a, b):
             _wait_l2(srv, lambda st: st.state == "up", "L2 connected")
         mem.fill_random(15)
@@ -229,9 +247,15 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
         step, rep = fa.prefill("A", tokens, src)
         assert [s.n_chunks for s in step.stores] == [2] and rep.finished_sending == {"A"}
         n_objects = 2 * len(fa.work.reg.object_groups)
-        _wait_l2(a, lambda st: bool(st.objects_written >= n_objects
-                                    and st.write_queue_objects == 0
-                                    and st.writes_in_flight == 0), "L2 writes")
+        _wait_l2(
+            a,
+            lambda st: bool(
+                st.objects_written >= n_objects
+                and st.write_queue_objects == 0
+                and st.writes_in_flight == 0
+            ),
+            "L2 writes",
+        )
 
         # generous bound: this test checks the wait ends because the chunks arrived
         fb.planner.l2_wait_s = 30.0

@@ -30,10 +30,13 @@ def hashes(tokens: list[int], per: int = 16) -> list[bytes]:
 
 
 def dsv_groups() -> list[EngineGroup]:
-    return [EngineGroup("swa0", 32, window_tokens=128), EngineGroup("swa1", 32,
-                                                                    window_tokens=128),
-            EngineGroup("compressed", 64), EngineGroup("indexer", 64),
-            EngineGroup("compressor_scratch", 8, cached=False)]
+    return [
+        EngineGroup("swa0", 32, window_tokens=128),
+        EngineGroup("swa1", 32, window_tokens=128),
+        EngineGroup("compressed", 64),
+        EngineGroup("indexer", 64),
+        EngineGroup("compressor_scratch", 8, cached=False),
+    ]
 
 
 class FakeLookups:
@@ -80,8 +83,13 @@ def test_max_chunks_never_claims_last_token() -> None:
 
 def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
     g = ChunkGeometry(CHUNK, 32, dsv_groups())
-    tables = [list(range(100, 116)), list(range(200, 216)), list(range(300, 308)),
-              list(range(400, 408)), [9]]
+    tables = [
+        list(range(100, 116)),
+        list(range(200, 216)),
+        list(range(300, 308)),
+        list(range(400, 408)),
+        [9],
+    ]
     tables[0][9] = 0  # vLLM's null block: a sliding-window block already dropped
     ids = g.block_ids(tables, 1, 1)
     assert set(ids) == {"swa0", "swa1", "compressed", "indexer"}
@@ -98,8 +106,13 @@ def test_first_window_block_a_store_reads() -> None:
     """Per window group, the lowest table index a store of chunks 1..2 reads: only the
     last 4 blocks of each chunk (128-token window, 32 tokens per block), not ``-1``s."""
     g = ChunkGeometry(CHUNK, 32, dsv_groups())
-    tables = [list(range(100, 124)), list(range(200, 224)), list(range(300, 312)),
-              list(range(400, 412)), [9]]
+    tables = [
+        list(range(100, 124)),
+        list(range(200, 224)),
+        list(range(300, 312)),
+        list(range(400, 412)),
+        [9],
+    ]
     ids = g.block_ids(tables, 1, 2)
     ids["swa0"][:13] = -1  # chunk 1's window and the first window block of chunk 2
     assert g.first_window_blocks(ids, 1, 2) == {0: 2 * 8 + 4 + 1, 1: 8 + 4}
@@ -115,8 +128,14 @@ def test_chunk_size_must_fit_every_cached_group() -> None:
 
 
 def test_settings_from_extra_config() -> None:
-    s = ConnectorSettings.from_extra({"lmcache.mp.host": "::1", "lmcache.mp.port": "6000",
-                                      "lmcache.mp.store": "false", "other.key": 1})
+    s = ConnectorSettings.from_extra(
+        {
+            "lmcache.mp.host": "::1",
+            "lmcache.mp.port": "6000",
+            "lmcache.mp.store": "false",
+            "other.key": 1,
+        }
+    )
     assert s.endpoint == "tcp://[::1]:6000" and s.store is False
     with pytest.raises(ValueError, match="lmcache.mp.prot"):
         ConnectorSettings.from_extra({"lmcache.mp.prot": 1})
@@ -147,8 +166,9 @@ def test_lookup_is_async_rounded_and_leased() -> None:
 def test_stale_lease_is_refreshed() -> None:
     now = [0.0]
     svc = FakeLookups()
-    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
-                         clock=lambda: now[0])
+    p = SchedulerPlanner(
+        ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc, clock=lambda: now[0]
+    )
     h = hashes(list(range(600)))
     p.matched_tokens("r", h, 600, 600, 0)
     svc.pending[0][1].set_result(LookupAnswer(2, 5, 10.0))
@@ -192,8 +212,9 @@ def test_arrived_requests_are_looked_up_together_and_answered_at_once() -> None:
     again"); a request shorter than a chunk is not looked up; a request that ends
     before its queued lookup went out is never looked up."""
     svc = AnsweringLookups(hit=2)
-    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
-                         lookup_wait_s=0.001)
+    p = SchedulerPlanner(
+        ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc, lookup_wait_s=0.001
+    )
     h = hashes(list(range(600)))
     for i in range(5):
         p.request_arrived(f"r{i}", h, 600, 600)
@@ -214,8 +235,9 @@ def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
     budget, the other requests of the step do not wait again; every call answers
     "ask again"; the next step has a new budget; the answers, once in, are returned."""
     svc = FakeLookups()
-    p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc,
-                         lookup_wait_s=0.05)
+    p = SchedulerPlanner(
+        ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc, lookup_wait_s=0.05
+    )
     h = hashes(list(range(600)))
     for i in range(20):
         p.request_arrived(f"r{i}", h, 600, 600)
@@ -236,16 +258,18 @@ def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
 def test_wait_settings() -> None:
     s = ConnectorSettings.from_extra({})
     assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.001, 0.01)
-    s = ConnectorSettings.from_extra({"lmcache.mp.lookup_wait_s": "0",
-                                      "lmcache.mp.idle_load_wait_s": 0.1})
+    s = ConnectorSettings.from_extra(
+        {"lmcache.mp.lookup_wait_s": "0", "lmcache.mp.idle_load_wait_s": 0.1}
+    )
     assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.0, 0.1)
     for key in ("lookup_wait_s", "idle_load_wait_s"):
         for bad in (-0.001, 0.2, "nan"):
             with pytest.raises(ValueError, match=key):
                 ConnectorSettings.from_extra({f"lmcache.mp.{key}": bad})
     with pytest.raises(ValueError, match="lookup_wait_s"):
-        SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), FakeLookups(),
-                         lookup_wait_s=-1.0)
+        SchedulerPlanner(
+            ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), FakeLookups(), lookup_wait_s=-1.0
+        )
 
 
 def test_load_then_store_plan_and_hold_rules() -> None:
@@ -287,8 +311,9 @@ def test_load_then_store_plan_and_hold_rules() -> None:
     assert p2.tracked == 0
 
 
-def _dsv_request(p: SchedulerPlanner, svc: FakeLookups, req_id: str, n_tokens: int,
-                 hit_chunks: int = 0) -> list[bytes]:
+def _dsv_request(
+    p: SchedulerPlanner, svc: FakeLookups, req_id: str, n_tokens: int, hit_chunks: int = 0
+) -> list[bytes]:
     h = hashes(list(range(n_tokens)), per=32)
     p.matched_tokens(req_id, h, n_tokens, n_tokens, 0)
     svc.pending[-1][1].set_result(LookupAnswer(hit_chunks, 0, 30.0))
@@ -296,8 +321,13 @@ def _dsv_request(p: SchedulerPlanner, svc: FakeLookups, req_id: str, n_tokens: i
     return h
 
 
-DSV_TABLES = [list(range(1, 33)), list(range(40, 72)), list(range(80, 96)),
-              list(range(100, 116)), [5]]
+DSV_TABLES = [
+    list(range(1, 33)),
+    list(range(40, 72)),
+    list(range(80, 96)),
+    list(range(100, 116)),
+    [5],
+]
 
 
 @pytest.mark.parametrize("first_step", [512, 500, 700])
@@ -320,8 +350,12 @@ def test_store_fenced_in_the_first_step_that_may_free_its_blocks(first_step: int
         freed = g.freed_blocks(g.groups[0], computed)
         for sid, st in stores.items():  # each window block a store reads, in the table
             k0 = st.first_chunk
-            reads = [(k0 + k) * 8 + j for k in range(st.n_chunks) for j in range(4, 8)
-                     if st.block_ids["swa0"][k * 8 + j] >= 0]
+            reads = [
+                (k0 + k) * 8 + j
+                for k in range(st.n_chunks)
+                for j in range(4, 8)
+                if st.block_ids["swa0"][k * 8 + j] >= 0
+            ]
             must = bool(reads) and min(reads) < freed and sid not in fenced
             assert (sid in plan.fence_store_ids) == must, (computed, sid)
             if must:
@@ -424,9 +458,16 @@ def test_generated_chunks_are_stored(store_generated: bool) -> None:
     for pos in range(300, 520):  # decode: one token a step; the engine hashes them
         tokens.append(pos)
         h[:] = hashes(tokens)
-        stored += [(s.first_chunk, s.n_chunks) for s in p.build_step(
-            [ScheduledRequest("r", pos, 1, [[21 + (pos - 300) // 16]] if pos % 16 == 0
-                              else None)]).stores]
+        stored += [
+            (s.first_chunk, s.n_chunks)
+            for s in p.build_step(
+                [
+                    ScheduledRequest(
+                        "r", pos, 1, [[21 + (pos - 300) // 16]] if pos % 16 == 0 else None
+                    )
+                ]
+            ).stores
+        ]
     assert stored == ([(1, 1)] if store_generated else [])
     assert p.request_finished("r") is True
     assert p.build_step([]).stores == []
@@ -437,28 +478,32 @@ def test_generated_chunks_are_stored(store_generated: bool) -> None:
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
-                        "--eviction-policy", "LRU"], l1_size_gb=0.5) as s:
+    with ServerProcess(
+        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"],
+        l1_size_gb=0.5,
+    ) as s:
         yield s
 
 
 def _link(srv: ServerProcess, kv: ShmKV, buffers: bool) -> ServerLink:
     link = ServerLink(srv.endpoint, timeout_s=20)
-    link.register(**kv.register_kwargs(buffers=kv.buffers if buffers else [],
-                                       replicated=True))
+    link.register(**kv.register_kwargs(buffers=kv.buffers if buffers else [], replicated=True))
     return link
 
 
 @pytest.mark.parametrize("preset", ["dsv41", "simple"])
 def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
-    geo = (dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41"
-           else simple_model(num_blocks=128))
+    geo = (
+        dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41" else simple_model(num_blocks=128)
+    )
     with ShmKV(geo) as kv:
         kv.fill_random(1)
         sched, work = _link(srv, kv, False), _link(srv, kv, True)
         try:
-            groups = [EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
-                      for gs in geo.groups]
+            groups = [
+                EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
+                for gs in geo.groups
+            ]
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
             g = ChunkGeometry(256, per, groups)
             planner = SchedulerPlanner(g, sched)
@@ -468,8 +513,12 @@ def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
             h = hashes(toks, per)
 
             def tables(offset: int) -> list[list[int]]:
-                return [list(range(offset, offset + 700 // gs.tokens_per_block + 1))
-                        if gs.cached else [1] for gs in geo.groups]
+                return [
+                    list(range(offset, offset + 700 // gs.tokens_per_block + 1))
+                    if gs.cached
+                    else [1]
+                    for gs in geo.groups
+                ]
 
             # request A computes its prompt; its two full chunks are stored
             while (n := planner.matched_tokens("A", h, 700, 700, 0)) is None:
@@ -519,14 +568,17 @@ def test_store_then_load_byte_exact(srv: ServerProcess, preset: str) -> None:
 
 @pytest.mark.parametrize("preset", ["dsv41", "simple"])
 def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) -> None:
-    geo = (dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41"
-           else simple_model(num_blocks=128))
+    geo = (
+        dsv41_flash(num_blocks=128, layers=6) if preset == "dsv41" else simple_model(num_blocks=128)
+    )
     with ShmKV(geo) as kv:
         work = _link(srv, kv, True)
         try:
             per = min(gs.tokens_per_block for gs in geo.groups if gs.cached)
-            groups = [EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
-                      for gs in geo.groups]
+            groups = [
+                EngineGroup(gs.name, gs.tokens_per_block, gs.cached, gs.window_tokens)
+                for gs in geo.groups
+            ]
             g = ChunkGeometry(256, per, groups)
             tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
             wt = WorkerTransfers(work, tracker)
@@ -541,7 +593,8 @@ def test_failed_load_is_reported_not_success(srv: ServerProcess, preset: str) ->
             assert rep.finished_recving == {"C"}
             if len(geo.groups) == 1:
                 assert rep.invalid_block_ids == set(range(1, 33)) & set(
-                    spec.block_ids["full"].tolist())
+                    spec.block_ids["full"].tolist()
+                )
                 assert not rep.failed_recving
             else:
                 assert rep.failed_recving == {"C"}

@@ -61,13 +61,23 @@ class Rig:
         work = ServerLink(endpoint, timeout_s=20)
         sched.register(**kv.register_kwargs(buffers=[], **kw))
         work.register(**kv.register_kwargs(buffers=kv.buffers, **kw))
-        groups = [EngineGroup(g.name, g.tokens_per_block, g.cached, g.window_tokens)
-                  for g in geo.groups]
+        groups = [
+            EngineGroup(g.name, g.tokens_per_block, g.cached, g.window_tokens) for g in geo.groups
+        ]
         per = min(g.tokens_per_block for g in geo.groups if g.cached)
         geometry = ChunkGeometry(CHUNK, per, groups)
         tracker = TransferTracker(by_block_ids=failures_by_block_ids(groups))
-        return cls(geo, kv, sched, work, geometry, SchedulerPlanner(geometry, sched),
-                   tracker, WorkerTransfers(work, tracker), per)
+        return cls(
+            geo,
+            kv,
+            sched,
+            work,
+            geometry,
+            SchedulerPlanner(geometry, sched),
+            tracker,
+            WorkerTransfers(work, tracker),
+            per,
+        )
 
     def close(self) -> None:
         self.sched.close()
@@ -76,8 +86,7 @@ class Rig:
     def matched(self, req_id: str, tokens: list[int]) -> int:
         h = block_hashes(tokens, self.per)
         deadline = time.monotonic() + 20
-        while (n := self.planner.matched_tokens(req_id, h, len(tokens), len(tokens),
-                                                0)) is None:
+        while (n := self.planner.matched_tokens(req_id, h, len(tokens), len(tokens), 0)) is None:
             assert time.monotonic() < deadline, "lookup never answered"
             time.sleep(0.002)
         return n
@@ -87,8 +96,12 @@ class Rig:
         deadline = time.monotonic() + 30
         while len(getattr(rep, want)) < n:
             r = self.tracker.poll(finished)
-            for f in ("finished_sending", "finished_recving", "failed_recving",
-                      "invalid_block_ids"):
+            for f in (
+                "finished_sending",
+                "finished_recving",
+                "failed_recving",
+                "invalid_block_ids",
+            ):
                 getattr(rep, f).update(getattr(r, f))
             assert time.monotonic() < deadline, f"{want}: {len(getattr(rep, want))} of {n}"
             time.sleep(0.002)
@@ -97,14 +110,18 @@ class Rig:
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups",
-                        "--eviction-policy", "LRU"], l1_size_gb=0.25) as s:
+    with ServerProcess(
+        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"],
+        l1_size_gb=0.25,
+    ) as s:
         yield s
 
 
 def _tables(geo: KVGeometry, first: int, num_tokens: int) -> list[list[int]]:
-    return [list(range(first, first + -(-num_tokens // g.tokens_per_block)))
-            if g.cached else [first] for g in geo.groups]
+    return [
+        list(range(first, first + -(-num_tokens // g.tokens_per_block))) if g.cached else [first]
+        for g in geo.groups
+    ]
 
 
 def test_store_finishes_before_freed_window_blocks_are_rewritten(srv: ServerProcess) -> None:
@@ -236,8 +253,10 @@ def test_busy_is_retried_not_failed(srv: ServerProcess) -> None:
             digests = geometry.digests(block_hashes(list(range(300)), 16), 1)
             ids = {"full": np.arange(1, 17, dtype=np.int32)}
             assert link.store(digests, ids).result(20).ok.all()
-            futs = [link.retrieve(digests, {"full": np.arange(20, 36, dtype=np.int32)})
-                    for _ in range(200)]
+            futs = [
+                link.retrieve(digests, {"full": np.arange(20, 36, dtype=np.int32)})
+                for _ in range(200)
+            ]
             assert all(f.result(30).ok.all() for f in futs)
         finally:
             link.close()
@@ -259,8 +278,9 @@ def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
         digests = geometry.digests(block_hashes(tokens, 16), 4)
         from lmc_server.integration.plans import StoreSpec
 
-        spec = StoreSpec("S", 0, digests, {"full": np.arange(1, 65, dtype=np.int32) % 64},
-                         store_id=1)
+        spec = StoreSpec(
+            "S", 0, digests, {"full": np.arange(1, 65, dtype=np.int32) % 64}, store_id=1
+        )
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGSTOP)
         resume = threading.Timer(1.0, os.kill, (srv.proc.pid, signal.SIGCONT))
@@ -313,8 +333,9 @@ def test_batched_retrieve_reads_every_requests_window(srv: ServerProcess) -> Non
                 src[rid] = _tables(geo, first, len(toks))
                 first += 26
                 rig.planner.after_alloc(rid, src[rid], 0)
-            plan = rig.planner.build_step([ScheduledRequest(r, 0, len(t), src[r], True)
-                                           for r, t in prompts.items()])
+            plan = rig.planner.build_step(
+                [ScheduledRequest(r, 0, len(t), src[r], True) for r, t in prompts.items()]
+            )
             rig.wt.begin_step(plan)
             rig.wt.start_stores(plan.stores)
             for rid in prompts:
@@ -340,7 +361,7 @@ def test_batched_retrieve_reads_every_requests_window(srv: ServerProcess) -> Non
                     k = (len(toks) - 1) // CHUNK
                     bpc = CHUNK // g.tokens_per_block
                     lo = 0 if g.kind == "full" else k * bpc - 4  # the last window
-                    a, b = src[rid][gi][lo:k * bpc], dst[rid][gi][lo:k * bpc]
+                    a, b = src[rid][gi][lo : k * bpc], dst[rid][gi][lo : k * bpc]
                     assert kv.pages(g.name, b) == kv.pages(g.name, a), (g.name, rid)
         finally:
             rig.close()
@@ -470,8 +491,10 @@ def test_store_to_a_stalled_server_is_not_failed_early() -> None:
     geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
     digests = geometry.digests(block_hashes(list(range(600)), 16), 2)
     ids = {"full": np.arange(1, 33, dtype=np.int32)}
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"],
-                       l1_size_gb=0.25) as srv, ShmKV(geo) as kv:
+    with (
+        ServerProcess(["--chunk-size", "256", "--separate-object-groups"], l1_size_gb=0.25) as srv,
+        ShmKV(geo) as kv,
+    ):
         kv.fill_random(4)
         link = _link_with_store_kv(srv.endpoint, kv, timeout_s=9)
         assert srv.proc is not None

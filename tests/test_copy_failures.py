@@ -41,8 +41,9 @@ class FailingEngine(CpuEngine):
         self.submissions = 0
         self.parts: list[int] = []
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         k = self.submissions
         self.submissions += 1
         self.parts.append(max(int(c.block_ids.shape[0]) for c in copies))
@@ -61,8 +62,7 @@ def _server(engine: CpuEngine) -> Iterator[ThreadServer]:
         yield ts
 
 
-def _store(c: Client, kv: ShmKV) -> tuple[Registration, bytes, dict[str, np.ndarray],
-                                           ChunkResult]:
+def _store(c: Client, kv: ShmKV) -> tuple[Registration, bytes, dict[str, np.ndarray], ChunkResult]:
     """Register ``kv`` and store N chunks of it from random blocks."""
     reg = c.register(**kv.register_kwargs())
     digests = chunk_digests(np.arange(N * 256), 256)
@@ -72,15 +72,16 @@ def _store(c: Client, kv: ShmKV) -> tuple[Registration, bytes, dict[str, np.ndar
 
 @pytest.fixture
 def kv() -> Iterator[tuple[ShmKV, ShmKV]]:
-    with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as src, \
-            ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst:
+    with (
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as src,
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst,
+    ):
         src.fill_random(7)
         dst.fill(0)
         yield src, dst
 
 
-def test_store_and_retrieve_are_one_submission_each_and_byte_exact(
-        kv: tuple[ShmKV, ShmKV]) -> None:
+def test_store_and_retrieve_are_one_submission_each_and_byte_exact(kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = FailingEngine()
     with _server(engine) as ts, Client(ts.endpoint) as c:
@@ -114,8 +115,7 @@ def test_a_failed_store_fails_its_chunks_and_commits_nothing(kv: tuple[ShmKV, Sh
         assert_same_pages(reg, src, a, dst, b, N)
 
 
-def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
-        kv: tuple[ShmKV, ShmKV]) -> None:
+def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = FailingEngine()
     with _server(engine) as ts, Client(ts.endpoint) as c:
@@ -127,7 +127,9 @@ def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         res = c.retrieve(reg_b, digests, b)
         assert not res.ok.any()
         assert {int(x) for st in res.statuses.values() for x in st} <= {
-            ChunkStatus.FAILED, ChunkStatus.SKIPPED}
+            ChunkStatus.FAILED,
+            ChunkStatus.SKIPPED,
+        }
         st = c.stats()
         assert all(p.pinned_objects == 0 for p in st.partitions)
         assert st.l1.objects == 2 * N  # a failed read loses nothing
@@ -136,8 +138,7 @@ def test_a_failed_retrieve_fails_every_chunk_and_loses_nothing(
         assert_same_pages(reg, src, a, dst, b, N)
 
 
-def test_an_engine_bug_in_a_store_leaves_nothing_half_written(
-        kv: tuple[ShmKV, ShmKV]) -> None:
+def test_an_engine_bug_in_a_store_leaves_nothing_half_written(kv: tuple[ShmKV, ShmKV]) -> None:
     """The engine raises on the store's submission: the store is answered with an
     internal error, its slots are freed, nothing becomes visible, and the server goes
     on serving."""
@@ -153,8 +154,7 @@ def test_an_engine_bug_in_a_store_leaves_nothing_half_written(
         assert again.ok.all() and c.lookup(reg, digests, lease=False).hit_chunks == N
 
 
-def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(
-        kv: tuple[ShmKV, ShmKV]) -> None:
+def test_an_engine_bug_in_a_retrieve_unpins_and_loses_nothing(kv: tuple[ShmKV, ShmKV]) -> None:
     src, dst = kv
     engine = FailingEngine()
     with _server(engine) as ts, Client(ts.endpoint) as c:

@@ -12,16 +12,45 @@ from pathlib import Path
 def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
     out = tmp_path / "disk.json"
     res = subprocess.run(
-        [sys.executable, "-m", "lmc_server", "bench", "l2", "--disk-dir", str(tmp_path / "d"),
-         "--chunks", "2", "--rounds", "1", "--latency-chunks", "1,2", "--repeats", "1",
-         "--layers", "4", "--l1-size-gb", "0.25", "--restart-gb", "0.02", "--json",
-         str(out)], capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--disk-dir",
+            str(tmp_path / "d"),
+            "--chunks",
+            "2",
+            "--rounds",
+            "1",
+            "--latency-chunks",
+            "1,2",
+            "--repeats",
+            "1",
+            "--layers",
+            "4",
+            "--l1-size-gb",
+            "0.25",
+            "--restart-gb",
+            "0.02",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
     assert [r["op"] for r in report["rows"]] == [
-        "write 2 chunks", "write-behind 2 chunks", "read 2 chunks", "disk hit 1 chunks",
-        "disk hit 2 chunks"]
+        "write 2 chunks",
+        "write-behind 2 chunks",
+        "read 2 chunks",
+        "disk hit 1 chunks",
+        "disk hit 2 chunks",
+    ]
     for r in report["rows"]:
         assert r["server_s"] > 0 and r["raw_s"] > 0
     assert not report["summary"]["disk_b"]["invalid"]
@@ -35,18 +64,47 @@ def test_bench_l2_replay_disk_smoke(tmp_path: Path) -> None:
     lines = []
     for turn in range(1, 5):
         for conv in range(10):
-            lines.append(json.dumps({
-                "timestamp": turn * 1000 + conv, "input_length": 512 * turn,
-                "hash_ids": [1000 * conv + k for k in range(turn)]}))
+            lines.append(
+                json.dumps(
+                    {
+                        "timestamp": turn * 1000 + conv,
+                        "input_length": 512 * turn,
+                        "hash_ids": [1000 * conv + k for k in range(turn)],
+                    }
+                )
+            )
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "replay.json"
     res = subprocess.run(
-        [sys.executable, "-m", "lmc_server", "bench", "l2", "--replay", str(trace),
-         "--replay-tier", "disk", "--l1-fraction", "0.01", "--l2-fraction", "4",
-         "--json", str(out)], capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--replay",
+            str(trace),
+            "--replay-tier",
+            "disk",
+            "--l1-fraction",
+            "0.01",
+            "--l2-fraction",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {r["tier"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"L1 only", "L1 + disk", "model: disk at commit",
-                         "model: disk at evict", "model: disk at hit"}
+    assert set(rows) == {
+        "L1 only",
+        "L1 + disk",
+        "model: disk at commit",
+        "model: disk at evict",
+        "model: disk at hit",
+    }
     assert rows["L1 + disk"]["l2_hit_ratio"] > 0 and rows["L1 + disk"]["l2_invalid"] == 0
     assert rows["model: disk at commit"]["l2_hit_ratio"] > 0

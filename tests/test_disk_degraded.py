@@ -28,16 +28,25 @@ from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import CHUNK, Worker, retrieve_exact, tokens, wait_for
 
-ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU",
-        "--l2-timeout-s", "0.5"]
+ARGS = [
+    "--chunk-size",
+    str(CHUNK),
+    "--separate-object-groups",
+    "--eviction-policy",
+    "LRU",
+    "--l2-timeout-s",
+    "0.5",
+]
 #: Every reply the checks below wait for comes well within this (a generous bound on
 #: "the server still answers", not a measure of speed).
 ANSWER_S = 10.0
 
 
 def disk_server(directory: Path, *extra: str, size_gb: float = 1.0) -> ServerProcess:
-    return ServerProcess([*ARGS, "--disk-dir", str(directory), "--disk-size-gb",
-                          str(size_gb), *extra], l1_size_gb=0.25)
+    return ServerProcess(
+        [*ARGS, "--disk-dir", str(directory), "--disk-size-gb", str(size_gb), *extra],
+        l1_size_gb=0.25,
+    )
 
 
 def disk_stats(c: Client) -> DiskReport:
@@ -76,10 +85,16 @@ def test_disk_smaller_than_one_object_refuses_writes_and_l1_serves(tmp_path: Pat
             wait_for(lambda: disk_stats(src.client).state == "up", "disk tier up")
             for i in range(3):
                 l1_serves(src, dst, seed=40 + i)
-            wait_for(lambda: disk_stats(src.client).errors.get("write", 0) >= 1,
-                     "refused writes counted")
-            wait_for(lambda: (st := disk_stats(src.client)).write_queue_objects == 0
-                     and st.writes_in_flight == 0, "write queue drained")
+            wait_for(
+                lambda: disk_stats(src.client).errors.get("write", 0) >= 1, "refused writes counted"
+            )
+            wait_for(
+                lambda: (
+                    (st := disk_stats(src.client)).write_queue_objects == 0
+                    and st.writes_in_flight == 0
+                ),
+                "write queue drained",
+            )
             st = disk_stats(src.client)
             assert st.state == "up"  # a refusal, not an outage
             assert st.objects_written == 0 and st.dropped_writes.get("error", 0) > 0
@@ -103,8 +118,13 @@ def test_disk_that_cannot_keep_up_drops_writes_and_l1_serves(tmp_path: Path) -> 
             wait_for(lambda: disk_stats(src.client).state == "up", "disk tier up")
             ids = src.store(digests, block_seed=1)  # 16 objects into a queue of 2
             retrieve_exact(dst, src, ids, digests, n)
-            wait_for(lambda: (st := disk_stats(src.client)).write_queue_objects == 0
-                     and st.writes_in_flight == 0, "queue drained")
+            wait_for(
+                lambda: (
+                    (st := disk_stats(src.client)).write_queue_objects == 0
+                    and st.writes_in_flight == 0
+                ),
+                "queue drained",
+            )
             st = disk_stats(src.client)
             assert st.dropped_writes.get("queue_full", 0) >= n
             assert st.objects_written + st.dropped_writes["queue_full"] == 2 * n
@@ -112,8 +132,13 @@ def test_disk_that_cannot_keep_up_drops_writes_and_l1_serves(tmp_path: Path) -> 
             src.client.clear()
             # Whatever prefix the written objects make up (the queue takes objects in
             # store order, one object group after the other) is served exactly.
-            hit = wait_for(lambda: (r := src.client.lookup(src.reg, digests, lease=False))
-                           .l2_pending_chunks == 0 and (r.hit_chunks,), "prefetch done")[0]
+            hit = wait_for(
+                lambda: (
+                    (r := src.client.lookup(src.reg, digests, lease=False)).l2_pending_chunks == 0
+                    and (r.hit_chunks,)
+                ),
+                "prefetch done",
+            )[0]
             if hit:
                 retrieve_exact(dst, src, ids, digests, hit)
             assert not disk_stats(src.client).invalid
@@ -141,8 +166,10 @@ def test_hung_redis_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
             stopped = True
             for i in range(3):
                 l1_serves(src, dst, seed=120 + i)
-            wait_for(lambda: (l2 := src.client.stats().l2) is not None
-                     and l2.state == "degraded", "L2 degraded (timed out)")
+            wait_for(
+                lambda: (l2 := src.client.stats().l2) is not None and l2.state == "degraded",
+                "L2 degraded (timed out)",
+            )
             st = src.client.stats()
             assert st.l2 is not None and st.l2.errors.get("write", 0) >= 1
             src.client.clear()  # the disk alone has the first prefix now
@@ -151,8 +178,9 @@ def test_hung_redis_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
             assert disk_stats(src.client).state == "up" and src.client.ping()
             r.proc.send_signal(signal.SIGCONT)
             stopped = False
-            wait_for(lambda: (l2 := src.client.stats().l2) is not None and l2.state == "up",
-                     "L2 back")
+            wait_for(
+                lambda: (l2 := src.client.stats().l2) is not None and l2.state == "up", "L2 back"
+            )
             st = src.client.stats()
             assert st.l2 is not None and st.l2.hits == 0 and not st.l2.invalid
             assert not disk_stats(src.client).invalid
@@ -170,8 +198,11 @@ def both_up(c: Client) -> bool:
 
 def written_to_both(c: Client, objects: int) -> bool:
     st = c.stats()
-    return (st.l2 is not None and st.l2.objects_written >= objects
-            and disk_stats(c).objects_written >= objects)
+    return (
+        st.l2 is not None
+        and st.l2.objects_written >= objects
+        and disk_stats(c).objects_written >= objects
+    )
 
 
 @pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh")
@@ -187,8 +218,10 @@ def test_redis_gone_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
             r.kill()
             for i in range(3):
                 l1_serves(src, dst, seed=20 + i)
-            wait_for(lambda: (l2 := src.client.stats().l2) is not None
-                     and l2.state == "degraded", "L2 degraded")
+            wait_for(
+                lambda: (l2 := src.client.stats().l2) is not None and l2.state == "degraded",
+                "L2 degraded",
+            )
             for i in range(2):
                 l1_serves(src, dst, seed=30 + i)
             st = src.client.stats()
@@ -203,4 +236,3 @@ def test_redis_gone_below_the_disk_l1_and_disk_serve_on(tmp_path: Path) -> None:
         finally:
             src.close()
             dst.close()
-

@@ -34,14 +34,25 @@ from lmc_server.testing.tierworker import (
     wait_for,
 )
 
-ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU",
-        "--l2-timeout-s", "0.5"]
+ARGS = [
+    "--chunk-size",
+    str(CHUNK),
+    "--separate-object-groups",
+    "--eviction-policy",
+    "LRU",
+    "--l2-timeout-s",
+    "0.5",
+]
 
 
-def disk_server(directory: Path, *extra: str, size_gb: float = 1.0,
-                metrics_port: int = 0) -> ServerProcess:
-    return ServerProcess([*ARGS, "--disk-dir", str(directory), "--disk-size-gb",
-                          str(size_gb), *extra], l1_size_gb=0.25, metrics_port=metrics_port)
+def disk_server(
+    directory: Path, *extra: str, size_gb: float = 1.0, metrics_port: int = 0
+) -> ServerProcess:
+    return ServerProcess(
+        [*ARGS, "--disk-dir", str(directory), "--disk-size-gb", str(size_gb), *extra],
+        l1_size_gb=0.25,
+        metrics_port=metrics_port,
+    )
 
 
 def disk_stats(c: Client) -> DiskReport:
@@ -53,8 +64,12 @@ def disk_stats(c: Client) -> DiskReport:
 def wait_disk_written(c: Client, objects: int) -> None:
     def done() -> bool:
         st = disk_stats(c)
-        return bool(st.objects_written >= objects and st.write_queue_objects == 0
-                    and st.writes_in_flight == 0)
+        return bool(
+            st.objects_written >= objects
+            and st.write_queue_objects == 0
+            and st.writes_in_flight == 0
+        )
+
     wait_for(done, f"{objects} objects written to disk")
 
 
@@ -89,7 +104,8 @@ def stored(tmp_path: Path) -> Iterator[tuple[Path, Worker, bytes, dict[str, np.n
 
 
 def test_restart_after_sigterm_serves_the_directory_byte_exact(
-        stored: tuple[Path, Worker, bytes, dict[str, np.ndarray]]) -> None:
+    stored: tuple[Path, Worker, bytes, dict[str, np.ndarray]],
+) -> None:
     directory, src, digests, ids = stored
     metrics = free_port()
     with disk_server(directory, metrics_port=metrics) as b:
@@ -103,15 +119,20 @@ def test_restart_after_sigterm_serves_the_directory_byte_exact(
             st = disk_stats(wb.client)
             assert st.rebuild.files == len(value_files(directory)) == 12
             assert st.files == 12 and st.used_bytes == sum(
-                p.stat().st_size for p in value_files(directory))
+                p.stat().st_size for p in value_files(directory)
+            )
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz") as h:
                 assert h.status == 200 and b"disk file://" in h.read()
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics") as h:
                 body = h.read()
             assert b"lmcache_disk_up 1.0" in body and b"lmcache_disk_hits_total" in body
             assert b"lmcache_disk_index_rebuild_ratio 1.0" in body
-            out = subprocess.run([sys.executable, "-m", "lmc_server", "stats", "--port",
-                                  str(b.port)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [sys.executable, "-m", "lmc_server", "stats", "--port", str(b.port)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert out.returncode == 0 and f"disk file://{directory} up" in out.stdout
             assert "12 files, index whole" in out.stdout
         finally:
@@ -163,17 +184,22 @@ def test_kill_9_mid_write_never_serves_a_half_written_object(tmp_path: Path) -> 
 def _full_file(directory: Path, c: Client, namespace: str, digests: bytes, chunk: int) -> Path:
     fps = {p.name: bytes.fromhex(p.fingerprint) for p in c.stats().partitions}
     space = codec.space_of(namespace, fps["full"], CHUNK)
-    ck = digests[chunk * 32:(chunk + 1) * 32].hex()
+    ck = digests[chunk * 32 : (chunk + 1) * 32].hex()
     return directory / "lmc2" / space.hex() / ck[:2] / ck
 
 
-@pytest.mark.parametrize("damage,reason", [
-    ("flip_byte", "checksum"), ("truncate", "truncated"), ("other_chunk", "foreign"),
-    ("empty", "truncated"),
-])
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        ("flip_byte", "checksum"),
+        ("truncate", "truncated"),
+        ("other_chunk", "foreign"),
+        ("empty", "truncated"),
+    ],
+)
 def test_damaged_file_is_a_counted_miss_and_removed(
-        stored: tuple[Path, Worker, bytes, dict[str, np.ndarray]], damage: str,
-        reason: str) -> None:
+    stored: tuple[Path, Worker, bytes, dict[str, np.ndarray]], damage: str, reason: str
+) -> None:
     directory, src, digests, ids = stored
     with disk_server(directory) as b:
         wb = Worker(b.endpoint, seed=0)
@@ -182,12 +208,11 @@ def test_damaged_file_is_a_counted_miss_and_removed(
             data = bad.read_bytes()
             if damage == "flip_byte":
                 i = codec.HEADER_BYTES + len(data) // 3
-                bad.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1:])
+                bad.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :])
             elif damage == "truncate":
-                bad.write_bytes(data[:len(data) // 2])
+                bad.write_bytes(data[: len(data) // 2])
             elif damage == "other_chunk":
-                shutil.copyfile(_full_file(directory, wb.client, wb.reg.namespace,
-                                           digests, 4), bad)
+                shutil.copyfile(_full_file(directory, wb.client, wb.reg.namespace, digests, 4), bad)
             else:
                 bad.write_bytes(b"")
             wait_for(lambda: disk_stats(wb.client).state == "up", "disk tier up")
@@ -225,10 +250,12 @@ def test_capacity_holds_and_the_oldest_files_go(tmp_path: Path) -> None:
             on_disk = sum(p.stat().st_size for p in value_files(tmp_path))
             assert st.used_bytes == on_disk <= st.capacity_bytes == int(cap_gb * (1 << 30))
             assert st.evicted_objects > 0 and st.files == len(value_files(tmp_path))
-            first = _full_file(tmp_path, w.client, w.reg.namespace,
-                               chunk_digests(tokens(80, 4), CHUNK), 0)
-            last = _full_file(tmp_path, w.client, w.reg.namespace,
-                              chunk_digests(tokens(83, 4), CHUNK), 3)
+            first = _full_file(
+                tmp_path, w.client, w.reg.namespace, chunk_digests(tokens(80, 4), CHUNK), 0
+            )
+            last = _full_file(
+                tmp_path, w.client, w.reg.namespace, chunk_digests(tokens(83, 4), CHUNK), 3
+            )
             assert not first.exists() and last.exists()
         finally:
             w.close()
@@ -269,17 +296,24 @@ def test_l2_hit_is_promoted_to_the_disk_then_served_from_it(tmp_path: Path) -> N
         with disk_server(tmp_path / "a", *l2) as a:
             wa = Worker(a.endpoint, seed=51)
             try:
-                wait_for(lambda: (wa.client.stats().l2 or disk_stats(wa.client)).state == "up",
-                         "L2 up")
+                wait_for(
+                    lambda: (wa.client.stats().l2 or disk_stats(wa.client)).state == "up", "L2 up"
+                )
                 ids = wa.store(digests, block_seed=5)
                 objects = objects_of(wa, digests, ids)
-                wait_for(lambda: (l2 := wa.client.stats().l2) is not None
-                         and l2.objects_written >= objects, "written to L2")
+                wait_for(
+                    lambda: (
+                        (l2 := wa.client.stats().l2) is not None and l2.objects_written >= objects
+                    ),
+                    "written to L2",
+                )
                 with disk_server(tmp_path / "b", *l2) as b:
                     wb = Worker(b.endpoint, seed=0)
                     try:
-                        wait_for(lambda: (wb.client.stats().l2 or disk_stats(wb.client))
-                                 .state == "up", "B's L2 up")
+                        wait_for(
+                            lambda: (wb.client.stats().l2 or disk_stats(wb.client)).state == "up",
+                            "B's L2 up",
+                        )
                         retrieve_exact(wb, wa, ids, digests, n)
                         st = wb.client.stats()
                         assert st.l2 is not None and st.l2.hits >= n

@@ -50,11 +50,13 @@ def test_round_trip_whole_files_no_temporaries(tmp_path: Path, direct: bool) -> 
         assert not [n for n in names if n.endswith(direct_io.TMP_SUFFIX)]
         assert os.path.getsize(b.path_of(key(3))) == len(items[3][1])  # no padding left
         await b.shutdown()
+
     run(go())
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, codec.PIECE_BYTES - 1, codec.PIECE_BYTES,
-                                    3 * codec.PIECE_BYTES + 4097])
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, codec.PIECE_BYTES - 1, codec.PIECE_BYTES, 3 * codec.PIECE_BYTES + 4097]
+)
 def test_encode_into_is_encode_value(nbytes: int) -> None:
     """The one-pass copy and checksum builds exactly the bytes of the reference encoder
     (pieces of every size: none, one short one, several and a ragged end)."""
@@ -71,12 +73,17 @@ def test_encode_into_is_encode_value(nbytes: int) -> None:
 def test_put_slots_writes_the_values_of_the_slots(tmp_path: Path, direct: bool) -> None:
     """Written straight from (unaligned) slots of a pool: each file is the value the
     reference encoder makes of its slot, and passes the reader's checks."""
+
     async def go() -> None:
         b = FileBackend(str(tmp_path), 1 << 30, direct=direct)
         await b.connect()
         pool = np.random.default_rng(7).integers(0, 256, 10 * 9_999, dtype=np.uint8)
-        objs = [SlotObject(key(i), SPACE, i.to_bytes(32, "big"), 1,
-                           pool[i * 9_999:(i + 1) * 9_999].data) for i in range(10)]
+        objs = [
+            SlotObject(
+                key(i), SPACE, i.to_bytes(32, "big"), 1, pool[i * 9_999 : (i + 1) * 9_999].data
+            )
+            for i in range(10)
+        ]
         await b.put_slots(objs)
         got = await b.get_many([o.key for o in objs])
         for o, g in zip(objs, got, strict=True):
@@ -86,6 +93,7 @@ def test_put_slots_writes_the_values_of_the_slots(tmp_path: Path, direct: bool) 
             assert codec.check_payload(g)
         assert b.index.used_bytes == 10 * objs[0].value_bytes
         await b.shutdown()
+
     run(go())
 
 
@@ -96,6 +104,7 @@ def test_plain_bytes_are_written_too(tmp_path: Path) -> None:
         await b.put_many([(key(1), b"x" * 5000)])
         assert bytes((await b.get_many([key(1)]))[0] or b"") == b"x" * 5000
         await b.shutdown()
+
     run(go())
 
 
@@ -111,6 +120,7 @@ def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
         assert all(os.path.exists(b.path_of(key(i))) for i in (0, 2, 3))
         assert b.index.used_bytes == 60_000 and b.evicted_objects == 1
         await b.shutdown()
+
     run(go())
 
 
@@ -118,16 +128,15 @@ def test_capacity_holds_for_a_batch_larger_than_it(tmp_path: Path) -> None:
     """A batch (or one object) larger than the whole capacity is written only as far as
     it fits: the rest is refused (a counted refusal, the tier stays up), never written
     past ``--disk-size-gb``; what was written is said so the writer counts it."""
+
     async def go() -> None:
         b = FileBackend(str(tmp_path), 50_000)
         await b.connect()
         with pytest.raises(L2Error) as refused:
-            await b.put_many([(key(i), value(b, i, 20_000 - codec.HEADER_BYTES))
-                              for i in range(4)])
+            await b.put_many([(key(i), value(b, i, 20_000 - codec.HEADER_BYTES)) for i in range(4)])
         assert not refused.value.unavailable and "--disk-size-gb" in str(refused.value)
         assert refused.value.written == [key(0), key(1)]
-        assert [os.path.exists(b.path_of(key(i))) for i in range(4)] == [
-            True, True, False, False]
+        assert [os.path.exists(b.path_of(key(i))) for i in range(4)] == [True, True, False, False]
         assert b.index.used_bytes == 40_000
         with pytest.raises(L2Error) as too_big:  # larger than the capacity on its own
             await b.put_many([(key(9), value(b, 9, 60_000))])
@@ -136,6 +145,7 @@ def test_capacity_holds_for_a_batch_larger_than_it(tmp_path: Path) -> None:
         await b.put_many([(key(5), value(b, 5, 20_000 - codec.HEADER_BYTES))])  # serves on
         assert os.path.exists(b.path_of(key(5))) and b.index.used_bytes <= 50_000
         await b.shutdown()
+
     run(go())
 
 
@@ -159,6 +169,7 @@ def test_rebuild_finds_files_and_removes_stale_temporaries(tmp_path: Path) -> No
         assert b.index.progress.stale_tmp_removed == 1 and b.status() == ""
         await b.shutdown()
         return b, stale, live
+
     _, stale, live = run(go())
     assert not os.path.exists(stale) and os.path.exists(live)
 
@@ -178,6 +189,7 @@ def test_rebuild_evicts_what_is_over_capacity_oldest_first(tmp_path: Path) -> No
         assert list(b.index.entries) == [key(2), key(3)]
         assert not os.path.exists(b.path_of(key(0))) and os.path.exists(b.path_of(key(3)))
         await b.shutdown()
+
     run(go())
 
 
@@ -190,6 +202,7 @@ def test_unusable_directory_is_unavailable(tmp_path: Path) -> None:
             await b.connect()
         assert e.value.unavailable
         await b.shutdown()
+
     run(go())
 
 
@@ -207,16 +220,18 @@ class _Settings:
         self.disk_dir, self.disk_size_gb, self.backend = disk_dir, disk_size_gb, backend
 
 
-@pytest.mark.parametrize("settings,needle", [
-    (("", 1.0), "needs --disk-dir"),
-    (("{tmp}", 0.0), "needs --disk-size-gb"),
-    (("{tmp}", 1.0, "null"), "null backend"),
-    (("{tmp}/f", 1.0), "not a directory"),
-    (("{tmp}", 1 << 20), "more than the filesystem"),
-    (("file://relative", 1.0), "absolute path"),
-])
-def test_config_refusals_name_the_setting(tmp_path: Path, settings: tuple, needle: str
-                                          ) -> None:
+@pytest.mark.parametrize(
+    "settings,needle",
+    [
+        (("", 1.0), "needs --disk-dir"),
+        (("{tmp}", 0.0), "needs --disk-size-gb"),
+        (("{tmp}", 1.0, "null"), "null backend"),
+        (("{tmp}/f", 1.0), "not a directory"),
+        (("{tmp}", 1 << 20), "more than the filesystem"),
+        (("file://relative", 1.0), "absolute path"),
+    ],
+)
+def test_config_refusals_name_the_setting(tmp_path: Path, settings: tuple, needle: str) -> None:
     (tmp_path / "f").write_bytes(b"")
     d, *rest = settings
     with pytest.raises(DiskConfigError, match=needle):
@@ -231,6 +246,7 @@ def test_file_url_and_paths() -> None:
 def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Path) -> None:
     """A key written again while it is the coldest must not be chosen as the victim that
     makes room for itself (its unlink would race its own rename)."""
+
     async def go() -> None:
         b = FileBackend(str(tmp_path), 2 * 10_000)
         await b.connect()
@@ -243,6 +259,7 @@ def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Pa
         assert os.path.exists(b.path_of(key(1))) and os.path.exists(b.path_of(key(2)))
         assert list(b.index.entries) == [key(2), key(1)] and b.index.used_bytes == 20_000
         await b.shutdown()
+
     run(go())
 
 

@@ -207,7 +207,7 @@ def test_ghost_tags_remember_and_forget() -> None:
     # a key is remembered unless a later key took its cell (the hash is salted per
     # process, so which ones differs from run to run; the rule does not)
     cells = [g._split(k)[0] & g._mask for k in keys]
-    kept = [k for i, k in enumerate(keys) if cells[i] not in cells[i + 1:]]
+    kept = [k for i, k in enumerate(keys) if cells[i] not in cells[i + 1 :]]
     assert remembered == kept and len(kept) >= 25
     assert not any(g.pop(k) for k in remembered)  # popped means forgotten
     assert g.size == 0 or g.size <= 50

@@ -28,8 +28,12 @@ from lmc_server.testing.process import ServerProcess, free_port
 def test_non_loopback_bind_refused_without_curve(host: str) -> None:
     with pytest.raises(ConfigError, match="refusing to listen"):
         Config(host=host, l1_size_gb=1).check()
-    out = subprocess.run([sys.executable, "-m", "lmc_server", "server", "--host", host,
-                          "--l1-size-gb", "1"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmc_server", "server", "--host", host, "--l1-size-gb", "1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "refusing to listen" in out.stderr
 
 
@@ -58,16 +62,29 @@ def test_curve_admits_only_known_clients(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     clients = tmp_path / "clients"
     clients.mkdir()
-    out = subprocess.run([sys.executable, "-m", "lmc_server", "keygen", str(keys)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmc_server", "keygen", str(keys)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "server.key_secret" in out.stdout
     assert stat.S_IMODE(os.stat(keys / "server.key_secret").st_mode) == 0o600
-    subprocess.run([sys.executable, "-m", "lmc_server", "keygen", str(keys), "--name",
-                    "engine"], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "lmc_server", "keygen", str(keys), "--name", "engine"],
+        check=True,
+        capture_output=True,
+    )
     (clients / "engine.key").write_bytes((keys / "engine.key").read_bytes())
     port = free_port()
-    args = ["--host", "0.0.0.0", "--curve-secret-key-file", str(keys / "server.key_secret"),
-            "--curve-clients-dir", str(clients)]
+    args = [
+        "--host",
+        "0.0.0.0",
+        "--curve-secret-key-file",
+        str(keys / "server.key_secret"),
+        "--curve-clients-dir",
+        str(clients),
+    ]
     srv = ServerProcess(args, port=port)
     srv.endpoint = f"tcp://127.0.0.1:{port}"
     server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
@@ -89,9 +106,25 @@ def test_curve_admits_only_known_clients(tmp_path: Path) -> None:
         ctx.term()
         return ok
 
-    proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", "--port", str(port),
-                             "--backend", "cpu", "--l1-size-gb", "1", "--metrics-port", "0",
-                             *args], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "server",
+            "--port",
+            str(port),
+            "--backend",
+            "cpu",
+            "--l1-size-gb",
+            "1",
+            "--metrics-port",
+            "0",
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(100):
             if ping(client_public, client_secret):
@@ -117,8 +150,10 @@ def test_in_flight_limit_answers_busy_and_keeps_serving() -> None:
             with ShmKV(simple_model(layers=8, bytes_per_token=2048, num_blocks=256)) as kv:
                 kv.fill_random(1)
                 reg = await c.register(**kv.register_kwargs())
-                calls = [c.store(reg, chunk_digests(np.full(256 * 8, i), 256),
-                                 block_ids_for(reg, 8)) for i in range(12)]
+                calls = [
+                    c.store(reg, chunk_digests(np.full(256 * 8, i), 256), block_ids_for(reg, 8))
+                    for i in range(12)
+                ]
                 results = await asyncio.gather(*calls, return_exceptions=True)
                 assert (await c.ping()).server_version
                 return list(results)

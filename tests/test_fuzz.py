@@ -39,16 +39,60 @@ TOTAL_INPUTS = int(os.environ.get("LMC_FUZZ_INPUTS", "100000"))
 VARIANTS = 50
 MAX_FRAME = 1 << 16
 
-TAGS = ["hello", "register", "unregister", "lookup", "release", "store", "retrieve", "ping",
-        "stats", "clear", "welcome", "error", "bogus"]
-FIELDS = ["req_id", "protocol_version", "client_name", "model", "kv_dtype", "arch", "groups",
-          "world_size", "rank", "replicated", "buffers", "registration_id", "digests", "salt",
-          "lease", "lease_id", "block_ids", "name", "kind", "layers", "x"]
+TAGS = [
+    "hello",
+    "register",
+    "unregister",
+    "lookup",
+    "release",
+    "store",
+    "retrieve",
+    "ping",
+    "stats",
+    "clear",
+    "welcome",
+    "error",
+    "bogus",
+]
+FIELDS = [
+    "req_id",
+    "protocol_version",
+    "client_name",
+    "model",
+    "kv_dtype",
+    "arch",
+    "groups",
+    "world_size",
+    "rank",
+    "replicated",
+    "buffers",
+    "registration_id",
+    "digests",
+    "salt",
+    "lease",
+    "lease_id",
+    "block_ids",
+    "name",
+    "kind",
+    "layers",
+    "x",
+]
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats()
-           | st.text(max_size=12) | st.binary(max_size=48))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                      | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**64)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=48)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 def _encode(obj: object) -> bytes:
@@ -60,10 +104,14 @@ def _encode(obj: object) -> bytes:
 
 near_valid = st.builds(
     lambda tag, fields, rid: _encode({"type": tag, "req_id": rid, **fields}),
-    st.sampled_from(TAGS), st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
-    st.integers(0, 2**40))
+    st.sampled_from(TAGS),
+    st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
+    st.integers(0, 2**40),
+)
 arbitrary = values.map(_encode)
 raw = st.binary(max_size=256)
+
+
 def mutants(template: list[bytes], seed: int, n: int) -> list[list[bytes]]:
     """``n`` inputs derived from ``template``; the first is the template itself."""
     rng = random.Random(seed)
@@ -72,7 +120,7 @@ def mutants(template: list[bytes], seed: int, n: int) -> list[list[bytes]]:
         f = bytearray(rng.choice(template))
         op = rng.randrange(7)
         if op == 0 and f:
-            del f[rng.randrange(len(f)):]
+            del f[rng.randrange(len(f)) :]
         elif op == 1 and f:
             for _ in range(rng.randint(1, 4)):
                 f[rng.randrange(len(f))] = rng.randrange(256)
@@ -92,8 +140,9 @@ def mutants(template: list[bytes], seed: int, n: int) -> list[list[bytes]]:
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[ServerProcess]:
-    with ServerProcess(["--max-frame-bytes", str(MAX_FRAME), "--lease-ttl-s", "3600"],
-                       l1_size_gb=0.25) as srv:
+    with ServerProcess(
+        ["--max-frame-bytes", str(MAX_FRAME), "--lease-ttl-s", "3600"], l1_size_gb=0.25
+    ) as srv:
         yield srv
 
 
@@ -111,7 +160,8 @@ def bystander(fuzz_server: ServerProcess) -> Iterator[tuple[Client, Registration
 
 
 def test_decoder_and_dispatcher_survive_fuzzing(
-        fuzz_server: ServerProcess, bystander: tuple[Client, Registration, bytes]) -> None:
+    fuzz_server: ServerProcess, bystander: tuple[Client, Registration, bytes]
+) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -126,15 +176,29 @@ def test_decoder_and_dispatcher_survive_fuzzing(
     assert isinstance(registered, m.Registered)
     rid = registered.registration_id
     ids = st.lists(st.integers(-3, 40), min_size=16, max_size=16).map(
-        lambda xs: np.array(xs, "<i4").tobytes())
+        lambda xs: np.array(xs, "<i4").tobytes()
+    )
     digests = st.binary(min_size=32, max_size=32)
     valid = st.one_of(
-        st.builds(lambda d, lease: encode(m.Lookup(req_id=3, registration_id=rid, digests=d,
-                                                   lease=lease)), digests, st.booleans()),
-        st.builds(lambda d, b: encode(m.Store(req_id=4, registration_id=rid, digests=d,
-                                              block_ids=[b])), digests, ids),
-        st.builds(lambda d, b: encode(m.Retrieve(req_id=5, registration_id=rid, digests=d,
-                                                 block_ids=[b])), digests, ids),
+        st.builds(
+            lambda d, lease: encode(
+                m.Lookup(req_id=3, registration_id=rid, digests=d, lease=lease)
+            ),
+            digests,
+            st.booleans(),
+        ),
+        st.builds(
+            lambda d, b: encode(m.Store(req_id=4, registration_id=rid, digests=d, block_ids=[b])),
+            digests,
+            ids,
+        ),
+        st.builds(
+            lambda d, b: encode(
+                m.Retrieve(req_id=5, registration_id=rid, digests=d, block_ids=[b])
+            ),
+            digests,
+            ids,
+        ),
         st.builds(lambda x: encode(m.Release(req_id=6, lease_id=x)), st.integers(0, 2**63 - 1)),
     )
     templates = st.lists(st.one_of(valid, near_valid, arbitrary, raw), min_size=1, max_size=2)
@@ -142,8 +206,12 @@ def test_decoder_and_dispatcher_survive_fuzzing(
     seen = {"inputs": 0, "errors": 0, "ok": 0}
     codes = {c.value for c in ErrorCode} - {ErrorCode.INTERNAL.value}
 
-    @settings(max_examples=-(-TOTAL_INPUTS // VARIANTS), deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=-(-TOTAL_INPUTS // VARIANTS),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(templates, st.integers(0, 2**32))
     def storm(template: list[bytes], seed: int) -> None:
         inputs = mutants(template, seed, VARIANTS)
@@ -173,5 +241,6 @@ def test_decoder_and_dispatcher_survive_fuzzing(
     c, reg, mine = bystander
     assert c.ping().server_version
     assert c.lookup(reg, mine, lease=False).hit_chunks == 1
-    print(f"fuzzed {seen['inputs']} inputs: {seen['errors']} typed errors, "
-          f"{seen['ok']} valid replies")
+    print(
+        f"fuzzed {seen['inputs']} inputs: {seen['errors']} typed errors, {seen['ok']} valid replies"
+    )

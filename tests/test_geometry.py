@@ -37,8 +37,13 @@ def test_chunk_size_96_refused_naming_group_numbers_and_smallest() -> None:
 def test_scratch_group_is_exempt_from_the_chunk_rule() -> None:
     geo = dsv41_flash()
     scratch = next(g for g in geo.groups if g.kind == "scratch")
-    odd = GroupSpec(**{**{f: getattr(scratch, f) for f in scratch.__struct_fields__},
-                       "tokens_per_block": 7, "states_per_block": 7})
+    odd = GroupSpec(
+        **{
+            **{f: getattr(scratch, f) for f in scratch.__struct_fields__},
+            "tokens_per_block": 7,
+            "states_per_block": 7,
+        }
+    )
     groups = [g if g is not scratch else odd for g in geo.groups]
     check_groups(groups, 256, "sm90", geo.buffer_sizes)
 
@@ -46,19 +51,31 @@ def test_scratch_group_is_exempt_from_the_chunk_rule() -> None:
 def test_tokens_per_block_must_be_multiple_of_tokens_per_state() -> None:
     geo = simple_model(tokens_per_block=16)
     g = geo.groups[0]
-    bad = GroupSpec(name="odd", kind="full", tokens_per_block=16, states_per_block=3,
-                    record_format="bf16", bytes_per_state=1024, num_blocks=g.num_blocks,
-                    layers=g.layers)
+    bad = GroupSpec(
+        name="odd",
+        kind="full",
+        tokens_per_block=16,
+        states_per_block=3,
+        record_format="bf16",
+        bytes_per_state=1024,
+        num_blocks=g.num_blocks,
+        layers=g.layers,
+    )
     with pytest.raises(GeometryError, match="'odd'.*16.*states_per_block 3"):
         check_groups([bad], 256, "sm90", geo.buffer_sizes)
 
 
-@pytest.mark.parametrize("arch,bytes_per_state,ok", [
-    ("sm90", 584, True), ("sm100", 528, True), ("sm90", 528, False), ("sm100", 584, False),
-    ("sm89", 584, True),
-])
-def test_fp8_ds_mla_record_size_depends_on_arch(arch: str, bytes_per_state: int,
-                                                ok: bool) -> None:
+@pytest.mark.parametrize(
+    "arch,bytes_per_state,ok",
+    [
+        ("sm90", 584, True),
+        ("sm100", 528, True),
+        ("sm90", 528, False),
+        ("sm100", 584, False),
+        ("sm89", 584, True),
+    ],
+)
+def test_fp8_ds_mla_record_size_depends_on_arch(arch: str, bytes_per_state: int, ok: bool) -> None:
     geo = dsv41_flash(arch="sm100" if bytes_per_state == 528 else "sm90")
     if ok:
         check_groups(geo.groups, 256, arch, geo.buffer_sizes)
@@ -70,9 +87,16 @@ def test_fp8_ds_mla_record_size_depends_on_arch(arch: str, bytes_per_state: int,
 def test_nvfp4_refused_unless_sm100() -> None:
     geo = simple_model()
     g = geo.groups[0]
-    fp4 = GroupSpec(name="fp4", kind="full", tokens_per_block=g.tokens_per_block,
-                    states_per_block=g.states_per_block, record_format="nvfp4_ds_mla",
-                    bytes_per_state=g.bytes_per_state, num_blocks=g.num_blocks, layers=g.layers)
+    fp4 = GroupSpec(
+        name="fp4",
+        kind="full",
+        tokens_per_block=g.tokens_per_block,
+        states_per_block=g.states_per_block,
+        record_format="nvfp4_ds_mla",
+        bytes_per_state=g.bytes_per_state,
+        num_blocks=g.num_blocks,
+        layers=g.layers,
+    )
     check_groups([fp4], 256, "sm100", geo.buffer_sizes)
     with pytest.raises(ArchError, match="only valid on sm100"):
         check_groups([fp4], 256, "sm90", geo.buffer_sizes)
@@ -85,17 +109,31 @@ def test_layer_past_buffer_end_refused() -> None:
 
 
 def test_overlapping_pages_refused() -> None:
-    bad = GroupSpec(name="g", kind="full", tokens_per_block=16, states_per_block=16,
-                    record_format="bf16", bytes_per_state=64, num_blocks=4,
-                    layers=[LayerSpec(buffer=0, offset=0, block_stride=512, page_bytes=1024)])
+    bad = GroupSpec(
+        name="g",
+        kind="full",
+        tokens_per_block=16,
+        states_per_block=16,
+        record_format="bf16",
+        bytes_per_state=64,
+        num_blocks=4,
+        layers=[LayerSpec(buffer=0, offset=0, block_stride=512, page_bytes=1024)],
+    )
     with pytest.raises(GeometryError, match="overlap"):
         check_groups([bad], 256, "sm90", [1 << 20])
 
 
 def test_page_smaller_than_records_refused() -> None:
-    bad = GroupSpec(name="g", kind="full", tokens_per_block=16, states_per_block=16,
-                    record_format="bf16", bytes_per_state=64, num_blocks=4,
-                    layers=[LayerSpec(buffer=0, offset=0, block_stride=2048, page_bytes=1000)])
+    bad = GroupSpec(
+        name="g",
+        kind="full",
+        tokens_per_block=16,
+        states_per_block=16,
+        record_format="bf16",
+        bytes_per_state=64,
+        num_blocks=4,
+        layers=[LayerSpec(buffer=0, offset=0, block_stride=2048, page_bytes=1000)],
+    )
     with pytest.raises(GeometryError, match="smaller than states_per_block"):
         check_groups([bad], 256, "sm90", [1 << 20])
 
@@ -152,8 +190,9 @@ def test_window_larger_than_chunk_stores_whole_chunks() -> None:
 
 def test_blocks_per_chunk_is_one_rule_for_server_client_and_planner() -> None:
     groups = dsv41_flash().groups
-    planner = ChunkGeometry(256, 16, [EngineGroup(g.name, g.tokens_per_block, g.cached)
-                                      for g in groups])
+    planner = ChunkGeometry(
+        256, 16, [EngineGroup(g.name, g.tokens_per_block, g.cached) for g in groups]
+    )
     for g, eg in zip(groups, planner.groups, strict=True):
         want = 256 // g.tokens_per_block if g.cached else 0
         assert blocks_per_chunk(g, 256) == planner.blocks_per_chunk(eg) == want, g.name

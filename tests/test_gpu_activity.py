@@ -82,15 +82,19 @@ class FakeNvml:
         handle._obj.value = 1  # type: ignore[attr-defined]
         return 0
 
-    def nvmlDeviceGetProcessUtilization(self, handle: object, samples: object,
-                                        count: object, since: object) -> int:
+    def nvmlDeviceGetProcessUtilization(
+        self, handle: object, samples: object, count: object, since: object
+    ) -> int:
         self.asked_since.append(since.value)  # type: ignore[attr-defined]
         answer = self.answers.pop(0)
         if answer is None:
             return 6  # NVML_ERROR_NOT_FOUND
         for k, (pid, stamp_us, sm_pct) in enumerate(answer):
             samples[k].pid, samples[k].timeStamp, samples[k].smUtil = (  # type: ignore[index]
-                pid, stamp_us, sm_pct)
+                pid,
+                stamp_us,
+                sm_pct,
+            )
         count._obj.value = len(answer)  # type: ignore[attr-defined]
         return 0
 
@@ -102,10 +106,19 @@ def test_no_new_sample_is_no_news_until_stale() -> None:
     from lmc_server.transfer.gpu_activity import STALE_S
 
     clock, lib = Clock(), FakeNvml()
-    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=clock,  # type: ignore[arg-type]
-                             own_pid=99)
-    lib.answers = [[(10, 1_000, 95), (11, 1_100, 3), (10, 1_200, 97), (99, 1_150, 40)],
-                   None, None, None, [(10, 9_000, 0)]]
+    reader = NvmlUtilization(
+        "0000:00:00.0",
+        lib=lib,  # type: ignore[arg-type]
+        clock=clock,
+        own_pid=99,
+    )
+    lib.answers = [
+        [(10, 1_000, 95), (11, 1_100, 3), (10, 1_200, 97), (99, 1_150, 40)],
+        None,
+        None,
+        None,
+        [(10, 9_000, 0)],
+    ]
     assert reader.read() == 100  # the engine's 97 plus another process's 3
     clock.t += 0.1
     assert reader.read() == 100  # no sample newer: still busy
@@ -121,8 +134,12 @@ def test_no_new_sample_is_no_news_until_stale() -> None:
 def test_own_kernels_do_not_make_the_gpu_busy() -> None:
     """The server's own staging kernels (its pid) are left out of the sum."""
     lib = FakeNvml()
-    reader = NvmlUtilization("0000:00:00.0", lib=lib, clock=Clock(),  # type: ignore[arg-type]
-                             own_pid=99)
+    reader = NvmlUtilization(
+        "0000:00:00.0",
+        lib=lib,  # type: ignore[arg-type]
+        clock=Clock(),
+        own_pid=99,
+    )
     lib.answers = [[(99, 1_000, 35), (10, 1_000, 4)]]
     assert reader.read() == 4
 

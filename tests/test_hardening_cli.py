@@ -23,10 +23,16 @@ from lmc_server.testing.process import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _lmcache(*args: str, env: dict[str, str] | None = None,
-             timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lmc_server", *args], capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
+def _lmcache(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmc_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @dataclass
@@ -45,11 +51,28 @@ def curve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveServ
     _lmcache("keygen", str(keys), "--name", "ops")
     (clients / "ops.key").write_bytes((keys / "ops.key").read_bytes())
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", "--port", str(port),
-                             "--backend", "cpu", "--l1-size-gb", "0.25", "--metrics-port", "0",
-                             "--curve-secret-key-file", str(keys / "server.key_secret"),
-                             "--curve-clients-dir", str(clients)],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "server",
+            "--port",
+            str(port),
+            "--backend",
+            "cpu",
+            "--l1-size-gb",
+            "0.25",
+            "--metrics-port",
+            "0",
+            "--curve-secret-key-file",
+            str(keys / "server.key_secret"),
+            "--curve-clients-dir",
+            str(clients),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 20
@@ -62,8 +85,7 @@ def curve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveServ
     assert proc.returncode == 0
 
 
-def test_ping_and_stats_without_keys_fail_with_a_hint(
-        curve_server: CurveServer) -> None:
+def test_ping_and_stats_without_keys_fail_with_a_hint(curve_server: CurveServer) -> None:
     srv = curve_server
     out = _lmcache("ping", "--port", str(srv.port), "--timeout-s", "1")
     assert out.returncode == 1 and "--curve-server-key-file" in out.stderr
@@ -71,8 +93,14 @@ def test_ping_and_stats_without_keys_fail_with_a_hint(
 
 def test_ping_and_stats_with_curve_flags(curve_server: CurveServer) -> None:
     srv, keys = curve_server, curve_server.keys
-    flags = ["--port", str(srv.port), "--curve-server-key-file", str(keys / "server.key"),
-             "--curve-client-secret-key-file", str(keys / "ops.key_secret")]
+    flags = [
+        "--port",
+        str(srv.port),
+        "--curve-server-key-file",
+        str(keys / "server.key"),
+        "--curve-client-secret-key-file",
+        str(keys / "ops.key_secret"),
+    ]
     out = _lmcache("ping", *flags)
     assert out.returncode == 0 and out.stdout.startswith("ok: lmcache server"), out.stderr
     out = _lmcache("stats", "--json", *flags)
@@ -81,23 +109,26 @@ def test_ping_and_stats_with_curve_flags(curve_server: CurveServer) -> None:
 
 def test_ping_with_curve_environment(curve_server: CurveServer) -> None:
     srv, keys = curve_server, curve_server.keys
-    env = {"LMCACHE_PORT": str(srv.port),
-           "LMCACHE_CURVE_SERVER_KEY_FILE": str(keys / "server.key"),
-           "LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE": str(keys / "ops.key_secret")}
+    env = {
+        "LMCACHE_PORT": str(srv.port),
+        "LMCACHE_CURVE_SERVER_KEY_FILE": str(keys / "server.key"),
+        "LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE": str(keys / "ops.key_secret"),
+    }
     out = _lmcache("ping", env=env)
     assert out.returncode == 0, out.stderr
 
 
-def test_ping_and_stats_with_the_servers_toml(curve_server: CurveServer,
-                                              tmp_path: Path) -> None:
+def test_ping_and_stats_with_the_servers_toml(curve_server: CurveServer, tmp_path: Path) -> None:
     """One file for both: [server] as the server reads it, [client] for the commands."""
     srv, keys = curve_server, curve_server.keys
     toml = tmp_path / "server.toml"
-    toml.write_text(f'[server]\nhost = "127.0.0.1"\nport = {srv.port}\n'
-                    f'curve_secret_key_file = "{keys / "server.key_secret"}"\n'
-                    f'curve_clients_dir = "{keys}"\n\n'
-                    f'[client]\ncurve-server-key-file = "{keys / "server.key"}"\n'
-                    f'curve_client_secret_key_file = "{keys / "ops.key_secret"}"\n')
+    toml.write_text(
+        f'[server]\nhost = "127.0.0.1"\nport = {srv.port}\n'
+        f'curve_secret_key_file = "{keys / "server.key_secret"}"\n'
+        f'curve_clients_dir = "{keys}"\n\n'
+        f'[client]\ncurve-server-key-file = "{keys / "server.key"}"\n'
+        f'curve_client_secret_key_file = "{keys / "ops.key_secret"}"\n'
+    )
     assert load_toml(str(toml))["port"] == srv.port  # the server still reads this file
     for cmd in ("ping", "stats"):
         out = _lmcache(cmd, "--config", str(toml))
@@ -116,9 +147,22 @@ def test_half_a_curve_pair_is_a_usage_error() -> None:
 def test_startup_log_shows_the_l1_size_chosen_from_the_machine() -> None:
     """No --l1-size-gb: the log line says the size used, not 0.0 (null backend: no pool
     memory is allocated, so the machine default costs nothing here)."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", "--backend",
-                             "null", "--port", str(free_port()), "--metrics-port",
-                             "0"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "server",
+            "--backend",
+            "null",
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stderr is not None
         line = ""
@@ -136,11 +180,23 @@ def test_startup_log_shows_the_l1_size_chosen_from_the_machine() -> None:
 
 
 #: Ports of software commonly found on a GPU inference host.
-COMMON_PORTS = {9090: "Prometheus", 9091: "Pushgateway", 9093: "Alertmanager",
-                9100: "node_exporter", 9400: "DCGM exporter", 8000: "vLLM / Triton HTTP",
-                8001: "Triton gRPC", 8002: "Triton metrics", 8080: "many", 3000: "Grafana",
-                5555: "lmcache server / DCGM hostengine", 6379: "Redis", 8265: "Ray",
-                8888: "Jupyter", 6006: "TensorBoard"}
+COMMON_PORTS = {
+    9090: "Prometheus",
+    9091: "Pushgateway",
+    9093: "Alertmanager",
+    9100: "node_exporter",
+    9400: "DCGM exporter",
+    8000: "vLLM / Triton HTTP",
+    8001: "Triton gRPC",
+    8002: "Triton metrics",
+    8080: "many",
+    3000: "Grafana",
+    5555: "lmcache server / DCGM hostengine",
+    6379: "Redis",
+    8265: "Ray",
+    8888: "Jupyter",
+    6006: "TensorBoard",
+}
 
 
 def test_default_metrics_port_clashes_with_nothing_common() -> None:

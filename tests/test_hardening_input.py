@@ -32,8 +32,16 @@ from lmc_server.testing.process import ServerProcess, free_port
 
 SECRET = "hunter2-Zq9"
 #: A server that starts in a blink: a small pool, no metrics endpoint.
-SMALL = ["--backend", "cpu", "--l1-size-gb", "0.0625", "--slab-size-mb", "16",
-         "--metrics-port", "0"]
+SMALL = [
+    "--backend",
+    "cpu",
+    "--l1-size-gb",
+    "0.0625",
+    "--slab-size-mb",
+    "16",
+    "--metrics-port",
+    "0",
+]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -41,10 +49,16 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def lmcache(*args: str, env: dict[str, str] | None = None,
-            timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lmc_server", *args], capture_output=True,
-                          text=True, timeout=timeout_s, env=env or _env())
+def lmcache(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmc_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env or _env(),
+    )
 
 
 def assert_usage_error(res: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -80,13 +94,13 @@ def test_a_credential_on_the_command_line_is_refused_and_never_echoed(url: str) 
 
 
 @pytest.mark.parametrize("url", CREDENTIAL_URLS[1:3])
-def test_a_credential_in_the_config_file_or_environment_is_refused(url: str,
-                                                                   tmp_path: Path) -> None:
+def test_a_credential_in_the_config_file_or_environment_is_refused(
+    url: str, tmp_path: Path
+) -> None:
     toml = tmp_path / "server.toml"
     toml.write_text(f'l2 = "{url}"\nl2_timeout_s = 0.5\n')
     by_file = lmcache("server", *SMALL, "--port", str(free_port()), "--config", str(toml))
-    by_env = lmcache("server", *SMALL, "--port", str(free_port()),
-                     env=_env(LMCACHE_L2=url))
+    by_env = lmcache("server", *SMALL, "--port", str(free_port()), env=_env(LMCACHE_L2=url))
     for res in (by_file, by_env):
         assert_usage_error(res, "credential", "LMCACHE_L2_PASSWORD")
         assert SECRET not in res.stdout + res.stderr
@@ -95,15 +109,20 @@ def test_a_credential_in_the_config_file_or_environment_is_refused(url: str,
 def test_a_query_parameter_redis_py_does_not_know_stops_the_start() -> None:
     """redis-py makes every query parameter a keyword of its connections; one it does
     not know used to kill the tier's background task silently (L2 never connected)."""
-    res = lmcache("server", *SMALL, "--port", str(free_port()),
-                  "--l2", f"redis://127.0.0.1:{free_port()}/0?frobnicate=1")
+    res = lmcache(
+        "server",
+        *SMALL,
+        "--port",
+        str(free_port()),
+        "--l2",
+        f"redis://127.0.0.1:{free_port()}/0?frobnicate=1",
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 3, out
     assert "startup failed" in out and "frobnicate" in out and "Traceback" not in out
 
 
-def test_the_url_is_shown_without_credential_parts_and_the_server_serves(
-        tmp_path: Path) -> None:
+def test_the_url_is_shown_without_credential_parts_and_the_server_serves(tmp_path: Path) -> None:
     """Defence in depth: a URL that is accepted (a user name, a query value holding an
     ``@``) is still shown only through the redaction, in stats, /healthz, /metrics and
     the log; the server serves from L1 while L2 is unreachable."""
@@ -111,9 +130,15 @@ def test_the_url_is_shown_without_credential_parts_and_the_server_serves(
     url = f"redis://lmcache@127.0.0.1:{dead}/0?client_name=kv@{SECRET}"
     shown = f"redis://lmcache@127.0.0.1:{dead}/0?client_name=***"
     assert redact_url(url) == shown
-    with ServerProcess(["--l2", url, "--l2-timeout-s", "0.5", "--slab-size-mb", "16"],
-                       l1_size_gb=0.0625, metrics_port=metrics, env=_env()) as srv, \
-            ShmKV(simple_model()) as kv:
+    with (
+        ServerProcess(
+            ["--l2", url, "--l2-timeout-s", "0.5", "--slab-size-mb", "16"],
+            l1_size_gb=0.0625,
+            metrics_port=metrics,
+            env=_env(),
+        ) as srv,
+        ShmKV(simple_model()) as kv,
+    ):
         stats = lmcache("stats", "--port", str(srv.port), "--json")
         assert stats.returncode == 0, stats.stderr
         assert json.loads(stats.stdout)["l2"]["url"] == shown
@@ -139,8 +164,11 @@ def test_the_url_is_shown_without_credential_parts_and_the_server_serves(
 
 def _server_options() -> list[click.Option]:
     command = cli.commands["server"]
-    return [p for p in command.params if isinstance(p, click.Option)
-            and p.name not in (None, "help") and "--config" not in p.opts]
+    return [
+        p
+        for p in command.params
+        if isinstance(p, click.Option) and p.name not in (None, "help") and "--config" not in p.opts
+    ]
 
 
 def _flag_name(opt: click.Option) -> str:
@@ -174,19 +202,36 @@ def test_every_flag_is_accepted_in_the_config_file_under_its_name(tmp_path: Path
     log_file = tmp_path / "server.log"
     port = free_port()
     values: dict[str, Any] = {
-        "host": "127.0.0.1", "port": port, "chunk_size": 512, "separate_object_groups": True,
-        "l1_size_gb": 0.0625, "eviction_policy": "ARC", "backend": "cpu",
-        "log_level": "DEBUG", "log_format": "text", "log_file": str(log_file),
-        "lease_ttl_s": 12.5, "slab_size_mb": 16, "copy_threads": 1,
-        "cuda_copy_mode": "mapped", "max_frame_bytes": 131072,
-        "drain_timeout_s": 3.5, "metrics_port": free_port(), "metrics_host": "localhost",
-        "heartbeat_timeout_s": 5.5, "max_inflight_per_client": 8,
+        "host": "127.0.0.1",
+        "port": port,
+        "chunk_size": 512,
+        "separate_object_groups": True,
+        "l1_size_gb": 0.0625,
+        "eviction_policy": "ARC",
+        "backend": "cpu",
+        "log_level": "DEBUG",
+        "log_format": "text",
+        "log_file": str(log_file),
+        "lease_ttl_s": 12.5,
+        "slab_size_mb": 16,
+        "copy_threads": 1,
+        "cuda_copy_mode": "mapped",
+        "max_frame_bytes": 131072,
+        "drain_timeout_s": 3.5,
+        "metrics_port": free_port(),
+        "metrics_host": "localhost",
+        "heartbeat_timeout_s": 5.5,
+        "max_inflight_per_client": 8,
         "ipc_path": str(tmp_path / "ipc" / "sock"),
         "ipc_group": grp.getgrgid(os.getgid()).gr_name,
         "curve_secret_key_file": str(keys / "server.key_secret"),
-        "curve_clients_dir": str(clients), "memory_check": False,
-        "l2_url": f"redis://127.0.0.1:{free_port()}/0", "l2_password_file": str(pw),
-        "l2_write_queue_objects": 100, "l2_prefetch_max_chunks": 10, "l2_timeout_s": 0.5,
+        "curve_clients_dir": str(clients),
+        "memory_check": False,
+        "l2_url": f"redis://127.0.0.1:{free_port()}/0",
+        "l2_password_file": str(pw),
+        "l2_write_queue_objects": 100,
+        "l2_prefetch_max_chunks": 10,
+        "l2_timeout_s": 0.5,
     }
     lines, expect = [], []
     for opt in _server_options():
@@ -200,8 +245,12 @@ def test_every_flag_is_accepted_in_the_config_file_under_its_name(tmp_path: Path
     toml.write_text("\n".join(lines) + "\n")
     errors = tmp_path / "stderr"
     with errors.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", "--config",
-                                 str(toml)], env=_env(), stdout=err, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmc_server", "server", "--config", str(toml)],
+            env=_env(),
+            stdout=err,
+            stderr=err,
+        )
     try:
         deadline = time.monotonic() + 30
         while "listening on" not in (log_file.read_text() if log_file.exists() else ""):
@@ -214,8 +263,7 @@ def test_every_flag_is_accepted_in_the_config_file_under_its_name(tmp_path: Path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    starting = next(line for line in log_file.read_text().splitlines()
-                    if "starting:" in line)
+    starting = next(line for line in log_file.read_text().splitlines() if "starting:" in line)
     missing = [e for e in expect if f" {e} " not in f" {starting} "]
     assert not missing, (missing, starting)
 
@@ -232,8 +280,11 @@ def test_a_setting_named_twice_in_the_config_file_is_refused(tmp_path: Path) -> 
 BAD_HOSTS = ["*", "a b", "[::1", "::1]", "tcp://127.0.0.1", ""]
 BAD_PORTS = ["abc", "70000", "-1"]
 #: Options that need a value alongside (the server's bad ports must be the ones refused).
-COMMAND_ARGS = {"server": [*SMALL[:6], "--port", str(free_port())], "ping": ["--timeout-s", "0.2"],
-                "stats": ["--timeout-s", "0.2"]}
+COMMAND_ARGS = {
+    "server": [*SMALL[:6], "--port", str(free_port())],
+    "ping": ["--timeout-s", "0.2"],
+    "stats": ["--timeout-s", "0.2"],
+}
 
 
 def _address_options() -> list[tuple[str, str, list[str]]]:
@@ -253,14 +304,19 @@ def _address_options() -> list[tuple[str, str, list[str]]]:
 
 def test_every_host_and_port_option_is_found() -> None:
     found = {(c, o) for c, o, _ in _address_options()}
-    assert {("ping", "--host"), ("stats", "--port"), ("server", "--metrics-host"),
-            ("server", "--metrics-port")} <= found, found
+    assert {
+        ("ping", "--host"),
+        ("stats", "--port"),
+        ("server", "--metrics-host"),
+        ("server", "--metrics-port"),
+    } <= found, found
     assert {c for c, _ in found} <= set(COMMAND_ARGS), found
 
 
 @pytest.mark.parametrize("command,option,bad", _address_options())
 def test_a_malformed_host_or_port_is_a_usage_error_without_traceback(
-        command: str, option: str, bad: list[str]) -> None:
+    command: str, option: str, bad: list[str]
+) -> None:
     for value in bad:
         if command == "server" and option == "--host" and value == "*":
             continue  # every address: refused as not loopback, tested elsewhere

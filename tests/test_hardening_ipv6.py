@@ -28,8 +28,9 @@ def _has_ipv6_loopback() -> bool:
         return False
 
 
-needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(),
-                                reason="this machine has no IPv6 loopback (::1)")
+needs_ipv6 = pytest.mark.skipif(
+    not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)"
+)
 
 
 def _ipv6_only_name() -> str | None:
@@ -56,14 +57,22 @@ def _fake_resolver(table: dict[str, list[str]]):  # type: ignore[no-untyped-def]
     def resolve(host: str, *_: object) -> list[tuple[object, ...]]:
         if host not in table:
             raise socket.gaierror(socket.EAI_NONAME, "unknown")
-        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, 0, 0, "", (a, 0))
-                for a in table[host]]
+        return [
+            (socket.AF_INET6 if ":" in a else socket.AF_INET, 0, 0, "", (a, 0)) for a in table[host]
+        ]
+
     return resolve
 
 
 def test_loopback_rule_resolves_names() -> None:
-    r = _fake_resolver({"v6only": ["::1"], "both": ["127.0.0.1", "::1"],
-                        "public6": ["2001:db8::1"], "mixed": ["::1", "10.0.0.1"]})
+    r = _fake_resolver(
+        {
+            "v6only": ["::1"],
+            "both": ["127.0.0.1", "::1"],
+            "public6": ["2001:db8::1"],
+            "mixed": ["::1", "10.0.0.1"],
+        }
+    )
     assert is_loopback("::1", r) and is_loopback("[::1]", r) and is_loopback("127.0.0.2", r)
     assert is_loopback("v6only", r) and is_loopback("both", r)
     assert not is_loopback("public6", r) and not is_loopback("mixed", r)
@@ -81,9 +90,21 @@ def test_ipv6_any_address_needs_curve(host: str) -> None:
 
 
 def test_unresolvable_host_is_a_usage_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "lmc_server", "server", "--host",
-                          "no-such-host.invalid", "--l1-size-gb", "1"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "server",
+            "--host",
+            "no-such-host.invalid",
+            "--l1-size-gb",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "does not resolve" in out.stderr
 
 
@@ -91,8 +112,9 @@ def test_unresolvable_host_is_a_usage_error() -> None:
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
     metrics_port = free_port()
-    with ServerProcess(["--metrics-host", host], host=host, l1_size_gb=0.25,
-                       metrics_port=metrics_port) as srv:
+    with ServerProcess(
+        ["--metrics-host", host], host=host, l1_size_gb=0.25, metrics_port=metrics_port
+    ) as srv:
         assert srv.endpoint.startswith("tcp://[::1]:")
         with Client(srv.endpoint, client_name="v6") as c:
             assert c.stats().backend == "cpu"
@@ -100,6 +122,7 @@ def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
         async def aio() -> str:
             async with await AsyncClient.connect(srv.endpoint) as ac:
                 return (await ac.ping()).server_version
+
         assert asyncio.run(aio())
         # the connector builds its endpoint from host and port
         for h in ("::1", "[::1]"):
@@ -108,9 +131,12 @@ def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
             with Client(settings.endpoint) as c:
                 assert c.ping().server_version
         for cmd in ("ping", "stats"):
-            out = subprocess.run([sys.executable, "-m", "lmc_server", cmd, "--host", host,
-                                  "--port", str(srv.port)], capture_output=True, text=True,
-                                 timeout=30)
+            out = subprocess.run(
+                [sys.executable, "-m", "lmc_server", cmd, "--host", host, "--port", str(srv.port)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert out.returncode == 0, out.stderr
         with urllib.request.urlopen(f"http://[::1]:{metrics_port}/healthz", timeout=10) as r:
             assert r.status == 200
@@ -123,8 +149,14 @@ def test_server_clients_cli_and_metrics_on_ipv6_loopback(host: str) -> None:
 def test_host_name_resolving_to_ipv6() -> None:
     name = _ipv6_only_name()
     if name is None:
-        pytest.skip("no host name resolves to ::1 only on this machine (/etc/hosts has no "
-                    "ip6-localhost); the rule itself is covered with a fake resolver")
-    with ServerProcess(["--metrics-host", name], host=name, l1_size_gb=0.25,
-                       metrics_port=free_port()) as srv, Client(srv.endpoint) as c:
+        pytest.skip(
+            "no host name resolves to ::1 only on this machine (/etc/hosts has no "
+            "ip6-localhost); the rule itself is covered with a fake resolver"
+        )
+    with (
+        ServerProcess(
+            ["--metrics-host", name], host=name, l1_size_gb=0.25, metrics_port=free_port()
+        ) as srv,
+        Client(srv.endpoint) as c,
+    ):
         assert c.ping().server_version

@@ -36,8 +36,9 @@ FIXTURES = Path(__file__).with_name("fixtures")
 
 
 def _with_layers(geo: KVGeometry, group: str, layers: list[LayerSpec]) -> KVGeometry:
-    groups = [msgspec.structs.replace(g, layers=layers) if g.name == group else g
-              for g in geo.groups]
+    groups = [
+        msgspec.structs.replace(g, layers=layers) if g.name == group else g for g in geo.groups
+    ]
     return replace(geo, groups=groups)
 
 
@@ -47,8 +48,7 @@ def _swa(geo: KVGeometry) -> GroupSpec:
 
 def every_layer_at_offset_zero(geo: KVGeometry) -> KVGeometry:
     g = _swa(geo)
-    return _with_layers(geo, g.name, [msgspec.structs.replace(la, offset=0)
-                                      for la in g.layers])
+    return _with_layers(geo, g.name, [msgspec.structs.replace(la, offset=0) for la in g.layers])
 
 
 def layer1_half_a_page_into_layer0(geo: KVGeometry) -> KVGeometry:
@@ -75,19 +75,32 @@ def test_layer_half_a_page_into_another_is_refused() -> None:
     assert "overlap in buffer 0" in msg
 
 
-def _interleaved(num_blocks: int, n_layers: int, page: int, pad: int = 0,
-                 offset: int = 0) -> list[LayerSpec]:
+def _interleaved(
+    num_blocks: int, n_layers: int, page: int, pad: int = 0, offset: int = 0
+) -> list[LayerSpec]:
     """vLLM's layout when layers share a block: layer i at ``i * page`` in each block."""
     stride = n_layers * page + pad
-    return [LayerSpec(buffer=0, offset=offset + i * page, block_stride=stride,
-                      page_bytes=page, name=f"l{i}") for i in range(n_layers)]
+    return [
+        LayerSpec(
+            buffer=0, offset=offset + i * page, block_stride=stride, page_bytes=page, name=f"l{i}"
+        )
+        for i in range(n_layers)
+    ]
 
 
-def _full(name: str, layers: list[LayerSpec], num_blocks: int, kind: str = "full",
-          page: int = 1024) -> GroupSpec:
-    return GroupSpec(name=name, kind=kind,  # type: ignore[arg-type]
-                     tokens_per_block=16, states_per_block=16, record_format="bf16",
-                     bytes_per_state=page // 16, num_blocks=num_blocks, layers=layers)
+def _full(
+    name: str, layers: list[LayerSpec], num_blocks: int, kind: str = "full", page: int = 1024
+) -> GroupSpec:
+    return GroupSpec(
+        name=name,
+        kind=kind,  # type: ignore[arg-type]
+        tokens_per_block=16,
+        states_per_block=16,
+        record_format="bf16",
+        bytes_per_state=page // 16,
+        num_blocks=num_blocks,
+        layers=layers,
+    )
 
 
 def test_interleaved_layers_within_one_block_stride_are_accepted() -> None:
@@ -122,13 +135,21 @@ def test_scratch_ring_over_another_blocks_pages_is_refused() -> None:
     stride = a[0].block_stride
     ring_ok = [LayerSpec(buffer=0, offset=0, block_stride=stride, page_bytes=2048)]
     ring_bad = [LayerSpec(buffer=0, offset=3072, block_stride=stride, page_bytes=2048)]
-    scratch = GroupSpec(name="ring", kind="scratch", tokens_per_block=8, states_per_block=8,
-                        record_format="bf16", bytes_per_state=512, num_blocks=64,
-                        layers=ring_ok)
+    scratch = GroupSpec(
+        name="ring",
+        kind="scratch",
+        tokens_per_block=8,
+        states_per_block=8,
+        record_format="bf16",
+        bytes_per_state=512,
+        num_blocks=64,
+        layers=ring_ok,
+    )
     check_groups([_full("a", a, 64), scratch], 256, "sm90", [64 * stride])
     bad = msgspec.structs.replace(scratch, layers=ring_bad)
-    with pytest.raises(GeometryError,
-                       match="'a' layer 0 \\(l0\\) and group 'ring' layer 0.*block 1 of the first"):
+    with pytest.raises(
+        GeometryError, match="'a' layer 0 \\(l0\\) and group 'ring' layer 0.*block 1 of the first"
+    ):
         check_groups([_full("a", a, 64), bad], 256, "sm90", [65 * stride])
 
 
@@ -139,8 +160,7 @@ def test_unequal_strides_in_one_buffer() -> None:
     b_far = [LayerSpec(buffer=0, offset=2048 * 100, block_stride=3072, page_bytes=3072)]
     b_near = [LayerSpec(buffer=0, offset=0, block_stride=3072, page_bytes=1024)]
     size = 2048 * 100 + 3072 * 100
-    check_groups([_full("a", a, 100), _full("b", b_far, 100, page=3072)], 256, "sm90",
-                 [size])
+    check_groups([_full("a", a, 100), _full("b", b_far, 100, page=3072)], 256, "sm90", [size])
     with pytest.raises(GeometryError, match="'b' layer 0 and group 'a' layer 0"):
         check_groups([_full("a", a, 100), _full("b", b_near, 100)], 256, "sm90", [size])
 
@@ -168,13 +188,14 @@ def test_check_tests_no_pair_of_many_layers_of_any_number_of_blocks(layers: int)
     n = MAX_BLOCKS_PER_GROUP
     inter = _interleaved(n, layers, 1024)
     stride = inter[0].block_stride
-    major = [LayerSpec(buffer=0, offset=i * n * 1024, block_stride=1024, page_bytes=1024)
-             for i in range(layers)]
+    major = [
+        LayerSpec(buffer=0, offset=i * n * 1024, block_stride=1024, page_bytes=1024)
+        for i in range(layers)
+    ]
     for layout in (inter, major):
         assert list(candidate_pairs(_pages(layout, n))) == []
     check_groups([_full("a", inter, n), _full("b", inter, n)], 256, "sm90", [n * stride])
-    check_groups([_full("a", major, n), _full("b", major, n)], 256, "sm90",
-                 [layers * n * 1024])
+    check_groups([_full("a", major, n), _full("b", major, n)], 256, "sm90", [layers * n * 1024])
 
 
 def test_too_many_unequal_stride_pairs_are_refused() -> None:
@@ -182,21 +203,25 @@ def test_too_many_unequal_stride_pairs_are_refused() -> None:
     the check will test on the event loop (``MAX_UNEQUAL_STRIDE_PAIRS``, which bounds
     its time) is refused; a quarter of the layers is checked and accepted."""
     big = 1 << 20
-    a = [LayerSpec(buffer=0, offset=i * 1024, block_stride=big, page_bytes=1024)
-         for i in range(200)]
-    b = [LayerSpec(buffer=0, offset=(512 + i) * 1024, block_stride=2 * big, page_bytes=1024)
-         for i in range(200)]
+    a = [
+        LayerSpec(buffer=0, offset=i * 1024, block_stride=big, page_bytes=1024) for i in range(200)
+    ]
+    b = [
+        LayerSpec(buffer=0, offset=(512 + i) * 1024, block_stride=2 * big, page_bytes=1024)
+        for i in range(200)
+    ]
     assert len(list(candidate_pairs(_pages(a, 100) + _pages(b, 100)))) == 200 * 200
     assert 200 * 200 > MAX_UNEQUAL_STRIDE_PAIRS >= 50 * 50
     with pytest.raises(GeometryError, match="different block strides share a region"):
         check_groups([_full("a", a, 100), _full("b", b, 100)], 256, "sm90", [2 * big * 100])
-    check_groups([_full("a", a[:50], 100), _full("b", b[:50], 100)], 256, "sm90",
-                 [2 * big * 100])
+    check_groups([_full("a", a[:50], 100), _full("b", b[:50], 100)], 256, "sm90", [2 * big * 100])
 
 
 def test_server_refuses_aliased_registration_and_keeps_serving() -> None:
-    with ServerProcess(["--separate-object-groups"], l1_size_gb=0.25) as srv, \
-            Client(srv.endpoint) as c:
+    with (
+        ServerProcess(["--separate-object-groups"], l1_size_gb=0.25) as srv,
+        Client(srv.endpoint) as c,
+    ):
         for bad in (every_layer_at_offset_zero, layer1_half_a_page_into_layer0):
             geo = bad(dsv41_flash(num_blocks=16))
             with ShmKV(geo) as kv, pytest.raises(ServerError) as e:
@@ -237,13 +262,26 @@ def test_overlap_check_agrees_with_enumerating_pages() -> None:
             stride = int(rng.choice([8, 12, 16, 24]))
             for _ in range(int(rng.integers(1, 4))):
                 page = int(rng.integers(1, stride + 1)) if n > 1 else int(rng.integers(1, 9))
-                layers.append(LayerSpec(buffer=int(rng.integers(0, 2)),
-                                        offset=int(rng.integers(0, 40)),
-                                        block_stride=stride, page_bytes=page))
-            groups.append(GroupSpec(name=f"g{gi}", kind="scratch" if gi == 2 else "full",
-                                    tokens_per_block=16, states_per_block=16,
-                                    record_format="raw", bytes_per_state=1, num_blocks=n,
-                                    layers=layers))
+                layers.append(
+                    LayerSpec(
+                        buffer=int(rng.integers(0, 2)),
+                        offset=int(rng.integers(0, 40)),
+                        block_stride=stride,
+                        page_bytes=page,
+                    )
+                )
+            groups.append(
+                GroupSpec(
+                    name=f"g{gi}",
+                    kind="scratch" if gi == 2 else "full",
+                    tokens_per_block=16,
+                    states_per_block=16,
+                    record_format="raw",
+                    bytes_per_state=1,
+                    num_blocks=n,
+                    layers=layers,
+                )
+            )
         want = _brute_force_alias(groups)
         try:
             check_page_overlaps(groups)

@@ -40,8 +40,16 @@ def test_burst_with_unknown_registration_is_answered_unknown_registration() -> N
             assert isinstance(decode_reply(sock.recv()), m.Welcome)
             n = 32
             for i in range(n):
-                sock.send(encode(m.Store(req_id=100 + i, registration_id=b"\x07" * 16,
-                                         digests=b"\x01" * 32, block_ids=[b""])))
+                sock.send(
+                    encode(
+                        m.Store(
+                            req_id=100 + i,
+                            registration_id=b"\x07" * 16,
+                            digests=b"\x01" * 32,
+                            block_ids=[b""],
+                        )
+                    )
+                )
             codes = []
             for _ in range(n):
                 assert sock.poll(10_000)
@@ -72,12 +80,14 @@ def test_replicated_ranks_racing_on_a_chunk_get_no_in_progress() -> None:
     async def main(endpoint: str, kvs: list[ShmKV]) -> list[np.ndarray]:
         clients = [await AsyncClient.connect(endpoint) for _ in range(ranks)]
         try:
-            regs = [await c.register(**kv.register_kwargs(), world_size=ranks, rank=r,
-                                     replicated=True)
-                    for r, (c, kv) in enumerate(zip(clients, kvs, strict=True))]
+            regs = [
+                await c.register(**kv.register_kwargs(), world_size=ranks, rank=r, replicated=True)
+                for r, (c, kv) in enumerate(zip(clients, kvs, strict=True))
+            ]
             src = block_ids_for(regs[0], n_chunks)
-            results = await asyncio.gather(*(c.store(reg, digests, src)
-                                             for c, reg in zip(clients, regs, strict=True)))
+            results = await asyncio.gather(
+                *(c.store(reg, digests, src) for c, reg in zip(clients, regs, strict=True))
+            )
             dst = block_ids_for(regs[0], n_chunks, first_block=n_chunks * 8)
             for c, reg, kv in zip(clients, regs, kvs, strict=True):
                 assert (await c.retrieve(reg, digests, dst)).ok.all()
@@ -89,9 +99,10 @@ def test_replicated_ranks_racing_on_a_chunk_get_no_in_progress() -> None:
                     b = dst[g.name].reshape(n_chunks, bpc)
                     if g.kind == "sliding_window":
                         keep = -(-g.window_tokens // g.tokens_per_block)
-                        a, b = a[-1:, bpc - keep:], b[-1:, bpc - keep:]
-                    assert kv.pages(g.name, a.ravel().tolist()) == \
-                        kv.pages(g.name, b.ravel().tolist()), g.name
+                        a, b = a[-1:, bpc - keep :], b[-1:, bpc - keep :]
+                    assert kv.pages(g.name, a.ravel().tolist()) == kv.pages(
+                        g.name, b.ravel().tolist()
+                    ), g.name
             return [st for res in results for st in res.statuses.values()]
         finally:
             for c in clients:
@@ -152,6 +163,7 @@ def test_clients_say_hello_again_after_a_server_restart() -> None:
 
         async def connect() -> AsyncClient:
             return await AsyncClient.connect(srv.endpoint, timeout_s=10)
+
         loop = asyncio.new_event_loop()
         ac = loop.run_until_complete(connect())
         assert c.stats().sessions >= 1
@@ -162,8 +174,9 @@ def test_clients_say_hello_again_after_a_server_restart() -> None:
             with ShmKV(simple_model()) as kv:
                 kv.fill_random(3)
                 reg = c.register(**kv.register_kwargs())
-                assert c.store(reg, chunk_digests(np.arange(256), 256),
-                               block_ids_for(reg, 1)).ok.all()
+                assert c.store(
+                    reg, chunk_digests(np.arange(256), 256), block_ids_for(reg, 1)
+                ).ok.all()
     finally:
         c.close()
         loop.run_until_complete(ac.close())
@@ -197,20 +210,29 @@ def test_never_closed_async_clients_do_not_hang_exit(tmp_path: Path) -> None:
     script.write_text(LEAKER)
     with run_server(l1_size_gb=0.25) as srv:
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, str(script), srv.endpoint], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, str(script), srv.endpoint], capture_output=True, text=True, timeout=30
+        )
         assert out.returncode == 0 and out.stdout == "done\n", out.stderr
         assert time.monotonic() - t0 < 15
     # and after the server went away, with requests pending
     port = free_port()
-    out = subprocess.run([sys.executable, "-c", "import asyncio\n"
-                          "from lmc_server.client.aio import AsyncClient\n"
-                          "async def m():\n"
-                          f"    c = AsyncClient('tcp://127.0.0.1:{port}', timeout_s=30)\n"
-                          "    c._reader = asyncio.get_running_loop().create_task(c._read())\n"
-                          "    asyncio.get_running_loop().create_task(c.ping())\n"
-                          "    await asyncio.sleep(0.1)\n"
-                          "    globals()['c'] = c\n"
-                          "asyncio.run(m())\nprint('done')\n"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import asyncio\n"
+            "from lmc_server.client.aio import AsyncClient\n"
+            "async def m():\n"
+            f"    c = AsyncClient('tcp://127.0.0.1:{port}', timeout_s=30)\n"
+            "    c._reader = asyncio.get_running_loop().create_task(c._read())\n"
+            "    asyncio.get_running_loop().create_task(c.ping())\n"
+            "    await asyncio.sleep(0.1)\n"
+            "    globals()['c'] = c\n"
+            "asyncio.run(m())\nprint('done')\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr

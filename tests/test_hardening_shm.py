@@ -54,8 +54,9 @@ def srv() -> Iterator[ServerProcess]:
 
 
 def test_a_client_killed_after_registering_leaves_nothing(srv: ServerProcess) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.endpoint],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, srv.endpoint], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "registered"
@@ -83,8 +84,11 @@ def test_a_client_killed_after_registering_leaves_nothing(srv: ServerProcess) ->
 
 
 def test_a_segment_is_registered_once_unless_it_keeps_its_name(srv: ServerProcess) -> None:
-    with Client(srv.endpoint) as c, ShmKV(simple_model(), keep_names=False) as once, \
-            ShmKV(simple_model(), keep_names=True) as kept:
+    with (
+        Client(srv.endpoint) as c,
+        ShmKV(simple_model(), keep_names=False) as once,
+        ShmKV(simple_model(), keep_names=True) as kept,
+    ):
         c.register(**once.register_kwargs())
         assert not any(os.path.exists(s.path) for s in once.segments)
         with pytest.raises(ValueError, match="registered already"):

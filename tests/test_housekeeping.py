@@ -28,8 +28,11 @@ class JumpingClock:
 
 
 def test_idle_housekeeping_holds_flat_memory() -> None:
-    ts = ThreadServer(Config(port=free_port(), backend="null", l1_size_gb=1, metrics_port=0),
-                      clock=JumpingClock(), housekeeping_interval_s=0.0002).start()
+    ts = ThreadServer(
+        Config(port=free_port(), backend="null", l1_size_gb=1, metrics_port=0),
+        clock=JumpingClock(),
+        housekeeping_interval_s=0.0002,
+    ).start()
     try:
         with Client(ts.endpoint) as c:  # a session to sweep, then idle
             c.ping()
@@ -41,9 +44,11 @@ def test_idle_housekeeping_holds_flat_memory() -> None:
             t0 = server.housekeeping_ticks
             ts.wait_housekeeping(ticks=2000, timeout_s=30)
             ticks = server.housekeeping_ticks - t0
-            grown = sum(d.size_diff for d in
-                        tracemalloc.take_snapshot().compare_to(base, "filename")
-                        if d.size_diff > 0)
+            grown = sum(
+                d.size_diff
+                for d in tracemalloc.take_snapshot().compare_to(base, "filename")
+                if d.size_diff > 0
+            )
         finally:
             tracemalloc.stop()
         assert ticks >= 2000, f"only {ticks} housekeeping ticks ran"

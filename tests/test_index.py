@@ -34,8 +34,9 @@ def dsv_view(index: L1Index, separate: bool = True, ns: str = "ns", **kw: object
     return index.view(ns, build_layout(geo.groups, 256, separate))
 
 
-def ids_for(view: CacheView, n: int, missing: dict[int, list[int]] | None = None
-            ) -> dict[int, np.ndarray]:
+def ids_for(
+    view: CacheView, n: int, missing: dict[int, list[int]] | None = None
+) -> dict[int, np.ndarray]:
     """Consecutive block ids per cached group; ``missing`` sets chunks' blocks to -1."""
     out = {}
     for og in view.layout.object_groups:
@@ -48,8 +49,9 @@ def ids_for(view: CacheView, n: int, missing: dict[int, list[int]] | None = None
     return out
 
 
-def store(index: L1Index, view: CacheView, keys: list[bytes],
-          ids: dict[int, np.ndarray] | None = None) -> list[np.ndarray]:
+def store(
+    index: L1Index, view: CacheView, keys: list[bytes], ids: dict[int, np.ndarray] | None = None
+) -> list[np.ndarray]:
     t = index.reserve_store(view, keys, ids if ids is not None else ids_for(view, len(keys)))
     index.commit_store(t)
     return t.statuses
@@ -225,10 +227,12 @@ def test_pool_full_of_pins_fails_cleanly_per_chunk() -> None:
 
 def test_cold_partition_gives_a_slab_to_a_new_one() -> None:
     idx = make_index(pool_mib=4, slab_mib=1)
-    old = idx.view("old", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
-                                       256, True))
-    new = idx.view("new", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
-                                       256, True))
+    old = idx.view(
+        "old", build_layout(simple_model(layers=1, bytes_per_token=1024).groups, 256, True)
+    )
+    new = idx.view(
+        "new", build_layout(simple_model(layers=2, bytes_per_token=1024).groups, 256, True)
+    )
     ids1 = {0: np.arange(16, dtype=np.int64).reshape(1, 16)}
     for i in range(16):  # 256 KiB objects: 4 per slab, fills all 4 slabs
         store(idx, old, idx.keys(old, digests(1, tag=bytes([i]))), ids1)
@@ -285,7 +289,7 @@ def test_metadata_is_at_most_256_bytes_per_object() -> None:
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for i in range(0, n, 1000):
-        keys = idx.keys(v, all_digests[i * 32:(i + 1000) * 32])
+        keys = idx.keys(v, all_digests[i * 32 : (i + 1000) * 32])
         idx.commit_store(idx.reserve_store(v, keys, ids))
         del keys
     gc.collect()
@@ -316,10 +320,12 @@ def test_prefix_start_is_evicted_last() -> None:
 def test_slab_moves_never_evict_what_was_just_stored() -> None:
     """Two partitions filling one pool in turns: the newest batch of each stays whole."""
     idx = make_index(pool_mib=8, slab_mib=1)
-    a = idx.view("a", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
-                                   256, True))  # 256 KiB objects
-    b = idx.view("b", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
-                                   256, True))  # 512 KiB objects
+    a = idx.view(
+        "a", build_layout(simple_model(layers=1, bytes_per_token=1024).groups, 256, True)
+    )  # 256 KiB objects
+    b = idx.view(
+        "b", build_layout(simple_model(layers=2, bytes_per_token=1024).groups, 256, True)
+    )  # 512 KiB objects
     ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
     for round_ in range(30):
         batch = []
@@ -336,10 +342,12 @@ def test_slab_moves_never_evict_what_was_just_stored() -> None:
 
 def test_an_idle_partition_gives_its_slabs_to_a_busy_one() -> None:
     idx = make_index(pool_mib=8, slab_mib=1)
-    idle = idx.view("idle", build_layout(simple_model(layers=1, bytes_per_token=1024).groups,
-                                         256, True))
-    busy = idx.view("busy", build_layout(simple_model(layers=2, bytes_per_token=1024).groups,
-                                         256, True))
+    idle = idx.view(
+        "idle", build_layout(simple_model(layers=1, bytes_per_token=1024).groups, 256, True)
+    )
+    busy = idx.view(
+        "busy", build_layout(simple_model(layers=2, bytes_per_token=1024).groups, 256, True)
+    )
     ids = {0: np.tile(np.arange(16, dtype=np.int64), (4, 1))}
     for i in range(4):  # 16 objects of 256 KiB: 4 slabs
         store(idx, idle, idx.keys(idle, digests(4, tag=b"i%d" % i)), ids)
@@ -357,8 +365,9 @@ def test_a_request_in_a_full_pool_takes_ascending_contiguous_slots() -> None:
     index = make_index(pool_mib=256, slab_mib=16)
     view = dsv_view(index)
     for r in range(12):  # well past the pool's capacity: every reservation evicts
-        t = index.reserve_store(view, index.keys(view, digests(16, b"%d" % r), b""),
-                                ids_for(view, 16))
+        t = index.reserve_store(
+            view, index.keys(view, digests(16, b"%d" % r), b""), ids_for(view, 16)
+        )
         index.commit_store(t)
         for res in t.reserved:
             steps = np.diff(np.asarray(res.slots))
@@ -367,8 +376,7 @@ def test_a_request_in_a_full_pool_takes_ascending_contiguous_slots() -> None:
     assert index.stats.evictions > 0
 
 
-def test_keys_refuse_ragged_digests_and_long_salts_and_accept_any_salt_up_to_the_limit(
-        ) -> None:
+def test_keys_refuse_ragged_digests_and_long_salts_and_accept_any_salt_up_to_the_limit() -> None:
     idx = make_index()
     v = dsv_view(idx)
     d = digests(2)

@@ -54,6 +54,7 @@ MODEL = "test/simple"
 
 # -- a copy of vLLM 0.33's wire schema (vllm/distributed/kv_events.py) ------------------
 
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -104,10 +105,19 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 # -- helpers ------------------------------------------------------------------------------
 
+
 def server_args(tmp: Path, *extra: str) -> list[str]:
-    return ["--kv-events-endpoint", f"ipc://{tmp}/events",
-            "--kv-events-replay-endpoint", f"ipc://{tmp}/replay",
-            "--kv-events-topic", TOPIC, "--slab-size-mb", "1", *extra]
+    return [
+        "--kv-events-endpoint",
+        f"ipc://{tmp}/events",
+        "--kv-events-replay-endpoint",
+        f"ipc://{tmp}/replay",
+        "--kv-events-topic",
+        TOPIC,
+        "--slab-size-mb",
+        "1",
+        *extra,
+    ]
 
 
 def subscriber(ctx: zmq.Context[Any], tmp: Path, rcvhwm: int = 0) -> zmq.Socket[Any]:
@@ -145,6 +155,7 @@ def kv() -> Iterator[ShmKV]:
 
 
 # -- the core's hook ------------------------------------------------------------------------
+
 
 class Recorder:
     """A SlotWatcher that remembers what it was told."""
@@ -231,11 +242,16 @@ class FlakyRebind(KvEventPublisher):
 
 
 def test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch(
-        tmp_path: Path, ctx: zmq.Context[Any]) -> None:
+    tmp_path: Path, ctx: zmq.Context[Any]
+) -> None:
     async def run() -> None:
-        pub = FlakyRebind(KvEventSettings(endpoint=f"ipc://{tmp_path}/events",
-                                          topic_prefix=TOPIC, heartbeat_timeout_s=0.5),
-                          asyncio.get_running_loop(), CHUNK)
+        pub = FlakyRebind(
+            KvEventSettings(
+                endpoint=f"ipc://{tmp_path}/events", topic_prefix=TOPIC, heartbeat_timeout_s=0.5
+            ),
+            asyncio.get_running_loop(),
+            CHUNK,
+        )
         pub.open()
         sub = subscriber(ctx, tmp_path)
         try:
@@ -253,13 +269,16 @@ def test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch(
         finally:
             sub.close(linger=0)
             pub.close()
+
     asyncio.run(run())
 
 
 # -- the stream -----------------------------------------------------------------------------
 
+
 def test_stream_through_store_eviction_replay_and_restart(
-        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV
+) -> None:
     args = server_args(tmp_path)
     srv = ServerProcess(args, l1_size_gb=SLOTS / 1024).start()
     sub = subscriber(ctx, tmp_path)
@@ -318,13 +337,16 @@ def test_stream_through_store_eviction_replay_and_restart(
                         for h in e.block_hashes:
                             assert live.pop(h)  # only what was published is removed
                         # a chunk's hashes go together: count chunks, not hashes
-                        removed += sum(1 for h in e.block_hashes if h not in hashes) \
+                        removed += (
+                            sum(1 for h in e.block_hashes if h not in hashes)
                             + sum(1 for h in e.block_hashes if h in hashes) // PER
+                        )
             # What the stream says is there is what stats says is there.
             assert stored == st.counters.stored_objects == 13
             assert removed == st.counters.evictions
-            chunks_live = (sum(1 for v in live.values() if v == "plain")
-                           + len({v for v in live.values() if v != "plain"}))
+            chunks_live = sum(1 for v in live.values() if v == "plain") + len(
+                {v for v in live.values() if v != "plain"}
+            )
             assert chunks_live == st.l1.objects == SLOTS
             assert st.kv_events is not None
             assert st.kv_events.published_objects == SLOTS
@@ -348,8 +370,10 @@ def test_stream_through_store_eviction_replay_and_restart(
         with Client(srv.endpoint) as c:
             reg = c.register(**kv.register_kwargs())
             got = [(t, s, DECODER.decode(p).events) for t, s, p in replay(ctx, tmp_path, 0)]
-            assert got == [(TOPIC, 0, [AllBlocksCleared()]),
-                           (TOPIC + MODEL, 1, [AllBlocksCleared()])]
+            assert got == [
+                (TOPIC, 0, [AllBlocksCleared()]),
+                (TOPIC + MODEL, 1, [AllBlocksCleared()]),
+            ]
             assert c.stats().kv_events.published_objects == 0  # type: ignore[union-attr]
             # The old subscriber reconnects by itself and hears the new server's stores
             # (it may miss the first ones while it reconnects).
@@ -367,10 +391,14 @@ def test_stream_through_store_eviction_replay_and_restart(
 
 
 def test_a_subscriber_that_stops_reading_does_not_stop_the_server(
-        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV
+) -> None:
     metrics_port = free_port()
-    with ServerProcess(server_args(tmp_path, "--kv-events-hwm", "1"), l1_size_gb=SLOTS / 1024,
-                       metrics_port=metrics_port) as srv:
+    with ServerProcess(
+        server_args(tmp_path, "--kv-events-hwm", "1"),
+        l1_size_gb=SLOTS / 1024,
+        metrics_port=metrics_port,
+    ) as srv:
         stalled = subscriber(ctx, tmp_path, rcvhwm=1)  # connected, never read
         with Client(srv.endpoint) as c:
             reg = c.register(**kv.register_kwargs())
@@ -386,8 +414,9 @@ def test_a_subscriber_that_stops_reading_does_not_stop_the_server(
             assert c.ping().ready
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
             text = r.read().decode()
-        line = next(x for x in text.splitlines()
-                    if x.startswith("lmcache_kv_events_dropped_batches_total "))
+        line = next(
+            x for x in text.splitlines() if x.startswith("lmcache_kv_events_dropped_batches_total ")
+        )
         assert float(line.split()[1]) >= st.kv_events.dropped_batches
         # The stalled subscriber still gets what it can read, in order.
         _, seq0, _ = receive(stalled)
@@ -409,7 +438,8 @@ time.sleep(600)
 
 
 def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
-        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV
+) -> None:
     """A subscriber process that stops (SIGSTOP: its zmq thread answers no heartbeat)
     would block every batch once its queue is full; the server cuts it off at the
     heartbeat timeout, so a subscriber that keeps reading hears the newest batches."""
@@ -417,8 +447,10 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
     with ServerProcess(args, l1_size_gb=SLOTS / 1024) as srv, Client(srv.endpoint) as c:
         reg = c.register(**kv.register_kwargs())
         healthy = subscriber(ctx, tmp_path)
-        stuck = subprocess.Popen([sys.executable, "-c", STUCK_SUBSCRIBER,
-                                  f"ipc://{tmp_path}/events"], stdout=subprocess.PIPE)
+        stuck = subprocess.Popen(
+            [sys.executable, "-c", STUCK_SUBSCRIBER, f"ipc://{tmp_path}/events"],
+            stdout=subprocess.PIPE,
+        )
         try:
             assert stuck.stdout is not None
             for i in range(500):  # publish until it heard one batch
@@ -442,7 +474,8 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
             assert st is not None and st.batches >= 3000
             assert last == st.next_seq - 1, (
                 f"{st.dropped_batches} batches dropped; the newest heard is {last} of "
-                f"{st.next_seq - 1}")
+                f"{st.next_seq - 1}"
+            )
             # It stalled the stream, and was cut off: by the ZMTP heartbeat (its zmq
             # thread is stopped) or by the socket's re-creation (stall_resets), both at
             # the heartbeat timeout; which comes first is a race on a loaded machine.
@@ -457,8 +490,7 @@ def test_a_stopped_subscriber_is_cut_off_and_the_others_hear_everything(
             healthy.close(linger=0)
 
 
-def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any],
-                                                         kv: ShmKV) -> None:
+def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any], kv: ShmKV) -> None:
     """vLLM's rule: a non-wildcard tcp endpoint is connected to, so a router that
     binds one SUB socket for every publisher (llm-d's central indexer) receives too."""
     port = free_port()
@@ -466,13 +498,25 @@ def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any],
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
     try:
-        with ServerProcess(["--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
-                            "--kv-events-topic", TOPIC, "--slab-size-mb", "1"],
-                           l1_size_gb=SLOTS / 1024) as srv, Client(srv.endpoint) as c:
+        with (
+            ServerProcess(
+                [
+                    "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{port}",
+                    "--kv-events-topic",
+                    TOPIC,
+                    "--slab-size-mb",
+                    "1",
+                ],
+                l1_size_gb=SLOTS / 1024,
+            ) as srv,
+            Client(srv.endpoint) as c,
+        ):
             reg = c.register(**kv.register_kwargs())
             for i in range(200):  # until the connection is up (bounded)
-                assert c.store(reg, chunk_digests(np.full(CHUNK, 40_000 + i), CHUNK),
-                               block_ids_for(reg, 1)).ok.all()
+                assert c.store(
+                    reg, chunk_digests(np.full(CHUNK, 40_000 + i), CHUNK), block_ids_for(reg, 1)
+                ).ok.all()
                 if sub.poll(50):
                     break
             topic, _, batch = receive(sub)
@@ -482,7 +526,8 @@ def test_a_router_that_binds_gets_the_server_to_connect(ctx: zmq.Context[Any],
 
 
 def test_the_disk_tier_publishes_the_same_blocks_as_medium_disk(
-        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
+    tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV
+) -> None:
     """A store lands in L1 (CPU) and, written behind, on disk (DISK, same hashes, no
     tokens); the disk evicting for capacity publishes DISK removals of those hashes."""
     disk = tmp_path / "disk"
@@ -496,16 +541,18 @@ def test_the_disk_tier_publishes_the_same_blocks_as_medium_disk(
         def written(n: int) -> bool:
             d = c.stats().disk
             assert d is not None
-            return d.objects_written >= n and d.write_queue_objects == 0 \
-                and d.writes_in_flight == 0
+            return d.objects_written >= n and d.write_queue_objects == 0 and d.writes_in_flight == 0
+
         wait_for(lambda: written(3), "three objects on disk")
         for i in range(4):  # more than the disk holds: it evicts the oldest files
-            assert c.store(reg, chunk_digests(np.full(CHUNK, 50_000 + i), CHUNK),
-                           block_ids_for(reg, 1)).ok.all()
+            assert c.store(
+                reg, chunk_digests(np.full(CHUNK, 50_000 + i), CHUNK), block_ids_for(reg, 1)
+            ).ok.all()
         wait_for(lambda: written(7), "seven objects written")
         st = c.stats()
-        events = [(e, t) for t, _, pl in replay(ctx, tmp_path, 0)
-                  for e in DECODER.decode(pl).events]
+        events = [
+            (e, t) for t, _, pl in replay(ctx, tmp_path, 0) for e in DECODER.decode(pl).events
+        ]
     stored = {"CPU": [], "DISK": []}  # type: dict[str, list[list[bytes | int]]]
     removed_disk: list[bytes | int] = []
     for e, _ in events:
@@ -522,23 +569,27 @@ def test_the_disk_tier_publishes_the_same_blocks_as_medium_disk(
     on_disk = [h for hs in stored["DISK"] for h in hs]
     assert removed_disk and set(removed_disk) <= set(on_disk)
     # the disk holds about three objects of seven: the published ones still held agree
-    held = len(stored["DISK"]) - sum(1 if h not in p.hashes else 1 / PER
-                                     for h in removed_disk)
+    held = len(stored["DISK"]) - sum(1 if h not in p.hashes else 1 / PER for h in removed_disk)
     assert held == st.disk.files  # type: ignore[union-attr]
     assert st.kv_events.published_disk_objects == held  # type: ignore[union-attr]
 
 
 def test_malformed_store_events_are_refused_and_the_server_serves_on(
-        tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV) -> None:
-    with ServerProcess(server_args(tmp_path), l1_size_gb=SLOTS / 1024) as srv, \
-            Client(srv.endpoint) as c:
+    tmp_path: Path, ctx: zmq.Context[Any], kv: ShmKV
+) -> None:
+    with (
+        ServerProcess(server_args(tmp_path), l1_size_gb=SLOTS / 1024) as srv,
+        Client(srv.endpoint) as c,
+    ):
         reg = c.register(**kv.register_kwargs())
         p = engine_prompt(2, seed=3, chunk_size=CHUNK, block_size=BLOCK)
         digests, good = p.digests, p.events()
-        bad = [msgspec.structs.replace(good, token_ids=good.token_ids[:-4]),
-               msgspec.structs.replace(good, block_hashes=good.block_hashes + bytes(8)),
-               msgspec.structs.replace(good, parent_hashes=b""),
-               msgspec.structs.replace(good, block_size=100)]
+        bad = [
+            msgspec.structs.replace(good, token_ids=good.token_ids[:-4]),
+            msgspec.structs.replace(good, block_hashes=good.block_hashes + bytes(8)),
+            msgspec.structs.replace(good, parent_hashes=b""),
+            msgspec.structs.replace(good, block_size=100),
+        ]
         for ev in bad:
             with pytest.raises(ServerError) as e:
                 c.store(reg, digests, block_ids_for(reg, 2), events=ev)
@@ -547,14 +598,19 @@ def test_malformed_store_events_are_refused_and_the_server_serves_on(
         assert c.store(reg, digests, block_ids_for(reg, 2), events=good).ok.all()
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"kv_events_endpoint": "tcp://127.0.0.1"}, "use tcp://HOST:PORT"),
-    ({"kv_events_replay_endpoint": "ipc:///tmp/r"}, "needs --kv-events-endpoint"),
-    ({"kv_events_endpoint": "ipc:///tmp/a", "kv_events_replay_endpoint": "ipc:///tmp/a"},
-     "must differ"),
-    ({"kv_events_endpoint": "tcp://127.0.0.1:5555"}, "must differ"),
-    ({"kv_events_endpoint": "ipc:///tmp/a", "kv_events_hwm": 0}, "high-water mark"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kv_events_endpoint": "tcp://127.0.0.1"}, "use tcp://HOST:PORT"),
+        ({"kv_events_replay_endpoint": "ipc:///tmp/r"}, "needs --kv-events-endpoint"),
+        (
+            {"kv_events_endpoint": "ipc:///tmp/a", "kv_events_replay_endpoint": "ipc:///tmp/a"},
+            "must differ",
+        ),
+        ({"kv_events_endpoint": "tcp://127.0.0.1:5555"}, "must differ"),
+        ({"kv_events_endpoint": "ipc:///tmp/a", "kv_events_hwm": 0}, "high-water mark"),
+    ],
+)
 def test_bad_kv_event_settings_are_refused(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config(l1_size_gb=1, **fields).check()

@@ -51,8 +51,9 @@ def test_store_events_of_chunks_reduce_hashes_as_vllm_does() -> None:
     assert e.block_size == 16
     assert e.token_ids == b"".join(t.to_bytes(4, "little") for t in tokens[64:])
     # vLLM's maybe_convert_block_hash: int.from_bytes(h, "big") & (2**64 - 1)
-    assert [int.from_bytes(e.block_hashes[i:i + 8], "big") for i in range(0, 64, 8)] == [
-        int.from_bytes(h, "big") & (2**64 - 1) for h in hashes[4:12]]
+    assert [int.from_bytes(e.block_hashes[i : i + 8], "big") for i in range(0, 64, 8)] == [
+        int.from_bytes(h, "big") & (2**64 - 1) for h in hashes[4:12]
+    ]
     assert e.parent_hashes == (4).to_bytes(8, "big") + (8).to_bytes(8, "big")
     first = g.store_events(hashes, tokens, 0, 1)
     assert first.parent_hashes == bytes(8)  # chunk 0 starts the prompt
@@ -64,28 +65,39 @@ def test_store_events_of_chunks_reduce_hashes_as_vllm_does() -> None:
 
 def test_a_prefill_is_published_with_its_tokens_and_vllm_hashes(tmp_path: Path) -> None:
     fx = KVFixture.load(FIXTURE)
-    args = ["--chunk-size", "256", "--kv-events-endpoint", f"ipc://{tmp_path}/ev",
-            "--kv-events-replay-endpoint", f"ipc://{tmp_path}/rep",
-            "--kv-events-topic", "kv@flow@"]
+    args = [
+        "--chunk-size",
+        "256",
+        "--kv-events-endpoint",
+        f"ipc://{tmp_path}/ev",
+        "--kv-events-replay-endpoint",
+        f"ipc://{tmp_path}/rep",
+        "--kv-events-topic",
+        "kv@flow@",
+    ]
     ctx: zmq.Context[Any] = zmq.Context()
     tokens = [7_000 + i for i in range(2 * 256 + 60)]  # two whole chunks and a tail
     try:
-        with ServerProcess(args, l1_size_gb=0.25) as srv, \
-                ShmBacking(fx.backing_size_bytes) as mem, \
-                ConnectorFlow(fx, mem, srv.endpoint, fx.arch or "cpu",
-                              kv_events=True) as flow:
+        with (
+            ServerProcess(args, l1_size_gb=0.25) as srv,
+            ShmBacking(fx.backing_size_bytes) as mem,
+            ConnectorFlow(fx, mem, srv.endpoint, fx.arch or "cpu", kv_events=True) as flow,
+        ):
             plan, _ = flow.prefill("r1", tokens, flow.tables(len(tokens)))
             assert [s.events is not None for s in plan.stores] == [True]
             got = replay(ctx, f"ipc://{tmp_path}/rep", 0)
-        stored = [e for _, _, p in got
-                  for e in msgspec.msgpack.decode(p, type=KVEventBatch).events
-                  if isinstance(e, BlockStored)]
+        stored = [
+            e
+            for _, _, p in got
+            for e in msgspec.msgpack.decode(p, type=KVEventBatch).events
+            if isinstance(e, BlockStored)
+        ]
         per = 256 // flow.hash_block
         engine = [int.from_bytes(h[-8:], "big") for h in block_hashes(tokens, flow.hash_block)]
         assert len(stored) == 2
         for k, e in enumerate(stored):
-            assert e.token_ids == tokens[k * 256:(k + 1) * 256]
-            assert e.block_hashes == engine[k * per:(k + 1) * per]
+            assert e.token_ids == tokens[k * 256 : (k + 1) * 256]
+            assert e.block_hashes == engine[k * per : (k + 1) * per]
             assert e.parent_block_hash == (None if k == 0 else engine[k * per - 1])
             assert (e.block_size, e.medium) == (flow.hash_block, "CPU")
     finally:

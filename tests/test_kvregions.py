@@ -26,7 +26,7 @@ def test_regions_are_disjoint_permutations(order: str) -> None:
             assert not (np.diff(first) == 1).all()
         else:
             assert (np.diff(first) == 1).all()
-        assert np.array_equal(r.ids(A1, 3)[g.name], first[:3 * r.bpc(g)])  # prefix-stable
+        assert np.array_equal(r.ids(A1, 3)[g.name], first[: 3 * r.bpc(g)])  # prefix-stable
     for sec in r.sections():  # what a retrieve writes is drawn from the ids it is given
         ids = set(r.ids(B, 5)[sec.group_name].tolist())
         assert set(r.written_blocks(sec, B, 5)) <= ids

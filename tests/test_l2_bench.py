@@ -14,17 +14,40 @@ from lmc_server.testing.redis_process import redis_server_path
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":
-        pytest.fail("CI=true but redis-server is not installed (.ci/install-redis.sh)",
-                    pytrace=False)
+        pytest.fail(
+            "CI=true but redis-server is not installed (.ci/install-redis.sh)", pytrace=False
+        )
     pytestmark = pytest.mark.skip(reason="redis-server is not installed")
 
 
 def test_bench_l2_smoke(tmp_path: Path) -> None:
     out = tmp_path / "l2.json"
     res = subprocess.run(
-        [sys.executable, "-m", "lmc_server", "bench", "l2", "--chunks", "2", "--rounds", "1",
-         "--latency-chunks", "1,2", "--repeats", "1", "--layers", "4", "--l1-size-gb",
-         "0.25", "--json", str(out)], capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--chunks",
+            "2",
+            "--rounds",
+            "1",
+            "--latency-chunks",
+            "1,2",
+            "--repeats",
+            "1",
+            "--layers",
+            "4",
+            "--l1-size-gb",
+            "0.25",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
@@ -44,15 +67,37 @@ def test_bench_l2_replay_smoke(tmp_path: Path) -> None:
     lines = []
     for turn in range(1, 5):  # each turn grows its conversation by one 512-token block
         for conv in range(10):
-            lines.append(json.dumps({
-                "timestamp": turn * 1000 + conv, "input_length": 512 * turn,
-                "hash_ids": [1000 * conv + k for k in range(turn)]}))
+            lines.append(
+                json.dumps(
+                    {
+                        "timestamp": turn * 1000 + conv,
+                        "input_length": 512 * turn,
+                        "hash_ids": [1000 * conv + k for k in range(turn)],
+                    }
+                )
+            )
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "replay.json"
     res = subprocess.run(
-        [sys.executable, "-m", "lmc_server", "bench", "l2", "--replay", str(trace),
-         "--l1-fraction", "0.01", "--l2-fraction", "4", "--json", str(out)],
-        capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--replay",
+            str(trace),
+            "--l1-fraction",
+            "0.01",
+            "--l2-fraction",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
     rows = {r["tier"]: r for r in report["rows"]}

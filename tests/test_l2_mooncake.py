@@ -30,8 +30,7 @@ from lmc_server.testing.process import ServerProcess, free_port
 
 _REASON = ""
 if os.environ.get("LMC_MOONCAKE_TESTS") != "1":
-    _REASON = ("opt-in (LMC_MOONCAKE_TESTS=1): Mooncake's master and client listen on all "
-               "interfaces")
+    _REASON = "opt-in (LMC_MOONCAKE_TESTS=1): Mooncake's master and client listen on all interfaces"
 elif importlib.util.find_spec("mooncake") is None:
     _REASON = "mooncake-transfer-engine-non-cuda is not installed"
 pytestmark = pytest.mark.skipif(bool(_REASON), reason=_REASON)
@@ -49,16 +48,28 @@ def mooncake_url() -> Iterator[str]:
     rpc, meta, metrics = free_port(), free_port(), free_port()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [exe, "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
-             "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-             "-http_metadata_server_port", str(meta), "-metrics_port", str(metrics)],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                exe,
+                "-rpc_port",
+                str(rpc),
+                "-rpc_address",
+                "127.0.0.1",
+                "-enable_http_metadata_server=true",
+                "-http_metadata_server_host",
+                "127.0.0.1",
+                "-http_metadata_server_port",
+                str(meta),
+                "-metrics_port",
+                str(metrics),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             t0 = time.monotonic()
             while True:
                 try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{meta}/metadata?key=x",
-                                           timeout=1)
+                    urllib.request.urlopen(f"http://127.0.0.1:{meta}/metadata?key=x", timeout=1)
                     break
                 except urllib.error.HTTPError:
                     break  # answering (404 for an unknown key)
@@ -67,8 +78,10 @@ def mooncake_url() -> Iterator[str]:
                         log.seek(0)
                         raise RuntimeError(log.read().decode(errors="replace")) from None
                     time.sleep(0.1)
-            yield (f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{meta}/metadata"
-                   f"&segment_mb=128&buffer_mb=64")
+            yield (
+                f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{meta}/metadata"
+                f"&segment_mb=128&buffer_mb=64"
+            )
         finally:
             proc.kill()
             proc.wait()
@@ -105,10 +118,14 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(mooncake_url: str) ->
     n = 4
     digests = chunk_digests(tokens(1, n), CHUNK)
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    with ServerProcess([*ARGS, "--l2", mooncake_url, "--l2-timeout-s", "5"],
-                       l1_size_gb=0.25, env=env) as a, \
-            ServerProcess([*ARGS, "--l2", mooncake_url, "--l2-timeout-s", "5"],
-                          l1_size_gb=0.25, env=env) as b:
+    with (
+        ServerProcess(
+            [*ARGS, "--l2", mooncake_url, "--l2-timeout-s", "5"], l1_size_gb=0.25, env=env
+        ) as a,
+        ServerProcess(
+            [*ARGS, "--l2", mooncake_url, "--l2-timeout-s", "5"], l1_size_gb=0.25, env=env
+        ) as b,
+    ):
         wa, wb = Worker(a.endpoint, seed=11), Worker(b.endpoint, seed=0)
         try:
             wait_for(lambda: l2_stats(wa.client).state == "up", "A connected", 30)

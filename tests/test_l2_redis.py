@@ -32,16 +32,17 @@ from lmc_server.testing.tierworker import CHUNK, NUM_BLOCKS, Worker, lookup_unti
 
 #: A short L2 timeout, so the tests of a store going away converge quickly.
 L2_TIMEOUT_S = 0.5
-BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy",
-             "LRU"]
+BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU"]
 ARGS = [*BASE_ARGS, "--l2-timeout-s", str(L2_TIMEOUT_S)]
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":
-        pytest.fail("CI=true but redis-server is not installed (.ci/install-redis.sh)",
-                    pytrace=False)
-    pytestmark = pytest.mark.skip(reason="redis-server is not installed "
-                                  "(apt-get install redis-server)")
+        pytest.fail(
+            "CI=true but redis-server is not installed (.ci/install-redis.sh)", pytrace=False
+        )
+    pytestmark = pytest.mark.skip(
+        reason="redis-server is not installed (apt-get install redis-server)"
+    )
 
 
 @pytest.fixture
@@ -50,11 +51,14 @@ def redis_proc() -> Iterator[RedisProcess]:
         yield r
 
 
-def l2_server(url: str, *extra: str, metrics_port: int = 0,
-              l2_timeout_s: float = L2_TIMEOUT_S) -> ServerProcess:
-    return ServerProcess([*BASE_ARGS, "--l2-timeout-s", str(l2_timeout_s), "--l2", url,
-                          *extra], l1_size_gb=0.25,
-                         metrics_port=metrics_port)
+def l2_server(
+    url: str, *extra: str, metrics_port: int = 0, l2_timeout_s: float = L2_TIMEOUT_S
+) -> ServerProcess:
+    return ServerProcess(
+        [*BASE_ARGS, "--l2-timeout-s", str(l2_timeout_s), "--l2", url, *extra],
+        l1_size_gb=0.25,
+        metrics_port=metrics_port,
+    )
 
 
 def l2_stats(c: Client) -> L2Report:
@@ -66,18 +70,23 @@ def l2_stats(c: Client) -> L2Report:
 def wait_written(c: Client, objects: int) -> None:
     def done() -> bool:
         st = l2_stats(c)
-        return bool(st.objects_written >= objects and st.write_queue_objects == 0
-                    and st.writes_in_flight == 0)
+        return bool(
+            st.objects_written >= objects
+            and st.write_queue_objects == 0
+            and st.writes_in_flight == 0
+        )
+
     wait_for(done, f"{objects} objects written to L2")
 
 
-def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,
-                   n: int) -> None:
+def retrieve_exact(
+    dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes, n: int
+) -> None:
     look = lookup_until(dst.client, dst.reg, digests, n)
     assert look.hit_chunks == n and look.lease_id
     dst.client.clear()  # the lease pins what was prefetched, like any hit
     dst_ids = block_ids_for(dst.reg, n, np.random.default_rng(1234))
-    res = dst.client.retrieve(dst.reg, digests[:n * 32], dst_ids)
+    res = dst.client.retrieve(dst.reg, digests[: n * 32], dst_ids)
     assert res.ok.all() and res.ok_prefix == n
     assert_same_pages(dst.reg, src.kv, src_ids, dst.kv, dst_ids, n)
     assert dst.client.release(look.lease_id)
@@ -94,8 +103,9 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected to L2")
             ids = wa.store(digests, block_seed=2)
-            objects = sum(int(s.size) for s in
-                          wa.client.store(wa.reg, digests, ids).statuses.values())
+            objects = sum(
+                int(s.size) for s in wa.client.store(wa.reg, digests, ids).statuses.values()
+            )
             wait_written(wa.client, objects)
             first = wb.client.lookup(wb.reg, digests, lease=False)
             assert first.hit_chunks == 0 and first.l2_pending_chunks == n
@@ -109,19 +119,21 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
             wb.close()
 
 
-def test_several_connections_split_batches_and_keep_every_byte(redis_proc: RedisProcess
-                                                                ) -> None:
+def test_several_connections_split_batches_and_keep_every_byte(redis_proc: RedisProcess) -> None:
     n = 12  # more objects than connections, not a multiple of them
     digests = chunk_digests(tokens(2, n), CHUNK)
-    with l2_server(redis_proc.url, "--l2-connections", "3") as a, \
-            l2_server(redis_proc.url, "--l2-connections", "5") as b:
+    with (
+        l2_server(redis_proc.url, "--l2-connections", "3") as a,
+        l2_server(redis_proc.url, "--l2-connections", "5") as b,
+    ):
         wa = Worker(a.endpoint, seed=13, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected to L2")
             ids = wa.store(digests, block_seed=4)
-            objects = sum(int(s.size) for s in
-                          wa.client.store(wa.reg, digests, ids).statuses.values())
+            objects = sum(
+                int(s.size) for s in wa.client.store(wa.reg, digests, ids).statuses.values()
+            )
             wait_written(wa.client, objects)
             retrieve_exact(wb, wa, ids, digests, n)
             assert l2_stats(wb.client).hits == objects and not l2_stats(wb.client).invalid
@@ -137,8 +149,10 @@ def test_prefix_l2_does_not_have_is_not_polled_forever(redis_proc: RedisProcess)
             wait_for(lambda: l2_stats(w.client).state == "up", "connected")
             digests = chunk_digests(tokens(9, 4), CHUNK)
             assert w.client.lookup(w.reg, digests).l2_pending_chunks == 4
-            wait_for(lambda: w.client.lookup(w.reg, digests, lease=False)
-                     .l2_pending_chunks == 0, "the prefetch to end")
+            wait_for(
+                lambda: w.client.lookup(w.reg, digests, lease=False).l2_pending_chunks == 0,
+                "the prefetch to end",
+            )
             before = l2_stats(w.client).prefetches
             for _ in range(5):
                 r = w.client.lookup(w.reg, digests, lease=False)
@@ -179,8 +193,9 @@ def test_l2_killed_mid_run_and_restarted(redis_proc: RedisProcess) -> None:
             written = l2_stats(w.client).objects_written
             d3 = chunk_digests(tokens(24, 4), CHUNK)
             w.store(d3, block_seed=9)
-            wait_for(lambda: l2_stats(w.client).objects_written > written,
-                     "writes after the restart")
+            wait_for(
+                lambda: l2_stats(w.client).objects_written > written, "writes after the restart"
+            )
             assert redis_proc.client().dbsize() > 0
             assert w.client.lookup(w.reg, d1, lease=False).hit_chunks == 4
         finally:
@@ -216,22 +231,30 @@ def _l2_keys(r: RedisProcess) -> list[bytes]:
     return keys
 
 
-def _full_key(r: RedisProcess, reg: Registration, full_fp: bytes, digests: bytes,
-              chunk: int) -> bytes:
+def _full_key(
+    r: RedisProcess, reg: Registration, full_fp: bytes, digests: bytes, chunk: int
+) -> bytes:
     space = codec.space_of(reg.namespace, full_fp, CHUNK)
-    return codec.l2_key(space, digests[chunk * 32:(chunk + 1) * 32])
+    return codec.l2_key(space, digests[chunk * 32 : (chunk + 1) * 32])
 
 
 def _fingerprints(c: Client) -> dict[str, bytes]:
     return {p.name: bytes.fromhex(p.fingerprint) for p in c.stats().partitions}
 
 
-@pytest.mark.parametrize("damage,n,bad", [
-    ("flip_byte", 6, 3), ("truncate", 6, 3), ("other_chunk", 6, 3), ("header_length", 6, 3),
-    ("flip_byte", 16, 13),  # a prefetch reads 11 chunks of this preset per batch
-])
-def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: str, n: int,
-                                             bad: int) -> None:
+@pytest.mark.parametrize(
+    "damage,n,bad",
+    [
+        ("flip_byte", 6, 3),
+        ("truncate", 6, 3),
+        ("other_chunk", 6, 3),
+        ("header_length", 6, 3),
+        ("flip_byte", 16, 13),  # a prefetch reads 11 chunks of this preset per batch
+    ],
+)
+def test_damaged_value_in_l2_is_never_served(
+    redis_proc: RedisProcess, damage: str, n: int, bad: int
+) -> None:
     digests = chunk_digests(tokens(50, n), CHUNK)
     with l2_server(redis_proc.url) as a, l2_server(redis_proc.url) as b:
         wa = Worker(a.endpoint, seed=12, num_blocks=8 * n)
@@ -241,32 +264,39 @@ def test_damaged_value_in_l2_is_never_served(redis_proc: RedisProcess, damage: s
             ids = wa.store(digests, block_seed=4)
             wait_written(wa.client, 2 * n)
             r = redis_proc.client()
-            key = _full_key(redis_proc, wa.reg, _fingerprints(wa.client)["full"], digests,
-                            bad)
+            key = _full_key(redis_proc, wa.reg, _fingerprints(wa.client)["full"], digests, bad)
             value = r.get(key)
             assert value is not None, "the object was not written under the expected key"
             if damage == "flip_byte":
                 pos = len(value) - 1000
-                value = value[:pos] + bytes([value[pos] ^ 0x01]) + value[pos + 1:]
+                value = value[:pos] + bytes([value[pos] ^ 0x01]) + value[pos + 1 :]
             elif damage == "truncate":
                 value = value[:-7]
             elif damage == "other_chunk":  # a valid value, written under another key
-                value = r.get(_full_key(redis_proc, wa.reg,
-                                        _fingerprints(wa.client)["full"], digests, 0))
+                value = r.get(
+                    _full_key(redis_proc, wa.reg, _fingerprints(wa.client)["full"], digests, 0)
+                )
             else:  # a header claiming another length (and a payload to match it)
                 length_at = codec.HEADER_BYTES - 16  # payload length u64, checksum u64
-                value = value[:length_at] \
-                    + (len(value) - codec.HEADER_BYTES + 8).to_bytes(8, "little") \
-                    + value[length_at + 8:] + bytes(8)
+                value = (
+                    value[:length_at]
+                    + (len(value) - codec.HEADER_BYTES + 8).to_bytes(8, "little")
+                    + value[length_at + 8 :]
+                    + bytes(8)
+                )
             r.set(key, value)
             look = lookup_until(wb.client, wb.reg, digests, bad)
             assert look.hit_chunks == bad, "a damaged object was served"
             st = l2_stats(wb.client)
-            reason = {"flip_byte": "checksum", "truncate": "truncated",
-                      "other_chunk": "foreign", "header_length": "length"}[damage]
+            reason = {
+                "flip_byte": "checksum",
+                "truncate": "truncated",
+                "other_chunk": "foreign",
+                "header_length": "length",
+            }[damage]
             assert st.invalid.get(reason, 0) >= 1, st
             dst_ids = block_ids_for(wb.reg, bad, np.random.default_rng(77))
-            res = wb.client.retrieve(wb.reg, digests[:bad * 32], dst_ids)
+            res = wb.client.retrieve(wb.reg, digests[: bad * 32], dst_ids)
             assert res.ok.all()
             src_ids = {g: v.reshape(n, -1)[:bad].ravel() for g, v in ids.items()}
             assert_same_pages(wb.reg, wa.kv, src_ids, wb.kv, dst_ids, bad)
@@ -299,10 +329,14 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
             copied = 0
             for name in ("full", "window128"):
                 for i in range(n):
-                    src = codec.l2_key(codec.space_of(w90.reg.namespace, fp90[name], CHUNK),
-                                       digests[i * 32:(i + 1) * 32])
-                    dst = codec.l2_key(codec.space_of(w100.reg.namespace, fp100[name], CHUNK),
-                                       digests[i * 32:(i + 1) * 32])
+                    src = codec.l2_key(
+                        codec.space_of(w90.reg.namespace, fp90[name], CHUNK),
+                        digests[i * 32 : (i + 1) * 32],
+                    )
+                    dst = codec.l2_key(
+                        codec.space_of(w100.reg.namespace, fp100[name], CHUNK),
+                        digests[i * 32 : (i + 1) * 32],
+                    )
                     v = r.get(src)
                     if v is not None:
                         r.set(dst, v)
@@ -311,9 +345,13 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
             other = chunk_digests(tokens(61, n), CHUNK)  # a fresh tag: no miss memory
             assert w100.client.lookup(w100.reg, other, lease=False).hit_chunks == 0
             time.sleep(1.1)  # past the memory of the first (plain) miss
-            wait_for(lambda: w100.client.lookup(w100.reg, digests, lease=False)
-                     .l2_pending_chunks == 0 and sum(l2_stats(w100.client).invalid
-                                                     .values()) > 0, "refusals")
+            wait_for(
+                lambda: (
+                    w100.client.lookup(w100.reg, digests, lease=False).l2_pending_chunks == 0
+                    and sum(l2_stats(w100.client).invalid.values()) > 0
+                ),
+                "refusals",
+            )
             assert w100.client.lookup(w100.reg, digests, lease=False).hit_chunks == 0
             st = l2_stats(w100.client)
             assert st.hits == 0 and st.invalid.get("foreign", 0) >= 1, st
@@ -333,11 +371,15 @@ def test_write_queue_overflow_is_counted_and_stores_succeed(redis_proc: RedisPro
             assert st.dropped_writes.get("queue_full", 0) >= 8, st
             assert st.write_queue_capacity == 3
             assert w.client.lookup(w.reg, digests, lease=False).hit_chunks == 8
-            wait_for(lambda: l2_stats(w.client).write_queue_objects == 0
-                     and l2_stats(w.client).writes_in_flight == 0, "queue drained")
+            wait_for(
+                lambda: (
+                    l2_stats(w.client).write_queue_objects == 0
+                    and l2_stats(w.client).writes_in_flight == 0
+                ),
+                "queue drained",
+            )
             st = l2_stats(w.client)
-            assert st.objects_written + st.dropped_writes["queue_full"] == 16, \
-                (st, a.log())
+            assert st.objects_written + st.dropped_writes["queue_full"] == 16, (st, a.log())
         finally:
             w.close()
 
@@ -371,14 +413,53 @@ def test_server_restart_with_warm_l2_serves_hits_from_l2(redis_proc: RedisProces
 def _make_certs(d: str) -> None:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-        "ca.crt", "-days", "1", "-subj", "/CN=lmc-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-        "server.csr", "-subj", "/CN=127.0.0.1")
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=lmc-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
     with open(os.path.join(d, "ext.cnf"), "w") as f:
         f.write("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    )
 
 
 @pytest.mark.needs_tool("openssl", "Debian: openssl; CI: .ci/install-ops-tools.sh")
@@ -392,8 +473,11 @@ def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
     digests = chunk_digests(tokens(90, n), CHUNK)
     with RedisProcess(password="s3cret-pw", tls_dir=str(tmp_path)) as r:
         assert r.url.startswith("rediss://")
-        with ServerProcess([*ARGS, "--l2", r.url, "--l2-password-file", str(pw)],
-                           l1_size_gb=0.25, env={"LMCACHE_L2_PASSWORD": "wrong"}) as a:
+        with ServerProcess(
+            [*ARGS, "--l2", r.url, "--l2-password-file", str(pw)],
+            l1_size_gb=0.25,
+            env={"LMCACHE_L2_PASSWORD": "wrong"},
+        ) as a:
             w = Worker(a.endpoint, seed=15)
             try:
                 wait_for(lambda: l2_stats(w.client).state == "up", "connected over TLS")
@@ -406,16 +490,21 @@ def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
 
 
 def test_wrong_password_is_degraded_not_fatal() -> None:
-    with RedisProcess(password="right") as r, \
-            ServerProcess([*ARGS, "--l2", r.url], l1_size_gb=0.25,
-                          env={"LMCACHE_L2_PASSWORD": "wrong"}) as a:
+    with (
+        RedisProcess(password="right") as r,
+        ServerProcess(
+            [*ARGS, "--l2", r.url], l1_size_gb=0.25, env={"LMCACHE_L2_PASSWORD": "wrong"}
+        ) as a,
+    ):
         w = Worker(a.endpoint, seed=16)
         try:
             d = chunk_digests(tokens(91, 2), CHUNK)
             w.store(d, block_seed=1)
             assert w.client.lookup(w.reg, d, lease=False).hit_chunks == 2
-            st = wait_for(lambda: (s := l2_stats(w.client)).reason != "connecting" and s,
-                          "the first connection attempt")
+            st = wait_for(
+                lambda: (s := l2_stats(w.client)).reason != "connecting" and s,
+                "the first connection attempt",
+            )
             assert st.state == "degraded" and st.objects_written == 0
             assert "auth" in st.reason.lower() or "pass" in st.reason.lower(), st
             assert "wrong" not in a.log()
@@ -424,7 +513,8 @@ def test_wrong_password_is_degraded_not_fatal() -> None:
 
 
 def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
-        redis_proc: RedisProcess) -> None:
+    redis_proc: RedisProcess,
+) -> None:
     """A scheduler polls until the hit stops growing: while L2 has the rest, every
     answer short of the full prefix must say chunks are pending (a prefetch reads 11
     chunks of this preset per batch, so the hit grows in steps), also right after L1
@@ -433,8 +523,10 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
     over, and a timed-out read rightly degrades the tier (nothing pending then)."""
     n = 16
     digests = chunk_digests(tokens(95, n), CHUNK)
-    with l2_server(redis_proc.url, l2_timeout_s=2.0) as a, \
-            l2_server(redis_proc.url, l2_timeout_s=2.0) as b:
+    with (
+        l2_server(redis_proc.url, l2_timeout_s=2.0) as a,
+        l2_server(redis_proc.url, l2_timeout_s=2.0) as b,
+    ):
         wa = Worker(a.endpoint, seed=17, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
@@ -448,8 +540,9 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
                     r = wb.client.lookup(wb.reg, digests, lease=False)
                     if r.hit_chunks == n:
                         break
-                    assert r.l2_pending_chunks > 0, \
+                    assert r.l2_pending_chunks > 0, (
                         f"stalled at {r.hit_chunks} of {n}: {l2_stats(wb.client)}"
+                    )
                     assert time.monotonic() - t0 < 20
                     time.sleep(0.002)
         finally:
@@ -466,9 +559,16 @@ def test_put_slots_writes_exact_values_and_an_error_reply_keeps_the_connection()
     work (every reply was read)."""
     space = bytes(range(16))
     pool = np.random.default_rng(3).integers(0, 256, 6 * 300_001, dtype=np.uint8)
-    objs = [SlotObject(codec.l2_key(space, i.to_bytes(32, "big")), space,
-                       i.to_bytes(32, "big"), i % 4, pool[i * 300_001:(i + 1) * 300_001].data)
-            for i in range(6)]
+    objs = [
+        SlotObject(
+            codec.l2_key(space, i.to_bytes(32, "big")),
+            space,
+            i.to_bytes(32, "big"),
+            i % 4,
+            pool[i * 300_001 : (i + 1) * 300_001].data,
+        )
+        for i in range(6)
+    ]
 
     async def go(r: RedisProcess) -> None:
         b = RedisBackend(r.url, timeout_s=5.0)

@@ -18,8 +18,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.transfer.null import NullHostPool
 
-SPACE = codec.space_of("model=x;kv_dtype=fp8;arch=sm90;world=1;rank=replicated", b"f" * 16,
-                       256)
+SPACE = codec.space_of("model=x;kv_dtype=fp8;arch=sm90;world=1;rank=replicated", b"f" * 16, 256)
 CHUNK_KEY = bytes(range(32))
 
 
@@ -48,23 +47,28 @@ def test_space_separates_every_namespace_field_layout_and_chunk_size() -> None:
     assert len(spaces) == len(variants) + 1
 
 
-@pytest.mark.parametrize("damage,reason", [
-    (lambda v: v[:40], codec.Invalid.TRUNCATED),
-    (lambda v: v[:-1], codec.Invalid.TRUNCATED),
-    (lambda v: v + b"x", codec.Invalid.TRUNCATED),
-    (lambda v: b"XXXX" + v[4:], codec.Invalid.BAD_MAGIC),
-    (lambda v: v[:4] + bytes([codec.FORMAT_VERSION + 1]) + v[5:], codec.Invalid.VERSION),
-    (lambda v: v[:8] + bytes(16) + v[24:], codec.Invalid.FOREIGN),
-    (lambda v: v[:24] + bytes(32) + v[56:], codec.Invalid.FOREIGN),
-])
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda v: v[:40], codec.Invalid.TRUNCATED),
+        (lambda v: v[:-1], codec.Invalid.TRUNCATED),
+        (lambda v: v + b"x", codec.Invalid.TRUNCATED),
+        (lambda v: b"XXXX" + v[4:], codec.Invalid.BAD_MAGIC),
+        (lambda v: v[:4] + bytes([codec.FORMAT_VERSION + 1]) + v[5:], codec.Invalid.VERSION),
+        (lambda v: v[:8] + bytes(16) + v[24:], codec.Invalid.FOREIGN),
+        (lambda v: v[:24] + bytes(32) + v[56:], codec.Invalid.FOREIGN),
+    ],
+)
 def test_damaged_headers_are_refused(damage: object, reason: codec.Invalid) -> None:
     assert callable(damage)
     assert codec.check_header(damage(value()), SPACE, CHUNK_KEY, 1000) == (0, reason)
 
 
 def test_wrong_length_is_refused_even_with_a_consistent_header() -> None:
-    assert codec.check_header(value(b"x" * 999), SPACE, CHUNK_KEY, 1000) == \
-        (0, codec.Invalid.LENGTH)
+    assert codec.check_header(value(b"x" * 999), SPACE, CHUNK_KEY, 1000) == (
+        0,
+        codec.Invalid.LENGTH,
+    )
 
 
 def test_every_single_bit_flip_in_payload_or_mask_fails_the_checksum() -> None:
@@ -90,8 +94,9 @@ def test_a_value_of_format_version_1_is_refused_as_version() -> None:
     import struct
 
     payload = b"p" * 1000
-    head = bytearray(struct.pack("<4sBBH16s32sQI", codec.MAGIC, 1, 1, 0, SPACE, CHUNK_KEY,
-                                 len(payload), 0))
+    head = bytearray(
+        struct.pack("<4sBBH16s32sQI", codec.MAGIC, 1, 1, 0, SPACE, CHUNK_KEY, len(payload), 0)
+    )
     struct.pack_into("<I", head, len(head) - 4, zlib.crc32(payload, zlib.crc32(head)))
     old = bytes(head) + payload
     assert codec.check_header(old, SPACE, CHUNK_KEY, 1000) == (0, codec.Invalid.VERSION)
@@ -107,8 +112,9 @@ def test_urls() -> None:
     assert parse_l2_url("valkey://kv:6379").kind == "redis"
     assert parse_l2_url("valkeys://kv:6379").tls
     assert parse_l2_url("redis://default@kv:6379/0").kind == "redis"  # user, no password
-    assert parse_l2_url("mooncake://master:50051?metadata=http://m:8080/metadata").kind \
-        == "mooncake"
+    assert (
+        parse_l2_url("mooncake://master:50051?metadata=http://m:8080/metadata").kind == "mooncake"
+    )
     for bad in ("kvstore:6379", "http://kv:80", "redis://", "redis://kv:99999"):
         with pytest.raises(L2ConfigError):
             parse_l2_url(bad)
@@ -143,9 +149,20 @@ def test_config_refuses_l2_on_the_null_backend() -> None:
 
 
 def test_cli_refuses_a_password_on_the_command_line() -> None:
-    res = CliRunner().invoke(cli, ["server", "--backend", "cpu", "--l1-size-gb", "0.0625",
-                                   "--slab-size-mb", "16",
-                                   "--l2", "redis://:hunter2@127.0.0.1:6379/0"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "server",
+            "--backend",
+            "cpu",
+            "--l1-size-gb",
+            "0.0625",
+            "--slab-size-mb",
+            "16",
+            "--l2",
+            "redis://:hunter2@127.0.0.1:6379/0",
+        ],
+    )
     assert res.exit_code == 2
     assert "LMCACHE_L2_PASSWORD" in res.output and "hunter2" not in res.output
 
@@ -155,6 +172,5 @@ def test_lookup_result_wire_format_is_unchanged_without_pending_chunks() -> None
     assert b"l2_pending_chunks" not in plain
     back = decode_reply(plain)
     assert isinstance(back, m.LookupResult) and back.l2_pending_chunks == 0
-    pending = decode_reply(encode(m.LookupResult(req_id=1, hit_chunks=0,
-                                                 l2_pending_chunks=5)))
+    pending = decode_reply(encode(m.LookupResult(req_id=1, hit_chunks=0, l2_pending_chunks=5)))
     assert isinstance(pending, m.LookupResult) and pending.l2_pending_chunks == 5

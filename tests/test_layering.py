@@ -54,20 +54,51 @@ ALLOWED: dict[str, set[str]] = {
     # Server settings: values and checks; the checks of a subsystem live with it (l2).
     "config": {"cache", "protocol", "net", "l2"},
     # The daemon: everything of the server stack below it.
-    "server": {"protocol", "cache", "buffers", "transfer", "l2", "metrics", "config",
-               "logs", "net"},
+    "server": {
+        "protocol",
+        "cache",
+        "buffers",
+        "transfer",
+        "l2",
+        "metrics",
+        "config",
+        "logs",
+        "net",
+    },
     # Client library: speaks the protocol; digests and buffers for workers.
     "client": {"protocol", "cache", "buffers", "net"},
     # Engine integrations (vLLM) on top of the client.
     "integration": {"client", "protocol", "cache", "buffers", "net"},
     # Test helpers: presets, shared-memory KV caches, server and redis processes, and
     # the server in process (a thread, a fake clock): above the server, below bench.
-    "testing": {"server", "config", "transfer", "integration", "client", "protocol",
-                "cache", "buffers", "net"},
+    "testing": {
+        "server",
+        "config",
+        "transfer",
+        "integration",
+        "client",
+        "protocol",
+        "cache",
+        "buffers",
+        "net",
+    },
     # Benchmarks: measure a real server (process or in-process thread) with the client
     # and the test helpers; may use any layer below the CLI.
-    "bench": {"testing", "integration", "client", "server", "config", "metrics", "l2",
-              "transfer", "protocol", "cache", "buffers", "net", "logs"},
+    "bench": {
+        "testing",
+        "integration",
+        "client",
+        "server",
+        "config",
+        "metrics",
+        "l2",
+        "transfer",
+        "protocol",
+        "cache",
+        "buffers",
+        "net",
+        "logs",
+    },
     # The command line: builds a Config and runs the Server; admin commands use the
     # client; ``lmcache bench`` is loaded lazily (checked by a test below).
     "cli": {"bench", "server", "client", "config", "cache", "protocol", "net", "logs"},
@@ -76,8 +107,7 @@ ALLOWED: dict[str, set[str]] = {
 
 #: (importing module, imported layer) -> why the upward edge is still there. Each entry
 #: names what must happen to remove it; the test fails if an entry is no longer needed.
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 #: Modules of the cache core that hold the partitions or change slot states. Only the
 #: core imports them; the server, the tiers below L1, the metrics and the tests go
@@ -85,18 +115,44 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
 #: so every slot transition keeps the core's invariants and eviction order.
 CACHE_PRIVATE = {"pool", "allocator", "reservation", "store", "retrieve", "leases"}
 #: Unit tests of those modules on their own (the core's rules below the index).
-CACHE_WHITE_BOX_TESTS = {"test_allocator.py", "test_retention.py", "test_policies.py",
-                         "test_kv_events.py", "test_pin_runs.py"}
+CACHE_WHITE_BOX_TESTS = {
+    "test_allocator.py",
+    "test_retention.py",
+    "test_policies.py",
+    "test_kv_events.py",
+    "test_pin_runs.py",
+}
 TESTS = PACKAGE.parent / "tests"
 
 #: layer -> third-party or stdlib top-level modules it must not import.
 THIRD_PARTY_FORBIDDEN: dict[str, set[str]] = {
-    "cache": {"zmq", "asyncio", "uvloop", "socket", "threading", "torch", "cupy",
-              "prometheus_client", "redis"},
+    "cache": {
+        "zmq",
+        "asyncio",
+        "uvloop",
+        "socket",
+        "threading",
+        "torch",
+        "cupy",
+        "prometheus_client",
+        "redis",
+    },
     "protocol": {"zmq", "asyncio", "uvloop", "socket", "threading", "torch", "cupy"},
     "buffers": {"zmq", "asyncio", "socket", "torch", "cupy", "numpy"},
-    **{layer: {"cupy"} for layer in ("server", "client", "integration", "testing", "bench",
-                                     "l2", "metrics", "cli", "config")},
+    **{
+        layer: {"cupy"}
+        for layer in (
+            "server",
+            "client",
+            "integration",
+            "testing",
+            "bench",
+            "l2",
+            "metrics",
+            "cli",
+            "config",
+        )
+    },
 }
 for _layer in ("server", "transfer", "l2", "metrics", "config", "cli"):
     THIRD_PARTY_FORBIDDEN.setdefault(_layer, set()).add("torch")
@@ -151,8 +207,9 @@ def package_files() -> list[Path]:
     return files
 
 
-def layer_edges(files: list[Path] | None = None,
-                root: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+def layer_edges(
+    files: list[Path] | None = None, root: Path = PACKAGE
+) -> dict[tuple[str, str], list[str]]:
     """(importing module, imported layer) -> ["module:line -> target", ...] for every
     import that crosses from one layer to another (the root package excluded)."""
     edges: dict[tuple[str, str], list[str]] = {}
@@ -180,7 +237,7 @@ def upward_edges(files: list[Path] | None = None, root: Path = PACKAGE) -> list[
 
 def test_every_layer_is_placed() -> None:
     layers = {layer_of(module_name(p)) for p in package_files()} - {""}
-    assert layers == set(ALLOWED), (layers ^ set(ALLOWED))
+    assert layers == set(ALLOWED), layers ^ set(ALLOWED)
 
 
 def test_the_allowed_table_is_acyclic() -> None:
@@ -199,8 +256,7 @@ def test_the_allowed_table_is_acyclic() -> None:
 
 def test_no_upward_edge_between_layers() -> None:
     bad = upward_edges()
-    assert not bad, "imports that point up the layers (docs/architecture.md):\n" + \
-        "\n".join(bad)
+    assert not bad, "imports that point up the layers (docs/architecture.md):\n" + "\n".join(bad)
 
 
 def test_every_known_exception_is_still_needed() -> None:
@@ -224,8 +280,7 @@ def test_third_party_imports_keep_each_layer_promise() -> None:
 
 def _cache_private(target: str) -> bool:
     parts = target.split(".")
-    return parts[:2] == ["lmc_server", "cache"] and len(parts) > 2 \
-        and parts[2] in CACHE_PRIVATE
+    return parts[:2] == ["lmc_server", "cache"] and len(parts) > 2 and parts[2] in CACHE_PRIVATE
 
 
 def test_the_cache_core_has_one_door() -> None:
@@ -236,21 +291,26 @@ def test_the_cache_core_has_one_door() -> None:
     for path in package_files():
         if layer_of(module_name(path)) == "cache":
             continue
-        bad += [f"{module_name(path)}:{line} -> {target}"
-                for line, target in imports(path) if _cache_private(target)]
-    outside = [p for p in sorted(TESTS.rglob("*.py"))
-               if p.name not in CACHE_WHITE_BOX_TESTS]
+        bad += [
+            f"{module_name(path)}:{line} -> {target}"
+            for line, target in imports(path)
+            if _cache_private(target)
+        ]
+    outside = [p for p in sorted(TESTS.rglob("*.py")) if p.name not in CACHE_WHITE_BOX_TESTS]
     outside += sorted((PACKAGE.parent / "scripts").glob("*.py"))
     assert len(outside) > 40, outside
     for path in outside:
-        bad += [f"{path.relative_to(PACKAGE.parent)}:{line} -> {target}"
-                for line, target in imports(path) if _cache_private(target)]
-    assert not bad, "cache internals imported outside the core (use L1Index):\n" + \
-        "\n".join(bad)
+        bad += [
+            f"{path.relative_to(PACKAGE.parent)}:{line} -> {target}"
+            for line, target in imports(path)
+            if _cache_private(target)
+        ]
+    assert not bad, "cache internals imported outside the core (use L1Index):\n" + "\n".join(bad)
 
 
-def module_graph(files: list[Path] | None = None,
-                 root: Path = PACKAGE) -> dict[str, dict[str, str]]:
+def module_graph(
+    files: list[Path] | None = None, root: Path = PACKAGE
+) -> dict[str, dict[str, str]]:
     """module -> {imported module of the same layer: "module:line"} over the package.
     A ``from pkg import name`` counts as an import of ``pkg`` (its ``__init__``) unless
     ``name`` is a submodule; the root package and other layers are left out."""
@@ -259,8 +319,11 @@ def module_graph(files: list[Path] | None = None,
         mod = module_name(path, root)
         out = graph.setdefault(mod, {})
         for line, target in imports(path, root):
-            if target.startswith("lmc_server.") and target != mod \
-                    and layer_of(target) == layer_of(mod):
+            if (
+                target.startswith("lmc_server.")
+                and target != mod
+                and layer_of(target) == layer_of(mod)
+            ):
                 out.setdefault(target, f"{mod}:{line}")
     return graph
 
@@ -315,8 +378,11 @@ def test_no_import_circle_inside_a_layer() -> None:
     graph = module_graph()
     found = []
     for circle in import_circles(graph):
-        found.append(" <-> ".join(circle) + ": " + ", ".join(
-            f"{graph[a][b]} -> {b}" for a in circle for b in circle if b in graph[a]))
+        found.append(
+            " <-> ".join(circle)
+            + ": "
+            + ", ".join(f"{graph[a][b]} -> {b}" for a in circle for b in circle if b in graph[a])
+        )
     assert not found, "import circles inside a layer:\n" + "\n".join(found)
 
 
@@ -327,13 +393,15 @@ def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
     (root / "bench").mkdir(parents=True)
     (root / "bench" / "a.py").write_text("import lmc_server.bench.b\n")
     (root / "bench" / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import X\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import X\n"
+    )
     (root / "bench" / "c.py").write_text("def f():\n    import lmc_server.bench.a\n")
     (root / "bench" / "d.py").write_text("from lmc_server.bench.a import f\n")
     files = sorted(root.rglob("*.py"))
     graph = module_graph(files, root)
-    assert import_circles(graph) == [["lmc_server.bench.a", "lmc_server.bench.b",
-                                      "lmc_server.bench.c"]], graph
+    assert import_circles(graph) == [
+        ["lmc_server.bench.a", "lmc_server.bench.b", "lmc_server.bench.c"]
+    ], graph
 
 
 def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:
@@ -349,31 +417,50 @@ def test_the_scanner_sees_every_kind_of_import(tmp_path: Path) -> None:
         "    from lmc_server.client.core import Registration\n"
         "def f():\n"
         "    import lmc_server.metrics.collector\n"
-        "    from lmc_server import bench\n")
+        "    from lmc_server import bench\n"
+    )
     bad = upward_edges([probe], root)
     targets = sorted(b.split(" -> ")[1] for b in bad)
-    assert targets == ["lmc_server.bench", "lmc_server.client.core",
-                       "lmc_server.metrics.collector", "lmc_server.server.stats"], bad
+    assert targets == [
+        "lmc_server.bench",
+        "lmc_server.client.core",
+        "lmc_server.metrics.collector",
+        "lmc_server.server.stats",
+    ], bad
 
 
 def _loaded_after(imports: str, prefixes: tuple[str, ...]) -> list[str]:
     """Modules under ``prefixes`` loaded by a fresh interpreter after ``imports``."""
-    code = (f"import sys\nimport {imports}\n"
-            f"print(' '.join(sorted(m for m in sys.modules "
-            f"if m.startswith({prefixes!r}) or m in {prefixes!r})))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True)
+    code = (
+        f"import sys\nimport {imports}\n"
+        f"print(' '.join(sorted(m for m in sys.modules "
+        f"if m.startswith({prefixes!r}) or m in {prefixes!r})))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     return res.stdout.split()
 
 
 def test_lmcache_server_loads_no_bench_testing_or_client() -> None:
     """What ``lmcache server`` imports before it runs: the CLI module and the server."""
-    assert _loaded_after("lmc_server.cli.main, lmc_server.server.server",
-                         ("lmc_server.bench", "lmc_server.testing", "lmc_server.client",
-                          "lmc_server.integration")) == []
+    assert (
+        _loaded_after(
+            "lmc_server.cli.main, lmc_server.server.server",
+            (
+                "lmc_server.bench",
+                "lmc_server.testing",
+                "lmc_server.client",
+                "lmc_server.integration",
+            ),
+        )
+        == []
+    )
 
 
 def test_testing_presets_load_no_client_or_zmq() -> None:
     """The presets are data; the shared-memory KV (client, zmq) loads on first use."""
-    assert _loaded_after("lmc_server.testing",
-                         ("lmc_server.client", "lmc_server.testing.kv", "zmq")) == []
+    assert (
+        _loaded_after("lmc_server.testing", ("lmc_server.client", "lmc_server.testing.kv", "zmq"))
+        == []
+    )

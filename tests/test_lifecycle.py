@@ -78,12 +78,16 @@ def wait_pool_prepared(port: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def sigterm_during_store(kv: ShmKV, drain_timeout_s: float) -> tuple[ServerProcess,
-                                                                      ChunkResult | ServerError]:
+def sigterm_during_store(
+    kv: ShmKV, drain_timeout_s: float
+) -> tuple[ServerProcess, ChunkResult | ServerError]:
     """Start a 1 GiB store and SIGTERM the server process while it copies."""
     port = free_port()
-    srv = ServerProcess(["--chunk-size", str(CHUNK), "--drain-timeout-s", str(drain_timeout_s)],
-                        l1_size_gb=1, metrics_port=port).start()
+    srv = ServerProcess(
+        ["--chunk-size", str(CHUNK), "--drain-timeout-s", str(drain_timeout_s)],
+        l1_size_gb=1,
+        metrics_port=port,
+    ).start()
     outcome: list[ChunkResult | ServerError] = []
     try:
         wait_pool_prepared(port)
@@ -134,16 +138,38 @@ def wire_ids(reg: Registration, ids: dict[str, np.ndarray]) -> list[bytes]:
     return [ids[g.name].astype("<i4").tobytes() if g.cached else b"" for g in reg.groups]
 
 
-def send_store(c: Client, reg: Registration, req_id: int, digests: bytes,
-               ids: dict[str, np.ndarray]) -> None:
-    c.send_raw([encode(m.Store(req_id=req_id, registration_id=reg.registration_id,
-                               digests=digests, block_ids=wire_ids(reg, ids)))])
+def send_store(
+    c: Client, reg: Registration, req_id: int, digests: bytes, ids: dict[str, np.ndarray]
+) -> None:
+    c.send_raw(
+        [
+            encode(
+                m.Store(
+                    req_id=req_id,
+                    registration_id=reg.registration_id,
+                    digests=digests,
+                    block_ids=wire_ids(reg, ids),
+                )
+            )
+        ]
+    )
 
 
-def send_retrieve(c: Client, reg: Registration, req_id: int, digests: bytes,
-                  ids: dict[str, np.ndarray]) -> None:
-    c.send_raw([encode(m.Retrieve(req_id=req_id, registration_id=reg.registration_id,
-                                  digests=digests, block_ids=wire_ids(reg, ids)))])
+def send_retrieve(
+    c: Client, reg: Registration, req_id: int, digests: bytes, ids: dict[str, np.ndarray]
+) -> None:
+    c.send_raw(
+        [
+            encode(
+                m.Retrieve(
+                    req_id=req_id,
+                    registration_id=reg.registration_id,
+                    digests=digests,
+                    block_ids=wire_ids(reg, ids),
+                )
+            )
+        ]
+    )
 
 
 def shutdown_started(ts: ThreadServer) -> threading.Event:
@@ -155,8 +181,11 @@ def shutdown_started(ts: ThreadServer) -> threading.Event:
 
 def test_drain_lets_an_in_flight_store_finish_and_refuses_new_work() -> None:
     engine = HoldingEngine()
-    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=30) as ts, \
-            Client(ts.endpoint) as c:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, drain_timeout_s=30) as ts,
+        Client(ts.endpoint) as c,
+    ):
         kv.fill_random(5)
         reg = c.register(**kv.register_kwargs())
         digests = chunk_digests(np.arange(4 * CHUNK), CHUNK)
@@ -166,8 +195,10 @@ def test_drain_lets_an_in_flight_store_finish_and_refuses_new_work() -> None:
             began = shutdown_started(ts)
             ts.request_exit()
             assert began.wait(10)
-            assert ts.server.health() == (False, "draining: shutting down, new requests "
-                                                 "are refused")
+            assert ts.server.health() == (
+                False,
+                "draining: shutting down, new requests are refused",
+            )
             c.send_raw([encode(m.Ping(req_id=101))])  # new work while the copy is held
             reply = c.recv_reply(10)
             assert isinstance(reply, m.Error) and reply.req_id == 101, reply
@@ -182,21 +213,30 @@ def test_drain_lets_an_in_flight_store_finish_and_refuses_new_work() -> None:
 
 
 def test_past_the_drain_timeout_stores_are_answered_at_once_retrieves_when_copied(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A store still copying at the timeout is answered ``shutting_down`` while its copy
     is still held (nothing of it is ever served); a retrieve writes into engine memory,
     so it is answered only when its copy has stopped, with its real result."""
     engine = HoldingEngine(holding=False)
-    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
-            Client(ts.endpoint) as c:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, drain_timeout_s=0) as ts,
+        Client(ts.endpoint) as c,
+    ):
         kv.fill_random(6)
         reg = c.register(**kv.register_kwargs())
         stored = chunk_digests(np.arange(CHUNK), CHUNK)  # one chunk: blocks 0..15
         assert c.store(reg, stored, block_ids_for(reg, 1)).ok.all()
         engine.hold()
         try:
-            send_store(c, reg, 200, chunk_digests(np.arange(CHUNK) + 7, CHUNK),
-                       block_ids_for(reg, 1, first_block=32))
+            send_store(
+                c,
+                reg,
+                200,
+                chunk_digests(np.arange(CHUNK) + 7, CHUNK),
+                block_ids_for(reg, 1, first_block=32),
+            )
             send_retrieve(c, reg, 201, stored, block_ids_for(reg, 1, first_block=16))
             engine.wait_held(2)
             ts.request_exit()
@@ -213,8 +253,7 @@ def test_past_the_drain_timeout_stores_are_answered_at_once_retrieves_when_copie
         assert isinstance(reply, m.RetrieveResult) and reply.req_id == 201, reply
         assert all(set(s) == {ChunkStatus.OK} for s in reply.statuses), reply.statuses
         assert kv.pages("full", list(range(16))) == kv.pages("full", list(range(16, 32)))
-    assert ("drain timeout: 1 stores answered shutting_down, waiting for 1 retrieves"
-            in caplog.text)
+    assert "drain timeout: 1 stores answered shutting_down, waiting for 1 retrieves" in caplog.text
 
 
 def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
@@ -224,8 +263,12 @@ def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
     plus the settle timeout. Here the writer's copy is held: the waiting store's task
     ends at the timeout while the copy is still held."""
     engine = HoldingEngine()
-    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
-            Client(ts.endpoint) as writer, Client(ts.endpoint) as waiter:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, drain_timeout_s=0) as ts,
+        Client(ts.endpoint) as writer,
+        Client(ts.endpoint) as waiter,
+    ):
         kv.fill_random(7)
         reg_w = writer.register(**kv.register_kwargs())
         reg_b = waiter.register(**kv.register_kwargs())  # same namespace, same keys
@@ -256,19 +299,24 @@ def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
 
 
 def test_past_the_drain_timeout_queued_copies_are_not_started(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Issue 23, item 6. Copies queued in the engine behind others (a loaded server) are
     not started once the drain timed out, so the drain ends with the copies already
     running instead of the whole backlog: the store waiting for a copy thread is
     answered ``shutting_down`` and its copy never runs (nothing of it is committed)."""
     engine = BackloggedEngine()
-    with ShmKV(simple_model()) as kv, run_server(engine=engine, drain_timeout_s=0) as ts, \
-            Client(ts.endpoint) as c:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, drain_timeout_s=0) as ts,
+        Client(ts.endpoint) as c,
+    ):
         kv.fill_random(8)
         reg = c.register(**kv.register_kwargs())
         try:  # two chunks: 2 MiB, more than is copied inline on the loop
-            send_store(c, reg, 400, chunk_digests(np.arange(2 * CHUNK), CHUNK),
-                       block_ids_for(reg, 2))
+            send_store(
+                c, reg, 400, chunk_digests(np.arange(2 * CHUNK), CHUNK), block_ids_for(reg, 2)
+            )
             engine.wait_submitted()  # queued behind the busy copy thread
             ts.request_exit()
             reply = c.recv_reply(10)
@@ -289,12 +337,17 @@ def test_past_the_drain_timeout_queued_copies_are_not_started(
 def test_health_follows_the_server_state() -> None:
     """Starting, serving, a stuck event loop (by the server's clock: no real waiting),
     serving again once it beats, draining."""
-    assert Server(Config(), notifier=Notifier(None)).health() == \
-        (False, "starting: sockets not bound yet")
+    assert Server(Config(), notifier=Notifier(None)).health() == (
+        False,
+        "starting: sockets not bound yet",
+    )
     clock = FakeClock()
-    with FakeSystemd() as systemd, \
-            run_server(clock=clock, notifier=systemd.notifier(watchdog_interval_s=0.01),
-                       backend="null") as ts:
+    with (
+        FakeSystemd() as systemd,
+        run_server(
+            clock=clock, notifier=systemd.notifier(watchdog_interval_s=0.01), backend="null"
+        ) as ts,
+    ):
         wait_pool_ready(ts.endpoint, 30)
         serving, reason = ts.server.health()
         assert serving and reason.startswith(f"serving on {ts.endpoint}"), reason
@@ -323,7 +376,8 @@ def test_health_follows_the_server_state() -> None:
 
 
 def test_an_embedded_server_ignores_the_notify_socket_of_its_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``run_server`` gives the server its own notifier: a test run under systemd (with
     ``NOTIFY_SOCKET`` set) must not tell that systemd it is ready or stopping. A server
     built without a notifier does read ``NOTIFY_SOCKET``."""

@@ -29,8 +29,9 @@ SLOTS = 8
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", str(CHUNK), "--slab-size-mb", "1"],
-                       l1_size_gb=SLOTS / 1024) as srv:
+    with ServerProcess(
+        ["--chunk-size", str(CHUNK), "--slab-size-mb", "1"], l1_size_gb=SLOTS / 1024
+    ) as srv:
         yield srv
 
 
@@ -54,8 +55,7 @@ def still_serving(c: Client, reg: Registration, kv: ShmKV) -> None:
     [ans] = c.lookup_batch(reg, [a])
     assert ans.hit_chunks == 1 and ans.lease_id
     assert c.release(ans.lease_id)
-    with Client(c.endpoint) as other, \
-            ShmKV(simple_model(layers=4, bytes_per_token=1024)) as dst:
+    with Client(c.endpoint) as other, ShmKV(simple_model(layers=4, bytes_per_token=1024)) as dst:
         dst.fill(0)
         reg_dst = other.register(**dst.register_kwargs())
         assert other.lookup_batch(reg_dst, [a])[0].hit_chunks == 1
@@ -64,7 +64,8 @@ def still_serving(c: Client, reg: Registration, kv: ShmKV) -> None:
 
 
 def test_a_batch_answers_what_single_lookups_answer_each_with_its_own_lease(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, kv = setup
     a, b, miss = prompt(1, 3), prompt(2, 2), prompt(3, 1)
     assert c.store(reg, a[:64], block_ids_for(reg, 2)).ok.all()  # a: chunks 0, 1
@@ -83,8 +84,11 @@ def test_a_batch_answers_what_single_lookups_answer_each_with_its_own_lease(
     assert after.leases - before.leases == 4
     assert after.counters.lookups - before.counters.lookups == 5  # each one a lookup
     assert after.counters.leases_taken - before.counters.leases_taken == 4
-    assert after.counters.requests.get("lookup_batch:ok", 0) \
-        - before.counters.requests.get("lookup_batch:ok", 0) == 1
+    assert (
+        after.counters.requests.get("lookup_batch:ok", 0)
+        - before.counters.requests.get("lookup_batch:ok", 0)
+        == 1
+    )
     # each lease goes back alone, exactly once
     assert c.release(held[0]) and not c.release(held[0])
     assert c.stats().leases == after.leases - 1
@@ -98,7 +102,8 @@ def test_a_batch_answers_what_single_lookups_answer_each_with_its_own_lease(
 
 
 def test_a_batch_lease_pins_its_chunks_against_eviction(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, kv = setup
     ids = block_ids_for(reg, 1)
     kept, dropped = prompt(10, 1), prompt(11, 1)
@@ -115,27 +120,38 @@ def test_a_batch_lease_pins_its_chunks_against_eviction(
 
 def raw(c: Client, reg: Registration, **fields: object) -> m.Reply:
     """A ``lookup_batch`` frame built by hand (fields the client would never send)."""
-    msg = {"type": "lookup_batch", "req_id": 77, "registration_id": reg.registration_id,
-           "digests": prompt(4, 2)} | fields
+    msg = {
+        "type": "lookup_batch",
+        "req_id": 77,
+        "registration_id": reg.registration_id,
+        "digests": prompt(4, 2),
+    } | fields
     c.send_raw([msgspec.msgpack.encode(msg)])
     return c.recv_reply(10)
 
 
 def test_malformed_batches_are_refused_without_a_lease_and_the_server_serves_on(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, kv = setup
     two = prompt(4, 2)
     assert c.store(reg, two, block_ids_for(reg, 2)).ok.all()
-    ends = {"descending": np.array([2, 1], "<i4").tobytes(),
-            "short": np.array([1], "<i4").tobytes(),
-            "zero-length prefix": np.array([0, 2], "<i4").tobytes(),
-            "past the digests": np.array([1, 3], "<i4").tobytes(),
-            "not int32": b"\x01\x00\x00"}
+    ends = {
+        "descending": np.array([2, 1], "<i4").tobytes(),
+        "short": np.array([1], "<i4").tobytes(),
+        "zero-length prefix": np.array([0, 2], "<i4").tobytes(),
+        "past the digests": np.array([1, 3], "<i4").tobytes(),
+        "not int32": b"\x01\x00\x00",
+    }
     cases: list[tuple[dict[str, object], str, str]] = [
-        ({"prefix_ends": e}, "bad_request", "prefix_ends") for e in ends.values()]
+        ({"prefix_ends": e}, "bad_request", "prefix_ends") for e in ends.values()
+    ]
     cases += [
-        ({"digests": two[:40], "prefix_ends": np.array([1], "<i4").tobytes()},
-         "bad_request", "not a multiple of 32"),
+        (
+            {"digests": two[:40], "prefix_ends": np.array([1], "<i4").tobytes()},
+            "bad_request",
+            "not a multiple of 32",
+        ),
         ({"salt": b"x" * 300}, "bad_request", "salt"),
         ({"lease_ids": b""}, "bad_request", "invalid message"),  # an unknown field
         ({"prefix_ends": [1, 2]}, "bad_request", "invalid message"),  # wrong type
@@ -165,12 +181,16 @@ def test_malformed_batches_are_refused_without_a_lease_and_the_server_serves_on(
 
 
 def test_an_oversized_batch_frame_is_refused_and_the_server_serves_on(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, kv = setup
     assert c.welcome is not None
     limit = c.welcome.max_frame_bytes
-    frame = encode(m.LookupBatch(req_id=78, registration_id=reg.registration_id,
-                                 digests=bytes(32 * (limit // 32 + 1))))
+    frame = encode(
+        m.LookupBatch(
+            req_id=78, registration_id=reg.registration_id, digests=bytes(32 * (limit // 32 + 1))
+        )
+    )
     c.send_raw([frame])
     reply = c.recv_reply(10)
     assert isinstance(reply, m.Error) and reply.code == "too_large" and reply.req_id == 78
@@ -187,10 +207,13 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
     batch fails its lookups and the link serves on."""
     from lmc_server.integration.link import ServerLink
 
-    with ServerProcess(["--chunk-size", str(CHUNK), "--max-frame-bytes", "65536"],
-                       l1_size_gb=0.25) as srv, \
-            ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv, \
-            Client(srv.endpoint) as c:
+    with (
+        ServerProcess(
+            ["--chunk-size", str(CHUNK), "--max-frame-bytes", "65536"], l1_size_gb=0.25
+        ) as srv,
+        ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv,
+        Client(srv.endpoint) as c,
+    ):
         kv.fill_random(1)
         reg = c.register(**kv.register_kwargs())
         prefixes = [prompt(100 + i, 2) for i in range(600)]
@@ -202,8 +225,9 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
             before = c.stats().counters.requests.get("lookup_batch:ok", 0)
             pending = link.lookup_batch([*prefixes, b""])
             answers = [p.result(10) for p in pending]
-            assert [a.hit_chunks for a in answers] == [1 if i % 3 == 0 else 0
-                                                     for i in range(600)] + [0]
+            assert [a.hit_chunks for a in answers] == [
+                1 if i % 3 == 0 else 0 for i in range(600)
+            ] + [0]
             assert all(bool(a.lease_id) == bool(a.hit_chunks) for a in answers)
             assert c.stats().counters.requests["lookup_batch:ok"] - before == 2
             assert c.stats().leases == 200

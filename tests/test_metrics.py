@@ -33,9 +33,24 @@ from lmc_server.testing.process import ServerProcess, free_port
 
 CHUNK = 256
 #: Label names allowed on lmcache_ metrics: every one has a small, fixed value set.
-BOUNDED_LABELS = {"operation", "outcome", "direction", "reason", "object_group", "layout",
-                  "state", "le", "version", "python_version", "python_implementation",
-                  "backend", "chunk_size", "eviction_policy", "object_groups", "phase"}
+BOUNDED_LABELS = {
+    "operation",
+    "outcome",
+    "direction",
+    "reason",
+    "object_group",
+    "layout",
+    "state",
+    "le",
+    "version",
+    "python_version",
+    "python_implementation",
+    "backend",
+    "chunk_size",
+    "eviction_policy",
+    "object_groups",
+    "phase",
+}
 
 
 def get(port: int, path: str) -> tuple[int, str, str]:
@@ -59,8 +74,9 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
-def one(samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str,
-        **labels: str) -> float:
+def one(
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str
+) -> float:
     return samples[name][tuple(sorted(labels.items()))]
 
 
@@ -75,8 +91,9 @@ class Served:
 @pytest.fixture(scope="module")
 def metrics_server() -> Iterator[Served]:
     port = free_port()
-    with ServerProcess(["--chunk-size", str(CHUNK), "--separate-object-groups"],
-                       l1_size_gb=1, metrics_port=port) as srv:
+    with ServerProcess(
+        ["--chunk-size", str(CHUNK), "--separate-object-groups"], l1_size_gb=1, metrics_port=port
+    ) as srv:
         yield Served(srv, port)
 
 
@@ -128,10 +145,11 @@ def test_counters_match_the_stats_report(traffic: dict[str, object]) -> None:
     assert one(samples, "lmcache_requests_total", operation="lookup", outcome="ok") == 2
     assert one(samples, "lmcache_requests_total", operation="register", outcome="ok") == 1
     for direction in ("store", "retrieve"):
-        assert one(samples, "lmcache_transfer_duration_seconds_count",
-                   direction=direction) == 1
-        assert one(samples, "lmcache_transfer_duration_seconds_bucket",
-                   direction=direction, le="+Inf") == 1
+        assert one(samples, "lmcache_transfer_duration_seconds_count", direction=direction) == 1
+        assert (
+            one(samples, "lmcache_transfer_duration_seconds_bucket", direction=direction, le="+Inf")
+            == 1
+        )
         assert one(samples, "lmcache_transfer_duration_seconds_sum", direction=direction) > 0
         assert one(samples, "lmcache_transfer_bytes_total", direction=direction) > 0
     assert one(samples, "lmcache_registrations") == 1
@@ -150,11 +168,12 @@ def test_partition_gauges_match_the_stats_report(traffic: dict[str, object]) -> 
         assert one(samples, "lmcache_l1_partition_used_bytes", **lv) == p.used_bytes
         assert one(samples, "lmcache_l1_partition_capacity_bytes", **lv) == p.capacity_bytes
         assert one(samples, "lmcache_l1_partition_objects", **lv) == p.objects
-        assert one(samples, "lmcache_l1_partition_capacity_objects", **lv) == \
-            p.capacity_objects
+        assert one(samples, "lmcache_l1_partition_capacity_objects", **lv) == p.capacity_objects
         assert one(samples, "lmcache_l1_partition_pinned_objects", **lv) == p.pinned_objects
-        assert one(samples, "lmcache_l1_partition_pinned_bytes", **lv) == \
-            p.pinned_objects * p.object_bytes
+        assert (
+            one(samples, "lmcache_l1_partition_pinned_bytes", **lv)
+            == p.pinned_objects * p.object_bytes
+        )
         assert p.objects > 0
     l1 = report.l1
     assert one(samples, "lmcache_l1_capacity_bytes") == l1.capacity_bytes
@@ -164,7 +183,8 @@ def test_partition_gauges_match_the_stats_report(traffic: dict[str, object]) -> 
 
 
 def test_stats_json_has_every_counter_with_the_scraped_value(
-        metrics_server: Served, traffic: dict[str, object]) -> None:
+    metrics_server: Served, traffic: dict[str, object]
+) -> None:
     """``lmcache stats --json``, the Prometheus scrape and the one list of counters agree:
     a counter added to :class:`CacheStats` appears in all three with the same value."""
     out = CliRunner().invoke(cli, ["stats", "--json", "--port", str(metrics_server.srv.port)])
@@ -181,19 +201,27 @@ def test_stats_json_has_every_counter_with_the_scraped_value(
                 assert one(samples, f"lmcache_{c.metric}_total", **{c.label: label}) == n
     human = CliRunner().invoke(cli, ["stats", "--port", str(metrics_server.srv.port)])
     assert human.exit_code == 0, human.output
-    printed = {line.split()[0].split(".")[0] for line in human.output.splitlines()
-               if line and line.split()[0].split(".")[0] in counters}
+    printed = {
+        line.split()[0].split(".")[0]
+        for line in human.output.splitlines()
+        if line and line.split()[0].split(".")[0] in counters
+    }
     assert printed == {n for n in counters if not isinstance(counters[n], dict) or counters[n]}
 
 
 def test_names_and_labels_follow_prometheus_conventions(metrics_server: Served) -> None:
     _, _, body = get(metrics_server.port, "/metrics")
-    families = [f for f in text_string_to_metric_families(body)
-                if f.name.startswith("lmcache_")]
+    families = [f for f in text_string_to_metric_families(body) if f.name.startswith("lmcache_")]
     names = {f.name for f in families}
-    assert {"lmcache_build_info", "lmcache_requests", "lmcache_transfer_duration_seconds",
-            "lmcache_l1_partition_used_bytes", "lmcache_allocation_failures",
-            "lmcache_leases_expired", "lmcache_evicted_bytes"} <= names
+    assert {
+        "lmcache_build_info",
+        "lmcache_requests",
+        "lmcache_transfer_duration_seconds",
+        "lmcache_l1_partition_used_bytes",
+        "lmcache_allocation_failures",
+        "lmcache_leases_expired",
+        "lmcache_evicted_bytes",
+    } <= names
     for fam in families:
         if fam.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in fam.samples), fam.name
@@ -207,11 +235,11 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_server: Served) 
 
 
 @pytest.mark.needs_tool("promtool", "Debian: prometheus; CI: .ci/install-ops-tools.sh")
-def test_promtool_finds_no_problems(metrics_server: Served,
-                                    traffic: dict[str, object]) -> None:
+def test_promtool_finds_no_problems(metrics_server: Served, traffic: dict[str, object]) -> None:
     _, _, body = get(metrics_server.port, "/metrics")
-    res = subprocess.run(["promtool", "check", "metrics"], input=body.encode(),
-                         capture_output=True, timeout=30)
+    res = subprocess.run(
+        ["promtool", "check", "metrics"], input=body.encode(), capture_output=True, timeout=30
+    )
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res
 
 
@@ -247,8 +275,10 @@ def test_healthz_answers_503_with_the_reason() -> None:
         state["serving"] = True
         assert get(ms.port, "/healthz")[::2] == (200, "ok: fine\n")
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(get(ms.port, "/metrics")[0]))
-                   for _ in range(8)]
+        threads = [
+            threading.Thread(target=lambda: results.append(get(ms.port, "/metrics")[0]))
+            for _ in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:

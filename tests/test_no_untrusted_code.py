@@ -20,15 +20,17 @@ def offences(path: Path) -> list[str]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [f"import {a.name}" for a in node.names
-                    if a.name.split(".")[0] in FORBIDDEN_MODULES]
+            out += [
+                f"import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module:
             if node.module.split(".")[0] in FORBIDDEN_MODULES:
                 out.append(f"from {node.module} import ...")
         elif isinstance(node, ast.Call):
             f = node.func
-            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
-                else ""
+            name = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
             if name in FORBIDDEN_CALLS:
                 out.append(f"{name}() at line {node.lineno}")
         elif isinstance(node, ast.Attribute) and node.attr in ("recv_pyobj", "send_pyobj"):
@@ -46,6 +48,7 @@ def test_package_has_no_untrusted_deserialization_or_exec() -> None:
 
 def test_the_scanner_catches_what_it_claims(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import pickle\nfrom marshal import loads\nx = eval('1')\n"
-                   "sock.recv_pyobj()\nexec('pass')\n")
+    bad.write_text(
+        "import pickle\nfrom marshal import loads\nx = eval('1')\nsock.recv_pyobj()\nexec('pass')\n"
+    )
     assert len(offences(bad)) == 5

@@ -34,9 +34,12 @@ def test_pin_and_unpin_runs_match_one_at_a_time(name: str, shape: str) -> None:
     n = 200
     rng = np.random.default_rng(7)
     k = PIN_VECTOR_MIN - 1 if shape == "short" else 64
-    slots = {"run": list(range(30, 30 + k)), "reversed-run": list(range(30 + k - 1, 29, -1)),
-             "scattered": rng.choice(n, k, replace=False).tolist(),
-             "short": list(range(10, 10 + k))}[shape]
+    slots = {
+        "run": list(range(30, 30 + k)),
+        "reversed-run": list(range(30 + k - 1, 29, -1)),
+        "scattered": rng.choice(n, k, replace=False).tolist(),
+        "short": list(range(10, 10 + k)),
+    }[shape]
     for round_ in range(3):  # pinned again after an unpin_run reversed the run's order
         a, b = make(name, n), make(name, n)
         for _ in range(round_):
@@ -71,8 +74,11 @@ def test_partition_pin_many_counts_each_pin_and_handles_a_slot_twice() -> None:
         pool.mark_ready(s)
     index = L1Index(pool, "LRU")
     view = index.view("t", layout)
-    ids = {sec.group_index: np.zeros((64, sec.blocks_per_chunk), dtype=np.int64)
-           for og in layout.object_groups for sec in og.sections}
+    ids = {
+        sec.group_index: np.zeros((64, sec.blocks_per_chunk), dtype=np.int64)
+        for og in layout.object_groups
+        for sec in og.sections
+    }
     digests = b"".join(i.to_bytes(32, "little") for i in range(1, 65))
     keys = index.keys(view, digests)
     index.commit_store(index.reserve_store(view, keys, ids))
@@ -87,8 +93,9 @@ def test_partition_pin_many_counts_each_pin_and_handles_a_slot_twice() -> None:
     # still pinned by the retrieves (the lease is gone): a pool's worth of new stores
     # must evict around them
     for k in range(4):
-        more = index.keys(view, b"".join((1000 * (k + 1) + i).to_bytes(32, "little")
-                                         for i in range(64)))
+        more = index.keys(
+            view, b"".join((1000 * (k + 1) + i).to_bytes(32, "little") for i in range(64))
+        )
         index.commit_store(index.reserve_store(view, more, ids))
     assert index.lookup(view, keys, 1, 10.0, 0.0, take_lease=False)[0] == 64
     index.unpin_retrieve(ticket2, True)
@@ -96,7 +103,8 @@ def test_partition_pin_many_counts_each_pin_and_handles_a_slot_twice() -> None:
     index.unpin_retrieve(ticket, True)
     index.check()
     for k in range(4):  # unpinned, the old prefix is evicted like any other
-        more = index.keys(view, b"".join((9000 * (k + 1) + i).to_bytes(32, "little")
-                                         for i in range(64)))
+        more = index.keys(
+            view, b"".join((9000 * (k + 1) + i).to_bytes(32, "little") for i in range(64))
+        )
         index.commit_store(index.reserve_store(view, more, ids))
     assert index.lookup(view, keys, 1, 10.0, 0.0, take_lease=False)[0] < 64

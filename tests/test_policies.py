@@ -31,11 +31,13 @@ from lmc_server.testing.process import ServerProcess
 MIB = 1 << 20
 
 
-def store(index: L1Index, v: CacheView, keys: list[bytes],
-          group_ids: dict[int, np.ndarray]) -> list[np.ndarray]:
+def store(
+    index: L1Index, v: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray]
+) -> list[np.ndarray]:
     t = index.reserve_store(v, keys, group_ids)
     index.commit_store(t)
     return t.statuses
+
 
 pytestmark = pytest.mark.parametrize("policy", sorted(POLICIES))
 
@@ -49,8 +51,9 @@ def make(policy: str, pool_mib: int = 8, slab_mib: int = 1) -> L1Index:
 
 def view(idx: L1Index, ns: str, layers: int) -> CacheView:
     """``layers`` x 256 KiB objects of a one-group model, separate object groups."""
-    return idx.view(ns, build_layout(simple_model(layers=layers, bytes_per_token=1024).groups,
-                                     256, True))
+    return idx.view(
+        ns, build_layout(simple_model(layers=layers, bytes_per_token=1024).groups, 256, True)
+    )
 
 
 def ids(n: int) -> dict[int, np.ndarray]:
@@ -135,8 +138,7 @@ def test_random_workload_with_slab_moves_keeps_every_invariant(policy: str) -> N
     assert slabs + idx.pool.free_slabs == idx.pool.n_slabs
 
 
-def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(
-        policy: str) -> None:
+def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(policy: str) -> None:
     """20,480 slots, 40,000 objects stored through them: ghosts and sketches full."""
     geo = simple_model(layers=1, bytes_per_token=64, tokens_per_block=16)  # 16 KiB objects
     pool = SlabPool(20 * 16 * MIB, 16 * MIB)
@@ -151,7 +153,7 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for i in range(0, n, 1000):
-        keys = idx.keys(v, all_digests[i * 32:(i + 1000) * 32])
+        keys = idx.keys(v, all_digests[i * 32 : (i + 1000) * 32])
         idx.commit_store(idx.reserve_store(v, keys, batch))
         if i % 3000 == 0:  # some hits, so that every list and level is in use
             idx.lookup(v, keys[:200], 1, 10, 0, take_lease=False)
@@ -171,12 +173,14 @@ def test_server_runs_with_the_policy_named_in_any_case(policy: str) -> None:
     """``--eviction-policy`` takes every registered name, case-insensitively, and the
     server reports the policy it runs (stores and hits under each policy go through
     a real server in ``tests/test_replay_traces.py``)."""
-    srv = ServerProcess(["--eviction-policy", policy.lower()], backend="null",
-                        l1_size_gb=1).start()
+    srv = ServerProcess(["--eviction-policy", policy.lower()], backend="null", l1_size_gb=1).start()
     try:
-        out = subprocess.run([sys.executable, "-m", "lmc_server", "stats", "--json",
-                              "--port", str(srv.port)], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-m", "lmc_server", "stats", "--json", "--port", str(srv.port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert json.loads(out.stdout)["eviction_policy"] == policy
     finally:
         assert srv.terminate(signal.SIGINT) == 0

@@ -42,14 +42,19 @@ def test_batched_hit_rule_agrees_with_the_lookups(separate: bool, preset: str) -
     idx = _index()
     geo = dsv41_flash(layers=2) if preset == "dsv41" else simple_model()
     view = idx.view("ns", build_layout(geo.groups, 256, separate))
-    prompts = [idx.keys(view, chained_digests(int(rng.integers(1, 12)), tag=bytes([p])))
-               for p in range(40)]
+    prompts = [
+        idx.keys(view, chained_digests(int(rng.integers(1, 12)), tag=bytes([p]))) for p in range(40)
+    ]
     for keys in prompts:  # store a random subset, some with their window blocks gone
         ids = {}
         for og in view.layout.object_groups:
             for sec in og.sections:
-                a = np.arange(len(keys) * sec.blocks_per_chunk, dtype=np.int64).reshape(
-                    len(keys), sec.blocks_per_chunk) % 64
+                a = (
+                    np.arange(len(keys) * sec.blocks_per_chunk, dtype=np.int64).reshape(
+                        len(keys), sec.blocks_per_chunk
+                    )
+                    % 64
+                )
                 if sec.group_index != 0:
                     a[rng.random(len(keys)) < 0.3] = -1
                 ids[sec.group_index] = a
@@ -90,7 +95,8 @@ def one_chunk(i: int) -> bytes:
 
 
 def test_probe_answers_what_lookups_answer_without_a_lease(
-        setup: tuple[Client, Registration]) -> None:
+    setup: tuple[Client, Registration],
+) -> None:
     c, reg = setup
     three = chunk_digests(np.arange(3 * 256), 256)
     assert c.store(reg, three[:64], block_ids_for(reg, 2)).ok.all()  # chunks 0, 1
@@ -121,12 +127,15 @@ def test_a_probe_leaves_the_eviction_order_alone(setup: tuple[Client, Registrati
 
 
 def test_bad_probes_are_refused_and_the_server_serves_on(
-        setup: tuple[Client, Registration]) -> None:
+    setup: tuple[Client, Registration],
+) -> None:
     c, reg = setup
     two = chunk_digests(np.arange(2 * 256), 256)
-    for kwargs, message in (({"prefix_ends": [2, 1]}, "prefix_ends"),
-                            ({"prefix_ends": [1]}, "prefix_ends"),
-                            ({"salt": b"x" * 300}, "salt")):
+    for kwargs, message in (
+        ({"prefix_ends": [2, 1]}, "prefix_ends"),
+        ({"prefix_ends": [1]}, "prefix_ends"),
+        ({"salt": b"x" * 300}, "salt"),
+    ):
         with pytest.raises(ServerError) as e:
             c.probe(reg.namespace, two, **kwargs)
         assert e.value.code == "bad_request" and message in str(e.value)

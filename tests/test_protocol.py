@@ -34,53 +34,73 @@ MAX_FRAME = 65536
 
 def test_round_trip_every_request_type() -> None:
     geo = simple_model()
-    msgs = [m.Hello(req_id=1, protocol_version=1), m.Ping(req_id=2), m.Stats(req_id=3),
-            m.Clear(req_id=4), m.Release(req_id=5, lease_id=9),
-            m.Register(req_id=6, model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups),
-            m.Lookup(req_id=7, registration_id=b"r" * 16, digests=b"d" * 64),
-            m.Store(req_id=8, registration_id=b"r" * 16, digests=b"d" * 32,
-                    block_ids=[b"\0" * 64]),
-            m.Retrieve(req_id=9, registration_id=b"r" * 16, digests=b"", block_ids=[]),
-            m.Unregister(req_id=10, registration_id=b"r" * 16),
-            m.Store(req_id=11, registration_id=b"r" * 16, digests=b"d" * 32,
-                    block_ids=[b"\0" * 64],
-                    events=m.StoreEvents(block_size=128, token_ids=b"t" * 1024,
-                                         block_hashes=b"h" * 16, parent_hashes=bytes(8))),
-            m.Probe(req_id=12, namespace="model=x", digests=b"d" * 64,
-                    prefix_ends=b"\1\0\0\0\2\0\0\0")]
+    msgs = [
+        m.Hello(req_id=1, protocol_version=1),
+        m.Ping(req_id=2),
+        m.Stats(req_id=3),
+        m.Clear(req_id=4),
+        m.Release(req_id=5, lease_id=9),
+        m.Register(req_id=6, model="x", kv_dtype="bf16", arch="sm90", groups=geo.groups),
+        m.Lookup(req_id=7, registration_id=b"r" * 16, digests=b"d" * 64),
+        m.Store(req_id=8, registration_id=b"r" * 16, digests=b"d" * 32, block_ids=[b"\0" * 64]),
+        m.Retrieve(req_id=9, registration_id=b"r" * 16, digests=b"", block_ids=[]),
+        m.Unregister(req_id=10, registration_id=b"r" * 16),
+        m.Store(
+            req_id=11,
+            registration_id=b"r" * 16,
+            digests=b"d" * 32,
+            block_ids=[b"\0" * 64],
+            events=m.StoreEvents(
+                block_size=128,
+                token_ids=b"t" * 1024,
+                block_hashes=b"h" * 16,
+                parent_hashes=bytes(8),
+            ),
+        ),
+        m.Probe(req_id=12, namespace="model=x", digests=b"d" * 64, prefix_ends=b"\1\0\0\0\2\0\0\0"),
+    ]
     for msg in msgs:
         assert decode_request([encode(msg)], Limits()) == msg
 
 
-@pytest.mark.parametrize("frame,code", [
-    (b"\xc1", ErrorCode.BAD_REQUEST),
-    (msgspec.msgpack.encode({"type": "nope", "req_id": 3}), ErrorCode.BAD_REQUEST),
-    (msgspec.msgpack.encode({"type": "ping", "req_id": 3, "extra": 1}), ErrorCode.BAD_REQUEST),
-    (msgspec.msgpack.encode({"type": "lease", "req_id": 3}), ErrorCode.BAD_REQUEST),
-    (msgspec.msgpack.encode({"type": "release", "req_id": 3, "lease_id": "x"}),
-     ErrorCode.BAD_REQUEST),
-    (msgspec.msgpack.encode([1, 2, 3]), ErrorCode.BAD_REQUEST),
-    (b"x" * (MAX_FRAME + 1), ErrorCode.TOO_LARGE),
-])
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"\xc1", ErrorCode.BAD_REQUEST),
+        (msgspec.msgpack.encode({"type": "nope", "req_id": 3}), ErrorCode.BAD_REQUEST),
+        (msgspec.msgpack.encode({"type": "ping", "req_id": 3, "extra": 1}), ErrorCode.BAD_REQUEST),
+        (msgspec.msgpack.encode({"type": "lease", "req_id": 3}), ErrorCode.BAD_REQUEST),
+        (
+            msgspec.msgpack.encode({"type": "release", "req_id": 3, "lease_id": "x"}),
+            ErrorCode.BAD_REQUEST,
+        ),
+        (msgspec.msgpack.encode([1, 2, 3]), ErrorCode.BAD_REQUEST),
+        (b"x" * (MAX_FRAME + 1), ErrorCode.TOO_LARGE),
+    ],
+)
 def test_decoder_refuses_with_typed_errors(frame: bytes, code: ErrorCode) -> None:
     with pytest.raises(ProtocolError) as e:
         decode_request([frame], Limits(max_frame_bytes=MAX_FRAME))
     assert e.value.code == code
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"block_size": 0}, "does not divide"),
-    ({"block_size": 96}, "does not divide"),
-    ({"block_size": 512}, "does not divide"),
-    ({"token_ids": b"t" * 2044}, "token_ids is 2044 bytes; 2 chunks need 2048"),
-    ({"block_hashes": b"h" * 8}, "block_hashes is 8 bytes; 2 chunks need 32"),
-    ({"parent_hashes": b""}, "parent_hashes is 0 bytes; 2 chunks need 16"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"block_size": 0}, "does not divide"),
+        ({"block_size": 96}, "does not divide"),
+        ({"block_size": 512}, "does not divide"),
+        ({"token_ids": b"t" * 2044}, "token_ids is 2044 bytes; 2 chunks need 2048"),
+        ({"block_hashes": b"h" * 8}, "block_hashes is 8 bytes; 2 chunks need 32"),
+        ({"parent_hashes": b""}, "parent_hashes is 0 bytes; 2 chunks need 16"),
+    ],
+)
 def test_store_events_must_cover_every_chunk(change: dict[str, object], message: str) -> None:
     """A store's event fields: one token per position, one engine hash per block, one
     parent per chunk (wire cost per chunk: 4 x chunk_size + 8 x blocks + 8 bytes)."""
-    good = m.StoreEvents(block_size=128, token_ids=b"t" * 2048, block_hashes=b"h" * 32,
-                         parent_hashes=bytes(16))
+    good = m.StoreEvents(
+        block_size=128, token_ids=b"t" * 2048, block_hashes=b"h" * 32, parent_hashes=bytes(16)
+    )
     assert check_store_events(good, 2, 256, 1) == 2
     with pytest.raises(ProtocolError) as e:
         check_store_events(msgspec.structs.replace(good, **change), 2, 256, 1)
@@ -99,8 +119,7 @@ def test_block_ids_decode_checks_only_the_length() -> None:
     """The sans-IO codec takes any int32 value: bounds need the registration."""
     ok = np.array([0, 5, -1, 7], "<i4").tobytes()
     assert decode_block_ids(ok, 4, "g", 1).tolist() == [0, 5, -1, 7]
-    assert decode_block_ids(np.array([1 << 30], "<i4").tobytes(), 1, "g", 1).tolist() == \
-        [1 << 30]
+    assert decode_block_ids(np.array([1 << 30], "<i4").tobytes(), 1, "g", 1).tolist() == [1 << 30]
     with pytest.raises(ProtocolError, match="expected 2 block ids") as e:
         decode_block_ids(ok, 2, "g", 1)
     assert e.value.code == ErrorCode.BAD_REQUEST and e.value.req_id == 1
@@ -110,8 +129,12 @@ def test_block_ids_are_bounds_checked_by_the_server() -> None:
     g = simple_model(num_blocks=8, tokens_per_block=128).groups[0]  # 2 blocks per chunk
 
     def check(*ids: int) -> dict[int, np.ndarray]:
-        msg = m.Retrieve(req_id=3, registration_id=b"r" * 16, digests=b"d" * 32 * 2,
-                         block_ids=[np.array(ids, "<i4").tobytes()])
+        msg = m.Retrieve(
+            req_id=3,
+            registration_id=b"r" * 16,
+            digests=b"d" * 32 * 2,
+            block_ids=[np.array(ids, "<i4").tobytes()],
+        )
         return block_ids([g], [2], msg, 2)
 
     out = check(0, 5, -1, 7)
@@ -162,8 +185,11 @@ BAD_FRAMES = [
 
 @pytest.mark.parametrize("frames,code", BAD_FRAMES)
 def test_malformed_frames_get_errors_and_others_keep_being_served(
-        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV],
-        frames: list[bytes], code: str) -> None:
+    small_frames: ThreadServer,
+    stored: tuple[Client, object, bytes, ShmKV],
+    frames: list[bytes],
+    code: str,
+) -> None:
     with Client(small_frames.endpoint) as bad:
         bad.send_raw(frames)
         reply = bad.recv_reply(timeout_s=5)
@@ -172,8 +198,9 @@ def test_malformed_frames_get_errors_and_others_keep_being_served(
     still_serving(stored)
 
 
-def test_requests_before_hello_are_refused(small_frames: ThreadServer,
-                                           stored: tuple[Client, object, bytes, ShmKV]) -> None:
+def test_requests_before_hello_are_refused(
+    small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]
+) -> None:
     with Client(small_frames.endpoint, hello=False) as c:
         c.send_raw([encode(m.Stats(req_id=3))])
         reply = c.recv_reply(5)
@@ -185,22 +212,44 @@ def test_requests_before_hello_are_refused(small_frames: ThreadServer,
 
 
 def test_wrong_digest_length_and_too_many_block_ids(
-        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]
+) -> None:
     c, reg, digests, _ = stored
     with pytest.raises(Exception, match="not a multiple of 32"):
-        c._call(m.Lookup(req_id=50, registration_id=reg.registration_id,  # type: ignore[attr-defined]
-                         digests=b"x" * 31), m.LookupResult)
+        c._call(
+            m.Lookup(
+                req_id=50,
+                registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                digests=b"x" * 31,
+            ),
+            m.LookupResult,
+        )
     with pytest.raises(Exception, match="expected 16 block ids"):
-        c._call(m.Retrieve(req_id=51, registration_id=reg.registration_id,  # type: ignore[attr-defined]
-                           digests=digests, block_ids=[b"\0" * 4 * 17]), m.RetrieveResult)
+        c._call(
+            m.Retrieve(
+                req_id=51,
+                registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                digests=digests,
+                block_ids=[b"\0" * 4 * 17],
+            ),
+            m.RetrieveResult,
+        )
     with pytest.raises(Exception, match="registration has 1 groups"):
-        c._call(m.Retrieve(req_id=52, registration_id=reg.registration_id,  # type: ignore[attr-defined]
-                           digests=digests, block_ids=[]), m.RetrieveResult)
+        c._call(
+            m.Retrieve(
+                req_id=52,
+                registration_id=reg.registration_id,  # type: ignore[attr-defined]
+                digests=digests,
+                block_ids=[],
+            ),
+            m.RetrieveResult,
+        )
     still_serving(stored)
 
 
 def test_oversized_registration_is_refused_cleanly(
-        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]
+) -> None:
     geo = simple_model(layers=1500)
     with Client(small_frames.endpoint) as c:
         with pytest.raises(Exception, match="too_large|layers"):
@@ -209,7 +258,8 @@ def test_oversized_registration_is_refused_cleanly(
 
 
 def test_out_of_range_block_ids_refused_with_bounds_and_others_served(
-        small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]) -> None:
+    small_frames: ThreadServer, stored: tuple[Client, object, bytes, ShmKV]
+) -> None:
     """The server's bounds check (server/validate.py), through the wire: the same code
     and message as the codec gave when it held the check, the request's own req_id, and
     the connection and the other client keep being served."""
@@ -221,12 +271,23 @@ def test_out_of_range_block_ids_refused_with_bounds_and_others_served(
         for req_id, bad in ((60, g.num_blocks), (61, -2)):
             ids = np.zeros(n_ids, "<i4")
             ids[-1] = bad
-            c.send_raw([encode(m.Retrieve(req_id=req_id, registration_id=reg.registration_id,
-                                          digests=digests, block_ids=[ids.tobytes()]))])
+            c.send_raw(
+                [
+                    encode(
+                        m.Retrieve(
+                            req_id=req_id,
+                            registration_id=reg.registration_id,
+                            digests=digests,
+                            block_ids=[ids.tobytes()],
+                        )
+                    )
+                ]
+            )
             reply = c.recv_reply(timeout_s=5)
             assert isinstance(reply, m.Error) and reply.req_id == req_id, reply
             assert reply.code == "bounds"
-            assert reply.message == (f"group {g.name!r}: block id {bad} out of range "
-                                     f"-1..{g.num_blocks - 1}")
+            assert reply.message == (
+                f"group {g.name!r}: block id {bad} out of range -1..{g.num_blocks - 1}"
+            )
         assert c.retrieve(reg, digests, block_ids_for(reg, 1)).ok.all()
     still_serving(stored)

@@ -55,15 +55,39 @@ def test_replay_table_has_every_policy_and_the_actual_fraction(tmp_path: Path) -
     write("multi-turn", str(trace), 300)
     _, distinct = chunk_ids(load_trace(str(trace)))
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
-    res = CliRunner().invoke(bench, [
-        "replay", "--trace", str(trace), "--layers", "2", "--slab-size-mb", "1",
-        "--fractions", "0.05,0.3", "--json", str(out), "--plot", str(plot),
-        "--no-progress"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        bench,
+        [
+            "replay",
+            "--trace",
+            str(trace),
+            "--layers",
+            "2",
+            "--slab-size-mb",
+            "1",
+            "--fractions",
+            "0.05,0.3",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+            "--no-progress",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     header = next(line for line in res.output.splitlines() if "requested" in line)
-    assert header.split() == ["requested", "actual", "L1", "GiB", "objects",
-                              *POLICIES, "Belady", "infinite"]
+    assert header.split() == [
+        "requested",
+        "actual",
+        "L1",
+        "GiB",
+        "objects",
+        *POLICIES,
+        "Belady",
+        "infinite",
+    ]
     report = json.loads(out.read_text())
     assert {r["policy"] for r in report["rows"]} == set(POLICIES)
     for r in report["rows"]:

@@ -60,8 +60,9 @@ def expected_hit(view: CacheView, keys: list[bytes]) -> int:
     def has(og_index: int, bit: int, i: int) -> bool:
         part = view.partitions[og_index]
         slot = part.keys.get(keys[i])
-        return (slot is not None and part.state[slot] == COMMITTED
-                and bool(part.mask[slot] >> bit & 1))
+        return (
+            slot is not None and part.state[slot] == COMMITTED and bool(part.mask[slot] >> bit & 1)
+        )
 
     for k in range(len(keys), 0, -1):
         ok = True
@@ -75,8 +76,9 @@ def expected_hit(view: CacheView, keys: list[bytes]) -> int:
     return 0
 
 
-def random_ids(view: CacheView, n: int, rng: random.Random, p_missing: float
-               ) -> dict[int, np.ndarray]:
+def random_ids(
+    view: CacheView, n: int, rng: random.Random, p_missing: float
+) -> dict[int, np.ndarray]:
     """Block ids per cached group; each (group, chunk) loses a block with ``p_missing``."""
     out = {}
     for og in view.layout.object_groups:
@@ -93,12 +95,12 @@ def random_ids(view: CacheView, n: int, rng: random.Random, p_missing: float
 @pytest.mark.parametrize("separate", [True, False])
 @pytest.mark.parametrize("windows", [(128, 128), (600,), (128, 600), (2048, 256)])
 def test_lookup_matches_the_rule_and_a_retrieve_of_the_hit_never_misses(
-        separate: bool, windows: tuple[int, ...]) -> None:
+    separate: bool, windows: tuple[int, ...]
+) -> None:
     rng = random.Random(hash((separate, windows)) & 0xFFFF)
     groups = groups_with_windows(windows)
     layout = build_layout(groups, CHUNK, separate)
-    pool = SlabPool(24 * layout.chunk_bytes, max(og.object_bytes for og in
-                                                 layout.object_groups))
+    pool = SlabPool(24 * layout.chunk_bytes, max(og.object_bytes for og in layout.object_groups))
     for s in range(pool.n_slabs):
         pool.mark_ready(s)
     index = L1Index(pool, "LRU")
@@ -131,8 +133,9 @@ def test_lookup_matches_the_rule_and_a_retrieve_of_the_hit_never_misses(
             t = index.pin_retrieve(view, keys[:k], random_ids(view, k, rng, 0))
             assert not any((st == ChunkStatus.MISS).any() for st in t.statuses), (step, k)
             if lease is not None:  # a lease pins exactly what the retrieve reads
-                assert ({(id(p), s) for p, ss in lease.pins for s in ss}
-                        == {(id(p), s) for p, ss in t.pinned for s in ss})
+                assert {(id(p), s) for p, ss in lease.pins for s in ss} == {
+                    (id(p), s) for p, ss in t.pinned for s in ss
+                }
             index.unpin_retrieve(t, ok=True)
         index.check()
     assert hits > 10  # the scenario exercised hits, not only misses
@@ -163,7 +166,8 @@ def test_retentions_cover_every_section_once_required_first() -> None:
             bits = sorted(b for r in og.retentions for b in r.bits)
             assert bits == list(range(len(og.sections))), og.name
             assert [r.required for r in og.retentions] == sorted(
-                (r.required for r in og.retentions), reverse=True)
+                (r.required for r in og.retentions), reverse=True
+            )
             for r in og.retentions:
                 for b in r.bits:
                     sec = og.sections[b]
@@ -171,7 +175,8 @@ def test_retentions_cover_every_section_once_required_first() -> None:
                     if isinstance(r, WindowRetention):
                         assert r.chunks == math.ceil(sec.window_tokens / CHUNK)
             assert og.required_bits == tuple(
-                b for b, s in enumerate(og.sections) if not s.is_window)
+                b for b, s in enumerate(og.sections) if not s.is_window
+            )
 
 
 def test_window_sections_with_the_same_chunk_count_share_one_retention() -> None:

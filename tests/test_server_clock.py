@@ -38,8 +38,7 @@ def l2_of(c: Client) -> L2Report:
 
 
 def digests_of(seed: int, chunks: int) -> bytes:
-    return chunk_digests(np.random.default_rng(seed).integers(0, 100_000, chunks * CHUNK),
-                         CHUNK)
+    return chunk_digests(np.random.default_rng(seed).integers(0, 100_000, chunks * CHUNK), CHUNK)
 
 
 def wire_ids(reg: Registration, ids: dict[str, np.ndarray]) -> list[bytes]:
@@ -51,19 +50,43 @@ def test_a_store_waiting_for_another_writer_gives_up_by_the_servers_clock() -> N
     the settle timeout ends the wait at the next housekeeping tick: the loser hears
     ``IN_PROGRESS`` (another store is still copying), and the server serves on."""
     clock, engine = FakeClock(), HoldingEngine()
-    with ShmKV(simple_model()) as kv, run_server(engine=engine, clock=clock) as ts, \
-            Client(ts.endpoint) as writer, Client(ts.endpoint) as loser:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, clock=clock) as ts,
+        Client(ts.endpoint) as writer,
+        Client(ts.endpoint) as loser,
+    ):
         kv.fill_random(3)
         reg_w = writer.register(**kv.register_kwargs())
         reg_l = loser.register(**kv.register_kwargs())  # same namespace, same keys
         digests = digests_of(1, 1)
         ids = block_ids_for(reg_w, 1)
         try:
-            writer.send_raw([encode(m.Store(req_id=10, registration_id=reg_w.registration_id,
-                                            digests=digests, block_ids=wire_ids(reg_w, ids)))])
+            writer.send_raw(
+                [
+                    encode(
+                        m.Store(
+                            req_id=10,
+                            registration_id=reg_w.registration_id,
+                            digests=digests,
+                            block_ids=wire_ids(reg_w, ids),
+                        )
+                    )
+                ]
+            )
             engine.wait_held()
-            loser.send_raw([encode(m.Store(req_id=11, registration_id=reg_l.registration_id,
-                                           digests=digests, block_ids=wire_ids(reg_l, ids)))])
+            loser.send_raw(
+                [
+                    encode(
+                        m.Store(
+                            req_id=11,
+                            registration_id=reg_l.registration_id,
+                            digests=digests,
+                            block_ids=wire_ids(reg_l, ids),
+                        )
+                    )
+                ]
+            )
             loser.send_raw([encode(m.Ping(req_id=12))])
             reply = loser.recv_reply(10)  # read after the store
             assert isinstance(reply, m.Pong) and reply.req_id == 12, reply
@@ -94,17 +117,20 @@ def redis_proc() -> Iterator[RedisProcess]:
         yield r
 
 
-def test_a_remembered_l2_miss_is_forgotten_by_the_servers_clock(
-        redis_proc: RedisProcess) -> None:
+def test_a_remembered_l2_miss_is_forgotten_by_the_servers_clock(redis_proc: RedisProcess) -> None:
     """Server B looks a prefix up before server A stored it: L2 misses, and B remembers
     the miss for ``MISS_MEMORY_S`` of its clock (a poll starts no L2 read). Once A's
     copy is in L2, B still reports nothing pending until the test moves B's clock past
     the memory; then the next lookup fetches it."""
     clock = FakeClock()
     fields: dict[str, Any] = {"l2_url": redis_proc.url, "l2_timeout_s": 0.5}
-    with ShmKV(simple_model()) as kv, run_server(**fields) as a, \
-            run_server(clock=clock, **fields) as b, \
-            Client(a.endpoint) as ca, Client(b.endpoint) as cb:
+    with (
+        ShmKV(simple_model()) as kv,
+        run_server(**fields) as a,
+        run_server(clock=clock, **fields) as b,
+        Client(a.endpoint) as ca,
+        Client(b.endpoint) as cb,
+    ):
         kv.fill_random(4)
         reg_a, reg_b = ca.register(**kv.register_kwargs()), cb.register(**kv.register_kwargs())
         for c in (ca, cb):

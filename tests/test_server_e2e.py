@@ -27,8 +27,9 @@ NUM_BLOCKS = 64
 
 def run_worker(endpoint: str, **kw: object) -> dict[str, list[int]]:
     args = {"endpoint": endpoint, "num_blocks": NUM_BLOCKS, **kw}
-    out = subprocess.run([sys.executable, WORKER, json.dumps(args)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, WORKER, json.dumps(args)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -56,32 +57,40 @@ def test_store_in_one_process_retrieve_in_another_into_other_blocks(client: Clie
         dst_ids = block_ids_for(reg, n, np.random.default_rng(99))
         res = client.retrieve(reg, digests, dst_ids)
         assert res.ok.all() and res.ok_prefix == n
-        assert_same_pages(reg, src, block_ids_for(reg, n, np.random.default_rng(2)), dst,
-                          dst_ids, n)
+        assert_same_pages(
+            reg, src, block_ids_for(reg, n, np.random.default_rng(2)), dst, dst_ids, n
+        )
         assert client.release(look.lease_id)
         scratch = dst.group("compressor_scratch")
         assert not dst.segments[scratch.layers[0].buffer].array.any(), "scratch was written"
         client.unregister(reg)
 
 
-def test_replicated_namespace_rank0_stores_once_all_ranks_retrieve(server: ServerProcess
-                                                                   ) -> None:
+def test_replicated_namespace_rank0_stores_once_all_ranks_retrieve(server: ServerProcess) -> None:
     n = 4
     with Client(server.endpoint) as admin:
         admin.clear()
         before = admin.stats().counters.stored_bytes
-        st = run_worker(server.endpoint, seed=21, token_seed=3, block_seed=4, chunks=n,
-                        world_size=8, rank=0, replicated=True)
+        st = run_worker(
+            server.endpoint,
+            seed=21,
+            token_seed=3,
+            block_seed=4,
+            chunks=n,
+            world_size=8,
+            rank=0,
+            replicated=True,
+        )
         assert st["full"] == [0] * n
         digests = chunk_digests(tokens(3, n), 256)
         with expected_kv(21) as src:
             src_ids = None
             for rank in range(1, 8):
-                with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst, \
-                        Client(server.endpoint) as c:
+                with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as dst, Client(server.endpoint) as c:
                     dst.fill(0)
-                    reg = c.register(**dst.register_kwargs(world_size=8, rank=rank,
-                                                           replicated=True))
+                    reg = c.register(
+                        **dst.register_kwargs(world_size=8, rank=rank, replicated=True)
+                    )
                     src_ids = src_ids or block_ids_for(reg, n, np.random.default_rng(4))
                     assert c.lookup(reg, digests, lease=False).hit_chunks == n
                     # a second store by another rank copies nothing
@@ -109,8 +118,7 @@ def test_sm90_chunks_are_invisible_to_sm100(client: Client) -> None:
 
 
 def run_namespace(arch: str) -> str:
-    return (f"model=deepseek-ai/DeepSeek-V4.1-Flash;kv_dtype=fp8_ds_mla;arch={arch};"
-            "world=1;rank=0")
+    return f"model=deepseek-ai/DeepSeek-V4.1-Flash;kv_dtype=fp8_ds_mla;arch={arch};world=1;rank=0"
 
 
 def test_out_of_range_block_id_refused_and_nothing_copied(client: Client) -> None:
@@ -156,9 +164,14 @@ def test_scratch_group_never_copied_and_refused_in_requests(client: Client) -> N
         raw = reg.encode_block_ids(block_ids_for(reg, 1), 1)
         raw[-1] = np.zeros(1, "<i4").tobytes()
         from lmc_server.protocol import messages as m
+
         with pytest.raises(ServerError, match="scratch and never cached"):
-            client._call(m.Store(req_id=999, registration_id=reg.registration_id,
-                                 digests=digests, block_ids=raw), m.StoreResult)
+            client._call(
+                m.Store(
+                    req_id=999, registration_id=reg.registration_id, digests=digests, block_ids=raw
+                ),
+                m.StoreResult,
+            )
 
 
 def test_partial_hit_reports_only_the_prefix(client: Client) -> None:
@@ -170,7 +183,7 @@ def test_partial_hit_reports_only_the_prefix(client: Client) -> None:
         one = {k: v.reshape(5, -1) for k, v in ids.items()}
         for c in (0, 1, 3, 4):
             part = {k: v[c] for k, v in one.items()}
-            assert client.store(reg, digests[32 * c:32 * (c + 1)], part).ok.all()
+            assert client.store(reg, digests[32 * c : 32 * (c + 1)], part).ok.all()
         look = client.lookup(reg, digests)
         assert look.hit_chunks == 2
         res = client.retrieve(reg, digests, ids)
@@ -180,8 +193,10 @@ def test_partial_hit_reports_only_the_prefix(client: Client) -> None:
 
 
 def test_second_registration_same_namespace_shares_chunks(client: Client) -> None:
-    with ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as a, \
-            ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS, stride_pad=64)) as b:
+    with (
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS)) as a,
+        ShmKV(dsv41_flash(num_blocks=NUM_BLOCKS, stride_pad=64)) as b,
+    ):
         a.fill_random(8)
         b.fill(0)
         ra = client.register(**a.register_kwargs())
@@ -220,13 +235,11 @@ def test_unregister_unmaps_shared_memory(server: ServerProcess, client: Client) 
         assert not any(name in maps.read_text() for name in names)
 
 
-def test_lookup_only_registration_sees_the_workers_chunks_and_cannot_copy(
-        client: Client) -> None:
+def test_lookup_only_registration_sees_the_workers_chunks_and_cannot_copy(client: Client) -> None:
     """The scheduler's registration (no buffers) looks up what a worker of the same model
     stored, and nothing else, and may not copy."""
     geo = dsv41_flash(num_blocks=NUM_BLOCKS)
-    reg = client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90",
-                          groups=geo.groups)
+    reg = client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90", groups=geo.groups)
     assert reg.lookup_only
     stored = chunk_digests(tokens(7, 2), 256)
     unseen = chunk_digests(tokens(8, 2), 256)
@@ -245,21 +258,25 @@ def test_lookup_only_registration_sees_the_workers_chunks_and_cannot_copy(
 def test_bad_shared_memory_name_refused(client: Client) -> None:
     geo = dsv41_flash(num_blocks=NUM_BLOCKS)
     from lmc_server.buffers import ShmBuffer
+
     bufs = [ShmBuffer(name="../etc/passwd", size_bytes=s) for s in geo.buffer_sizes]
     with pytest.raises(ServerError, match="transfer.*must match"):
-        client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90",
-                        groups=geo.groups, buffers=bufs)
+        client.register(
+            model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90", groups=geo.groups, buffers=bufs
+        )
     bufs = [ShmBuffer(name="lmc-does-not-exist", size_bytes=s) for s in geo.buffer_sizes]
     with pytest.raises(ServerError, match="cannot open shared memory"):
-        client.register(model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90",
-                        groups=geo.groups, buffers=bufs)
+        client.register(
+            model=geo.model, kv_dtype=geo.kv_dtype, arch="sm90", groups=geo.groups, buffers=bufs
+        )
 
 
 def test_nvfp4_on_sm90_refused_with_arch_error(client: Client) -> None:
     geo = dsv41_flash(num_blocks=NUM_BLOCKS)
     g = geo.groups[2]
-    fp4 = type(g)(**{**{f: getattr(g, f) for f in g.__struct_fields__},
-                     "record_format": "nvfp4_ds_mla"})
+    fp4 = type(g)(
+        **{**{f: getattr(g, f) for f in g.__struct_fields__}, "record_format": "nvfp4_ds_mla"}
+    )
     groups = [fp4 if x is g else x for x in geo.groups]
     with ShmKV(geo) as kv:
         with pytest.raises(ServerError) as e:
@@ -271,6 +288,7 @@ def test_nvfp4_on_sm90_refused_with_arch_error(client: Client) -> None:
 def test_stats_say_where_data_requests_spend_their_time(client: Client) -> None:
     """Each store and retrieve adds one sample to every phase it went through; the
     phases of a copying request cover its whole time in the server, in order."""
+
     def phases() -> dict[str, PhaseSum]:
         return client.stats().phases
 

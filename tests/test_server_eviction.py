@@ -26,8 +26,13 @@ SLOTS = 8
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[ThreadServer]:
     """Leases of 1 s on a clock that stands still: they hold however slow the machine."""
-    with run_server(clock=FakeClock(), l1_size_gb=SLOTS / 1024, slab_size_mb=1,
-                    lease_ttl_s=1.0, eviction_policy="LRU") as ts:
+    with run_server(
+        clock=FakeClock(),
+        l1_size_gb=SLOTS / 1024,
+        slab_size_mb=1,
+        lease_ttl_s=1.0,
+        eviction_policy="LRU",
+    ) as ts:
         yield ts
 
 
@@ -65,7 +70,8 @@ def test_lru_order_under_a_small_pool(setup: tuple[Client, Registration, ShmKV])
 
 
 def test_leased_chunk_survives_pressure_until_released(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, kv = setup
     ids = block_ids_for(reg, 1)
     assert c.store(reg, one_chunk(100), ids).ok.all()
@@ -88,9 +94,17 @@ def test_lease_expires_after_its_ttl() -> None:
     """In process with a fake clock: the lease holds until the clock passes its TTL and
     a housekeeping tick runs; then it is gone and its chunk is evictable again."""
     clock = FakeClock()
-    with run_server(clock=clock, l1_size_gb=SLOTS / 1024, slab_size_mb=1, lease_ttl_s=1.0,
-                    eviction_policy="LRU") as ts, Client(ts.endpoint) as c, \
-            ShmKV(simple_model(layers=4, bytes_per_token=1024)) as kv:
+    with (
+        run_server(
+            clock=clock,
+            l1_size_gb=SLOTS / 1024,
+            slab_size_mb=1,
+            lease_ttl_s=1.0,
+            eviction_policy="LRU",
+        ) as ts,
+        Client(ts.endpoint) as c,
+        ShmKV(simple_model(layers=4, bytes_per_token=1024)) as kv,
+    ):
         kv.fill_random(3)
         reg = c.register(**kv.register_kwargs())
         ids = block_ids_for(reg, 1)
@@ -110,7 +124,8 @@ def test_lease_expires_after_its_ttl() -> None:
 
 
 def test_everything_leased_means_no_space_per_chunk(
-        setup: tuple[Client, Registration, ShmKV]) -> None:
+    setup: tuple[Client, Registration, ShmKV],
+) -> None:
     c, reg, _ = setup
     ids = block_ids_for(reg, 1)
     leases = []
@@ -123,7 +138,8 @@ def test_everything_leased_means_no_space_per_chunk(
     assert res.failed_chunks == [0]
     assert c.stats().counters.alloc_failures["no_space"] == failures + 1
     assert present(c, reg, 0) == [] and all(
-        c.lookup(reg, one_chunk(600 + i), lease=False).hit_chunks for i in range(SLOTS))
+        c.lookup(reg, one_chunk(600 + i), lease=False).hit_chunks for i in range(SLOTS)
+    )
     for lease_id in leases:
         assert c.release(lease_id)
     assert c.store(reg, one_chunk(700), ids).ok.all()
@@ -136,12 +152,18 @@ def test_async_client_runs_requests_concurrently(tiny: ThreadServer) -> None:
                 kv.fill_random(9)
                 reg = await c.register(**kv.register_kwargs())
                 digests = [chunk_digests(np.full(256, 1000 + i), 256) for i in range(4)]
-                stores = await asyncio.gather(*(c.store(reg, d, block_ids_for(reg, 1))
-                                                for d in digests))
+                stores = await asyncio.gather(
+                    *(c.store(reg, d, block_ids_for(reg, 1)) for d in digests)
+                )
                 assert all(r.ok.all() for r in stores), [r.statuses for r in stores]
-                looks = await asyncio.gather(*(c.lookup(reg, d, lease=False)
-                                               for d in digests), c.ping())
-                assert [x.hit_chunks for x in looks[:4]
-                        if isinstance(x, m.LookupResult)] == [1, 1, 1, 1]
+                looks = await asyncio.gather(
+                    *(c.lookup(reg, d, lease=False) for d in digests), c.ping()
+                )
+                assert [x.hit_chunks for x in looks[:4] if isinstance(x, m.LookupResult)] == [
+                    1,
+                    1,
+                    1,
+                    1,
+                ]
 
     asyncio.run(main())

@@ -41,16 +41,25 @@ def snapshot(srv: ServerProcess) -> dict[str, int]:
     assert srv.proc is not None
     pid = srv.proc.pid
     maps = Path(f"/proc/{pid}/maps").read_text()
-    return {"rss": server_rss_bytes(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "mapped_segments": len({line.split()[-2] if line.endswith("(deleted)")
-                                    else line.split()[-1] for line in maps.splitlines()
-                                    if "/dev/shm/lmc-" in line})}
+    return {
+        "rss": server_rss_bytes(pid),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "mapped_segments": len(
+            {
+                line.split()[-2] if line.endswith("(deleted)") else line.split()[-1]
+                for line in maps.splitlines()
+                if "/dev/shm/lmc-" in line
+            }
+        ),
+    }
 
 
 def run_soak(duration_s: float, concurrency: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
-    with ServerProcess(["--separate-object-groups", "--slab-size-mb", "16"],
-                       l1_size_gb=0.25) as srv, Client(srv.endpoint) as c:
+    with (
+        ServerProcess(["--separate-object-groups", "--slab-size-mb", "16"], l1_size_gb=0.25) as srv,
+        Client(srv.endpoint) as c,
+    ):
         t0 = time.monotonic()
         while c.stats().l1.ready_bytes < c.stats().l1.capacity_bytes:
             assert time.monotonic() - t0 < 30
@@ -63,9 +72,17 @@ def run_soak(duration_s: float, concurrency: int, seed: int) -> dict[str, int]:
         while time.monotonic() < deadline or live:
             while len(live) < concurrency and time.monotonic() < deadline:
                 w = subprocess.Popen(
-                    [sys.executable, WORKER, srv.endpoint, str(rng.randrange(1 << 30)),
-                     str(rng.uniform(1, 4))], stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, text=True)
+                    [
+                        sys.executable,
+                        WORKER,
+                        srv.endpoint,
+                        str(rng.randrange(1 << 30)),
+                        str(rng.uniform(1, 4)),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
                 assert w.stdout is not None and w.stdout.readline() == "ready\n"
                 live.append(w)
                 pids.append(w.pid)

@@ -30,8 +30,7 @@ BPC = 16  # blocks per 256-token chunk at 16 tokens per block
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[ServerProcess]:
-    with ServerProcess(["--slab-size-mb", "1", "--lease-ttl-s", "600"],
-                       l1_size_gb=4 / 1024) as srv:
+    with ServerProcess(["--slab-size-mb", "1", "--lease-ttl-s", "600"], l1_size_gb=4 / 1024) as srv:
         yield srv
 
 
@@ -47,8 +46,13 @@ def test_cache_behaves_like_its_model(live: ServerProcess) -> None:
         reg_dst = c.register(**dst.register_kwargs())
         Machine.setup(live, c, src, dst, reg_src, reg_dst)
         run = Machine.TestCase
-        run.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                database=None, suppress_health_check=list(HealthCheck))
+        run.settings = settings(
+            max_examples=60,
+            stateful_step_count=30,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         run().runTest()
 
 
@@ -61,8 +65,9 @@ class Machine(RuleBasedStateMachine):
     reg_dst: object
 
     @classmethod
-    def setup(cls, srv: ServerProcess, c: Client, src: ShmKV, dst: ShmKV, reg_src: object,
-              reg_dst: object) -> None:
+    def setup(
+        cls, srv: ServerProcess, c: Client, src: ShmKV, dst: ShmKV, reg_src: object, reg_dst: object
+    ) -> None:
         cls.srv, cls.c, cls.src, cls.dst = srv, c, src, dst
         cls.reg_src, cls.reg_dst = reg_src, reg_dst
 
@@ -121,8 +126,11 @@ class Machine(RuleBasedStateMachine):
         """Fill with chunks outside the model's keys: unpinned keys may be evicted."""
         for _ in range(n):
             self.filler += 1
-            self.c.store(self.reg_src, digest(10_000 + self.filler),  # type: ignore[arg-type]
-                         {"full": self.src_ids(KEYS)})
+            self.c.store(
+                self.reg_src,  # type: ignore[arg-type]
+                digest(10_000 + self.filler),
+                {"full": self.src_ids(KEYS)},
+            )
 
     @rule(i=st.integers(0, KEYS - 1))
     def client_dies_holding_a_lease(self, i: int) -> None:

@@ -47,8 +47,9 @@ def families(fams: Iterable[Any]) -> dict[str, dict[tuple[str, ...], float]]:
     out: dict[str, dict[tuple[str, ...], float]] = {}
     for fam in fams:
         if isinstance(fam, CounterMetricFamily):
-            out[fam.name] = {tuple(s.labels.values()): s.value for s in fam.samples
-                             if s.name.endswith("_total")}
+            out[fam.name] = {
+                tuple(s.labels.values()): s.value for s in fam.samples if s.name.endswith("_total")
+            }
     return out
 
 
@@ -84,9 +85,17 @@ def test_every_l1_counter_is_exported_and_reported_from_its_own_field() -> None:
 def fake_tier(stats: L2Stats) -> Any:
     """What the L2 collector and the report read of a tier (a real one needs Redis)."""
     return SimpleNamespace(
-        stats=stats, kind="l2", label="L2", up=True, state_reason="connected", display_url="redis://127.0.0.1:1",
-        backend=SimpleNamespace(name="redis"), clock=lambda: 12.5, state_since_s=10.0,
-        writer=SimpleNamespace(depth=4, max_objects=64, in_flight=2))
+        stats=stats,
+        kind="l2",
+        label="L2",
+        up=True,
+        state_reason="connected",
+        display_url="redis://127.0.0.1:1",
+        backend=SimpleNamespace(name="redis"),
+        clock=lambda: 12.5,
+        state_since_s=10.0,
+        writer=SimpleNamespace(depth=4, max_objects=64, in_flight=2),
+    )
 
 
 def test_every_l2_counter_is_exported_and_reported_from_its_own_field() -> None:
@@ -111,18 +120,45 @@ def test_every_l2_counter_is_exported_and_reported_from_its_own_field() -> None:
 def sample_report() -> StatsReport:
     l2 = l2_report(fake_tier(numbered(L2Stats)))
     return StatsReport(
-        version="0.1.0", backend="cpu", chunk_size=256, separate_object_groups=True,
-        eviction_policy="LRU", uptime_s=1.5,
-        l1=L1Report(capacity_bytes=1 << 30, ready_bytes=1 << 30, slab_bytes=1 << 26,
-                    slabs=16, ready_slabs=16, free_slabs=14, used_bytes=4096, objects=2),
-        partitions=[PartitionReport(name="full", fingerprint="ab" * 16, object_bytes=2048,
-                                    slabs=2, capacity_objects=64, objects=2, writing=0,
-                                    used_bytes=4096, capacity_bytes=1 << 27,
-                                    pinned_objects=1)],
-        sessions=1, registrations=1, leases=1,
-        counters=Counters(**copy_counters(numbered(CacheStats), CacheStats),
-                          requests={"lookup:ok": 2}),
-        phases={"store:copy": PhaseSum(count=2, seconds=0.25)}, l2=l2)
+        version="0.1.0",
+        backend="cpu",
+        chunk_size=256,
+        separate_object_groups=True,
+        eviction_policy="LRU",
+        uptime_s=1.5,
+        l1=L1Report(
+            capacity_bytes=1 << 30,
+            ready_bytes=1 << 30,
+            slab_bytes=1 << 26,
+            slabs=16,
+            ready_slabs=16,
+            free_slabs=14,
+            used_bytes=4096,
+            objects=2,
+        ),
+        partitions=[
+            PartitionReport(
+                name="full",
+                fingerprint="ab" * 16,
+                object_bytes=2048,
+                slabs=2,
+                capacity_objects=64,
+                objects=2,
+                writing=0,
+                used_bytes=4096,
+                capacity_bytes=1 << 27,
+                pinned_objects=1,
+            )
+        ],
+        sessions=1,
+        registrations=1,
+        leases=1,
+        counters=Counters(
+            **copy_counters(numbered(CacheStats), CacheStats), requests={"lookup:ok": 2}
+        ),
+        phases={"store:copy": PhaseSum(count=2, seconds=0.25)},
+        l2=l2,
+    )
 
 
 def test_stats_reply_round_trips_typed() -> None:
@@ -138,27 +174,93 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
     """The keys a script or a client of this protocol version reads (docs/protocol.md)."""
     wire = msgspec.msgpack.decode(encode(m.StatsResult(req_id=1, stats=sample_report())))
     stats = wire["stats"]
-    assert set(stats) == {"version", "backend", "chunk_size", "separate_object_groups",
-                          "eviction_policy", "uptime_s", "l1", "partitions", "sessions",
-                          "registrations", "leases", "counters", "phases", "l2", "disk",
-                          "kv_events"}
-    assert set(stats["l1"]) == {"capacity_bytes", "ready_bytes", "slab_bytes", "slabs",
-                                "ready_slabs", "free_slabs", "used_bytes", "objects"}
+    assert set(stats) == {
+        "version",
+        "backend",
+        "chunk_size",
+        "separate_object_groups",
+        "eviction_policy",
+        "uptime_s",
+        "l1",
+        "partitions",
+        "sessions",
+        "registrations",
+        "leases",
+        "counters",
+        "phases",
+        "l2",
+        "disk",
+        "kv_events",
+    }
+    assert set(stats["l1"]) == {
+        "capacity_bytes",
+        "ready_bytes",
+        "slab_bytes",
+        "slabs",
+        "ready_slabs",
+        "free_slabs",
+        "used_bytes",
+        "objects",
+    }
     assert set(stats["partitions"][0]) == {
-        "name", "fingerprint", "object_bytes", "slabs", "capacity_objects", "objects",
-        "writing", "used_bytes", "capacity_bytes", "pinned_objects"}
+        "name",
+        "fingerprint",
+        "object_bytes",
+        "slabs",
+        "capacity_objects",
+        "objects",
+        "writing",
+        "used_bytes",
+        "capacity_bytes",
+        "pinned_objects",
+    }
     assert set(stats["counters"]) == {
-        "lookups", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens",
-        "probes", "probe_tokens", "probe_hit_tokens", "stored_objects", "stored_bytes",
-        "retrieved_objects", "retrieved_bytes", "evictions", "evicted_bytes", "slabs_moved",
-        "leases_taken", "leases_released", "leases_expired", "alloc_failures", "requests"}
+        "lookups",
+        "lookup_chunks",
+        "hit_chunks",
+        "lookup_tokens",
+        "hit_tokens",
+        "probes",
+        "probe_tokens",
+        "probe_hit_tokens",
+        "stored_objects",
+        "stored_bytes",
+        "retrieved_objects",
+        "retrieved_bytes",
+        "evictions",
+        "evicted_bytes",
+        "slabs_moved",
+        "leases_taken",
+        "leases_released",
+        "leases_expired",
+        "alloc_failures",
+        "requests",
+    }
     assert stats["phases"] == {"store:copy": {"count": 2, "seconds": 0.25}}
     assert set(stats["l2"]) == {
-        "url", "backend", "state", "reason", "state_for_s", "write_queue_objects",
-        "write_queue_capacity", "writes_in_flight", "hits", "misses", "invalid",
-        "bytes_read", "bytes_written", "objects_written", "dropped_writes", "errors",
-        "prefetches", "prefetches_skipped", "prefetch_no_space", "state_changes",
-        "read_seconds", "write_seconds"}
+        "url",
+        "backend",
+        "state",
+        "reason",
+        "state_for_s",
+        "write_queue_objects",
+        "write_queue_capacity",
+        "writes_in_flight",
+        "hits",
+        "misses",
+        "invalid",
+        "bytes_read",
+        "bytes_written",
+        "objects_written",
+        "dropped_writes",
+        "errors",
+        "prefetches",
+        "prefetches_skipped",
+        "prefetch_no_space",
+        "state_changes",
+        "read_seconds",
+        "write_seconds",
+    }
     assert stats["l2"]["read_seconds"] == {"count": 0, "sum": 0.0}
     without_l2 = msgspec.structs.replace(sample_report(), l2=None)
     assert msgspec.msgpack.decode(encode(without_l2))["l2"] is None

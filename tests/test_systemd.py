@@ -55,9 +55,11 @@ def test_ready_status_watchdog_and_stopping_arrive(fake_systemd: FakeSystemd) ->
         assert f"MAINPID={srv.proc.pid}" in ready  # type: ignore[union-attr]
         fake_systemd.wait_count("WATCHDOG=1", 3)  # every 0.2 s
         # the last slab prepared is reported (a loaded machine pins slowly)
-        fake_systemd.wait_until(lambda: any("L1 pool ready" in a for _, lines in
-                                            fake_systemd.messages for a in lines),
-                                "STATUS=... L1 pool ready", timeout_s=60)
+        fake_systemd.wait_until(
+            lambda: any("L1 pool ready" in a for _, lines in fake_systemd.messages for a in lines),
+            "STATUS=... L1 pool ready",
+            timeout_s=60,
+        )
         assert srv.terminate() == 0
     stop_t = fake_systemd.wait_for("STOPPING=1")
     assert stop_t > ready_t
@@ -70,17 +72,23 @@ def test_a_copy_stuck_in_the_engine_stops_neither_the_loop_nor_the_watchdog() ->
     """Copies run off the event loop: while one is stuck, watchdog pings go on, the
     server is healthy and serves other clients; released, the request completes."""
     engine = HoldingEngine()
-    with FakeSystemd() as systemd, ShmKV(simple_model()) as kv, \
-            run_server(engine=engine, notifier=systemd.notifier(watchdog_interval_s=0.01)) \
-            as ts, Client(ts.endpoint) as c:
+    with (
+        FakeSystemd() as systemd,
+        ShmKV(simple_model()) as kv,
+        run_server(engine=engine, notifier=systemd.notifier(watchdog_interval_s=0.01)) as ts,
+        Client(ts.endpoint) as c,
+    ):
         kv.fill_random(2)
         reg = c.register(**kv.register_kwargs())
         done = threading.Event()
         result: list[bool] = []
 
         def store() -> None:
-            result.append(bool(c.store(reg, chunk_digests(np.arange(256), 256),
-                                       block_ids_for(reg, 1)).ok.all()))
+            result.append(
+                bool(
+                    c.store(reg, chunk_digests(np.arange(256), 256), block_ids_for(reg, 1)).ok.all()
+                )
+            )
             done.set()
 
         worker = threading.Thread(target=store)
@@ -106,8 +114,7 @@ def test_no_notify_socket_means_no_notifications() -> None:
 
 
 def test_watchdog_for_another_pid_is_ignored() -> None:
-    env = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000",
-           "WATCHDOG_PID": "1"}
+    env = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}
     assert Notifier.from_env(env, pid=1234).watchdog_interval_s is None
     assert Notifier.from_env(env, pid=1).watchdog_interval_s == 15.0
 
@@ -157,8 +164,9 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     text = re.sub(r"^ExecStart=\S+", f"ExecStart={lmcache}", text, flags=re.M)
     unit = tmp_path / "lmcache-server.service"
     unit.write_text(text)
-    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
     problems = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
     # No filter: every key must be known to the oldest supported systemd (252, Debian 12
     # and RHEL 9), so any warning at all, an unknown key included, fails.

@@ -47,21 +47,39 @@ class GeometryArgs:
 
     @classmethod
     def pop(cls, kwargs: dict[str, Any]) -> GeometryArgs:
-        return cls(**{k: kwargs.pop(k) for k in ("arch", "layers", "sliding_groups",
-                                                   "kv_source_every", "window_tokens",
-                                                   "stride_pad", "placement")})
+        return cls(
+            **{
+                k: kwargs.pop(k)
+                for k in (
+                    "arch",
+                    "layers",
+                    "sliding_groups",
+                    "kv_source_every",
+                    "window_tokens",
+                    "stride_pad",
+                    "placement",
+                )
+            }
+        )
 
     def build(self, num_blocks: int) -> KVGeometry:
-        return dsv41_flash(arch=self.arch, num_blocks=num_blocks, layers=self.layers,
-                           sliding_groups=self.sliding_groups,
-                           kv_source_every=self.kv_source_every,
-                           window_tokens=self.window_tokens, stride_pad=self.stride_pad,
-                           placement=self.placement)
+        return dsv41_flash(
+            arch=self.arch,
+            num_blocks=num_blocks,
+            layers=self.layers,
+            sliding_groups=self.sliding_groups,
+            kv_source_every=self.kv_source_every,
+            window_tokens=self.window_tokens,
+            stride_pad=self.stride_pad,
+            placement=self.placement,
+        )
 
     def describe(self) -> str:
-        return (f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
-                f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
-                f"kv source every {self.kv_source_every}, {self.placement}-outermost pages")
+        return (
+            f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
+            f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
+            f"kv source every {self.kv_source_every}, {self.placement}-outermost pages"
+        )
 
 
 def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:
@@ -69,8 +87,11 @@ def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:
     a = np.asarray(samples_s, dtype=np.float64) * 1e6
     if a.size == 0:
         return {"p50_us": float("nan"), "p99_us": float("nan"), "mean_us": float("nan")}
-    return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99)),
-            "mean_us": float(a.mean())}
+    return {
+        "p50_us": float(np.percentile(a, 50)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": float(a.mean()),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -86,9 +107,15 @@ def machine() -> dict[str, Any]:
         pass
     from lmc_server.config import physical_memory_bytes
 
-    return {"hostname": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
-            "memory_bytes": physical_memory_bytes(), "python": platform.python_version(),
-            "platform": platform.platform(), "lmc_server": __version__}
+    return {
+        "hostname": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": physical_memory_bytes(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "lmc_server": __version__,
+    }
 
 
 @dataclass
@@ -101,18 +128,25 @@ class Report:
     notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     command: str = field(default_factory=lambda: shlex.join(sys.argv))
-    date: str = field(default_factory=lambda: datetime.datetime.now(
-        datetime.UTC).isoformat(timespec="seconds"))
+    date: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    )
     machine: dict[str, Any] = field(default_factory=machine)
 
     def to_json(self) -> dict[str, Any]:
-        return {"benchmark": self.benchmark, "command": self.command, "date": self.date,
-                "machine": self.machine, "config": self.config, "notes": self.notes,
-                "summary": self.summary, "rows": self.rows}
+        return {
+            "benchmark": self.benchmark,
+            "command": self.command,
+            "date": self.date,
+            "machine": self.machine,
+            "config": self.config,
+            "notes": self.notes,
+            "summary": self.summary,
+            "rows": self.rows,
+        }
 
 
-def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]
-                 ) -> str:
+def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
     """A fixed-width table; ``columns`` are ``(key, header, format spec)``."""
     cells = [[h for _, h, _ in columns]]
     for r in rows:
@@ -138,8 +172,10 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, st
 def emit(report: Report, table: str, json_path: str | None) -> None:
     """Print the header, the table and the notes; write the JSON report if asked."""
     m = report.machine
-    click.echo(f"lmcache bench {report.benchmark}  ({report.date}, {m['cores']} cores, "
-               f"{m['memory_bytes'] / (1 << 30):.0f} GiB, {m['cpu']})")
+    click.echo(
+        f"lmcache bench {report.benchmark}  ({report.date}, {m['cores']} cores, "
+        f"{m['memory_bytes'] / (1 << 30):.0f} GiB, {m['cpu']})"
+    )
     click.echo(table)
     for line in report.notes:
         click.echo(f"note: {line}")
@@ -154,8 +190,14 @@ def progress(total: int, desc: str, enabled: bool) -> Any:
     """A tqdm bar on stderr (hidden when ``enabled`` is false or stderr is no terminal)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=None if enabled else True, leave=False,
-                file=sys.stderr, unit="step")
+    return tqdm(
+        total=total,
+        desc=desc,
+        disable=None if enabled else True,
+        leave=False,
+        file=sys.stderr,
+        unit="step",
+    )
 
 
 def plot_figure() -> tuple[Any, Any]:
@@ -178,8 +220,9 @@ def save_figure(fig: Any, path: str) -> None:
     click.echo(f"wrote {path}")
 
 
-def phase_means(before: dict[str, PhaseSum], after: dict[str, PhaseSum]
-                ) -> dict[str, dict[str, float]]:
+def phase_means(
+    before: dict[str, PhaseSum], after: dict[str, PhaseSum]
+) -> dict[str, dict[str, float]]:
     """op -> phase -> mean ms per request, over the requests between two snapshots."""
     out: dict[str, dict[str, float]] = {}
     for key, a in after.items():

@@ -20,11 +20,14 @@ class JsonLineProcess:
     def __init__(self, module: str, name: str, cfg: dict[str, Any]) -> None:
         self.name = name
         self.log: IO[bytes] = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+        )
         self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name=f"lmc-bench-{name}",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"lmc-bench-{name}", daemon=True)
         self._reader.start()
         self.send(cfg)
 
@@ -47,8 +50,9 @@ class JsonLineProcess:
         try:
             reply = self._lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise TimeoutError(f"{self.name}: no reply within {timeout_s:.0f} s\n"
-                               f"{self.stderr()}") from None
+            raise TimeoutError(
+                f"{self.name}: no reply within {timeout_s:.0f} s\n{self.stderr()}"
+            ) from None
         if reply is None or "error" in reply:
             what = "exited" if reply is None else reply["error"]
             raise RuntimeError(f"{self.name} failed: {what}\n{self.stderr()}")

@@ -46,16 +46,28 @@ class Regions:
     #: block pool hands them out after much churn (no two pages of a chunk adjacent).
     block_order: str = "consecutive"
     #: (group, region) -> block order, made once (the timing loops ask per request)
-    _orders: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, compare=False,
-                                                        repr=False)
+    _orders: dict[tuple[str, int], np.ndarray] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
-    def build(cls, geometry: KVGeometry, chunk_size: int, max_batch: int,
-              separate: bool, block_order: str = "consecutive") -> Regions:
+    def build(
+        cls,
+        geometry: KVGeometry,
+        chunk_size: int,
+        max_batch: int,
+        separate: bool,
+        block_order: str = "consecutive",
+    ) -> Regions:
         if block_order not in ("consecutive", "random"):
             raise ValueError(f"block order {block_order!r}: expected consecutive or random")
-        return cls(geometry, chunk_size, max_batch,
-                   build_layout(geometry.groups, chunk_size, separate), block_order)
+        return cls(
+            geometry,
+            chunk_size,
+            max_batch,
+            build_layout(geometry.groups, chunk_size, separate),
+            block_order,
+        )
 
     def _order(self, g: GroupSpec, region: int) -> np.ndarray:
         """Block ids of ``region`` in the order chunks use them."""
@@ -87,7 +99,7 @@ class Regions:
         out = {}
         for g in self.geometry.groups:
             if g.cached:
-                out[g.name] = self._order(g, region)[:n_chunks * self.bpc(g)]
+                out[g.name] = self._order(g, region)[: n_chunks * self.bpc(g)]
         return out
 
     def sections(self) -> list[SectionLayout]:
@@ -108,8 +120,11 @@ class Regions:
     def written_blocks(self, sec: SectionLayout, region: int, n_chunks: int) -> list[int]:
         """Block ids in ``region`` that a retrieve of ``n_chunks`` writes for ``sec``."""
         order = self._order(self._group(sec.group_name), region).tolist()
-        return [order[c * sec.blocks_per_chunk + sec.first_block + j]
-                for c in self.retrieved_chunks(sec, n_chunks) for j in range(sec.n_blocks)]
+        return [
+            order[c * sec.blocks_per_chunk + sec.first_block + j]
+            for c in self.retrieved_chunks(sec, n_chunks)
+            for j in range(sec.n_blocks)
+        ]
 
     def mismatched_bytes(self, kv: Any, src: int, dst: int, n_chunks: int) -> int:
         """Bytes of region ``dst`` that differ from region ``src`` where a retrieve of
@@ -145,9 +160,19 @@ def _shm_mismatch(kv: ShmKV, g: GroupSpec, a: list[int], b: list[int]) -> int:
         arr = kv.segments[spec.buffer].array
         for (fa, na), (fb, nb) in zip(_runs(a), _runs(b), strict=True):
             assert na == nb, "regions are laid out alike"
-            va = np.ndarray((na, spec.page_bytes), np.uint8, arr,
-                            spec.offset + fa * spec.block_stride, (spec.block_stride, 1))
-            vb = np.ndarray((nb, spec.page_bytes), np.uint8, arr,
-                            spec.offset + fb * spec.block_stride, (spec.block_stride, 1))
+            va = np.ndarray(
+                (na, spec.page_bytes),
+                np.uint8,
+                arr,
+                spec.offset + fa * spec.block_stride,
+                (spec.block_stride, 1),
+            )
+            vb = np.ndarray(
+                (nb, spec.page_bytes),
+                np.uint8,
+                arr,
+                spec.offset + fb * spec.block_stride,
+                (spec.block_stride, 1),
+            )
             bad += int(np.count_nonzero(va != vb))
     return bad

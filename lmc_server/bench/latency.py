@@ -82,8 +82,9 @@ class _Echo:
         self.sock.close(linger=0)
 
 
-async def _drive(calls: list[Callable[[], Awaitable[Any]]], duration_s: float
-                 ) -> tuple[list[float], float]:
+async def _drive(
+    calls: list[Callable[[], Awaitable[Any]]], duration_s: float
+) -> tuple[list[float], float]:
     """Run every client's call in a loop for ``duration_s``; latencies and wall time."""
     samples: list[float] = []
     for c in calls:  # warm-up: connections up, first-use costs paid
@@ -113,18 +114,17 @@ class _Bench:
         self.digests = hash_chain(i.to_bytes(8, "little") for i in range(LOOKUP_CHUNKS))
 
     async def setup(self, n: int) -> None:
-        self.kv = ShmKV(simple_model(num_blocks=64, layers=1, tokens_per_block=16,
-                                     bytes_per_token=16))
+        self.kv = ShmKV(
+            simple_model(num_blocks=64, layers=1, tokens_per_block=16, bytes_per_token=16)
+        )
         self.kv.fill_random(1)
         for i in range(n):
-            c = await AsyncClient.connect(self.endpoint, timeout_s=60,
-                                          client_name=f"bench-{i}")
+            c = await AsyncClient.connect(self.endpoint, timeout_s=60, client_name=f"bench-{i}")
             self.clients.append(c)
             self.regs.append(await c.register(**self.kv.register_kwargs()))
         ids = {"full": np.arange(16, dtype=np.int32)}
         for i in range(0, LOOKUP_CHUNKS):
-            res = await self.clients[0].store(self.regs[0], self.digests[32 * i:32 * i + 32],
-                                              ids)
+            res = await self.clients[0].store(self.regs[0], self.digests[32 * i : 32 * i + 32], ids)
             assert res.ok.all(), "storing the lookup chunks failed"
         hit = await self.clients[0].lookup(self.regs[0], self.digests, lease=False)
         assert hit.hit_chunks == LOOKUP_CHUNKS, f"only {hit.hit_chunks} chunks hit"
@@ -143,9 +143,9 @@ class _Bench:
                 calls.append(c.ping)
             elif op.startswith("lookup"):
                 k = int(op.split("-")[1])
-                calls.append(_lookup_call(c, reg, self.digests[:32 * k], k))
+                calls.append(_lookup_call(c, reg, self.digests[: 32 * k], k))
             elif op == PROBE_OP:
-                calls.append(_probe_call(c, reg.namespace, self.digests[:32 * PROBE_CHUNKS]))
+                calls.append(_probe_call(c, reg.namespace, self.digests[: 32 * PROBE_CHUNKS]))
             else:
                 calls.append(_store_retrieve(c, reg, ids))
         return calls
@@ -157,22 +157,38 @@ class _Bench:
             return len(encode(m.Ping(req_id=1 << 20)))
         if op.startswith("lookup"):
             k = int(op.split("-")[1])
-            return len(encode(m.Lookup(req_id=1 << 20, registration_id=reg_id,
-                                       digests=self.digests[:32 * k], lease=False)))
+            return len(
+                encode(
+                    m.Lookup(
+                        req_id=1 << 20,
+                        registration_id=reg_id,
+                        digests=self.digests[: 32 * k],
+                        lease=False,
+                    )
+                )
+            )
         if op == PROBE_OP:
-            return len(encode(_probe_msg(self.regs[0].namespace,
-                                         self.digests[:32 * PROBE_CHUNKS])))
+            return len(
+                encode(_probe_msg(self.regs[0].namespace, self.digests[: 32 * PROBE_CHUNKS]))
+            )
         ids = [np.arange(16, dtype="<i4").tobytes()]
-        return len(encode(m.Store(req_id=1 << 20, registration_id=reg_id,
-                                  digests=self.digests[:32], block_ids=ids)))
+        return len(
+            encode(
+                m.Store(
+                    req_id=1 << 20, registration_id=reg_id, digests=self.digests[:32], block_ids=ids
+                )
+            )
+        )
 
 
-def _lookup_call(c: AsyncClient, reg: Registration, d: bytes,
-                 k: int) -> Callable[[], Awaitable[Any]]:
+def _lookup_call(
+    c: AsyncClient, reg: Registration, d: bytes, k: int
+) -> Callable[[], Awaitable[Any]]:
     async def call() -> None:
         res = await c.lookup(reg, d, lease=False)
         if res.hit_chunks != k:
             raise RuntimeError(f"lookup hit {res.hit_chunks} of {k} chunks")
+
     return call
 
 
@@ -181,8 +197,12 @@ def _probe_ends() -> list[int]:
 
 
 def _probe_msg(namespace: str, prompt: bytes) -> m.Probe:
-    return m.Probe(req_id=1 << 20, namespace=namespace, digests=prompt * PROBE_PROMPTS,
-                   prefix_ends=np.asarray(_probe_ends(), dtype="<i4").tobytes())
+    return m.Probe(
+        req_id=1 << 20,
+        namespace=namespace,
+        digests=prompt * PROBE_PROMPTS,
+        prefix_ends=np.asarray(_probe_ends(), dtype="<i4").tobytes(),
+    )
 
 
 def _probe_call(c: AsyncClient, namespace: str, prompt: bytes) -> Callable[[], Awaitable[Any]]:
@@ -192,11 +212,13 @@ def _probe_call(c: AsyncClient, namespace: str, prompt: bytes) -> Callable[[], A
         hits = await c.probe(namespace, digests, prefix_ends=ends)
         if hits != [PROBE_CHUNKS] * PROBE_PROMPTS:
             raise RuntimeError(f"probe hit {hits}")
+
     return call
 
 
-def _store_retrieve(c: AsyncClient, reg: Registration,
-                    ids: dict[str, np.ndarray]) -> Callable[[], Awaitable[Any]]:
+def _store_retrieve(
+    c: AsyncClient, reg: Registration, ids: dict[str, np.ndarray]
+) -> Callable[[], Awaitable[Any]]:
     """Alternately store a fresh chunk and retrieve it: one request per call."""
     last: list[bytes] = []
 
@@ -209,11 +231,13 @@ def _store_retrieve(c: AsyncClient, reg: Registration,
             last.append(d)
         if not res.ok.all():
             raise RuntimeError(f"store/retrieve failed: {res.statuses}")
+
     return call
 
 
-async def _run(endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
-               ) -> list[dict[str, Any]]:
+async def _run(
+    endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
+) -> list[dict[str, Any]]:
     b = _Bench(endpoint, echo_endpoint)
     ctx = zmq.asyncio.Context()
     rows = []
@@ -231,13 +255,23 @@ async def _run(endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
                         e.close()
                 po, pe = percentiles_us(ours), percentiles_us(base)
                 ops, ops_echo = len(ours) / wall, len(base) / base_wall
-                rows.append({"op": op, "clients": n, "request_bytes": size,
-                             "p50_us": po["p50_us"], "p99_us": po["p99_us"], "ops_s": ops,
-                             "echo_p50_us": pe["p50_us"], "echo_p99_us": pe["p99_us"],
-                             "echo_ops_s": ops_echo,
-                             "p50_ratio": po["p50_us"] / pe["p50_us"],
-                             "p99_ratio": po["p99_us"] / pe["p99_us"],
-                             "ops_ratio": ops / ops_echo, "samples": len(ours)})
+                rows.append(
+                    {
+                        "op": op,
+                        "clients": n,
+                        "request_bytes": size,
+                        "p50_us": po["p50_us"],
+                        "p99_us": po["p99_us"],
+                        "ops_s": ops,
+                        "echo_p50_us": pe["p50_us"],
+                        "echo_p99_us": pe["p99_us"],
+                        "echo_ops_s": ops_echo,
+                        "p50_ratio": po["p50_us"] / pe["p50_us"],
+                        "p99_ratio": po["p99_us"] / pe["p99_us"],
+                        "ops_ratio": ops / ops_echo,
+                        "samples": len(ours),
+                    }
+                )
                 bar.update(1)
     finally:
         await b.close()
@@ -246,13 +280,31 @@ async def _run(endpoint: str, echo_endpoint: str, cfg: LatencyConfig, bar: Any
 
 
 def run(cfg: LatencyConfig) -> Report:
-    report = Report("latency", {"clients": list(cfg.clients), "duration_s": cfg.duration_s,
-                                "chunk_size": cfg.chunk_size, "transport": "tcp 127.0.0.1",
-                                "l1_size_gb": cfg.l1_size_gb})
-    with ServerProcess(["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
-                        "--log-level", "WARNING"], backend="cpu",
-                       l1_size_gb=cfg.l1_size_gb) as srv, EchoServer() as echo, \
-            progress(len(OPS) * len(cfg.clients), "latency", cfg.show_progress) as bar:
+    report = Report(
+        "latency",
+        {
+            "clients": list(cfg.clients),
+            "duration_s": cfg.duration_s,
+            "chunk_size": cfg.chunk_size,
+            "transport": "tcp 127.0.0.1",
+            "l1_size_gb": cfg.l1_size_gb,
+        },
+    )
+    with (
+        ServerProcess(
+            [
+                "--chunk-size",
+                str(cfg.chunk_size),
+                "--separate-object-groups",
+                "--log-level",
+                "WARNING",
+            ],
+            backend="cpu",
+            l1_size_gb=cfg.l1_size_gb,
+        ) as srv,
+        EchoServer() as echo,
+        progress(len(OPS) * len(cfg.clients), "latency", cfg.show_progress) as bar,
+    ):
         report.rows = asyncio.run(_run(srv.endpoint, echo.endpoint, cfg, bar))
     by = {(r["op"], r["clients"]): r for r in report.rows}
     key = (f"lookup-{LOOKUP_CHUNKS}", min(cfg.clients))
@@ -274,11 +326,20 @@ def run(cfg: LatencyConfig) -> Report:
     return report
 
 
-COLUMNS = [("op", "op", ""), ("clients", "clients", "d"), ("request_bytes", "req B", "d"),
-           ("p50_us", "p50 us", ".0f"), ("p99_us", "p99 us", ".0f"), ("ops_s", "ops/s", ".0f"),
-           ("echo_p50_us", "echo p50", ".0f"), ("echo_p99_us", "echo p99", ".0f"),
-           ("echo_ops_s", "echo ops/s", ".0f"), ("p50_ratio", "p50 x", ".2f"),
-           ("p99_ratio", "p99 x", ".2f"), ("ops_ratio", "ops/s x", ".2f")]
+COLUMNS = [
+    ("op", "op", ""),
+    ("clients", "clients", "d"),
+    ("request_bytes", "req B", "d"),
+    ("p50_us", "p50 us", ".0f"),
+    ("p99_us", "p99 us", ".0f"),
+    ("ops_s", "ops/s", ".0f"),
+    ("echo_p50_us", "echo p50", ".0f"),
+    ("echo_p99_us", "echo p99", ".0f"),
+    ("echo_ops_s", "echo ops/s", ".0f"),
+    ("p50_ratio", "p50 x", ".2f"),
+    ("p99_ratio", "p99 x", ".2f"),
+    ("ops_ratio", "ops/s x", ".2f"),
+]
 
 
 def table(report: Report) -> str:

@@ -24,8 +24,7 @@ def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:
     try:
         out = [conv(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}"
-                                 ) from None
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}") from None
     if not out or min(out) <= 0:
         raise click.BadParameter(f"{text!r}: give positive {what}")
     return out
@@ -54,35 +53,66 @@ def floats(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[fl
 def names(allowed: tuple[str, ...], flag: str) -> Any:
     """Callback: a non-empty comma-separated list, each item (before any ``:``) one of
     ``allowed``."""
+
     def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
         out = tuple(x.strip() for x in value.split(",") if x.strip())
         bad = [x for x in out if x.partition(":")[0] not in allowed]
         if not out or bad:
-            raise click.BadParameter(f"{value!r}: choose from {', '.join(allowed)}",
-                                     param_hint=flag)
+            raise click.BadParameter(
+                f"{value!r}: choose from {', '.join(allowed)}", param_hint=flag
+            )
         return out
+
     return parse
 
 
 def geometry_options(f: F) -> F:
     """Click options that build a DSV4.1-Flash-shaped geometry (preset defaults)."""
     opts = [
-        click.option("--arch", type=click.Choice(["sm90", "sm100"]), default="sm90",
-                     help="Record format of the preset (584 B/state on sm90, 528 on sm100)."),
-        click.option("--layers", type=click.IntRange(1, 512), default=44,
-                     help="Layers of the preset (illustrative; the model card has none)."),
-        click.option("--sliding-groups", type=click.IntRange(1, 16), default=2,
-                     help="Sliding-window engine groups the layers are split into."),
-        click.option("--kv-source-every", type=click.IntRange(1, 64), default=2,
-                     help="Every n-th layer has compressed KV and an indexer."),
-        click.option("--window-tokens", type=click.IntRange(1, 1 << 16), default=128,
-                     help="Sliding window in tokens."),
-        click.option("--stride-pad", type=click.IntRange(0, 1 << 20), default=0,
-                     help="Extra bytes between blocks (engines may pad strides)."),
-        click.option("--placement", type=click.Choice(["block", "layer"]), default="block",
-                     help="Where the KV pages sit: block (every layer of a block side by "
-                          "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
-                          "layer)."),
+        click.option(
+            "--arch",
+            type=click.Choice(["sm90", "sm100"]),
+            default="sm90",
+            help="Record format of the preset (584 B/state on sm90, 528 on sm100).",
+        ),
+        click.option(
+            "--layers",
+            type=click.IntRange(1, 512),
+            default=44,
+            help="Layers of the preset (illustrative; the model card has none).",
+        ),
+        click.option(
+            "--sliding-groups",
+            type=click.IntRange(1, 16),
+            default=2,
+            help="Sliding-window engine groups the layers are split into.",
+        ),
+        click.option(
+            "--kv-source-every",
+            type=click.IntRange(1, 64),
+            default=2,
+            help="Every n-th layer has compressed KV and an indexer.",
+        ),
+        click.option(
+            "--window-tokens",
+            type=click.IntRange(1, 1 << 16),
+            default=128,
+            help="Sliding window in tokens.",
+        ),
+        click.option(
+            "--stride-pad",
+            type=click.IntRange(0, 1 << 20),
+            default=0,
+            help="Extra bytes between blocks (engines may pad strides).",
+        ),
+        click.option(
+            "--placement",
+            type=click.Choice(["block", "layer"]),
+            default="block",
+            help="Where the KV pages sit: block (every layer of a block side by "
+            "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
+            "layer).",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -91,26 +121,33 @@ def geometry_options(f: F) -> F:
 
 def backend_option(help: str) -> Callable[[F], F]:
     """``--backend cpu|cuda`` (default cpu): the server's transfer engine."""
-    return click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu",
-                        help=help)
+    return click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", help=help)
 
 
 def copy_modes_option(help: str) -> Callable[[F], F]:
     """``--cuda-copy-mode`` as a list of modes (``copy_modes``), one server each."""
-    return click.option("--cuda-copy-mode", "copy_modes", default="auto,staging,dma",
-                        callback=names(CUDA_COPY_MODES, "--cuda-copy-mode"), help=help)
+    return click.option(
+        "--cuda-copy-mode",
+        "copy_modes",
+        default="auto,staging,dma",
+        callback=names(CUDA_COPY_MODES, "--cuda-copy-mode"),
+        help=help,
+    )
 
 
 def device_option(f: F) -> F:
     """``--device N``: the CUDA device the benchmark's KV lives on."""
-    return click.option("--device", type=click.IntRange(0), default=0,
-                        help="cuda device.")(f)
+    return click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")(f)
 
 
 def json_option(f: F) -> F:
     """``--json PATH`` (``json_path``): the full report."""
-    return click.option("--json", "json_path", type=click.Path(dir_okay=False),
-                        help="Write the full report as JSON here.")(f)
+    return click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False),
+        help="Write the full report as JSON here.",
+    )(f)
 
 
 def plot_option(help: str = "Write a PNG plot here.") -> Callable[[F], F]:

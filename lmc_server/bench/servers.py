@@ -38,10 +38,16 @@ def fits_config_check(backend: str, l1_size_gb: float, slab_size_mb: int) -> str
 
 
 @contextlib.contextmanager
-def server(args: Sequence[str], backend: str, l1_size_gb: float, slab_size_mb: int = 64,
-           chunk_size: int = DEFAULT_CHUNK_SIZE, separate: bool = False,
-           eviction_policy: str = "LRU", allow_thread: bool = False
-           ) -> Iterator[tuple[RunningServer, str]]:
+def server(
+    args: Sequence[str],
+    backend: str,
+    l1_size_gb: float,
+    slab_size_mb: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    separate: bool = False,
+    eviction_policy: str = "LRU",
+    allow_thread: bool = False,
+) -> Iterator[tuple[RunningServer, str]]:
     """Yield ``(server, how)``: ``how`` is ``"process"`` or ``"in-process"`` (why).
 
     ``args`` are extra command-line flags for the process; the named settings are
@@ -49,18 +55,33 @@ def server(args: Sequence[str], backend: str, l1_size_gb: float, slab_size_mb: i
     """
     refusal = fits_config_check(backend, l1_size_gb, slab_size_mb)
     if refusal is None or not allow_thread:
-        flags = ["--chunk-size", str(chunk_size), "--slab-size-mb", str(slab_size_mb),
-                 "--eviction-policy", eviction_policy, "--log-level", "WARNING",
-                 "--separate-object-groups" if separate else "--no-separate-object-groups",
-                 *args]
+        flags = [
+            "--chunk-size",
+            str(chunk_size),
+            "--slab-size-mb",
+            str(slab_size_mb),
+            "--eviction-policy",
+            eviction_policy,
+            "--log-level",
+            "WARNING",
+            "--separate-object-groups" if separate else "--no-separate-object-groups",
+            *args,
+        ]
         with ServerProcess(flags, backend=backend, l1_size_gb=l1_size_gb) as proc:
             yield proc, "process"
         return
     log.info("running the server in-process: %s", refusal)
-    config = Config(port=free_port(), backend=backend, l1_size_gb=l1_size_gb,
-                    slab_size_mb=slab_size_mb, chunk_size=chunk_size,
-                    separate_object_groups=separate, eviction_policy=eviction_policy,
-                    metrics_port=0, log_level="WARNING")
+    config = Config(
+        port=free_port(),
+        backend=backend,
+        l1_size_gb=l1_size_gb,
+        slab_size_mb=slab_size_mb,
+        chunk_size=chunk_size,
+        separate_object_groups=separate,
+        eviction_policy=eviction_policy,
+        metrics_port=0,
+        log_level="WARNING",
+    )
     ts = ThreadServer(config).start()
     try:
         yield ts, f"in-process (the config check refuses it as a process: {refusal})"

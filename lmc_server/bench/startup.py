@@ -39,9 +39,22 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
     """One cold start: seconds to ping and to a fully prepared pool."""
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "lmc_server", "server", "--port", str(port), "--backend",
-            backend, "--l1-size-gb", str(l1_size_gb), "--metrics-port", "0",
-            "--log-level", "WARNING"]
+    args = [
+        sys.executable,
+        "-m",
+        "lmc_server",
+        "server",
+        "--port",
+        str(port),
+        "--backend",
+        backend,
+        "--l1-size-gb",
+        str(l1_size_gb),
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
     with tempfile.TemporaryFile() as log:
         t0 = time.monotonic()
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -61,19 +74,25 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
             code = proc.wait(60)
             if code != 0:
                 log.seek(0)
-                raise RuntimeError(f"server exited with {code}: "
-                                   f"{log.read().decode(errors='replace')}")
+                raise RuntimeError(
+                    f"server exited with {code}: {log.read().decode(errors='replace')}"
+                )
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return {"ping_s": ping_s, "pool_ready_s": ready_s, "slabs": float(l1.slabs),
-            "capacity_bytes": float(l1.capacity_bytes)}
+    return {
+        "ping_s": ping_s,
+        "pool_ready_s": ready_s,
+        "slabs": float(l1.slabs),
+        "capacity_bytes": float(l1.capacity_bytes),
+    }
 
 
 def run(cfg: StartupConfig) -> Report:
-    report = Report("startup", {"backend": cfg.backend, "sizes_gb": list(cfg.sizes_gb),
-                                "repeats": cfg.repeats})
+    report = Report(
+        "startup", {"backend": cfg.backend, "sizes_gb": list(cfg.sizes_gb), "repeats": cfg.repeats}
+    )
     with progress(len(cfg.sizes_gb) * cfg.repeats, "startup", cfg.show_progress) as bar:
         for size in cfg.sizes_gb:
             runs: list[dict[str, Any]] = []
@@ -82,22 +101,36 @@ def run(cfg: StartupConfig) -> Report:
                 bar.update(1)
             pings = [r["ping_s"] for r in runs]
             ready = [r["pool_ready_s"] for r in runs]
-            report.rows.append({
-                "l1_size_gb": size, "slabs": int(runs[0]["slabs"]),
-                "ping_s": float(np.median(pings)), "ping_max_s": max(pings),
-                "pool_ready_s": float(np.median(ready)), "pool_ready_max_s": max(ready),
-                "ready_gib_s": runs[0]["capacity_bytes"] / (1 << 30) / float(np.median(ready)),
-                "runs": runs})
-    report.notes.append("times from just before the process is spawned (interpreter start "
-                        "and imports included); median of "
-                        f"{cfg.repeats} cold starts; pool ready = every slab "
-                        f"{'pinned' if cfg.backend == 'cuda' else 'populated'}")
+            report.rows.append(
+                {
+                    "l1_size_gb": size,
+                    "slabs": int(runs[0]["slabs"]),
+                    "ping_s": float(np.median(pings)),
+                    "ping_max_s": max(pings),
+                    "pool_ready_s": float(np.median(ready)),
+                    "pool_ready_max_s": max(ready),
+                    "ready_gib_s": runs[0]["capacity_bytes"] / (1 << 30) / float(np.median(ready)),
+                    "runs": runs,
+                }
+            )
+    report.notes.append(
+        "times from just before the process is spawned (interpreter start "
+        "and imports included); median of "
+        f"{cfg.repeats} cold starts; pool ready = every slab "
+        f"{'pinned' if cfg.backend == 'cuda' else 'populated'}"
+    )
     return report
 
 
-COLUMNS = [("l1_size_gb", "L1 GiB", "g"), ("slabs", "slabs", "d"), ("ping_s", "ping s", ".2f"),
-           ("ping_max_s", "ping max", ".2f"), ("pool_ready_s", "pool ready s", ".2f"),
-           ("pool_ready_max_s", "ready max", ".2f"), ("ready_gib_s", "GiB/s", ".1f")]
+COLUMNS = [
+    ("l1_size_gb", "L1 GiB", "g"),
+    ("slabs", "slabs", "d"),
+    ("ping_s", "ping s", ".2f"),
+    ("ping_max_s", "ping max", ".2f"),
+    ("pool_ready_s", "pool ready s", ".2f"),
+    ("pool_ready_max_s", "ready max", ".2f"),
+    ("ready_gib_s", "GiB/s", ".1f"),
+]
 
 
 def table(report: Report) -> str:

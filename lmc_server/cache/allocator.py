@@ -38,8 +38,9 @@ class SlotAllocator:
     evictions and slab moves are counted in ``stats``.
     """
 
-    def __init__(self, pool: SlabPool, partitions: dict[bytes, Partition],
-                 stats: CacheStats) -> None:
+    def __init__(
+        self, pool: SlabPool, partitions: dict[bytes, Partition], stats: CacheStats
+    ) -> None:
         self.pool = pool
         self.partitions = partitions
         self.stats = stats
@@ -81,8 +82,7 @@ class SlotAllocator:
         # Only a partition whose coldest object is much older than ours is worth a look:
         # partitions written in step (full and window objects of the same chunks) age
         # alike, and scanning their slabs on every eviction would be wasted work.
-        donor_tick = (tick - DONOR_AGE_RATIO * (tick - own_tick)
-                      if own is not None else math.inf)
+        donor_tick = tick - DONOR_AGE_RATIO * (tick - own_tick) if own is not None else math.inf
         donor: tuple[Partition, int] | None = None
         for other in self.partitions.values():
             if other is part:

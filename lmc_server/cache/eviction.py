@@ -22,8 +22,17 @@ from lmc_server.cache.eviction_base import EvictionPolicy
 from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
 from lmc_server.cache.eviction_sarc import SARCPolicy
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "FIFOPolicy", "LRUPolicy", "SARCPolicy",
-           "POLICY_HELP", "S3FIFOPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "LRUPolicy",
+    "SARCPolicy",
+    "POLICY_HELP",
+    "S3FIFOPolicy",
+    "make_policy",
+]
 _SLOT_BITS = 32
 
 
@@ -252,8 +261,9 @@ class FIFOPolicy(EvictionPolicy):
         self._len += 1
         heapq.heappush(self._heap, self._seq[slot] << _SLOT_BITS | slot)
         if len(self._heap) > 2 * self._len + 64:
-            self._heap = [self._seq[s] << _SLOT_BITS | s
-                          for s in range(len(self._in)) if self._in[s]]
+            self._heap = [
+                self._seq[s] << _SLOT_BITS | s for s in range(len(self._in)) if self._in[s]
+            ]
             heapq.heapify(self._heap)
 
     def _drop(self, slot: int) -> None:
@@ -304,12 +314,14 @@ class FIFOPolicy(EvictionPolicy):
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)}
+    p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)
+}
 
 #: ``--help`` text of ``--eviction-policy``: one line per policy (``\b`` keeps click
 #: from re-wrapping them into one paragraph).
 POLICY_HELP = "Eviction policy, one of:\n\n\b\n" + "\n".join(
-    f"{name}: {cls.summary}" for name, cls in POLICIES.items())
+    f"{name}: {cls.summary}" for name, cls in POLICIES.items()
+)
 
 
 def make_policy(name: str, capacity: int = 0) -> EvictionPolicy:

@@ -62,8 +62,10 @@ WEIGHT_STEP = 0.02
 
 class SARCPolicy(EvictionPolicy):
     name = "SARC"
-    summary = ("ARC with a long-memory frequency sketch: prefixes that come back are kept "
-               "over first-time ones")
+    summary = (
+        "ARC with a long-memory frequency sketch: prefixes that come back are kept "
+        "over first-time ones"
+    )
 
     def __init__(self, capacity: int = 0) -> None:
         self._lists = SlotLists(2)

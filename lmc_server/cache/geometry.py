@@ -171,8 +171,7 @@ def check_record_format(group: GroupSpec, arch: str) -> None:
     if fmt in _ARCH_ONLY and arch not in _ARCH_ONLY[fmt]:
         allowed = ", ".join(sorted(_ARCH_ONLY[fmt]))
         raise ArchError(
-            f"group {group.name!r}: record format {fmt!r} is only valid on {allowed}, "
-            f"not on {arch}"
+            f"group {group.name!r}: record format {fmt!r} is only valid on {allowed}, not on {arch}"
         )
     if fmt in _ARCH_RECORDS:
         rule = _ARCH_RECORDS[fmt]
@@ -220,13 +219,13 @@ def check_layer_bounds(group: GroupSpec, buffer_sizes: list[int]) -> None:
         size = buffer_sizes[layer.buffer]
         if end > size:
             raise GeometryError(
-                f"{where}: last block ends at byte {end} but buffer {layer.buffer} has "
-                f"{size} bytes"
+                f"{where}: last block ends at byte {end} but buffer {layer.buffer} has {size} bytes"
             )
 
 
-def check_groups(groups: list[GroupSpec], chunk_size: int, arch: str,
-                 buffer_sizes: list[int] | None) -> None:
+def check_groups(
+    groups: list[GroupSpec], chunk_size: int, arch: str, buffer_sizes: list[int] | None
+) -> None:
     """All registration-time geometry rules, in the order a user would fix them.
 
     ``buffer_sizes`` is ``None`` for a lookup-only registration (no buffers): layer
@@ -246,9 +245,7 @@ def check_groups(groups: list[GroupSpec], chunk_size: int, arch: str,
         if not g.cached:
             continue
         if g.kind == "sliding_window" and g.window_tokens <= 0:
-            raise GeometryError(
-                f"group {g.name!r}: sliding_window groups need window_tokens > 0"
-            )
+            raise GeometryError(f"group {g.name!r}: sliding_window groups need window_tokens > 0")
         if g.kind == "full" and g.window_tokens:
             raise GeometryError(f"group {g.name!r}: window_tokens is only for sliding_window")
         if not g.layers:
@@ -300,7 +297,8 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
                 raise GeometryError(
                     f"{_layer_name(g, twin)} and {_layer_name(g, li)} have the same pages "
                     f"(buffer {layer.buffer}, offset {layer.offset}): every block would "
-                    f"alias")
+                    f"alias"
+                )
             members.append((gi, li))
             merged[key] = (max(n, g.num_blocks), members)
     by_buffer: dict[int, list[tuple[Pages, list[tuple[int, int]]]]] = {}
@@ -319,7 +317,8 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
                     raise GeometryError(
                         f"buffer {buf}: more than {MAX_UNEQUAL_STRIDE_PAIRS} pairs of layers "
                         f"with different block strides share a region; too many to check "
-                        f"for overlaps (give such groups their own buffers)")
+                        f"for overlaps (give such groups their own buffers)"
+                    )
             shared = owners[i] & owners[j]
             hit = overlap(a, b, same_block_ok=not shared)
             if hit is None:
@@ -328,9 +327,13 @@ def check_page_overlaps(groups: list[GroupSpec]) -> None:
             gj, lj = next(m for m in entries[j][1] if not shared or m[0] in shared)
             gi, li = next(m for m in entries[i][1] if not shared or m[0] == gj)
             k_j, k_i = hit
-            where = (f"block {k_i} of the first and block {k_j} of the second share bytes"
-                     if k_j >= 0 else "their pages share bytes for some blocks")
+            where = (
+                f"block {k_i} of the first and block {k_j} of the second share bytes"
+                if k_j >= 0
+                else "their pages share bytes for some blocks"
+            )
             raise GeometryError(
                 f"{_layer_name(groups[gi], li)} and "
                 f"{_layer_name(groups[gj], lj)} overlap in buffer {buf}: {where}; "
-                f"stores and retrieves would alias KV")
+                f"stores and retrieves would alias KV"
+            )

@@ -49,8 +49,7 @@ from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.usage import PartitionUsage, usage_of
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
 
-__all__ = ["L1Index", "Lease", "PartitionUsage", "Reservation", "RetrieveTicket",
-           "StoreTicket"]
+__all__ = ["L1Index", "Lease", "PartitionUsage", "Reservation", "RetrieveTicket", "StoreTicket"]
 
 
 class L1Index:
@@ -78,8 +77,14 @@ class L1Index:
     def _partition(self, og: ObjectGroupLayout) -> Partition:
         part = self._partitions.get(og.fingerprint)
         if part is None:
-            part = Partition(len(self._partitions), og.fingerprint, og.name, og.object_bytes,
-                             self.pool, make_policy(self.policy_name))
+            part = Partition(
+                len(self._partitions),
+                og.fingerprint,
+                og.name,
+                og.object_bytes,
+                self.pool,
+                make_policy(self.policy_name),
+            )
             self._partitions[og.fingerprint] = part
         return part
 
@@ -89,8 +94,15 @@ class L1Index:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def lookup(self, view: CacheView, keys: list[bytes], owner: int, lease_ttl_s: float,
-               now_s: float, take_lease: bool = True) -> tuple[int, Lease | None]:
+    def lookup(
+        self,
+        view: CacheView,
+        keys: list[bytes],
+        owner: int,
+        lease_ttl_s: float,
+        now_s: float,
+        take_lease: bool = True,
+    ) -> tuple[int, Lease | None]:
         """Longest hit prefix (in chunks) and, if asked and non-empty, a lease on it."""
         self.tick += 1
         k, slots = hit_chunks(view, keys)
@@ -124,16 +136,20 @@ class L1Index:
 
     # -- the tiers below L1 ----------------------------------------------------------------
 
-    def missing(self, view: CacheView, og_index: int, keys: list[bytes],
-                chunks: Iterable[int]) -> list[int]:
+    def missing(
+        self, view: CacheView, og_index: int, keys: list[bytes], chunks: Iterable[int]
+    ) -> list[int]:
         """The chunks (indices into ``keys``) whose object of object group ``og_index``
         L1 holds neither committed nor being written."""
         held = view.partitions[og_index].keys
         return [i for i in chunks if keys[i] not in held]
 
-    def reserve_fill(self, view: CacheView, keys: list[bytes],
-                     wanted: Mapping[int, tuple[Iterable[int], Iterable[int]]]
-                     ) -> tuple[list[Reservation], dict[int, list[int]]]:
+    def reserve_fill(
+        self,
+        view: CacheView,
+        keys: list[bytes],
+        wanted: Mapping[int, tuple[Iterable[int], Iterable[int]]],
+    ) -> tuple[list[Reservation], dict[int, list[int]]]:
         """WRITING slots for objects the caller copies in itself (an L2 prefetch), one
         step of the index clock (:func:`~lmc_server.cache.reservation.reserve_fill`).
         The caller ends each reservation with :meth:`finish_fill`."""
@@ -155,13 +171,13 @@ class L1Index:
 
     # -- store and retrieve -------------------------------------------------------------
 
-    def reserve_store(self, view: CacheView, keys: list[bytes],
-                      group_ids: dict[int, np.ndarray]) -> StoreTicket:
+    def reserve_store(
+        self, view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray]
+    ) -> StoreTicket:
         """Reserve a WRITING slot for every storable (object group, chunk)
         (:func:`~lmc_server.cache.store.reserve_store`)."""
         self.tick += 1
-        return store.reserve_store(view, keys, group_ids, self._allocator, self.tick,
-                                   self.stats)
+        return store.reserve_store(view, keys, group_ids, self._allocator, self.tick, self.stats)
 
     def commit_store(self, ticket: StoreTicket) -> None:
         """The copy completed: every reserved object becomes visible."""
@@ -171,16 +187,21 @@ class L1Index:
         """The copy failed or its writer is gone: free every reserved slot."""
         store.abort_store(ticket, self.stats)
 
-    def settle_in_progress(self, view: CacheView, keys: list[bytes],
-                           statuses: list[np.ndarray]) -> int:
+    def settle_in_progress(
+        self, view: CacheView, keys: list[bytes], statuses: list[np.ndarray]
+    ) -> int:
         """Settle a store's ``IN_PROGRESS`` chunks whose other writer finished (in
         place); how many are still being written
         (:func:`~lmc_server.cache.store.settle_in_progress`)."""
         return store.settle_in_progress(view, keys, statuses)
 
-    def pin_retrieve(self, view: CacheView, keys: list[bytes],
-                     group_ids: dict[int, np.ndarray],
-                     prefix_ends: list[int] | None = None) -> RetrieveTicket:
+    def pin_retrieve(
+        self,
+        view: CacheView,
+        keys: list[bytes],
+        group_ids: dict[int, np.ndarray],
+        prefix_ends: list[int] | None = None,
+    ) -> RetrieveTicket:
         """Pin what a retrieve of these chunks reads
         (:func:`~lmc_server.cache.retrieve.pin_retrieve`)."""
         self.tick += 1

@@ -39,9 +39,14 @@ def chunk_keys(ns_prefix: bytes, digests: bytes, salt: bytes = b"") -> list[byte
         raise ValueError(f"digests must be a multiple of {DIGEST_BYTES} bytes")
     starts = range(0, len(digests), DIGEST_BYTES)
     if not salt:
-        return [ns_prefix + digests[i:i + DIGEST_BYTES] for i in starts]
-    key = (hashlib.blake2b(salt, digest_size=DIGEST_BYTES).digest()
-           if len(salt) > _BLAKE2B_MAX_KEY_BYTES else salt)
-    return [ns_prefix + hashlib.blake2b(digests[i:i + DIGEST_BYTES], key=key,
-                                        digest_size=DIGEST_BYTES).digest()
-            for i in starts]
+        return [ns_prefix + digests[i : i + DIGEST_BYTES] for i in starts]
+    key = (
+        hashlib.blake2b(salt, digest_size=DIGEST_BYTES).digest()
+        if len(salt) > _BLAKE2B_MAX_KEY_BYTES
+        else salt
+    )
+    return [
+        ns_prefix
+        + hashlib.blake2b(digests[i : i + DIGEST_BYTES], key=key, digest_size=DIGEST_BYTES).digest()
+        for i in starts
+    ]

@@ -89,8 +89,11 @@ class LayerRun:
     def object_extent(self) -> int:
         """Bytes from ``object_offset`` to the end of the run's last page (the run's
         pages and, block-major, the other runs' pages between them)."""
-        return ((self.n_layers - 1) * self.object_layer_stride
-                + (self.n_blocks - 1) * self.object_block_stride + self.page_bytes)
+        return (
+            (self.n_layers - 1) * self.object_layer_stride
+            + (self.n_blocks - 1) * self.object_block_stride
+            + self.page_bytes
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +141,11 @@ class ObjectGroupLayout:
     def __post_init__(self) -> None:
         covered = sorted(b for r in self.retentions for b in r.bits)
         assert covered == list(range(len(self.sections))), (
-            f"object group {self.name!r}: the retentions must cover each section once")
-        object.__setattr__(self, "required_bits",
-                           tuple(b for r in self.retentions if r.required for b in r.bits))
+            f"object group {self.name!r}: the retentions must cover each section once"
+        )
+        object.__setattr__(
+            self, "required_bits", tuple(b for r in self.retentions if r.required for b in r.bits)
+        )
 
     @property
     def has_full(self) -> bool:
@@ -180,22 +185,38 @@ def _coalesce_runs(group: GroupSpec, n_blocks: int, start_offset: int) -> tuple[
         stride = 0
         if i + 1 < len(layers):
             nxt = layers[i + 1]
-            if (nxt.buffer == first.buffer and nxt.block_stride == first.block_stride
-                    and nxt.page_bytes == first.page_bytes and nxt.offset != first.offset):
+            if (
+                nxt.buffer == first.buffer
+                and nxt.block_stride == first.block_stride
+                and nxt.page_bytes == first.page_bytes
+                and nxt.offset != first.offset
+            ):
                 stride = nxt.offset - first.offset
                 n = 2
                 while i + n < len(layers):
                     cand = layers[i + n]
-                    if (cand.buffer != first.buffer or cand.block_stride != first.block_stride
-                            or cand.page_bytes != first.page_bytes
-                            or cand.offset != first.offset + n * stride):
+                    if (
+                        cand.buffer != first.buffer
+                        or cand.block_stride != first.block_stride
+                        or cand.page_bytes != first.page_bytes
+                        or cand.offset != first.offset + n * stride
+                    ):
                         break
                     n += 1
-        runs.append(LayerRun(buffer=first.buffer, base_offset=first.offset,
-                             layer_stride=stride, n_layers=n, block_stride=first.block_stride,
-                             page_bytes=first.page_bytes, object_offset=start_offset + prefix,
-                             n_blocks=n_blocks, obj_layer_stride=first.page_bytes,
-                             obj_block_stride=block_bytes))
+        runs.append(
+            LayerRun(
+                buffer=first.buffer,
+                base_offset=first.offset,
+                layer_stride=stride,
+                n_layers=n,
+                block_stride=first.block_stride,
+                page_bytes=first.page_bytes,
+                object_offset=start_offset + prefix,
+                n_blocks=n_blocks,
+                obj_layer_stride=first.page_bytes,
+                obj_block_stride=block_bytes,
+            )
+        )
         prefix += n * first.page_bytes
         i += n
     return tuple(runs)
@@ -207,9 +228,17 @@ def _section(group: GroupSpec, index: int, chunk_size: int, offset: int) -> Sect
     window = group.window_tokens if group.kind == "sliding_window" else 0
     runs = _coalesce_runs(group, n_blocks, offset)
     nbytes = sum(r.nbytes for r in runs)
-    return SectionLayout(group_index=index, group_name=group.name, window_tokens=window,
-                         blocks_per_chunk=bpc, first_block=bpc - n_blocks, n_blocks=n_blocks,
-                         object_offset=offset, nbytes=nbytes, runs=runs)
+    return SectionLayout(
+        group_index=index,
+        group_name=group.name,
+        window_tokens=window,
+        blocks_per_chunk=bpc,
+        first_block=bpc - n_blocks,
+        n_blocks=n_blocks,
+        object_offset=offset,
+        nbytes=nbytes,
+        runs=runs,
+    )
 
 
 def _fingerprint(name: str, groups: list[GroupSpec], sections: list[SectionLayout]) -> bytes:
@@ -246,7 +275,7 @@ def build_layout(groups: list[GroupSpec], chunk_size: int, separate: bool) -> Re
         buckets.setdefault(name, []).append(i)
 
     def order(name: str) -> tuple[int, int]:
-        return (0, 0) if name in ("full", "all") else (1, int(name[len("window"):]))
+        return (0, 0) if name in ("full", "all") else (1, int(name[len("window") :]))
 
     ogs: list[ObjectGroupLayout] = []
     for og_index, name in enumerate(sorted(buckets, key=order)):
@@ -257,12 +286,21 @@ def build_layout(groups: list[GroupSpec], chunk_size: int, separate: bool) -> Re
             sections.append(sec)
             offset += sec.nbytes
         retentions = object_retentions([groups[gi] for gi in buckets[name]], chunk_size)
-        ogs.append(ObjectGroupLayout(name=name, index=og_index, sections=tuple(sections),
-                                     object_bytes=offset,
-                                     fingerprint=_fingerprint(name, groups, sections),
-                                     retentions=retentions))
-    windows = {g.window_tokens: math.ceil(g.window_tokens / chunk_size)
-               for g in groups if g.cached and g.kind == "sliding_window"}
+        ogs.append(
+            ObjectGroupLayout(
+                name=name,
+                index=og_index,
+                sections=tuple(sections),
+                object_bytes=offset,
+                fingerprint=_fingerprint(name, groups, sections),
+                retentions=retentions,
+            )
+        )
+    windows = {
+        g.window_tokens: math.ceil(g.window_tokens / chunk_size)
+        for g in groups
+        if g.cached and g.kind == "sliding_window"
+    }
     return RegistrationLayout(chunk_size=chunk_size, object_groups=tuple(ogs), windows=windows)
 
 
@@ -286,24 +324,31 @@ class RunCopy:
 
 def section_block_ids(section: SectionLayout, group_ids: np.ndarray) -> np.ndarray:
     """The stored blocks' ids per chunk: ``group_ids`` is ``(chunks, blocks_per_chunk)``."""
-    return group_ids[:, section.first_block:section.first_block + section.n_blocks]
+    return group_ids[:, section.first_block : section.first_block + section.n_blocks]
 
 
-def plan_copies(section: SectionLayout, ids: np.ndarray,
-                object_offsets: np.ndarray) -> list[RunCopy]:
+def plan_copies(
+    section: SectionLayout, ids: np.ndarray, object_offsets: np.ndarray
+) -> list[RunCopy]:
     """Copy descriptors for one section of ``len(object_offsets)`` objects.
 
     ``ids`` is the section's ``(m, n_blocks)`` stored block ids, ``object_offsets`` the
     pool offsets of the ``m`` objects. Vectorized: no per-page Python objects.
     """
-    return [RunCopy(run=r, block_ids=ids,
-                    object_offsets=object_offsets + np.int64(r.object_offset))
-            for r in section.runs]
+    return [
+        RunCopy(run=r, block_ids=ids, object_offsets=object_offsets + np.int64(r.object_offset))
+        for r in section.runs
+    ]
 
 
-def plan_objects(og: ObjectGroupLayout, offsets: np.ndarray, chunks: np.ndarray,
-                 sections: Sequence[np.ndarray], group_ids: dict[int, np.ndarray],
-                 out: list[RunCopy]) -> int:
+def plan_objects(
+    og: ObjectGroupLayout,
+    offsets: np.ndarray,
+    chunks: np.ndarray,
+    sections: Sequence[np.ndarray],
+    group_ids: dict[int, np.ndarray],
+    out: list[RunCopy],
+) -> int:
     """Append the copies of objects ``chunks`` of ``og`` to ``out``; returns their bytes.
 
     ``offsets[j]`` is the pool offset of chunk ``chunks[j]``'s object, ``sections[bit][i]``

@@ -45,8 +45,9 @@ class LeaseTable:
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def take(self, owner: int, deadline_s: float, chunks: int,
-             pins: list[tuple[Partition, array]]) -> Lease:
+    def take(
+        self, owner: int, deadline_s: float, chunks: int, pins: list[tuple[Partition, array]]
+    ) -> Lease:
         """Pin every listed slot and record the lease under a fresh random id."""
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:

@@ -99,8 +99,7 @@ def _pairs(a: Pages, b: Pages) -> int:
         total = 0
         if k_l < a.n:  # sum of U_k - L_k + 1 over k_l..nA-1
             m = a.n - k_l
-            total += (floor_sum(m, sb, sa, k_l * sa + c2)
-                      - floor_sum(m, sb, sa, k_l * sa + c1 - 1))
+            total += floor_sum(m, sb, sa, k_l * sa + c2) - floor_sum(m, sb, sa, k_l * sa + c1 - 1)
         if k_u < k_l:  # sum of U_k - jmin + 1 over k_u..k_l-1
             m = k_l - k_u
             total += floor_sum(m, sb, sa, k_u * sa + c2) - m * (jmin - 1)
@@ -210,8 +209,9 @@ def candidate_pairs(entries: list[Pages]) -> Iterator[tuple[int, int]]:
             yield i, j
 
 
-def _cross_class_pairs(spans: list[tuple[int, int, int]],
-                       cls: dict[int, int]) -> Iterator[tuple[int, int]]:
+def _cross_class_pairs(
+    spans: list[tuple[int, int, int]], cls: dict[int, int]
+) -> Iterator[tuple[int, int]]:
     """Like :func:`intersecting_pairs`, only pairs of different classes, keeping one
     open list per class so same-class spans are never walked."""
     active: dict[int, list[tuple[int, int]]] = {}

@@ -33,10 +33,10 @@ from lmc_server.cache.watch import SlotWatcher
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
 
 
-
 #: Below this many slots :meth:`Partition.pin_many` and ``unpin_many`` loop (numpy's
 #: fixed cost is more than the loop's).
 PIN_VECTOR_MIN = 16
+
 
 class Partition:
     """Object slots of one layout: a key table, slot states, pins and a policy.
@@ -47,8 +47,15 @@ class Partition:
     cost about a megabyte of Python heap.
     """
 
-    def __init__(self, pid: int, fingerprint: bytes, name: str, object_bytes: int,
-                 pool: SlabPool, policy: EvictionPolicy) -> None:
+    def __init__(
+        self,
+        pid: int,
+        fingerprint: bytes,
+        name: str,
+        object_bytes: int,
+        pool: SlabPool,
+        policy: EvictionPolicy,
+    ) -> None:
         if object_bytes > pool.slab_bytes:
             raise ValueError(
                 f"object group {name!r} objects are {object_bytes} bytes, larger than one "
@@ -209,8 +216,9 @@ class Partition:
             for s in slots:
                 self.pin(s)
             return
-        assert (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED).all(), \
+        assert (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED).all(), (
             "pinning a slot that is not committed"
+        )
         pins = np.frombuffer(self.pins, dtype=np.int32)
         before = pins[idx]
         pins[idx] = before + 1

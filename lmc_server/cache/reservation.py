@@ -53,11 +53,14 @@ class Reservation:
 
     def take(self, which: Sequence[int]) -> Reservation:
         """The objects at positions ``which`` (ascending), as a reservation."""
-        return Reservation(self.og_index, self.part,
-                           array("i", (self.chunks[j] for j in which)),
-                           array("i", (self.slots[j] for j in which)),
-                           array("B", (self.masks[j] for j in which)),
-                           [self.keys[j] for j in which])
+        return Reservation(
+            self.og_index,
+            self.part,
+            array("i", (self.chunks[j] for j in which)),
+            array("i", (self.slots[j] for j in which)),
+            array("B", (self.masks[j] for j in which)),
+            [self.keys[j] for j in which],
+        )
 
 
 def finish(r: Reservation, ok: Sequence[bool] | None = None) -> Reservation:
@@ -80,10 +83,13 @@ def finish(r: Reservation, ok: Sequence[bool] | None = None) -> Reservation:
     return r if len(kept) == len(slots) else r.take(kept)
 
 
-def reserve_fill(view: CacheView, keys: list[bytes],
-                 wanted: Mapping[int, tuple[Iterable[int], Iterable[int]]],
-                 allocator: SlotAllocator, tick: int
-                 ) -> tuple[list[Reservation], dict[int, list[int]]]:
+def reserve_fill(
+    view: CacheView,
+    keys: list[bytes],
+    wanted: Mapping[int, tuple[Iterable[int], Iterable[int]]],
+    allocator: SlotAllocator,
+    tick: int,
+) -> tuple[list[Reservation], dict[int, list[int]]]:
     """WRITING slots for objects a caller copies in itself (an L2 prefetch).
 
     ``wanted[og_index]`` is (chunk indices into ``keys``, their section masks) in
@@ -97,19 +103,25 @@ def reserve_fill(view: CacheView, keys: list[bytes],
     for og_index, (chunks, masks) in wanted.items():
         part = view.partitions[og_index]
         held = part.keys
-        items = [(i, mask) for i, mask in zip(chunks, masks, strict=True)
-                 if keys[i] not in held]
+        items = [(i, mask) for i, mask in zip(chunks, masks, strict=True) if keys[i] not in held]
         slots = allocator.alloc(part, len(items), tick)
         if len(slots) < len(items):
-            no_space[og_index] = [i for i, _ in items[len(slots):]]
+            no_space[og_index] = [i for i, _ in items[len(slots) :]]
         if not slots:
             continue
-        items = items[:len(slots)]
+        items = items[: len(slots)]
         for (i, _), slot in zip(items, slots, strict=True):
             part.reserve(keys[i], slot, tick)
-        out.append(Reservation(og_index, part, array("i", (i for i, _ in items)),
-                               array("i", slots), array("B", (m for _, m in items)),
-                               [keys[i] for i, _ in items]))
+        out.append(
+            Reservation(
+                og_index,
+                part,
+                array("i", (i for i, _ in items)),
+                array("i", slots),
+                array("B", (m for _, m in items)),
+                [keys[i] for i, _ in items],
+            )
+        )
     return out, no_space
 
 

@@ -194,8 +194,7 @@ class WindowRetention(Retention):
 
 
 #: Engine group kind -> its retention (scratch groups are never in an object).
-KINDS: dict[str, type[Retention]] = {"full": FullRetention,
-                                     "sliding_window": WindowRetention}
+KINDS: dict[str, type[Retention]] = {"full": FullRetention, "sliding_window": WindowRetention}
 
 
 def retention_kind(group: GroupSpec) -> type[Retention]:

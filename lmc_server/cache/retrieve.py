@@ -34,8 +34,13 @@ class RetrieveTicket:
     done: bool = False
 
 
-def pin_retrieve(view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray],
-                 prefix_ends: list[int] | None, tick: int) -> RetrieveTicket:
+def pin_retrieve(
+    view: CacheView,
+    keys: list[bytes],
+    group_ids: dict[int, np.ndarray],
+    prefix_ends: list[int] | None,
+    tick: int,
+) -> RetrieveTicket:
     """Pin what a retrieve of these chunks (prefixes ending at ``prefix_ends``, exclusive
     chunk ends of the prefixes batched in one request; default one prefix) reads.
 
@@ -59,14 +64,15 @@ def pin_retrieve(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nda
         cand = np.flatnonzero(need.any(axis=0))
         get = part.keys.get
         found = np.array([get(keys[i], -1) for i in cand.tolist()], dtype=np.int64)
-        want = (need[:, cand].astype(np.uint8)
-                << np.arange(len(og.sections), dtype=np.uint8)[:, None]).sum(
-                    axis=0, dtype=np.uint8)
+        want = (
+            need[:, cand].astype(np.uint8) << np.arange(len(og.sections), dtype=np.uint8)[:, None]
+        ).sum(axis=0, dtype=np.uint8)
         hit = found >= 0
         if hit.any():  # (a partition may have no slots at all yet)
             at = np.maximum(found, 0)
-            hit &= ((np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED)
-                    & ((np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want))
+            hit &= (np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED) & (
+                (np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want
+            )
         missed = cand[~hit]
         st[missed] = ChunkStatus.MISS
         need[:, missed] = False
@@ -81,10 +87,12 @@ def pin_retrieve(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nda
         pinned.append((part, slots))
         objects += len(slots)
         offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
-        nbytes += plan_objects(og, offsets, np.frombuffer(chunks, dtype=np.int32), list(need),
-                               group_ids, copies)
-    return RetrieveTicket(statuses=statuses, pinned=pinned, copies=copies, nbytes=nbytes,
-                          objects=objects)
+        nbytes += plan_objects(
+            og, offsets, np.frombuffer(chunks, dtype=np.int32), list(need), group_ids, copies
+        )
+    return RetrieveTicket(
+        statuses=statuses, pinned=pinned, copies=copies, nbytes=nbytes, objects=objects
+    )
 
 
 def unpin_retrieve(ticket: RetrieveTicket, ok: bool, stats: CacheStats) -> None:

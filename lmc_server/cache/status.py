@@ -23,5 +23,6 @@ class ChunkStatus(IntEnum):
     SKIPPED = 7  # retrieve: nothing to copy (outside the window, or every block -1)
 
 
-SUCCESS = frozenset({ChunkStatus.OK, ChunkStatus.EXISTS, ChunkStatus.NOT_AVAILABLE,
-                     ChunkStatus.SKIPPED})
+SUCCESS = frozenset(
+    {ChunkStatus.OK, ChunkStatus.EXISTS, ChunkStatus.NOT_AVAILABLE, ChunkStatus.SKIPPED}
+)

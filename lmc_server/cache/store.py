@@ -40,8 +40,14 @@ class StoreTicket:
     done: bool = False
 
 
-def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray],
-                  allocator: SlotAllocator, tick: int, stats: CacheStats) -> StoreTicket:
+def reserve_store(
+    view: CacheView,
+    keys: list[bytes],
+    group_ids: dict[int, np.ndarray],
+    allocator: SlotAllocator,
+    tick: int,
+    stats: CacheStats,
+) -> StoreTicket:
     """Reserve a WRITING slot for every storable (object group, chunk) at ``tick``.
 
     ``group_ids[g]`` is engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids,
@@ -54,8 +60,10 @@ def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nd
     nbytes = 0
     for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
         st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
-        avail = [np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0)
-                            .all(axis=1)) for sec in og.sections]
+        avail = [
+            np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0).all(axis=1))
+            for sec in og.sections
+        ]
         storable = np.logical_or.reduce(avail)
         for bit in og.required_bits:
             storable &= avail[bit]
@@ -81,9 +89,9 @@ def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nd
         # runs (one DMA each) instead of one run per object in descending order.
         slots = array("i", sorted(allocator.alloc(part, len(fresh), tick)))
         if len(slots) < len(fresh):
-            st[fresh[len(slots):]] = ChunkStatus.NO_SPACE
+            st[fresh[len(slots) :]] = ChunkStatus.NO_SPACE
             stats.bump(stats.alloc_failures, "no_space", len(fresh) - len(slots))
-            del fresh[len(slots):]
+            del fresh[len(slots) :]
         bits = np.zeros(n, dtype=np.uint8)
         for bit, ok in enumerate(avail):
             bits |= ok.astype(np.uint8) << bit
@@ -95,11 +103,11 @@ def reserve_store(view: CacheView, keys: list[bytes], group_ids: dict[int, np.nd
         statuses.append(st)
         if not chunks:
             continue
-        reserved.append(Reservation(og.index, part, chunks, slots, masks,
-                                    [keys[i] for i in fresh]))
+        reserved.append(Reservation(og.index, part, chunks, slots, masks, [keys[i] for i in fresh]))
         offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
-        nbytes += plan_objects(og, offsets, np.frombuffer(chunks, dtype=np.int32), avail,
-                               group_ids, copies)
+        nbytes += plan_objects(
+            og, offsets, np.frombuffer(chunks, dtype=np.int32), avail, group_ids, copies
+        )
     return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
 
 
@@ -119,13 +127,11 @@ def abort_store(ticket: StoreTicket, stats: CacheStats) -> None:
     ticket.done = True
     for r in ticket.reserved:
         finish(r, [False] * len(r))
-        ticket.statuses[r.og_index][np.frombuffer(r.chunks, dtype=np.int32)] = \
-            ChunkStatus.FAILED
+        ticket.statuses[r.og_index][np.frombuffer(r.chunks, dtype=np.int32)] = ChunkStatus.FAILED
         stats.bump(stats.alloc_failures, "aborted", len(r.slots))
 
 
-def settle_in_progress(view: CacheView, keys: list[bytes],
-                       statuses: list[np.ndarray]) -> int:
+def settle_in_progress(view: CacheView, keys: list[bytes], statuses: list[np.ndarray]) -> int:
     """A store's ``IN_PROGRESS`` chunks whose other writer finished, settled in place:
     ``EXISTS`` once committed, ``FAILED`` once gone (the copy failed or its writer went
     away). Returns how many are still being written."""

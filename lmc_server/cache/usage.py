@@ -37,8 +37,15 @@ def usage_of(part: Partition) -> PartitionUsage:
     pinned = len(pins) - pins.count(0)
     slabs = part.slabs
     return PartitionUsage(
-        name=part.name, fingerprint=part.fingerprint, object_bytes=part.object_bytes,
-        slabs=slabs, capacity_objects=slabs * part.slots_per_slab,
-        capacity_bytes=slabs * part.pool.slab_bytes, objects=part.n_committed,
-        writing=part.n_writing, used_bytes=part.used_bytes, pinned_objects=pinned,
-        pinned_bytes=pinned * part.object_bytes)
+        name=part.name,
+        fingerprint=part.fingerprint,
+        object_bytes=part.object_bytes,
+        slabs=slabs,
+        capacity_objects=slabs * part.slots_per_slab,
+        capacity_bytes=slabs * part.pool.slab_bytes,
+        objects=part.n_committed,
+        writing=part.n_writing,
+        used_bytes=part.used_bytes,
+        pinned_objects=pinned,
+        pinned_bytes=pinned * part.object_bytes,
+    )

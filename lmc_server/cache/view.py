@@ -105,8 +105,7 @@ def prompt_hits(view: CacheView, keys: list[bytes], ends: list[int]) -> list[int
     return out
 
 
-def needed_slots(view: CacheView, slots: list[np.ndarray],
-                 k: int) -> list[tuple[Partition, array]]:
+def needed_slots(view: CacheView, slots: list[np.ndarray], k: int) -> list[tuple[Partition, array]]:
     """Slots a retrieve of the ``k``-chunk prefix reads, per partition (``slots`` as
     :func:`hit_chunks` returned them for a hit of ``k`` chunks)."""
     out = []

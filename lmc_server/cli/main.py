@@ -63,18 +63,29 @@ class _LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=_LazyGroup,
-             context_settings={"help_option_names": ["-h", "--help"],
-                               "show_default": True, "max_content_width": 100})
+@click.group(
+    cls=_LazyGroup,
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "show_default": True,
+        "max_content_width": 100,
+    },
+)
 @click.version_option(__version__, prog_name="lmcache")
 def cli() -> None:
     """lmc-server: a KV-cache server that keeps vLLM's attention KV in host memory."""
 
 
 @cli.command(epilog=_EXAMPLES)
-@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config_file,
-              is_eager=True, expose_value=False, envvar="LMCACHE_CONFIG",
-              help="TOML file with settings (names as below, '-' or '_').")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    callback=_load_config_file,
+    is_eager=True,
+    expose_value=False,
+    envvar="LMCACHE_CONFIG",
+    help="TOML file with settings (names as below, '-' or '_').",
+)
 @declared_options(Config)
 def server(**kwargs: Any) -> None:
     """Run the cache server in the foreground until SIGINT or SIGTERM."""
@@ -91,15 +102,18 @@ def server(**kwargs: Any) -> None:
     try:
         setup_logging(config.log_level, config.log_format, config.log_file)
     except OSError as e:
-        raise click.UsageError(f"cannot open log file {config.log_file}: {e.strerror}") \
-            from None
+        raise click.UsageError(f"cannot open log file {config.log_file}: {e.strerror}") from None
     sys.exit(Server(config).run())
 
 
 @cli.command()
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--name", default="server", show_default=True,
-              help="Certificate base name (server, or a client's name).")
+@click.option(
+    "--name",
+    default="server",
+    show_default=True,
+    help="Certificate base name (server, or a client's name).",
+)
 def keygen(directory: str, name: str) -> None:
     """Create a zmq CURVE key pair: NAME.key (public) and NAME.key_secret (keep private).
 
@@ -116,13 +130,13 @@ def keygen(directory: str, name: str) -> None:
         public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(secret, 0o600)
     except OSError as e:
-        raise click.BadParameter(f"cannot write keys into {directory}: {e.strerror}",
-                                 param_hint="DIRECTORY") from None
+        raise click.BadParameter(
+            f"cannot write keys into {directory}: {e.strerror}", param_hint="DIRECTORY"
+        ) from None
     click.echo(f"public: {public}\nsecret: {secret}")
 
 
-def _load_client_config(ctx: click.Context, _param: click.Parameter,
-                        value: str | None) -> None:
+def _load_client_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value:
         try:
             ctx.default_map = {**(ctx.default_map or {}), **load_client_toml(value)}
@@ -133,27 +147,50 @@ def _load_client_config(ctx: click.Context, _param: click.Parameter,
 def _endpoint_options(f: Any) -> Any:
     """Where the server is and how to get in: the same host, port and CURVE settings,
     environment variables and TOML file as the server (see docs/operations.md)."""
-    f = click.option("--curve-client-secret-key-file", default="",
-                     envvar="LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE",
-                     help="This client's CURVE certificate with its secret key (NAME."
-                          "key_secret from 'lmcache keygen --name NAME'; its NAME.key must "
-                          "be in the server's --curve-clients-dir).")(f)
-    f = click.option("--curve-server-key-file", default="",
-                     envvar="LMCACHE_CURVE_SERVER_KEY_FILE",
-                     help="The server's public CURVE certificate (server.key); with a "
-                          "client certificate, talk CURVE.")(f)
-    f = click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=2.0,
-                     help="Seconds to wait for an answer.")(f)
-    f = click.option("--port", type=click.IntRange(1, 65535), default=5555,
-                     envvar="LMCACHE_PORT", help="Server port.")(f)
-    f = click.option("--host", default="127.0.0.1", envvar="LMCACHE_HOST",
-                     callback=_check_host,
-                     help="Server address (IPv4, IPv6 with or without brackets, or a name).")(f)
-    f = click.option("--config", type=click.Path(dir_okay=False),
-                     callback=_load_client_config, is_eager=True, expose_value=False,
-                     envvar="LMCACHE_CONFIG",
-                     help="TOML file: the server's file works ([server] host and port, "
-                          "[client] CURVE keys).")(f)
+    f = click.option(
+        "--curve-client-secret-key-file",
+        default="",
+        envvar="LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE",
+        help="This client's CURVE certificate with its secret key (NAME."
+        "key_secret from 'lmcache keygen --name NAME'; its NAME.key must "
+        "be in the server's --curve-clients-dir).",
+    )(f)
+    f = click.option(
+        "--curve-server-key-file",
+        default="",
+        envvar="LMCACHE_CURVE_SERVER_KEY_FILE",
+        help="The server's public CURVE certificate (server.key); with a "
+        "client certificate, talk CURVE.",
+    )(f)
+    f = click.option(
+        "--timeout-s",
+        type=click.FloatRange(min=0, min_open=True),
+        default=2.0,
+        help="Seconds to wait for an answer.",
+    )(f)
+    f = click.option(
+        "--port",
+        type=click.IntRange(1, 65535),
+        default=5555,
+        envvar="LMCACHE_PORT",
+        help="Server port.",
+    )(f)
+    f = click.option(
+        "--host",
+        default="127.0.0.1",
+        envvar="LMCACHE_HOST",
+        callback=_check_host,
+        help="Server address (IPv4, IPv6 with or without brackets, or a name).",
+    )(f)
+    f = click.option(
+        "--config",
+        type=click.Path(dir_okay=False),
+        callback=_load_client_config,
+        is_eager=True,
+        expose_value=False,
+        envvar="LMCACHE_CONFIG",
+        help="TOML file: the server's file works ([server] host and port, [client] CURVE keys).",
+    )(f)
     return f
 
 
@@ -162,8 +199,9 @@ def _curve(server_key_file: str, client_secret_key_file: str) -> Any:
     if not server_key_file and not client_secret_key_file:
         return None
     if not (server_key_file and client_secret_key_file):
-        raise click.UsageError("CURVE needs both --curve-server-key-file and "
-                               "--curve-client-secret-key-file")
+        raise click.UsageError(
+            "CURVE needs both --curve-server-key-file and --curve-client-secret-key-file"
+        )
     from lmc_server.client.core import CurveKeys
 
     try:
@@ -188,33 +226,44 @@ def _client(host: str, port: int, timeout_s: float, curve: Any, hello: bool) -> 
 
     endpoint = tcp_endpoint(host, port)
     try:
-        return Client(endpoint, timeout_s=timeout_s, client_name="lmcache-cli",
-                      hello=hello, curve=curve)
+        return Client(
+            endpoint, timeout_s=timeout_s, client_name="lmcache-cli", hello=hello, curve=curve
+        )
     except zmq.ZMQError as e:
         raise click.UsageError(f"cannot connect to {endpoint}: {e.strerror}") from None
 
 
 @cli.command()
 @_endpoint_options
-def ping(host: str, port: int, timeout_s: float, curve_server_key_file: str,
-         curve_client_secret_key_file: str) -> None:
+def ping(
+    host: str,
+    port: int,
+    timeout_s: float,
+    curve_server_key_file: str,
+    curve_client_secret_key_file: str,
+) -> None:
     """Exit 0 if the server answers within the timeout, 1 otherwise."""
     curve = _curve(curve_server_key_file, curve_client_secret_key_file)
     with _client(host, port, timeout_s, curve, hello=False) as c:
         try:
             pong = c.ping()
         except TimeoutError:
-            click.echo(f"no answer from {c.endpoint} within {timeout_s} s"
-                       f"{_curve_hint(curve)}", err=True)
+            click.echo(
+                f"no answer from {c.endpoint} within {timeout_s} s{_curve_hint(curve)}", err=True
+            )
             sys.exit(1)
-    click.echo(f"ok: lmcache server {pong.server_version} at {c.endpoint}"
-               f"{'' if pong.ready else ' (pool not ready yet)'}")
+    click.echo(
+        f"ok: lmcache server {pong.server_version} at {c.endpoint}"
+        f"{'' if pong.ready else ' (pool not ready yet)'}"
+    )
 
 
 def _curve_hint(curve: Any) -> str:
-    return ("" if curve is not None else
-            " (a CURVE server does not answer clients without keys: see "
-            "--curve-server-key-file)")
+    return (
+        ""
+        if curve is not None
+        else " (a CURVE server does not answer clients without keys: see --curve-server-key-file)"
+    )
 
 
 def _gib(n: int) -> str:
@@ -224,8 +273,14 @@ def _gib(n: int) -> str:
 @cli.command()
 @_endpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw report as JSON.")
-def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
-          curve_client_secret_key_file: str, as_json: bool) -> None:
+def stats(
+    host: str,
+    port: int,
+    timeout_s: float,
+    curve_server_key_file: str,
+    curve_client_secret_key_file: str,
+    as_json: bool,
+) -> None:
     """Chunk size, backend, L1 capacity and use per partition, registrations, counters."""
     curve = _curve(curve_server_key_file, curve_client_secret_key_file)
     endpoint = tcp_endpoint(host, port)
@@ -233,41 +288,54 @@ def stats(host: str, port: int, timeout_s: float, curve_server_key_file: str,
         with _client(host, port, timeout_s, curve, hello=True) as c:
             report = c.stats()
     except TimeoutError:
-        click.echo(f"no answer from {endpoint} within {timeout_s} s{_curve_hint(curve)}",
-                   err=True)
+        click.echo(f"no answer from {endpoint} within {timeout_s} s{_curve_hint(curve)}", err=True)
         sys.exit(1)
     if as_json:  # the report's fields as JSON keys (docs/protocol.md)
         click.echo(json.dumps(msgspec.to_builtins(report), indent=2, sort_keys=True))
         return
     l1 = report.l1
-    click.echo(f"lmcache server {report.version} at {endpoint}, backend "
-               f"{report.backend}, up {report.uptime_s:.0f} s")
-    click.echo(f"chunk size {report.chunk_size}, object groups "
-               f"{'separate' if report.separate_object_groups else 'combined'}, "
-               f"eviction {report.eviction_policy}")
-    click.echo(f"L1: {_gib(l1.used_bytes)} used of {_gib(l1.capacity_bytes)} "
-               f"({_gib(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
-               f"{l1.objects} objects")
-    click.echo(f"sessions {report.sessions}, registrations {report.registrations}, "
-               f"leases {report.leases}")
+    click.echo(
+        f"lmcache server {report.version} at {endpoint}, backend "
+        f"{report.backend}, up {report.uptime_s:.0f} s"
+    )
+    click.echo(
+        f"chunk size {report.chunk_size}, object groups "
+        f"{'separate' if report.separate_object_groups else 'combined'}, "
+        f"eviction {report.eviction_policy}"
+    )
+    click.echo(
+        f"L1: {_gib(l1.used_bytes)} used of {_gib(l1.capacity_bytes)} "
+        f"({_gib(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
+        f"{l1.objects} objects"
+    )
+    click.echo(
+        f"sessions {report.sessions}, registrations {report.registrations}, leases {report.leases}"
+    )
     if (d := report.disk) is not None:
-        click.echo(f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
-                   f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
-                   f"files, index {'whole' if d.rebuild.done else 'rebuilding'}")
+        click.echo(
+            f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
+            f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+            f"files, index {'whole' if d.rebuild.done else 'rebuilding'}"
+        )
     if (l2 := report.l2) is not None:
-        click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects "
-                   f"written")
+        click.echo(f"L2 {l2.url} {l2.state}: {l2.hits} hits, {l2.objects_written} objects written")
     if (ev := report.kv_events) is not None:
-        click.echo(f"KV events on {ev.endpoint}: next seq {ev.next_seq}, "
-                   f"{ev.published_objects} objects published, {ev.dropped_batches} "
-                   f"batches dropped, {ev.stall_resets} resets, {ev.replays} replays")
+        click.echo(
+            f"KV events on {ev.endpoint}: next seq {ev.next_seq}, "
+            f"{ev.published_objects} objects published, {ev.dropped_batches} "
+            f"batches dropped, {ev.stall_resets} resets, {ev.replays} replays"
+        )
     if report.partitions:
-        click.echo(f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
-                   f"{'capacity':>10}{'used':>14}")
+        click.echo(
+            f"\n{'partition':<14}{'object B':>12}{'slabs':>8}{'objects':>10}"
+            f"{'capacity':>10}{'used':>14}"
+        )
         for p in report.partitions:
-            click.echo(f"{p.name:<14}{p.object_bytes:>12}{p.slabs:>8}"
-                       f"{p.objects:>10}{p.capacity_objects:>10}"
-                       f"{_gib(p.used_bytes):>14}")
+            click.echo(
+                f"{p.name:<14}{p.object_bytes:>12}{p.slabs:>8}"
+                f"{p.objects:>10}{p.capacity_objects:>10}"
+                f"{_gib(p.used_bytes):>14}"
+            )
     click.echo("")
     for k, v in msgspec.structs.asdict(report.counters).items():
         if isinstance(v, dict):

@@ -33,9 +33,15 @@ def declared_options(cls: type) -> Callable[[F], F]:
 
 def option(d: Declared) -> Callable[[F], F]:
     flag = f"{d.flag}/--no-{d.flag[2:]}" if d.kind is bool else d.flag
-    return click.option(flag, d.name, type=click_type(d), default=d.default,
-                        envvar=d.envvar, metavar=d.setting.metavar,
-                        help=d.setting.help_text())
+    return click.option(
+        flag,
+        d.name,
+        type=click_type(d),
+        default=d.default,
+        envvar=d.envvar,
+        metavar=d.setting.metavar,
+        help=d.setting.help_text(),
+    )
 
 
 def click_type(d: Declared) -> click.ParamType | None:

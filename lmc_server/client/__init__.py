@@ -14,5 +14,13 @@ from lmc_server.client.digests import chunk_digests, hash_chain
 from lmc_server.client.sync import Client
 from lmc_server.net import tcp_endpoint
 
-__all__ = ["ChunkResult", "Client", "CurveKeys", "Registration", "ServerError", "chunk_digests",
-           "hash_chain", "tcp_endpoint"]
+__all__ = [
+    "ChunkResult",
+    "Client",
+    "CurveKeys",
+    "Registration",
+    "ServerError",
+    "chunk_digests",
+    "hash_chain",
+    "tcp_endpoint",
+]

@@ -43,8 +43,9 @@ from lmc_server.protocol.stats import StatsReport
 T = TypeVar("T")
 
 
-def _release(sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
-             monitor: zmq.asyncio.Socket) -> None:
+def _release(
+    sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, monitor: zmq.asyncio.Socket
+) -> None:
     """Close the socket (no linger) and destroy the context: never blocks.
 
     Runs from :meth:`AsyncClient.close`, or from a ``weakref.finalize`` when a client is
@@ -68,15 +69,15 @@ class AsyncClient:
     it restarted) is retried once after a new hello, transparently.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0,
-                 curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = 30.0, curve: CurveKeys | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx,
-                                           self._monitor)
+        self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx, self._monitor)
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
@@ -88,8 +89,13 @@ class AsyncClient:
         self.welcome: m.Welcome | None = None
 
     @classmethod
-    async def connect(cls, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
-                      client_name: str = "", curve: CurveKeys | None = None) -> AsyncClient:
+    async def connect(
+        cls,
+        endpoint: str = "tcp://127.0.0.1:5555",
+        timeout_s: float = 30.0,
+        client_name: str = "",
+        curve: CurveKeys | None = None,
+    ) -> AsyncClient:
         self = cls(endpoint, timeout_s, curve)
         self._client_name = client_name
         loop = asyncio.get_running_loop()
@@ -162,9 +168,10 @@ class AsyncClient:
             await self._sock.send(encode(msg))
             reply = await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"no reply from {self.endpoint} to "
-                               f"{type(msg).__name__.lower()} within {self.timeout_s} s"
-                               ) from None
+            raise TimeoutError(
+                f"no reply from {self.endpoint} to "
+                f"{type(msg).__name__.lower()} within {self.timeout_s} s"
+            ) from None
         finally:
             self._pending.pop(msg.req_id, None)
         return reply
@@ -180,40 +187,71 @@ class AsyncClient:
     async def clear(self) -> int:
         return await self._run(self._b.clear())
 
-    async def register(self, *, model: str, kv_dtype: str, arch: str,
-                       groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),
-                       world_size: int = 1, rank: int = 0,
-                       replicated: bool = False) -> Registration:
-        return await self._run(self._b.register(model=model, kv_dtype=kv_dtype, arch=arch,
-                                                groups=groups, buffers=buffers,
-                                                world_size=world_size, rank=rank,
-                                                replicated=replicated))
+    async def register(
+        self,
+        *,
+        model: str,
+        kv_dtype: str,
+        arch: str,
+        groups: Sequence[GroupSpec],
+        buffers: Sequence[BufferSpec] = (),
+        world_size: int = 1,
+        rank: int = 0,
+        replicated: bool = False,
+    ) -> Registration:
+        return await self._run(
+            self._b.register(
+                model=model,
+                kv_dtype=kv_dtype,
+                arch=arch,
+                groups=groups,
+                buffers=buffers,
+                world_size=world_size,
+                rank=rank,
+                replicated=replicated,
+            )
+        )
 
     async def unregister(self, reg: Registration) -> None:
         await self._run(self._b.unregister(reg))
 
-    async def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
-                     lease: bool = True) -> m.LookupResult:
+    async def lookup(
+        self, reg: Registration, digests: bytes, salt: bytes = b"", lease: bool = True
+    ) -> m.LookupResult:
         return await self._run(self._b.lookup(reg, digests, salt, lease))
 
-    async def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes],
-                           salt: bytes = b"", lease: bool = True) -> list[m.LookupResult]:
+    async def lookup_batch(
+        self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"", lease: bool = True
+    ) -> list[m.LookupResult]:
         """One lookup per prefix in one request (see ``m.LookupBatch``)."""
         return await self._run(self._b.lookup_batch(reg, prefixes, salt, lease))
 
     async def release(self, lease_id: int) -> bool:
         return await self._run(self._b.release(lease_id))
 
-    async def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                    salt: bytes = b"", events: m.StoreEvents | None = None) -> ChunkResult:
+    async def store(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        events: m.StoreEvents | None = None,
+    ) -> ChunkResult:
         return await self._run(self._b.store(reg, digests, block_ids, salt, events))
 
-    async def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
-                    prefix_ends: Sequence[int] = ()) -> list[int]:
+    async def probe(
+        self, namespace: str, digests: bytes, salt: bytes = b"", prefix_ends: Sequence[int] = ()
+    ) -> list[int]:
         """Hit chunks per prompt, for a router (see ``m.Probe``)."""
         return await self._run(self._b.probe(namespace, digests, salt, prefix_ends))
 
-    async def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                       salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:
+    async def retrieve(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        prefix_ends: Sequence[int] = (),
+    ) -> ChunkResult:
         """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
         return await self._run(self._b.retrieve(reg, digests, block_ids, salt, prefix_ends))

@@ -115,8 +115,9 @@ class Registration:
             ids = np.asarray(block_ids[g.name], dtype="<i4").reshape(-1)
             want = n_chunks * self.blocks_per_chunk(g)
             if ids.size != want:
-                raise ValueError(f"group {g.name!r}: {ids.size} block ids for {n_chunks} "
-                                 f"chunks; expected {want}")
+                raise ValueError(
+                    f"group {g.name!r}: {ids.size} block ids for {n_chunks} chunks; expected {want}"
+                )
             out.append(ids.tobytes())
         return out
 

@@ -60,8 +60,10 @@ def ipc_mem_handle(shared: bytes) -> bytes:
     if len(shared) == IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
         return shared[2:]
     if len(shared) >= 2 and shared[1:2] == b"e":
-        raise ValueError("KV tensors in expandable segments cannot be exported over CUDA "
-                         "IPC; unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        raise ValueError(
+            "KV tensors in expandable segments cannot be exported over CUDA "
+            "IPC; unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
     raise ValueError(f"unrecognised PyTorch IPC handle ({len(shared)} bytes)")
 
 
@@ -76,8 +78,9 @@ def export_tensor(t: torch.Tensor) -> CudaIpcBuffer:
     shared = storage._share_cuda_()
     handle, storage_offset_bytes = ipc_mem_handle(bytes(shared[1])), int(shared[3])
     offset = storage_offset_bytes + t.storage_offset() * t.element_size()
-    return CudaIpcBuffer(handle=handle, device_uuid=device_uuid(t.device),
-                         offset=offset, size_bytes=size)
+    return CudaIpcBuffer(
+        handle=handle, device_uuid=device_uuid(t.device), offset=offset, size_bytes=size
+    )
 
 
 def stream_done(stream: torch.cuda.Stream | None = None) -> Callable[[], None]:

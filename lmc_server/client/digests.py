@@ -32,5 +32,4 @@ def chunk_digests(tokens: Sequence[int] | np.ndarray, chunk_size: int) -> bytes:
     """Digests of every *full* chunk of ``tokens`` (a trailing partial chunk is dropped)."""
     arr = np.asarray(tokens, dtype="<i4")
     n = len(arr) // chunk_size
-    return hash_chain(arr[i * chunk_size:(i + 1) * chunk_size].tobytes() for i in range(n))
-
+    return hash_chain(arr[i * chunk_size : (i + 1) * chunk_size].tobytes() for i in range(n))

@@ -70,8 +70,12 @@ class Call(Generic[T]):
         """The server no longer knows this connection's session (it restarted, or dropped
         the session): a client that had said hello says it again and resends once.
         Transports ask only after a cheap check that the reply is an ``error``."""
-        return (said_hello and isinstance(reply, m.Error) and reply.code == "handshake"
-                and not isinstance(self.msg, m.Hello))
+        return (
+            said_hello
+            and isinstance(reply, m.Error)
+            and reply.code == "handshake"
+            and not isinstance(self.msg, m.Hello)
+        )
 
 
 def raw_call(msg: m._Msg, expected: type[R]) -> Call[R]:
@@ -89,8 +93,13 @@ class RequestBuilder:
     # -- session ------------------------------------------------------------------------
 
     def hello(self, client_name: str = "") -> Call[m.Welcome]:
-        return Call(m.Hello(req_id=next(self._ids), protocol_version=PROTOCOL_VERSION,
-                            client_name=client_name), m.Welcome, _same)
+        return Call(
+            m.Hello(
+                req_id=next(self._ids), protocol_version=PROTOCOL_VERSION, client_name=client_name
+            ),
+            m.Welcome,
+            _same,
+        )
 
     def ping(self) -> Call[m.Pong]:
         return Call(m.Ping(req_id=next(self._ids)), m.Pong, _same)
@@ -103,82 +112,150 @@ class RequestBuilder:
 
     # -- registrations ------------------------------------------------------------------
 
-    def register(self, *, model: str, kv_dtype: str, arch: str,
-                 groups: Sequence[GroupSpec], buffers: Sequence[BufferSpec] = (),
-                 world_size: int = 1, rank: int = 0,
-                 replicated: bool = False) -> Call[Registration]:
-        msg = m.Register(req_id=next(self._ids), model=model, kv_dtype=kv_dtype, arch=arch,
-                         world_size=world_size, rank=rank, replicated=replicated,
-                         buffers=list(buffers), groups=list(groups))
+    def register(
+        self,
+        *,
+        model: str,
+        kv_dtype: str,
+        arch: str,
+        groups: Sequence[GroupSpec],
+        buffers: Sequence[BufferSpec] = (),
+        world_size: int = 1,
+        rank: int = 0,
+        replicated: bool = False,
+    ) -> Call[Registration]:
+        msg = m.Register(
+            req_id=next(self._ids),
+            model=model,
+            kv_dtype=kv_dtype,
+            arch=arch,
+            world_size=world_size,
+            rank=rank,
+            replicated=replicated,
+            buffers=list(buffers),
+            groups=list(groups),
+        )
         shm.check_registrable(msg.buffers)
 
         def registration(reply: m.Registered) -> Registration:
             shm.registered(msg.buffers)  # the server has opened them: names not needed
-            return Registration(reply.registration_id, reply.namespace, reply.chunk_size,
-                                reply.lookup_only, list(reply.object_groups), list(groups))
+            return Registration(
+                reply.registration_id,
+                reply.namespace,
+                reply.chunk_size,
+                reply.lookup_only,
+                list(reply.object_groups),
+                list(groups),
+            )
+
         return Call(msg, m.Registered, registration)
 
     def unregister(self, reg: Registration) -> Call[None]:
-        return Call(m.Unregister(req_id=next(self._ids), registration_id=reg.registration_id),
-                    m.Unregistered, _nothing)
+        return Call(
+            m.Unregister(req_id=next(self._ids), registration_id=reg.registration_id),
+            m.Unregistered,
+            _nothing,
+        )
 
     # -- chunks -------------------------------------------------------------------------
 
-    def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
-               lease: bool = True) -> Call[m.LookupResult]:
-        return Call(m.Lookup(req_id=next(self._ids), registration_id=reg.registration_id,
-                             digests=digests, salt=salt, lease=lease), m.LookupResult, _same)
+    def lookup(
+        self, reg: Registration, digests: bytes, salt: bytes = b"", lease: bool = True
+    ) -> Call[m.LookupResult]:
+        return Call(
+            m.Lookup(
+                req_id=next(self._ids),
+                registration_id=reg.registration_id,
+                digests=digests,
+                salt=salt,
+                lease=lease,
+            ),
+            m.LookupResult,
+            _same,
+        )
 
-    def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"",
-                     lease: bool = True) -> Call[list[m.LookupResult]]:
+    def lookup_batch(
+        self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"", lease: bool = True
+    ) -> Call[list[m.LookupResult]]:
         """One lookup per prefix (each its own chunks' digests) in one request
         (``m.LookupBatch``); the answers in order, each as :meth:`lookup` gives it."""
         ends = np.cumsum([len(p) // DIGEST_BYTES for p in prefixes], dtype=np.int64)
-        msg = m.LookupBatch(req_id=next(self._ids), registration_id=reg.registration_id,
-                            digests=b"".join(prefixes), salt=salt, lease=lease,
-                            prefix_ends=ends.astype("<i4").tobytes())
+        msg = m.LookupBatch(
+            req_id=next(self._ids),
+            registration_id=reg.registration_id,
+            digests=b"".join(prefixes),
+            salt=salt,
+            lease=lease,
+            prefix_ends=ends.astype("<i4").tobytes(),
+        )
         return Call(msg, m.LookupBatchResult, _lookup_results)
 
     def release(self, lease_id: int) -> Call[bool]:
-        return Call(m.Release(req_id=next(self._ids), lease_id=lease_id), m.Released,
-                    _released)
+        return Call(m.Release(req_id=next(self._ids), lease_id=lease_id), m.Released, _released)
 
-    def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-              salt: bytes = b"", events: m.StoreEvents | None = None) -> Call[ChunkResult]:
+    def store(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        events: m.StoreEvents | None = None,
+    ) -> Call[ChunkResult]:
         """Block ids are checked against the registration here, before anything is sent
         (``KeyError``/``ValueError``, see :meth:`Registration.encode_block_ids`).
         ``events``: what KV-event subscribers see of these chunks (``m.StoreEvents``)."""
-        msg = m.Store(req_id=next(self._ids), registration_id=reg.registration_id,
-                      digests=digests,
-                      block_ids=reg.encode_block_ids(block_ids, len(digests) // DIGEST_BYTES),
-                      salt=salt, events=events)
+        msg = m.Store(
+            req_id=next(self._ids),
+            registration_id=reg.registration_id,
+            digests=digests,
+            block_ids=reg.encode_block_ids(block_ids, len(digests) // DIGEST_BYTES),
+            salt=salt,
+            events=events,
+        )
 
         def statuses(reply: m.StoreResult) -> ChunkResult:
             return chunk_result(reg, reply.statuses)
+
         return Call(msg, m.StoreResult, statuses)
 
-    def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                 salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> Call[ChunkResult]:
+    def retrieve(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        prefix_ends: Sequence[int] = (),
+    ) -> Call[ChunkResult]:
         """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
-        msg = m.Retrieve(req_id=next(self._ids), registration_id=reg.registration_id,
-                         digests=digests,
-                         block_ids=reg.encode_block_ids(block_ids,
-                                                        len(digests) // DIGEST_BYTES),
-                         salt=salt,
-                         prefix_ends=(np.asarray(prefix_ends, dtype="<i4").tobytes()
-                                      if len(prefix_ends) else b""))
+        msg = m.Retrieve(
+            req_id=next(self._ids),
+            registration_id=reg.registration_id,
+            digests=digests,
+            block_ids=reg.encode_block_ids(block_ids, len(digests) // DIGEST_BYTES),
+            salt=salt,
+            prefix_ends=(
+                np.asarray(prefix_ends, dtype="<i4").tobytes() if len(prefix_ends) else b""
+            ),
+        )
 
         def statuses(reply: m.RetrieveResult) -> ChunkResult:
             return chunk_result(reg, reply.statuses)
+
         return Call(msg, m.RetrieveResult, statuses)
 
-
-    def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
-              prefix_ends: Sequence[int] = ()) -> Call[list[int]]:
+    def probe(
+        self, namespace: str, digests: bytes, salt: bytes = b"", prefix_ends: Sequence[int] = ()
+    ) -> Call[list[int]]:
         """Hit chunks per prompt (see ``m.Probe``), without a registration or a lease."""
-        msg = m.Probe(req_id=next(self._ids), namespace=namespace, digests=digests, salt=salt,
-                      prefix_ends=(np.asarray(prefix_ends, dtype="<i4").tobytes()
-                                   if len(prefix_ends) else b""))
+        msg = m.Probe(
+            req_id=next(self._ids),
+            namespace=namespace,
+            digests=digests,
+            salt=salt,
+            prefix_ends=(
+                np.asarray(prefix_ends, dtype="<i4").tobytes() if len(prefix_ends) else b""
+            ),
+        )
         return Call(msg, m.ProbeResult, _hit_chunks)
 
 
@@ -191,15 +268,26 @@ def _lookup_results(reply: m.LookupBatchResult) -> list[m.LookupResult]:
     disagree in length raises ``ValueError``."""
     hits = np.frombuffer(reply.hit_chunks, dtype="<i4").tolist()
     leases = np.frombuffer(reply.lease_ids, dtype="<u8").tolist()
-    pending = (np.frombuffer(reply.l2_pending_chunks, dtype="<i4").tolist()
-               if reply.l2_pending_chunks else [0] * len(hits))
+    pending = (
+        np.frombuffer(reply.l2_pending_chunks, dtype="<i4").tolist()
+        if reply.l2_pending_chunks
+        else [0] * len(hits)
+    )
     if not len(hits) == len(leases) == len(pending):
-        raise ValueError(f"lookup_batch_result of {len(hits)} hits, {len(leases)} leases "
-                         f"and {len(pending)} pending counts")
-    return [m.LookupResult(req_id=reply.req_id, hit_chunks=h, lease_id=lid,
-                           lease_ttl_s=reply.lease_ttl_s if lid else 0.0,
-                           l2_pending_chunks=p)
-            for h, lid, p in zip(hits, leases, pending, strict=True)]
+        raise ValueError(
+            f"lookup_batch_result of {len(hits)} hits, {len(leases)} leases "
+            f"and {len(pending)} pending counts"
+        )
+    return [
+        m.LookupResult(
+            req_id=reply.req_id,
+            hit_chunks=h,
+            lease_id=lid,
+            lease_ttl_s=reply.lease_ttl_s if lid else 0.0,
+            l2_pending_chunks=p,
+        )
+        for h, lid, p in zip(hits, leases, pending, strict=True)
+    ]
 
 
 def _nothing(reply: m._Msg) -> None:
@@ -221,5 +309,9 @@ def _released(reply: m.Released) -> bool:
 def chunk_result(reg: Registration, statuses: list[bytes]) -> ChunkResult:
     """Per object group of ``reg``, one status byte per chunk; a reply whose count of
     groups does not match the registration raises ``ValueError``."""
-    return ChunkResult({og.name: np.frombuffer(s, dtype=np.uint8)
-                        for og, s in zip(reg.object_groups, statuses, strict=True)})
+    return ChunkResult(
+        {
+            og.name: np.frombuffer(s, dtype=np.uint8)
+            for og, s in zip(reg.object_groups, statuses, strict=True)
+        }
+    )

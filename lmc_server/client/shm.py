@@ -42,7 +42,8 @@ def check_registrable(buffers: Sequence[BufferSpec]) -> None:
             raise ValueError(
                 f"shared-memory segment {seg.name} was registered already and its name "
                 f"removed (nothing is left behind if this process is killed); create it "
-                f"with ShmSegment(..., keep_name=True) to register it more than once")
+                f"with ShmSegment(..., keep_name=True) to register it more than once"
+            )
 
 
 def registered(buffers: Sequence[BufferSpec]) -> None:
@@ -60,8 +61,7 @@ class ShmSegment:
     ``keep_name``: keep the name after a registration (see the module docstring).
     """
 
-    def __init__(self, size_bytes: int, name: str | None = None,
-                 keep_name: bool = False) -> None:
+    def __init__(self, size_bytes: int, name: str | None = None, keep_name: bool = False) -> None:
         self.name = name or f"lmc-{os.getpid()}-{secrets.token_hex(8)}"
         self.size_bytes = size_bytes
         self.keep_name = keep_name

@@ -35,9 +35,15 @@ T = TypeVar("T")
 class Client:
     """A connection to one server. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", timeout_s: float = 30.0,
-                 client_name: str = "", hello: bool = True,
-                 context: zmq.Context | None = None, curve: CurveKeys | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:5555",
+        timeout_s: float = 30.0,
+        client_name: str = "",
+        hello: bool = True,
+        context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._own_ctx = context is None
@@ -98,8 +104,10 @@ class Client:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-                raise TimeoutError(f"no reply from {self.endpoint} to "
-                                   f"{type(msg).__name__.lower()} within the timeout")
+                raise TimeoutError(
+                    f"no reply from {self.endpoint} to "
+                    f"{type(msg).__name__.lower()} within the timeout"
+                )
             reply = decode_reply(self._sock.recv())
             if reply.req_id == msg.req_id or (reply.req_id == 0 and isinstance(reply, m.Error)):
                 return reply
@@ -115,40 +123,72 @@ class Client:
     def clear(self) -> int:
         return self._run(self._b.clear())
 
-    def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
-                 buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
-                 replicated: bool = False) -> Registration:
-        return self._run(self._b.register(model=model, kv_dtype=kv_dtype, arch=arch,
-                                          groups=groups, buffers=buffers,
-                                          world_size=world_size, rank=rank,
-                                          replicated=replicated))
+    def register(
+        self,
+        *,
+        model: str,
+        kv_dtype: str,
+        arch: str,
+        groups: Sequence[GroupSpec],
+        buffers: Sequence[BufferSpec] = (),
+        world_size: int = 1,
+        rank: int = 0,
+        replicated: bool = False,
+    ) -> Registration:
+        return self._run(
+            self._b.register(
+                model=model,
+                kv_dtype=kv_dtype,
+                arch=arch,
+                groups=groups,
+                buffers=buffers,
+                world_size=world_size,
+                rank=rank,
+                replicated=replicated,
+            )
+        )
 
     def unregister(self, reg: Registration) -> None:
         self._run(self._b.unregister(reg))
 
-    def lookup(self, reg: Registration, digests: bytes, salt: bytes = b"",
-               lease: bool = True) -> m.LookupResult:
+    def lookup(
+        self, reg: Registration, digests: bytes, salt: bytes = b"", lease: bool = True
+    ) -> m.LookupResult:
         return self._run(self._b.lookup(reg, digests, salt, lease))
 
-    def lookup_batch(self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"",
-                     lease: bool = True) -> list[m.LookupResult]:
+    def lookup_batch(
+        self, reg: Registration, prefixes: Sequence[bytes], salt: bytes = b"", lease: bool = True
+    ) -> list[m.LookupResult]:
         """One lookup per prefix in one request (see ``m.LookupBatch``)."""
         return self._run(self._b.lookup_batch(reg, prefixes, salt, lease))
 
     def release(self, lease_id: int) -> bool:
         return self._run(self._b.release(lease_id))
 
-    def store(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-              salt: bytes = b"", events: m.StoreEvents | None = None) -> ChunkResult:
+    def store(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        events: m.StoreEvents | None = None,
+    ) -> ChunkResult:
         return self._run(self._b.store(reg, digests, block_ids, salt, events))
 
-    def probe(self, namespace: str, digests: bytes, salt: bytes = b"",
-              prefix_ends: Sequence[int] = ()) -> list[int]:
+    def probe(
+        self, namespace: str, digests: bytes, salt: bytes = b"", prefix_ends: Sequence[int] = ()
+    ) -> list[int]:
         """Hit chunks per prompt, for a router (see ``m.Probe``)."""
         return self._run(self._b.probe(namespace, digests, salt, prefix_ends))
 
-    def retrieve(self, reg: Registration, digests: bytes, block_ids: BlockIds,
-                 salt: bytes = b"", prefix_ends: Sequence[int] = ()) -> ChunkResult:
+    def retrieve(
+        self,
+        reg: Registration,
+        digests: bytes,
+        block_ids: BlockIds,
+        salt: bytes = b"",
+        prefix_ends: Sequence[int] = (),
+    ) -> ChunkResult:
         """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
         return self._run(self._b.retrieve(reg, digests, block_ids, salt, prefix_ends))
 

@@ -30,7 +30,24 @@ from lmc_server.config.settings import (
     physical_memory_bytes,
 )
 
-__all__ = ["BACKENDS", "CLIENT_KEYS", "CONFIG_KEYS", "CUDA_COPY_MODES", "FLAG_NAMES", "GIB",
-           "LOG_FORMATS", "LOG_LEVELS", "METRICS_PORT", "MIB", "SYSTEM_RESERVE_BYTES",
-           "Config", "ConfigError", "Declared", "declarations", "default_l1_size_gb",
-           "load_client_toml", "load_toml", "physical_memory_bytes"]
+__all__ = [
+    "BACKENDS",
+    "CLIENT_KEYS",
+    "CONFIG_KEYS",
+    "CUDA_COPY_MODES",
+    "FLAG_NAMES",
+    "GIB",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "METRICS_PORT",
+    "MIB",
+    "SYSTEM_RESERVE_BYTES",
+    "Config",
+    "ConfigError",
+    "Declared",
+    "declarations",
+    "default_l1_size_gb",
+    "load_client_toml",
+    "load_toml",
+    "physical_memory_bytes",
+]

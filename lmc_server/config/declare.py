@@ -54,10 +54,19 @@ class Setting:
         return self.help() if callable(self.help) else self.help
 
 
-def setting(default: Any, help: str | Callable[[], str], *, flag: str = "",
-            low: float | None = None, high: float | None = None, low_open: bool = False,
-            choices: Sequence[str] = (), any_case: bool = False, metavar: str | None = None,
-            what: str = "") -> Any:
+def setting(
+    default: Any,
+    help: str | Callable[[], str],
+    *,
+    flag: str = "",
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    choices: Sequence[str] = (),
+    any_case: bool = False,
+    metavar: str | None = None,
+    what: str = "",
+) -> Any:
     """A dataclass field with its :class:`Setting` (typed ``Any`` so that the field's
     annotation, not this function, gives its type)."""
     meta = Setting(help, flag, low, high, low_open, tuple(choices), any_case, metavar, what)
@@ -143,8 +152,7 @@ def check_declared(obj: object) -> None:
         if s.choices:
             seen = value.upper() if s.any_case else value
             if seen not in s.choices:
-                raise ConfigError(f"{d.label} {value!r}: choose one of "
-                                  f"{', '.join(s.choices)}")
+                raise ConfigError(f"{d.label} {value!r}: choose one of {', '.join(s.choices)}")
         too_low = s.low is not None and (value <= s.low if s.low_open else value < s.low)
         if too_low or (s.high is not None and value > s.high):
             raise ConfigError(f"{d.label} {value} is not in the range {d.range_text()}")

@@ -31,8 +31,7 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    if "server" in data and set(data) <= {"server", "client"} and isinstance(
-            data["server"], dict):
+    if "server" in data and set(data) <= {"server", "client"} and isinstance(data["server"], dict):
         data = data["server"]
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -41,18 +40,23 @@ def load_toml(path: str) -> dict[str, Any]:
             continue  # the client commands' table (load_client_toml)
         name = FLAG_NAMES.get(name, name)
         if name not in CONFIG_KEYS:
-            raise ConfigError(f"config file {path}: unknown setting {key!r}; known: "
-                              f"{', '.join(sorted(CONFIG_KEYS | set(FLAG_NAMES)))}")
+            raise ConfigError(
+                f"config file {path}: unknown setting {key!r}; known: "
+                f"{', '.join(sorted(CONFIG_KEYS | set(FLAG_NAMES)))}"
+            )
         if name in out:
-            raise ConfigError(f"config file {path}: {key!r} names a setting given "
-                              f"already (as {name!r} or its flag's name)")
+            raise ConfigError(
+                f"config file {path}: {key!r} names a setting given "
+                f"already (as {name!r} or its flag's name)"
+            )
         out[name] = value
     return out
 
 
 #: Settings of the client commands (``ping``, ``stats``) in a ``[client]`` table.
-CLIENT_KEYS = frozenset({"host", "port", "timeout_s", "curve_server_key_file",
-                         "curve_client_secret_key_file"})
+CLIENT_KEYS = frozenset(
+    {"host", "port", "timeout_s", "curve_server_key_file", "curve_client_secret_key_file"}
+)
 
 
 def load_client_toml(path: str) -> dict[str, Any]:
@@ -74,7 +78,9 @@ def load_client_toml(path: str) -> dict[str, Any]:
     for key, value in client.items():
         name = key.replace("-", "_")
         if name not in CLIENT_KEYS:
-            raise ConfigError(f"config file {path}: unknown [client] setting {key!r}; "
-                              f"known: {', '.join(sorted(CLIENT_KEYS))}")
+            raise ConfigError(
+                f"config file {path}: unknown [client] setting {key!r}; "
+                f"known: {', '.join(sorted(CLIENT_KEYS))}"
+            )
         out[name] = value
     return out

@@ -51,8 +51,10 @@ def default_l1_size_gb() -> float:
 
 
 def _l1_help() -> str:
-    return (f"L1 pool size in GiB [default: a quarter of this machine's memory, "
-            f"{default_l1_size_gb():.0f} here].")
+    return (
+        f"L1 pool size in GiB [default: a quarter of this machine's memory, "
+        f"{default_l1_size_gb():.0f} here]."
+    )
 
 
 @dataclass
@@ -60,111 +62,172 @@ class Config:
     """Every server setting. Units are in the names."""
 
     host: str = setting(
-        "127.0.0.1", "Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
-        "loopback only unless CURVE is configured.")
+        "127.0.0.1",
+        "Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
+        "loopback only unless CURVE is configured.",
+    )
     port: int = setting(5555, "TCP port for clients.", low=1, high=65535)
     chunk_size: int = setting(
-        256, "Tokens per chunk (the caching unit); must be a multiple of every cached "
-        "group's tokens per block.", low=1, high=1 << 20)
+        256,
+        "Tokens per chunk (the caching unit); must be a multiple of every cached "
+        "group's tokens per block.",
+        low=1,
+        high=1 << 20,
+    )
     separate_object_groups: bool = setting(
-        False, "One object per chunk per retention need (full vs each sliding window) "
-        "instead of one object per chunk.")
+        False,
+        "One object per chunk per retention need (full vs each sliding window) "
+        "instead of one object per chunk.",
+    )
     l1_size_gb: float | None = setting(None, _l1_help, low=0, low_open=True)  # None: machine's
     eviction_policy: str = setting("LRU", POLICY_HELP, choices=list(POLICIES), any_case=True)
     backend: str = setting(
-        "auto", "Transfer engine: cuda (GPU workers), cpu (shared memory), auto (cuda when "
+        "auto",
+        "Transfer engine: cuda (GPU workers), cpu (shared memory), auto (cuda when "
         "a GPU and CuPy are present), or null (moves no bytes; trace-replay benchmarks "
-        "only).", choices=BACKENDS)
+        "only).",
+        choices=BACKENDS,
+    )
     log_level: str = setting("INFO", "Log level.", choices=LOG_LEVELS, any_case=True)
     log_format: str = setting("text", "Log line format.", choices=LOG_FORMATS)
     log_file: str = setting(  # empty: stderr (the journal under systemd)
-        "", "Append logs to this file instead of stderr; SIGHUP reopens it (for "
-        "logrotate).")
+        "", "Append logs to this file instead of stderr; SIGHUP reopens it (for logrotate)."
+    )
     lease_ttl_s: float = setting(
-        30.0, "Seconds a lookup's lease keeps its chunks from eviction.", low=0,
-        low_open=True)
+        30.0, "Seconds a lookup's lease keeps its chunks from eviction.", low=0, low_open=True
+    )
     slab_size_mb: int = setting(
-        64, "Pool slab size in MiB (largest object; unit moved between partitions).",
-        low=1, high=4096)
+        64,
+        "Pool slab size in MiB (largest object; unit moved between partitions).",
+        low=1,
+        high=4096,
+    )
     copy_threads: int = setting(
-        0, "Copy threads of the cpu engine (0: min(4, cores)).", low=0, high=256)
+        0, "Copy threads of the cpu engine (0: min(4, cores)).", low=0, high=256
+    )
     cuda_copy_mode: str = setting(
-        "auto", "cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
+        "auto",
+        "cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
         "kernel: nearly free for an engine computing on the same GPU); 'staging' gathers "
         "pages with a short kernel into a staging buffer and moves it in one DMA (fastest "
         "on an idle GPU); 'auto' takes dma while the GPU runs kernels (NVML), staging "
         "while it is idle; 'mapped' has a kernel read/write pinned host memory. See "
-        "docs/gpu.md.", choices=CUDA_COPY_MODES)
+        "docs/gpu.md.",
+        choices=CUDA_COPY_MODES,
+    )
     cuda_staging_mb: int = setting(
-        32, "cuda staging mode: least size in MiB of each of the two staging halves per "
-        "copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).", low=1,
-        high=4096)
+        32,
+        "cuda staging mode: least size in MiB of each of the two staging halves per "
+        "copy lane (GPU memory of the worker's device: 4 lanes x 2 halves).",
+        low=1,
+        high=4096,
+    )
     max_frame_bytes: int = setting(
-        DEFAULT_MAX_FRAME_BYTES, "Largest request frame answered; larger ones get "
-        "too_large.", low=65536, high=1 << 30)
+        DEFAULT_MAX_FRAME_BYTES,
+        "Largest request frame answered; larger ones get too_large.",
+        low=65536,
+        high=1 << 30,
+    )
     drain_timeout_s: float = setting(
-        10.0, "On SIGTERM, how long in-flight copies may take to finish.", low=0)
+        10.0, "On SIGTERM, how long in-flight copies may take to finish.", low=0
+    )
     metrics_port: int = setting(
-        METRICS_PORT, "Prometheus /metrics port (0: off).", low=0, high=65535)
+        METRICS_PORT, "Prometheus /metrics port (0: off).", low=0, high=65535
+    )
     metrics_host: str = setting("127.0.0.1", "Address of the metrics endpoint.")
     heartbeat_timeout_s: float = setting(
-        4.0, "A client whose connection is silent this long (zmq heartbeats) is dropped "
-        "and its registrations, mappings and leases reclaimed.", low=0.5, high=3600)
+        4.0,
+        "A client whose connection is silent this long (zmq heartbeats) is dropped "
+        "and its registrations, mappings and leases reclaimed.",
+        low=0.5,
+        high=3600,
+    )
     max_inflight_per_client: int = setting(
-        64, "Concurrent stores and retrieves per connection; more get 'busy'.", low=1,
-        high=65536)
+        64, "Concurrent stores and retrieves per connection; more get 'busy'.", low=1, high=65536
+    )
     ipc_path: str = setting(
-        "", "Also listen on ipc://PATH; its folder is created mode 0700 (0770 with "
-        "--ipc-group).")
+        "", "Also listen on ipc://PATH; its folder is created mode 0700 (0770 with --ipc-group)."
+    )
     ipc_group: str = setting("", "Group (the engine's) allowed to use the ipc socket.")
     curve_secret_key_file: str = setting(
-        "", "zmq CURVE server certificate (from 'lmcache keygen'); required to listen on "
-        "a non-loopback address.")
+        "",
+        "zmq CURVE server certificate (from 'lmcache keygen'); required to listen on "
+        "a non-loopback address.",
+    )
     curve_clients_dir: str = setting(
-        "", "Folder of client public certificates allowed to connect with CURVE.")
+        "", "Folder of client public certificates allowed to connect with CURVE."
+    )
     memory_check: bool = setting(
-        True, "Refuse an --l1-size-gb larger than this machine's memory (less 2 GiB). Turn "
+        True,
+        "Refuse an --l1-size-gb larger than this machine's memory (less 2 GiB). Turn "
         "off only where the reported memory understates what the machine really has "
-        "(memory that grows on use, as in some VMs).")
+        "(memory that grows on use, as in some VMs).",
+    )
     l2_url: str = setting(  # never carries a password (docs/l2.md)
-        "", "L2 tier shared across hosts: redis://HOST:PORT/DB (rediss:// for TLS, "
+        "",
+        "L2 tier shared across hosts: redis://HOST:PORT/DB (rediss:// for TLS, "
         "valkey:// too) or mooncake://MASTER:PORT. The password comes from "
         "LMCACHE_L2_PASSWORD or --l2-password-file, never the URL. See docs/l2.md.",
-        flag="--l2", metavar="URL")
+        flag="--l2",
+        metavar="URL",
+    )
     l2_password_file: str = setting("", "File whose first line is the L2 password.")
     l2_write_queue_objects: int = setting(
-        4096, "Objects waiting to be written to L2; past this, writes are dropped "
-        "(counted).", low=1, high=1 << 24)
+        4096,
+        "Objects waiting to be written to L2; past this, writes are dropped (counted).",
+        low=1,
+        high=1 << 24,
+    )
     l2_prefetch_max_chunks: int = setting(
-        256, "Chunks after an L1 hit that one lookup asks L2 for.", low=1, high=16384)
+        256, "Chunks after an L1 hit that one lookup asks L2 for.", low=1, high=16384
+    )
     l2_timeout_s: float = setting(2.0, "L2 connect and call timeout.", low=0.05, high=60)
     l2_connections: int = setting(
-        1, "Redis connections for reads, and as many for writes; a batch is split across "
-        "them.", low=1, high=16)
+        1,
+        "Redis connections for reads, and as many for writes; a batch is split across them.",
+        low=1,
+        high=16,
+    )
     disk_dir: str = setting(
-        "", "Disk tier between L1 and L2: a directory on local NVMe or a shared filesystem "
-        "(PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.", metavar="PATH")
+        "",
+        "Disk tier between L1 and L2: a directory on local NVMe or a shared filesystem "
+        "(PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.",
+        metavar="PATH",
+    )
     disk_size_gb: float = setting(
-        0.0, "Bytes the disk tier may hold; the least recently used files go first.",
-        low=0, high=1 << 20)
+        0.0,
+        "Bytes the disk tier may hold; the least recently used files go first.",
+        low=0,
+        high=1 << 20,
+    )
     kv_events_endpoint: str = setting(
-        "", "Publish L1 stores and removals for KV-aware routers, in vLLM's KV-event "
+        "",
+        "Publish L1 stores and removals for KV-aware routers, in vLLM's KV-event "
         "format, on this ZeroMQ PUB endpoint; as vLLM does, a wildcard (tcp://*:5557) or "
         "ipc:// endpoint is bound, any other connected to (a router's bound SUB). The "
         "stream carries prompt tokens: expose it only to the router. See "
-        "docs/operations.md.", metavar="ENDPOINT")
+        "docs/operations.md.",
+        metavar="ENDPOINT",
+    )
     kv_events_replay_endpoint: str = setting(
-        "", "ROUTER endpoint where subscribers ask for missed batches (vLLM's replay "
-        "protocol).", metavar="ENDPOINT")
+        "",
+        "ROUTER endpoint where subscribers ask for missed batches (vLLM's replay protocol).",
+        metavar="ENDPOINT",
+    )
     kv_events_topic: str = setting(
-        "", "Topic prefix; each model publishes on PREFIX<model>. Default kv@<hostname>@ "
-        "(llm-d's kv@<pod>@<model>).")
+        "",
+        "Topic prefix; each model publishes on PREFIX<model>. Default kv@<hostname>@ "
+        "(llm-d's kv@<pod>@<model>).",
+    )
     kv_events_hwm: int = setting(
-        100_000, "Batches queued per subscriber; past it batches are dropped for everyone "
-        "(counted, still replayable), never waited for.", low=1, high=1 << 24,
-        what="KV events high-water mark")
-    kv_events_replay_batches: int = setting(
-        10_000, "Batches kept for replay.", low=1, high=1 << 20)
+        100_000,
+        "Batches queued per subscriber; past it batches are dropped for everyone "
+        "(counted, still replayable), never waited for.",
+        low=1,
+        high=1 << 24,
+        what="KV events high-water mark",
+    )
+    kv_events_replay_batches: int = setting(10_000, "Batches kept for replay.", low=1, high=1 << 20)
 
     @property
     def endpoint(self) -> str:
@@ -188,8 +251,10 @@ class Config:
         if self.log_file and not os.path.isdir(os.path.dirname(os.path.abspath(self.log_file))):
             raise ConfigError(f"log file {self.log_file!r}: its directory does not exist")
         if self.l1_size_bytes < self.slab_bytes:
-            raise ConfigError(f"L1 size {self.l1_size_bytes} bytes is smaller than one slab "
-                              f"({self.slab_size_mb} MiB)")
+            raise ConfigError(
+                f"L1 size {self.l1_size_bytes} bytes is smaller than one slab "
+                f"({self.slab_size_mb} MiB)"
+            )
         self._check_addresses()
         self._check_kv_events()
         self._check_tiers()
@@ -201,23 +266,26 @@ class Config:
         if self.metrics_port and (problem := host_problem(self.metrics_host)) is not None:
             raise ConfigError(f"metrics host {self.metrics_host!r} {problem}")
         if bool(self.curve_secret_key_file) != bool(self.curve_clients_dir):
-            raise ConfigError("CURVE needs both --curve-secret-key-file and "
-                              "--curve-clients-dir (see 'lmcache keygen')")
+            raise ConfigError(
+                "CURVE needs both --curve-secret-key-file and "
+                "--curve-clients-dir (see 'lmcache keygen')"
+            )
         if not self.curve_secret_key_file and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host}: clients could map and read any KV "
                 f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
-                f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)")
+                f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)"
+            )
 
     def _check_kv_events(self) -> None:
         ends = [e for e in (self.kv_events_endpoint, self.kv_events_replay_endpoint) if e]
         for e in ends:
             if not re.fullmatch(r"(tcp://[A-Za-z0-9.:\-\[\]*]+:\d{1,5}|ipc://\S+)", e):
-                raise ConfigError(f"KV events endpoint {e!r}: use tcp://HOST:PORT or "
-                                  f"ipc://PATH")
+                raise ConfigError(f"KV events endpoint {e!r}: use tcp://HOST:PORT or ipc://PATH")
         if len(set(ends)) != len(ends) or self.endpoint in ends:
-            raise ConfigError("the KV events endpoints must differ from each other and "
-                              "from the server's endpoint")
+            raise ConfigError(
+                "the KV events endpoints must differ from each other and from the server's endpoint"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if "\x00" in self.kv_events_topic or len(self.kv_events_topic) > 256:
@@ -251,4 +319,5 @@ class Config:
                 f"L1 size {self.l1_size_bytes / GIB:.1f} GiB does not fit this machine: "
                 f"{mem / GIB:.1f} GiB of memory, of which at most {max(usable, 0) / GIB:.1f} "
                 f"GiB can be used with {SYSTEM_RESERVE_BYTES // GIB} GiB left for the "
-                f"system; lower --l1-size-gb")
+                f"system; lower --l1-size-gb"
+            )

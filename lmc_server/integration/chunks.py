@@ -54,15 +54,20 @@ class EngineGroup:
 class ChunkGeometry:
     """Chunk arithmetic over an engine's groups and block hashes."""
 
-    def __init__(self, chunk_size: int, hash_block_size: int,
-                 groups: Sequence[EngineGroup]) -> None:
+    def __init__(
+        self, chunk_size: int, hash_block_size: int, groups: Sequence[EngineGroup]
+    ) -> None:
         if chunk_size <= 0 or hash_block_size <= 0 or chunk_size % hash_block_size:
-            raise ValueError(f"chunk size {chunk_size} must be a positive multiple of the "
-                             f"engine's hash block size {hash_block_size}")
+            raise ValueError(
+                f"chunk size {chunk_size} must be a positive multiple of the "
+                f"engine's hash block size {hash_block_size}"
+            )
         for g in groups:
             if g.cached and chunk_size % g.tokens_per_block:
-                raise ValueError(f"chunk size {chunk_size} is not a multiple of group "
-                                 f"{g.name!r}'s {g.tokens_per_block} tokens per block")
+                raise ValueError(
+                    f"chunk size {chunk_size} is not a multiple of group "
+                    f"{g.name!r}'s {g.tokens_per_block} tokens per block"
+                )
         self.chunk_size = chunk_size
         self.hash_block_size = hash_block_size
         self.groups = tuple(groups)
@@ -84,28 +89,32 @@ class ChunkGeometry:
 
     def max_chunks(self, num_tokens: int, num_hashes: int) -> int:
         """Chunks a hit may cover: whole chunks, never the last token, hashed."""
-        return min(max(0, num_tokens - 1) // self.chunk_size,
-                   num_hashes // self.hashes_per_chunk)
+        return min(max(0, num_tokens - 1) // self.chunk_size, num_hashes // self.hashes_per_chunk)
 
-    def digests(self, block_hashes: Sequence[bytes], n_chunks: int,
-                known: bytes = b"") -> bytes:
+    def digests(self, block_hashes: Sequence[bytes], n_chunks: int, known: bytes = b"") -> bytes:
         """Prefix-chained digests of the first ``n_chunks`` chunks. ``known``: digests of
         leading chunks computed before from the same hashes; only the rest is hashed."""
         per = self.hashes_per_chunk
         if len(block_hashes) < n_chunks * per:
-            raise ValueError(f"{len(block_hashes)} block hashes cannot cover {n_chunks} "
-                             f"chunks of {per} hashes")
+            raise ValueError(
+                f"{len(block_hashes)} block hashes cannot cover {n_chunks} chunks of {per} hashes"
+            )
         have = min(len(known) // DIGEST_BYTES, n_chunks)
         if have == n_chunks:
-            return known[:n_chunks * DIGEST_BYTES]
-        seed = {"seed": known[(have - 1) * DIGEST_BYTES:have * DIGEST_BYTES]} if have else {}
+            return known[: n_chunks * DIGEST_BYTES]
+        seed = {"seed": known[(have - 1) * DIGEST_BYTES : have * DIGEST_BYTES]} if have else {}
         # bytes.join takes the hashes as they are (bytes-like): no copy of each one
-        return known[:have * DIGEST_BYTES] + hash_chain(
-            [b"".join(block_hashes[k * per:(k + 1) * per]) for k in range(have, n_chunks)],
-            **seed)
+        return known[: have * DIGEST_BYTES] + hash_chain(
+            [b"".join(block_hashes[k * per : (k + 1) * per]) for k in range(have, n_chunks)], **seed
+        )
 
-    def store_events(self, block_hashes: Sequence[bytes], token_ids: Sequence[int],
-                     first_chunk: int, n_chunks: int) -> StoreEvents:
+    def store_events(
+        self,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        first_chunk: int,
+        n_chunks: int,
+    ) -> StoreEvents:
         """What a KV-event subscriber needs of chunks ``first_chunk..+n_chunks`` (the
         server's ``events`` fields): their tokens, each engine block hash reduced to 64
         bits as vLLM publishes it (the last 8 bytes, big-endian: vLLM's
@@ -115,16 +124,27 @@ class ChunkGeometry:
 
         def short(i: int) -> bytes:
             return bytes(block_hashes[i])[-8:]
+
         mine = [short(i) for i in range(first_chunk * per, end * per)]
         parents = [short(c * per - 1) if c else bytes(8) for c in range(first_chunk, end)]
-        tokens = np.asarray(token_ids[first_chunk * cs:(first_chunk + n_chunks) * cs],
-                            dtype="<u4")
-        return StoreEvents(block_size=self.hash_block_size, token_ids=tokens.tobytes(),
-                           block_hashes=b"".join(mine), parent_hashes=b"".join(parents))
+        tokens = np.asarray(
+            token_ids[first_chunk * cs : (first_chunk + n_chunks) * cs], dtype="<u4"
+        )
+        return StoreEvents(
+            block_size=self.hash_block_size,
+            token_ids=tokens.tobytes(),
+            block_hashes=b"".join(mine),
+            parent_hashes=b"".join(parents),
+        )
 
-    def block_ids(self, group_blocks: Sequence[Sequence[int]], first_chunk: int,
-                  n_chunks: int, keep_tokens: int = 0,
-                  computed_tokens: int = 0) -> dict[str, np.ndarray]:
+    def block_ids(
+        self,
+        group_blocks: Sequence[Sequence[int]],
+        first_chunk: int,
+        n_chunks: int,
+        keep_tokens: int = 0,
+        computed_tokens: int = 0,
+    ) -> dict[str, np.ndarray]:
         """Per cached server group, the block ids of chunks ``first_chunk..+n_chunks``.
 
         ``group_blocks[i]`` is the request's block table of engine group ``i``; every
@@ -140,19 +160,21 @@ class ChunkGeometry:
             bpc = self.blocks_per_chunk(g)
             lo = first_chunk * bpc
             ids = np.full(n_chunks * bpc, -1, dtype=np.int32)
-            have = np.asarray(group_blocks[gi][lo:lo + n_chunks * bpc], dtype=np.int64)
-            ids[:have.size] = have
+            have = np.asarray(group_blocks[gi][lo : lo + n_chunks * bpc], dtype=np.int64)
+            ids[: have.size] = have
             ids[ids == NULL_BLOCK_ID] = -1
-            keep_blocks = max(keep_tokens // g.tokens_per_block,
-                              self.freed_blocks(g, computed_tokens)) - lo
+            keep_blocks = (
+                max(keep_tokens // g.tokens_per_block, self.freed_blocks(g, computed_tokens)) - lo
+            )
             if keep_blocks > 0:
                 ids[:keep_blocks] = -1
             for key in g.block_id_keys:
                 out[key] = ids
         return out
 
-    def first_window_blocks(self, ids: dict[str, np.ndarray], first_chunk: int,
-                            n_chunks: int) -> dict[int, int]:
+    def first_window_blocks(
+        self, ids: dict[str, np.ndarray], first_chunk: int, n_chunks: int
+    ) -> dict[int, int]:
         """Per sliding-window engine group (by index), the lowest block index in the
         request's table that a store of chunks ``first_chunk..+n_chunks`` with these
         ``ids`` (from :meth:`block_ids`) reads; groups it reads no block of are absent.
@@ -167,7 +189,7 @@ class ChunkGeometry:
                 continue
             bpc = self.blocks_per_chunk(g)
             nwin = min(bpc, -(-g.window_tokens // g.tokens_per_block))
-            read = ids[g.block_id_keys[0]].reshape(n_chunks, bpc)[:, bpc - nwin:]
+            read = ids[g.block_id_keys[0]].reshape(n_chunks, bpc)[:, bpc - nwin :]
             rows, cols = np.nonzero(read >= 0)
             if rows.size:
                 out[gi] = int((first_chunk + rows[0]) * bpc + bpc - nwin + cols[0])

@@ -65,8 +65,10 @@ class ShmExporter:
             for base, seg in _segments.items():
                 if base <= ptr < base + seg.size_bytes:
                     return ExportedBuffer(seg.spec, base, seg.size_bytes)
-        raise ValueError(f"tensor at 0x{ptr:x} is not inside a registered shared-memory "
-                         "segment; allocate CPU KV caches with register_shm_segment()")
+        raise ValueError(
+            f"tensor at 0x{ptr:x} is not inside a registered shared-memory "
+            "segment; allocate CPU KV caches with register_shm_segment()"
+        )
 
 
 class CudaExporter:

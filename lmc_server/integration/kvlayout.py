@@ -100,10 +100,14 @@ class KVLayout:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KVLayout:
         groups = tuple(
-            GroupDesc(kind=g["kind"], tokens_per_block=int(g["tokens_per_block"]),
-                      window_tokens=int(g.get("window_tokens", 0)),
-                      layers=tuple(LayerDesc(**layer) for layer in g["layers"]))
-            for g in d["groups"])
+            GroupDesc(
+                kind=g["kind"],
+                tokens_per_block=int(g["tokens_per_block"]),
+                window_tokens=int(g.get("window_tokens", 0)),
+                layers=tuple(LayerDesc(**layer) for layer in g["layers"]),
+            )
+            for g in d["groups"]
+        )
         return cls(num_blocks=int(d["num_blocks"]), groups=groups)
 
 
@@ -149,18 +153,27 @@ class _Buffers:
 def _place(layer: LayerDesc, tensor: Any, buffers: _Buffers) -> LayerSpec:
     index, offset = buffers.locate(tensor)
     if layer.offset is not None and layer.offset != offset:
-        raise ValueError(f"layer {layer.name!r}: the engine planned block 0 at byte "
-                         f"{layer.offset} of its allocation, the tensor starts at {offset}")
+        raise ValueError(
+            f"layer {layer.name!r}: the engine planned block 0 at byte "
+            f"{layer.offset} of its allocation, the tensor starts at {offset}"
+        )
     stride = layer.block_stride
     if stride is None:
         stride = int(tensor.stride()[0]) * int(tensor.element_size())
     extent = block_extent_bytes(tensor)
     if extent > layer.page_bytes:
-        raise ValueError(f"layer {layer.name!r}: one block spans {extent} bytes of its "
-                         f"tensor, more than its {layer.page_bytes}-byte page; pages are "
-                         "not contiguous in this layout and cannot be copied as runs")
-    return LayerSpec(buffer=index, offset=offset, block_stride=stride,
-                     page_bytes=layer.page_bytes, name=layer.name)
+        raise ValueError(
+            f"layer {layer.name!r}: one block spans {extent} bytes of its "
+            f"tensor, more than its {layer.page_bytes}-byte page; pages are "
+            "not contiguous in this layout and cannot be copied as runs"
+        )
+    return LayerSpec(
+        buffer=index,
+        offset=offset,
+        block_stride=stride,
+        page_bytes=layer.page_bytes,
+        name=layer.name,
+    )
 
 
 def _records(group: GroupDesc) -> list[list[LayerDesc]]:
@@ -171,11 +184,24 @@ def _records(group: GroupDesc) -> list[list[LayerDesc]]:
     return list(parts.values())
 
 
-def _layer_specs(group_name: str, layers: list[LayerDesc], cached: bool,
-                 tensors: Mapping[str, Any] | None, buffers: _Buffers) -> list[LayerSpec]:
+def _layer_specs(
+    group_name: str,
+    layers: list[LayerDesc],
+    cached: bool,
+    tensors: Mapping[str, Any] | None,
+    buffers: _Buffers,
+) -> list[LayerSpec]:
     if tensors is None:
-        return [LayerSpec(buffer=0, offset=0, block_stride=layer.page_bytes,
-                          page_bytes=layer.page_bytes, name=layer.name) for layer in layers]
+        return [
+            LayerSpec(
+                buffer=0,
+                offset=0,
+                block_stride=layer.page_bytes,
+                page_bytes=layer.page_bytes,
+                name=layer.name,
+            )
+            for layer in layers
+        ]
     specs = []
     for layer in layers:
         if layer.name in tensors:
@@ -185,8 +211,11 @@ def _layer_specs(group_name: str, layers: list[LayerDesc], cached: bool,
     return specs
 
 
-def derive_registration(layout: KVLayout, tensors: Mapping[str, Any] | None = None,
-                        exporter: TensorExporter | None = None) -> RegistrationPlan:
+def derive_registration(
+    layout: KVLayout,
+    tensors: Mapping[str, Any] | None = None,
+    exporter: TensorExporter | None = None,
+) -> RegistrationPlan:
     """Server groups (and, with ``tensors``, buffers and page placement) for ``layout``.
 
     Without ``tensors`` (a scheduler's lookup-only registration) each layer is declared
@@ -212,15 +241,34 @@ def derive_registration(layout: KVLayout, tensors: Mapping[str, Any] | None = No
                 cached_layers.extend(layers)
             else:  # declared only: one nominal state of the largest page
                 states, bps = 1, max(layer.page_bytes for layer in layers)
-            groups.append(GroupSpec(
-                name=part_name, kind=group.kind, tokens_per_block=group.tokens_per_block,
-                states_per_block=states, record_format=first.record_format,
-                bytes_per_state=bps, num_blocks=layout.num_blocks, window_tokens=window,
-                layers=_layer_specs(name, layers, cached, tensors, buffers)))
-        engine.append(EngineGroup(name=name, tokens_per_block=group.tokens_per_block,
-                                  cached=cached, window_tokens=window,
-                                  server_groups=tuple(names) if len(names) > 1 else ()))
+            groups.append(
+                GroupSpec(
+                    name=part_name,
+                    kind=group.kind,
+                    tokens_per_block=group.tokens_per_block,
+                    states_per_block=states,
+                    record_format=first.record_format,
+                    bytes_per_state=bps,
+                    num_blocks=layout.num_blocks,
+                    window_tokens=window,
+                    layers=_layer_specs(name, layers, cached, tensors, buffers),
+                )
+            )
+        engine.append(
+            EngineGroup(
+                name=name,
+                tokens_per_block=group.tokens_per_block,
+                cached=cached,
+                window_tokens=window,
+                server_groups=tuple(names) if len(names) > 1 else (),
+            )
+        )
     kv_dtype = cached_layers[0].record_format if cached_layers else "bytes"
     replicated = bool(cached_layers) and all(layer.mla for layer in cached_layers)
-    return RegistrationPlan(groups=groups, engine_groups=engine, buffers=buffers.specs,
-                            replicated=replicated, kv_dtype=kv_dtype)
+    return RegistrationPlan(
+        groups=groups,
+        engine_groups=engine,
+        buffers=buffers.specs,
+        replicated=replicated,
+        kv_dtype=kv_dtype,
+    )

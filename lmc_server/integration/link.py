@@ -97,10 +97,14 @@ def join_events(parts: Sequence[StoreEvents | None]) -> StoreEvents | None:
     ev = [p for p in parts if p is not None]
     if len({p.block_size for p in ev}) != 1:
         return None
-    return StoreEvents(block_size=ev[0].block_size,
-                       token_ids=b"".join(p.token_ids for p in ev),
-                       block_hashes=b"".join(p.block_hashes for p in ev),
-                       parent_hashes=b"".join(p.parent_hashes for p in ev))
+    return StoreEvents(
+        block_size=ev[0].block_size,
+        token_ids=b"".join(p.token_ids for p in ev),
+        block_hashes=b"".join(p.block_hashes for p in ev),
+        parent_hashes=b"".join(p.parent_hashes for p in ev),
+    )
+
+
 """One engine request's part of a batch: its chunk digests and block ids."""
 
 
@@ -110,8 +114,13 @@ class ServerLink:
     ``register`` blocks (once, at start-up); every other call is asynchronous.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, client_name: str = "",
-                 max_inflight: int = DEFAULT_MAX_INFLIGHT) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 30.0,
+        client_name: str = "",
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
@@ -123,14 +132,16 @@ class ServerLink:
         self._reconnect_lock = asyncio.Lock()
         self._broken = False
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name="lmc-server-link", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="lmc-server-link", daemon=True
+        )
         self._thread.start()
         self.restarts_detected = 0
         self._release_lock = threading.Lock()
         self._releases: list[int] = []
-        self._client: AsyncClient = self.wait(AsyncClient.connect(
-            endpoint, timeout_s=timeout_s, client_name=client_name))
+        self._client: AsyncClient = self.wait(
+            AsyncClient.connect(endpoint, timeout_s=timeout_s, client_name=client_name)
+        )
         self._watch(self._client)
         self.registration: Registration | None = None
         self._slots = self.wait(_make_semaphore(max_inflight))
@@ -150,20 +161,40 @@ class ServerLink:
         assert self.registration is not None, "ServerLink used before register()"
         return self.registration
 
-    def register(self, *, model: str, kv_dtype: str, arch: str, groups: Sequence[GroupSpec],
-                 buffers: Sequence[BufferSpec] = (), world_size: int = 1, rank: int = 0,
-                 replicated: bool = False) -> Registration:
+    def register(
+        self,
+        *,
+        model: str,
+        kv_dtype: str,
+        arch: str,
+        groups: Sequence[GroupSpec],
+        buffers: Sequence[BufferSpec] = (),
+        world_size: int = 1,
+        rank: int = 0,
+        replicated: bool = False,
+    ) -> Registration:
         if self.registration is not None:  # registering anew replaces the old one
             self.wait(self._client.unregister(self.registration))
             self.registration = None
-        self._register_kwargs = dict(model=model, kv_dtype=kv_dtype, arch=arch,
-                                     groups=list(groups), buffers=list(buffers),
-                                     world_size=world_size, rank=rank, replicated=replicated)
+        self._register_kwargs = dict(
+            model=model,
+            kv_dtype=kv_dtype,
+            arch=arch,
+            groups=list(groups),
+            buffers=list(buffers),
+            world_size=world_size,
+            rank=rank,
+            replicated=replicated,
+        )
         self.registration = self.wait(self._client.register(**self._register_kwargs))
-        logger.info("registered with %s: namespace %s, chunk size %d, %d object groups%s",
-                    self.endpoint, self.registration.namespace, self.registration.chunk_size,
-                    len(self.registration.object_groups),
-                    " (lookup only)" if self.registration.lookup_only else "")
+        logger.info(
+            "registered with %s: namespace %s, chunk size %d, %d object groups%s",
+            self.endpoint,
+            self.registration.namespace,
+            self.registration.chunk_size,
+            len(self.registration.object_groups),
+            " (lookup only)" if self.registration.lookup_only else "",
+        )
         return self.registration
 
     async def _reconnect(self, seen: AsyncClient) -> None:
@@ -173,8 +204,9 @@ class ServerLink:
                 return
             seen = self._client
             logger.warning("connecting to %s and registering again", self.endpoint)
-            client = await AsyncClient.connect(self.endpoint, timeout_s=self.timeout_s,
-                                               client_name=self.client_name)
+            client = await AsyncClient.connect(
+                self.endpoint, timeout_s=self.timeout_s, client_name=self.client_name
+            )
             try:
                 if self._register_kwargs is not None:
                     self.registration = await client.register(**self._register_kwargs)
@@ -201,8 +233,11 @@ class ServerLink:
         deadline = lost_at + self.timeout_s
         while client is self._client and client.in_flight and self._loop.time() < deadline:
             try:
-                probe = await AsyncClient.connect(self.endpoint, timeout_s=PROBE_TIMEOUT_S,
-                                                  client_name=f"{self.client_name}-probe")
+                probe = await AsyncClient.connect(
+                    self.endpoint,
+                    timeout_s=PROBE_TIMEOUT_S,
+                    client_name=f"{self.client_name}-probe",
+                )
                 try:
                     uptime_s = (await probe.stats()).uptime_s
                 finally:
@@ -211,8 +246,11 @@ class ServerLink:
                 await asyncio.sleep(PROBE_INTERVAL_S)
                 continue
             if uptime_s < self._loop.time() - lost_at and client is self._client:
-                logger.warning("server at %s restarted with %d requests in flight; failing "
-                               "them now", self.endpoint, client.in_flight)
+                logger.warning(
+                    "server at %s restarted with %d requests in flight; failing them now",
+                    self.endpoint,
+                    client.in_flight,
+                )
                 self.restarts_detected += 1
                 self._broken = True
                 await client.close()
@@ -288,16 +326,27 @@ class ServerLink:
 
         async def one(batch: LookupBatch, part: list[int]) -> None:
             try:
-                results = await self._request("lookup_batch", [prefixes[i] for i in part],
-                                              lease=True)
+                results = await self._request(
+                    "lookup_batch", [prefixes[i] for i in part], lease=True
+                )
                 if len(results) != len(part):
-                    raise ServerError("bad_request", f"{len(results)} answers to a batch of "
-                                      f"{len(part)} lookups")
+                    raise ServerError(
+                        "bad_request", f"{len(results)} answers to a batch of {len(part)} lookups"
+                    )
             except Exception as e:
                 batch.set(error=e)
                 return
-            batch.set([LookupAnswer(r.hit_chunks, r.lease_id, r.lease_ttl_s,
-                                    l2_pending_chunks=r.l2_pending_chunks) for r in results])
+            batch.set(
+                [
+                    LookupAnswer(
+                        r.hit_chunks,
+                        r.lease_id,
+                        r.lease_ttl_s,
+                        l2_pending_chunks=r.l2_pending_chunks,
+                    )
+                    for r in results
+                ]
+            )
 
         async def run() -> None:
             try:
@@ -354,8 +403,9 @@ class ServerLink:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, BUSY_RETRY_MAX_S)
 
-    def _split(self, items: Sequence[Item], with_events: bool = False,
-               cap_chunks: int | None = None) -> list[list[int]]:
+    def _split(
+        self, items: Sequence[Item], with_events: bool = False, cap_chunks: int | None = None
+    ) -> list[list[int]]:
         """Item indices per server request: in order, within the server's limits (a
         chunk's event fields are at most 12 bytes per token and 8 more) and at most
         ``cap_chunks`` chunks, except where one item alone has more (an item is never
@@ -364,8 +414,14 @@ class ServerLink:
         chunk_bytes = DIGEST_BYTES + 4 * ids_per_chunk
         if with_events:
             chunk_bytes += 12 * self.reg.chunk_size + 8
-        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // chunk_bytes,
-                                cap_chunks or self.max_chunks))
+        max_chunks = max(
+            1,
+            min(
+                self.max_chunks,
+                (self.max_frame_bytes // 2) // chunk_bytes,
+                cap_chunks or self.max_chunks,
+            ),
+        )
         out: list[list[int]] = []
         n = 0
         for i, (digests, _) in enumerate(items):
@@ -377,8 +433,13 @@ class ServerLink:
             n += k
         return out
 
-    def _batch(self, op: str, items: Sequence[Item], ready: Callable[[], None] | None,
-               events: Sequence[StoreEvents | None] = ()) -> list[Future[ChunkResult]]:
+    def _batch(
+        self,
+        op: str,
+        items: Sequence[Item],
+        ready: Callable[[], None] | None,
+        events: Sequence[StoreEvents | None] = (),
+    ) -> list[Future[ChunkResult]]:
         futs: list[Future[ChunkResult]] = [Future() for _ in items]
         for f in futs:
             f.set_running_or_notify_cancel()
@@ -389,25 +450,32 @@ class ServerLink:
             sizes = [len(items[i][0]) // DIGEST_BYTES for i in part]
             digests = b"".join(items[i][0] for i in part)
             keys = items[part[0]][1].keys()
-            ids = {k: np.concatenate([np.asarray(items[i][1][k]).reshape(-1) for i in part])
-                   for k in keys}
+            ids = {
+                k: np.concatenate([np.asarray(items[i][1][k]).reshape(-1) for i in part])
+                for k in keys
+            }
             try:
                 if op == "store":
-                    res = await self._send(op, digests, ids,
-                                           events=join_events([events[i] for i in part])
-                                           if events else None)
+                    res = await self._send(
+                        op,
+                        digests,
+                        ids,
+                        events=join_events([events[i] for i in part]) if events else None,
+                    )
                 else:
                     ends = np.cumsum(sizes).tolist()
                     res = await self._send(op, digests, ids, prefix_ends=ends)
             except BaseException as e:
                 for i in part:
-                    futs[i].set_exception(e if isinstance(e, Exception)
-                                          else ConnectionError("link closed"))
+                    futs[i].set_exception(
+                        e if isinstance(e, Exception) else ConnectionError("link closed")
+                    )
                 raise
             lo = 0
             for i, k in zip(part, sizes, strict=True):
-                futs[i].set_result(ChunkResult({og: st[lo:lo + k]
-                                                for og, st in res.statuses.items()}))
+                futs[i].set_result(
+                    ChunkResult({og: st[lo : lo + k] for og, st in res.statuses.items()})
+                )
                 lo += k
 
         async def run() -> None:
@@ -415,8 +483,9 @@ class ServerLink:
                 if ready is not None:
                     await asyncio.get_running_loop().run_in_executor(None, ready)
                 cap = LOAD_PART_CHUNKS if op == "retrieve" else None
-                await asyncio.gather(*(one(p) for p in self._split(items, bool(events), cap)),
-                                     return_exceptions=True)
+                await asyncio.gather(
+                    *(one(p) for p in self._split(items, bool(events), cap)), return_exceptions=True
+                )
             finally:
                 for f in futs:
                     if not f.done():
@@ -425,8 +494,12 @@ class ServerLink:
         self.submit(run())
         return futs
 
-    def store_batch(self, items: Sequence[Item], ready: Callable[[], None] | None = None,
-                    events: Sequence[StoreEvents | None] = ()) -> list[Future[ChunkResult]]:
+    def store_batch(
+        self,
+        items: Sequence[Item],
+        ready: Callable[[], None] | None = None,
+        events: Sequence[StoreEvents | None] = (),
+    ) -> list[Future[ChunkResult]]:
         """Store every item's chunks, in as few server requests as the limits allow,
         once ``ready()`` (blocking: the engine's writes finished) returned; it runs on a
         worker thread, so neither the engine nor this link's loop waits. One future
@@ -434,19 +507,22 @@ class ServerLink:
         them when every item in it has them)."""
         return self._batch("store", items, ready, events)
 
-    def retrieve_batch(self, items: Sequence[Item],
-                       ready: Callable[[], None] | None = None) -> list[Future[ChunkResult]]:
+    def retrieve_batch(
+        self, items: Sequence[Item], ready: Callable[[], None] | None = None
+    ) -> list[Future[ChunkResult]]:
         """Retrieve every item's prefix (each item one prefix), batched, once
         ``ready()`` returned (as for stores: the engine's earlier writes to those
         blocks, such as zeroing them, finished); one future per item."""
         return self._batch("retrieve", items, ready)
 
-    def store(self, digests: bytes, block_ids: BlockIds,
-              ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
+    def store(
+        self, digests: bytes, block_ids: BlockIds, ready: Callable[[], None] | None = None
+    ) -> Future[ChunkResult]:
         return self.store_batch([(digests, block_ids)], ready)[0]
 
-    def retrieve(self, digests: bytes, block_ids: BlockIds,
-                 ready: Callable[[], None] | None = None) -> Future[ChunkResult]:
+    def retrieve(
+        self, digests: bytes, block_ids: BlockIds, ready: Callable[[], None] | None = None
+    ) -> Future[ChunkResult]:
         return self.retrieve_batch([(digests, block_ids)], ready)[0]
 
     def close(self, unregister_timeout_s: float | None = None) -> None:

@@ -91,6 +91,7 @@ class StepLookups:
 
     def release_when_answered(self, fut: PendingLookup) -> None:
         """Release the lease of ``fut``'s answer when it comes (its request is gone)."""
+
         def release(done: Any) -> None:
             if done.exception() is None and done.result().lease_id:
                 self.service.release(done.result().lease_id)

@@ -129,10 +129,17 @@ class SchedulerPlanner:
     answers that came within the budget at a request's first call.
     """
 
-    def __init__(self, geometry: ChunkGeometry, service: LookupService,
-                 clock: Callable[[], float] = time.monotonic, store: bool = True,
-                 load: bool = True, store_generated: bool = True,
-                 l2_wait_s: float = 0.05, lookup_wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        geometry: ChunkGeometry,
+        service: LookupService,
+        clock: Callable[[], float] = time.monotonic,
+        store: bool = True,
+        load: bool = True,
+        store_generated: bool = True,
+        l2_wait_s: float = 0.05,
+        lookup_wait_s: float = 0.0,
+    ) -> None:
         if not 0.0 <= l2_wait_s < float("inf"):
             raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
         self.lookups = StepLookups(service, lookup_wait_s)
@@ -154,12 +161,16 @@ class SchedulerPlanner:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _req(self, req_id: str, block_hashes: Sequence[bytes], num_prompt_tokens: int,
-             token_ids: Sequence[int] | None = None) -> _Request:
+    def _req(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_prompt_tokens: int,
+        token_ids: Sequence[int] | None = None,
+    ) -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens,
-                                              token_ids)
+            r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens, token_ids)
         elif r.token_ids is None and token_ids is not None:  # queued by request_arrived
             r.token_ids = token_ids
         return r
@@ -167,7 +178,7 @@ class SchedulerPlanner:
     def _digests(self, r: _Request, n_chunks: int) -> bytes:
         """``r``'s first ``n_chunks`` chunk digests, each hashed once per request."""
         r.digests = self.geometry.digests(r.block_hashes, n_chunks, r.digests)
-        return r.digests[:n_chunks * DIGEST_BYTES]
+        return r.digests[: n_chunks * DIGEST_BYTES]
 
     def _release(self, r: _Request) -> None:
         if r.lease_id:
@@ -185,8 +196,11 @@ class SchedulerPlanner:
     @property
     def lookups_in_flight(self) -> int:
         """Lookups sent or queued to go out, not answered yet."""
-        return sum(1 for r in self._reqs.values()
-                   if r.queued or (r.lookup is not None and not r.lookup.done()))
+        return sum(
+            1
+            for r in self._reqs.values()
+            if r.queued or (r.lookup is not None and not r.lookup.done())
+        )
 
     def _queued_digests(self, q: Queued) -> bytes:
         assert isinstance(q, _Request)
@@ -206,7 +220,8 @@ class SchedulerPlanner:
         for st in r.stores:
             hit = computed_tokens is None or any(
                 self.geometry.freed_blocks(self.geometry.groups[gi], computed_tokens) > first
-                for gi, first in st.first_window_block.items())
+                for gi, first in st.first_window_block.items()
+            )
             if hit:
                 self._pending_fences.add(st.store_id)
             else:
@@ -222,11 +237,19 @@ class SchedulerPlanner:
             return None
         first = r.stored_chunks
         ids = g.block_ids(r.blocks, first, done - first, computed_tokens=computed_tokens)
-        events = (None if r.token_ids is None else
-                  g.store_events(r.block_hashes, r.token_ids, first, done - first))
-        spec = StoreSpec(req_id=r.req_id, first_chunk=first,
-                         digests=self._digests(r, done)[first * DIGEST_BYTES:],
-                         block_ids=ids, store_id=self._next_store_id, events=events)
+        events = (
+            None
+            if r.token_ids is None
+            else g.store_events(r.block_hashes, r.token_ids, first, done - first)
+        )
+        spec = StoreSpec(
+            req_id=r.req_id,
+            first_chunk=first,
+            digests=self._digests(r, done)[first * DIGEST_BYTES :],
+            block_ids=ids,
+            store_id=self._next_store_id,
+            events=events,
+        )
         self._next_store_id += 1
         r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
         r.stored_chunks = done
@@ -235,8 +258,9 @@ class SchedulerPlanner:
 
     # -- scheduler hooks ----------------------------------------------------------------
 
-    def request_arrived(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
-                        num_prompt_tokens: int) -> None:
+    def request_arrived(
+        self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, num_prompt_tokens: int
+    ) -> None:
         """A new request: queue its lookup to go out with the others of this step."""
         if not self.load_enabled:
             return
@@ -250,9 +274,15 @@ class SchedulerPlanner:
         r.lookup_at_s = self.clock()
         self.lookups.queue(r)
 
-    def matched_tokens(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int,
-                       num_prompt_tokens: int, num_computed_tokens: int,
-                       token_ids: Sequence[int] | None = None) -> int | None:
+    def matched_tokens(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        token_ids: Sequence[int] | None = None,
+    ) -> int | None:
         """Tokens beyond ``num_computed_tokens`` the server can supply; ``None``: ask again.
 
         Idempotent while the answer stands: calling it again returns the same count.
@@ -273,8 +303,11 @@ class SchedulerPlanner:
             self._drop_lookup(r)
             return 0
         now = self.clock()
-        if r.answer is not None and r.lease_id and (
-                now - r.lookup_at_s > r.answer.lease_ttl_s / 2 or r.lookup_chunks != n):
+        if (
+            r.answer is not None
+            and r.lease_id
+            and (now - r.lookup_at_s > r.answer.lease_ttl_s / 2 or r.lookup_chunks != n)
+        ):
             self._release(r)
             r.answer = None
         if r.lookup is not None and r.lookup_chunks != n:
@@ -313,8 +346,9 @@ class SchedulerPlanner:
             return 0
         return matched - num_computed_tokens
 
-    def _wait_for_l2(self, r: _Request, answer: LookupAnswer, n: int,
-                     num_computed_tokens: int, now: float) -> bool:
+    def _wait_for_l2(
+        self, r: _Request, answer: LookupAnswer, n: int, num_computed_tokens: int, now: float
+    ) -> bool:
         """True: set ``answer`` aside and ask again later, since the server is bringing
         chunks in from L2 that would load more than the answer's hit does now."""
         if answer.l2_pending_chunks <= 0 or answer.hit_chunks >= n or self.l2_wait_s <= 0:
@@ -330,8 +364,13 @@ class SchedulerPlanner:
         self.l2_waits += 1
         return True
 
-    def after_alloc(self, req_id: str, blocks: Sequence[Sequence[int]],
-                    num_external_tokens: int, num_local_tokens: int | None = None) -> None:
+    def after_alloc(
+        self,
+        req_id: str,
+        blocks: Sequence[Sequence[int]],
+        num_external_tokens: int,
+        num_local_tokens: int | None = None,
+    ) -> None:
         """The engine allocated ``blocks`` (every group's table) for the request.
 
         With ``num_external_tokens > 0`` a load of the hit is queued for the next step;
@@ -358,15 +397,20 @@ class SchedulerPlanner:
         assert matched % g.chunk_size == 0, "a load ends on a chunk boundary"
         assert r.answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // g.chunk_size
-        self._pending_loads.append(LoadSpec(
-            req_id=req_id, digests=self._digests(r, n),
-            block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
-            lease_id=r.lease_id))
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=req_id,
+                digests=self._digests(r, n),
+                block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
+                lease_id=r.lease_id,
+            )
+        )
         r.loading = True
         r.stored_chunks = max(r.stored_chunks, n)
 
-    def build_step(self, scheduled: Iterable[ScheduledRequest],
-                   preempted_req_ids: Iterable[str] = ()) -> StepPlan:
+    def build_step(
+        self, scheduled: Iterable[ScheduledRequest], preempted_req_ids: Iterable[str] = ()
+    ) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
         self.lookups.new_step(self._queued_digests)
@@ -404,9 +448,12 @@ class SchedulerPlanner:
         plan.fence_store_ids, self._pending_fences = self._pending_fences, set()
         return plan
 
-    def transfers_finished(self, finished_recving: Iterable[str],
-                           finished_sending: Iterable[str],
-                           failed_recving: Iterable[str] = ()) -> None:
+    def transfers_finished(
+        self,
+        finished_recving: Iterable[str],
+        finished_sending: Iterable[str],
+        failed_recving: Iterable[str] = (),
+    ) -> None:
         """Every worker reported these loads / held stores finished; the loads of
         ``failed_recving`` failed (the engine computes those requests afresh, and the
         chunks the server did not deliver are stored again once computed)."""
@@ -445,8 +492,11 @@ class SchedulerPlanner:
             self._release(r)
         if self.store_enabled and not r.loading and r.computed_tokens:
             g = self.geometry
-            limit = (r.computed_tokens if self.store_generated
-                     else min(r.computed_tokens, r.num_prompt_tokens))
+            limit = (
+                r.computed_tokens
+                if self.store_generated
+                else min(r.computed_tokens, r.num_prompt_tokens)
+            )
             spec = self._plan_store(r, limit // g.chunk_size, r.computed_tokens)
             if spec is not None:
                 self._pending_stores.append(spec)

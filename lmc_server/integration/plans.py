@@ -67,8 +67,7 @@ class LookupBatch:
     def answer(self, i: int) -> PendingLookup:
         return _BatchAnswer(self, i)
 
-    def set(self, answers: Sequence[LookupAnswer] = (),
-            error: BaseException | None = None) -> None:
+    def set(self, answers: Sequence[LookupAnswer] = (), error: BaseException | None = None) -> None:
         """Every answer (in order), or ``error`` for all of them; only the first call
         counts."""
         with self._lock:
@@ -186,4 +185,3 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     new_block_ids: Sequence[Sequence[int]] | None
     replace_blocks: bool = False
-

@@ -52,33 +52,44 @@ class ConnectorSettings:
         for key, raw in (extra or {}).items():
             if not key.startswith(PREFIX):
                 continue
-            name = key[len(PREFIX):].replace(".", "_")
+            name = key[len(PREFIX) :].replace(".", "_")
             if name not in known:
-                raise ValueError(f"unknown connector setting {key!r}; known: "
-                                 f"{', '.join(PREFIX + k for k in sorted(known))}")
+                raise ValueError(
+                    f"unknown connector setting {key!r}; known: "
+                    f"{', '.join(PREFIX + k for k in sorted(known))}"
+                )
             default = known[name]
             values[name] = _convert(key, raw, type(default))
         s = cls(**values)
         if not 0 < s.port < 65536:
             raise ValueError(f"{PREFIX}port {s.port} out of range 1..65535")
         if s.timeout_s <= 0 or s.fence_timeout_s <= 0 or s.shutdown_timeout_s <= 0:
-            raise ValueError(f"{PREFIX}timeout_s, fence_timeout_s and shutdown_timeout_s "
-                             "must be positive")
+            raise ValueError(
+                f"{PREFIX}timeout_s, fence_timeout_s and shutdown_timeout_s must be positive"
+            )
         if not 1 <= s.max_inflight <= 64:
-            raise ValueError(f"{PREFIX}max_inflight {s.max_inflight} out of range 1..64 "
-                             "(the server refuses more than 64 per connection by default)")
+            raise ValueError(
+                f"{PREFIX}max_inflight {s.max_inflight} out of range 1..64 "
+                "(the server refuses more than 64 per connection by default)"
+            )
         if not 0.0 <= s.l2_wait_s <= MAX_L2_WAIT_S:
-            raise ValueError(f"{PREFIX}l2_wait_s {s.l2_wait_s} out of range "
-                             f"0..{MAX_L2_WAIT_S} (seconds a request may wait for chunks "
-                             "the server brings in from L2; 0: never wait)")
+            raise ValueError(
+                f"{PREFIX}l2_wait_s {s.l2_wait_s} out of range "
+                f"0..{MAX_L2_WAIT_S} (seconds a request may wait for chunks "
+                "the server brings in from L2; 0: never wait)"
+            )
         if not 0.0 <= s.idle_load_wait_s <= MAX_LOOKUP_WAIT_S:
-            raise ValueError(f"{PREFIX}idle_load_wait_s {s.idle_load_wait_s} out of range "
-                             f"0..{MAX_LOOKUP_WAIT_S} (seconds a step without a forward "
-                             "pass waits for its loads; 0: never wait)")
+            raise ValueError(
+                f"{PREFIX}idle_load_wait_s {s.idle_load_wait_s} out of range "
+                f"0..{MAX_LOOKUP_WAIT_S} (seconds a step without a forward "
+                "pass waits for its loads; 0: never wait)"
+            )
         if not 0.0 <= s.lookup_wait_s <= MAX_LOOKUP_WAIT_S:
-            raise ValueError(f"{PREFIX}lookup_wait_s {s.lookup_wait_s} out of range "
-                             f"0..{MAX_LOOKUP_WAIT_S} (seconds the scheduler thread may "
-                             "wait for lookup answers per step; 0: never wait)")
+            raise ValueError(
+                f"{PREFIX}lookup_wait_s {s.lookup_wait_s} out of range "
+                f"0..{MAX_LOOKUP_WAIT_S} (seconds the scheduler thread may "
+                "wait for lookup answers per step; 0: never wait)"
+            )
         return s
 
 

@@ -162,8 +162,13 @@ class WorkerTransfers:
     held request.
     """
 
-    def __init__(self, link: ServerLink, tracker: TransferTracker, stores: bool = True,
-                 fence_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        link: ServerLink,
+        tracker: TransferTracker,
+        stores: bool = True,
+        fence_timeout_s: float = 60.0,
+    ) -> None:
         self.link = link
         self.tracker = tracker
         self.stores = stores
@@ -183,15 +188,19 @@ class WorkerTransfers:
         # A store that timed out on this side may still be queued at a stalled server.
         unknown = [f for f in done if isinstance(f.exception(), TimeoutError)]
         if pending or unknown:
-            logger.error("%d stores without an answer at a fence (%.0f s); dropping the "
-                         "connection so the server aborts them (their blocks may be "
-                         "rewritten now)", len(pending) + len(unknown),
-                         self.fence_timeout_s)
+            logger.error(
+                "%d stores without an answer at a fence (%.0f s); dropping the "
+                "connection so the server aborts them (their blocks may be "
+                "rewritten now)",
+                len(pending) + len(unknown),
+                self.fence_timeout_s,
+            )
             self.link.reset()
         return not pending and not unknown
 
-    def start_loads(self, loads: Sequence[LoadSpec],
-                    ready: Callable[[], None] | None = None) -> None:
+    def start_loads(
+        self, loads: Sequence[LoadSpec], ready: Callable[[], None] | None = None
+    ) -> None:
         """Start the step's loads, sent once ``ready()`` returned (see
         :meth:`~lmc_server.integration.link.ServerLink.retrieve_batch`)."""
         if not loads:
@@ -200,14 +209,18 @@ class WorkerTransfers:
         for spec, fut in zip(loads, futs, strict=True):
             self.tracker.load_started(spec, fut)
 
-    def start_stores(self, stores: Sequence[StoreSpec],
-                     ready: Callable[[], None] | None = None) -> None:
+    def start_stores(
+        self, stores: Sequence[StoreSpec], ready: Callable[[], None] | None = None
+    ) -> None:
         for sid in [i for i, f in self._by_store_id.items() if f.done()]:
             del self._by_store_id[sid]
         futs: list[Future[ChunkResult] | None] = list(
-            self.link.store_batch([(s.digests, s.block_ids) for s in stores], ready,
-                                  events=[s.events for s in stores])
-            if self.stores and stores else [None] * len(stores))
+            self.link.store_batch(
+                [(s.digests, s.block_ids) for s in stores], ready, events=[s.events for s in stores]
+            )
+            if self.stores and stores
+            else [None] * len(stores)
+        )
         for spec, fut in zip(stores, futs, strict=True):
             self.tracker.store_planned(spec.req_id, fut)
             if fut is not None:
@@ -233,7 +246,10 @@ class WorkerTransfers:
             return True
         _, pending = wait_futures(futs, timeout=timeout_s)
         if pending:
-            logger.error("%d transfers still running after %.0f s at shutdown; closing the "
-                         "connection (the server aborts unfinished stores)", len(pending),
-                         timeout_s)
+            logger.error(
+                "%d transfers still running after %.0f s at shutdown; closing the "
+                "connection (the server aborts unfinished stores)",
+                len(pending),
+                timeout_s,
+            )
         return not pending

@@ -43,8 +43,9 @@ class SlotObject:
 class L2Error(Exception):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
 
-    def __init__(self, message: str, unavailable: bool = True,
-                 written: list[bytes] | None = None) -> None:
+    def __init__(
+        self, message: str, unavailable: bool = True, written: list[bytes] | None = None
+    ) -> None:
         super().__init__(message)
         self.unavailable = unavailable
         #: A write of several objects that failed for some: the keys that were written

@@ -42,6 +42,7 @@ class TierChain:
         def promote(namespace: str, objects: Reservation) -> None:
             for tier in above:
                 tier.writer.enqueue_objects(namespace, objects)
+
         return promote
 
     def tier(self, kind: str) -> L2Tier | None:

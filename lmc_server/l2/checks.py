@@ -39,5 +39,7 @@ def check_l2_config(config: L2Settings) -> None:
     parse_l2_url(config.l2_url)
     read_password(config.l2_password_file)
     if config.backend == "null":
-        raise L2ConfigError("--l2 needs pool memory to read objects from, and the null "
-                            "backend keeps none; run with --backend cpu or cuda")
+        raise L2ConfigError(
+            "--l2 needs pool memory to read objects from, and the null "
+            "backend keeps none; run with --backend cpu or cuda"
+        )

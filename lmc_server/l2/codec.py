@@ -86,15 +86,15 @@ def header(space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> by
 
     Called off the event loop: hashing a large payload releases the GIL.
     """
-    head = bytearray(_HEADER.pack(MAGIC, FORMAT_VERSION, mask, 0, space, chunk_key,
-                                  len(payload), 0))
+    head = bytearray(
+        _HEADER.pack(MAGIC, FORMAT_VERSION, mask, 0, space, chunk_key, len(payload), 0)
+    )
     struct.pack_into("<Q", head, _SUM_OFFSET, _checksum(head, payload))
     return bytes(head)
 
 
 def _checksum(head_with_zero_sum: bytes | bytearray, payload: memoryview) -> int:
-    return int(xxhash.xxh3_64_intdigest(payload,
-                                        seed=xxhash.xxh3_64_intdigest(head_with_zero_sum)))
+    return int(xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(head_with_zero_sum)))
 
 
 def encode_value(space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> bytes:
@@ -102,8 +102,9 @@ def encode_value(space: bytes, chunk_key: bytes, mask: int, payload: memoryview)
     return header(space, chunk_key, mask, payload) + payload
 
 
-def encode_into(dst: memoryview | bytearray, space: bytes, chunk_key: bytes, mask: int,
-                payload: memoryview) -> int:
+def encode_into(
+    dst: memoryview | bytearray, space: bytes, chunk_key: bytes, mask: int, payload: memoryview
+) -> int:
     """Write the value of ``payload`` (header, then payload) into ``dst``; its length.
 
     The same bytes as :func:`encode_value`, built in one pass: each piece of the
@@ -129,8 +130,9 @@ def encode_into(dst: memoryview | bytearray, space: bytes, chunk_key: bytes, mas
     return n
 
 
-def check_header(value: bytes | memoryview, space: bytes, chunk_key: bytes,
-                 object_bytes: int) -> tuple[int, Invalid | None]:
+def check_header(
+    value: bytes | memoryview, space: bytes, chunk_key: bytes, object_bytes: int
+) -> tuple[int, Invalid | None]:
     """``(mask, None)`` if the header is the one expected, else ``(0, reason)``.
 
     Cheap (no checksum); the payload is verified by :func:`check_payload`.

@@ -96,8 +96,13 @@ def is_aligned(view: memoryview) -> bool:
     """Whether ``view`` starts a buffer from :func:`aligned_buffer` (so its padded
     length can be written directly)."""
     obj = view.obj
-    return (isinstance(obj, mmap.mmap) and not view.readonly and view.c_contiguous
-            and len(obj) == padded(len(view)) and _address(view) == _address(memoryview(obj)))
+    return (
+        isinstance(obj, mmap.mmap)
+        and not view.readonly
+        and view.c_contiguous
+        and len(obj) == padded(len(view))
+        and _address(view) == _address(memoryview(obj))
+    )
 
 
 def probe_direct(directory: str) -> bool:
@@ -107,8 +112,7 @@ def probe_direct(directory: str) -> bool:
     path = os.path.join(directory, f".direct-probe.{_HOST}.{os.getpid()}{TMP_SUFFIX}")
     buf = aligned_buffer(ALIGN_BYTES)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT,
-                     0o640)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o640)
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False
@@ -135,8 +139,7 @@ def write_file(path: str, value: memoryview, direct: bool) -> None:
     into one). Raises ``OSError``; a failed write leaves no temporary file behind.
     """
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{next(_counter)}"
-                                  f"{TMP_SUFFIX}")
+    tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
     n = len(value)
     if direct and not is_aligned(value):
         buf = aligned_buffer(n)
@@ -145,7 +148,7 @@ def write_file(path: str, value: memoryview, direct: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o640)
     try:
-        out = memoryview(value.obj)[:padded(n)] if direct else value
+        out = memoryview(value.obj)[: padded(n)] if direct else value
         done = 0
         while done < len(out):
             done += os.pwrite(fd, out[done:], done)
@@ -164,8 +167,9 @@ def write_file(path: str, value: memoryview, direct: bool) -> None:
         raise
 
 
-def read_file(path: str, direct: bool, max_bytes: int,
-              take: Callable[[int], mmap.mmap] = aligned_buffer) -> memoryview | None:
+def read_file(
+    path: str, direct: bool, max_bytes: int, take: Callable[[int], mmap.mmap] = aligned_buffer
+) -> memoryview | None:
     """The whole file ``path``, ``None`` if absent, in a buffer from ``take``. A file
     longer than ``max_bytes`` is returned cut to ``max_bytes`` (its header then fails
     the length checks: a miss)."""
@@ -184,6 +188,6 @@ def read_file(path: str, direct: bool, max_bytes: int,
             if got == 0:
                 break  # the file shrank under us: what was read is checked, and fails
             done += got
-        return view[:min(done, size)]
+        return view[: min(done, size)]
     finally:
         os.close(fd)

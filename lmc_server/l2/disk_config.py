@@ -33,10 +33,12 @@ class DiskSettings(Protocol):
 def disk_path(disk_dir: str) -> str:
     """The directory of ``--disk-dir`` (``PATH`` or ``file:///PATH``), absolute."""
     if disk_dir.startswith(FILE_SCHEME):
-        disk_dir = disk_dir[len(FILE_SCHEME):]
+        disk_dir = disk_dir[len(FILE_SCHEME) :]
         if not disk_dir.startswith("/"):
-            raise DiskConfigError(f"--disk-dir file://{disk_dir}: a file URL names an "
-                                  f"absolute path (file:///var/cache/lmcache)")
+            raise DiskConfigError(
+                f"--disk-dir file://{disk_dir}: a file URL names an "
+                f"absolute path (file:///var/cache/lmcache)"
+            )
     return os.path.abspath(disk_dir)
 
 
@@ -49,11 +51,15 @@ def check_disk_config(config: DiskSettings) -> None:
     if not config.disk_dir:
         raise DiskConfigError("--disk-size-gb needs --disk-dir")
     if config.disk_size_gb <= 0:
-        raise DiskConfigError("--disk-dir needs --disk-size-gb (how much of the "
-                              "filesystem the tier may fill), e.g. --disk-size-gb 500")
+        raise DiskConfigError(
+            "--disk-dir needs --disk-size-gb (how much of the "
+            "filesystem the tier may fill), e.g. --disk-size-gb 500"
+        )
     if config.backend == "null":
-        raise DiskConfigError("--disk-dir needs pool memory to read objects from, and the "
-                              "null backend keeps none; run with --backend cpu or cuda")
+        raise DiskConfigError(
+            "--disk-dir needs pool memory to read objects from, and the "
+            "null backend keeps none; run with --backend cpu or cuda"
+        )
     path = disk_path(config.disk_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise DiskConfigError(f"--disk-dir {path} exists and is not a directory")
@@ -63,5 +69,7 @@ def check_disk_config(config: DiskSettings) -> None:
     st = os.statvfs(probe)
     total = st.f_blocks * st.f_frsize
     if capacity_bytes(config) > total:
-        raise DiskConfigError(f"--disk-size-gb {config.disk_size_gb:g} is more than the "
-                              f"filesystem of {path} holds ({total / GIB:.1f} GiB)")
+        raise DiskConfigError(
+            f"--disk-size-gb {config.disk_size_gb:g} is more than the "
+            f"filesystem of {path} holds ({total / GIB:.1f} GiB)"
+        )

@@ -97,9 +97,11 @@ class DiskIndex:
         self.progress.bytes += sum(f[1] for f in found)
 
 
-def scan(leaf_dirs: list[str], key_of: Callable[[str, str], bytes | None],
-         now_s: Callable[[], float] = time.time
-         ) -> Iterator[tuple[list[tuple[bytes, int, float]], int]]:
+def scan(
+    leaf_dirs: list[str],
+    key_of: Callable[[str, str], bytes | None],
+    now_s: Callable[[], float] = time.time,
+) -> Iterator[tuple[list[tuple[bytes, int, float]], int]]:
     """Per directory of ``leaf_dirs``: its value files ``(key, bytes, mtime)`` and how
     many stale temporary files were removed. ``key_of(dir, name)`` maps a file name to
     its key (``None``: not a value file, left alone). Thread; only reads the

@@ -29,8 +29,9 @@ class TierListeners:
         self._stored: list[StoredCallback] = []
         self._removed: list[RemovedCallback] = []
 
-    def subscribe(self, stored: StoredCallback | None = None,
-                  removed: RemovedCallback | None = None) -> None:
+    def subscribe(
+        self, stored: StoredCallback | None = None, removed: RemovedCallback | None = None
+    ) -> None:
         if stored is not None:
             self._stored.append(stored)
         if removed is not None:

@@ -60,8 +60,13 @@ class FileBackend(L2Backend):
     name = "file"
     writes_from_slots = True
 
-    def __init__(self, root: str, capacity_bytes: int, direct: bool | None = None,
-                 io_threads: int = IO_THREADS) -> None:
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        direct: bool | None = None,
+        io_threads: int = IO_THREADS,
+    ) -> None:
         self.root = os.path.abspath(root)
         self.base = os.path.join(self.root, LAYOUT_DIR)
         self.index = DiskIndex(capacity_bytes)
@@ -79,11 +84,12 @@ class FileBackend(L2Backend):
     # -- paths -----------------------------------------------------------------------
 
     def path_of(self, key: bytes) -> str:
-        if len(key) != len(codec.KEY_PREFIX) + codec.SPACE_BYTES + codec.CHUNK_KEY_BYTES \
-                or not key.startswith(codec.KEY_PREFIX):
+        if len(key) != len(
+            codec.KEY_PREFIX
+        ) + codec.SPACE_BYTES + codec.CHUNK_KEY_BYTES or not key.startswith(codec.KEY_PREFIX):
             raise ValueError("not an L2 key")
-        rest = key[len(codec.KEY_PREFIX):]
-        space, chunk = rest[:codec.SPACE_BYTES].hex(), rest[codec.SPACE_BYTES:].hex()
+        rest = key[len(codec.KEY_PREFIX) :]
+        space, chunk = rest[: codec.SPACE_BYTES].hex(), rest[codec.SPACE_BYTES :].hex()
         return os.path.join(self.base, space, chunk[:2], chunk)
 
     def _key_of(self, directory: str, name: str) -> bytes | None:
@@ -113,23 +119,29 @@ class FileBackend(L2Backend):
         except OSError as e:
             raise L2Error(f"disk {self.root}: {e.strerror or e}") from None
         if not self._connected:
-            log.info("disk tier %s: %s I/O, capacity %.1f GiB", self.root,
-                     "direct" if self.direct else "buffered (no O_DIRECT here)",
-                     self.index.capacity_bytes / (1 << 30))
+            log.info(
+                "disk tier %s: %s I/O, capacity %.1f GiB",
+                self.root,
+                "direct" if self.direct else "buffered (no O_DIRECT here)",
+                self.index.capacity_bytes / (1 << 30),
+            )
         self._connected = True
         if self._rebuild is None:
-            self._rebuild = asyncio.get_running_loop().create_task(self._rebuild_index(),
-                                                                  name="disk-index")
+            self._rebuild = asyncio.get_running_loop().create_task(
+                self._rebuild_index(), name="disk-index"
+            )
 
     def _read(self, key: bytes) -> memoryview | None:
-        return direct_io.read_file(self.path_of(key), self.direct, MAX_VALUE_BYTES,
-                                   self._buffers.take)
+        return direct_io.read_file(
+            self.path_of(key), self.direct, MAX_VALUE_BYTES, self._buffers.take
+        )
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if not self._connected:
             raise L2Error("disk: not ready")
-        results = await asyncio.gather(*(self._run(self._read, k) for k in keys),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._run(self._read, k) for k in keys), return_exceptions=True
+        )
         out: list[Value | None] = []
         missing: list[bytes] = []
         for key, r in zip(keys, results, strict=True):
@@ -152,8 +164,7 @@ class FileBackend(L2Backend):
             if isinstance(v, memoryview):
                 self._buffers.give(v.obj)
 
-    def encode(self, space: bytes, chunk_key: bytes, mask: int,
-               payload: memoryview) -> memoryview:
+    def encode(self, space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> memoryview:
         """Header and payload in one aligned buffer (one copy), written as is."""
         buf = self._buffers.take(codec.HEADER_BYTES + len(payload))
         n = codec.encode_into(memoryview(buf), space, chunk_key, mask, payload)
@@ -188,19 +199,22 @@ class FileBackend(L2Backend):
 
     async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         try:
-            await self._put([(k, len(v)) for k, v in items],
-                            [functools.partial(self._write, k, v) for k, v in items])
+            await self._put(
+                [(k, len(v)) for k, v in items],
+                [functools.partial(self._write, k, v) for k, v in items],
+            )
         finally:
             # Written or failed, no one reads these buffers again (the writer keeps
             # only their lengths): back to the pool.
             self.release([v for _, v in items])
 
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
-        await self._put([(o.key, o.value_bytes) for o in objects],
-                        [functools.partial(self._write_slot, o) for o in objects])
+        await self._put(
+            [(o.key, o.value_bytes) for o in objects],
+            [functools.partial(self._write_slot, o) for o in objects],
+        )
 
-    async def _put(self, sizes: list[tuple[bytes, int]], writes: list[Callable[[], None]]
-                   ) -> None:
+    async def _put(self, sizes: list[tuple[bytes, int]], writes: list[Callable[[], None]]) -> None:
         """Make room for ``sizes`` (evicting by LRU), run ``writes`` on the I/O threads,
         and index what was written; the first failure raised as :class:`L2Error`.
 
@@ -229,7 +243,7 @@ class FileBackend(L2Backend):
         self.listeners.removed(victims, "evicted")
         failure: OSError | None = None
         written: list[bytes] = []
-        for (key, nbytes), r in zip(sizes, results[len(victims):], strict=True):
+        for (key, nbytes), r in zip(sizes, results[len(victims) :], strict=True):
             if isinstance(r, BaseException):
                 if not isinstance(r, OSError):
                     raise r
@@ -240,19 +254,25 @@ class FileBackend(L2Backend):
                 self.index.touch(key, nbytes)
                 written.append(key)
         if failure is not None:
-            raise L2Error(f"disk write {self.root}: {failure.strerror or failure}",
-                          unavailable=failure.errno not in _REFUSALS, written=written)
+            raise L2Error(
+                f"disk write {self.root}: {failure.strerror or failure}",
+                unavailable=failure.errno not in _REFUSALS,
+                written=written,
+            )
         if refused:
-            raise L2Error(f"disk {self.root}: {refused} objects do not fit in "
-                          f"--disk-size-gb ({self.index.capacity_bytes} bytes) with the "
-                          f"rest of their batch", unavailable=False, written=written)
+            raise L2Error(
+                f"disk {self.root}: {refused} objects do not fit in "
+                f"--disk-size-gb ({self.index.capacity_bytes} bytes) with the "
+                f"rest of their batch",
+                unavailable=False,
+                written=written,
+            )
 
     async def discard(self, keys: Sequence[bytes]) -> None:
         """Delete files the tier found damaged (a later write replaces them anyway)."""
         for k in keys:
             self.index.forget(k)
-        await asyncio.gather(*(self._run(self._unlink, k) for k in keys),
-                             return_exceptions=True)
+        await asyncio.gather(*(self._run(self._unlink, k) for k in keys), return_exceptions=True)
         self.listeners.removed(keys, "invalid")
 
     # -- the index rebuild -----------------------------------------------------------
@@ -292,20 +312,27 @@ class FileBackend(L2Backend):
         p.seconds = time.monotonic() - p.started_s
         over = self.index.victims(0)
         if over:
-            await asyncio.gather(*(self._run(self._unlink, k) for k in over),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self._run(self._unlink, k) for k in over), return_exceptions=True
+            )
             self.evicted_objects += len(over)
             self.listeners.removed(over, "evicted")
-        log.info("disk tier %s: index rebuilt in %.1f s (%d files, %.2f GiB; %d evicted "
-                 "to fit, %d stale temporary files removed)", self.root, p.seconds,
-                 p.files, p.bytes / (1 << 30), len(over), p.stale_tmp_removed)
+        log.info(
+            "disk tier %s: index rebuilt in %.1f s (%d files, %.2f GiB; %d evicted "
+            "to fit, %d stale temporary files removed)",
+            self.root,
+            p.seconds,
+            p.files,
+            p.bytes / (1 << 30),
+            len(over),
+            p.stale_tmp_removed,
+        )
 
     def status(self) -> str:
         p = self.index.progress
         if p.done:
             return ""
-        return (f"index rebuild {p.fraction:.0%} ({p.files} files found, serving "
-                f"meanwhile)")
+        return f"index rebuild {p.fraction:.0%} ({p.files} files found, serving meanwhile)"
 
     async def close(self) -> None:
         """Nothing to close between calls (files are opened per call)."""

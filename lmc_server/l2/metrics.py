@@ -29,8 +29,9 @@ PREFIX = "lmcache_l2_"
 KNOWN_LABELS = {"invalid": tuple(r.value for r in Invalid)}
 
 
-def _labelled(name: str, doc: str, label: str, values: dict[str, int],
-              known: tuple[str, ...]) -> CounterMetricFamily:
+def _labelled(
+    name: str, doc: str, label: str, values: dict[str, int], known: tuple[str, ...]
+) -> CounterMetricFamily:
     fam = CounterMetricFamily(name, doc, labels=[label])
     counted = dict.fromkeys(known, 0)
     counted.update(dict(values))
@@ -61,35 +62,52 @@ class L2Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         t, s, pre = self.tier, self.tier.stats, self.prefix
-        yield GaugeMetricFamily(pre + "up", f"1 while the {t.label} tier is reachable, 0 "
-                                "while degraded (serving from L1 only).", value=1 if t.up else 0)
-        yield GaugeMetricFamily(pre + "write_queue_objects",
-                                "Objects waiting to be written to this tier.",
-                                value=t.writer.depth)
+        yield GaugeMetricFamily(
+            pre + "up",
+            f"1 while the {t.label} tier is reachable, 0 while degraded (serving from L1 only).",
+            value=1 if t.up else 0,
+        )
+        yield GaugeMetricFamily(
+            pre + "write_queue_objects",
+            "Objects waiting to be written to this tier.",
+            value=t.writer.depth,
+        )
         for c in counters_of(L2Counters):  # the one definition of the L2 counters
             value = getattr(s, c.name)
             if c.label:
-                yield _labelled(pre + c.metric, c.help, c.label, value,
-                                c.known + KNOWN_LABELS.get(c.name, ()))
+                yield _labelled(
+                    pre + c.metric, c.help, c.label, value, c.known + KNOWN_LABELS.get(c.name, ())
+                )
             else:
                 yield CounterMetricFamily(pre + c.metric, c.help, value=value)
-        yield _histogram(pre + "read_duration_seconds", "Wall time of one batched read.",
-                         s.read_latency)
-        yield _histogram(pre + "write_duration_seconds", "Wall time of one batched write.",
-                         s.write_latency)
+        yield _histogram(
+            pre + "read_duration_seconds", "Wall time of one batched read.", s.read_latency
+        )
+        yield _histogram(
+            pre + "write_duration_seconds", "Wall time of one batched write.", s.write_latency
+        )
         index = getattr(t.backend, "index", None)
         if isinstance(index, DiskIndex):
             yield from _disk_families(pre, index, getattr(t.backend, "evicted_objects", 0))
 
 
 def _disk_families(pre: str, index: DiskIndex, evicted: int) -> Iterator[Metric]:
-    yield GaugeMetricFamily(pre + "capacity_bytes", "Bytes the disk tier may hold.",
-                            value=index.capacity_bytes)
-    yield GaugeMetricFamily(pre + "used_bytes", "Bytes of the files the disk tier's index "
-                            "knows.", value=index.used_bytes)
-    yield GaugeMetricFamily(pre + "files", "Files the disk tier's index knows.",
-                            value=len(index.entries))
-    yield CounterMetricFamily(pre + "evicted_objects", "Files removed to stay within "
-                              "capacity.", value=evicted)
-    yield GaugeMetricFamily(pre + "index_rebuild_ratio", "How far the index rebuild after "
-                            "start is (1: done).", value=index.progress.fraction)
+    yield GaugeMetricFamily(
+        pre + "capacity_bytes", "Bytes the disk tier may hold.", value=index.capacity_bytes
+    )
+    yield GaugeMetricFamily(
+        pre + "used_bytes",
+        "Bytes of the files the disk tier's index knows.",
+        value=index.used_bytes,
+    )
+    yield GaugeMetricFamily(
+        pre + "files", "Files the disk tier's index knows.", value=len(index.entries)
+    )
+    yield CounterMetricFamily(
+        pre + "evicted_objects", "Files removed to stay within capacity.", value=evicted
+    )
+    yield GaugeMetricFamily(
+        pre + "index_rebuild_ratio",
+        "How far the index rebuild after start is (1: done).",
+        value=index.progress.fraction,
+    )

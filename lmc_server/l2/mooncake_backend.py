@@ -48,11 +48,19 @@ class MooncakeBackend(L2Backend):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise L2Error(f"mooncake: the client is not installed or cannot load: {e}",
-                          unavailable=True) from None
+            raise L2Error(
+                f"mooncake: the client is not installed or cannot load: {e}", unavailable=True
+            ) from None
         store = MooncakeDistributedStore()
-        rc = store.setup(self.local_hostname, self.metadata, self.segment_bytes,
-                         self.buffer_bytes, "tcp", "", self.master)
+        rc = store.setup(
+            self.local_hostname,
+            self.metadata,
+            self.segment_bytes,
+            self.buffer_bytes,
+            "tcp",
+            "",
+            self.master,
+        )
         if rc != 0:
             raise L2Error(f"mooncake: setup with master {self.master} failed (rc {rc})")
         return store
@@ -70,8 +78,9 @@ class MooncakeBackend(L2Backend):
     async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if self._store is None:
             raise L2Error("mooncake: not connected")
-        rc = await self._call(self._store.upsert_batch, [k.hex() for k, _ in items],
-                              [v for _, v in items])
+        rc = await self._call(
+            self._store.upsert_batch, [k.hex() for k, _ in items], [v for _, v in items]
+        )
         if rc != 0:
             raise L2Error(f"mooncake: batch write failed (rc {rc})", unavailable=False)
 

@@ -37,18 +37,20 @@ class PoolView:
         elif callable(slab_view):
             self._slab_view = slab_view
         else:
-            raise PoolViewError(f"--l2 needs pool memory to read objects from, and the "
-                                f"{backend} backend keeps none; run with --backend cpu or "
-                                f"cuda")
+            raise PoolViewError(
+                f"--l2 needs pool memory to read objects from, and the "
+                f"{backend} backend keeps none; run with --backend cpu or "
+                f"cuda"
+            )
 
     def __call__(self, offset: int, nbytes: int) -> np.ndarray:
         if self._array is not None:
-            return self._array[offset:offset + nbytes]
+            return self._array[offset : offset + nbytes]
         if self._slab_view is None:
             raise PoolViewError("the pool view was released (server shutting down)")
         slab, lo = divmod(offset, self.slab_bytes)
         assert lo + nbytes <= self.slab_bytes, "an object spans two slabs"
-        return self._slab_view(slab)[lo:lo + nbytes]
+        return self._slab_view(slab)[lo : lo + nbytes]
 
     def release(self) -> None:
         self._array = None

@@ -68,11 +68,19 @@ class _Filling:
 class Prefetcher:
     """Starts and runs prefetches (see the module docstring). Event-loop thread only."""
 
-    def __init__(self, index: L1Index, backend: L2Backend, stats: L2Stats, view: PoolView,
-                 executor: ThreadPoolExecutor, max_chunks: int,
-                 space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
-                 on_error: Callable[[L2Error], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: L1Index,
+        backend: L2Backend,
+        stats: L2Stats,
+        view: PoolView,
+        executor: ThreadPoolExecutor,
+        max_chunks: int,
+        space: Callable[[str, bytes], bytes],
+        is_up: Callable[[], bool],
+        on_error: Callable[[L2Error], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.backend = backend
         self.stats = stats
@@ -115,20 +123,20 @@ class Prefetcher:
         if len(self._tasks) >= MAX_PREFETCHES:
             self.stats.prefetches_skipped += 1
             return 0
-        want = keys[hit:hit + self.max_chunks]
+        want = keys[hit : hit + self.max_chunks]
         self._next_id += 1
         pid = self._next_id
         for i, key in enumerate(want):
             self._inflight[(key, fps)] = (pid, len(want) - i)
         self.stats.prefetches += 1
         task = asyncio.get_running_loop().create_task(
-            self._run(view, namespace, want, pid), name="l2-prefetch")
+            self._run(view, namespace, want, pid), name="l2-prefetch"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return len(want)
 
-    def _remember_done(self, view: CacheView, keys: list[bytes], end: int,
-                       committed: int) -> None:
+    def _remember_done(self, view: CacheView, keys: list[bytes], end: int, committed: int) -> None:
         """Where L2 stopped having the continuation, and where this prefetch started if
         it brought nothing (e.g. only a sliding window L2 lacks at the end of the prefix
         was missing): a lookup stuck there starts nothing new for ``MISS_MEMORY_S``."""
@@ -150,8 +158,7 @@ class Prefetcher:
             for key in r.keys:
                 self._missing.pop(key, None)
 
-    async def _run(self, view: CacheView, namespace: str, keys: list[bytes],
-                   pid: int) -> None:
+    async def _run(self, view: CacheView, namespace: str, keys: list[bytes], pid: int) -> None:
         bad: list[bytes] = []
         try:
             end, committed = await self._fetch(view, namespace, keys, bad)
@@ -174,8 +181,9 @@ class Prefetcher:
                 if covered is not None and covered[0] == pid:
                     del self._inflight[tag]
 
-    async def _fetch(self, view: CacheView, namespace: str, keys: list[bytes],
-                     bad: list[bytes]) -> tuple[int, int]:
+    async def _fetch(
+        self, view: CacheView, namespace: str, keys: list[bytes], bad: list[bytes]
+    ) -> tuple[int, int]:
         """Fetch and commit, in batches of chunks (``READ_BATCH_BYTES``): batch i+1 is
         read while batch i is verified and copied, and the run stops where a full object
         group is missing. Returns how many leading chunks L1 now has (or L2 had), and
@@ -192,10 +200,16 @@ class Prefetcher:
                 if first >= end:
                     break
                 batch = range(first, min(n, first + per_batch))
-                wanted = [(og.index, i, spaces[og.index],
-                           codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES:]))
-                          for og in ogs
-                          for i in self.index.missing(view, og.index, keys, batch)]
+                wanted = [
+                    (
+                        og.index,
+                        i,
+                        spaces[og.index],
+                        codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
+                    )
+                    for og in ogs
+                    for i in self.index.missing(view, og.index, keys, batch)
+                ]
                 values: list[Value | None] = []
                 if wanted:
                     t0 = time.perf_counter()
@@ -207,13 +221,13 @@ class Prefetcher:
                     committed += done
                     end = min(end, bad_at)
                 good, end = self._check(view, keys, wanted, values, end, bad)
-                reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end],
-                                              end)
+                reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end], end)
                 kept = {id(v) for f in reserved for v in f.values}
                 self.backend.release([v for v in values if id(v) not in kept])
                 if reserved:
                     filling = asyncio.get_running_loop().create_task(
-                        self._fill_and_commit(view, namespace, reserved, bad))
+                        self._fill_and_commit(view, namespace, reserved, bad)
+                    )
             if filling is not None:
                 done, bad_at = await asyncio.shield(filling)
                 filling = None
@@ -224,10 +238,15 @@ class Prefetcher:
                 await asyncio.wait({filling})  # a slot is never freed under its copy)
         return end, committed
 
-    def _check(self, view: CacheView, keys: list[bytes],
-               wanted: list[tuple[int, int, bytes, bytes]], values: list[Value | None],
-               end: int, bad_keys: list[bytes]
-               ) -> tuple[list[tuple[int, int, int, Value, bytes]], int]:
+    def _check(
+        self,
+        view: CacheView,
+        keys: list[bytes],
+        wanted: list[tuple[int, int, bytes, bytes]],
+        values: list[Value | None],
+        end: int,
+        bad_keys: list[bytes],
+    ) -> tuple[list[tuple[int, int, int, Value, bytes]], int]:
         """Header checks (cheap, on the loop): the values worth reserving, and ``end``
         shrunk to the first chunk whose full object group L2 cannot supply."""
         ogs = view.layout.object_groups
@@ -239,8 +258,9 @@ class Prefetcher:
                     end = min(end, i)
                 continue
             self.stats.bytes_read += len(value)
-            mask, bad = codec.check_header(value, space, keys[i][-codec.CHUNK_KEY_BYTES:],
-                                           ogs[og_index].object_bytes)
+            mask, bad = codec.check_header(
+                value, space, keys[i][-codec.CHUNK_KEY_BYTES :], ogs[og_index].object_bytes
+            )
             if bad is not None:
                 self.stats.bump(self.stats.invalid, bad.value)
                 if bad is not codec.Invalid.VERSION:  # another format's: not ours to delete
@@ -251,9 +271,9 @@ class Prefetcher:
             good.append((og_index, i, mask, value, l2key))
         return good, end
 
-    async def _fill_and_commit(self, view: CacheView, namespace: str,
-                               reserved: list[_Filling], bad_keys: list[bytes]
-                               ) -> tuple[int, int]:
+    async def _fill_and_commit(
+        self, view: CacheView, namespace: str, reserved: list[_Filling], bad_keys: list[bytes]
+    ) -> tuple[int, int]:
         """Verify and copy on the tier's threads, then commit (or abort) each object.
 
         Returns ``(objects committed, first chunk of a full object group that failed
@@ -265,20 +285,28 @@ class Prefetcher:
         committed, bad_at = 0, 1 << 62
         filled: list[Reservation] = []
         try:
-            jobs = [(offset, value) for f in reserved
-                    for offset, value in zip(f.objects.offsets().tolist(), f.values,
-                                             strict=True)]
-            ok = list(await asyncio.gather(*(
-                loop.run_in_executor(self.executor, self._fill, int(offset), value)
-                for offset, value in jobs)))
+            jobs = [
+                (offset, value)
+                for f in reserved
+                for offset, value in zip(f.objects.offsets().tolist(), f.values, strict=True)
+            ]
+            ok = list(
+                await asyncio.gather(
+                    *(
+                        loop.run_in_executor(self.executor, self._fill, int(offset), value)
+                        for offset, value in jobs
+                    )
+                )
+            )
             # Every copy has finished (else gather raised): the values may be reused.
             self.backend.release([value for _, value in jobs])
         finally:
             at = 0
             for f in reserved:
                 r, n = f.objects, len(f.objects)
-                done = self.index.finish_fill(r, [at + j < len(ok) and ok[at + j]
-                                                  for j in range(n)])
+                done = self.index.finish_fill(
+                    r, [at + j < len(ok) and ok[at + j] for j in range(n)]
+                )
                 committed += len(done)
                 self.stats.hits += len(done)
                 if done:
@@ -295,17 +323,23 @@ class Prefetcher:
                 self.on_filled(namespace, done)
         return committed, bad_at
 
-    def _reserve(self, view: CacheView, keys: list[bytes],
-                 good: list[tuple[int, int, int, Value, bytes]], end: int
-                 ) -> tuple[list[_Filling], int]:
+    def _reserve(
+        self,
+        view: CacheView,
+        keys: list[bytes],
+        good: list[tuple[int, int, int, Value, bytes]],
+        end: int,
+    ) -> tuple[list[_Filling], int]:
         """Reserve a WRITING slot per object through the index (which skips keys a
         store took meanwhile); ``end`` shrinks to the first chunk of a full object group
         L1 had no room for."""
         by_og: dict[int, list[tuple[int, int, Value, bytes]]] = {}
         for og_index, i, mask, value, l2key in good:
             by_og.setdefault(og_index, []).append((i, mask, value, l2key))
-        wanted = {og_index: ([it[0] for it in items], [it[1] for it in items])
-                  for og_index, items in by_og.items()}
+        wanted = {
+            og_index: ([it[0] for it in items], [it[1] for it in items])
+            for og_index, items in by_og.items()
+        }
         reserved, no_space = self.index.reserve_fill(view, keys, wanted)
         for og_index, left in no_space.items():
             self.stats.prefetch_no_space += len(left)

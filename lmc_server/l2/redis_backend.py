@@ -43,8 +43,7 @@ T = TypeVar("T")
 
 
 def _error(op: str, e: BaseException) -> L2Error:
-    unavailable = isinstance(e, RedisConnectionError | RedisTimeoutError | OSError
-                             | TimeoutError)
+    unavailable = isinstance(e, RedisConnectionError | RedisTimeoutError | OSError | TimeoutError)
     return L2Error(f"redis {op}: {type(e).__name__}: {e}", unavailable=unavailable)
 
 
@@ -54,15 +53,16 @@ def _split(seq: Sequence[T], most: int) -> list[Sequence[T]]:
     n = len(seq)
     parts = max(1, min(most, n))
     step = -(-n // parts)
-    return [seq[i:i + step] for i in range(0, n, step)] or [seq]
+    return [seq[i : i + step] for i in range(0, n, step)] or [seq]
 
 
 class RedisBackend(L2Backend):
     name = "redis"
     writes_from_slots = True
 
-    def __init__(self, url: str, password: str | None = None, timeout_s: float = 2.0,
-                 connections: int = 1) -> None:
+    def __init__(
+        self, url: str, password: str | None = None, timeout_s: float = 2.0, connections: int = 1
+    ) -> None:
         scheme, rest = url.split("://", 1)
         scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme.lower(), scheme.lower())
         self.url = f"{scheme}://{rest}"
@@ -70,8 +70,7 @@ class RedisBackend(L2Backend):
             # name it does not know fails here, at startup, not in the background task
             redis.ConnectionPool.from_url(self.url).make_connection()
         except (TypeError, ValueError) as e:
-            raise ValueError(f"--l2 {redact_url(url)}: redis-py cannot use this URL: "
-                             f"{e}") from None
+            raise ValueError(f"--l2 {redact_url(url)}: redis-py cannot use this URL: {e}") from None
         self.password = password
         self.timeout_s = timeout_s
         self.connections = connections
@@ -82,13 +81,18 @@ class RedisBackend(L2Backend):
 
     def _make(self) -> Any:
         return redis.Redis.from_url(
-            self.url, password=self.password, socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False, health_check_interval=0, decode_responses=False,
-            max_connections=2 * self.connections + 1)
+            self.url,
+            password=self.password,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+            decode_responses=False,
+            max_connections=2 * self.connections + 1,
+        )
 
-    async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T],
-                    *args: Any) -> T:
+    async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except (RedisError, OSError, TimeoutError) as e:
@@ -103,13 +107,13 @@ class RedisBackend(L2Backend):
     def _mget(self, client: Any, keys: Sequence[bytes]) -> list[Value | None]:
         out: list[Value | None] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
-            out.extend(client.mget(list(keys[i:i + GET_BATCH_KEYS])))
+            out.extend(client.mget(list(keys[i : i + GET_BATCH_KEYS])))
         return out
 
     def _mset(self, client: Any, items: Sequence[tuple[bytes, Value]]) -> None:
         for i in range(0, len(items), PUT_BATCH_KEYS):
             pipe = client.pipeline(transaction=False)
-            for key, value in items[i:i + PUT_BATCH_KEYS]:
+            for key, value in items[i : i + PUT_BATCH_KEYS]:
                 pipe.set(key, value)
             pipe.execute()
 
@@ -125,8 +129,10 @@ class RedisBackend(L2Backend):
         are being sent. Every reply is read, so an error reply (out of memory) leaves
         the connection in step; it is raised once all were read.
         """
-        heads = [self._hash.submit(codec.header, o.space, o.chunk_key, o.mask, o.payload)
-                 for o in objects]
+        heads = [
+            self._hash.submit(codec.header, o.space, o.chunk_key, o.mask, o.payload)
+            for o in objects
+        ]
         pool = client.connection_pool
         conn = pool.get_connection()
         try:
@@ -136,8 +142,11 @@ class RedisBackend(L2Backend):
                 lead = b""
                 for k in part:
                     o = objects[k]
-                    chunks.append(lead + b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
-                        len(o.key), o.key, o.value_bytes, heads[k].result()))
+                    chunks.append(
+                        lead
+                        + b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b"
+                        % (len(o.key), o.key, o.value_bytes, heads[k].result())
+                    )
                     chunks.append(o.payload.cast("B"))
                     lead = b"\r\n"
                 chunks.append(lead)
@@ -164,23 +173,33 @@ class RedisBackend(L2Backend):
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await asyncio.gather(*(self._call(self._writes, "set", self._send_slots,
-                                          self._client, part)
-                               for part in _split(objects, self.connections)))
+        await asyncio.gather(
+            *(
+                self._call(self._writes, "set", self._send_slots, self._client, part)
+                for part in _split(objects, self.connections)
+            )
+        )
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
-        parts = await asyncio.gather(*(
-            self._call(self._reads, "get", self._mget, self._client, part)
-            for part in _split(keys, self.connections)))
+        parts = await asyncio.gather(
+            *(
+                self._call(self._reads, "get", self._mget, self._client, part)
+                for part in _split(keys, self.connections)
+            )
+        )
         return [v for part in parts for v in part]
 
     async def put_many(self, items: Sequence[tuple[bytes, Value]]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await asyncio.gather(*(self._call(self._writes, "set", self._mset, self._client, part)
-                               for part in _split(items, self.connections)))
+        await asyncio.gather(
+            *(
+                self._call(self._writes, "set", self._mset, self._client, part)
+                for part in _split(items, self.connections)
+            )
+        )
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -22,48 +22,75 @@ from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_passwo
 from lmc_server.transfer.base import HostPool
 
 
-def make_backend(target: L2Target, password: str | None, timeout_s: float,
-                 connections: int = 1) -> L2Backend:
+def make_backend(
+    target: L2Target, password: str | None, timeout_s: float, connections: int = 1
+) -> L2Backend:
     if target.kind == "redis":
         try:
             from lmc_server.l2.redis_backend import RedisBackend
         except ImportError:
-            raise L2ConfigError("--l2 redis://: the redis package is not installed "
-                                "(pip install 'lmc-server[l2]')") from None
+            raise L2ConfigError(
+                "--l2 redis://: the redis package is not installed (pip install 'lmc-server[l2]')"
+            ) from None
         return RedisBackend(target.url, password, timeout_s, connections)
     from lmc_server.l2.mooncake_backend import MooncakeBackend
 
     return MooncakeBackend(target.url, timeout_s)
 
 
-def make_tier(config: L2Settings, index: L1Index, pool: HostPool, engine_name: str,
-              clock: Callable[[], float]) -> L2Tier:
+def make_tier(
+    config: L2Settings, index: L1Index, pool: HostPool, engine_name: str, clock: Callable[[], float]
+) -> L2Tier:
     """The tier for ``config.l2_url``; raises ``ValueError``/``RuntimeError`` if unusable
     (the server then refuses to start, naming the problem)."""
     target = parse_l2_url(config.l2_url)
-    backend = make_backend(target, read_password(config.l2_password_file), config.l2_timeout_s,
-                           config.l2_connections)
+    backend = make_backend(
+        target, read_password(config.l2_password_file), config.l2_timeout_s, config.l2_connections
+    )
     view = PoolView(pool, engine_name)  # after what may fail: a view holds the pool open
-    return L2Tier(backend, target.display, index, view, config.chunk_size,
-                  config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
-                  config.l2_timeout_s, clock)
+    return L2Tier(
+        backend,
+        target.display,
+        index,
+        view,
+        config.chunk_size,
+        config.l2_write_queue_objects,
+        config.l2_prefetch_max_chunks,
+        config.l2_timeout_s,
+        clock,
+    )
 
 
 class TierSettings(L2Settings, DiskSettings, Protocol):
     """Everything :func:`make_chain` reads."""
 
 
-def make_disk_tier(config: TierSettings, index: L1Index, view: PoolView,
-                   clock: Callable[[], float]) -> L2Tier:
+def make_disk_tier(
+    config: TierSettings, index: L1Index, view: PoolView, clock: Callable[[], float]
+) -> L2Tier:
     path = disk_path(config.disk_dir)
     backend = FileBackend(path, capacity_bytes(config))
-    return L2Tier(backend, f"file://{path}", index, view, config.chunk_size,
-                  config.l2_write_queue_objects, config.l2_prefetch_max_chunks,
-                  config.l2_timeout_s, clock, kind="disk")
+    return L2Tier(
+        backend,
+        f"file://{path}",
+        index,
+        view,
+        config.chunk_size,
+        config.l2_write_queue_objects,
+        config.l2_prefetch_max_chunks,
+        config.l2_timeout_s,
+        clock,
+        kind="disk",
+    )
 
 
-def make_chain(config: TierSettings, index: L1Index, pool: HostPool, engine_name: str,
-               clock: Callable[[], float]) -> TierChain:
+def make_chain(
+    config: TierSettings,
+    index: L1Index,
+    pool: HostPool,
+    engine_name: str,
+    clock: Callable[[], float],
+) -> TierChain:
     """The tiers below L1 that ``config`` asks for, in order: disk, then L2."""
     tiers: list[L2Tier] = []
     if config.disk_dir:

@@ -12,8 +12,7 @@ import msgspec
 from lmc_server.cache.counters import L2Counters
 
 #: Upper bounds of the L2 round-trip latency histogram buckets.
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                     1.0, 2.5)
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(slots=True)

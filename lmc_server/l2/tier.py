@@ -45,15 +45,24 @@ class L2Tier:
     tier has been in its state are read from it, so a test's fake clock moves them.
     """
 
-    def __init__(self, backend: L2Backend, display_url: str, index: L1Index, view: PoolView,
-                 chunk_size: int, write_queue_objects: int, prefetch_max_chunks: int,
-                 timeout_s: float, clock: Callable[[], float], kind: str = "l2") -> None:
+    def __init__(
+        self,
+        backend: L2Backend,
+        display_url: str,
+        index: L1Index,
+        view: PoolView,
+        chunk_size: int,
+        write_queue_objects: int,
+        prefetch_max_chunks: int,
+        timeout_s: float,
+        clock: Callable[[], float],
+        kind: str = "l2",
+    ) -> None:
         self.backend = backend
         #: ``"l2"`` (a shared store) or ``"disk"``: names the tier in logs and reports.
         self.kind = kind
         self.label = "L2" if kind == "l2" else kind
-        self.listeners: TierListeners = getattr(backend, "listeners", None) \
-            or TierListeners(kind)
+        self.listeners: TierListeners = getattr(backend, "listeners", None) or TierListeners(kind)
         self.display_url = display_url
         self.chunk_size = chunk_size
         self.timeout_s = timeout_s
@@ -64,12 +73,30 @@ class L2Tier:
         self.state_since_s = clock()
         self._spaces: dict[tuple[str, bytes], bytes] = {}
         self._executor = ThreadPoolExecutor(L2_THREADS, thread_name_prefix="lmc-l2")
-        self.writer = WriteBehind(index, backend, self.stats, view, self._executor,
-                                  write_queue_objects, self.space, self.is_up, self.failed,
-                                  self.listeners.stored)
-        self.prefetcher = Prefetcher(index, backend, self.stats, view, self._executor,
-                                     prefetch_max_chunks, self.space, self.is_up, self.failed,
-                                     clock)
+        self.writer = WriteBehind(
+            index,
+            backend,
+            self.stats,
+            view,
+            self._executor,
+            write_queue_objects,
+            self.space,
+            self.is_up,
+            self.failed,
+            self.listeners.stored,
+        )
+        self.prefetcher = Prefetcher(
+            index,
+            backend,
+            self.stats,
+            view,
+            self._executor,
+            prefetch_max_chunks,
+            self.space,
+            self.is_up,
+            self.failed,
+            clock,
+        )
         self._down = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
@@ -111,8 +138,12 @@ class L2Tier:
             if up:
                 log.info("%s %s: connected", self.label, self.display_url)
             else:
-                log.warning("%s %s degraded (serving from L1 only): %s", self.label,
-                            self.display_url, reason)
+                log.warning(
+                    "%s %s degraded (serving from L1 only): %s",
+                    self.label,
+                    self.display_url,
+                    reason,
+                )
 
     def failed(self, err: L2Error) -> None:
         """A call failed; an unreachable store makes the tier degraded (reconnects)."""
@@ -135,8 +166,12 @@ class L2Tier:
                 await asyncio.wait_for(self.backend.connect(), self.timeout_s * 2)
             except (L2Error, TimeoutError) as e:
                 if first:
-                    log.warning("%s %s unreachable at start (serving from L1 only, "
-                                "retrying): %s", self.label, self.display_url, e)
+                    log.warning(
+                        "%s %s unreachable at start (serving from L1 only, retrying): %s",
+                        self.label,
+                        self.display_url,
+                        e,
+                    )
                     self.state_reason = str(e)
                     first = False
                 else:
@@ -152,8 +187,9 @@ class L2Tier:
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(),
-                                                                 name="l2-supervisor")
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(), name="l2-supervisor"
+        )
         self.writer.start()
 
     async def stop(self) -> None:

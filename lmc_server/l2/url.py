@@ -28,8 +28,13 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 #: Schemes and the adapter that serves them.
-SCHEMES = {"redis": "redis", "rediss": "redis", "valkey": "redis", "valkeys": "redis",
-           "mooncake": "mooncake"}
+SCHEMES = {
+    "redis": "redis",
+    "rediss": "redis",
+    "valkey": "redis",
+    "valkeys": "redis",
+    "mooncake": "mooncake",
+}
 PASSWORD_ENV = "LMCACHE_L2_PASSWORD"
 #: Query parameter names (lower case) that carry who the client is to the store.
 _IDENTITY_NAMES = frozenset({"username", "user"})
@@ -39,10 +44,12 @@ _IDENTITY_NAMES = frozenset({"username", "user"})
 _SECRET_PARTS = ("pass", "secret", "token", "auth", "credential")
 #: What a masked part is shown as.
 MASK = "***"
-_WHERE = (f"the password goes in the {PASSWORD_ENV} environment variable (the unit's "
-          f"environment file) or in a file named by --l2-password-file, a user name "
-          f"before the host (redis://USER@HOST:PORT/DB); the command line, the config "
-          f"file and the environment of a unit are readable by others")
+_WHERE = (
+    f"the password goes in the {PASSWORD_ENV} environment variable (the unit's "
+    f"environment file) or in a file named by --l2-password-file, a user name "
+    f"before the host (redis://USER@HOST:PORT/DB); the command line, the config "
+    f"file and the environment of a unit are readable by others"
+)
 
 
 class L2ConfigError(ValueError):
@@ -103,8 +110,7 @@ def redact_url(url: str) -> str:
         if colon and not port.isdigit():
             hostport = f"{host}:{MASK}"
     query = "&".join(_redact_param(p) for p in parts.query.split("&")) if parts.query else ""
-    return (f"{parts.scheme}://{user}{at}{hostport}{parts.path}"
-            + (f"?{query}" if query else ""))
+    return f"{parts.scheme}://{user}{at}{hostport}{parts.path}" + (f"?{query}" if query else "")
 
 
 def credential_in(url: str) -> str | None:
@@ -130,17 +136,19 @@ def parse_l2_url(url: str) -> L2Target:
     except ValueError as e:
         raise L2ConfigError(f"--l2 {shown!r} is not a URL: {e}") from None
     if where is not None:  # before any other check: no message may echo the secret
-        raise L2ConfigError(f"--l2 {shown!r}: the URL carries a credential ({where}); "
-                            f"remove it: {_WHERE}")
+        raise L2ConfigError(
+            f"--l2 {shown!r}: the URL carries a credential ({where}); remove it: {_WHERE}"
+        )
     try:
         _ = parts.port  # raises on a bad port (its message would echo the text)
     except ValueError:
-        raise L2ConfigError(f"--l2 {shown!r}: the port is not a number in 0..65535") \
-            from None
+        raise L2ConfigError(f"--l2 {shown!r}: the port is not a number in 0..65535") from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise L2ConfigError(f"--l2 {shown!r}: scheme {scheme or '(none)'!r} is not "
-                            f"supported; use one of {', '.join(sorted(SCHEMES))}://host:port")
+        raise L2ConfigError(
+            f"--l2 {shown!r}: scheme {scheme or '(none)'!r} is not "
+            f"supported; use one of {', '.join(sorted(SCHEMES))}://host:port"
+        )
     if not parts.hostname:
         raise L2ConfigError(f"--l2 {shown!r}: no host")
     return L2Target(url=url, kind=SCHEMES[scheme], tls=scheme in ("rediss", "valkeys"))
@@ -154,8 +162,9 @@ def read_password(password_file: str, environ: dict[str, str] | None = None) -> 
             with open(password_file, encoding="utf-8") as f:
                 line = f.readline().rstrip("\r\n")
         except OSError as e:
-            raise L2ConfigError(f"cannot read --l2-password-file {password_file}: "
-                                f"{e.strerror}") from None
+            raise L2ConfigError(
+                f"cannot read --l2-password-file {password_file}: {e.strerror}"
+            ) from None
         if not line:
             raise L2ConfigError(f"--l2-password-file {password_file} is empty")
         return line

@@ -57,11 +57,19 @@ class _Pending:
 class WriteBehind:
     """The bounded write queue and the task that drains it (see the module docstring)."""
 
-    def __init__(self, index: L1Index, backend: L2Backend, stats: L2Stats, view: PoolView,
-                 executor: ThreadPoolExecutor, max_objects: int,
-                 space: Callable[[str, bytes], bytes], is_up: Callable[[], bool],
-                 on_error: Callable[[L2Error], None],
-                 on_stored: Callable[[list[bytes]], None] = lambda keys: None) -> None:
+    def __init__(
+        self,
+        index: L1Index,
+        backend: L2Backend,
+        stats: L2Stats,
+        view: PoolView,
+        executor: ThreadPoolExecutor,
+        max_objects: int,
+        space: Callable[[str, bytes], bytes],
+        is_up: Callable[[], bool],
+        on_error: Callable[[L2Error], None],
+        on_stored: Callable[[list[bytes]], None] = lambda keys: None,
+    ) -> None:
         self.index = index
         self.backend = backend
         self.stats = stats
@@ -101,8 +109,7 @@ class WriteBehind:
             n = max(room, 0)
             if n == 0:
                 return
-        self._queue.append(_Pending(self.space(namespace, objects.fingerprint), objects,
-                                    0, n))
+        self._queue.append(_Pending(self.space(namespace, objects.fingerprint), objects, 0, n))
         self.depth += n
         self._wake.set()
 
@@ -113,8 +120,11 @@ class WriteBehind:
         while self._queue and len(out) < WRITE_BATCH_OBJECTS and nbytes < WRITE_BATCH_BYTES:
             p = self._queue[0]
             object_bytes = p.objects.object_bytes
-            take = min(p.end - p.next, WRITE_BATCH_OBJECTS - len(out),
-                       max(1, (WRITE_BATCH_BYTES - nbytes) // object_bytes))
+            take = min(
+                p.end - p.next,
+                WRITE_BATCH_OBJECTS - len(out),
+                max(1, (WRITE_BATCH_BYTES - nbytes) // object_bytes),
+            )
             out += [(p.space, p.objects, j) for j in range(p.next, p.next + take)]
             nbytes += take * object_bytes
             p.next += take
@@ -145,8 +155,7 @@ class WriteBehind:
                     if self.backend.writes_from_slots:  # nothing to build ahead
                         if sending is not None:
                             await sending
-                        sending = asyncio.get_running_loop().create_task(
-                            self._send_slots(batch))
+                        sending = asyncio.get_running_loop().create_task(self._send_slots(batch))
                         continue
                     try:
                         items = await self._encode_batch(batch)
@@ -156,8 +165,7 @@ class WriteBehind:
                     if sending is not None:
                         await sending
                         sending = None
-                    sending = asyncio.get_running_loop().create_task(
-                        self._send(items, len(batch)))
+                    sending = asyncio.get_running_loop().create_task(self._send(items, len(batch)))
             except Exception:  # a bug, not the store: keep writing later batches
                 log.exception("L2 write-behind batch failed")
                 self.stats.bump(self.stats.errors, "write")
@@ -165,8 +173,9 @@ class WriteBehind:
                 if sending is not None:
                     await asyncio.gather(sending, return_exceptions=True)
 
-    def _pin(self, batch: list[tuple[bytes, Reservation, int]]
-             ) -> tuple[list[tuple[bytes, bytes, int, int, int]], list[tuple[Reservation, int]]]:
+    def _pin(
+        self, batch: list[tuple[bytes, Reservation, int]]
+    ) -> tuple[list[tuple[bytes, bytes, int, int, int]], list[tuple[Reservation, int]]]:
         """Pin the objects of ``batch`` still in L1 (event loop): the jobs
         ``(space, chunk key, mask, offset, bytes)`` and the pins to undo."""
         jobs: list[tuple[bytes, bytes, int, int, int]] = []
@@ -178,20 +187,29 @@ class WriteBehind:
                 continue
             pinned.append((objects, j))
             offset, mask = at
-            jobs.append((space, objects.keys[j][-codec.CHUNK_KEY_BYTES:], mask, offset,
-                         objects.object_bytes))
+            jobs.append(
+                (
+                    space,
+                    objects.keys[j][-codec.CHUNK_KEY_BYTES :],
+                    mask,
+                    offset,
+                    objects.object_bytes,
+                )
+            )
         return jobs, pinned
 
-    async def _encode_batch(self, batch: list[tuple[bytes, Reservation, int]]
-                            ) -> list[tuple[bytes, Value]]:
+    async def _encode_batch(
+        self, batch: list[tuple[bytes, Reservation, int]]
+    ) -> list[tuple[bytes, Value]]:
         """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
         jobs, pinned = self._pin(batch)
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
         try:
-            values = await asyncio.gather(*(
-                loop.run_in_executor(self.executor, self._encode, *job) for job in jobs))
+            values = await asyncio.gather(
+                *(loop.run_in_executor(self.executor, self._encode, *job) for job in jobs)
+            )
         finally:
             for objects, j in pinned:
                 self.index.unpin_object(objects, j)
@@ -204,10 +222,13 @@ class WriteBehind:
         pinned: list[tuple[Reservation, int]] = []
         try:
             jobs, pinned = self._pin(batch)
-            objects = [SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
-                       for sp, ck, mask, off, n in jobs]
-            await self._put(self.backend.put_slots(objects),
-                            [(o.key, o.value_bytes) for o in objects])
+            objects = [
+                SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
+                for sp, ck, mask, off, n in jobs
+            ]
+            await self._put(
+                self.backend.put_slots(objects), [(o.key, o.value_bytes) for o in objects]
+            )
         finally:
             for reservation, j in pinned:
                 self.index.unpin_object(reservation, j)
@@ -220,8 +241,7 @@ class WriteBehind:
         finally:
             self.in_flight -= taken
 
-    async def _put(self, put: Coroutine[Any, Any, None], sizes: list[tuple[bytes, int]]
-                   ) -> None:
+    async def _put(self, put: Coroutine[Any, Any, None], sizes: list[tuple[bytes, int]]) -> None:
         """Await one batch's write ``put`` of ``sizes`` (L2 key, value bytes); count it."""
         if not sizes:
             put.close()
@@ -250,8 +270,7 @@ class WriteBehind:
         self.stats.bytes_written += nbytes
         self.on_stored(keys)
 
-    def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int,
-                nbytes: int) -> Value:
+    def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int, nbytes: int) -> Value:
         """Header and payload of one object (worker thread; the slot is pinned)."""
         return self.backend.encode(space, chunk_key, mask, self.view(offset, nbytes).data)
 

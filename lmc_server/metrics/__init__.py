@@ -29,5 +29,11 @@ def make_registry(collector: ServerCollector) -> CollectorRegistry:
     return registry
 
 
-__all__ = ["CounterCollector", "LiveState", "MetricsServer", "ServerCollector", "ServerInfo",
-           "make_registry"]
+__all__ = [
+    "CounterCollector",
+    "LiveState",
+    "MetricsServer",
+    "ServerCollector",
+    "ServerInfo",
+    "make_registry",
+]

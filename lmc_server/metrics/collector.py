@@ -45,12 +45,26 @@ from lmc_server.cache.slabs import SlabPool
 PREFIX = "lmcache_"
 #: Upper bounds (seconds) of the transfer-duration histogram buckets; a transfer's
 #: ``buckets`` list has one count per bound plus one for ``+Inf``.
-TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                      2.5, 5.0)
+TRANSFER_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
-def counter_families(prefix: str, source: object, counters: tuple[CounterInfo, ...]
-                     ) -> Iterator[CounterMetricFamily]:
+def counter_families(
+    prefix: str, source: object, counters: tuple[CounterInfo, ...]
+) -> Iterator[CounterMetricFamily]:
     """One family per counter of ``counters`` (:func:`~lmc_server.cache.counters.counters_of`),
     read from ``source``; a labelled counter exports its ``known`` values as 0 too."""
     for c in counters:
@@ -135,8 +149,15 @@ class LiveState:
 class ServerCollector(Collector):
     """Exports one server's counters and L1 occupancy; see docs/operations.md."""
 
-    def __init__(self, info: ServerInfo, index: L1Index, pool: SlabPool,
-                 stats: RequestCounters, sessions: SessionCounts, live: LiveState) -> None:
+    def __init__(
+        self,
+        info: ServerInfo,
+        index: L1Index,
+        pool: SlabPool,
+        stats: RequestCounters,
+        sessions: SessionCounts,
+        live: LiveState,
+    ) -> None:
         self.info = info
         self.index = index
         self.pool = pool
@@ -157,31 +178,47 @@ class ServerCollector(Collector):
 
     def _info(self) -> Iterator[Metric]:
         build = InfoMetricFamily(PREFIX + "build", "Version of lmc-server and its Python.")
-        build.add_metric([], {"version": __version__,
-                              "python_version": platform.python_version(),
-                              "python_implementation": sys.implementation.name})
+        build.add_metric(
+            [],
+            {
+                "version": __version__,
+                "python_version": platform.python_version(),
+                "python_implementation": sys.implementation.name,
+            },
+        )
         yield build
         cfg = InfoMetricFamily(PREFIX + "config", "Settings that shape what the cache stores.")
-        cfg.add_metric([], {"backend": self.info.backend,
-                            "eviction_policy": self.info.eviction_policy,
-                            "chunk_size": str(self.info.chunk_size),
-                            "object_groups": self.info.object_groups})
+        cfg.add_metric(
+            [],
+            {
+                "backend": self.info.backend,
+                "eviction_policy": self.info.eviction_policy,
+                "chunk_size": str(self.info.chunk_size),
+                "object_groups": self.info.object_groups,
+            },
+        )
         yield cfg
         serving, _ = self.live.health()
-        yield GaugeMetricFamily(PREFIX + "serving",
-                                "1 while the server answers requests (what /healthz says).",
-                                value=1 if serving else 0)
+        yield GaugeMetricFamily(
+            PREFIX + "serving",
+            "1 while the server answers requests (what /healthz says).",
+            value=1 if serving else 0,
+        )
 
     def _requests(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
-            PREFIX + "requests", "Requests answered, by operation and outcome (ok or an "
-            "error code).", labels=["operation", "outcome"])
+            PREFIX + "requests",
+            "Requests answered, by operation and outcome (ok or an error code).",
+            labels=["operation", "outcome"],
+        )
         for (op, outcome), n in sorted(dict(self.stats.requests).items()):
             requests.add_metric([op, outcome], n)
         yield requests
-        yield GaugeMetricFamily(PREFIX + "requests_in_flight",
-                                "Store and retrieve requests whose copies are running.",
-                                value=self.live.in_flight())
+        yield GaugeMetricFamily(
+            PREFIX + "requests_in_flight",
+            "Store and retrieve requests whose copies are running.",
+            value=self.live.in_flight(),
+        )
 
     def _cache_counters(self) -> Iterator[Metric]:
         yield from counter_families(PREFIX, self.index.stats, counters_of(CacheStats))
@@ -189,11 +226,14 @@ class ServerCollector(Collector):
     def _transfers(self) -> Iterator[Metric]:
         hist = HistogramMetricFamily(
             PREFIX + "transfer_duration_seconds",
-            "Wall time of one request's copies, by direction (store: to L1, retrieve: "
-            "from L1).", labels=["direction"])
-        nbytes = CounterMetricFamily(PREFIX + "transfer_bytes",
-                                     "Bytes copied by completed transfers, by direction.",
-                                     labels=["direction"])
+            "Wall time of one request's copies, by direction (store: to L1, retrieve: from L1).",
+            labels=["direction"],
+        )
+        nbytes = CounterMetricFamily(
+            PREFIX + "transfer_bytes",
+            "Bytes copied by completed transfers, by direction.",
+            labels=["direction"],
+        )
         for direction, ts in sorted(dict(self.stats.transfers).items()):
             counts = list(ts.buckets)
             cumulative, buckets = 0, []
@@ -210,7 +250,8 @@ class ServerCollector(Collector):
             "Where a store's or retrieve's time goes inside the server, by phase: queue, "
             "prepare (index work), submit (engine planning and launch), copy, hop_out "
             "(engine completion to the event loop), finish.",
-            labels=["operation", "phase"])
+            labels=["operation", "phase"],
+        )
         for (op, phase), (count, seconds) in sorted(dict(self.stats.phases).items()):
             phases.add_metric([op, phase], count_value=int(count), sum_value=seconds)
         yield phases
@@ -218,17 +259,24 @@ class ServerCollector(Collector):
     def _pool(self) -> Iterator[Metric]:
         pool = self.pool
         ready_slabs, free_slabs = pool.ready_slabs, pool.free_slabs
-        yield GaugeMetricFamily(PREFIX + "l1_capacity_bytes",
-                                "Size of the L1 pool (all slabs, prepared or not).",
-                                value=pool.capacity_bytes)
-        yield GaugeMetricFamily(PREFIX + "l1_ready_bytes",
-                                "L1 bytes pinned (cuda) or populated (cpu) and usable.",
-                                value=ready_slabs * pool.slab_bytes)
-        yield GaugeMetricFamily(PREFIX + "l1_slab_bytes", "Size of one pool slab.",
-                                value=pool.slab_bytes)
-        slabs = GaugeMetricFamily(PREFIX + "l1_slabs", "Pool slabs by state (pending: not "
-                                  "prepared yet; free; owned by a partition).",
-                                  labels=["state"])
+        yield GaugeMetricFamily(
+            PREFIX + "l1_capacity_bytes",
+            "Size of the L1 pool (all slabs, prepared or not).",
+            value=pool.capacity_bytes,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "l1_ready_bytes",
+            "L1 bytes pinned (cuda) or populated (cpu) and usable.",
+            value=ready_slabs * pool.slab_bytes,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "l1_slab_bytes", "Size of one pool slab.", value=pool.slab_bytes
+        )
+        slabs = GaugeMetricFamily(
+            PREFIX + "l1_slabs",
+            "Pool slabs by state (pending: not prepared yet; free; owned by a partition).",
+            labels=["state"],
+        )
         slabs.add_metric(["pending"], pool.n_slabs - ready_slabs)
         slabs.add_metric(["free"], free_slabs)
         slabs.add_metric(["owned"], ready_slabs - free_slabs)
@@ -240,18 +288,21 @@ class ServerCollector(Collector):
         def family(name: str, doc: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
 
-        capacity_b = family("l1_partition_capacity_bytes",
-                            "Bytes of the slabs a partition owns.")
-        used_b = family("l1_partition_used_bytes",
-                        "Bytes of committed and being-written objects of a partition.")
-        pinned_b = family("l1_partition_pinned_bytes",
-                          "Bytes of objects pinned by leases or retrieves (not evictable).")
-        capacity_o = family("l1_partition_capacity_objects",
-                            "Object slots in the slabs a partition owns.")
+        capacity_b = family("l1_partition_capacity_bytes", "Bytes of the slabs a partition owns.")
+        used_b = family(
+            "l1_partition_used_bytes",
+            "Bytes of committed and being-written objects of a partition.",
+        )
+        pinned_b = family(
+            "l1_partition_pinned_bytes",
+            "Bytes of objects pinned by leases or retrieves (not evictable).",
+        )
+        capacity_o = family(
+            "l1_partition_capacity_objects", "Object slots in the slabs a partition owns."
+        )
         objects = family("l1_partition_objects", "Committed (visible) objects of a partition.")
         writing = family("l1_partition_writing_objects", "Objects being written (invisible).")
-        pinned_o = family("l1_partition_pinned_objects",
-                          "Objects pinned by leases or retrieves.")
+        pinned_o = family("l1_partition_pinned_objects", "Objects pinned by leases or retrieves.")
         object_b = family("l1_partition_object_bytes", "Size of one object of a partition.")
         for u in self.index.usage():
             lv = [u.name, u.fingerprint.hex()[:12]]
@@ -263,14 +314,19 @@ class ServerCollector(Collector):
             writing.add_metric(lv, u.writing)
             pinned_o.add_metric(lv, u.pinned_objects)
             object_b.add_metric(lv, u.object_bytes)
-        yield from (capacity_b, used_b, pinned_b, capacity_o, objects, writing, pinned_o,
-                    object_b)
+        yield from (capacity_b, used_b, pinned_b, capacity_o, objects, writing, pinned_o, object_b)
 
     def _sessions(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(PREFIX + "sessions", "Client connections known.",
-                                value=len(self.sessions))
-        yield GaugeMetricFamily(PREFIX + "registrations",
-                                "Active worker registrations (mapped KV buffers).",
-                                value=self.sessions.registrations)
-        yield GaugeMetricFamily(PREFIX + "leases", "Active leases (chunks pinned for a "
-                                "retrieve that follows a lookup).", value=self.index.lease_count)
+        yield GaugeMetricFamily(
+            PREFIX + "sessions", "Client connections known.", value=len(self.sessions)
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "registrations",
+            "Active worker registrations (mapped KV buffers).",
+            value=self.sessions.registrations,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "leases",
+            "Active leases (chunks pinned for a retrieve that follows a lookup).",
+            value=self.index.lease_count,
+        )

@@ -38,8 +38,13 @@ class MetricsServer:
     fails startup rather than silently losing metrics) and returns once listening.
     """
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 health: Callable[[], tuple[bool, str]]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Callable[[], tuple[bool, str]],
+    ) -> None:
         self.host = bare_host(host)
         self.port = port
         self.registry = registry
@@ -60,9 +65,12 @@ class MetricsServer:
             cls = type("_HTTPServer6", (_HTTPServer,), {"address_family": family})
         self._httpd = cls((self.host, self.port), handler)
         self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                        kwargs={"poll_interval": 0.2},
-                                        name="lmc-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="lmc-metrics",
+            daemon=True,
+        )
         self._thread.start()
         log.info("metrics at %s/metrics, health at %s/healthz", self.address, self.address)
 
@@ -77,8 +85,9 @@ class MetricsServer:
         self._thread = None
 
 
-def _make_handler(registry: CollectorRegistry,
-                  health: Callable[[], tuple[bool, str]]) -> type[BaseHTTPRequestHandler]:
+def _make_handler(
+    registry: CollectorRegistry, health: Callable[[], tuple[bool, str]]
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "lmcache-metrics"
         timeout = REQUEST_TIMEOUT_S
@@ -109,8 +118,13 @@ def _make_handler(registry: CollectorRegistry,
             else:
                 self._reply(404, b"not found: try /metrics or /healthz\n", send_body)
 
-        def _reply(self, code: int, body: bytes, send_body: bool,
-                   content_type: str = "text/plain; charset=utf-8") -> None:
+        def _reply(
+            self,
+            code: int,
+            body: bytes,
+            send_body: bool,
+            content_type: str = "text/plain; charset=utf-8",
+        ) -> None:
             self.send_response(code)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))

@@ -55,18 +55,22 @@ def _recover_req_id(frame: bytes) -> int:
 def decode_request(frames: list[bytes], limits: Limits) -> Request:
     """Decode one request from the frames after the routing identity."""
     if len(frames) != 1:
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"expected exactly one frame per message, got {len(frames)}")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"expected exactly one frame per message, got {len(frames)}"
+        )
     frame = frames[0]
     if len(frame) > limits.max_frame_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE,
-                            f"frame of {len(frame)} bytes exceeds the limit of "
-                            f"{limits.max_frame_bytes} bytes", _recover_req_id(frame))
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"frame of {len(frame)} bytes exceeds the limit of {limits.max_frame_bytes} bytes",
+            _recover_req_id(frame),
+        )
     try:
         msg = _request_decoder.decode(frame)
     except msgspec.ValidationError as e:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"invalid message: {e}",
-                            _recover_req_id(frame)) from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"invalid message: {e}", _recover_req_id(frame)
+        ) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {e}") from None
     if not 0 <= msg.req_id < 1 << 63:
@@ -88,14 +92,18 @@ def error_reply(err: ProtocolError) -> bytes:
 def chunk_count(digests: bytes, limits: Limits, req_id: int) -> int:
     """Number of 32-byte digests, checked against the per-request limit."""
     if len(digests) % DIGEST_BYTES:
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"digests is {len(digests)} bytes, not a multiple of "
-                            f"{DIGEST_BYTES}", req_id)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"digests is {len(digests)} bytes, not a multiple of {DIGEST_BYTES}",
+            req_id,
+        )
     n = len(digests) // DIGEST_BYTES
     if n > limits.max_chunks_per_request:
-        raise ProtocolError(ErrorCode.TOO_LARGE,
-                            f"{n} chunks in one request; at most "
-                            f"{limits.max_chunks_per_request}", req_id)
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"{n} chunks in one request; at most {limits.max_chunks_per_request}",
+            req_id,
+        )
     return n
 
 
@@ -107,9 +115,11 @@ def prefix_ends(raw: bytes, n_chunks: int, req_id: int) -> list[int]:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "prefix_ends is not int32 values", req_id)
     ends = np.frombuffer(raw, dtype="<i4").tolist()
     if ends[-1] != n_chunks or ends[0] < 1 or bool((np.diff(ends) <= 0).any()):
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"prefix_ends must ascend strictly from 1 to the chunk count "
-                            f"{n_chunks}", req_id)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"prefix_ends must ascend strictly from 1 to the chunk count {n_chunks}",
+            req_id,
+        )
     return ends
 
 
@@ -121,9 +131,12 @@ def decode_block_ids(raw: bytes, expected: int, group: str, req_id: int) -> np.n
     (:mod:`lmc_server.server.validate`), made before anything is copied.
     """
     if len(raw) != 4 * expected:
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"group {group!r}: expected {expected} block ids "
-                            f"({4 * expected} bytes), got {len(raw)} bytes", req_id)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"group {group!r}: expected {expected} block ids "
+            f"({4 * expected} bytes), got {len(raw)} bytes",
+            req_id,
+        )
     return np.frombuffer(raw, dtype="<i4")
 
 
@@ -134,15 +147,21 @@ def check_store_events(ev: StoreEvents, n_chunks: int, chunk_size: int, req_id: 
     exactly one entry per token, engine block and chunk (:class:`StoreEvents`).
     """
     if not 0 < ev.block_size <= chunk_size or chunk_size % ev.block_size:
-        raise ProtocolError(ErrorCode.BAD_REQUEST,
-                            f"events: block size {ev.block_size} does not divide the chunk "
-                            f"size {chunk_size}", req_id)
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"events: block size {ev.block_size} does not divide the chunk size {chunk_size}",
+            req_id,
+        )
     per = chunk_size // ev.block_size
-    for name, raw, expected in (("token_ids", ev.token_ids, 4 * chunk_size * n_chunks),
-                                ("block_hashes", ev.block_hashes, 8 * per * n_chunks),
-                                ("parent_hashes", ev.parent_hashes, 8 * n_chunks)):
+    for name, raw, expected in (
+        ("token_ids", ev.token_ids, 4 * chunk_size * n_chunks),
+        ("block_hashes", ev.block_hashes, 8 * per * n_chunks),
+        ("parent_hashes", ev.parent_hashes, 8 * n_chunks),
+    ):
         if len(raw) != expected:
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"events: {name} is {len(raw)} bytes; {n_chunks} chunks "
-                                f"need {expected}", req_id)
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"events: {name} is {len(raw)} bytes; {n_chunks} chunks need {expected}",
+                req_id,
+            )
     return per

@@ -118,6 +118,20 @@ def seq_frame(seq: int) -> bytes:
     return seq.to_bytes(SEQ_BYTES, "big")
 
 
-__all__ = ["END_SEQ", "MEDIUM_CPU", "SEQ_BYTES", "U32_ELEMENT_BYTES", "U64_ELEMENT_BYTES",
-           "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBatch",
-           "encode_batch", "raw_array", "seq_frame", "uint32_elements", "uint64_elements"]
+__all__ = [
+    "END_SEQ",
+    "MEDIUM_CPU",
+    "SEQ_BYTES",
+    "U32_ELEMENT_BYTES",
+    "U64_ELEMENT_BYTES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "encode_batch",
+    "raw_array",
+    "seq_frame",
+    "uint32_elements",
+    "uint64_elements",
+]

@@ -18,8 +18,7 @@ from lmc_server.cache.geometry import GroupSpec
 from lmc_server.protocol.stats import StatsReport
 
 
-class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type",
-           kw_only=True):
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
     req_id: int = 0
 
 
@@ -163,8 +162,20 @@ class Probe(_Msg, frozen=True, tag="probe"):
     prefix_ends: bytes = b""
 
 
-Request = (Hello | Register | Unregister | Lookup | LookupBatch | Release | Store | Retrieve
-           | Ping | Stats | Clear | Probe)
+Request = (
+    Hello
+    | Register
+    | Unregister
+    | Lookup
+    | LookupBatch
+    | Release
+    | Store
+    | Retrieve
+    | Ping
+    | Stats
+    | Clear
+    | Probe
+)
 
 # -- replies ----------------------------------------------------------------------------
 
@@ -264,5 +275,18 @@ class Error(_Msg, frozen=True, tag="error"):
     message: str
 
 
-Reply = (Welcome | Registered | Unregistered | LookupResult | LookupBatchResult | Released
-         | StoreResult | RetrieveResult | Pong | StatsResult | Cleared | ProbeResult | Error)
+Reply = (
+    Welcome
+    | Registered
+    | Unregistered
+    | LookupResult
+    | LookupBatchResult
+    | Released
+    | StoreResult
+    | RetrieveResult
+    | Pong
+    | StatsResult
+    | Cleared
+    | ProbeResult
+    | Error
+)

@@ -138,5 +138,15 @@ class StatsReport(msgspec.Struct, kw_only=True):
     kv_events: KvEventsReport | None = None
 
 
-__all__ = ["Counters", "DiskRebuild", "DiskReport", "KvEventsReport", "L1Report", "L2Report",
-           "LatencySum", "PartitionReport", "PhaseSum", "StatsReport"]
+__all__ = [
+    "Counters",
+    "DiskRebuild",
+    "DiskReport",
+    "KvEventsReport",
+    "L1Report",
+    "L2Report",
+    "LatencySum",
+    "PartitionReport",
+    "PhaseSum",
+    "StatsReport",
+]

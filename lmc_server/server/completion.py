@@ -24,8 +24,17 @@ class Completion:
     reports exactly once.
     """
 
-    __slots__ = ("_loop", "_loop_thread", "_lock", "_left", "_sealed", "errors", "started_at",
-                 "done_at", "_future")
+    __slots__ = (
+        "_loop",
+        "_loop_thread",
+        "_lock",
+        "_left",
+        "_sealed",
+        "errors",
+        "started_at",
+        "done_at",
+        "_future",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

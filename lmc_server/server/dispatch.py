@@ -43,8 +43,16 @@ PRE_HELLO_MESSAGES = 16
 #: :class:`Handlers` method named by the message's tag (its wire name, also the ``op``
 #: label of the request metrics), bound once in :meth:`Dispatcher.attach`.
 SYNC_REQUESTS: tuple[type, ...] = (
-    m.Hello, m.Register, m.Unregister, m.Lookup, m.LookupBatch, m.Release, m.Ping, m.Clear,
-    m.Probe)
+    m.Hello,
+    m.Register,
+    m.Unregister,
+    m.Lookup,
+    m.LookupBatch,
+    m.Release,
+    m.Ping,
+    m.Clear,
+    m.Probe,
+)
 #: Requests that copy: checked at once (:meth:`Handlers.data_request`), then run as a task.
 DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
 
@@ -63,8 +71,14 @@ class Dispatcher:
     ``shutting_down``.
     """
 
-    def __init__(self, config: Config, sessions: SessionTable, stats: ServerStats,
-                 clock: Callable[[], float], report: Callable[[], StatsReport]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        sessions: SessionTable,
+        stats: ServerStats,
+        clock: Callable[[], float],
+        report: Callable[[], StatsReport],
+    ) -> None:
         self.config = config
         self.sessions = sessions
         self.stats = stats
@@ -78,17 +92,25 @@ class Dispatcher:
         #: Tasks already answered ``shutting_down`` at the drain timeout (no second reply).
         self._answered: set[asyncio.Task[None]] = set()
 
-    def attach(self, loop: asyncio.AbstractEventLoop, handlers: Handlers,
-               send: Callable[[bytes, bytes], None], after_io: Callable[[], None],
-               attribute: Callable[[bytes, zmq.Frame], Conn]) -> None:
+    def attach(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        handlers: Handlers,
+        send: Callable[[bytes, bytes], None],
+        after_io: Callable[[], None],
+        attribute: Callable[[bytes, zmq.Frame], Conn],
+    ) -> None:
         self.loop = loop
         self.handlers = handlers
         self._sync: dict[type, Callable[[Session, Any], m.Reply]] = {
-            cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS}
+            cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS
+        }
         self._data: dict[type, Callable[..., Any]] = {
-            cls: getattr(handlers, tag_of(cls)) for cls in DATA_REQUESTS}
-        self._ops: dict[type, str] = {cls: tag_of(cls) for cls in
-                                      (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)}
+            cls: getattr(handlers, tag_of(cls)) for cls in DATA_REQUESTS
+        }
+        self._ops: dict[type, str] = {
+            cls: tag_of(cls) for cls in (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)
+        }
         self._send = send
         self._after_io = after_io
         self._attribute = attribute
@@ -109,16 +131,18 @@ class Dispatcher:
                 session.pre_hello += 1
                 if session.pre_hello > PRE_HELLO_MESSAGES:
                     if session.pre_hello == PRE_HELLO_MESSAGES + 1:
-                        log.warning("peer %s sent %d messages without hello: ignoring it",
-                                    identity.hex()[:8], PRE_HELLO_MESSAGES)
+                        log.warning(
+                            "peer %s sent %d messages without hello: ignoring it",
+                            identity.hex()[:8],
+                            PRE_HELLO_MESSAGES,
+                        )
                     return
             msg = decode_request(payload, self.handlers.limits)
             op = self._ops[type(msg)]
             if not session.hello and not isinstance(msg, m.Hello | m.Ping):
                 raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
             if self.draining:
-                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down",
-                                    msg.req_id)
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", msg.req_id)
             if isinstance(msg, m.Stats):
                 reply: m.Reply = m.StatsResult(req_id=msg.req_id, stats=self.report())
             elif (handler := self._sync.get(type(msg))) is not None:
@@ -129,12 +153,15 @@ class Dispatcher:
                 clock.mark("prepare")
                 if session.inflight >= self.config.max_inflight_per_client:
                     raise ProtocolError(
-                        ErrorCode.BUSY, f"{session.inflight} requests in flight on this "
+                        ErrorCode.BUSY,
+                        f"{session.inflight} requests in flight on this "
                         f"connection; at most {self.config.max_inflight_per_client}",
-                        msg.req_id)
+                        msg.req_id,
+                    )
                 session.inflight += 1
                 task = self.loop.create_task(
-                    self._run_async(session, op, self._data[type(msg)], req, clock))
+                    self._run_async(session, op, self._data[type(msg)], req, clock)
+                )
                 self.tasks.add(task)
                 self._task_requests[task] = (identity, op, msg.req_id)
                 task.add_done_callback(self._task_done)
@@ -151,23 +178,35 @@ class Dispatcher:
     def _refused(self, session: Session, op: str, e: ProtocolError) -> bytes:
         """Count and log a refusal; the ``error`` reply that says it."""
         self.stats.count_request(op, e.code.value)
-        log.info("refused %s from %s: %s: %s", op, session.client_name or "client",
-                 e.code.value, e.message)
+        log.info(
+            "refused %s from %s: %s: %s",
+            op,
+            session.client_name or "client",
+            e.code.value,
+            e.message,
+        )
         return error_reply(e)
 
     def _internal_error(self, op: str, req_id: int) -> bytes:
         """Count and log a bug (called from an ``except``); the ``internal`` reply."""
         log.exception("internal error handling %s", op)
         self.stats.count_request(op, ErrorCode.INTERNAL.value)
-        return error_reply(ProtocolError(ErrorCode.INTERNAL, "internal server error (logged)",
-                                         req_id))
+        return error_reply(
+            ProtocolError(ErrorCode.INTERNAL, "internal server error (logged)", req_id)
+        )
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self._task_requests.pop(task, None)
 
-    async def _run_async(self, session: Session, op: str, handler: Callable[..., Any],
-                         req: DataRequest, clock: PhaseClock) -> None:
+    async def _run_async(
+        self,
+        session: Session,
+        op: str,
+        handler: Callable[..., Any],
+        req: DataRequest,
+        clock: PhaseClock,
+    ) -> None:
         msg = req.msg
         ok = False
         try:
@@ -210,9 +249,20 @@ class Dispatcher:
                 continue
             self._answered.add(task)
             self.stats.count_request(op, ErrorCode.SHUTTING_DOWN.value)
-            self._send(identity, error_reply(ProtocolError(
-                ErrorCode.SHUTTING_DOWN, f"server shut down before this store finished "
-                f"(drain timeout {self.config.drain_timeout_s:g} s); nothing was stored",
-                req_id)))
-        log.warning("drain timeout: %d stores answered shutting_down, waiting for %d "
-                    "retrieves still copying into engine memory", len(self._answered), waiting)
+            self._send(
+                identity,
+                error_reply(
+                    ProtocolError(
+                        ErrorCode.SHUTTING_DOWN,
+                        f"server shut down before this store finished "
+                        f"(drain timeout {self.config.drain_timeout_s:g} s); nothing was stored",
+                        req_id,
+                    )
+                ),
+            )
+        log.warning(
+            "drain timeout: %d stores answered shutting_down, waiting for %d "
+            "retrieves still copying into engine memory",
+            len(self._answered),
+            waiting,
+        )

@@ -88,8 +88,10 @@ def kv_event_settings(config: Config) -> KvEventSettings:
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
         topic_prefix=config.kv_events_topic or f"kv@{socket.gethostname()}@",
-        hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
-        heartbeat_timeout_s=config.heartbeat_timeout_s)
+        hwm=config.kv_events_hwm,
+        replay_batches=config.kv_events_replay_batches,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+    )
 
 
 @dataclass
@@ -117,16 +119,22 @@ class _Removals:
     n: int = 0
 
     def event(self) -> ev.BlockRemoved:
-        return ev.BlockRemoved(block_hashes=ev.raw_array(b"".join(self.parts), self.n),
-                               medium=self.medium)
+        return ev.BlockRemoved(
+            block_hashes=ev.raw_array(b"".join(self.parts), self.n), medium=self.medium
+        )
 
 
 class KvEventPublisher:
     """The PUB and replay sockets, the events of the current loop iteration, the replay
     buffer. ``wall_clock`` stamps batches (``ts``, seconds since the epoch, as vLLM)."""
 
-    def __init__(self, settings: KvEventSettings, loop: asyncio.AbstractEventLoop,
-                 chunk_size: int, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        settings: KvEventSettings,
+        loop: asyncio.AbstractEventLoop,
+        chunk_size: int,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.loop = loop
         self.chunk_size = chunk_size
@@ -165,8 +173,12 @@ class KvEventPublisher:
             self.replay.serve(rep, s.replay_endpoint)
         self._pending[s.topic_prefix.encode()] = [ev.AllBlocksCleared()]
         self.flush()
-        log.info("publishing KV events on %s (replay %s, topic %s<model>)", s.endpoint,
-                 s.replay_endpoint or "off", s.topic_prefix)
+        log.info(
+            "publishing KV events on %s (replay %s, topic %s<model>)",
+            s.endpoint,
+            s.replay_endpoint or "off",
+            s.topic_prefix,
+        )
 
     def _bind_pub(self) -> zmq.Socket[Any]:
         """The PUB socket, bound or connected by vLLM's rule (:func:`binds`)."""
@@ -231,8 +243,9 @@ class KvEventPublisher:
         for namespace, fingerprint, prefix in self._watched:
             self.disk.watch(namespace, fingerprint, prefix)
 
-    def staged(self, keys: list[bytes], fields: StoreEvents | None, per: int,
-               salted: bool) -> _Staging:
+    def staged(
+        self, keys: list[bytes], fields: StoreEvents | None, per: int, salted: bool
+    ) -> _Staging:
         """Context for committing one store: its objects are published with ``fields``
         (``per`` hashes per chunk), or not at all when the store was salted, in chunk
         order (the index commits a prefix from its end; a router resolves each block's
@@ -259,21 +272,31 @@ class KvEventPublisher:
             self._published[key] = None
             event = ev.BlockStored(
                 block_hashes=[self.digest_hash(key)],
-                parent_block_hash=None, token_ids=[], block_size=self.chunk_size,
-                lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.chunk_size,
+                lora_id=None,
+                medium=ev.MEDIUM_CPU,
+                lora_name=None,
+            )
         else:
             f, per, cs = stage.fields, stage.per, stage.chunk_size
             if not stage.tokens:  # once per store, vectorized over its chunks
                 stage.tokens = ev.uint32_elements(np.frombuffer(f.token_ids, dtype="<u4"))
                 stage.hashes = ev.uint64_elements(f.block_hashes)
             hb, tb = per * ev.U64_ELEMENT_BYTES, cs * ev.U32_ELEMENT_BYTES
-            hashes = stage.hashes[hb * i:hb * (i + 1)]
-            parent = int.from_bytes(f.parent_hashes[8 * i:8 * i + 8], "big")
+            hashes = stage.hashes[hb * i : hb * (i + 1)]
+            parent = int.from_bytes(f.parent_hashes[8 * i : 8 * i + 8], "big")
             self._published[key] = hashes
             event = ev.BlockStored(
-                block_hashes=ev.raw_array(hashes, per), parent_block_hash=parent or None,
-                token_ids=ev.raw_array(stage.tokens[tb * i:tb * (i + 1)], cs),
-                block_size=cs // per, lora_id=None, medium=ev.MEDIUM_CPU, lora_name=None)
+                block_hashes=ev.raw_array(hashes, per),
+                parent_block_hash=parent or None,
+                token_ids=ev.raw_array(stage.tokens[tb * i : tb * (i + 1)], cs),
+                block_size=cs // per,
+                lora_id=None,
+                medium=ev.MEDIUM_CPU,
+                lora_name=None,
+            )
         if stage is not None and i is not None:
             stage.out.append((i, topic, event))  # sent in chunk order when the commit ends
         else:
@@ -341,8 +364,7 @@ class KvEventPublisher:
         ts = self.wall_clock()
         for topic, events in pending.items():
             events = [e.event() if isinstance(e, _Removals) else e for e in events]
-            payload = ev.encode_batch(ev.KVEventBatch(ts=ts, events=events,
-                                                      data_parallel_rank=0))
+            payload = ev.encode_batch(ev.KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
             seq = self.next_seq
             self.next_seq += 1
             self.replay.keep(seq, topic, payload)
@@ -367,9 +389,12 @@ class KvEventPublisher:
             return
         if now - self._stalled_since <= self.settings.heartbeat_timeout_s or self._pub is None:
             return
-        log.warning("KV events: a subscriber blocked every batch for %.1f s (%d dropped "
-                    "so far); re-creating the socket, subscribers reconnect",
-                    now - self._stalled_since, self.stats.dropped_batches)
+        log.warning(
+            "KV events: a subscriber blocked every batch for %.1f s (%d dropped "
+            "so far); re-creating the socket, subscribers reconnect",
+            now - self._stalled_since,
+            self.stats.dropped_batches,
+        )
         self._pub.close(linger=0)
         self._pub = None
         self._stalled_since = None
@@ -382,8 +407,9 @@ class KvEventPublisher:
         try:
             self._pub = self._bind_pub()
         except zmq.ZMQError as e:
-            log.warning("KV events: cannot re-create the socket on %s yet: %s",
-                        self.settings.endpoint, e)
+            log.warning(
+                "KV events: cannot re-create the socket on %s yet: %s", self.settings.endpoint, e
+            )
 
 
 class _Staging:

@@ -35,8 +35,9 @@ _Batch = tuple[int, bytes, bytes]  # seq, topic, payload
 class ReplayBuffer:
     """The last batches published, and the socket that serves them again."""
 
-    def __init__(self, max_batches: int, loop: asyncio.AbstractEventLoop,
-                 stats: KvEventCounters) -> None:
+    def __init__(
+        self, max_batches: int, loop: asyncio.AbstractEventLoop, stats: KvEventCounters
+    ) -> None:
         self.loop = loop
         self.stats = stats
         self._buffer: deque[_Batch] = deque(maxlen=max_batches)
@@ -94,8 +95,7 @@ class ReplayBuffer:
                     sock.send_multipart((ident, b"", b"", ev.END_SEQ, b""), zmq.NOBLOCK)
                     return
                 seq, topic, payload = item
-                sock.send_multipart((ident, b"", topic, ev.seq_frame(seq), payload),
-                                    zmq.NOBLOCK)
+                sock.send_multipart((ident, b"", topic, ev.seq_frame(seq), payload), zmq.NOBLOCK)
         except zmq.Again:
             self.stats.replays_cut += 1
             return

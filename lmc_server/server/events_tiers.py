@@ -71,11 +71,11 @@ class DiskEvents:
 
     def _l1_key(self, key: bytes) -> tuple[bytes, bytes] | None:
         """The topic and L1 key of a disk key, or None when not watched."""
-        prefix = self._spaces.get(key[self._space_at:self._key_at])
+        prefix = self._spaces.get(key[self._space_at : self._key_at])
         if prefix is None:
             return None
         topic = self.publisher.topic_of(prefix)
-        return None if topic is None else (topic, prefix + key[self._key_at:])
+        return None if topic is None else (topic, prefix + key[self._key_at :])
 
     def stored(self, kind: str, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -91,14 +91,24 @@ class DiskEvents:
             if hashes is None:
                 event = ev.BlockStored(
                     block_hashes=[self.publisher.digest_hash(l1_key)],
-                    parent_block_hash=None, token_ids=[], block_size=cs, lora_id=None,
-                    medium=MEDIUM_DISK, lora_name=None)
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=cs,
+                    lora_id=None,
+                    medium=MEDIUM_DISK,
+                    lora_name=None,
+                )
             else:
                 n = len(hashes) // ev.U64_ELEMENT_BYTES
                 event = ev.BlockStored(
-                    block_hashes=ev.raw_array(hashes, n), parent_block_hash=None,
-                    token_ids=[], block_size=cs // n, lora_id=None, medium=MEDIUM_DISK,
-                    lora_name=None)
+                    block_hashes=ev.raw_array(hashes, n),
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=cs // n,
+                    lora_id=None,
+                    medium=MEDIUM_DISK,
+                    lora_name=None,
+                )
             self.publisher.append(topic, event)
 
     def removed(self, kind: str, keys: Sequence[bytes], reason: str) -> None:

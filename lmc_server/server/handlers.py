@@ -62,6 +62,7 @@ class DataRequest:
     ends: list[int]
     events_per_chunk: int
 
+
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+\-]{1,256}$")
 _ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
 
@@ -69,16 +70,24 @@ _ARCH = re.compile(r"^[a-z0-9_]{1,32}$")
 def namespace_of(msg: m.Register) -> str:
     """Everything that must match for bytes to be reusable (salt aside)."""
     rank = "replicated" if msg.replicated else str(msg.rank)
-    return (f"model={msg.model};kv_dtype={msg.kv_dtype};arch={msg.arch};"
-            f"world={msg.world_size};rank={rank}")
+    return (
+        f"model={msg.model};kv_dtype={msg.kv_dtype};arch={msg.arch};"
+        f"world={msg.world_size};rank={rank}"
+    )
 
 
 class Handlers:
     """Owns the request semantics; the :class:`Server` owns sockets and lifecycle."""
 
-    def __init__(self, config: Config, index: L1Index, engine: TransferEngine,
-                 sessions: SessionTable, stats: ServerStats,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config,
+        index: L1Index,
+        engine: TransferEngine,
+        sessions: SessionTable,
+        stats: ServerStats,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.index = index
         self.engine = engine
@@ -105,36 +114,51 @@ class Handlers:
     def _registration(self, session: Session, msg: Any) -> Registration:
         reg = self.sessions.find(session, msg.registration_id)
         if reg is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION,
-                                "no such registration on this connection", msg.req_id)
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_REGISTRATION,
+                "no such registration on this connection",
+                msg.req_id,
+            )
         return reg
 
     # -- control ----------------------------------------------------------------------
 
     def hello(self, session: Session, msg: m.Hello) -> m.Welcome:
         if msg.protocol_version != PROTOCOL_VERSION:
-            raise ProtocolError(ErrorCode.VERSION,
-                                f"protocol version {msg.protocol_version} not supported; "
-                                f"this server speaks {PROTOCOL_VERSION}", msg.req_id)
+            raise ProtocolError(
+                ErrorCode.VERSION,
+                f"protocol version {msg.protocol_version} not supported; "
+                f"this server speaks {PROTOCOL_VERSION}",
+                msg.req_id,
+            )
         session.hello = True
         session.client_name = msg.client_name[:128]
-        return m.Welcome(req_id=msg.req_id, protocol_version=PROTOCOL_VERSION,
-                         server_version=__version__, chunk_size=self.config.chunk_size,
-                         backend=self.engine.name, max_frame_bytes=self.limits.max_frame_bytes,
-                         max_chunks_per_request=self.limits.max_chunks_per_request)
+        return m.Welcome(
+            req_id=msg.req_id,
+            protocol_version=PROTOCOL_VERSION,
+            server_version=__version__,
+            chunk_size=self.config.chunk_size,
+            backend=self.engine.name,
+            max_frame_bytes=self.limits.max_frame_bytes,
+            max_chunks_per_request=self.limits.max_chunks_per_request,
+        )
 
     def register(self, session: Session, msg: m.Register) -> m.Registered:
         rid = msg.req_id
         if not _NAME.match(msg.model) or not _NAME.match(msg.kv_dtype):
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                "model and kv_dtype must be 1-256 characters of "
-                                "[A-Za-z0-9_.:/@+-]", rid)
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                "model and kv_dtype must be 1-256 characters of [A-Za-z0-9_.:/@+-]",
+                rid,
+            )
         if not _ARCH.match(msg.arch):
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"arch {msg.arch!r} must look like sm90", rid)
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"arch {msg.arch!r} must look like sm90", rid
+            )
         if not 1 <= msg.world_size <= 1 << 16 or not 0 <= msg.rank < msg.world_size:
-            raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"rank {msg.rank} / world size {msg.world_size} invalid", rid)
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"rank {msg.rank} / world size {msg.world_size} invalid", rid
+            )
         sizes = [b.size_bytes for b in msg.buffers] if msg.buffers else None
         try:
             check_groups(msg.groups, self.config.chunk_size, msg.arch, sizes)
@@ -142,15 +166,18 @@ class Handlers:
             raise ProtocolError(ErrorCode.ARCH, str(e), rid) from None
         except GeometryError as e:
             raise ProtocolError(ErrorCode.GEOMETRY, str(e), rid) from None
-        layout = build_layout(msg.groups, self.config.chunk_size,
-                              self.config.separate_object_groups)
+        layout = build_layout(
+            msg.groups, self.config.chunk_size, self.config.separate_object_groups
+        )
         for og in layout.object_groups:
             if og.object_bytes > self.index.pool.slab_bytes:
                 raise ProtocolError(
                     ErrorCode.GEOMETRY,
                     f"object group {og.name!r}: one chunk is {og.object_bytes} bytes, more "
                     f"than a slab ({self.index.pool.slab_bytes} bytes); start the server "
-                    f"with a larger --slab-size-mb or a smaller --chunk-size", rid)
+                    f"with a larger --slab-size-mb or a smaller --chunk-size",
+                    rid,
+                )
         mapping = None
         if msg.buffers:
             try:
@@ -160,28 +187,52 @@ class Handlers:
             dev_arch = mapping.device.arch
             if dev_arch is not None and dev_arch != msg.arch:
                 mapping.close()
-                raise ProtocolError(ErrorCode.ARCH,
-                                    f"registration says arch {msg.arch} but its buffers are "
-                                    f"on {mapping.device.description} ({dev_arch})", rid)
+                raise ProtocolError(
+                    ErrorCode.ARCH,
+                    f"registration says arch {msg.arch} but its buffers are "
+                    f"on {mapping.device.description} ({dev_arch})",
+                    rid,
+                )
         namespace = namespace_of(msg)
         view = self.views[namespace] = self.index.view(namespace, layout)
         if self.events is not None:
-            self.events.watch(view, namespace, msg.model,
-                              published=msg.replicated or msg.rank == 0)
+            self.events.watch(view, namespace, msg.model, published=msg.replicated or msg.rank == 0)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
-        reg = Registration(self.sessions.new_registration_id(), session, namespace,
-                           list(msg.groups), view, mapping, bpc)
+        reg = Registration(
+            self.sessions.new_registration_id(),
+            session,
+            namespace,
+            list(msg.groups),
+            view,
+            mapping,
+            bpc,
+        )
         self.sessions.add(reg)
         summary = ", ".join(f"{og.name}={og.object_bytes}B" for og in layout.object_groups)
-        log.info("registered %s for %s (%s): %d groups, %d buffers, objects per chunk: %s",
-                 reg.registration_id.hex()[:8], session.client_name or "client", namespace,
-                 len(msg.groups), len(msg.buffers), summary)
+        log.info(
+            "registered %s for %s (%s): %d groups, %d buffers, objects per chunk: %s",
+            reg.registration_id.hex()[:8],
+            session.client_name or "client",
+            namespace,
+            len(msg.groups),
+            len(msg.buffers),
+            summary,
+        )
         return m.Registered(
-            req_id=rid, registration_id=reg.registration_id, namespace=namespace,
-            chunk_size=self.config.chunk_size, lookup_only=mapping is None,
-            object_groups=[m.ObjectGroupInfo(name=og.name, object_bytes=og.object_bytes,
-                                             groups=[s.group_name for s in og.sections])
-                           for og in layout.object_groups])
+            req_id=rid,
+            registration_id=reg.registration_id,
+            namespace=namespace,
+            chunk_size=self.config.chunk_size,
+            lookup_only=mapping is None,
+            object_groups=[
+                m.ObjectGroupInfo(
+                    name=og.name,
+                    object_bytes=og.object_bytes,
+                    groups=[s.group_name for s in og.sections],
+                )
+                for og in layout.object_groups
+            ],
+        )
 
     def unregister(self, session: Session, msg: m.Unregister) -> m.Unregistered:
         reg = self._registration(session, msg)
@@ -197,13 +248,21 @@ class Handlers:
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
         ttl = self.config.lease_ttl_s
-        hit, lease = self.index.lookup(reg.view, keys, session.sid, ttl, self.clock(),
-                                       take_lease=msg.lease)
-        pending = (self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
-                   if self.l2 is not None and hit < len(keys) else 0)
-        return m.LookupResult(req_id=msg.req_id, hit_chunks=hit,
-                              lease_id=lease.lease_id if lease else 0,
-                              lease_ttl_s=ttl if lease else 0.0, l2_pending_chunks=pending)
+        hit, lease = self.index.lookup(
+            reg.view, keys, session.sid, ttl, self.clock(), take_lease=msg.lease
+        )
+        pending = (
+            self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
+            if self.l2 is not None and hit < len(keys)
+            else 0
+        )
+        return m.LookupResult(
+            req_id=msg.req_id,
+            hit_chunks=hit,
+            lease_id=lease.lease_id if lease else 0,
+            lease_ttl_s=ttl if lease else 0.0,
+            l2_pending_chunks=pending,
+        )
 
     def lookup_batch(self, session: Session, msg: m.LookupBatch) -> m.LookupBatchResult:
         """Each prefix of the batch looked up as :meth:`lookup` does, with its own lease.
@@ -221,18 +280,23 @@ class Handlers:
         lo = 0
         for hi in ends:
             part, lo = keys[lo:hi], hi
-            hit, lease = self.index.lookup(reg.view, part, session.sid, ttl, now_s,
-                                           take_lease=msg.lease)
+            hit, lease = self.index.lookup(
+                reg.view, part, session.sid, ttl, now_s, take_lease=msg.lease
+            )
             hits.append(hit)
             lease_ids.append(lease.lease_id if lease else 0)
-            pending.append(self.l2.on_lookup(reg.view, reg.namespace, part, hit)
-                           if self.l2 is not None and hit < len(part) else 0)
+            pending.append(
+                self.l2.on_lookup(reg.view, reg.namespace, part, hit)
+                if self.l2 is not None and hit < len(part)
+                else 0
+            )
         return m.LookupBatchResult(
-            req_id=msg.req_id, hit_chunks=np.asarray(hits, dtype="<i4").tobytes(),
+            req_id=msg.req_id,
+            hit_chunks=np.asarray(hits, dtype="<i4").tobytes(),
             lease_ids=np.asarray(lease_ids, dtype="<u8").tobytes(),
             lease_ttl_s=ttl if any(lease_ids) else 0.0,
-            l2_pending_chunks=np.asarray(pending, dtype="<i4").tobytes() if any(pending)
-            else b"")
+            l2_pending_chunks=np.asarray(pending, dtype="<i4").tobytes() if any(pending) else b"",
+        )
 
     def probe(self, session: Session, msg: m.Probe) -> m.ProbeResult:
         """Hit chunks per prompt for a router (see ``m.Probe``): no lease, no touch."""
@@ -246,15 +310,19 @@ class Handlers:
             except ValueError as e:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
             hits = self.index.probe(view, keys, ends)
-        return m.ProbeResult(req_id=msg.req_id, chunk_size=self.config.chunk_size,
-                             hit_chunks=np.asarray(hits, dtype="<i4").tobytes())
+        return m.ProbeResult(
+            req_id=msg.req_id,
+            chunk_size=self.config.chunk_size,
+            hit_chunks=np.asarray(hits, dtype="<i4").tobytes(),
+        )
 
     def release(self, session: Session, msg: m.Release) -> m.Released:
         return m.Released(req_id=msg.req_id, released=self.index.release(msg.lease_id))
 
     def ping(self, session: Session, msg: m.Ping) -> m.Pong:
-        return m.Pong(req_id=msg.req_id, server_version=__version__,
-                      ready=self.index.pool.ready_slabs > 0)
+        return m.Pong(
+            req_id=msg.req_id, server_version=__version__, ready=self.index.pool.ready_slabs > 0
+        )
 
     def clear(self, session: Session, msg: m.Clear) -> m.Cleared:
         n = self.index.clear()
@@ -268,8 +336,9 @@ class Handlers:
         :class:`ProtocolError` before anything is reserved or copied)."""
         reg = self._registration(session, msg)
         if reg.lookup_only:
-            raise ProtocolError(ErrorCode.LOOKUP_ONLY,
-                                "this registration has no buffers (lookup-only)", msg.req_id)
+            raise ProtocolError(
+                ErrorCode.LOOKUP_ONLY, "this registration has no buffers (lookup-only)", msg.req_id
+            )
         n = chunk_count(msg.digests, self.limits, msg.req_id)
         ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
         try:
@@ -277,14 +346,17 @@ class Handlers:
         except ValueError as e:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
         if isinstance(msg, m.Retrieve):
-            return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id),
-                               0)
-        per = (check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
-               if msg.events is not None else 0)
+            return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id), 0)
+        per = (
+            check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
+            if msg.events is not None
+            else 0
+        )
         return DataRequest(msg, reg, ids, keys, [], per)
 
-    def _submit(self, reg: Registration, copies: list[RunCopy], to_pool: bool,
-                completion: Completion) -> None:
+    def _submit(
+        self, reg: Registration, copies: list[RunCopy], to_pool: bool, completion: Completion
+    ) -> None:
         """Hand a request's copies to the engine; a refusal is reported as its error."""
         done = completion.part()
         assert reg.mapping is not None
@@ -302,8 +374,7 @@ class Handlers:
         clock.mark("hop_out")
         return errors
 
-    async def store(self, session: Session, req: DataRequest,
-                    clock: PhaseClock) -> m.StoreResult:
+    async def store(self, session: Session, req: DataRequest, clock: PhaseClock) -> m.StoreResult:
         """Reserve, copy, commit (last chunk first, see :mod:`lmc_server.cache`)."""
         clock.mark("queue")
         msg, reg, keys, per = req.msg, req.reg, req.keys, req.events_per_chunk
@@ -329,12 +400,16 @@ class Handlers:
                 self.before_commit()
                 if err or reg.closing:
                     self.index.abort_store(ticket)
-                    log.warning("store by %s failed: %s", reg.registration_id.hex()[:8],
-                                err or "registration closed during the copy")
+                    log.warning(
+                        "store by %s failed: %s",
+                        reg.registration_id.hex()[:8],
+                        err or "registration closed during the copy",
+                    )
                 else:
                     self._commit(ticket, keys, msg, per)
-                    self.stats.observe_transfer("store", ticket.nbytes,
-                                                completion.done_at - completion.started_at)
+                    self.stats.observe_transfer(
+                        "store", ticket.nbytes, completion.done_at - completion.started_at
+                    )
                     if self.l2 is not None:
                         self.l2.on_commit(reg.namespace, ticket)
             finally:
@@ -353,8 +428,9 @@ class Handlers:
         with self.events.staged(keys, msg.events, per, salted=bool(msg.salt)):
             self.index.commit_store(ticket)
 
-    async def retrieve(self, session: Session, req: DataRequest,
-                       clock: PhaseClock) -> m.RetrieveResult:
+    async def retrieve(
+        self, session: Session, req: DataRequest, clock: PhaseClock
+    ) -> m.RetrieveResult:
         """Pin, copy, unpin."""
         clock.mark("queue")
         msg, reg, ids, keys = req.msg, req.reg, req.ids, req.keys
@@ -377,16 +453,15 @@ class Handlers:
                 errors = await self._wait(completion, clock)
                 err = next((e for e in errors if e), "")
                 if err:
-                    log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8],
-                                err)
+                    log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], err)
                 self.index.unpin_retrieve(ticket, not err)
                 if not err:
-                    self.stats.observe_transfer("retrieve", ticket.nbytes,
-                                                completion.done_at - completion.started_at)
+                    self.stats.observe_transfer(
+                        "retrieve", ticket.nbytes, completion.done_at - completion.started_at
+                    )
             finally:
                 reg.end_op()
-        return m.RetrieveResult(req_id=msg.req_id,
-                                statuses=[s.tobytes() for s in ticket.statuses])
+        return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
 
     # -- session end ------------------------------------------------------------------
 
@@ -399,5 +474,11 @@ class Handlers:
         """
         regs = self.sessions.drop(session)
         leases = self.index.drop_owner(session.sid)
-        log.info("session %d (%s) dropped: %s; %d registrations, %d leases reclaimed",
-                 session.sid, session.client_name or "client", reason, len(regs), leases)
+        log.info(
+            "session %d (%s) dropped: %s; %d registrations, %d leases reclaimed",
+            session.sid,
+            session.client_name or "client",
+            reason,
+            len(regs),
+            leases,
+        )

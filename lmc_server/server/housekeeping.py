@@ -38,10 +38,17 @@ class Housekeeper:
     ``on_tick`` is told the clock's time on every tick (the settle timeout's check).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, clock: Callable[[], float],
-                 index: L1Index, slab_pool: SlabPool, sessions: SessionTable,
-                 drop_session: Callable[[Session, str], None], interval_s: float,
-                 on_tick: Callable[[float], None] = lambda now_s: None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        clock: Callable[[], float],
+        index: L1Index,
+        slab_pool: SlabPool,
+        sessions: SessionTable,
+        drop_session: Callable[[Session, str], None],
+        interval_s: float,
+        on_tick: Callable[[float], None] = lambda now_s: None,
+    ) -> None:
         self.loop = loop
         self.clock = clock
         self.index = index
@@ -60,8 +67,10 @@ class Housekeeper:
 
     def start(self) -> None:
         now = self.clock()
-        self._due = {"sessions": now + SESSION_SWEEP_INTERVAL_S,
-                     "evictions": now + EVICTION_LOG_INTERVAL_S}
+        self._due = {
+            "sessions": now + SESSION_SWEEP_INTERVAL_S,
+            "evictions": now + EVICTION_LOG_INTERVAL_S,
+        }
         self._handle = self.loop.call_later(self.interval_s, self._tick)
 
     def stop(self) -> None:
@@ -111,7 +120,14 @@ class Housekeeper:
         self._eviction_mark = mark
         if d_ev or d_fail:
             used = self.index.used_bytes
-            log.info("last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
-                     "L1 %.1f of %.1f GiB used, %d free slabs", EVICTION_LOG_INTERVAL_S,
-                     d_ev, d_bytes / (1 << 20), d_fail, used / (1 << 30),
-                     self.slab_pool.capacity_bytes / (1 << 30), self.slab_pool.free_slabs)
+            log.info(
+                "last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
+                "L1 %.1f of %.1f GiB used, %d free slabs",
+                EVICTION_LOG_INTERVAL_S,
+                d_ev,
+                d_bytes / (1 << 20),
+                d_fail,
+                used / (1 << 30),
+                self.slab_pool.capacity_bytes / (1 << 30),
+                self.slab_pool.free_slabs,
+            )

@@ -39,10 +39,18 @@ class Liveness:
     drain's own line stays), and slabs prepared late are not marked ready.
     """
 
-    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
-                 clock: Callable[[], float], notifier: Notifier, index: L1Index,
-                 slab_pool: SlabPool, sessions: SessionTable,
-                 draining: Callable[[], bool], started_at_s: float) -> None:
+    def __init__(
+        self,
+        config: Config,
+        loop: asyncio.AbstractEventLoop,
+        clock: Callable[[], float],
+        notifier: Notifier,
+        index: L1Index,
+        slab_pool: SlabPool,
+        sessions: SessionTable,
+        draining: Callable[[], bool],
+        started_at_s: float,
+    ) -> None:
         self.config = config
         self.loop = loop
         self.clock = clock
@@ -66,8 +74,11 @@ class Liveness:
         self.heartbeat_s = now
         if self.notifier.watchdog_interval_s:
             self.notifier.watchdog()
-        if (not self.draining() and self.pool_ready_at_s is not None
-                and now - self._status_at_s >= SERVING_STATUS_INTERVAL_S):
+        if (
+            not self.draining()
+            and self.pool_ready_at_s is not None
+            and now - self._status_at_s >= SERVING_STATUS_INTERVAL_S
+        ):
             self._status_at_s = now
             self.notifier.status(self.status_line())
         interval_s = HEARTBEAT_INTERVAL_S
@@ -87,9 +98,11 @@ class Liveness:
         idx, st = self.index, self.index.stats
         used = idx.used_bytes
         ratio = st.hit_chunks / st.lookup_chunks if st.lookup_chunks else 0.0
-        return (f"serving: {self.sessions.registrations} registrations, L1 "
-                f"{used / (1 << 30):.1f} of {self.slab_pool.capacity_bytes / (1 << 30):.1f} "
-                f"GiB used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions")
+        return (
+            f"serving: {self.sessions.registrations} registrations, L1 "
+            f"{used / (1 << 30):.1f} of {self.slab_pool.capacity_bytes / (1 << 30):.1f} "
+            f"GiB used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions"
+        )
 
     def slab_ready_threadsafe(self, slab: int) -> None:
         """The host pool's preparing thread reports a slab (see ``HostPool.start``)."""
@@ -103,15 +116,22 @@ class Liveness:
         pool.mark_ready(slab)
         if pool.ready_slabs == pool.n_slabs:
             self.pool_ready_at_s = self.clock()
-            log.info("L1 pool ready: %d slabs (%.1f GiB) in %.2f s", pool.n_slabs,
-                     pool.capacity_bytes / (1 << 30),
-                     self.pool_ready_at_s - self.started_at_s)
+            log.info(
+                "L1 pool ready: %d slabs (%.1f GiB) in %.2f s",
+                pool.n_slabs,
+                pool.capacity_bytes / (1 << 30),
+                self.pool_ready_at_s - self.started_at_s,
+            )
             self._status_at_s = self.pool_ready_at_s
-            self.notifier.status(f"serving on {self.config.endpoint}; L1 pool ready "
-                                 f"({pool.capacity_bytes / (1 << 30):.1f} GiB)")
+            self.notifier.status(
+                f"serving on {self.config.endpoint}; L1 pool ready "
+                f"({pool.capacity_bytes / (1 << 30):.1f} GiB)"
+            )
         elif self.notifier.enabled and self.clock() - self._status_at_s >= STATUS_INTERVAL_S:
             self._status_at_s = self.clock()
-            self.notifier.status(f"serving on {self.config.endpoint}; preparing L1 pool: "
-                                 f"{pool.ready_bytes / (1 << 30):.1f} of "
-                                 f"{pool.capacity_bytes / (1 << 30):.1f} GiB "
-                                 f"({pool.ready_slabs / pool.n_slabs:.0%})")
+            self.notifier.status(
+                f"serving on {self.config.endpoint}; preparing L1 pool: "
+                f"{pool.ready_bytes / (1 << 30):.1f} of "
+                f"{pool.capacity_bytes / (1 << 30):.1f} GiB "
+                f"({pool.ready_slabs / pool.n_slabs:.0%})"
+            )

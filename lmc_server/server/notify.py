@@ -39,8 +39,9 @@ class Notifier:
     watchdog is off or addressed to another process.
     """
 
-    def __init__(self, address: str | bytes | None,
-                 watchdog_interval_s: float | None = None) -> None:
+    def __init__(
+        self, address: str | bytes | None, watchdog_interval_s: float | None = None
+    ) -> None:
         self.address = address
         self.watchdog_interval_s = watchdog_interval_s if address is not None else None
         self._sock: socket.socket | None = None

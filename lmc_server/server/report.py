@@ -46,17 +46,32 @@ def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str
     return out
 
 
-def build_report(config: Config, backend: str, index: L1Index, sessions: SessionTable,
-                 stats: ServerStats, uptime_s: float,
-                 tiers: TierChain | None = None,
-                 events: KvEventPublisher | None = None) -> StatsReport:
+def build_report(
+    config: Config,
+    backend: str,
+    index: L1Index,
+    sessions: SessionTable,
+    stats: ServerStats,
+    uptime_s: float,
+    tiers: TierChain | None = None,
+    events: KvEventPublisher | None = None,
+) -> StatsReport:
     pool = index.pool
-    parts = [PartitionReport(
-        name=u.name, fingerprint=u.fingerprint.hex(), object_bytes=u.object_bytes,
-        slabs=u.slabs, capacity_objects=u.capacity_objects, objects=u.objects,
-        writing=u.writing, used_bytes=u.used_bytes, capacity_bytes=u.capacity_bytes,
-        pinned_objects=u.pinned_objects,
-    ) for u in index.usage()]
+    parts = [
+        PartitionReport(
+            name=u.name,
+            fingerprint=u.fingerprint.hex(),
+            object_bytes=u.object_bytes,
+            slabs=u.slabs,
+            capacity_objects=u.capacity_objects,
+            objects=u.objects,
+            writing=u.writing,
+            used_bytes=u.used_bytes,
+            capacity_bytes=u.capacity_bytes,
+            pinned_objects=u.pinned_objects,
+        )
+        for u in index.usage()
+    ]
     return StatsReport(
         version=__version__,
         backend=backend,
@@ -65,9 +80,12 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         eviction_policy=config.eviction_policy,
         uptime_s=round(uptime_s, 3),
         l1=L1Report(
-            capacity_bytes=pool.capacity_bytes, ready_bytes=pool.ready_bytes,
-            slab_bytes=pool.slab_bytes, slabs=pool.n_slabs,
-            ready_slabs=pool.ready_slabs, free_slabs=pool.free_slabs,
+            capacity_bytes=pool.capacity_bytes,
+            ready_bytes=pool.ready_bytes,
+            slab_bytes=pool.slab_bytes,
+            slabs=pool.n_slabs,
+            ready_slabs=pool.ready_slabs,
+            free_slabs=pool.free_slabs,
             used_bytes=sum(p.used_bytes for p in parts),
             objects=sum(p.objects for p in parts),
         ),
@@ -77,19 +95,25 @@ def build_report(config: Config, backend: str, index: L1Index, sessions: Session
         leases=index.lease_count,
         counters=Counters(
             **copy_counters(index.stats, CacheStats),
-            requests={f"{op}:{outcome}": n
-                      for (op, outcome), n in sorted(stats.requests.items())}),
-        phases={f"{op}:{phase}": PhaseSum(count=int(n), seconds=seconds)
-                for (op, phase), (n, seconds) in sorted(stats.phases.items())},
+            requests={f"{op}:{outcome}": n for (op, outcome), n in sorted(stats.requests.items())},
+        ),
+        phases={
+            f"{op}:{phase}": PhaseSum(count=int(n), seconds=seconds)
+            for (op, phase), (n, seconds) in sorted(stats.phases.items())
+        },
         l2=_tier_report(tiers, "l2", l2_report),
         disk=_tier_report(tiers, "disk", disk_report),
-        kv_events=None if events is None else KvEventsReport(
+        kv_events=None
+        if events is None
+        else KvEventsReport(
             **copy_counters(events.stats, KvEventCounters),
             endpoint=events.settings.endpoint,
             replay_endpoint=events.settings.replay_endpoint,
-            next_seq=events.next_seq, replay_batches=events.replay_batches,
+            next_seq=events.next_seq,
+            replay_batches=events.replay_batches,
             published_objects=events.published_objects,
-            published_disk_objects=0 if events.disk is None else len(events.disk)),
+            published_disk_objects=0 if events.disk is None else len(events.disk),
+        ),
     )
 
 
@@ -103,8 +127,10 @@ def l2_report(tier: L2Tier) -> L2Report:
     s = tier.stats
     return L2Report(
         **copy_counters(s, L2Counters),
-        url=tier.display_url, backend=tier.backend.name,
-        state="up" if tier.up else "degraded", reason=tier.state_reason,
+        url=tier.display_url,
+        backend=tier.backend.name,
+        state="up" if tier.up else "degraded",
+        reason=tier.state_reason,
         state_for_s=round(tier.clock() - tier.state_since_s, 3),
         write_queue_objects=tier.writer.depth,
         write_queue_capacity=tier.writer.max_objects,
@@ -123,10 +149,19 @@ def disk_report(tier: L2Tier) -> DiskReport:
     p = backend.index.progress
     return DiskReport(
         **msgspec.structs.asdict(l2_report(tier)),
-        capacity_bytes=backend.index.capacity_bytes, used_bytes=backend.index.used_bytes,
-        files=len(backend.index.entries), evicted_objects=backend.evicted_objects,
+        capacity_bytes=backend.index.capacity_bytes,
+        used_bytes=backend.index.used_bytes,
+        files=len(backend.index.entries),
+        evicted_objects=backend.evicted_objects,
         direct_io=backend.direct,
-        rebuild=DiskRebuild(done=p.done, fraction=round(p.fraction, 4),
-                            dirs_total=p.dirs_total, dirs_done=p.dirs_done, files=p.files,
-                            bytes=p.bytes, stale_tmp_removed=p.stale_tmp_removed,
-                            seconds=round(p.seconds, 3)))
+        rebuild=DiskRebuild(
+            done=p.done,
+            fraction=round(p.fraction, 4),
+            dirs_total=p.dirs_total,
+            dirs_done=p.dirs_done,
+            files=p.files,
+            bytes=p.bytes,
+            stale_tmp_removed=p.stale_tmp_removed,
+            seconds=round(p.seconds, 3),
+        ),
+    )

@@ -46,10 +46,14 @@ class Router:
     over to the wrong connection.
     """
 
-    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
-                 peers: ConnectionTracker,
-                 on_message: Callable[[list[zmq.Frame]], None],
-                 on_disconnect: Callable[[Conn, list[bytes]], None]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        loop: asyncio.AbstractEventLoop,
+        peers: ConnectionTracker,
+        on_message: Callable[[list[zmq.Frame]], None],
+        on_disconnect: Callable[[Conn, list[bytes]], None],
+    ) -> None:
         self.config = config
         self.loop = loop
         self.peers = peers
@@ -76,8 +80,9 @@ class Router:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
         if cfg.curve_secret_key_file:
-            self._auth = start_curve(self.ctx, sock, cfg.curve_secret_key_file,
-                                     cfg.curve_clients_dir)
+            self._auth = start_curve(
+                self.ctx, sock, cfg.curve_secret_key_file, cfg.curve_clients_dir
+            )
         sock.bind(cfg.endpoint)
         if cfg.ipc_path:
             bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
@@ -118,8 +123,9 @@ class Router:
         try:
             self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("reply dropped: peer %s is not reading (send queue full)",
-                        identity.hex()[:8])
+            log.warning(
+                "reply dropped: peer %s is not reading (send queue full)", identity.hex()[:8]
+            )
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 log.debug("reply to a peer that is gone dropped")

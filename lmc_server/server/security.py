@@ -35,12 +35,14 @@ def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> None:
     if gid >= 0:
         os.chown(path, -1, gid)
     os.chmod(path, 0o660 if group else 0o600)
-    log.info("listening on ipc://%s (folder mode %o%s)", path, mode,
-             f", group {group}" if group else "")
+    log.info(
+        "listening on ipc://%s (folder mode %o%s)", path, mode, f", group {group}" if group else ""
+    )
 
 
-def start_curve(ctx: zmq.Context[Any], sock: zmq.Socket[Any], secret_file: str,
-                clients_dir: str) -> ThreadAuthenticator:
+def start_curve(
+    ctx: zmq.Context[Any], sock: zmq.Socket[Any], secret_file: str, clients_dir: str
+) -> ThreadAuthenticator:
     """Make ``sock`` a CURVE server that admits only the certificates in ``clients_dir``."""
     if not os.path.isdir(clients_dir):
         raise ValueError(f"CURVE clients folder {clients_dir} does not exist")

@@ -88,10 +88,14 @@ class Server:
     startup (``index``, ``handlers``, ...) are attributes for tests and diagnostics.
     """
 
-    def __init__(self, config: Config, engine: TransferEngine | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 notifier: Notifier | None = None,
-                 housekeeping_interval_s: float = HOUSEKEEPING_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        config: Config,
+        engine: TransferEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        notifier: Notifier | None = None,
+        housekeeping_interval_s: float = HOUSEKEEPING_INTERVAL_S,
+    ) -> None:
         self.config = config
         self._engine = engine
         self.clock = clock
@@ -139,6 +143,7 @@ class Server:
     def run(self) -> int:
         try:
             import uvloop
+
             runner: Callable[..., int] = uvloop.run
         except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
             runner = asyncio.run
@@ -168,56 +173,89 @@ class Server:
         cfg = self.config
         self.started_at_s = self.clock()
         log.info("lmcache server %s starting: %s", __version__, _describe(cfg))
-        self.engine = self._engine or make_engine(cfg.backend, cfg.copy_threads,
-                                                 cfg.cuda_copy_mode, cfg.cuda_staging_mb)
+        self.engine = self._engine or make_engine(
+            cfg.backend, cfg.copy_threads, cfg.cuda_copy_mode, cfg.cuda_staging_mb
+        )
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
         self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)
-        self.handlers = Handlers(cfg, self.index, self.engine, self.sessions, self.stats,
-                                 self.clock)
+        self.handlers = Handlers(
+            cfg, self.index, self.engine, self.sessions, self.stats, self.clock
+        )
         if cfg.l2_url or cfg.disk_dir:
             from lmc_server.l2.setup import make_chain
 
-            self.l2 = self.handlers.l2 = make_chain(cfg, self.index, self.host_pool,
-                                                    self.engine.name, self.clock)
+            self.l2 = self.handlers.l2 = make_chain(
+                cfg, self.index, self.host_pool, self.engine.name, self.clock
+            )
             self.l2.start()
         if cfg.kv_events_endpoint:
             self.events = self.handlers.events = KvEventPublisher(
-                kv_event_settings(cfg), self.loop, cfg.chunk_size)
+                kv_event_settings(cfg), self.loop, cfg.chunk_size
+            )
             self.events.open()
             disk = self.l2.tier("disk") if self.l2 is not None else None
             if disk is not None:
                 self.events.attach_disk(disk.listeners)
-        router = self.router = Router(cfg, self.loop, self.peers, self.dispatch.handle,
-                                      self._disconnected)
+        router = self.router = Router(
+            cfg, self.loop, self.peers, self.dispatch.handle, self._disconnected
+        )
         self.handlers.before_commit = router.drain
-        self.dispatch.attach(self.loop, self.handlers, router.send, router.after_io,
-                             router.attribute)
+        self.dispatch.attach(
+            self.loop, self.handlers, router.send, router.after_io, router.attribute
+        )
         router.open()
         if cfg.metrics_port:
             self._start_metrics()
-        self.liveness = Liveness(cfg, self.loop, self.clock, self.notifier, self.index,
-                                 self.slab_pool, self.sessions, lambda: self.draining,
-                                 self.started_at_s)
+        self.liveness = Liveness(
+            cfg,
+            self.loop,
+            self.clock,
+            self.notifier,
+            self.index,
+            self.slab_pool,
+            self.sessions,
+            lambda: self.draining,
+            self.started_at_s,
+        )
         self.host_pool.start(self.liveness.slab_ready_threadsafe)
-        self.housekeeper = Housekeeper(self.loop, self.clock, self.index, self.slab_pool,
-                                       self.sessions, self.handlers.drop_session,
-                                       self.housekeeping_interval_s,
-                                       self.handlers.commits.expire)
+        self.housekeeper = Housekeeper(
+            self.loop,
+            self.clock,
+            self.index,
+            self.slab_pool,
+            self.sessions,
+            self.handlers.drop_session,
+            self.housekeeping_interval_s,
+            self.handlers.commits.expire,
+        )
         if not self.should_exit:  # no tick once shutdown is asked for
             self.housekeeper.start()
         self.liveness.heartbeat()
         self.started = True
-        log.info("listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
-                 "eviction %s, chunk size %d, %s object groups)", cfg.endpoint,
-                 self.engine.name, self.host_pool.size_bytes / (1 << 30),
-                 self.slab_pool.n_slabs, cfg.slab_size_mb, cfg.eviction_policy,
-                 cfg.chunk_size, "separate" if cfg.separate_object_groups else "combined")
-        self.notifier.ready(f"serving on {cfg.endpoint}; preparing L1 pool "
-                            f"({self.host_pool.size_bytes / (1 << 30):.1f} GiB)")
+        log.info(
+            "listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
+            "eviction %s, chunk size %d, %s object groups)",
+            cfg.endpoint,
+            self.engine.name,
+            self.host_pool.size_bytes / (1 << 30),
+            self.slab_pool.n_slabs,
+            cfg.slab_size_mb,
+            cfg.eviction_policy,
+            cfg.chunk_size,
+            "separate" if cfg.separate_object_groups else "combined",
+        )
+        self.notifier.ready(
+            f"serving on {cfg.endpoint}; preparing L1 pool "
+            f"({self.host_pool.size_bytes / (1 << 30):.1f} GiB)"
+        )
         if self.notifier.enabled:
-            log.info("systemd notified: ready%s", "" if self.notifier.watchdog_interval_s
-                     is None else f", watchdog every {self.notifier.watchdog_interval_s:.1f} s")
+            log.info(
+                "systemd notified: ready%s",
+                ""
+                if self.notifier.watchdog_interval_s is None
+                else f", watchdog every {self.notifier.watchdog_interval_s:.1f} s",
+            )
         for cb in self.on_started:
             cb(self)
         router.drain()
@@ -226,11 +264,18 @@ class Server:
         cfg = self.config
         tasks = self.dispatch.tasks
         collector = ServerCollector(
-            ServerInfo(backend=self.engine.name, eviction_policy=cfg.eviction_policy,
-                       chunk_size=cfg.chunk_size,
-                       object_groups="separate" if cfg.separate_object_groups else "combined"),
-            self.index, self.slab_pool, self.stats, self.sessions,
-            LiveState(health=self.health, in_flight=lambda: len(tasks)))
+            ServerInfo(
+                backend=self.engine.name,
+                eviction_policy=cfg.eviction_policy,
+                chunk_size=cfg.chunk_size,
+                object_groups="separate" if cfg.separate_object_groups else "combined",
+            ),
+            self.index,
+            self.slab_pool,
+            self.stats,
+            self.sessions,
+            LiveState(health=self.health, in_flight=lambda: len(tasks)),
+        )
         registry = make_registry(collector)
         if self.l2 is not None:
             from lmc_server.l2.metrics import L2Collector
@@ -239,8 +284,9 @@ class Server:
                 registry.register(L2Collector(tier))
         if self.events is not None:
             registry.register(CounterCollector("lmcache_kv_events_", self.events.stats))
-        self.metrics_server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
-                                            registry, self.health)
+        self.metrics_server = MetricsServer(
+            cfg.metrics_host, cfg.metrics_port, registry, self.health
+        )
         self.metrics_server.start()
 
     def _disconnected(self, conn: Conn, identities: list[bytes]) -> None:
@@ -263,10 +309,12 @@ class Server:
         late_s = self.liveness.stalled_s()
         if late_s > HEALTH_STALL_S:
             return False, f"event loop unresponsive for {late_s:.0f} s"
-        return True, (f"serving on {self.config.endpoint}, L1 pool "
-                      f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
-                      f"{self.sessions.registrations} registrations"
-                      + (f", {self.l2.health()}" if self.l2 is not None else ""))
+        return True, (
+            f"serving on {self.config.endpoint}, L1 pool "
+            f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
+            f"{self.sessions.registrations} registrations"
+            + (f", {self.l2.health()}" if self.l2 is not None else "")
+        )
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -276,9 +324,16 @@ class Server:
 
     def report(self) -> StatsReport:
         """The ``stats`` reply (see :mod:`lmc_server.server.report`)."""
-        return build_report(self.config, self.engine.name, self.index, self.sessions,
-                            self.stats, self.clock() - self.started_at_s, self.l2,
-                            self.events)
+        return build_report(
+            self.config,
+            self.engine.name,
+            self.index,
+            self.sessions,
+            self.stats,
+            self.clock() - self.started_at_s,
+            self.l2,
+            self.events,
+        )
 
     # -- signals ------------------------------------------------------------------------
 
@@ -294,14 +349,20 @@ class Server:
     def handle_hup(self) -> None:
         """SIGHUP: reopen log files (after rotation) and log where the server stands."""
         files = reopen_logs()
-        log.info("SIGHUP: %s; %s", f"reopened {', '.join(files)}" if files
-                 else "logging to stderr, nothing to reopen",
-                 self.liveness.status_line() if self.started and self.liveness is not None
-                 else "starting")
+        log.info(
+            "SIGHUP: %s; %s",
+            f"reopened {', '.join(files)}" if files else "logging to stderr, nothing to reopen",
+            self.liveness.status_line()
+            if self.started and self.liveness is not None
+            else "starting",
+        )
 
     def _install_signal_handlers(self) -> None:
-        handlers = {signal.SIGINT: self.handle_exit, signal.SIGTERM: self.handle_exit,
-                    signal.SIGHUP: self.handle_hup}
+        handlers = {
+            signal.SIGINT: self.handle_exit,
+            signal.SIGTERM: self.handle_exit,
+            signal.SIGHUP: self.handle_hup,
+        }
         for sig, handler in handlers.items():
             try:
                 self._prev_signals[sig] = signal.getsignal(sig)
@@ -326,8 +387,11 @@ class Server:
         for cb in self.on_shutdown:
             cb(self)
         if tasks:
-            log.info("draining %d in-flight requests (up to %.0f s)", len(tasks),
-                     self.config.drain_timeout_s)
+            log.info(
+                "draining %d in-flight requests (up to %.0f s)",
+                len(tasks),
+                self.config.drain_timeout_s,
+            )
             _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
             if pending:
                 # From here on only running copies are waited for: copies still queued
@@ -340,10 +404,16 @@ class Server:
         assert self.router is not None
         self.router.drain()  # answer what is still queued with shutting_down
         st = self.index.stats
-        log.info("served %d requests; %d of %d looked-up chunks hit; %d objects stored, "
-                 "%d retrieved, %d evicted", sum(dict(self.stats.requests).values()),
-                 st.hit_chunks, st.lookup_chunks, st.stored_objects, st.retrieved_objects,
-                 st.evictions)
+        log.info(
+            "served %d requests; %d of %d looked-up chunks hit; %d objects stored, "
+            "%d retrieved, %d evicted",
+            sum(dict(self.stats.requests).values()),
+            st.hit_chunks,
+            st.lookup_chunks,
+            st.stored_objects,
+            st.retrieved_objects,
+            st.evictions,
+        )
         await self._close_resources()
         log.info("shutdown complete")
 
@@ -382,5 +452,4 @@ def _describe(cfg: Config) -> str:
     values["l2_url"] = redact_url(cfg.l2_url) if cfg.l2_url else ""
     values["l1_size_bytes"] = cfg.l1_size_bytes
     values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
-    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
-                    for k, v in values.items())
+    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())

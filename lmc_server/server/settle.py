@@ -42,8 +42,9 @@ SETTLE_TIMEOUT_S = 10.0
 class CommitWatch:
     """Wakes waiting stores whenever any store commits or aborts (event-loop thread only)."""
 
-    def __init__(self, index: L1Index, clock: Callable[[], float],
-                 timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    def __init__(
+        self, index: L1Index, clock: Callable[[], float], timeout_s: float = SETTLE_TIMEOUT_S
+    ) -> None:
         self.index = index
         self.clock = clock
         self.timeout_s = timeout_s
@@ -69,8 +70,7 @@ class CommitWatch:
         if now_s >= self._due_s:
             self.changed()
 
-    async def settle(self, view: CacheView, keys: list[bytes],
-                     statuses: list[np.ndarray]) -> None:
+    async def settle(self, view: CacheView, keys: list[bytes], statuses: list[np.ndarray]) -> None:
         """Turn this request's ``IN_PROGRESS`` chunks into ``EXISTS`` or ``FAILED`` as
         their writers finish (in place), waiting up to ``timeout_s``."""
         if not any((st == ChunkStatus.IN_PROGRESS).any() for st in statuses):

@@ -72,7 +72,8 @@ class ServerStats:
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
     transfers: dict[str, TransferStats] = field(
-        default_factory=lambda: {"store": TransferStats(), "retrieve": TransferStats()})
+        default_factory=lambda: {"store": TransferStats(), "retrieve": TransferStats()}
+    )
     #: (op, phase) -> [requests, seconds], see ``PHASES``.
     phases: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 

@@ -51,8 +51,9 @@ def block_hashes(tokens: list[int], per: int) -> list[bytes]:
     """Chained hashes of every ``per`` tokens, standing in for vLLM's block hashes."""
     out, prev = [], b""
     for i in range(len(tokens) // per):
-        prev = hashlib.sha256(prev + np.asarray(tokens[i * per:(i + 1) * per],
-                                                dtype="<i4").tobytes()).digest()
+        prev = hashlib.sha256(
+            prev + np.asarray(tokens[i * per : (i + 1) * per], dtype="<i4").tobytes()
+        ).digest()
         out.append(prev)
     return out
 
@@ -67,10 +68,19 @@ def _merge(into: Report, rep: Report) -> None:
 class ConnectorFlow:
     """One scheduler and one worker of the connector over ``backing``'s tensors."""
 
-    def __init__(self, fx: KVFixture, backing: Backing, endpoint: str, arch: str, *,
-                 exporter: TensorExporter | None = None, rank: int = 0,
-                 world_size: int = 1, timeout_s: float = 30.0,
-                 kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        fx: KVFixture,
+        backing: Backing,
+        endpoint: str,
+        arch: str,
+        *,
+        exporter: TensorExporter | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout_s: float = 30.0,
+        kv_events: bool = False,
+    ) -> None:
         self.fx = fx
         #: stores carry KV-event fields, as with ``lmcache.mp.kv_events``
         self.kv_events = kv_events
@@ -79,9 +89,14 @@ class ConnectorFlow:
         self.tensors = backing.views(fx)
         self.plan: RegistrationPlan = derive_registration(fx.layout, self.tensors, exporter)
         self.lookup_plan = derive_registration(fx.layout)
-        kw: dict[str, Any] = dict(model=fx.model, kv_dtype=self.plan.kv_dtype, arch=arch,
-                                  world_size=world_size, rank=rank,
-                                  replicated=self.plan.replicated)
+        kw: dict[str, Any] = dict(
+            model=fx.model,
+            kv_dtype=self.plan.kv_dtype,
+            arch=arch,
+            world_size=world_size,
+            rank=rank,
+            replicated=self.plan.replicated,
+        )
         self.sched = ServerLink(endpoint, timeout_s=timeout_s, client_name="flow-scheduler")
         try:
             self.work = ServerLink(endpoint, timeout_s=timeout_s, client_name="flow-worker")
@@ -96,11 +111,11 @@ class ConnectorFlow:
             raise
         cached = [g for g in self.plan.engine_groups if g.cached]
         self.hash_block = min(g.tokens_per_block for g in cached)
-        self.geometry = ChunkGeometry(self.work.reg.chunk_size, self.hash_block,
-                                      self.plan.engine_groups)
+        self.geometry = ChunkGeometry(
+            self.work.reg.chunk_size, self.hash_block, self.plan.engine_groups
+        )
         self.planner = SchedulerPlanner(self.geometry, self.sched)
-        self.tracker = TransferTracker(
-            by_block_ids=failures_by_block_ids(self.plan.engine_groups))
+        self.tracker = TransferTracker(by_block_ids=failures_by_block_ids(self.plan.engine_groups))
         self.transfers = WorkerTransfers(self.work, self.tracker)
         self._next_block = 1
 
@@ -115,8 +130,9 @@ class ConnectorFlow:
         for g in self.plan.engine_groups:
             n = -(-num_tokens // g.tokens_per_block) if g.cached else 1
             if self._next_block + n > self.fx.layout.num_blocks:
-                raise ValueError(f"{self.fx.name}: {self.fx.layout.num_blocks} blocks are "
-                                 "too few for this test")
+                raise ValueError(
+                    f"{self.fx.name}: {self.fx.layout.num_blocks} blocks are too few for this test"
+                )
             out.append(list(range(self._next_block, self._next_block + n)))
             self._next_block += n
         return out
@@ -125,8 +141,9 @@ class ConnectorFlow:
         hashes = block_hashes(tokens, self.hash_block)
         deadline = time.monotonic() + self.timeout_s
         events = tokens if self.kv_events else None
-        while (n := self.planner.matched_tokens(req_id, hashes, len(tokens), len(tokens),
-                                                0, events)) is None:
+        while (
+            n := self.planner.matched_tokens(req_id, hashes, len(tokens), len(tokens), 0, events)
+        ) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"lookup for {req_id} never answered")
             time.sleep(0.002)
@@ -143,8 +160,9 @@ class ConnectorFlow:
         _merge(rep, self.tracker.poll(set()))
         return rep
 
-    def prefill(self, req_id: str, tokens: list[int], tables: list[list[int]]) -> tuple[
-            StepPlan, Report]:
+    def prefill(
+        self, req_id: str, tokens: list[int], tables: list[list[int]]
+    ) -> tuple[StepPlan, Report]:
         """A miss, then one step computing the whole prompt: its whole chunks are
         stored once the engine's writes are done; returns the step and the report."""
         if self._matched(req_id, tokens):
@@ -159,8 +177,9 @@ class ConnectorFlow:
         self.planner.transfers_finished([], rep.finished_sending)
         return plan, rep
 
-    def load_hit(self, req_id: str, tokens: list[int], tables: list[list[int]]) -> tuple[
-            int, LoadSpec | None, Report]:
+    def load_hit(
+        self, req_id: str, tokens: list[int], tables: list[list[int]]
+    ) -> tuple[int, LoadSpec | None, Report]:
         """Look up ``tokens``; on a hit, load it into ``tables`` and wait for the report."""
         n = self._matched(req_id, tokens)
         self.planner.after_alloc(req_id, tables, n)
@@ -178,8 +197,7 @@ class ConnectorFlow:
         self.transfers.start_loads([spec])
         return self._poll(set(), "finished_recving")
 
-    def unstored_load(self, req_id: str, tokens: list[int], tables: list[list[int]]
-                      ) -> LoadSpec:
+    def unstored_load(self, req_id: str, tokens: list[int], tables: list[list[int]]) -> LoadSpec:
         """A load of chunks the server never stored (no lookup, no lease)."""
         n = len(tokens) // self.chunk_size
         digests = self.geometry.digests(block_hashes(tokens, self.hash_block), n)
@@ -188,8 +206,9 @@ class ConnectorFlow:
     def copies(self, spec: LoadSpec, src_tables: list[list[int]]) -> list[PageCopy]:
         """The pages ``spec`` must write: those stored from ``src_tables``."""
         src = self.geometry.block_ids(src_tables, 0, spec.n_chunks)
-        return expected_copies(self.plan.groups, self.chunk_size, spec.n_chunks, src,
-                               spec.block_ids)
+        return expected_copies(
+            self.plan.groups, self.chunk_size, spec.n_chunks, src, spec.block_ids
+        )
 
     # -- scenarios shared by the CPU and GPU tests ------------------------------------
 
@@ -252,9 +271,13 @@ class ConnectorFlow:
         self.close()
 
 
-def check_batched_step(endpoint: str, kv: Any, n_requests: int,
-                       ready: Callable[[], None] | None = None,
-                       timeout_s: float = 60.0) -> None:
+def check_batched_step(
+    endpoint: str,
+    kv: Any,
+    n_requests: int,
+    ready: Callable[[], None] | None = None,
+    timeout_s: float = 60.0,
+) -> None:
     """``n_requests`` requests store in one step, then ``n_requests`` others hit in one
     step: one batched store, and batched retrieves of at most
     :data:`~lmc_server.integration.link.LOAD_PART_CHUNKS` chunks each, on the worker's
@@ -302,17 +325,19 @@ def check_batched_step(endpoint: str, kv: Any, n_requests: int,
                 time.sleep(0.002)
             return rep
 
-        prompts = {f"r{i}": [i + 1] * 3 + list(range(1000 * i, 1000 * i + n_tok - 3))
-                   for i in range(n_requests)}
-        src = {rid: [list(range(1 + per * i, 1 + per * (i + 1)))]
-               for i, rid in enumerate(prompts)}
-        dst = {rid: [list(range(1 + per * (n_requests + i), 1 + per * (n_requests + i + 1)))]
-               for i, rid in enumerate(prompts)}
+        prompts = {
+            f"r{i}": [i + 1] * 3 + list(range(1000 * i, 1000 * i + n_tok - 3))
+            for i in range(n_requests)
+        }
+        src = {rid: [list(range(1 + per * i, 1 + per * (i + 1)))] for i, rid in enumerate(prompts)}
+        dst = {
+            rid: [list(range(1 + per * (n_requests + i), 1 + per * (n_requests + i + 1)))]
+            for i, rid in enumerate(prompts)
+        }
         for rid, toks in prompts.items():
             assert matched(rid, toks) == 0
             planner.after_alloc(rid, src[rid], 0)
-        plan = planner.build_step([ScheduledRequest(r, 0, n_tok, src[r], True)
-                                   for r in prompts])
+        plan = planner.build_step([ScheduledRequest(r, 0, n_tok, src[r], True) for r in prompts])
         wt.begin_step(plan)
         wt.start_stores(plan.stores, ready)
         for rid in prompts:

@@ -36,9 +36,14 @@ def blocks_needed(chunk_counts: Sequence[int], tokens_per_block: int = 16) -> in
     return 2 * (max(chunk_counts) * 256 // tokens_per_block + 1) + 1
 
 
-def load_times(endpoint: str, kv: Any, chunk_counts: Sequence[int], repeats: int = 5,
-               ready: Callable[[], None] | None = None, timeout_s: float = 60.0
-               ) -> dict[int, dict[str, float]]:
+def load_times(
+    endpoint: str,
+    kv: Any,
+    chunk_counts: Sequence[int],
+    repeats: int = 5,
+    ready: Callable[[], None] | None = None,
+    timeout_s: float = 60.0,
+) -> dict[int, dict[str, float]]:
     """Per hit size (chunks): median and max seconds from the scheduler's decision to
     the worker reporting the load finished, over ``repeats`` loads.
 
@@ -106,8 +111,9 @@ def load_times(endpoint: str, kv: Any, chunk_counts: Sequence[int], repeats: int
                 assert not rep.failed_recving and not rep.invalid_block_ids
                 planner.transfers_finished(rep.finished_recving, [])
                 planner.request_finished(rid)
-                assert kv.pages(g.name, dst[0][:n * per_chunk]) == \
-                    kv.pages(g.name, src[0][:n * per_chunk])
+                assert kv.pages(g.name, dst[0][: n * per_chunk]) == kv.pages(
+                    g.name, src[0][: n * per_chunk]
+                )
             out[n] = {"median_s": statistics.median(times_s), "max_s": max(times_s)}
     finally:
         sched.close()

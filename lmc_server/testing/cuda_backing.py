@@ -38,8 +38,11 @@ class CudaBacking:
         """Seeded bytes, written on the current stream (stores wait for it: ``ready``)."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        self.tensor.copy_(torch.randint(0, 256, (self.size_bytes,), dtype=torch.uint8,
-                                        device=self.device, generator=gen))
+        self.tensor.copy_(
+            torch.randint(
+                0, 256, (self.size_bytes,), dtype=torch.uint8, device=self.device, generator=gen
+            )
+        )
 
     def snapshot(self) -> torch.Tensor:
         return self.tensor.clone()
@@ -47,7 +50,7 @@ class CudaBacking:
     def apply(self, before: torch.Tensor, copies: Sequence[PageCopy]) -> torch.Tensor:
         out = before.clone()
         for c in copies:
-            out[c.dst:c.dst + c.nbytes] = before[c.src:c.src + c.nbytes]
+            out[c.dst : c.dst + c.nbytes] = before[c.src : c.src + c.nbytes]
         return out
 
     def first_difference(self, a: torch.Tensor, b: torch.Tensor) -> int | None:

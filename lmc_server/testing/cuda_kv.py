@@ -35,7 +35,8 @@ class CudaKV(KVCache):
         self.device = torch.device("cuda", device)
         self.tensors: list[torch.Tensor] = [
             torch.zeros(size, dtype=torch.uint8, device=self.device)
-            for size in geometry.buffer_sizes]
+            for size in geometry.buffer_sizes
+        ]
         self._buffers: list[CudaIpcBuffer] = [export_tensor(t) for t in self.tensors]
 
     @property
@@ -46,8 +47,9 @@ class CudaKV(KVCache):
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         for t in self.tensors:
-            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=self.device,
-                                  generator=gen))
+            t.copy_(
+                torch.randint(0, 256, t.shape, dtype=torch.uint8, device=self.device, generator=gen)
+            )
         torch.cuda.synchronize(self.device)
 
     def fill(self, value: int) -> None:
@@ -59,7 +61,7 @@ class CudaKV(KVCache):
         """The page on the GPU (a view, no copy)."""
         spec = self.group(group).layers[layer]
         lo = spec.offset + block * spec.block_stride
-        return self.tensors[spec.buffer][lo:lo + spec.page_bytes]
+        return self.tensors[spec.buffer][lo : lo + spec.page_bytes]
 
     def page(self, group: str, layer: int, block: int) -> np.ndarray:
         """A host copy of one page."""

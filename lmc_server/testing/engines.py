@@ -36,13 +36,13 @@ class HoldingEngine(CpuEngine):
         #: Submissions seen so far (held or not).
         self.submissions = 0
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         with self._cond:
             self.submissions += 1
             if self.holding:  # called on the server's loop (the engine contract)
-                self._held.append((asyncio.get_running_loop(), mapping, copies, to_pool,
-                                   done))
+                self._held.append((asyncio.get_running_loop(), mapping, copies, to_pool, done))
                 self._cond.notify_all()
                 return
         super().submit(mapping, copies, to_pool, done)
@@ -51,8 +51,9 @@ class HoldingEngine(CpuEngine):
         """Return once ``n`` submissions are held; ``TimeoutError`` otherwise."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._held) >= n, timeout_s):
-                raise TimeoutError(f"{len(self._held)} of {n} copies reached the engine "
-                                   f"within {timeout_s} s")
+                raise TimeoutError(
+                    f"{len(self._held)} of {n} copies reached the engine within {timeout_s} s"
+                )
 
     def hold(self) -> None:
         """Hold every submission from now on (until :meth:`release`)."""
@@ -71,8 +72,9 @@ class HoldingEngine(CpuEngine):
             loop.call_soon_threadsafe(self._start, mapping, copies, to_pool, done)
         return len(held)
 
-    def _start(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def _start(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         try:
             super().submit(mapping, copies, to_pool, done)
         except Exception as e:  # the server's own submit reports this way too
@@ -92,8 +94,9 @@ class BackloggedEngine(CpuEngine):
         self._cond = threading.Condition()
         self.submitted = 0
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         super().submit(mapping, copies, to_pool, done)
         with self._cond:
             self.submitted += 1

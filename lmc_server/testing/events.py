@@ -34,10 +34,10 @@ class EnginePrompt:
         return self.chunk_size // self.block_size
 
     def chunk_hashes(self, k: int) -> list[int]:
-        return self.hashes[k * self.per:(k + 1) * self.per]
+        return self.hashes[k * self.per : (k + 1) * self.per]
 
     def chunk_tokens(self, k: int) -> list[int]:
-        return self.tokens[k * self.chunk_size:(k + 1) * self.chunk_size].tolist()
+        return self.tokens[k * self.chunk_size : (k + 1) * self.chunk_size].tolist()
 
     def parent(self, k: int) -> int | None:
         """The engine hash of the block before chunk ``k`` (None for chunk 0)."""
@@ -49,27 +49,34 @@ class EnginePrompt:
         cs, per = self.chunk_size, self.per
         return StoreEvents(
             block_size=self.block_size,
-            token_ids=self.tokens[first * cs:(first + n) * cs].astype("<u4").tobytes(),
-            block_hashes=b"".join(h.to_bytes(8, "big")
-                                  for h in self.hashes[first * per:(first + n) * per]),
-            parent_hashes=b"".join((self.parent(k) or 0).to_bytes(8, "big")
-                                   for k in range(first, first + n)))
+            token_ids=self.tokens[first * cs : (first + n) * cs].astype("<u4").tobytes(),
+            block_hashes=b"".join(
+                h.to_bytes(8, "big") for h in self.hashes[first * per : (first + n) * per]
+            ),
+            parent_hashes=b"".join(
+                (self.parent(k) or 0).to_bytes(8, "big") for k in range(first, first + n)
+            ),
+        )
 
 
-def engine_prompt(n_chunks: int, seed: int, chunk_size: int = 256,
-                  block_size: int = 16) -> EnginePrompt:
+def engine_prompt(
+    n_chunks: int, seed: int, chunk_size: int = 256, block_size: int = 16
+) -> EnginePrompt:
     """A random prompt of ``n_chunks`` whole chunks with distinct 64-bit block hashes."""
     rng = np.random.default_rng(seed)
     per = chunk_size // block_size
     tokens = rng.integers(0, 50_000, n_chunks * chunk_size, dtype=np.uint32)
     hashes = [int(h) for h in rng.integers(1, 1 << 63, n_chunks * per, dtype=np.int64)]
-    digests = hash_chain(b"".join(h.to_bytes(8, "big") for h in hashes[k * per:(k + 1) * per])
-                         for k in range(n_chunks))
+    digests = hash_chain(
+        b"".join(h.to_bytes(8, "big") for h in hashes[k * per : (k + 1) * per])
+        for k in range(n_chunks)
+    )
     return EnginePrompt(tokens, hashes, digests, chunk_size, block_size)
 
 
-def replay(ctx: zmq.Context[Any], endpoint: str, start: int,
-           timeout_ms: int = 5000) -> list[tuple[bytes, int, bytes]]:
+def replay(
+    ctx: zmq.Context[Any], endpoint: str, start: int, timeout_ms: int = 5000
+) -> list[tuple[bytes, int, bytes]]:
     """Every ``(topic, seq, payload)`` from ``start`` that the replay socket at
     ``endpoint`` returns, until its end marker (a DEALER, with the empty delimiter a
     REQ would add)."""

@@ -70,8 +70,9 @@ class ThreadServer:
     ``housekeeping_interval_s``).
     """
 
-    def __init__(self, config: Config, engine: TransferEngine | None = None,
-                 **server_kwargs: Any) -> None:
+    def __init__(
+        self, config: Config, engine: TransferEngine | None = None, **server_kwargs: Any
+    ) -> None:
         self.config = config
         self.engine = engine
         self.server_kwargs = server_kwargs
@@ -122,8 +123,10 @@ class ThreadServer:
         deadline = time.monotonic() + timeout_s
         while server.housekeeping_ticks < target:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{ticks} housekeeping ticks did not run in {timeout_s} s "
-                                   f"(interval {server.housekeeping_interval_s} s)")
+                raise TimeoutError(
+                    f"{ticks} housekeeping ticks did not run in {timeout_s} s "
+                    f"(interval {server.housekeeping_interval_s} s)"
+                )
             time.sleep(min(0.001, server.housekeeping_interval_s))
 
     def call_soon(self, fn: Callable[..., object], *args: object) -> None:
@@ -150,10 +153,15 @@ class ThreadServer:
 
 
 @contextlib.contextmanager
-def run_server(config: Config | None = None, *, engine: TransferEngine | None = None,
-               clock: FakeClock | None = None, notifier: Notifier | None = None,
-               housekeeping_interval_s: float = FAST_HOUSEKEEPING_S,
-               **config_fields: Any) -> Iterator[ThreadServer]:
+def run_server(
+    config: Config | None = None,
+    *,
+    engine: TransferEngine | None = None,
+    clock: FakeClock | None = None,
+    notifier: Notifier | None = None,
+    housekeeping_interval_s: float = FAST_HOUSEKEEPING_S,
+    **config_fields: Any,
+) -> Iterator[ThreadServer]:
     """A started :class:`ThreadServer`, stopped (and checked to exit 0) on leaving.
 
     Without ``config``, one is built from ``config_fields`` on a free loopback port with
@@ -164,13 +172,19 @@ def run_server(config: Config | None = None, *, engine: TransferEngine | None = 
     from lmc_server.server.notify import Notifier
 
     if config is None:
-        fields: dict[str, Any] = {"port": free_port(), "backend": "cpu", "l1_size_gb": 1,
-                                  "metrics_port": 0}
+        fields: dict[str, Any] = {
+            "port": free_port(),
+            "backend": "cpu",
+            "l1_size_gb": 1,
+            "metrics_port": 0,
+        }
         config = Config(**(fields | config_fields))
     else:
         assert not config_fields, "pass either a Config or its fields, not both"
-    kwargs: dict[str, Any] = {"notifier": Notifier(None) if notifier is None else notifier,
-                              "housekeeping_interval_s": housekeeping_interval_s}
+    kwargs: dict[str, Any] = {
+        "notifier": Notifier(None) if notifier is None else notifier,
+        "housekeeping_interval_s": housekeeping_interval_s,
+    }
     if clock is not None:
         kwargs["clock"] = clock
     ts = ThreadServer(config, engine=engine, **kwargs).start()

@@ -41,9 +41,13 @@ class KVCache:
         raise KeyError(name)
 
     def register_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(model=self.geometry.model, kv_dtype=self.geometry.kv_dtype,
-                                  arch=self.geometry.arch, groups=self.geometry.groups,
-                                  buffers=self.buffers)
+        kw: dict[str, Any] = dict(
+            model=self.geometry.model,
+            kv_dtype=self.geometry.kv_dtype,
+            arch=self.geometry.arch,
+            groups=self.geometry.groups,
+            buffers=self.buffers,
+        )
         kw.update(overrides)
         return kw
 
@@ -92,13 +96,14 @@ class ShmKV(KVCache):
         g = self.group(group)
         spec = g.layers[layer]
         lo = spec.offset + block * spec.block_stride
-        return self.segments[spec.buffer].array[lo:lo + spec.page_bytes]
+        return self.segments[spec.buffer].array[lo : lo + spec.page_bytes]
 
     def pages(self, group: str, blocks: Sequence[int]) -> bytes:
         """Concatenated pages of ``blocks`` over every layer of ``group``."""
         g = self.group(group)
-        return b"".join(self.page(group, li, b).tobytes()
-                        for li in range(len(g.layers)) for b in blocks)
+        return b"".join(
+            self.page(group, li, b).tobytes() for li in range(len(g.layers)) for b in blocks
+        )
 
     def unlink(self) -> None:
         """Remove the segments' names (after registering: the server has mapped them).
@@ -113,8 +118,9 @@ class ShmKV(KVCache):
         self.segments.clear()
 
 
-def block_ids_for(reg: Registration, n_chunks: int, rng: np.random.Generator | None = None,
-                  first_block: int = 0) -> dict[str, np.ndarray]:
+def block_ids_for(
+    reg: Registration, n_chunks: int, rng: np.random.Generator | None = None, first_block: int = 0
+) -> dict[str, np.ndarray]:
     """Block ids for ``n_chunks`` chunks per cached group: random distinct ids if ``rng``,
     else consecutive from ``first_block``."""
     out: dict[str, np.ndarray] = {}
@@ -131,9 +137,15 @@ def block_ids_for(reg: Registration, n_chunks: int, rng: np.random.Generator | N
     return out
 
 
-def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarray],
-                      dst: ShmKV, dst_ids: dict[str, np.ndarray], n: int,
-                      window_chunks: int = 1) -> None:
+def assert_same_pages(
+    reg: Registration,
+    src: ShmKV,
+    src_ids: dict[str, np.ndarray],
+    dst: ShmKV,
+    dst_ids: dict[str, np.ndarray],
+    n: int,
+    window_chunks: int = 1,
+) -> None:
     """The byte oracle of a retrieve of ``n`` chunks from ``src_ids`` into ``dst_ids``:
     full groups compared for every chunk, sliding-window groups for the window of the
     last ``window_chunks`` chunks (what one retrieve of a prefix writes)."""
@@ -145,6 +157,7 @@ def assert_same_pages(reg: Registration, src: ShmKV, src_ids: dict[str, np.ndarr
         b = np.asarray(dst_ids[g.name]).reshape(n, bpc)
         if g.kind == "sliding_window":
             keep = -(-g.window_tokens // g.tokens_per_block)
-            a, b = a[-window_chunks:, bpc - keep:], b[-window_chunks:, bpc - keep:]
-        assert src.pages(g.name, a.ravel().tolist()) == dst.pages(g.name, b.ravel().tolist()), \
+            a, b = a[-window_chunks:, bpc - keep :], b[-window_chunks:, bpc - keep :]
+        assert src.pages(g.name, a.ravel().tolist()) == dst.pages(g.name, b.ravel().tolist()), (
             f"group {g.name}: retrieved bytes differ"
+        )

@@ -78,16 +78,29 @@ class KVFixture:
     @classmethod
     def load(cls, path: str | Path) -> KVFixture:
         d = json.loads(Path(path).read_text())
-        tensors = {name: TensorPlacement(dtype=t["dtype"], element_size=int(t["element_size"]),
-                                         shape=tuple(t["shape"]), stride=tuple(t["stride"]),
-                                         offset_bytes=int(t["offset_bytes"]))
-                   for name, t in d["vllm"]["tensors"].items()}
+        tensors = {
+            name: TensorPlacement(
+                dtype=t["dtype"],
+                element_size=int(t["element_size"]),
+                shape=tuple(t["shape"]),
+                stride=tuple(t["stride"]),
+                offset_bytes=int(t["offset_bytes"]),
+            )
+            for name, t in d["vllm"]["tensors"].items()
+        }
         reg = d["registration"]
-        return cls(name=d["fixture"], model=d["model"], arch=d.get("arch"),
-                   backing_size_bytes=int(d["vllm"]["backing_size_bytes"]), tensors=tensors,
-                   layout=KVLayout.from_dict(d["layout"]),
-                   groups=msgspec.convert(reg["groups"], list[GroupSpec]),
-                   kv_dtype=reg["kv_dtype"], replicated=bool(reg["replicated"]), raw=d)
+        return cls(
+            name=d["fixture"],
+            model=d["model"],
+            arch=d.get("arch"),
+            backing_size_bytes=int(d["vllm"]["backing_size_bytes"]),
+            tensors=tensors,
+            layout=KVLayout.from_dict(d["layout"]),
+            groups=msgspec.convert(reg["groups"], list[GroupSpec]),
+            kv_dtype=reg["kv_dtype"],
+            replicated=bool(reg["replicated"]),
+            raw=d,
+        )
 
     @property
     def scratch_groups(self) -> list[GroupSpec]:
@@ -119,8 +132,9 @@ def host_views(fx: KVFixture, backing: np.ndarray) -> dict[str, HostTensor]:
     """The fixture's layer tensors over ``backing`` (uint8, the backing allocation)."""
     out = {}
     for name, t in fx.tensors.items():
-        raw = np.lib.stride_tricks.as_strided(backing[t.offset_bytes:], shape=t.shape_bytes,
-                                              strides=t.stride_bytes)
+        raw = np.lib.stride_tricks.as_strided(
+            backing[t.offset_bytes :], shape=t.shape_bytes, strides=t.stride_bytes
+        )
         out[name] = HostTensor(raw.view(np.dtype(f"u{t.element_size}")))
     return out
 
@@ -132,12 +146,15 @@ def torch_views(fx: KVFixture, backing: Any) -> dict[str, Any]:
 
     out = {}
     for name, t in fx.tensors.items():
-        raw = torch.as_strided(backing, t.shape_bytes, t.stride_bytes,
-                               backing.storage_offset() + t.offset_bytes)
+        raw = torch.as_strided(
+            backing, t.shape_bytes, t.stride_bytes, backing.storage_offset() + t.offset_bytes
+        )
         view = raw.view(getattr(torch, t.dtype))
         if tuple(view.shape) != t.shape or tuple(view.stride()) != t.stride:
-            raise ValueError(f"{name}: rebuilt view {tuple(view.shape)}/{view.stride()} is "
-                             f"not the fixture's {t.shape}/{t.stride}")
+            raise ValueError(
+                f"{name}: rebuilt view {tuple(view.shape)}/{view.stride()} is "
+                f"not the fixture's {t.shape}/{t.stride}"
+            )
         out[name] = view
     return out
 
@@ -154,9 +171,13 @@ class PageCopy:
     nbytes: int
 
 
-def expected_copies(groups: Sequence[GroupSpec], chunk_size: int, n_chunks: int,
-                    src_ids: Mapping[str, np.ndarray], dst_ids: Mapping[str, np.ndarray]
-                    ) -> list[PageCopy]:
+def expected_copies(
+    groups: Sequence[GroupSpec],
+    chunk_size: int,
+    n_chunks: int,
+    src_ids: Mapping[str, np.ndarray],
+    dst_ids: Mapping[str, np.ndarray],
+) -> list[PageCopy]:
     """The pages a retrieve of ``n_chunks`` chunks stored from ``src_ids`` writes into
     ``dst_ids`` (both per server group, in chunk order)."""
     out = []
@@ -168,16 +189,22 @@ def expected_copies(groups: Sequence[GroupSpec], chunk_size: int, n_chunks: int,
         if g.kind == "sliding_window":
             n_win_blocks = min(bpc, math.ceil(g.window_tokens / g.tokens_per_block))
             n_win_chunks = math.ceil(g.window_tokens / chunk_size)
-            blocks = blocks[max(0, n_chunks - n_win_chunks):, bpc - n_win_blocks:]
+            blocks = blocks[max(0, n_chunks - n_win_chunks) :, bpc - n_win_blocks :]
         src, dst = np.asarray(src_ids[g.name]), np.asarray(dst_ids[g.name])
         for j in blocks.reshape(-1):
             if dst[j] < 0 or src[j] < 0:
                 continue
             for layer in g.layers:
-                out.append(PageCopy(g.name, layer.name, layer.buffer,
-                                    layer.offset + int(src[j]) * layer.block_stride,
-                                    layer.offset + int(dst[j]) * layer.block_stride,
-                                    layer.page_bytes))
+                out.append(
+                    PageCopy(
+                        g.name,
+                        layer.name,
+                        layer.buffer,
+                        layer.offset + int(src[j]) * layer.block_stride,
+                        layer.offset + int(dst[j]) * layer.block_stride,
+                        layer.page_bytes,
+                    )
+                )
     return out
 
 
@@ -246,7 +273,7 @@ class ShmBacking:
     def apply(self, before: np.ndarray, copies: Sequence[PageCopy]) -> np.ndarray:
         out = before.copy()
         for c in copies:
-            out[c.dst:c.dst + c.nbytes] = before[c.src:c.src + c.nbytes]
+            out[c.dst : c.dst + c.nbytes] = before[c.src : c.src + c.nbytes]
         return out
 
     def first_difference(self, a: np.ndarray, b: np.ndarray) -> int | None:

@@ -60,10 +60,21 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def _group(name: str, kind: str, buffer: int, n_layers: int, num_blocks: int,
-           tokens_per_block: int, states_per_block: int, record: str, bytes_per_state: int,
-           align: int, stride_pad: int, window: int = 0, placement: str = "layer"
-           ) -> tuple[GroupSpec, int]:
+def _group(
+    name: str,
+    kind: str,
+    buffer: int,
+    n_layers: int,
+    num_blocks: int,
+    tokens_per_block: int,
+    states_per_block: int,
+    record: str,
+    bytes_per_state: int,
+    align: int,
+    stride_pad: int,
+    window: int = 0,
+    placement: str = "layer",
+) -> tuple[GroupSpec, int]:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
     page = round_up(states_per_block * bytes_per_state, align)
@@ -72,55 +83,143 @@ def _group(name: str, kind: str, buffer: int, n_layers: int, num_blocks: int,
         layer_stride, block_stride = num_blocks * stride, stride
     else:
         layer_stride, block_stride = stride, n_layers * stride
-    layers = [LayerSpec(buffer=buffer, offset=i * layer_stride, block_stride=block_stride,
-                        page_bytes=page, name=f"{name}.{i}") for i in range(n_layers)]
-    spec = GroupSpec(name=name, kind=kind,  # type: ignore[arg-type]
-                     tokens_per_block=tokens_per_block, states_per_block=states_per_block,
-                     record_format=record, bytes_per_state=bytes_per_state,
-                     num_blocks=num_blocks, layers=layers, window_tokens=window)
+    layers = [
+        LayerSpec(
+            buffer=buffer,
+            offset=i * layer_stride,
+            block_stride=block_stride,
+            page_bytes=page,
+            name=f"{name}.{i}",
+        )
+        for i in range(n_layers)
+    ]
+    spec = GroupSpec(
+        name=name,
+        kind=kind,  # type: ignore[arg-type]
+        tokens_per_block=tokens_per_block,
+        states_per_block=states_per_block,
+        record_format=record,
+        bytes_per_state=bytes_per_state,
+        num_blocks=num_blocks,
+        layers=layers,
+        window_tokens=window,
+    )
     return spec, n_layers * num_blocks * stride
 
 
-def dsv41_flash(arch: str = "sm90", num_blocks: int = 64, layers: int = 44,
-                sliding_groups: int = 2, kv_source_every: int = 2, window_tokens: int = 128,
-                stride_pad: int = 0, scratch: bool = True,
-                model: str = "deepseek-ai/DeepSeek-V4.1-Flash",
-                placement: str = "layer") -> KVGeometry:
+def dsv41_flash(
+    arch: str = "sm90",
+    num_blocks: int = 64,
+    layers: int = 44,
+    sliding_groups: int = 2,
+    kv_source_every: int = 2,
+    window_tokens: int = 128,
+    stride_pad: int = 0,
+    scratch: bool = True,
+    model: str = "deepseek-ai/DeepSeek-V4.1-Flash",
+    placement: str = "layer",
+) -> KVGeometry:
     """The DeepSeek-V4.1-Flash preset (``fp8_ds_mla`` KV, MLA: replicated across ranks)."""
     main_bytes, main_align = MAIN_RECORD.get(arch, DEFAULT_MAIN_RECORD)
     groups: list[GroupSpec] = []
     sizes: list[int] = []
-    per_group = [layers // sliding_groups + (1 if i < layers % sliding_groups else 0)
-                 for i in range(sliding_groups)]
+    per_group = [
+        layers // sliding_groups + (1 if i < layers % sliding_groups else 0)
+        for i in range(sliding_groups)
+    ]
     for i, n in enumerate(per_group):
-        g, size = _group(f"swa{i}", "sliding_window", len(sizes), n, num_blocks, 32, 32,
-                         "fp8_ds_mla", main_bytes, main_align, stride_pad, window_tokens,
-                         placement)
+        g, size = _group(
+            f"swa{i}",
+            "sliding_window",
+            len(sizes),
+            n,
+            num_blocks,
+            32,
+            32,
+            "fp8_ds_mla",
+            main_bytes,
+            main_align,
+            stride_pad,
+            window_tokens,
+            placement,
+        )
         groups.append(g)
         sizes.append(size)
     kv_layers = layers // kv_source_every
-    g, size = _group("compressed", "full", len(sizes), kv_layers, num_blocks, 64, 32,
-                     "fp8_ds_mla", main_bytes, main_align, stride_pad, placement=placement)
+    g, size = _group(
+        "compressed",
+        "full",
+        len(sizes),
+        kv_layers,
+        num_blocks,
+        64,
+        32,
+        "fp8_ds_mla",
+        main_bytes,
+        main_align,
+        stride_pad,
+        placement=placement,
+    )
     groups.append(g)
     sizes.append(size)
-    g, size = _group("indexer", "full", len(sizes), kv_layers, num_blocks, 64, 32,
-                     "indexer_fp8", INDEXER_BYTES, 1, stride_pad, placement=placement)
+    g, size = _group(
+        "indexer",
+        "full",
+        len(sizes),
+        kv_layers,
+        num_blocks,
+        64,
+        32,
+        "indexer_fp8",
+        INDEXER_BYTES,
+        1,
+        stride_pad,
+        placement=placement,
+    )
     groups.append(g)
     sizes.append(size)
     if scratch:
-        g, size = _group("compressor_scratch", "scratch", len(sizes), kv_layers, num_blocks,
-                         8, 8, "bf16", 512, 1, 0, placement=placement)
+        g, size = _group(
+            "compressor_scratch",
+            "scratch",
+            len(sizes),
+            kv_layers,
+            num_blocks,
+            8,
+            8,
+            "bf16",
+            512,
+            1,
+            0,
+            placement=placement,
+        )
         groups.append(g)
         sizes.append(size)
-    return KVGeometry(model=model, kv_dtype="fp8_ds_mla", arch=arch, groups=groups,
-                      buffer_sizes=sizes)
+    return KVGeometry(
+        model=model, kv_dtype="fp8_ds_mla", arch=arch, groups=groups, buffer_sizes=sizes
+    )
 
 
-def simple_model(arch: str = "sm90", num_blocks: int = 64, layers: int = 4,
-                 tokens_per_block: int = 16, bytes_per_token: int = 1024,
-                 model: str = "test/simple") -> KVGeometry:
+def simple_model(
+    arch: str = "sm90",
+    num_blocks: int = 64,
+    layers: int = 4,
+    tokens_per_block: int = 16,
+    bytes_per_token: int = 1024,
+    model: str = "test/simple",
+) -> KVGeometry:
     """An ordinary full-attention model: one group, one page per layer per block."""
-    g, size = _group("full", "full", 0, layers, num_blocks, tokens_per_block,
-                     tokens_per_block, "bf16", bytes_per_token, 1, 0)
-    return KVGeometry(model=model, kv_dtype="bf16", arch=arch, groups=[g],
-                      buffer_sizes=[size])
+    g, size = _group(
+        "full",
+        "full",
+        0,
+        layers,
+        num_blocks,
+        tokens_per_block,
+        tokens_per_block,
+        "bf16",
+        bytes_per_token,
+        1,
+        0,
+    )
+    return KVGeometry(model=model, kv_dtype="bf16", arch=arch, groups=[g], buffer_sizes=[size])

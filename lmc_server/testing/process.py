@@ -33,8 +33,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_ping(endpoint: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
-                  ready: bool = False) -> float:
+def wait_for_ping(
+    endpoint: str,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    ready: bool = False,
+) -> float:
     """Seconds until the server at ``endpoint`` answers ping (and is ready, if asked)."""
     t0 = time.monotonic()
     ctx = zmq.Context()
@@ -53,8 +57,9 @@ def wait_for_ping(endpoint: str, timeout_s: float, proc: subprocess.Popen[bytes]
             finally:
                 sock.close(linger=0)
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited with status {proc.returncode} before "
-                                   "answering ping")
+                raise RuntimeError(
+                    f"server exited with status {proc.returncode} before answering ping"
+                )
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"server at {endpoint} did not answer within {timeout_s} s")
             time.sleep(0.02)
@@ -100,15 +105,33 @@ class ServerProcess:
     #: preparation keep the default and wait (or not) themselves.
     pool_ready_by_default = False
 
-    def __init__(self, args: Sequence[str] = (), port: int | None = None,
-                 backend: str = "cpu", l1_size_gb: float = 1.0, start_timeout_s: float = 20.0,
-                 env: dict[str, str] | None = None, metrics_port: int = 0,
-                 host: str = "127.0.0.1", pool_ready: bool | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        backend: str = "cpu",
+        l1_size_gb: float = 1.0,
+        start_timeout_s: float = 20.0,
+        env: dict[str, str] | None = None,
+        metrics_port: int = 0,
+        host: str = "127.0.0.1",
+        pool_ready: bool | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.endpoint = tcp_endpoint(host, self.port)
-        self.args = ["--host", host, "--port", str(self.port), "--backend", backend,
-                     "--l1-size-gb",
-                     str(l1_size_gb), "--metrics-port", str(metrics_port), *args]
+        self.args = [
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--backend",
+            backend,
+            "--l1-size-gb",
+            str(l1_size_gb),
+            "--metrics-port",
+            str(metrics_port),
+            *args,
+        ]
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -119,8 +142,12 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server", "server", *self.args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmc_server", "server", *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
         try:
             wait_for_ping(self.endpoint, self.start_timeout_s, self.proc)
             if self.pool_ready:

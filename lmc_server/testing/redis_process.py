@@ -24,15 +24,23 @@ def redis_server_path() -> str | None:
 
 
 class RedisProcess:
-    def __init__(self, port: int | None = None, maxmemory_mb: int = 0,
-                 policy: str = "allkeys-lru", extra: tuple[str, ...] = (),
-                 password: str | None = None, tls_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        maxmemory_mb: int = 0,
+        policy: str = "allkeys-lru",
+        extra: tuple[str, ...] = (),
+        password: str | None = None,
+        tls_dir: str | None = None,
+    ) -> None:
         """``tls_dir`` holds ca.crt, server.crt and server.key: TLS only (no plain
         port); ``password`` sets ``requirepass``."""
         exe = redis_server_path()
         if exe is None:
-            raise FileNotFoundError("redis-server is not installed (Debian: apt-get install "
-                                    "redis-server; CI: .ci/install-redis.sh)")
+            raise FileNotFoundError(
+                "redis-server is not installed (Debian: apt-get install "
+                "redis-server; CI: .ci/install-redis.sh)"
+            )
         self.exe = exe
         self.port = port or free_port()
         self.maxmemory_mb = maxmemory_mb
@@ -53,18 +61,43 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
         import redis
 
-        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", self._dir.name, "--save", "", "--appendonly", "no",
-                "--protected-mode", "yes", "--maxmemory-policy", self.policy,
-                "--maxmemory", f"{self.maxmemory_mb}mb", *self.extra]
+        args = [
+            self.exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self._dir.name,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--maxmemory-policy",
+            self.policy,
+            "--maxmemory",
+            f"{self.maxmemory_mb}mb",
+            *self.extra,
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls_dir:
-            args[1:3] = ["--port", "0", "--tls-port", str(self.port),
-                         "--tls-cert-file", f"{self.tls_dir}/server.crt",
-                         "--tls-key-file", f"{self.tls_dir}/server.key",
-                         "--tls-ca-cert-file", f"{self.tls_dir}/ca.crt",
-                         "--tls-auth-clients", "no"]
+            args[1:3] = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                f"{self.tls_dir}/server.crt",
+                "--tls-key-file",
+                f"{self.tls_dir}/server.key",
+                "--tls-ca-cert-file",
+                f"{self.tls_dir}/ca.crt",
+                "--tls-auth-clients",
+                "no",
+            ]
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
@@ -78,7 +111,8 @@ class RedisProcess:
                     log = self.log()
                     self.kill()
                     raise RuntimeError(
-                        f"redis-server did not start on {self.port}: {log}") from None
+                        f"redis-server did not start on {self.port}: {log}"
+                    ) from None
                 time.sleep(0.05)
 
     def client(self) -> Any:

@@ -83,11 +83,14 @@ class FakeSystemd:
         ``timeout_s``."""
         with self._cond:
             if not self._cond.wait_for(cond, timeout_s):
-                raise AssertionError(f"{what} not received in {timeout_s} s; got "
-                                     f"{[a for _, lines in self.messages for a in lines]}")
+                raise AssertionError(
+                    f"{what} not received in {timeout_s} s; got "
+                    f"{[a for _, lines in self.messages for a in lines]}"
+                )
 
     def wait_for(self, assignment: str, timeout_s: float = 10.0) -> float:
         """When the first datagram carrying ``assignment`` arrived (waits for one)."""
+
         def first() -> float | None:
             return next((t for t, lines in self.messages if assignment in lines), None)
 
@@ -99,8 +102,11 @@ class FakeSystemd:
 
     def wait_count(self, assignment: str, n: int, timeout_s: float = 10.0) -> None:
         """Return once ``n`` datagrams carried ``assignment``."""
-        self.wait_until(lambda: sum(assignment in lines for _, lines in self.messages) >= n,
-                        f"{n} x {assignment}", timeout_s)
+        self.wait_until(
+            lambda: sum(assignment in lines for _, lines in self.messages) >= n,
+            f"{n} x {assignment}",
+            timeout_s,
+        )
 
     def close(self) -> None:
         """Stop listening; what was sent before (``sendto`` returned) is in

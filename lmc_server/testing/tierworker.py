@@ -40,8 +40,9 @@ def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any
 class Worker:
     """A client with its own shm KV cache, registered with one server."""
 
-    def __init__(self, endpoint: str, seed: int, arch: str = "sm90",
-                 num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(
+        self, endpoint: str, seed: int, arch: str = "sm90", num_blocks: int = NUM_BLOCKS
+    ) -> None:
         self.kv = ShmKV(dsv41_flash(arch=arch, num_blocks=num_blocks))
         self.kv.fill_random(seed) if seed else self.kv.fill(0)
         self.client = Client(endpoint, timeout_s=30, client_name="pytest-tiers")
@@ -59,26 +60,30 @@ class Worker:
         self.kv.close()
 
 
-def lookup_until(c: Client, reg: Registration, digests: bytes, want: int,
-                 timeout_s: float = 20.0) -> Any:
+def lookup_until(
+    c: Client, reg: Registration, digests: bytes, want: int, timeout_s: float = 20.0
+) -> Any:
     """Look up (no lease) until ``want`` chunks hit and nothing is pending; then take
     the lease with one more lookup."""
+
     def ready() -> bool:
         r = c.lookup(reg, digests, lease=False)
         return r.hit_chunks >= want and r.l2_pending_chunks == 0
+
     wait_for(ready, f"{want} chunks to hit", timeout_s)
     return c.lookup(reg, digests)
 
 
-def retrieve_exact(dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes,
-                   n: int) -> None:
+def retrieve_exact(
+    dst: Worker, src: Worker, src_ids: dict[str, np.ndarray], digests: bytes, n: int
+) -> None:
     """``n`` chunks hit on ``dst`` and come back exactly as ``src`` stored them."""
     look = lookup_until(dst.client, dst.reg, digests, n)
     assert look.hit_chunks >= n and look.lease_id
     dst_ids = block_ids_for(dst.reg, n, np.random.default_rng(1234))
-    res = dst.client.retrieve(dst.reg, digests[:n * 32], dst_ids)
+    res = dst.client.retrieve(dst.reg, digests[: n * 32], dst_ids)
     assert res.ok.all() and res.ok_prefix == n
     total = len(digests) // 32
-    head = {g: ids[:len(ids) // total * n] for g, ids in src_ids.items()}
+    head = {g: ids[: len(ids) // total * n] for g, ids in src_ids.items()}
     assert_same_pages(dst.reg, src.kv, head, dst.kv, dst_ids, n)
     assert dst.client.release(look.lease_id)

@@ -89,8 +89,9 @@ class TransferEngine(ABC):
         """Map a registration's buffers; raise :class:`TransferError` if impossible."""
 
     @abstractmethod
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         """Start copying pages into the pool (``to_pool``) or out of it; never blocks.
 
         Called on the event loop thread. Raises :class:`TransferError` only when

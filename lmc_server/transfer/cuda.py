@@ -97,14 +97,19 @@ class CudaEngine(TransferEngine):
 
     name = "cuda"
 
-    def __init__(self, copy_mode: str = "staging", lanes_per_device: int = LANES_PER_DEVICE,
-                 mapped_blocks: int = MAPPED_BLOCKS, pinning: str = "alloc",
-                 wait: str = "hybrid", first_piece_bytes: int = FIRST_PIECE_BYTES,
-                 staging_half_bytes: int = STAGING_HALF_BYTES,
-                 kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
-                 batch_copies: bool = True,
-                 make_batch_copier: Callable[[int], BatchCopier | None] = batch_copier
-                 ) -> None:
+    def __init__(
+        self,
+        copy_mode: str = "staging",
+        lanes_per_device: int = LANES_PER_DEVICE,
+        mapped_blocks: int = MAPPED_BLOCKS,
+        pinning: str = "alloc",
+        wait: str = "hybrid",
+        first_piece_bytes: int = FIRST_PIECE_BYTES,
+        staging_half_bytes: int = STAGING_HALF_BYTES,
+        kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
+        batch_copies: bool = True,
+        make_batch_copier: Callable[[int], BatchCopier | None] = batch_copier,
+    ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
@@ -146,8 +151,10 @@ class CudaEngine(TransferEngine):
                 # cudaDevAttrCanUseHostPointerForRegisteredMem: the pool's host address
                 # is its device address, which the mapped kernels rely on.
                 if not cupy.cuda.runtime.deviceGetAttribute(91, d):
-                    raise TransferError(f"device {d} cannot address registered host memory "
-                                        "directly; use --cuda-copy-mode staging")
+                    raise TransferError(
+                        f"device {d} cannot address registered host memory "
+                        "directly; use --cuda-copy-mode staging"
+                    )
 
     # -- resources ----------------------------------------------------------------------
 
@@ -173,11 +180,13 @@ class CudaEngine(TransferEngine):
                 lanes = self._lanes.get(device)
                 if lanes is None:
                     lanes = Lanes(device, self._lanes_per_device, self.staging_half_bytes)
-                    self._sm_count[device] = int(cupy.cuda.runtime.getDeviceProperties(
-                        device)["multiProcessorCount"])
+                    self._sm_count[device] = int(
+                        cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+                    )
                     if self.copy_mode == "auto":
-                        self._gates[device] = BusyGate(self._kernel_pct(device),
-                                                       name=f"GPU {device}")
+                        self._gates[device] = BusyGate(
+                            self._kernel_pct(device), name=f"GPU {device}"
+                        )
                     if self.copy_mode in ("auto", "dma") and self.batch_copies:
                         self._batch[device] = self._make_batch_copier(device)
                     self._lanes[device] = lanes  # last: readers take the lanes unlocked
@@ -186,13 +195,13 @@ class CudaEngine(TransferEngine):
     def _region(self, mapping: CudaMapping) -> Region:
         pool = self._pool
         assert pool is not None, "create_pool first"
-        return Region(mapping.ptrs, mapping.sizes, pool.slab_ptrs, pool.size_bytes,
-                      pool.slab_bytes)
+        return Region(mapping.ptrs, mapping.sizes, pool.slab_ptrs, pool.size_bytes, pool.slab_bytes)
 
     # -- copies -------------------------------------------------------------------------
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         """Plan and launch on the calling thread, then hand the lane to its waiter.
 
         Planning and launching are Python work under the GIL wherever they run, so
@@ -243,11 +252,15 @@ class CudaEngine(TransferEngine):
                         return False
                 elif mode == "staging":
                     # the largest cluster a plan stages: a section of one object
-                    halves = lane.halves(max(max(c.run.nbytes,
-                                                 c.run.n_blocks * c.run.object_block_stride)
-                                             for c in job.copies))
-                    plan = plan_staging(job.copies, region, halves, lane.half_bytes,
-                                        self.first_piece_bytes)
+                    halves = lane.halves(
+                        max(
+                            max(c.run.nbytes, c.run.n_blocks * c.run.object_block_stride)
+                            for c in job.copies
+                        )
+                    )
+                    plan = plan_staging(
+                        job.copies, region, halves, lane.half_bytes, self.first_piece_bytes
+                    )
                 else:
                     plan = plan_mapped(job.copies, region)
                 if isinstance(plan, Plan) and not plan.pieces:
@@ -267,11 +280,20 @@ class CudaEngine(TransferEngine):
                 else:
                     units, ids = lane.upload(plan, lane.sm)
                     if mode == "mapped":
-                        cuda_kernels.launch(device,
-                                            "gather_units" if to_pool else "scatter_units",
-                                            units, ids, plan.n_units, 0, plan.n_units,
-                                            plan.max_layers, plan.max_blocks,
-                                            self.mapped_blocks, MAPPED_THREADS, lane.sm)
+                        cuda_kernels.launch(
+                            device,
+                            "gather_units" if to_pool else "scatter_units",
+                            units,
+                            ids,
+                            plan.n_units,
+                            0,
+                            plan.n_units,
+                            plan.max_layers,
+                            plan.max_blocks,
+                            self.mapped_blocks,
+                            MAPPED_THREADS,
+                            lane.sm,
+                        )
                         last = lane.sm
                     elif to_pool:
                         store_pieces(lane, plan, units, ids, self._sm_count[device])
@@ -298,8 +320,9 @@ class CudaEngine(TransferEngine):
             job.dmas = sum(len(p.segments) for p in plan.pieces)
         job.t_launched = time.perf_counter()
         if lane.waiter is None:
-            lane.waiter = threading.Thread(target=self._waiter, args=(lane,),
-                                           name=f"lmc-cuda{device}-wait", daemon=True)
+            lane.waiter = threading.Thread(
+                target=self._waiter, args=(lane,), name=f"lmc-cuda{device}-wait", daemon=True
+            )
             lane.waiter.start()
         lane.jobs.put(job)
         return True
@@ -354,8 +377,12 @@ class CudaEngine(TransferEngine):
         """Count (and now and then log) a batch call the driver refused."""
         self.batch_fallbacks += 1
         if self.batch_fallbacks == 1 or self.batch_fallbacks % 1000 == 0:
-            log.warning("%s; the plan's %d rows went out as single copies (%d batch "
-                        "calls refused so far)", why, plan.n_rows, self.batch_fallbacks)
+            log.warning(
+                "%s; the plan's %d rows went out as single copies (%d batch calls refused so far)",
+                why,
+                plan.n_rows,
+                self.batch_fallbacks,
+            )
 
     def stop_queued(self) -> None:
         """Past the drain timeout: copies waiting for a lane fail now (their chunks are
@@ -381,4 +408,3 @@ class CudaEngine(TransferEngine):
         self._lanes.clear()
         if self._pool is not None:
             self._pool.close()
-

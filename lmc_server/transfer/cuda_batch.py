@@ -45,8 +45,12 @@ class _MemLocation(ctypes.Structure):
 class _MemcpyAttributes(ctypes.Structure):
     """``CUmemcpyAttributes_v1``."""
 
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
-                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class BatchCopier:
@@ -56,9 +60,12 @@ class BatchCopier:
         self._v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
         self._fn = lib.cuMemcpyBatchAsync_v2 if self._v2 else lib.cuMemcpyBatchAsync
         self._fn.restype = ctypes.c_int
-        self._attr = _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0),
-                                       _MemLocation(0, 0),
-                                       CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self._attr = _MemcpyAttributes(
+            CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            _MemLocation(0, 0),
+            _MemLocation(0, 0),
+            CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        )
         self._first = ctypes.c_size_t(0)
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
@@ -68,9 +75,15 @@ class BatchCopier:
         d = np.ascontiguousarray(dsts, dtype=np.uint64)
         s = np.ascontiguousarray(srcs, dtype=np.uint64)
         z = np.ascontiguousarray(sizes, dtype=np.uint64)
-        args = [ctypes.c_void_p(d.ctypes.data), ctypes.c_void_p(s.ctypes.data),
-                ctypes.c_void_p(z.ctypes.data), ctypes.c_size_t(n), ctypes.byref(self._attr),
-                ctypes.byref(self._first), ctypes.c_size_t(1)]
+        args = [
+            ctypes.c_void_p(d.ctypes.data),
+            ctypes.c_void_p(s.ctypes.data),
+            ctypes.c_void_p(z.ctypes.data),
+            ctypes.c_size_t(n),
+            ctypes.byref(self._attr),
+            ctypes.byref(self._first),
+            ctypes.c_size_t(1),
+        ]
         if not self._v2:
             fail = ctypes.c_size_t(0)
             args.append(ctypes.byref(fail))
@@ -98,8 +111,9 @@ def _check(device: int) -> BatchCopier | None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         if not (hasattr(lib, "cuMemcpyBatchAsync_v2") or hasattr(lib, "cuMemcpyBatchAsync")):
-            log.info("the CUDA driver has no cuMemcpyBatchAsync: dma copies are issued one "
-                     "at a time")
+            log.info(
+                "the CUDA driver has no cuMemcpyBatchAsync: dma copies are issued one at a time"
+            )
             return None
         copier = BatchCopier(lib)
         with cupy.cuda.Device(device):
@@ -109,23 +123,32 @@ def _check(device: int) -> BatchCopier | None:
             back = cupy.zeros_like(src)
             host = cupy.cuda.alloc_pinned_memory(src.nbytes)
             host_view = np.frombuffer(host, dtype=np.uint8, count=src.nbytes)
-            pieces = np.asarray([[0, 1000], [4096, 3 * 65536 + 8], [1 << 21, (1 << 21) - 17]],
-                                dtype=np.uint64)
+            pieces = np.asarray(
+                [[0, 1000], [4096, 3 * 65536 + 8], [1 << 21, (1 << 21) - 17]], dtype=np.uint64
+            )
             base_d, base_h = int(src.data.ptr), int(host_view.ctypes.data)
             copier.copy(base_h + pieces[:, 0], base_d + pieces[:, 0], pieces[:, 1], stream.ptr)
-            copier.copy(int(back.data.ptr) + pieces[:, 0], base_h + pieces[:, 0], pieces[:, 1],
-                        stream.ptr)
+            copier.copy(
+                int(back.data.ptr) + pieces[:, 0], base_h + pieces[:, 0], pieces[:, 1], stream.ptr
+            )
             stream.synchronize()
             want, got = src.get(), back.get()
             for off, size in pieces.tolist():
-                if not (np.array_equal(host_view[off:off + size], want[off:off + size])
-                        and np.array_equal(got[off:off + size], want[off:off + size])):
-                    log.warning("cuMemcpyBatchAsync self-check copied wrong bytes: dma copies "
-                                "are issued one at a time")
+                if not (
+                    np.array_equal(host_view[off : off + size], want[off : off + size])
+                    and np.array_equal(got[off : off + size], want[off : off + size])
+                ):
+                    log.warning(
+                        "cuMemcpyBatchAsync self-check copied wrong bytes: dma copies "
+                        "are issued one at a time"
+                    )
                     return None
     except (OSError, AttributeError, TransferError, cupy.cuda.runtime.CUDARuntimeError) as e:
         log.warning("cuMemcpyBatchAsync unusable (%s): dma copies are issued one at a time", e)
         return None
-    log.info("device %d: dma copies go to the driver in batches (cuMemcpyBatchAsync%s)",
-             device, "_v2" if copier._v2 else "")
+    log.info(
+        "device %d: dma copies go to the driver in batches (cuMemcpyBatchAsync%s)",
+        device,
+        "_v2" if copier._v2 else "",
+    )
     return copier

@@ -74,8 +74,7 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     n_blocks = t[:, N_BLOCKS]
     unit = np.repeat(np.arange(t.shape[0], dtype=np.int64), n_blocks)
     ids = _unit_ids(t, u.ids)
-    j = np.arange(ids.size, dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks,
-                                                        n_blocks)
+    j = np.arange(ids.size, dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
     page = t[unit, PAGE_BYTES]
     contiguous = (t[unit, BLOCK_STRIDE] == page) & (t[unit, OBJ_BLOCK_STRIDE] == page)
     live = ids >= 0
@@ -114,8 +113,11 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
         row_unit = np.concatenate([ru[stacked], np.repeat(ru[~stacked], reps)])
     # rows whose layers are adjacent on both sides (block-major objects of a
     # block-outermost worker) are one contiguous range: a 1-D copy
-    flat = (rows[:, HEIGHT] > 1) & (rows[:, DEV_PITCH] == rows[:, WIDTH]) & (
-        rows[:, POOL_PITCH] == rows[:, WIDTH])
+    flat = (
+        (rows[:, HEIGHT] > 1)
+        & (rows[:, DEV_PITCH] == rows[:, WIDTH])
+        & (rows[:, POOL_PITCH] == rows[:, WIDTH])
+    )
     if flat.any():
         rows[flat, WIDTH] *= rows[flat, HEIGHT]
         rows[flat, HEIGHT] = 1
@@ -156,8 +158,6 @@ def _unit_ids(t: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """
     offs, n = t[:, IDS_OFFSET], t[:, N_BLOCKS]
     ends = offs + n
-    if (int(offs[0]) == 0 and int(ends[-1]) == ids.size
-            and bool((offs[1:] == ends[:-1]).all())):
+    if int(offs[0]) == 0 and int(ends[-1]) == ids.size and bool((offs[1:] == ends[:-1]).all()):
         return ids
-    return np.concatenate([ids[o:o + k] for o, k in zip(offs.tolist(), n.tolist(),
-                                                        strict=True)])
+    return np.concatenate([ids[o : o + k] for o, k in zip(offs.tolist(), n.tolist(), strict=True)])

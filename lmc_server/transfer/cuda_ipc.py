@@ -34,7 +34,7 @@ def normalize_uuid(uuid: str) -> str:
     u = uuid.strip().lower()
     for prefix in ("gpu-", "mig-"):
         if u.startswith(prefix):
-            u = u[len(prefix):]
+            u = u[len(prefix) :]
     return u.replace("-", "")
 
 
@@ -55,8 +55,9 @@ def device_uuid(device: int) -> str:
     else:  # older CuPy: ask the driver (runtime and driver ordinals agree)
         cu_dev = ctypes.c_int()
         buf = ctypes.create_string_buffer(16)
-        if (_driver().cuDeviceGet(ctypes.byref(cu_dev), device)
-                or _driver().cuDeviceGetUuid_v2(buf, cu_dev)):
+        if _driver().cuDeviceGet(ctypes.byref(cu_dev), device) or _driver().cuDeviceGetUuid_v2(
+            buf, cu_dev
+        ):
             raise TransferError(f"cannot read the UUID of device {device}")
         h = buf.raw.hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
@@ -74,8 +75,10 @@ def device_info(device: int) -> DeviceInfo:
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
     arch = arch_of(int(props["major"]), int(props["minor"]))
-    return DeviceInfo(arch=arch, description=f"{name} ({device_uuid(device)}, cuda device "
-                                             f"{device} of this server)")
+    return DeviceInfo(
+        arch=arch,
+        description=f"{name} ({device_uuid(device)}, cuda device {device} of this server)",
+    )
 
 
 def find_device(uuid: str) -> int:
@@ -84,16 +87,18 @@ def find_device(uuid: str) -> int:
     for d in range(cupy.cuda.runtime.getDeviceCount()):
         if normalize_uuid(device_uuid(d)) == want:
             return d
-    raise TransferError(f"GPU {uuid} is not visible to the server "
-                        "(check CUDA_VISIBLE_DEVICES of the server)")
+    raise TransferError(
+        f"GPU {uuid} is not visible to the server (check CUDA_VISIBLE_DEVICES of the server)"
+    )
 
 
 def allocation_range(ptr: int) -> tuple[int, int]:
     """``(base, size)`` of the allocation holding ``ptr`` (current device's context)."""
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
-    rc = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                          ctypes.c_uint64(ptr))
+    rc = _driver().cuMemGetAddressRange_v2(
+        ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
+    )
     if rc != 0:
         raise TransferError(f"cuMemGetAddressRange failed with CUDA error {rc}")
     return int(base.value), int(size.value)
@@ -166,19 +171,25 @@ class CudaMapping(Mapping):
         try:
             for i, b in enumerate(buffers):
                 if not isinstance(b, CudaIpcBuffer):
-                    raise TransferError("the cuda backend maps CUDA IPC buffers only "
-                                        f"(buffer {i} is {type(b).__name__})")
+                    raise TransferError(
+                        "the cuda backend maps CUDA IPC buffers only "
+                        f"(buffer {i} is {type(b).__name__})"
+                    )
                 if len(b.handle) != _IPC_HANDLE_BYTES:
-                    raise TransferError(f"buffer {i}: an IPC handle has {_IPC_HANDLE_BYTES} "
-                                        f"bytes, got {len(b.handle)}")
+                    raise TransferError(
+                        f"buffer {i}: an IPC handle has {_IPC_HANDLE_BYTES} "
+                        f"bytes, got {len(b.handle)}"
+                    )
                 if b.offset < 0 or b.size_bytes <= 0:
                     raise TransferError(f"buffer {i}: offset must be >= 0 and size > 0")
                 dev = find_device(b.device_uuid)
                 if self.device_index < 0:
                     self.device_index = dev
                 elif dev != self.device_index:
-                    raise TransferError("all buffers of one registration must be on one GPU "
-                                        f"(buffer {i} is on {b.device_uuid})")
+                    raise TransferError(
+                        "all buffers of one registration must be on one GPU "
+                        f"(buffer {i} is on {b.device_uuid})"
+                    )
                 o = self._table.acquire(dev, b.handle)
                 self._held.append(b.handle)
                 start = o.ptr + b.offset
@@ -186,14 +197,19 @@ class CudaMapping(Mapping):
                     raise TransferError(
                         f"buffer {i}: bytes [{b.offset}, {b.offset + b.size_bytes}) exceed "
                         f"the exported allocation ({o.base + o.size - o.ptr} bytes from "
-                        "the handle's address)")
+                        "the handle's address)"
+                    )
                 ptrs.append(start)
                 sizes.append(b.size_bytes)
             if self.device_index < 0:
                 raise TransferError("no buffers to map")
             self.device = device_info(self.device_index)
-            log.info("mapped %d buffers (%.2f GiB) on %s", len(ptrs), sum(sizes) / (1 << 30),
-                     self.device.description)
+            log.info(
+                "mapped %d buffers (%.2f GiB) on %s",
+                len(ptrs),
+                sum(sizes) / (1 << 30),
+                self.device.description,
+            )
         except BaseException:
             self.close()
             raise

@@ -64,9 +64,20 @@ def kernel(device: int, name: str) -> cupy.RawKernel:
     return fn
 
 
-def launch(device: int, name: str, units_ptr: int, ids_ptr: int, capacity: int, first: int,
-           count: int, max_layers: int, max_blocks: int, blocks: int, threads: int,
-           stream: cupy.cuda.Stream) -> None:
+def launch(
+    device: int,
+    name: str,
+    units_ptr: int,
+    ids_ptr: int,
+    capacity: int,
+    first: int,
+    count: int,
+    max_layers: int,
+    max_blocks: int,
+    blocks: int,
+    threads: int,
+    stream: cupy.cuda.Stream,
+) -> None:
     """Copy the pages of unit rows ``[first, first + count)`` of the device unit array.
 
     ``capacity`` is the number of rows the array at ``units_ptr`` holds; ``ids_ptr`` is
@@ -76,15 +87,32 @@ def launch(device: int, name: str, units_ptr: int, ids_ptr: int, capacity: int, 
     if count == 0:
         return
     if not (0 <= first and count > 0 and first + count <= capacity):
-        raise TransferError(f"unit rows [{first}, {first + count}) outside the "
-                            f"{capacity}-row unit buffer")
-    if not (0 < threads <= MAX_THREADS and threads % 32 == 0 and blocks > 0
-            and max_layers > 0 and max_blocks > 0):
-        raise TransferError(f"bad launch shape {blocks} x {threads} "
-                            f"({max_layers} layers x {max_blocks} blocks per unit)")
+        raise TransferError(
+            f"unit rows [{first}, {first + count}) outside the {capacity}-row unit buffer"
+        )
+    if not (
+        0 < threads <= MAX_THREADS
+        and threads % 32 == 0
+        and blocks > 0
+        and max_layers > 0
+        and max_blocks > 0
+    ):
+        raise TransferError(
+            f"bad launch shape {blocks} x {threads} "
+            f"({max_layers} layers x {max_blocks} blocks per unit)"
+        )
     if units_ptr == 0 or units_ptr % 8 or ids_ptr == 0 or ids_ptr % 8:
         raise TransferError("unit or block-id buffer is not 8-byte aligned")
     fn = kernel(device, name)
-    fn((min(blocks, count * max_layers * max_blocks),), (threads,),
-       (np.uint64(units_ptr + first * UNIT_BYTES), np.uint64(ids_ptr), np.int64(count),
-        np.int64(max_layers), np.int64(max_blocks)), stream=stream)
+    fn(
+        (min(blocks, count * max_layers * max_blocks),),
+        (threads,),
+        (
+            np.uint64(units_ptr + first * UNIT_BYTES),
+            np.uint64(ids_ptr),
+            np.int64(count),
+            np.int64(max_layers),
+            np.int64(max_blocks),
+        ),
+        stream=stream,
+    )

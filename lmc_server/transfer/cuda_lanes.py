@@ -94,8 +94,9 @@ class Lane:
         view[:unit_words] = plan.units.reshape(-1)
         view[unit_words:words] = plan.ids
         dev = int(self.dev.ptr)
-        cupy.cuda.runtime.memcpyAsync(dev, int(view.ctypes.data), words * 8,
-                                      MEMCPY_DEFAULT, stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(
+            dev, int(view.ctypes.data), words * 8, MEMCPY_DEFAULT, stream.ptr
+        )
         return dev, dev + unit_words * 8
 
     def drain(self) -> None:

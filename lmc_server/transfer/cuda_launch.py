@@ -50,8 +50,9 @@ def issue_dma(lane: Lane, plan: DmaPlan, to_pool: bool, batch: BatchCopier | Non
                 refused = str(e)
     copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
     for dev, dpitch, pool, ppitch, width, height in rows.tolist():
-        dst, dst_pitch, src, src_pitch = ((pool, ppitch, dev, dpitch) if to_pool
-                                          else (dev, dpitch, pool, ppitch))
+        dst, dst_pitch, src, src_pitch = (
+            (pool, ppitch, dev, dpitch) if to_pool else (dev, dpitch, pool, ppitch)
+        )
         if height == 1:
             copy1d(dst, src, width, MEMCPY_DEFAULT, stream)
         else:
@@ -75,9 +76,20 @@ def store_pieces(lane: Lane, plan: Plan, units: int, ids: int, sm_count: int) ->
         h = k % 2
         if k >= 2:
             sm.wait_event(lane.freed[h])
-        launch(device, "gather_units", units, ids, n, p.first, p.count, plan.max_layers,
-               plan.max_blocks, _blocks(plan.box_pages(p.count), sm_count), GATHER_THREADS,
-               sm)
+        launch(
+            device,
+            "gather_units",
+            units,
+            ids,
+            n,
+            p.first,
+            p.count,
+            plan.max_layers,
+            plan.max_blocks,
+            _blocks(plan.box_pages(p.count), sm_count),
+            GATHER_THREADS,
+            sm,
+        )
         lane.filled[h].record(sm)
         dma.wait_event(lane.filled[h])
         for stage, pool, nbytes in p.segments.tolist():
@@ -97,7 +109,18 @@ def retrieve_pieces(lane: Lane, plan: Plan, units: int, ids: int, sm_count: int)
             memcpy(stage, pool, nbytes, MEMCPY_DEFAULT, dma.ptr)
         lane.filled[h].record(dma)
         sm.wait_event(lane.filled[h])
-        launch(device, "scatter_units", units, ids, n, p.first, p.count, plan.max_layers,
-               plan.max_blocks, _blocks(plan.box_pages(p.count), sm_count), GATHER_THREADS,
-               sm)
+        launch(
+            device,
+            "scatter_units",
+            units,
+            ids,
+            n,
+            p.first,
+            p.count,
+            plan.max_layers,
+            plan.max_blocks,
+            _blocks(plan.box_pages(p.count), sm_count),
+            GATHER_THREADS,
+            sm,
+        )
         lane.freed[h].record(sm)

@@ -42,8 +42,18 @@ from lmc_server.transfer.base import TransferError
 
 #: int64 words per unit row; column meanings match ``kernels/copy_pages.cu``.
 UNIT_WORDS = 10
-(PAGE_BASE, LAYER_STRIDE, BLOCK_STRIDE, PAGE_BYTES, OBJECT, IDS_OFFSET, N_LAYERS, N_BLOCKS,
- OBJ_LAYER_STRIDE, OBJ_BLOCK_STRIDE) = range(UNIT_WORDS)
+(
+    PAGE_BASE,
+    LAYER_STRIDE,
+    BLOCK_STRIDE,
+    PAGE_BYTES,
+    OBJECT,
+    IDS_OFFSET,
+    N_LAYERS,
+    N_BLOCKS,
+    OBJ_LAYER_STRIDE,
+    OBJ_BLOCK_STRIDE,
+) = range(UNIT_WORDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +110,10 @@ def _check_shape(ci: int, c: RunCopy, n_buffers: int) -> None:
     r = c.run
     ids, offs = c.block_ids, c.object_offsets
     if ids.ndim != 2 or ids.shape[1] != r.n_blocks or offs.shape != (ids.shape[0],):
-        raise TransferError(f"copy {ci}: block ids {ids.shape} / object offsets "
-                            f"{offs.shape} do not match {r.n_blocks} blocks per chunk")
+        raise TransferError(
+            f"copy {ci}: block ids {ids.shape} / object offsets "
+            f"{offs.shape} do not match {r.n_blocks} blocks per chunk"
+        )
     if ids.dtype.kind not in "iu" or offs.dtype.kind not in "iu":
         raise TransferError(f"copy {ci}: block ids and object offsets must be integers")
     if not 0 <= r.buffer < n_buffers:
@@ -110,8 +122,7 @@ def _check_shape(ci: int, c: RunCopy, n_buffers: int) -> None:
         raise TransferError(f"copy {ci}: empty run")
 
 
-def _check_ranges(ci: int, c: RunCopy, ids: np.ndarray, offs: np.ndarray,
-                  region: Region) -> bool:
+def _check_ranges(ci: int, c: RunCopy, ids: np.ndarray, offs: np.ndarray, region: Region) -> bool:
     """Check one copy's page envelope and object ranges; ``False``: nothing to copy
     (every block id is -1)."""
     r = c.run
@@ -129,13 +140,13 @@ def _check_ranges(ci: int, c: RunCopy, ids: np.ndarray, offs: np.ndarray,
     if lo < 0 or hi > int(region.buffer_sizes[r.buffer]):
         raise TransferError(
             f"copy {ci}: pages span bytes [{lo}, {hi}) of buffer {r.buffer}, which has "
-            f"{int(region.buffer_sizes[r.buffer])} bytes (block ids {lo_id}..{hi_id})")
+            f"{int(region.buffer_sizes[r.buffer])} bytes (block ids {lo_id}..{hi_id})"
+        )
     ext = r.object_extent
     lo_off, hi_off = int(offs.min()), int(offs.max()) + ext
     same_slab = (offs // region.slab_bytes) == ((offs + ext - 1) // region.slab_bytes)
     if lo_off < 0 or hi_off > region.pool_bytes or not same_slab.all():
-        raise TransferError(f"copy {ci}: object range outside the pool or across a slab "
-                            "boundary")
+        raise TransferError(f"copy {ci}: object range outside the pool or across a slab boundary")
     return True
 
 
@@ -173,8 +184,11 @@ _SAFE = 1 << 31
 
 
 def _template(live: list[RunCopy], region: Region) -> _Template:
-    key = (tuple((c.run, int(c.block_ids.shape[0])) for c in live),
-           region.buffer_ptrs.tobytes(), region.buffer_sizes.tobytes())
+    key = (
+        tuple((c.run, int(c.block_ids.shape[0])) for c in live),
+        region.buffer_ptrs.tobytes(),
+        region.buffer_sizes.tobytes(),
+    )
     t = _TEMPLATES.get(key)
     if t is not None:
         return t
@@ -183,16 +197,33 @@ def _template(live: list[RunCopy], region: Region) -> _Template:
     for c in live:
         r = c.run
         m = int(c.block_ids.shape[0])
-        rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
-                     r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks,
-                     r.object_layer_stride, r.object_block_stride))
+        rows.append(
+            (
+                int(region.buffer_ptrs[r.buffer]) + r.base_offset,
+                r.layer_stride,
+                r.block_stride,
+                r.page_bytes,
+                0,
+                id_at,
+                r.n_layers,
+                r.n_blocks,
+                r.object_layer_stride,
+                r.object_block_stride,
+            )
+        )
         counts.append(m)
         id_starts.append(id_at)
         off_starts.append(off_at)
         last_layer = (r.n_layers - 1) * r.layer_stride
-        consts.append((r.block_stride, r.base_offset + min(0, last_layer),
-                       r.base_offset + max(0, last_layer) + r.page_bytes,
-                       int(region.buffer_sizes[r.buffer]), r.object_extent))
+        consts.append(
+            (
+                r.block_stride,
+                r.base_offset + min(0, last_layer),
+                r.base_offset + max(0, last_layer) + r.page_bytes,
+                int(region.buffer_sizes[r.buffer]),
+                r.object_extent,
+            )
+        )
         id_at += m * r.n_blocks
         off_at += m
     n = np.asarray(counts, dtype=np.int64)
@@ -201,8 +232,18 @@ def _template(live: list[RunCopy], region: Region) -> _Template:
     table[:, IDS_OFFSET] += local * table[:, N_BLOCKS]
     size = table[:, PAGE_BYTES] * table[:, N_LAYERS] * table[:, N_BLOCKS]
     k = np.asarray(consts, dtype=np.int64)
-    t = _Template(table, size, _extent(table), np.asarray(id_starts, np.int64),
-                  np.asarray(off_starts, np.int64), k[:, 0], k[:, 1], k[:, 2], k[:, 3], k[:, 4])
+    t = _Template(
+        table,
+        size,
+        _extent(table),
+        np.asarray(id_starts, np.int64),
+        np.asarray(off_starts, np.int64),
+        k[:, 0],
+        k[:, 1],
+        k[:, 2],
+        k[:, 3],
+        k[:, 4],
+    )
     if len(_TEMPLATES) >= _TEMPLATES_MAX:
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
     _TEMPLATES[key] = t
@@ -227,20 +268,22 @@ def plan_units(copies: Sequence[RunCopy], region: Region) -> Units | None:
             live.append(c)
     if not live:
         return None
-    ids = np.concatenate([c.block_ids.reshape(-1) for c in live]).astype(np.int64,
-                                                                         copy=False)
+    ids = np.concatenate([c.block_ids.reshape(-1) for c in live]).astype(np.int64, copy=False)
     offs = np.concatenate([c.object_offsets for c in live]).astype(np.int64, copy=False)
     t = _template(live, region)
     lo_id = np.minimum.reduceat(ids, t.id_starts)
     hi_id = np.maximum.reduceat(ids, t.id_starts)
-    if (int(lo_id.min()) < -1 or int(hi_id.min()) < 0 or int(hi_id.max()) >= _SAFE
-            or int(np.abs(t.block_stride).max()) >= _SAFE):
+    if (
+        int(lo_id.min()) < -1
+        or int(hi_id.min()) < 0
+        or int(hi_id.max()) >= _SAFE
+        or int(np.abs(t.block_stride).max()) >= _SAFE
+    ):
         return _units_exact(copies, live, ids, offs, region)
     if int(lo_id.min()) == -1:
         lo_id = np.minimum.reduceat(np.where(ids < 0, hi_id.max(), ids), t.id_starts)
     a, b = lo_id * t.block_stride, hi_id * t.block_stride
-    bad = ((t.lo_extent + np.minimum(a, b) < 0)
-           | (t.hi_extent + np.maximum(a, b) > t.buffer_bytes))
+    bad = (t.lo_extent + np.minimum(a, b) < 0) | (t.hi_extent + np.maximum(a, b) > t.buffer_bytes)
     lo_off = np.minimum.reduceat(offs, t.off_starts)
     hi_off = np.maximum.reduceat(offs, t.off_starts) + t.run_extent
     bad |= (lo_off < 0) | (hi_off > region.pool_bytes)
@@ -250,8 +293,13 @@ def plan_units(copies: Sequence[RunCopy], region: Region) -> Units | None:
     return Units(t.table.copy(), ids, offs, t.size, t.extent)
 
 
-def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray,
-                 offs: np.ndarray, region: Region) -> Units | None:
+def _units_exact(
+    copies: Sequence[RunCopy],
+    live: list[RunCopy],
+    ids: np.ndarray,
+    offs: np.ndarray,
+    region: Region,
+) -> Units | None:
     """Per-copy checks in Python integers (exact, with the offending copy named)."""
     index = {id(c): ci for ci, c in enumerate(copies)}
     rows: list[tuple[int, ...]] = []
@@ -261,12 +309,23 @@ def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray
     for c in live:
         r = c.run
         m = int(c.block_ids.shape[0])
-        c_ids = ids[id_at:id_at + m * r.n_blocks].reshape(m, r.n_blocks)
-        c_offs = offs[off_at:off_at + m]
+        c_ids = ids[id_at : id_at + m * r.n_blocks].reshape(m, r.n_blocks)
+        c_offs = offs[off_at : off_at + m]
         if _check_ranges(index[id(c)], c, c_ids, c_offs, region):
-            rows.append((int(region.buffer_ptrs[r.buffer]) + r.base_offset, r.layer_stride,
-                         r.block_stride, r.page_bytes, 0, id_at, r.n_layers, r.n_blocks,
-                         r.object_layer_stride, r.object_block_stride))
+            rows.append(
+                (
+                    int(region.buffer_ptrs[r.buffer]) + r.base_offset,
+                    r.layer_stride,
+                    r.block_stride,
+                    r.page_bytes,
+                    0,
+                    id_at,
+                    r.n_layers,
+                    r.n_blocks,
+                    r.object_layer_stride,
+                    r.object_block_stride,
+                )
+            )
             counts.append(m)
             keep_offs.append(c_offs)
         id_at += m * r.n_blocks
@@ -284,8 +343,11 @@ def _units_exact(copies: Sequence[RunCopy], live: list[RunCopy], ids: np.ndarray
 
 def _extent(table: np.ndarray) -> np.ndarray:
     """Per unit row: bytes from its first object byte to past its last."""
-    return ((table[:, N_LAYERS] - 1) * table[:, OBJ_LAYER_STRIDE]
-            + (table[:, N_BLOCKS] - 1) * table[:, OBJ_BLOCK_STRIDE] + table[:, PAGE_BYTES])
+    return (
+        (table[:, N_LAYERS] - 1) * table[:, OBJ_LAYER_STRIDE]
+        + (table[:, N_BLOCKS] - 1) * table[:, OBJ_BLOCK_STRIDE]
+        + table[:, PAGE_BYTES]
+    )
 
 
 def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
@@ -297,13 +359,21 @@ def check_objects(start: np.ndarray, size: np.ndarray, lo: np.ndarray, hi: np.nd
     bad = (start < lo) | (start + size > hi)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise TransferError(f"object range {i} [{int(start[i]):#x}, +{int(size[i])}) is "
-                            "outside its pool or staging area")
+        raise TransferError(
+            f"object range {i} [{int(start[i]):#x}, +{int(size[i])}) is "
+            "outside its pool or staging area"
+        )
 
 
 def _finish(u: Units, table: np.ndarray, pieces: tuple[Piece, ...]) -> Plan:
-    return Plan(table, u.ids, pieces, int(u.size.sum()), int(table[:, N_LAYERS].max()),
-                int(table[:, N_BLOCKS].max()))
+    return Plan(
+        table,
+        u.ids,
+        pieces,
+        int(u.size.sum()),
+        int(table[:, N_LAYERS].max()),
+        int(table[:, N_BLOCKS].max()),
+    )
 
 
 def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
@@ -319,8 +389,13 @@ def plan_mapped(copies: Sequence[RunCopy], region: Region) -> Plan:
     return _finish(u, table, (Piece(0, table.shape[0], 0, np.zeros((0, 3), np.int64)),))
 
 
-def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int],
-                 half_bytes: int, first_piece_bytes: int = 0) -> Plan:
+def plan_staging(
+    copies: Sequence[RunCopy],
+    region: Region,
+    halves: Sequence[int],
+    half_bytes: int,
+    first_piece_bytes: int = 0,
+) -> Plan:
     """Units in pool order, packed into staging halves; one piece per half-fill.
 
     Units whose object extents overlap (the runs of one block-major section, whose
@@ -349,8 +424,10 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     cl_size = np.maximum.reduceat(s_hi, cl_first) - cl_lo
     unit_cl = np.repeat(np.arange(n_cl, dtype=np.int64), np.diff(np.append(cl_first, n_units)))
     if int(cl_size.max()) > half_bytes:
-        raise TransferError(f"one object section is {int(cl_size.max())} bytes, more than "
-                            f"the {half_bytes}-byte staging half")
+        raise TransferError(
+            f"one object section is {int(cl_size.max())} bytes, more than "
+            f"the {half_bytes}-byte staging half"
+        )
     cum_end = np.cumsum(cl_size)
     cum_start = cum_end - cl_size
     # Greedy packing at cluster boundaries: one bisection per piece, not per cluster.
@@ -367,8 +444,7 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     n_pieces = len(firsts_c)
     first_arr = np.asarray(firsts_c + [n_cl], dtype=np.int64)
     cl_piece = np.repeat(np.arange(n_pieces, dtype=np.int64), np.diff(first_arr))
-    half_addr = np.asarray([int(halves[p % len(halves)]) for p in range(n_pieces)],
-                           dtype=np.int64)
+    half_addr = np.asarray([int(halves[p % len(halves)]) for p in range(n_pieces)], dtype=np.int64)
     cl_half = half_addr[cl_piece]
     cl_stage = cl_half + cum_start - cum_start[first_arr[:-1]][cl_piece]
     unit_stage = cl_stage[unit_cl] + (s_lo - cl_lo[unit_cl])
@@ -376,8 +452,11 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     # DMA segments: clusters neighbouring in pool and staging, same piece and slab, merge.
     slab = cl_lo // region.slab_bytes
     joins = np.zeros(n_cl, dtype=bool)
-    joins[1:] = ((cl_lo[1:] == cl_lo[:-1] + cl_size[:-1]) & (cl_piece[1:] == cl_piece[:-1])
-                 & (slab[1:] == slab[:-1]))
+    joins[1:] = (
+        (cl_lo[1:] == cl_lo[:-1] + cl_size[:-1])
+        & (cl_piece[1:] == cl_piece[:-1])
+        & (slab[1:] == slab[:-1])
+    )
     seg_first = np.flatnonzero(~joins)
     segments = np.empty((len(seg_first), 3), dtype=np.int64)
     segments[:, 0] = cl_stage[seg_first]
@@ -386,7 +465,13 @@ def plan_staging(copies: Sequence[RunCopy], region: Region, halves: Sequence[int
     seg_bounds = np.searchsorted(cl_piece[seg_first], np.arange(n_pieces + 1)).tolist()
     table[:, OBJECT] = unit_stage
     unit_firsts = np.append(cl_first, n_units)[first_arr].tolist()
-    pieces = tuple(Piece(unit_firsts[p], unit_firsts[p + 1] - unit_firsts[p], p % len(halves),
-                         segments[seg_bounds[p]:seg_bounds[p + 1]])
-                   for p in range(n_pieces))
+    pieces = tuple(
+        Piece(
+            unit_firsts[p],
+            unit_firsts[p + 1] - unit_firsts[p],
+            p % len(halves),
+            segments[seg_bounds[p] : seg_bounds[p + 1]],
+        )
+        for p in range(n_pieces)
+    )
     return _finish(u, table, pieces)

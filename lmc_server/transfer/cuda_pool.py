@@ -46,8 +46,9 @@ class CudaHostPool(HostPool):
     ``slab_ptrs[s]`` is slab ``s``'s address once it is ready, 0 before.
     """
 
-    def __init__(self, size_bytes: int, slab_bytes: int, device: int = 0,
-                 pinning: str = "alloc") -> None:
+    def __init__(
+        self, size_bytes: int, slab_bytes: int, device: int = 0, pinning: str = "alloc"
+    ) -> None:
         super().__init__(size_bytes, slab_bytes)
         if self.n_slabs <= 0:
             raise TransferError(f"a pool of {size_bytes} bytes holds no {slab_bytes}-byte slab")
@@ -59,8 +60,7 @@ class CudaHostPool(HostPool):
         self._mm: mmap.mmap | None = None
         self._base = 0
         if pinning == "register":
-            self._mm = mmap.mmap(-1, self.size_bytes,
-                                 flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mm = mmap.mmap(-1, self.size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             try:
                 self._mm.madvise(MADV_HUGEPAGE)
             except OSError:
@@ -73,8 +73,9 @@ class CudaHostPool(HostPool):
         self.pinned_s = 0.0
 
     def start(self, on_ready: Callable[[int], None]) -> None:
-        self._thread = threading.Thread(target=self._prepare, args=(on_ready,),
-                                        name="lmc-pool-pin", daemon=True)
+        self._thread = threading.Thread(
+            target=self._prepare, args=(on_ready,), name="lmc-pool-pin", daemon=True
+        )
         self._thread.start()
 
     def _pin(self, slab: int, populate: bool) -> bool:
@@ -105,13 +106,23 @@ class CudaHostPool(HostPool):
                     try:
                         populate = self._pin(slab, populate)
                     except cupy.cuda.runtime.CUDARuntimeError as e:
-                        log.error("pinning slab %d failed (%s); %d of %d slabs usable", slab, e,
-                                  slab, self.n_slabs)
+                        log.error(
+                            "pinning slab %d failed (%s); %d of %d slabs usable",
+                            slab,
+                            e,
+                            slab,
+                            self.n_slabs,
+                        )
                         return
                 on_ready(slab)
         self.pinned_s = time.perf_counter() - t0
-        log.info("pinned %d slabs (%.1f GiB, %s) in %.2f s", self.n_slabs,
-                 self.size_bytes / (1 << 30), self.pinning, self.pinned_s)
+        log.info(
+            "pinned %d slabs (%.1f GiB, %s) in %.2f s",
+            self.n_slabs,
+            self.size_bytes / (1 << 30),
+            self.pinning,
+            self.pinned_s,
+        )
 
     @property
     def pinned_slabs(self) -> int:
@@ -130,7 +141,7 @@ class CudaHostPool(HostPool):
         while nbytes > 0:
             slab, lo = divmod(offset, self.slab_bytes)
             n = min(nbytes, self.slab_bytes - lo)
-            out += self.slab_view(slab)[lo:lo + n].tobytes()
+            out += self.slab_view(slab)[lo : lo + n].tobytes()
             offset, nbytes = offset + n, nbytes - n
         return bytes(out)
 

@@ -51,9 +51,14 @@ STALE_S = 1.0
 class _ProcessSample(ctypes.Structure):
     """``nvmlProcessUtilizationSample_t``."""
 
-    _fields_ = [("pid", ctypes.c_uint), ("timeStamp", ctypes.c_ulonglong),
-                ("smUtil", ctypes.c_uint), ("memUtil", ctypes.c_uint),
-                ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("timeStamp", ctypes.c_ulonglong),
+        ("smUtil", ctypes.c_uint),
+        ("memUtil", ctypes.c_uint),
+        ("encUtil", ctypes.c_uint),
+        ("decUtil", ctypes.c_uint),
+    ]
 
 
 NVML_SUCCESS = 0
@@ -79,9 +84,14 @@ class NvmlUtilization:
     _lib: ctypes.CDLL | None = None
     _lock = threading.Lock()
 
-    def __init__(self, pci_bus_id: str, *, lib: ctypes.CDLL | None = None,
-                 clock: Callable[[], float] = time.monotonic, own_pid: int | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        pci_bus_id: str,
+        *,
+        lib: ctypes.CDLL | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        own_pid: int | None = None,
+    ) -> None:
         self.pci_bus_id = pci_bus_id
         self.own_pid = os.getpid() if own_pid is None else own_pid
         self._handle: ctypes.c_void_p | None = None
@@ -99,8 +109,11 @@ class NvmlUtilization:
         handle = ctypes.c_void_p()
         rc = lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id.encode(), ctypes.byref(handle))
         if rc != NVML_SUCCESS:
-            log.warning("NVML has no device at PCI bus id %s (error %d): the GPU counts "
-                        "as busy", pci_bus_id, rc)
+            log.warning(
+                "NVML has no device at PCI bus id %s (error %d): the GPU counts as busy",
+                pci_bus_id,
+                rc,
+            )
             return
         self._handle = handle
 
@@ -127,7 +140,8 @@ class NvmlUtilization:
             return None
         count = ctypes.c_uint(MAX_SAMPLES)
         rc = self._nvml.nvmlDeviceGetProcessUtilization(
-            self._handle, self._samples, ctypes.byref(count), ctypes.c_ulonglong(self._seen_us))
+            self._handle, self._samples, ctypes.byref(count), ctypes.c_ulonglong(self._seen_us)
+        )
         now = self._clock()
         if rc == NVML_ERROR_NOT_FOUND or (rc == NVML_SUCCESS and count.value == 0):
             if now - self._sampled_at >= STALE_S:
@@ -154,9 +168,16 @@ class BusyGate:
     after that); ``None`` from it means unknown, which counts as busy.
     """
 
-    def __init__(self, read_pct: Callable[[], int | None], *, busy_pct: int = BUSY_PCT,
-                 idle_pct: int = IDLE_PCT, refresh_s: float = REFRESH_S,
-                 clock: Callable[[], float] = time.monotonic, name: str = "gpu") -> None:
+    def __init__(
+        self,
+        read_pct: Callable[[], int | None],
+        *,
+        busy_pct: int = BUSY_PCT,
+        idle_pct: int = IDLE_PCT,
+        refresh_s: float = REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "gpu",
+    ) -> None:
         assert 0 <= idle_pct <= busy_pct <= 100, "idle_pct <= busy_pct"
         self._read = read_pct
         self.busy_pct = busy_pct
@@ -182,8 +203,11 @@ class BusyGate:
             else:
                 self._busy = pct >= self.busy_pct
             if self._busy != was:
-                log.info("%s %s (kernels %s%% of the time): copies use %s", self.name,
-                         "busy" if self._busy else "idle",
-                         "?" if pct is None else pct,
-                         "the copy engines" if self._busy else "SM staging")
+                log.info(
+                    "%s %s (kernels %s%% of the time): copies use %s",
+                    self.name,
+                    "busy" if self._busy else "idle",
+                    "?" if pct is None else pct,
+                    "the copy engines" if self._busy else "SM staging",
+                )
         return self._busy

@@ -48,8 +48,9 @@ class NullEngine(TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         return NullMapping()
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         done("")
 
     def close(self) -> None:

@@ -22,8 +22,9 @@ def cuda_available() -> bool:
         return False
 
 
-def make_engine(backend: str, copy_threads: int = 0, cuda_copy_mode: str = "auto",
-                cuda_staging_mb: int = 32) -> TransferEngine:
+def make_engine(
+    backend: str, copy_threads: int = 0, cuda_copy_mode: str = "auto", cuda_staging_mb: int = 32
+) -> TransferEngine:
     """Instantiate the engine for ``--backend``; raises RuntimeError if unusable."""
     if backend == "auto":
         backend = "cuda" if cuda_available() else "cpu"
@@ -39,13 +40,16 @@ def make_engine(backend: str, copy_threads: int = 0, cuda_copy_mode: str = "auto
         return NullEngine()
     if backend == "cuda":
         if not cuda_available():
-            raise RuntimeError("--backend cuda: CuPy is not installed or sees no GPU "
-                               "(pip install 'lmc-server[gpu]')")
+            raise RuntimeError(
+                "--backend cuda: CuPy is not installed or sees no GPU "
+                "(pip install 'lmc-server[gpu]')"
+            )
         try:
             from lmc_server.transfer.cuda import CudaEngine
         except ImportError as e:
             raise RuntimeError(f"--backend cuda is not available: {e}") from None
-        engine: TransferEngine = CudaEngine(copy_mode=cuda_copy_mode,
-                                            staging_half_bytes=cuda_staging_mb << 20)
+        engine: TransferEngine = CudaEngine(
+            copy_mode=cuda_copy_mode, staging_half_bytes=cuda_staging_mb << 20
+        )
         return engine
     raise RuntimeError(f"unknown backend {backend!r}")

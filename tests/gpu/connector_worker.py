@@ -24,9 +24,18 @@ def main(args: dict) -> int:
     fx = KVFixture.load(args["fixture"])
     first, count = args["tokens"]
     tokens = list(range(first, first + count))
-    with CudaBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, args["endpoint"], device_arch(0), exporter=CudaExporter(),
-                          rank=args["rank"], world_size=args["world_size"]) as flow:
+    with (
+        CudaBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(
+            fx,
+            mem,
+            args["endpoint"],
+            device_arch(0),
+            exporter=CudaExporter(),
+            rank=args["rank"],
+            world_size=args["world_size"],
+        ) as flow,
+    ):
         mem.fill_random(args["seed"])
         a, b = flow.tables(count), flow.tables(count)
         before = mem.snapshot()

@@ -49,17 +49,21 @@ from lmc_server.testing.presets import KVGeometry, dsv41_flash
 
 
 def geometry(args: dict) -> KVGeometry:
-    return dsv41_flash(arch=args.get("arch") or device_arch(0),
-                       num_blocks=args.get("num_blocks", 64), layers=args.get("layers", 8),
-                       stride_pad=args.get("stride_pad", 0),
-                       placement=args.get("placement", "layer"))
+    return dsv41_flash(
+        arch=args.get("arch") or device_arch(0),
+        num_blocks=args.get("num_blocks", 64),
+        layers=args.get("layers", 8),
+        stride_pad=args.get("stride_pad", 0),
+        placement=args.get("placement", "layer"),
+    )
 
 
 def stored_blocks(g: GroupSpec, bpc: int) -> list[int]:
     """Which of a chunk's ``bpc`` blocks its object holds: all of them, or for a
     sliding window only the last ones the window reaches."""
-    keep = bpc if g.kind != "sliding_window" else min(bpc, -(-g.window_tokens
-                                                            // g.tokens_per_block))
+    keep = (
+        bpc if g.kind != "sliding_window" else min(bpc, -(-g.window_tokens // g.tokens_per_block))
+    )
     return list(range(bpc - keep, bpc))
 
 
@@ -69,16 +73,17 @@ def slow_rewrite(kv: CudaKV, seed: int) -> None:
     gen = torch.Generator(device=kv.device)
     gen.manual_seed(seed)
     for t in kv.tensors:
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=kv.device,
-                              generator=gen))
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=kv.device, generator=gen))
 
 
 def roundtrip(args: dict) -> None:
     geo = geometry(args)
     n = args.get("chunks", 4)
     rng = np.random.default_rng(args.get("seed", 0))
-    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
-                                       client_name="gpu-worker") as c:
+    with (
+        CudaKV(geo, 0) as kv,
+        Client(args["endpoint"], timeout_s=60, client_name="gpu-worker") as c,
+    ):
         reg = c.register(**kv.register_kwargs(replicated=True))
         ids_a = block_ids_for(reg, n, rng)
         digests = rng.bytes(32 * n)
@@ -107,9 +112,10 @@ def roundtrip(args: dict) -> None:
         kv.fill(0xEE)
         ids_b = {}
         for name, a in ids_a.items():
-            others = np.setdiff1d(np.arange(geo.groups[[g.name for g in geo.groups]
-                                                       .index(name)].num_blocks), a)
-            b = rng.permutation(others)[:a.size].astype(np.int32)
+            others = np.setdiff1d(
+                np.arange(geo.groups[[g.name for g in geo.groups].index(name)].num_blocks), a
+            )
+            b = rng.permutation(others)[: a.size].astype(np.int32)
             assert b.size == a.size, "need more blocks for a disjoint retrieve"
             ids_b[name] = b
         holes = {name: b.copy() for name, b in ids_b.items()}
@@ -130,32 +136,38 @@ def roundtrip(args: dict) -> None:
                     assert set(got) == {0xEE}, f"{name} chunk {ci}: skipped but written"
                     continue
                 want = b"".join(
-                    expect[name][ci][(li * len(row) + j) * pl:(li * len(row) + j + 1) * pl]
-                    for li, pl in enumerate(lay.page_bytes for lay in
-                                            geo.groups[[g.name for g in geo.groups]
-                                                       .index(name)].layers)
-                    for j, x in enumerate(row) if x >= 0)
+                    expect[name][ci][(li * len(row) + j) * pl : (li * len(row) + j + 1) * pl]
+                    for li, pl in enumerate(
+                        lay.page_bytes
+                        for lay in geo.groups[[g.name for g in geo.groups].index(name)].layers
+                    )
+                    for j, x in enumerate(row)
+                    if x >= 0
+                )
                 if got != want:
                     old = b"".join(
-                        before[name][ci][(li * len(row) + j) * pl:(li * len(row) + j + 1) * pl]
-                        for li, pl in enumerate(lay.page_bytes for lay in
-                                                geo.groups[[g.name for g in geo.groups]
-                                                           .index(name)].layers)
-                        for j, x in enumerate(row) if x >= 0)
+                        before[name][ci][(li * len(row) + j) * pl : (li * len(row) + j + 1) * pl]
+                        for li, pl in enumerate(
+                            lay.page_bytes
+                            for lay in geo.groups[[g.name for g in geo.groups].index(name)].layers
+                        )
+                        for j, x in enumerate(row)
+                        if x >= 0
+                    )
                     g_arr = np.frombuffer(got, np.uint8)
                     raise AssertionError(
                         f"group {name} chunk {ci}: retrieved bytes differ: "
                         f"{len(got)}/{len(want)} bytes, equal to the pages before the "
                         f"engine's last write: {got == old}, share equal to expected "
                         f"{(g_arr == np.frombuffer(want, np.uint8)).mean():.3f}, share "
-                        f"0xEE {(g_arr == 0xEE).mean():.3f}")
+                        f"0xEE {(g_arr == 0xEE).mean():.3f}"
+                    )
         # Blocks never named in the retrieve, and the -1 hole, still hold 0xEE.
         comp = geo.groups[[g.name for g in geo.groups].index("compressed")]
         hole = int(ids_b["compressed"].reshape(n, -1)[0, 1])
         for li in range(len(comp.layers)):
             assert (kv.page("compressed", li, hole) == 0xEE).all(), "a -1 block was written"
-        untouched = np.setdiff1d(np.arange(comp.num_blocks),
-                                 np.concatenate([ids_b["compressed"]]))
+        untouched = np.setdiff1d(np.arange(comp.num_blocks), np.concatenate([ids_b["compressed"]]))
         assert (kv.page("compressed", 0, int(untouched[0])) == 0xEE).all()
         c.unregister(reg)
     print("ROUNDTRIP OK", flush=True)
@@ -168,8 +180,7 @@ def bench(args: dict) -> None:
     iters = args.get("iters", 10)
     rng = np.random.default_rng(args.get("seed", 0))
     out: dict[str, dict[str, float]] = {}
-    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
-                                       client_name="gpu-bench") as c:
+    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60, client_name="gpu-bench") as c:
         reg = c.register(**kv.register_kwargs(replicated=True))
         kv.fill_random(1)
         for n in args.get("chunks", [1, 16, 64]):
@@ -192,18 +203,27 @@ def bench(args: dict) -> None:
                     retrieve_s.append(time.perf_counter() - t0)
                 assert res.ok.all(), res.statuses
                 # Window objects load only for the chunks the window covers.
-                moved = sum(int((np.asarray(res.statuses[og.name]) == ChunkStatus.OK).sum())
-                            * og.object_bytes for og in reg.object_groups)
+                moved = sum(
+                    int((np.asarray(res.statuses[og.name]) == ChunkStatus.OK).sum())
+                    * og.object_bytes
+                    for og in reg.object_groups
+                )
             store, retrieve = float(np.mean(store_s)), float(np.mean(retrieve_s))
             raw_d2h = raw_copy_gbps(nbytes, "d2h")
             raw_h2d = raw_copy_gbps(moved, "h2d")
-            out[str(n)] = {"chunks": n, "store_bytes": nbytes, "retrieve_bytes": moved,
-                           "store_ms": 1e3 * store, "retrieve_ms": 1e3 * retrieve,
-                           "store_gbps": nbytes / store / 1e9,
-                           "retrieve_gbps": moved / retrieve / 1e9,
-                           "raw_d2h_gbps": raw_d2h, "raw_h2d_gbps": raw_h2d,
-                           "store_ratio": nbytes / store / 1e9 / raw_d2h,
-                           "retrieve_ratio": moved / retrieve / 1e9 / raw_h2d}
+            out[str(n)] = {
+                "chunks": n,
+                "store_bytes": nbytes,
+                "retrieve_bytes": moved,
+                "store_ms": 1e3 * store,
+                "retrieve_ms": 1e3 * retrieve,
+                "store_gbps": nbytes / store / 1e9,
+                "retrieve_gbps": moved / retrieve / 1e9,
+                "raw_d2h_gbps": raw_d2h,
+                "raw_h2d_gbps": raw_h2d,
+                "store_ratio": nbytes / store / 1e9 / raw_d2h,
+                "retrieve_ratio": moved / retrieve / 1e9 / raw_h2d,
+            }
         c.unregister(reg)
     print("BENCH " + json.dumps(out), flush=True)
 
@@ -226,17 +246,18 @@ def store_until_killed(args: dict) -> None:
 
     async def main() -> None:
         kv = CudaKV(geo, 0)
-        client = await AsyncClient.connect(args["endpoint"], timeout_s=600,
-                                           client_name="doomed-worker")
+        client = await AsyncClient.connect(
+            args["endpoint"], timeout_s=600, client_name="doomed-worker"
+        )
         reg = await client.register(**kv.register_kwargs(replicated=True))
         kv.fill_random(args["seed"])  # synchronized: the pages are final from here on
         ids = block_ids_for(reg, n, np.random.default_rng(5))
-        print("IDS " + json.dumps({k: np.asarray(v).tolist() for k, v in ids.items()}),
-              flush=True)
+        print("IDS " + json.dumps({k: np.asarray(v).tolist() for k, v in ids.items()}), flush=True)
         i = 0
         while True:
-            await asyncio.gather(*(client.store(reg, kill_digests(i + j, n), ids)
-                                   for j in range(2)))
+            await asyncio.gather(
+                *(client.store(reg, kill_digests(i + j, n), ids) for j in range(2))
+            )
             if i == 0:
                 print("STORING", flush=True)
             i += 2
@@ -251,8 +272,7 @@ def verify_kill(args: dict) -> None:
     ids_a = {k: np.asarray(v, dtype=np.int32) for k, v in args["ids"].items()}
     visible: list[int] = []
     misses, i = 0, 0
-    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60,
-                                       client_name="verifier") as c:
+    with CudaKV(geo, 0) as kv, Client(args["endpoint"], timeout_s=60, client_name="verifier") as c:
         reg = c.register(**kv.register_kwargs(replicated=True))
         kv.fill_random(args["seed"])
         og_of = {gname: og.name for og in reg.object_groups for gname in og.groups}
@@ -261,11 +281,16 @@ def verify_kill(args: dict) -> None:
             if g.name not in ids_a:
                 continue
             others = np.setdiff1d(np.arange(g.num_blocks), ids_a[g.name])
-            ids_b[g.name] = others[:ids_a[g.name].size].astype(np.int32)
+            ids_b[g.name] = others[: ids_a[g.name].size].astype(np.int32)
             assert ids_b[g.name].size == ids_a[g.name].size, "need more blocks"
             cols[g.name] = stored_blocks(g, ids_a[g.name].size // n)
-        want = {name: [kv.pages(name, ids_a[name].reshape(n, -1)[ci, cols[name]].tolist())
-                       for ci in range(n)] for name in ids_a}
+        want = {
+            name: [
+                kv.pages(name, ids_a[name].reshape(n, -1)[ci, cols[name]].tolist())
+                for ci in range(n)
+            ]
+            for name in ids_a
+        }
         # Stores went out in order, two at a time; the oldest were evicted by the newest
         # (the pool holds a few batches), so scan until well past the last hit.
         while i < 20000 and not (visible and misses >= 64):
@@ -277,9 +302,11 @@ def verify_kill(args: dict) -> None:
                 continue
             misses = 0
             kv.fill(0xEE)
-            res = c.retrieve(reg, digests[:32 * hit.hit_chunks],
-                             {k: v.reshape(n, -1)[:hit.hit_chunks].reshape(-1)
-                              for k, v in ids_b.items()})
+            res = c.retrieve(
+                reg,
+                digests[: 32 * hit.hit_chunks],
+                {k: v.reshape(n, -1)[: hit.hit_chunks].reshape(-1) for k, v in ids_b.items()},
+            )
             c.release(hit.lease_id)
             for name, b in ids_b.items():
                 status = res.statuses[og_of[name]]
@@ -298,6 +325,11 @@ def verify_kill(args: dict) -> None:
 if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    modes = {"roundtrip": roundtrip, "export": export, "bench": bench,
-             "store-until-killed": store_until_killed, "verify-kill": verify_kill}
+    modes = {
+        "roundtrip": roundtrip,
+        "export": export,
+        "bench": bench,
+        "store-until-killed": store_until_killed,
+        "verify-kill": verify_kill,
+    }
     modes[a["mode"]](a)

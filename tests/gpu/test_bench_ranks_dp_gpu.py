@@ -24,10 +24,33 @@ def test_dp_engines_on_cuda(tmp_path: Path) -> None:
     import torch
 
     out = tmp_path / "dp.json"
-    res = CliRunner().invoke(bench, [
-        "ranks", "--mode", "dp", "--backend", "cuda", "--ranks", "3", "--chunks", "8",
-        "--batch", "4", "--duration-s", "3", "--layers", "2", "--raw-s", "0.1",
-        "--l1-size-gb", "1", "--json", str(out)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        bench,
+        [
+            "ranks",
+            "--mode",
+            "dp",
+            "--backend",
+            "cuda",
+            "--ranks",
+            "3",
+            "--chunks",
+            "8",
+            "--batch",
+            "4",
+            "--duration-s",
+            "3",
+            "--layers",
+            "2",
+            "--raw-s",
+            "0.1",
+            "--l1-size-gb",
+            "1",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     s, dp = r["summary"], r["summary"]["dp"]

@@ -45,9 +45,11 @@ def fixture(kind: str) -> KVFixture:
     from lmc_server.testing.cuda_kv import device_arch
 
     sm100 = device_arch(0) == "sm100"
-    names = {"dsv41": "vllm-dsv41-sm100" if sm100 else "vllm-dsv41-sm90",
-             "dsv41-other": "vllm-dsv41-sm90" if sm100 else "vllm-dsv41-sm100",
-             "llama": "vllm-llama"}
+    names = {
+        "dsv41": "vllm-dsv41-sm100" if sm100 else "vllm-dsv41-sm90",
+        "dsv41-other": "vllm-dsv41-sm90" if sm100 else "vllm-dsv41-sm100",
+        "llama": "vllm-llama",
+    }
     return KVFixture.load(FIXTURES / f"{names[kind]}.json")
 
 
@@ -76,17 +78,19 @@ def test_store_then_load_byte_exact_on_gpu(cuda_server: ServerProcess, kind: str
     from lmc_server.testing.cuda_kv import device_arch
 
     fx = fixture(kind)
-    with CudaBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0),
-                          exporter=CudaExporter()) as flow:
+    with (
+        CudaBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(
+            fx, mem, cuda_server.endpoint, device_arch(0), exporter=CudaExporter()
+        ) as flow,
+    ):
         assert flow.plan.groups == fx.groups
         assert len(flow.plan.buffers) == 1 and isinstance(flow.plan.buffers[0], CudaIpcBuffer)
         flow.check_store_then_load(SEED, prompt(1))
 
 
 @pytest.mark.parametrize("kind", ["dsv41", "llama"])
-def test_failed_load_is_reported_not_success_on_gpu(cuda_server: ServerProcess,
-                                                    kind: str) -> None:
+def test_failed_load_is_reported_not_success_on_gpu(cuda_server: ServerProcess, kind: str) -> None:
     """Chunks never stored: reported failed (block ids with one full-attention group, the
     request with several, as vLLM 0.33 requires), never as success; no byte changes."""
     from lmc_server.integration.exporters import CudaExporter
@@ -95,9 +99,12 @@ def test_failed_load_is_reported_not_success_on_gpu(cuda_server: ServerProcess,
     from lmc_server.testing.cuda_kv import device_arch
 
     fx = fixture(kind)
-    with CudaBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0),
-                          exporter=CudaExporter()) as flow:
+    with (
+        CudaBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(
+            fx, mem, cuda_server.endpoint, device_arch(0), exporter=CudaExporter()
+        ) as flow,
+    ):
         flow.check_failed_load(SEED + 1, prompt(2))
 
 
@@ -111,8 +118,7 @@ def test_other_arch_records_refused(cuda_server: ServerProcess) -> None:
     fx = fixture("dsv41-other")
     with CudaBacking(fx.backing_size_bytes) as mem:
         with pytest.raises(ServerError) as e:
-            ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0),
-                          exporter=CudaExporter())
+            ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0), exporter=CudaExporter())
         assert e.value.code == "arch"
 
 
@@ -127,18 +133,37 @@ def test_second_worker_process_loads_replicated_kv(cuda_server: ServerProcess) -
     fx = fixture("dsv41")
     assert fx.replicated
     tokens = prompt(3)
-    with CudaBacking(fx.backing_size_bytes) as mem, \
-            ConnectorFlow(fx, mem, cuda_server.endpoint, device_arch(0),
-                          exporter=CudaExporter(), rank=0, world_size=2) as flow:
+    with (
+        CudaBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(
+            fx,
+            mem,
+            cuda_server.endpoint,
+            device_arch(0),
+            exporter=CudaExporter(),
+            rank=0,
+            world_size=2,
+        ) as flow,
+    ):
         mem.fill_random(SEED + 2)
         a = flow.tables(len(tokens))
         _, rep = flow.prefill("A", tokens, a)
         assert rep.finished_sending == {"A"} and flow.tracker.failed_store_chunks == 0
-        args = {"endpoint": cuda_server.endpoint,
-                "fixture": str(FIXTURES / f"{fx.name}.json"), "seed": SEED + 2,
-                "tokens": [tokens[0], len(tokens)], "rank": 1, "world_size": 2}
-        p = subprocess.run([sys.executable, str(WORKER), json.dumps(args)],
-                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        args = {
+            "endpoint": cuda_server.endpoint,
+            "fixture": str(FIXTURES / f"{fx.name}.json"),
+            "seed": SEED + 2,
+            "tokens": [tokens[0], len(tokens)],
+            "rank": 1,
+            "world_size": 2,
+        }
+        p = subprocess.run(
+            [sys.executable, str(WORKER), json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+        )
     assert p.returncode == 0, f"worker failed:\n{p.stdout}\n{p.stderr}"
     assert "LOAD OK" in p.stdout
 

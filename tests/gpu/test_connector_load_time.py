@@ -33,18 +33,23 @@ def test_load_time_from_decision_to_blocks_ready() -> None:
     from lmc_server.testing.cuda_kv import CudaKV, device_arch
     from lmc_server.testing.presets import simple_model
 
-    geo = simple_model(arch=device_arch(0), num_blocks=blocks_needed(CHUNKS), layers=32,
-                       bytes_per_token=4096)
-    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=6,
-                       start_timeout_s=60) as srv, CudaKV(geo) as kv:
+    geo = simple_model(
+        arch=device_arch(0), num_blocks=blocks_needed(CHUNKS), layers=32, bytes_per_token=4096
+    )
+    with (
+        ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=6, start_timeout_s=60) as srv,
+        CudaKV(geo) as kv,
+    ):
         srv.wait_pool_ready()
         kv.fill_random(23)
         res = load_times(srv.endpoint, kv, CHUNKS, repeats=10, ready=stream_done())
     for n, r in res.items():
         mib = n * 256 * 32 * 4096 / 2**20
-        print(f"hit of {n:2} chunks ({mib:6.0f} MiB): decision to blocks ready "
-              f"median {1e3 * r['median_s']:.2f} ms, max {1e3 * r['max_s']:.2f} ms, "
-              f"{mib / 1024 / r['median_s']:.1f} GiB/s")
+        print(
+            f"hit of {n:2} chunks ({mib:6.0f} MiB): decision to blocks ready "
+            f"median {1e3 * r['median_s']:.2f} ms, max {1e3 * r['max_s']:.2f} ms, "
+            f"{mib / 1024 / r['median_s']:.1f} GiB/s"
+        )
     if os.environ.get("LMC_BENCH_JSON"):
         with open(os.environ["LMC_BENCH_JSON"], "w") as f:
             json.dump({str(n): r for n, r in res.items()}, f, indent=1)

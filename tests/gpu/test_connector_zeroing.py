@@ -41,8 +41,10 @@ def test_load_waits_for_the_engines_zeroing_of_its_blocks() -> None:
 
     geo = simple_model(arch=device_arch(0), num_blocks=80, layers=4)
     (g,) = geo.groups
-    with ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=1,
-                       start_timeout_s=60) as srv, CudaKV(geo) as kv:
+    with (
+        ServerProcess(SERVER_ARGS, backend="cuda", l1_size_gb=1, start_timeout_s=60) as srv,
+        CudaKV(geo) as kv,
+    ):
         srv.wait_pool_ready()
         kv.fill_random(31)
         sched = ServerLink(srv.endpoint, timeout_s=30, client_name="zero-scheduler")
@@ -96,5 +98,7 @@ def test_load_waits_for_the_engines_zeroing_of_its_blocks() -> None:
             sched.close()
             work.close()
     assert outcome[True], "a load ordered after the zeroing lost its pages"
-    assert not outcome[False], "control: the unordered load was not overwritten " \
+    assert not outcome[False], (
+        "control: the unordered load was not overwritten "
         "(GPU_BUSY_CYCLES too few to show the hazard on this GPU)"
+    )

@@ -42,16 +42,32 @@ SLAB = 64 << 20
 class Exported:
     """A worker process holding filled buffers until :meth:`close`."""
 
-    def __init__(self, arch: str, pad: int, num_blocks: int, layers: int,
-                 placement: str = "layer") -> None:
+    def __init__(
+        self, arch: str, pad: int, num_blocks: int, layers: int, placement: str = "layer"
+    ) -> None:
         self.placement, self.pad = placement, pad
-        self.geo: KVGeometry = dsv41_flash(arch=arch, num_blocks=num_blocks, layers=layers,
-                                           stride_pad=pad, placement=placement)
+        self.geo: KVGeometry = dsv41_flash(
+            arch=arch, num_blocks=num_blocks, layers=layers, stride_pad=pad, placement=placement
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(
-                {"mode": "export", "arch": arch, "stride_pad": pad, "num_blocks": num_blocks,
-                 "layers": layers, "placement": placement})],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(WORKER),
+                json.dumps(
+                    {
+                        "mode": "export",
+                        "arch": arch,
+                        "stride_pad": pad,
+                        "num_blocks": num_blocks,
+                        "layers": layers,
+                        "placement": placement,
+                    }
+                ),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line, "worker exited before exporting"
@@ -64,8 +80,9 @@ class Exported:
         self.proc.stdout.close()
 
 
-def make_engine(mode: str, pool_bytes: int, pinning: str = "alloc",
-                kernel_pct: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+def make_engine(
+    mode: str, pool_bytes: int, pinning: str = "alloc", kernel_pct: Any = None, **kwargs: Any
+) -> tuple[Any, Any]:
     from lmc_server.transfer.cuda import CudaEngine
 
     engine = CudaEngine(copy_mode=mode, pinning=pinning, kernel_pct=kernel_pct, **kwargs)
@@ -101,9 +118,9 @@ def write_buffers(mapping: Any, value: int) -> None:
     cupy.cuda.runtime.deviceSynchronize()
 
 
-def batch(geo: KVGeometry, n: int, rng: np.random.Generator,
-          exclude: dict[str, np.ndarray] | None = None
-          ) -> tuple[list[RunCopy], dict[str, np.ndarray]]:
+def batch(
+    geo: KVGeometry, n: int, rng: np.random.Generator, exclude: dict[str, np.ndarray] | None = None
+) -> tuple[list[RunCopy], dict[str, np.ndarray]]:
     """Copies for ``n`` chunks: object group ``i`` in slabs from ``4 * i``, random blocks."""
     layout = build_layout(geo.groups, 256, separate=True)
     copies: list[RunCopy] = []
@@ -118,15 +135,21 @@ def batch(geo: KVGeometry, n: int, rng: np.random.Generator,
             pool = np.arange(g.num_blocks)
             if exclude is not None:
                 pool = np.setdiff1d(pool, exclude[g.name])
-            gids = rng.permutation(pool)[:n * bpc].reshape(n, bpc)
+            gids = rng.permutation(pool)[: n * bpc].reshape(n, bpc)
             used[g.name] = gids.ravel()
             copies += plan_copies(s, section_block_ids(s, gids), offs)
     return copies, used
 
 
-CASES = [("sm90", 0, "layer"), ("sm100", 0, "layer"), ("sm90", 72, "layer"),
-         ("sm100", 13, "layer"), ("sm90", 0, "block"), ("sm100", 0, "block"),
-         ("sm90", 72, "block")]
+CASES = [
+    ("sm90", 0, "layer"),
+    ("sm100", 0, "layer"),
+    ("sm90", 72, "layer"),
+    ("sm100", 13, "layer"),
+    ("sm90", 0, "block"),
+    ("sm100", 0, "block"),
+    ("sm90", 72, "block"),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-pad{p}-{pl}" for a, p, pl in CASES])
@@ -151,24 +174,38 @@ class RefusingCopier:
         raise TransferError("cuMemcpyBatchAsync of n copies failed (CUresult 1)")
 
 
-@pytest.mark.parametrize("mode", ["staging", "staging-pieces", "mapped", "dma-single",
-                                  "dma-batch", "dma-refused", "auto-busy", "auto-idle"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "staging",
+        "staging-pieces",
+        "mapped",
+        "dma-single",
+        "dma-batch",
+        "dma-refused",
+        "auto-busy",
+        "auto-idle",
+    ],
+)
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
     pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
     engines while the (fake) kernel time says busy, staging while it says idle."""
     name, _, variant = mode.partition("-")
     pct = {"busy": 95, "idle": 0}.get(variant)
-    small: dict[str, Any] = ({"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
-                             if variant == "pieces" else {})
+    small: dict[str, Any] = (
+        {"first_piece_bytes": 64 << 10, "staging_half_bytes": 1 << 20}
+        if variant == "pieces"
+        else {}
+    )
     if variant == "single":  # one driver call per row
         small["batch_copies"] = False
     refusing = RefusingCopier()
     if variant == "refused":  # every batch refused: single copies instead
         small["make_batch_copier"] = lambda _device: refusing
-    engine, pool = make_engine(name, 8 * SLAB,
-                               kernel_pct=(lambda _d: lambda: pct) if pct is not None else None,
-                               **small)
+    engine, pool = make_engine(
+        name, 8 * SLAB, kernel_pct=(lambda _d: lambda: pct) if pct is not None else None, **small
+    )
     engine.profile = variant == "pieces"
     activity = variant if pct is not None else ""
     mapping = engine.open(exported.buffers)
@@ -355,10 +392,20 @@ def _gather_ms(engine: Any, mapping: Any, copies: list[RunCopy]) -> float:
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(lane.sm)
         for p in plan.pieces:
-            cuda_kernels.launch(lane.device, "gather_units", units, ids, plan.n_units,
-                                p.first, p.count, plan.max_layers, plan.max_blocks,
-                                engine._blocks(lane.device, plan.box_pages(p.count)), 256,
-                                lane.sm)
+            cuda_kernels.launch(
+                lane.device,
+                "gather_units",
+                units,
+                ids,
+                plan.n_units,
+                p.first,
+                p.count,
+                plan.max_layers,
+                plan.max_blocks,
+                engine._blocks(lane.device, plan.box_pages(p.count)),
+                256,
+                lane.sm,
+            )
         end.record(lane.sm)
         end.synchronize()
         return float(cupy.cuda.get_elapsed_time(start, end))
@@ -394,8 +441,11 @@ def _pool_dma_gbps(pool: Any, nbytes: int) -> tuple[float, float]:
 
 
 #: (name, copy mode, mapped thread blocks, wait mode) measured by the benchmark.
-BENCH_CONFIGS = [("staging", "staging", 0, "hybrid"), ("mapped64", "mapped", 64, "hybrid"),
-                 ("dma", "dma", 0, "hybrid")]
+BENCH_CONFIGS = [
+    ("staging", "staging", 0, "hybrid"),
+    ("mapped64", "mapped", 64, "hybrid"),
+    ("dma", "dma", 0, "hybrid"),
+]
 BENCH_CHUNKS = (1, 16, 64)
 
 
@@ -424,41 +474,53 @@ def test_engine_benchmark() -> None:
                 full, _ = batch(e.geo, 64, np.random.default_rng(0))
                 by_size: dict[str, Any] = {}
                 for n in BENCH_CHUNKS:
-                    copies = [RunCopy(c.run, c.block_ids[:n], c.object_offsets[:n])
-                              for c in full]
+                    copies = [RunCopy(c.run, c.block_ids[:n], c.object_offsets[:n]) for c in full]
                     nbytes = sum(c.nbytes for c in copies)
                     store = partial(engine.store, mapping, copies)
                     retrieve = partial(engine.retrieve, mapping, copies)
                     store_s, retrieve_s = _timed(store, 10), _timed(retrieve, 10)
                     by_size[str(n)] = {
-                        "chunks": n, "bytes": nbytes, "store_gbps": nbytes / store_s / 1e9,
+                        "chunks": n,
+                        "bytes": nbytes,
+                        "store_gbps": nbytes / store_s / 1e9,
                         "retrieve_gbps": nbytes / retrieve_s / 1e9,
-                        "store_ms": store_s * 1e3, "retrieve_ms": retrieve_s * 1e3,
+                        "store_ms": store_s * 1e3,
+                        "retrieve_ms": retrieve_s * 1e3,
                         "store_profile": _profiled(engine, store, 5),
-                        "retrieve_profile": _profiled(engine, retrieve, 5)}
+                        "retrieve_profile": _profiled(engine, retrieve, 5),
+                    }
                 r: dict[str, Any] = {"mode": mode, "wait": wait, "chunks": by_size}
                 if name == "staging":
                     from lmc_server.transfer.cuda_plan import plan_staging
 
                     nbytes = sum(c.nbytes for c in full)
-                    r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool,
-                                                                                    nbytes)
+                    r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool, nbytes)
                     r["gather_kernel_ms"] = _gather_ms(engine, mapping, full)
-                    r["plan_64_ms"] = 1e3 * _timed(partial(
-                        plan_staging, full,
-                        engine._region(mapping),  # type: ignore[arg-type]  # a CudaMapping
-                        (1 << 50, 1 << 51),
-                        32 << 20, 8 << 20), 20)
+                    r["plan_64_ms"] = 1e3 * _timed(
+                        partial(
+                            plan_staging,
+                            full,
+                            engine._region(mapping),  # type: ignore[arg-type]  # a CudaMapping
+                            (1 << 50, 1 << 51),
+                            32 << 20,
+                            8 << 20,
+                        ),
+                        20,
+                    )
                     with ThreadPoolExecutor(4) as ex:  # 4 concurrent 16-chunk stores
-                        quarter = [RunCopy(c.run, c.block_ids[q::4], c.object_offsets[q::4])
-                                   for q in range(4) for c in full]
+                        quarter = [
+                            RunCopy(c.run, c.block_ids[q::4], c.object_offsets[q::4])
+                            for q in range(4)
+                            for c in full
+                        ]
                         parts = [quarter[q::4] for q in range(4)]
                         list(ex.map(partial(engine.store, mapping), parts))
                         t0 = time.perf_counter()
                         for _ in range(5):
                             list(ex.map(partial(engine.store, mapping), parts))
                         r["store_4x16_concurrent_gbps"] = (
-                            5 * nbytes / (time.perf_counter() - t0) / 1e9)
+                            5 * nbytes / (time.perf_counter() - t0) / 1e9
+                        )
                 results[name] = r
             finally:
                 mapping.close()
@@ -480,7 +542,12 @@ def test_engine_benchmark() -> None:
     if out:
         Path(out, "engine.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    summary = {name: {n: (round(row["store_ratio"], 3), round(row["retrieve_ratio"], 3))
-                      for n, row in r["chunks"].items()}
-               for name, r in results.items() if name != "raw"}
+    summary = {
+        name: {
+            n: (round(row["store_ratio"], 3), round(row["retrieve_ratio"], 3))
+            for n, row in r["chunks"].items()
+        }
+        for name, r in results.items()
+        if name != "raw"
+    }
     print("store/retrieve ratio to raw, by chunks:", json.dumps(summary))

@@ -37,27 +37,28 @@ class Memory:
         self.halves = [at, at + half_bytes]
         self.mem = np.zeros(at + 2 * half_bytes, dtype=np.uint8)
         slabs = self.pool + np.arange(pool_bytes // SLAB, dtype=np.int64) * SLAB
-        self.region = Region(np.asarray(self.bufs, np.int64), np.asarray(sizes, np.int64),
-                             slabs, pool_bytes, SLAB)
+        self.region = Region(
+            np.asarray(self.bufs, np.int64), np.asarray(sizes, np.int64), slabs, pool_bytes, SLAB
+        )
         self.sizes = sizes
         self.half_bytes = half_bytes
 
     def buf(self, i: int) -> np.ndarray:
-        return self.mem[self.bufs[i]:self.bufs[i] + self.sizes[i]]
+        return self.mem[self.bufs[i] : self.bufs[i] + self.sizes[i]]
 
     def pool_view(self) -> np.ndarray:
-        return self.mem[self.pool:self.pool + self.region.pool_bytes]
+        return self.mem[self.pool : self.pool + self.region.pool_bytes]
 
     def run(self, plan: Plan, to_pool: bool) -> None:
         """Each piece as the engine issues it: DMAs in, the kernel, DMAs out."""
         for p in plan.pieces:
             if not to_pool:
                 for stage, pool, n in p.segments.tolist():
-                    self.mem[stage:stage + n] = self.mem[pool:pool + n]
+                    self.mem[stage : stage + n] = self.mem[pool : pool + n]
             self.kernel(plan, p.first, p.count, to_pool)
             if to_pool:
                 for stage, pool, n in p.segments.tolist():
-                    self.mem[pool:pool + n] = self.mem[stage:stage + n]
+                    self.mem[pool : pool + n] = self.mem[stage : stage + n]
 
     def run_dma(self, plan: DmaPlan, to_pool: bool) -> None:
         """Each 2-D copy the engine issues (``cudaMemcpy2DAsync``), row by row."""
@@ -66,37 +67,53 @@ class Memory:
             for r in range(height):
                 d, p = dev + r * dpitch, pool + r * ppitch
                 if to_pool:
-                    self.mem[p:p + width] = self.mem[d:d + width]
+                    self.mem[p : p + width] = self.mem[d : d + width]
                 else:
-                    self.mem[d:d + width] = self.mem[p:p + width]
+                    self.mem[d : d + width] = self.mem[p : p + width]
 
     def kernel(self, plan: Plan, first: int, count: int, to_object: bool) -> None:
         """``copy_units`` of kernels/copy_pages.cu, slot by slot, on this memory."""
         per_unit = plan.max_layers * plan.max_blocks
-        rows = plan.units[first:first + count].tolist()
+        rows = plan.units[first : first + count].tolist()
         ids = plan.ids.tolist()
         for k in range(plan.box_pages(count)):
             u, rem = divmod(k, per_unit)
             layer, j = divmod(rem, plan.max_blocks)
-            (base, l_stride, b_stride, n, obj, ids_off, n_layers, n_blocks, o_lstride,
-             o_bstride) = rows[u]
+            (
+                base,
+                l_stride,
+                b_stride,
+                n,
+                obj,
+                ids_off,
+                n_layers,
+                n_blocks,
+                o_lstride,
+                o_bstride,
+            ) = rows[u]
             if layer >= n_layers or j >= n_blocks or ids[ids_off + j] < 0:
                 continue
             page = base + layer * l_stride + ids[ids_off + j] * b_stride
             o = obj + layer * o_lstride + j * o_bstride
             if to_object:
-                self.mem[o:o + n] = self.mem[page:page + n]
+                self.mem[o : o + n] = self.mem[page : page + n]
             else:
-                self.mem[page:page + n] = self.mem[o:o + n]
+                self.mem[page : page + n] = self.mem[o : o + n]
 
 
-def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Generator,
-                 consecutive: bool = False, placement: str = "layer"
-                 ) -> tuple[list[RunCopy], list[int], int]:
+def dsv41_copies(
+    arch: str,
+    n_chunks: int,
+    stride_pad: int,
+    rng: np.random.Generator,
+    consecutive: bool = False,
+    placement: str = "layer",
+) -> tuple[list[RunCopy], list[int], int]:
     """Copies of ``n_chunks`` chunks, block ids random (or consecutive, as a fresh
     engine hands them out), objects in random slots."""
-    geo = dsv41_flash(arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad,
-                      placement=placement)
+    geo = dsv41_flash(
+        arch=arch, num_blocks=128, layers=8, stride_pad=stride_pad, placement=placement
+    )
     layout = build_layout(geo.groups, 256, separate=True)
     copies: list[RunCopy] = []
     slots_per_slab = {og.name: SLAB // og.object_bytes for og in layout.object_groups}
@@ -108,9 +125,8 @@ def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Gener
         for s in og.sections:
             g = geo.groups[s.group_index]
             bpc = blocks_per_chunk(g, 256)
-            order = (np.arange(g.num_blocks) if consecutive
-                     else rng.permutation(g.num_blocks))
-            gids = order[:n_chunks * bpc].reshape(n_chunks, bpc)
+            order = np.arange(g.num_blocks) if consecutive else rng.permutation(g.num_blocks)
+            gids = order[: n_chunks * bpc].reshape(n_chunks, bpc)
             copies += plan_copies(s, section_block_ids(s, gids), offs)
     return copies, geo.buffer_sizes, (slab + 1) * SLAB
 
@@ -119,8 +135,9 @@ def dsv41_copies(arch: str, n_chunks: int, stride_pad: int, rng: np.random.Gener
 @pytest.mark.parametrize("consecutive", [False, True], ids=["random-ids", "consecutive-ids"])
 @pytest.mark.parametrize("mode", ["staging", "mapped", "dma"])
 @pytest.mark.parametrize(("arch", "pad"), [("sm90", 0), ("sm100", 0), ("sm90", 72)])
-def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive: bool,
-                                    placement: str) -> None:
+def test_plan_matches_cpu_reference(
+    mode: str, arch: str, pad: int, consecutive: bool, placement: str
+) -> None:
     rng = np.random.default_rng(7)
     copies, sizes, pool_bytes = dsv41_copies(arch, 5, pad, rng, consecutive, placement)
     mem = Memory(sizes, pool_bytes, half_bytes=1 << 20)
@@ -132,8 +149,9 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive:
             return plan_mapped(copies, mem.region)
         if mode == "dma":
             return plan_dma(copies, mem.region)
-        return plan_staging(copies, mem.region, mem.halves, mem.half_bytes,
-                            first_piece_bytes=256 << 10)
+        return plan_staging(
+            copies, mem.region, mem.halves, mem.half_bytes, first_piece_bytes=256 << 10
+        )
 
     def execute(p: Plan | DmaPlan, to_pool: bool) -> None:
         if isinstance(p, DmaPlan):
@@ -147,19 +165,23 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive:
         rows = int(p.rows[:, 5].sum())  # 1-D rows the copy engines walk
         if placement == "block" and pad == 0:  # a block's layers: one contiguous copy,
             # and a chunk's consecutive blocks one copy together
-            assert rows == p.n_rows == sum(c.block_ids.shape[0] if consecutive
-                                           else c.block_ids.size for c in copies)
+            assert (
+                rows
+                == p.n_rows
+                == sum(c.block_ids.shape[0] if consecutive else c.block_ids.size for c in copies)
+            )
         else:  # one row per page, a block's layers stacked into one 2-D copy
             assert rows == sum(c.block_ids.size * c.run.n_layers for c in copies)
             assert p.n_rows == sum(c.block_ids.size for c in copies)
     if isinstance(p, Plan) and mode == "staging":
         assert len(p.pieces) > 1  # 1 MiB halves force several pieces
         sizes_of = (p.units[:, 3] * p.units[:, 6] * p.units[:, 7]).tolist()
-        fill = [sum(sizes_of[q.first:q.first + q.count]) for q in p.pieces]
+        fill = [sum(sizes_of[q.first : q.first + q.count]) for q in p.pieces]
         assert fill[0] <= max(256 << 10, sizes_of[0])  # the short first piece
         assert all(f <= mem.half_bytes for f in fill)
-        assert [q.first for q in p.pieces] == np.cumsum([0] + [q.count for q in p.pieces[:-1]]
-                                                        ).tolist()
+        assert [q.first for q in p.pieces] == np.cumsum(
+            [0] + [q.count for q in p.pieces[:-1]]
+        ).tolist()
         assert sum(q.count for q in p.pieces) == p.n_units
     execute(p, to_pool=True)
     expect_pool = np.zeros(pool_bytes, np.uint8)
@@ -171,8 +193,12 @@ def test_plan_matches_cpu_reference(mode: str, arch: str, pad: int, consecutive:
     originals = [mem.buf(i).copy() for i in range(len(sizes))]
     for i in range(len(sizes)):
         mem.buf(i)[:] = 0xEE
-    holed = [RunCopy(c.run, np.where(rng.random(c.block_ids.shape) < 0.2, -1, c.block_ids),
-                     c.object_offsets) for c in copies]
+    holed = [
+        RunCopy(
+            c.run, np.where(rng.random(c.block_ids.shape) < 0.2, -1, c.block_ids), c.object_offsets
+        )
+        for c in copies
+    ]
     copies[:] = holed
     execute(plan(), to_pool=False)
     expect = [np.full(s, 0xEE, np.uint8) for s in sizes]
@@ -220,7 +246,7 @@ def test_adjacent_objects_merge_into_one_dma() -> None:
     for s in og.sections:
         g = geo.groups[s.group_index]
         bpc = blocks_per_chunk(g, 256)
-        gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
+        gids = rng.permutation(g.num_blocks)[: n * bpc].reshape(n, bpc)
         copies += plan_copies(s, section_block_ids(s, gids), offs)
     mem = Memory(geo.buffer_sizes, SLAB, 8 << 20)
     p = plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
@@ -236,7 +262,7 @@ def test_plan_uses_its_own_copy_of_the_ids() -> None:
     mem = Memory(sizes, pool_bytes, 1 << 20)
     p = plan_mapped(copies[:1], mem.region)
     before = p.ids.copy()
-    copies[0].block_ids[:] = 10 ** 9
+    copies[0].block_ids[:] = 10**9
     assert np.array_equal(p.ids, before)
 
 
@@ -247,11 +273,18 @@ def test_all_holes_copy_is_skipped_and_mixed_runs_share_a_box() -> None:
     # A copy with fewer layers and blocks than the others: its slots in the
     # (units, max_layers, max_blocks) box must be skipped, not copied.
     c = copies[0]
-    small_run = type(c.run)(c.run.buffer, c.run.base_offset, c.run.layer_stride, 1,
-                            c.run.block_stride, c.run.page_bytes, c.run.object_offset, 1)
+    small_run = type(c.run)(
+        c.run.buffer,
+        c.run.base_offset,
+        c.run.layer_stride,
+        1,
+        c.run.block_stride,
+        c.run.page_bytes,
+        c.run.object_offset,
+        1,
+    )
     small = RunCopy(small_run, c.block_ids[:, :1], c.object_offsets)
-    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1),
-                    copies[1].object_offsets)
+    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1), copies[1].object_offsets)
     plan = plan_staging([small, holes] + copies[2:], mem.region, mem.halves, mem.half_bytes)
     assert plan.n_units == 3 * (len(copies) - 1)
     for i in range(len(sizes)):
@@ -272,21 +305,28 @@ def test_dma_plan_skips_holes_and_all_hole_copies() -> None:
     mem = Memory(sizes, pool_bytes, 1 << 20)
     for i in range(len(sizes)):
         mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
-    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1),
-                    copies[1].object_offsets)
+    holes = RunCopy(copies[1].run, np.full_like(copies[1].block_ids, -1), copies[1].object_offsets)
     c = copies[0]
     ids = c.block_ids.copy()
     ids[:, 1] = -1
     holed = RunCopy(c.run, ids, c.object_offsets)
     r = c.run  # the same pages, described as a run with a negative layer stride
-    flipped_run = type(r)(r.buffer, r.base_offset + (r.n_layers - 1) * r.layer_stride,
-                          -r.layer_stride, r.n_layers, r.block_stride, r.page_bytes,
-                          r.object_offset, r.n_blocks)
+    flipped_run = type(r)(
+        r.buffer,
+        r.base_offset + (r.n_layers - 1) * r.layer_stride,
+        -r.layer_stride,
+        r.n_layers,
+        r.block_stride,
+        r.page_bytes,
+        r.object_offset,
+        r.n_blocks,
+    )
     flipped = RunCopy(flipped_run, copies[2].block_ids, copies[2].object_offsets)
     chosen = [holed, holes, flipped] + copies[3:]
     p = plan_dma(chosen, mem.region)
-    assert p.nbytes == sum(int((cc.block_ids >= 0).sum()) * cc.run.n_layers
-                           * cc.run.page_bytes for cc in chosen)
+    assert p.nbytes == sum(
+        int((cc.block_ids >= 0).sum()) * cc.run.n_layers * cc.run.page_bytes for cc in chosen
+    )
     mem.run_dma(p, to_pool=True)
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for cc in chosen:
@@ -310,8 +350,13 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
         if g.name == "compressed":  # odd layers move to a buffer of their own, in order
             sizes.append(sizes[g.layers[0].buffer])
             extra = len(sizes) - 1
-            g = replace(g, layers=[replace(layer, buffer=extra) if i % 2 else layer
-                                   for i, layer in enumerate(g.layers)])
+            g = replace(
+                g,
+                layers=[
+                    replace(layer, buffer=extra) if i % 2 else layer
+                    for i, layer in enumerate(g.layers)
+                ],
+            )
         groups.append(g)
     layout = build_layout(groups, 256, separate=True)
     full = layout.object_groups[0]
@@ -323,7 +368,7 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
     for s in full.sections:
         g = groups[s.group_index]
         bpc = blocks_per_chunk(g, 256)
-        gids = rng.permutation(g.num_blocks)[:n * bpc].reshape(n, bpc)
+        gids = rng.permutation(g.num_blocks)[: n * bpc].reshape(n, bpc)
         copies += plan_copies(s, section_block_ids(s, gids), offs)
     pool_bytes = SLAB
     mem = Memory(sizes, pool_bytes, half_bytes=4 << 20)
@@ -334,8 +379,11 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
         assert isinstance(p, DmaPlan)
         mem.run_dma(p, to_pool=True)
     else:
-        p = (plan_mapped(copies, mem.region) if mode == "mapped" else
-             plan_staging(copies, mem.region, mem.halves, mem.half_bytes))
+        p = (
+            plan_mapped(copies, mem.region)
+            if mode == "mapped"
+            else plan_staging(copies, mem.region, mem.halves, mem.half_bytes)
+        )
         assert isinstance(p, Plan)
         mem.run(p, to_pool=True)
     expect_pool = np.zeros(pool_bytes, np.uint8)
@@ -346,5 +394,4 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
         assert isinstance(p, Plan)
         # one piece; one DMA per object (its sections are adjacent clusters)
         assert len(p.pieces) == 1 and len(p.pieces[0].segments) == n
-        assert sorted(int(x) for q in p.pieces for x in q.segments[:, 2]) == [
-            full.object_bytes] * n
+        assert sorted(int(x) for q in p.pieces for x in q.segments[:, 2]) == [full.object_bytes] * n

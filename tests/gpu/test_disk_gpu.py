@@ -29,8 +29,12 @@ ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-poli
 
 
 def server(directory: Path) -> ServerProcess:
-    return ServerProcess([*ARGS, "--disk-dir", str(directory), "--disk-size-gb", "8"],
-                         backend="cuda", l1_size_gb=2, start_timeout_s=60)
+    return ServerProcess(
+        [*ARGS, "--disk-dir", str(directory), "--disk-size-gb", "8"],
+        backend="cuda",
+        l1_size_gb=2,
+        start_timeout_s=60,
+    )
 
 
 def disk(c: Client) -> DiskReport:
@@ -40,8 +44,9 @@ def disk(c: Client) -> DiskReport:
 
 
 @pytest.mark.parametrize("n,layers", [(1, 8), (16, 44), (64, 44)])
-def test_store_on_a_restart_and_retrieve_on_b_byte_exact(tmp_path: Path, n: int,
-                                                         layers: int) -> None:
+def test_store_on_a_restart_and_retrieve_on_b_byte_exact(
+    tmp_path: Path, n: int, layers: int
+) -> None:
     """A's pinned slabs -> files -> (A stops, B starts) -> B's pinned slabs -> GPU."""
     from lmc_server.testing.cuda_kv import CudaKV, device_arch
     from lmc_server.testing.presets import dsv41_flash
@@ -60,14 +65,21 @@ def test_store_on_a_restart_and_retrieve_on_b_byte_exact(tmp_path: Path, n: int,
             res = ca.store(ra, digests, ids)
             assert res.ok.all(), res.statuses
             objects = sum(int(s.size) for s in res.statuses.values())
-            wait_for(lambda: (st := disk(ca)).objects_written >= objects
-                     and not st.write_queue_objects and not st.writes_in_flight,
-                     "written to disk", 60)
-            fp = next(bytes.fromhex(p.fingerprint) for p in ca.stats().partitions
-                      if p.name == "full")
+            wait_for(
+                lambda: (
+                    (st := disk(ca)).objects_written >= objects
+                    and not st.write_queue_objects
+                    and not st.writes_in_flight
+                ),
+                "written to disk",
+                60,
+            )
+            fp = next(
+                bytes.fromhex(p.fingerprint) for p in ca.stats().partitions if p.name == "full"
+            )
             space = codec.space_of(ra.namespace, fp, CHUNK).hex()
         if bad is not None:  # flip one payload byte of chunk `bad`'s full object
-            ck = digests[bad * 32:(bad + 1) * 32].hex()
+            ck = digests[bad * 32 : (bad + 1) * 32].hex()
             f = tmp_path / "lmc2" / space / ck[:2] / ck
             data = bytearray(f.read_bytes())
             data[-100] ^= 0x80
@@ -77,8 +89,14 @@ def test_store_on_a_restart_and_retrieve_on_b_byte_exact(tmp_path: Path, n: int,
             rb = cb.register(**kvb.register_kwargs(model=f"gpu-disk/{layers}"))
             wait_for(lambda: disk(cb).state == "up", "disk tier up", 60)
             t0 = time.perf_counter()
-            wait_for(lambda: (r := cb.lookup(rb, digests, lease=False)).hit_chunks >= want
-                     and r.l2_pending_chunks == 0, "prefetched from disk", 60)
+            wait_for(
+                lambda: (
+                    (r := cb.lookup(rb, digests, lease=False)).hit_chunks >= want
+                    and r.l2_pending_chunks == 0
+                ),
+                "prefetched from disk",
+                60,
+            )
             ready_ms = (time.perf_counter() - t0) * 1e3
             look = cb.lookup(rb, digests)
             assert look.hit_chunks == want, "a damaged object was served"
@@ -93,9 +111,11 @@ def test_store_on_a_restart_and_retrieve_on_b_byte_exact(tmp_path: Path, n: int,
                         assert set(kvb.page(g.name, 0, int(blk)).tolist()) == {0xA5}
             head = {g: v.reshape(n, -1)[:want].ravel() for g, v in ids.items()}
             dst2 = block_ids_for(rb, want, np.random.default_rng(7))
-            got = cb.retrieve(rb, digests[:want * 32], dst2)
+            got = cb.retrieve(rb, digests[: want * 32], dst2)
             assert got.ok.all()
             assert_same_pages(rb, kva, head, kvb, dst2, want)  # type: ignore[arg-type]
             cb.release(look.lease_id)
-            print(f"L1-miss-disk-hit ready on the CUDA backend after a restart: {want} "
-                  f"chunks x {layers} layers in {ready_ms:.1f} ms")
+            print(
+                f"L1-miss-disk-hit ready on the CUDA backend after a restart: {want} "
+                f"chunks x {layers} layers in {ready_ms:.1f} ms"
+            )

@@ -44,10 +44,19 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 16384,
-    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": 64}
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+}
 
 #: the window of the ``swa`` model (tokens)
 SWA_WINDOW = 128
@@ -67,22 +76,25 @@ def model_config(tmp: Path) -> Any:
         d = tmp / "tiny-llama"
         d.mkdir(exist_ok=True)
         (d / "config.json").write_text(json.dumps(TINY_MODEL))
-        _model_config = ModelConfig(model=str(d), skip_tokenizer_init=True,
-                                    max_model_len=16384, dtype="bfloat16")
+        _model_config = ModelConfig(
+            model=str(d), skip_tokenizer_init=True, max_model_len=16384, dtype="bfloat16"
+        )
     return _model_config
 
 
 def fixture_script() -> Any:
-    spec = importlib.util.spec_from_file_location("vllm_kv_fixture",
-                                                  REPO / "scripts" / "vllm-kv-fixture.py")
+    spec = importlib.util.spec_from_file_location(
+        "vllm_kv_fixture", REPO / "scripts" / "vllm-kv-fixture.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def kv_cache_config(model: str, num_blocks: int, arch: str = "sm90",
-                    compressed_block: int = 64) -> tuple[Any, Any]:
+def kv_cache_config(
+    model: str, num_blocks: int, arch: str = "sm90", compressed_block: int = 64
+) -> tuple[Any, Any]:
     """vLLM's ``KVCacheConfig`` for ``model`` (``plain``: full attention; ``swa``: one
     sliding-window group, window 128; ``dsv41``) and the KV cache layout its backends
     resolve, as the engine core plans them."""
@@ -98,11 +110,17 @@ def kv_cache_config(model: str, num_blocks: int, arch: str = "sm90",
         specs, backends = fx.plain_layers(2)
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-        small: Any = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                       dtype=torch.bfloat16)
+        small: Any = FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+        )
         if model == "swa":
-            small = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                      dtype=torch.bfloat16, sliding_window=SWA_WINDOW)
+            small = SlidingWindowSpec(
+                block_size=16,
+                num_kv_heads=2,
+                head_size=64,
+                dtype=torch.bfloat16,
+                sliding_window=SWA_WINDOW,
+            )
         specs = {n: small for n in specs}
     else:
         old = fx.DSV41_BLOCK
@@ -152,13 +170,24 @@ class Oracle:
 class SimEngine:
     """vLLM's scheduler + the connector on both sides + a simulated forward pass."""
 
-    def __init__(self, endpoint_port: int, tmp: Path, *, model: str = "plain",
-                 num_blocks: int = 600, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 256, load_failure_policy: str = "fail",
-                 extra: dict[str, Any] | None = None, arch: str = "sm90",
-                 compressed_block: int = 64, model_name: str = "",
-                 async_scheduling: bool = False, forward_s: float = 0.0,
-                 idle_step_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        endpoint_port: int,
+        tmp: Path,
+        *,
+        model: str = "plain",
+        num_blocks: int = 600,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 256,
+        load_failure_policy: str = "fail",
+        extra: dict[str, Any] | None = None,
+        arch: str = "sm90",
+        compressed_block: int = 64,
+        model_name: str = "",
+        async_scheduling: bool = False,
+        forward_s: float = 0.0,
+        idle_step_s: float = 0.0,
+    ) -> None:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -183,41 +212,57 @@ class SimEngine:
         from lmc_server.integration.vllm.geometry import build_groups
 
         cfg, layout = kv_cache_config(model, num_blocks, arch, compressed_block)
-        settings = {"lmcache.mp.port": endpoint_port, "lmcache.mp.timeout_s": 5,
-                    "lmcache.mp.arch": arch,
-                    "lmcache.mp.model": model_name or f"sim/{model}-{arch}",
-                    **(extra or {})}
+        settings = {
+            "lmcache.mp.port": endpoint_port,
+            "lmcache.mp.timeout_s": 5,
+            "lmcache.mp.arch": arch,
+            "lmcache.mp.model": model_name or f"sim/{model}-{arch}",
+            **(extra or {}),
+        }
         block = min(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)
         self.vc = VllmConfig(
-            model_config=model_config(tmp), device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=block, enable_prefix_caching=True,
-                                     num_gpu_blocks_override=cfg.num_blocks),
+            model_config=model_config(tmp),
+            device_config=DeviceConfig(device="cpu"),
+            cache_config=CacheConfig(
+                block_size=block, enable_prefix_caching=True, num_gpu_blocks_override=cfg.num_blocks
+            ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
-                max_model_len=16384, enable_chunked_prefill=True, is_encoder_decoder=False,
-                async_scheduling=async_scheduling),
+                max_model_len=16384,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+                async_scheduling=async_scheduling,
+            ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="LMCacheMPConnector",
-                kv_connector_module_path="lmc_server.integration.vllm", kv_role="kv_both",
+                kv_connector_module_path="lmc_server.integration.vllm",
+                kv_role="kv_both",
                 kv_load_failure_policy=load_failure_policy,
-                kv_connector_extra_config=settings))
+                kv_connector_extra_config=settings,
+            ),
+        )
         self.vc.cache_config.num_gpu_blocks = cfg.num_blocks
         # the CPU platform turns async scheduling off; GPU platforms default it on
         self.vc.scheduler_config.async_scheduling = async_scheduling
         sched_block, hash_block = resolve_kv_cache_block_sizes(cfg, self.vc)
         cfg.hash_block_size = hash_block
         cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            generate_scheduler_kv_cache_config([cfg]), self.vc, sched_block, hash_block)
+            generate_scheduler_kv_cache_config([cfg]), self.vc, sched_block, hash_block
+        )
         self.cfg = cfg
         self.hash_block = hash_block
         # the scheduler gets what EngineCore gives it: a copy with per-layer specs folded
         self.async_scheduling = async_scheduling
         scheduler_cls = self.vc.scheduler_config.get_scheduler_cls()
         assert issubclass(scheduler_cls, Scheduler)
-        self.scheduler = scheduler_cls(self.vc, generate_scheduler_kv_cache_config([cfg]),
-                                   StructuredOutputManager(self.vc),
-                                   block_size=sched_block, hash_block_size=hash_block)
+        self.scheduler = scheduler_cls(
+            self.vc,
+            generate_scheduler_kv_cache_config([cfg]),
+            StructuredOutputManager(self.vc),
+            block_size=sched_block,
+            hash_block_size=hash_block,
+        )
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, LMCacheMPConnector)
 
@@ -233,14 +278,16 @@ class SimEngine:
             off = t.data_ptr() - base
             assert off % t.element_size() == 0
             self.views[name] = raw.view(t.dtype).as_strided(
-                t.shape, t.stride(), off // t.element_size())
+                t.shape, t.stride(), off // t.element_size()
+            )
         del caches
         self.mem = self.segment.array
         self.worker = LMCacheMPConnector(self.vc, KVConnectorRole.WORKER, cfg)
         self.worker.register_kv_caches(self.views)
         # EngineCore._set_kv_connector_handshake_metadata: workers -> scheduler, once
         self.connector.set_xfer_handshake_metadata_pp_aware(
-            {(0, 0): self.worker.get_handshake_metadata()})
+            {(0, 0): self.worker.get_handshake_metadata()}
+        )
         plan = build_groups(cfg, self.views)
         by_name = {g.name: g for g in plan.groups}
         self.groups: list[GroupPages | None] = []
@@ -248,9 +295,16 @@ class SimEngine:
             if not eg.cached:
                 self.groups.append(None)
                 continue
-            pages = [Page(layer.offset, layer.block_stride, layer.page_bytes,
-                          hashlib.blake2b(layer.name.encode(), digest_size=8).digest())
-                     for key in eg.block_id_keys for layer in by_name[key].layers]
+            pages = [
+                Page(
+                    layer.offset,
+                    layer.block_stride,
+                    layer.page_bytes,
+                    hashlib.blake2b(layer.name.encode(), digest_size=8).digest(),
+                )
+                for key in eg.block_id_keys
+                for layer in by_name[key].layers
+            ]
             self.groups.append(GroupPages(eg.tokens_per_block, eg.window_tokens, pages))
         self.oracle = Oracle()
         self.finished: dict[str, list[int]] = {}
@@ -284,9 +338,13 @@ class SimEngine:
         from vllm.v1.request import Request
 
         init_none_hash(sha256)
-        req = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True), None,
-                      block_hasher=get_request_block_hasher(self.hash_block, sha256))
+        req = Request(
+            req_id,
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            None,
+            block_hasher=get_request_block_hasher(self.hash_block, sha256),
+        )
         self.scheduler.add_request(req)
         self.requests[req_id] = req
         self.seq[req_id] = list(prompt)
@@ -318,15 +376,16 @@ class SimEngine:
                 b = tables[gi][j] if j < len(tables[gi]) else -1
                 f = min((j + 1) * tpb, computed)
                 if b <= 0:
-                    self.oracle.wrong.append(f"{req_id}: group {gi} block index {j} "
-                                             f"(tokens < {f}) has no block ({b})")
+                    self.oracle.wrong.append(
+                        f"{req_id}: group {gi} block index {j} (tokens < {f}) has no block ({b})"
+                    )
                     continue
                 d = digests.get(f)
                 if d is None:
                     d = digests[f] = digest(tokens[:f])
                 for p in g.pages:
                     lo = p.offset + b * p.stride
-                    got = self.mem[lo:lo + p.nbytes]
+                    got = self.mem[lo : lo + p.nbytes]
                     want = self._fill(p, d)
                     self.oracle.checked_pages += 1
                     self.oracle.checked_bytes += p.nbytes
@@ -334,7 +393,8 @@ class SimEngine:
                         bad = int(np.count_nonzero(got != want))
                         self.oracle.wrong.append(
                             f"{req_id}: group {gi} block {b} (index {j}, tokens < {f}) "
-                            f"at computed {computed}: {bad} of {p.nbytes} bytes wrong")
+                            f"at computed {computed}: {bad} of {p.nbytes} bytes wrong"
+                        )
 
     def _write(self, req_id: str, tokens: Sequence[int], start: int, end: int) -> None:
         tables = self._blocks(req_id)
@@ -345,10 +405,10 @@ class SimEngine:
             for j in range(start // tpb, -(-end // tpb)):
                 b = tables[gi][j]
                 assert b > 0, f"{req_id}: writing tokens of block index {j} into {b}"
-                d = digest(tokens[:min((j + 1) * tpb, end)])
+                d = digest(tokens[: min((j + 1) * tpb, end)])
                 for p in g.pages:
                     lo = p.offset + b * p.stride
-                    self.mem[lo:lo + p.nbytes] = self._fill(p, d)
+                    self.mem[lo : lo + p.nbytes] = self._fill(p, d)
 
     # -- one engine step ------------------------------------------------------------------
 
@@ -394,10 +454,13 @@ class SimEngine:
         w.bind_connector_metadata(meta)
         runs: list[tuple[str, int, int]] = [
             (r.req_id, r.num_computed_tokens, out.num_scheduled_tokens[r.req_id])
-            for r in out.scheduled_new_reqs]
+            for r in out.scheduled_new_reqs
+        ]
         cached = out.scheduled_cached_reqs
-        runs += [(rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
-                 for i, rid in enumerate(cached.req_ids)]
+        runs += [
+            (rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid])
+            for i, rid in enumerate(cached.req_ids)
+        ]
         sampled: dict[str, list[int]] = {}
         now_s = time.perf_counter()
         for rid, _, _ in runs:
@@ -423,12 +486,16 @@ class SimEngine:
         w.clear_connector_metadata()
         ids = [rid for rid, _, _ in runs]
         return ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[sampled[r] for r in ids],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=res.finished_sending or None,
                 finished_recving=res.finished_recving or None,
-                failed_recving=res.failed_recving, invalid_block_ids=invalid))
+                failed_recving=res.failed_recving,
+                invalid_block_ids=invalid,
+            ),
+        )
 
     def _update(self, out: Any, mro: Any) -> None:
         for rid in mro.kv_connector_output.finished_recving or ():
@@ -443,8 +510,7 @@ class SimEngine:
                     if int(o.finish_reason) not in (0, 1):  # STOP, LENGTH
                         self.failed[o.request_id] = str(o.finish_reason)
 
-    def run(self, req_ids: Iterable[str], max_steps: int = 2000,
-            timeout_s: float = 120.0) -> None:
+    def run(self, req_ids: Iterable[str], max_steps: int = 2000, timeout_s: float = 120.0) -> None:
         """Step until every request in ``req_ids`` finished (and nothing is held)."""
         want = set(req_ids)
         deadline = time.monotonic() + timeout_s
@@ -456,8 +522,9 @@ class SimEngine:
                 time.sleep(0.002)
             assert time.monotonic() < deadline, "engine did not finish in time"
         else:
-            raise AssertionError(f"not finished after {max_steps} steps: "
-                                 f"{sorted(want - set(self.finished))}")
+            raise AssertionError(
+                f"not finished after {max_steps} steps: {sorted(want - set(self.finished))}"
+            )
         self.drain()
         if self._in_flight is not None:
             self._update(*self._in_flight)

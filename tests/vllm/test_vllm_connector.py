@@ -29,8 +29,7 @@ LAYERS = 3
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[ServerProcess]:
-    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"],
-                       l1_size_gb=0.25) as s:
+    with ServerProcess(["--chunk-size", "256", "--separate-object-groups"], l1_size_gb=0.25) as s:
         yield s
 
 
@@ -48,28 +47,41 @@ def _setup(srv: ServerProcess) -> tuple[Any, ...]:
     from lmc_server.integration.exporters import register_shm_segment
     from lmc_server.integration.vllm import LMCacheMPConnector
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64,
-                             dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     page = spec.page_size_bytes
     names = [f"model.layers.{i}.attn" for i in range(LAYERS)]
     size = LAYERS * NUM_BLOCKS * page
-    cfg = KVCacheConfig(num_blocks=NUM_BLOCKS,
-                        kv_cache_tensors=[KVCacheTensor(size=size, layers=names,
-                                                        layer_stride=NUM_BLOCKS * page,
-                                                        block_stride=page)],
-                        kv_cache_groups=[KVCacheGroupSpec(names, spec)], hash_block_size=BLOCK)
-    extra = {"lmcache.mp.host": "127.0.0.1", "lmcache.mp.port": srv.port,
-             "lmcache.mp.model": "test/vllm-connector"}
-    vcfg = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                      kv_transfer_config=KVTransferConfig(
-                          kv_connector="LMCacheMPConnector",
-                          kv_connector_module_path="lmc_server.integration.vllm",
-                          kv_role="kv_both", kv_connector_extra_config=extra))
+    cfg = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=size, layers=names, layer_stride=NUM_BLOCKS * page, block_stride=page
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        hash_block_size=BLOCK,
+    )
+    extra = {
+        "lmcache.mp.host": "127.0.0.1",
+        "lmcache.mp.port": srv.port,
+        "lmcache.mp.model": "test/vllm-connector",
+    }
+    vcfg = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_connector_module_path="lmc_server.integration.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+    )
     seg = ShmSegment(size)
     register_shm_segment(seg)
     raw = torch.frombuffer(seg._mm, dtype=torch.uint8)
-    caches = {n: raw[i * NUM_BLOCKS * page:(i + 1) * NUM_BLOCKS * page].view(NUM_BLOCKS, page)
-              for i, n in enumerate(names)}
+    caches = {
+        n: raw[i * NUM_BLOCKS * page : (i + 1) * NUM_BLOCKS * page].view(NUM_BLOCKS, page)
+        for i, n in enumerate(names)
+    }
     g = torch.Generator().manual_seed(3)
     raw.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g))
     sched = LMCacheMPConnector(vcfg, KVConnectorRole.SCHEDULER, cfg)
@@ -85,8 +97,13 @@ def _request(req_id: str, tokens: list[int]) -> Any:
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        req_id,
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 def _blocks(ids: list[int]) -> Any:

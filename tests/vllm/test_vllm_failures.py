@@ -26,8 +26,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 SCHEDULERS = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
-
-
 def leases(endpoint: str) -> int:
     with Client(endpoint) as c:
         return int(c.stats().leases)
@@ -41,7 +39,8 @@ def restarted(srv: ServerProcess) -> ServerProcess:
 @pytest.mark.parametrize("model", ["swa", "dsv41"])
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_failed_load_never_reads_a_window_it_does_not_hold(
-        srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool
+) -> None:
     """Window 128: A stores 700 tokens; vLLM's prefix cache is reset; B (600 shared
     tokens + 200) hits 2 chunks, so vLLM gives B blocks only for the window at the
     hit's end (the table's earlier entries are the null block). The server restarts
@@ -49,8 +48,9 @@ def test_failed_load_never_reads_a_window_it_does_not_hold(
     ``recompute`` vLLM must not resume B at a position whose window it never held
     (single group: truncated at the first failed block, 384, it would read [257, 384)
     from null blocks); B is recomputed and every byte attention reads is right."""
-    e = engine(srv, tmp_model, model, load_failure_policy="recompute",
-               async_scheduling=async_scheduling)
+    e = engine(
+        srv, tmp_model, model, load_failure_policy="recompute", async_scheduling=async_scheduling
+    )
     fresh: list[ServerProcess] = []
     try:
         a = prompt(40, 700)
@@ -86,15 +86,17 @@ def test_failed_load_never_reads_a_window_it_does_not_hold(
 @pytest.mark.parametrize("model", ["swa", "dsv41"])
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_server_killed_with_a_store_in_flight_does_not_stall_the_engine(
-        srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool
+) -> None:
     """Default ``timeout_s`` (30 s): the first step's store goes to a server that
     hangs (SIGSTOP), is killed 0.5 s later and started again 0.5 s after that. A later
     step fences that store (sliding-window blocks it reads leave the window). The
     lost connection fails the store at once, so the fence, and every request of the
     engine, waits about the restart time, not ``timeout_s``; the engine then stores
     on and hits on the new server."""
-    e = engine(srv, tmp_model, model, extra={"lmcache.mp.timeout_s": 30},
-               async_scheduling=async_scheduling)
+    e = engine(
+        srv, tmp_model, model, extra={"lmcache.mp.timeout_s": 30}, async_scheduling=async_scheduling
+    )
     fresh: list[ServerProcess] = []
     crash_done = threading.Event()
     try:
@@ -146,7 +148,8 @@ def test_server_killed_with_a_store_in_flight_does_not_stall_the_engine(
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_aborted_request_returns_its_lease_while_the_engine_is_idle(
-        srv: ServerProcess, tmp_model: Path, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, async_scheduling: bool
+) -> None:
     """A lookup goes out while the server is stopped; the request is aborted; the
     server answers with a lease; the engine then has nothing to do and takes no step
     (as ``EngineCore`` when idle). The lease goes back at once, not at the TTL; the

@@ -25,14 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_fixtures_match_vllm() -> None:
     spec = importlib.util.spec_from_file_location(
-        "vllm_kv_fixture", ROOT / "scripts" / "vllm-kv-fixture.py")
+        "vllm_kv_fixture", ROOT / "scripts" / "vllm-kv-fixture.py"
+    )
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     generated = script.generate()
-    assert sorted(generated) == sorted(p.stem for p in (ROOT / "tests" / "fixtures").glob(
-        "vllm-*.json"))
+    assert sorted(generated) == sorted(
+        p.stem for p in (ROOT / "tests" / "fixtures").glob("vllm-*.json")
+    )
     for name, data in generated.items():
         stored = json.loads((ROOT / "tests" / "fixtures" / f"{name}.json").read_text())
         assert json.loads(json.dumps(data)) == stored, (
-            f"{name} is stale: run scripts/vllm-kv-fixture.py (docs/vllm.md)")
+            f"{name} is stale: run scripts/vllm-kv-fixture.py (docs/vllm.md)"
+        )

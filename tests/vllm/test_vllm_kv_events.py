@@ -39,9 +39,16 @@ def test_vllm_decodes_store_eviction_replay_and_restart(tmp_path: Path) -> None:
     )
 
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    args = ["--kv-events-endpoint", f"ipc://{tmp_path}/ev",
-            "--kv-events-replay-endpoint", f"ipc://{tmp_path}/rep",
-            "--kv-events-topic", TOPIC.decode(), "--slab-size-mb", "1"]
+    args = [
+        "--kv-events-endpoint",
+        f"ipc://{tmp_path}/ev",
+        "--kv-events-replay-endpoint",
+        f"ipc://{tmp_path}/rep",
+        "--kv-events-topic",
+        TOPIC.decode(),
+        "--slab-size-mb",
+        "1",
+    ]
     ctx: zmq.Context[Any] = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -91,8 +98,9 @@ def test_vllm_decodes_store_eviction_replay_and_restart(tmp_path: Path) -> None:
             assert len(set(held.values())) == st.l1.objects == SLOTS
             # The live stream decodes too (stores until the subscriber is connected).
             for i in range(200):
-                assert c.store(reg, chunk_digests(np.full(CHUNK, 9000 + i), CHUNK),
-                               block_ids_for(reg, 1)).ok.all()
+                assert c.store(
+                    reg, chunk_digests(np.full(CHUNK, 9000 + i), CHUNK), block_ids_for(reg, 1)
+                ).ok.all()
                 if sub.poll(100):
                     break
             _, seq, payload = sub.recv_multipart()
@@ -119,9 +127,15 @@ def test_vllm_requests_are_published_with_their_tokens_and_vllm_hashes(tmp_path:
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    args = ["--chunk-size", str(CHUNK), "--separate-object-groups",
-            "--kv-events-endpoint", f"ipc://{tmp_path}/ev",
-            "--kv-events-replay-endpoint", f"ipc://{tmp_path}/rep"]
+    args = [
+        "--chunk-size",
+        str(CHUNK),
+        "--separate-object-groups",
+        "--kv-events-endpoint",
+        f"ipc://{tmp_path}/ev",
+        "--kv-events-replay-endpoint",
+        f"ipc://{tmp_path}/rep",
+    ]
     ctx: zmq.Context[Any] = zmq.Context()
     with ServerProcess(args, l1_size_gb=0.5) as srv:
         e = SimEngine(srv.port, tmp_path, model="plain", extra={"lmcache.mp.kv_events": True})
@@ -131,17 +145,20 @@ def test_vllm_requests_are_published_with_their_tokens_and_vllm_hashes(tmp_path:
             e.run(["a"])
             e.drain()
             assert not e.failed
-            hashes = [int.from_bytes(bytes(h), "big") & ((1 << 64) - 1)
-                      for h in req.block_hashes]
+            hashes = [int.from_bytes(bytes(h), "big") & ((1 << 64) - 1) for h in req.block_hashes]
             per = CHUNK // e.hash_block
         finally:
             e.close()
-        stored = [ev for _, _, p in replay(ctx, f"ipc://{tmp_path}/rep", 0)
-                  for ev in decoder.decode(p).events if isinstance(ev, BlockStored)]
+        stored = [
+            ev
+            for _, _, p in replay(ctx, f"ipc://{tmp_path}/rep", 0)
+            for ev in decoder.decode(p).events
+            if isinstance(ev, BlockStored)
+        ]
     ctx.term()
     assert len(stored) == 3  # 900 tokens: three whole chunks
     for k, ev in enumerate(stored):
-        assert ev.token_ids == tokens[k * CHUNK:(k + 1) * CHUNK]
-        assert ev.block_hashes == hashes[k * per:(k + 1) * per]
+        assert ev.token_ids == tokens[k * CHUNK : (k + 1) * CHUNK]
+        assert ev.block_hashes == hashes[k * per : (k + 1) * per]
         assert ev.parent_block_hash == (None if k == 0 else hashes[k * per - 1])
         assert ev.block_size == e.hash_block and ev.medium == "CPU"

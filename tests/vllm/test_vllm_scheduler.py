@@ -25,16 +25,13 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 MODELS = ["plain", "dsv41"]
 
 
-
-
 def counters(srv: ServerProcess) -> dict[str, int]:
     with Client(srv.endpoint) as c:
         return dict(c.stats().counters.requests)
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_shared_prefixes_and_partial_hits(srv: ServerProcess, tmp_model: Path,
-                                          model: str) -> None:
+def test_shared_prefixes_and_partial_hits(srv: ServerProcess, tmp_model: Path, model: str) -> None:
     e = engine(srv, tmp_model, model)
     try:
         base = prompt(1, 900)
@@ -62,8 +59,9 @@ def test_shared_prefixes_and_partial_hits(srv: ServerProcess, tmp_model: Path,
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("budget", [256, 512, 200, 300])
-def test_chunked_prefill_on_and_off_chunk_boundaries(srv: ServerProcess, tmp_model: Path,
-                                                     model: str, budget: int) -> None:
+def test_chunked_prefill_on_and_off_chunk_boundaries(
+    srv: ServerProcess, tmp_model: Path, model: str, budget: int
+) -> None:
     """Step ends on chunk boundaries (budget 256, 512) and off them (200, 300): every
     chunk is stored once complete, and a later hit loads exactly what was computed."""
     e = engine(srv, tmp_model, model, max_num_batched_tokens=budget, num_blocks=400)
@@ -84,16 +82,16 @@ def test_chunked_prefill_on_and_off_chunk_boundaries(srv: ServerProcess, tmp_mod
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path,
-                                          model: str) -> None:
+def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path, model: str) -> None:
     """120 requests hit (100+ of them in one step) under ``kv_load_failure_policy=fail``:
     a step's loads in batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (not one
     per request), no ``busy``, none fails, every loaded byte right."""
     from lmc_server.integration.link import LOAD_PART_CHUNKS
 
     n = 120
-    e = engine(srv, tmp_model, model, num_blocks=n * 30, max_num_batched_tokens=8192,
-               max_num_seqs=256)
+    e = engine(
+        srv, tmp_model, model, num_blocks=n * 30, max_num_batched_tokens=8192, max_num_seqs=256
+    )
     try:
         prompts = {f"r{i}": prompt(100 + i, 300) for i in range(n)}
         for rid, p in prompts.items():
@@ -108,8 +106,7 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path,
         e.run(["h" + r for r in prompts])
         after = counters(srv)
         assert not e.failed
-        assert {r: e.loaded_tokens.get("h" + r) for r in prompts} == dict.fromkeys(prompts,
-                                                                                  256)
+        assert {r: e.loaded_tokens.get("h" + r) for r in prompts} == dict.fromkeys(prompts, 256)
         # vLLM admits the hits as their lookups answer: nearly all in one step
         assert e.max_loads_per_step >= 100
         retrieves = after.get("retrieve:ok", 0) - before.get("retrieve:ok", 0)
@@ -123,8 +120,7 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path,
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_eviction_between_lookup_and_load(srv: ServerProcess, tmp_model: Path,
-                                          model: str) -> None:
+def test_eviction_between_lookup_and_load(srv: ServerProcess, tmp_model: Path, model: str) -> None:
     """The server is told to evict everything after the lookups answered and before
     the loads run: the leases keep the hit chunks, the loads succeed byte-exact."""
     e = engine(srv, tmp_model, model)
@@ -149,18 +145,26 @@ def test_eviction_between_lookup_and_load(srv: ServerProcess, tmp_model: Path,
         e.close()
 
 
-@pytest.mark.parametrize(("model", "async_scheduling"),
-                         [("plain", False), ("dsv41", False), ("plain", True)])
-def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str,
-                               async_scheduling: bool) -> None:
+@pytest.mark.parametrize(
+    ("model", "async_scheduling"), [("plain", False), ("dsv41", False), ("plain", True)]
+)
+def test_preemption_and_resume(
+    srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool
+) -> None:
     """Too few blocks for every request's decode: vLLM preempts and resumes requests
     (fences their stores first); every byte read stays right, later hits load right.
     With async scheduling (vLLM's AsyncScheduler, step N+1 scheduled and run before
     step N's output is processed) preempted in-flight output is kept, as
     ``requires_kv_delivery = False`` asks. (No block count tried provoked a
     preemption of the DeepSeek-V4.1 engine under async scheduling.)"""
-    e = engine(srv, tmp_model, model, num_blocks=90 if model == "plain" else 64,
-               max_num_batched_tokens=512, async_scheduling=async_scheduling)
+    e = engine(
+        srv,
+        tmp_model,
+        model,
+        num_blocks=90 if model == "plain" else 64,
+        max_num_batched_tokens=512,
+        async_scheduling=async_scheduling,
+    )
     try:
         # eight requests: with six, DeepSeek-V4.1's pool sometimes fit them all when a
         # loaded machine delayed the asynchronous loads (no preemption, test not run)
@@ -183,14 +187,21 @@ def test_preemption_and_resume(srv: ServerProcess, tmp_model: Path, model: str,
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_stalled_server(srv: ServerProcess, tmp_model: Path, model: str,
-                        async_scheduling: bool) -> None:
+def test_stalled_server(
+    srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool
+) -> None:
     """The server stops (SIGSTOP) for 3 s while requests prefill in chunks and decode
     over a small block pool (vLLM reuses freed sliding-window blocks within a step or
     two). Steps wait where a store reads reusable blocks; nothing served later is
     stale, and no request fails."""
-    e = engine(srv, tmp_model, model, num_blocks=120, max_num_batched_tokens=512,
-               async_scheduling=async_scheduling)
+    e = engine(
+        srv,
+        tmp_model,
+        model,
+        num_blocks=120,
+        max_num_batched_tokens=512,
+        async_scheduling=async_scheduling,
+    )
     try:
         prompts = {f"s{i}": prompt(300 + i, 520 + 130 * i) for i in range(5)}
         for rid, p in prompts.items():
@@ -212,7 +223,7 @@ def test_stalled_server(srv: ServerProcess, tmp_model: Path, model: str,
         e.before_worker = None
         e.forget_local_cache()
         for rid, p in prompts.items():
-            e.add("h" + rid, p[:512 + 1], max_tokens=1)
+            e.add("h" + rid, p[: 512 + 1], max_tokens=1)
         e.run(["h" + r for r in prompts])
         assert not e.failed
         assert all(e.loaded_tokens.get("h" + r) == 512 for r in prompts), e.loaded_tokens
@@ -252,12 +263,12 @@ def test_restarted_server(srv: ServerProcess, tmp_model: Path, model: str) -> No
 
 
 @pytest.mark.parametrize("store_generated", [True, False])
-def test_next_turn_hits_the_generated_answer(srv: ServerProcess, tmp_model: Path,
-                                             store_generated: bool) -> None:
+def test_next_turn_hits_the_generated_answer(
+    srv: ServerProcess, tmp_model: Path, store_generated: bool
+) -> None:
     """Whole chunks of generated tokens are stored (on by default): the next turn,
     whose prompt holds the answer, hits past the first turn's prompt."""
-    e = engine(srv, tmp_model, "dsv41",
-               extra={"lmcache.mp.store_generated": store_generated})
+    e = engine(srv, tmp_model, "dsv41", extra={"lmcache.mp.store_generated": store_generated})
     try:
         turn1 = prompt(6, 300)
         e.add("t1", turn1, max_tokens=300)
@@ -286,8 +297,7 @@ def test_connector_decisions_against_vllm(srv: ServerProcess, tmp_model: Path) -
         e.close()
 
 
-def test_sm100_compressed_group_of_128_token_blocks(srv: ServerProcess,
-                                                    tmp_model: Path) -> None:
+def test_sm100_compressed_group_of_128_token_blocks(srv: ServerProcess, tmp_model: Path) -> None:
     """On SM100 vLLM prefers 128-token blocks for the compressed group: the 256-token
     chunk rule holds (a multiple of 128 and of the 32-token windows) and hits load
     byte-exact."""

@@ -28,8 +28,6 @@ SCHEDULERS = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 BOUNDS = {"lmcache.mp.lookup_wait_s": 0.1, "lmcache.mp.idle_load_wait_s": 0.1}
 
 
-
-
 def added_steps(e: Any, req_id: str) -> int:
     """Steps between a request's arrival and its first scheduled tokens, beyond the one
     step an engine without a connector takes."""
@@ -39,7 +37,8 @@ def added_steps(e: Any, req_id: str) -> int:
 @pytest.mark.parametrize("model", ["plain", "dsv41"])
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_miss_costs_no_step_and_hit_at_most_one_or_two(
-        srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, model: str, async_scheduling: bool
+) -> None:
     """One request at a time on an idle engine, 700-token prompts."""
     e = engine(srv, tmp_model, model, extra=BOUNDS, async_scheduling=async_scheduling)
     try:
@@ -60,13 +59,21 @@ def test_miss_costs_no_step_and_hit_at_most_one_or_two(
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_scheduler_waits_at_most_the_bound_per_step(
-        srv: ServerProcess, tmp_model: Path, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, async_scheduling: bool
+) -> None:
     """256 requests wait while the server is stopped: one step's scheduling waits for
     lookups at most ``lookup_wait_s`` in all (0.1 s; one wait per request would be
     25.6 s). Once the server answers, all 256 are served, every byte right."""
     n = 256
-    e = engine(srv, tmp_model, "plain", extra=BOUNDS, num_blocks=n * 50,
-               max_num_batched_tokens=8192, async_scheduling=async_scheduling)
+    e = engine(
+        srv,
+        tmp_model,
+        "plain",
+        extra=BOUNDS,
+        num_blocks=n * 50,
+        max_num_batched_tokens=8192,
+        async_scheduling=async_scheduling,
+    )
     assert srv.proc is not None
     try:
         os.kill(srv.proc.pid, signal.SIGSTOP)
@@ -92,15 +99,23 @@ def test_scheduler_waits_at_most_the_bound_per_step(
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_lookups_of_one_step_go_out_as_one_request(
-        srv: ServerProcess, tmp_model: Path, async_scheduling: bool) -> None:
+    srv: ServerProcess, tmp_model: Path, async_scheduling: bool
+) -> None:
     """256 requests arrive before one step: their lookups reach the server as one
     ``lookup_batch`` request (one message, 256 lookups), every answer is in at its
     request's first question (no "ask again"), and every request is served right."""
     from lmc_server.client import Client
 
     n = 256
-    e = engine(srv, tmp_model, "plain", extra=BOUNDS, num_blocks=n * 50,
-               max_num_batched_tokens=8192, async_scheduling=async_scheduling)
+    e = engine(
+        srv,
+        tmp_model,
+        "plain",
+        extra=BOUNDS,
+        num_blocks=n * 50,
+        max_num_batched_tokens=8192,
+        async_scheduling=async_scheduling,
+    )
     try:
         with Client(srv.endpoint) as c:
             before = c.stats().counters
@@ -108,8 +123,10 @@ def test_lookups_of_one_step_go_out_as_one_request(
                 e.add(f"b{i}", prompt(2000 + i, 600), max_tokens=1)
             e.run([f"b{i}" for i in range(n)])
             after = c.stats().counters
-        sent = {k: after.requests.get(k, 0) - before.requests.get(k, 0)
-                for k in ("lookup_batch:ok", "lookup:ok")}
+        sent = {
+            k: after.requests.get(k, 0) - before.requests.get(k, 0)
+            for k in ("lookup_batch:ok", "lookup:ok")
+        }
         assert sent == {"lookup_batch:ok": 1, "lookup:ok": 0}, sent
         assert after.lookups - before.lookups == n
         assert e.connector.planner.lookups_answered_at_once == n

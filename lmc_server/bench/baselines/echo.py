@@ -39,8 +39,9 @@ class EchoServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EchoServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmc_server.bench.baselines.echo",
-                                      str(self.port)])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmc_server.bench.baselines.echo", str(self.port)]
+        )
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -71,8 +72,12 @@ class EchoServer:
     def __enter__(self) -> EchoServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 

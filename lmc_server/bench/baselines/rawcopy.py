@@ -29,9 +29,10 @@ class CpuRawCopy:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max(max_bytes, 1)
         self._segs = [ShmSegment(self.max_bytes), ShmSegment(self.max_bytes)]
-        self._maps = [mmap.mmap(-1, self.max_bytes,
-                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                      for _ in range(2)]
+        self._maps = [
+            mmap.mmap(-1, self.max_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for _ in range(2)
+        ]
         self._anon = []
         for mm in self._maps:
             try:
@@ -39,7 +40,7 @@ class CpuRawCopy:
             except OSError:
                 pass
             a = np.frombuffer(mm, dtype=np.uint8)
-            a[::mmap.PAGESIZE] = 0
+            a[:: mmap.PAGESIZE] = 0
             self._anon.append(a)
         for s in self._segs:
             s.array[:] = 1

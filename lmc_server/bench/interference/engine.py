@@ -58,17 +58,18 @@ class Workload:
             self.b = torch.randn(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16)
             self.c = torch.empty(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16)
             self.reps = 2
-            self.work = self.reps * 2 * GEMM_N ** 3 / 1e12
+            self.work = self.reps * 2 * GEMM_N**3 / 1e12
         elif kind == "hbm":
             self.src = torch.empty(HBM_BYTES, device=device, dtype=torch.uint8)
             self.dst = torch.empty(HBM_BYTES, device=device, dtype=torch.uint8)
             self.reps = 4
             self.work = self.reps * 2 * HBM_BYTES / 1e9
         elif kind == "decode":
-            self.x = torch.randn(DECODE_BATCH, DECODE_HIDDEN, device=device,
-                                 dtype=torch.bfloat16)
-            self.w = torch.randn(DECODE_HIDDEN, DECODE_HIDDEN, device=device,
-                                 dtype=torch.bfloat16) / DECODE_HIDDEN ** 0.5
+            self.x = torch.randn(DECODE_BATCH, DECODE_HIDDEN, device=device, dtype=torch.bfloat16)
+            self.w = (
+                torch.randn(DECODE_HIDDEN, DECODE_HIDDEN, device=device, dtype=torch.bfloat16)
+                / DECODE_HIDDEN**0.5
+            )
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # warm-up before capture, as torch requires
@@ -165,8 +166,9 @@ class Engine:
         self.copy_stop.clear()
         self.copy_result = {}
         ready = threading.Event()
-        self.copier = threading.Thread(target=self._copy_loop, args=(direction, nbytes, ready),
-                                       name="own-copy", daemon=True)
+        self.copier = threading.Thread(
+            target=self._copy_loop, args=(direction, nbytes, ready), name="own-copy", daemon=True
+        )
         self.copier.start()
         ready.wait(30)
         return {"started": direction, "bytes": nbytes}
@@ -201,8 +203,7 @@ class Engine:
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     engine = Engine(int(cfg.get("device", 0)))
-    print(json.dumps({"ready": True, "gpu": torch.cuda.get_device_name(engine.device)}),
-          flush=True)
+    print(json.dumps({"ready": True, "gpu": torch.cuda.get_device_name(engine.device)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         try:

@@ -70,9 +70,15 @@ class InterferenceConfig:
 
 def server_args(cfg: InterferenceConfig, mode: str) -> list[str]:
     name, _, staging_mb = mode.partition(":")
-    args = ["--chunk-size", str(cfg.chunk_size), "--log-level", "WARNING",
-            "--separate-object-groups" if cfg.separate else "--no-separate-object-groups",
-            "--cuda-copy-mode", name]
+    args = [
+        "--chunk-size",
+        str(cfg.chunk_size),
+        "--log-level",
+        "WARNING",
+        "--separate-object-groups" if cfg.separate else "--no-separate-object-groups",
+        "--cuda-copy-mode",
+        name,
+    ]
     if staging_mb:
         args += ["--cuda-staging-mb", staging_mb]
     return args
@@ -86,16 +92,19 @@ def _op_figures(res: dict[str, Any], op: str) -> dict[str, Any]:
     kinds = ("store", "retrieve") if op == "both" else (op,)
     gbps = sum(res[k]["gbps"] for k in kinds)
     lat = res["retrieve" if op != "store" else "store"]
-    return {"server_gbps": gbps,
-            "store_gbps": res["store"]["gbps"] if "store" in res else float("nan"),
-            "retrieve_gbps": res["retrieve"]["gbps"] if "retrieve" in res else float("nan"),
-            "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"],
-            "requests": sum(res[k]["requests"] for k in kinds),
-            "failed_chunks": sum(res[k]["failed_chunks"] for k in kinds),
-            "mismatched_bytes": res.get("retrieve", {}).get("mismatched_bytes", 0),
-            "short_chunks": res.get("retrieve", {}).get("short_chunks", 0),
-            # where a request's time went inside the server: op -> phase -> mean ms
-            "server_ms": res.get("server_ms", {})}
+    return {
+        "server_gbps": gbps,
+        "store_gbps": res["store"]["gbps"] if "store" in res else float("nan"),
+        "retrieve_gbps": res["retrieve"]["gbps"] if "retrieve" in res else float("nan"),
+        "p50_ms": lat["p50_ms"],
+        "p99_ms": lat["p99_ms"],
+        "requests": sum(res[k]["requests"] for k in kinds),
+        "failed_chunks": sum(res[k]["failed_chunks"] for k in kinds),
+        "mismatched_bytes": res.get("retrieve", {}).get("mismatched_bytes", 0),
+        "short_chunks": res.get("retrieve", {}).get("short_chunks", 0),
+        # where a request's time went inside the server: op -> phase -> mean ms
+        "server_ms": res.get("server_ms", {}),
+    }
 
 
 class _Run:
@@ -105,8 +114,9 @@ class _Run:
         self.cfg = cfg
         self.report = report
         self.bar = bar
-        self.engine = JsonLineProcess("lmc_server.bench.interference.engine", "engine",
-                                      {"device": cfg.device})
+        self.engine = JsonLineProcess(
+            "lmc_server.bench.interference.engine", "engine", {"device": cfg.device}
+        )
         report.config["gpu"] = self.engine.recv(300)["gpu"]
         self.load_timeout_s = 60 + 4 * (cfg.seconds + 2 * cfg.warm_s)
         self.request_bytes: dict[str, int] = {}
@@ -114,25 +124,37 @@ class _Run:
     def close(self) -> None:
         self.engine.close()
 
-    def _load(self, worker: JsonLineProcess, op: str, n: int, k: int, seconds: float
-              ) -> dict[str, Any]:
-        return worker.call({"cmd": "load", "op": op, "chunks": n, "inflight": k,
-                            "seconds": seconds}, self.load_timeout_s)
+    def _load(
+        self, worker: JsonLineProcess, op: str, n: int, k: int, seconds: float
+    ) -> dict[str, Any]:
+        return worker.call(
+            {"cmd": "load", "op": op, "chunks": n, "inflight": k, "seconds": seconds},
+            self.load_timeout_s,
+        )
 
     def mode(self, mode: str, first: bool) -> None:
         cfg = self.cfg
-        with ServerProcess(server_args(cfg, mode), backend="cuda",
-                           l1_size_gb=cfg.l1_size_gb) as srv:
+        with ServerProcess(
+            server_args(cfg, mode), backend="cuda", l1_size_gb=cfg.l1_size_gb
+        ) as srv:
             worker = JsonLineProcess(
-                "lmc_server.bench.interference.worker", "worker",
-                {"endpoint": srv.endpoint, "device": cfg.device, "max_chunks": max(cfg.chunks),
-                 "chunk_size": cfg.chunk_size, "geometry": cfg.geometry.__dict__,
-                 "separate": cfg.separate, "seed": cfg.seed, "block_order": cfg.block_order})
+                "lmc_server.bench.interference.worker",
+                "worker",
+                {
+                    "endpoint": srv.endpoint,
+                    "device": cfg.device,
+                    "max_chunks": max(cfg.chunks),
+                    "chunk_size": cfg.chunk_size,
+                    "geometry": cfg.geometry.__dict__,
+                    "separate": cfg.separate,
+                    "seed": cfg.seed,
+                    "block_order": cfg.block_order,
+                },
+            )
             try:
                 self._mode_points(worker, mode, first)
             except (RuntimeError, TimeoutError) as e:
-                raise RuntimeError(f"{e}\nserver log (last lines):\n{srv.log()[-3000:]}"
-                                   ) from None
+                raise RuntimeError(f"{e}\nserver log (last lines):\n{srv.log()[-3000:]}") from None
             finally:
                 worker.close()
 
@@ -146,14 +168,24 @@ class _Run:
         self.engine.call({"cmd": "pause"}, 60)
         for op in cfg.ops:  # first requests pay kernel loads and buffer allocations
             self._load(worker, op, max(cfg.chunks), max(cfg.inflight), cfg.warm_s)
-        idle = {(op, n, k): _op_figures(self._load(worker, op, n, k, cfg.seconds), op)
-                for op in cfg.ops for n in cfg.chunks for k in cfg.inflight}
+        idle = {
+            (op, n, k): _op_figures(self._load(worker, op, n, k, cfg.seconds), op)
+            for op in cfg.ops
+            for n in cfg.chunks
+            for k in cfg.inflight
+        }
         for kind in cfg.engines:
             self._kind(worker, kind, mode, idle, own=first and cfg.own_copy)
             self.engine.call({"cmd": "pause"}, 60)
 
-    def _kind(self, worker: JsonLineProcess, kind: str, mode: str,
-              idle: dict[tuple[str, int, int], dict[str, Any]], own: bool) -> None:
+    def _kind(
+        self,
+        worker: JsonLineProcess,
+        kind: str,
+        mode: str,
+        idle: dict[tuple[str, int, int], dict[str, Any]],
+        own: bool,
+    ) -> None:
         cfg = self.cfg
         unit = self.engine.call({"cmd": "kind", "kind": kind}, 300)["unit"]
         measure = {"cmd": "measure", "seconds": cfg.seconds}
@@ -163,8 +195,15 @@ class _Run:
         for op in cfg.ops:
             for n in cfg.chunks:
                 for k in cfg.inflight:
-                    worker.send({"cmd": "load", "op": op, "chunks": n, "inflight": k,
-                                 "seconds": cfg.seconds + 2 * cfg.warm_s})
+                    worker.send(
+                        {
+                            "cmd": "load",
+                            "op": op,
+                            "chunks": n,
+                            "inflight": k,
+                            "seconds": cfg.seconds + 2 * cfg.warm_s,
+                        }
+                    )
                     time.sleep(cfg.warm_s)
                     busy = self.engine.call(measure, timeout)["throughput"]
                     res = _op_figures(worker.recv(self.load_timeout_s), op)
@@ -174,8 +213,7 @@ class _Run:
         if own:
             for op, direction in (("store", "d2h"), ("retrieve", "h2d")):
                 nbytes = self.request_bytes[op]
-                self.engine.call({"cmd": "own_copy", "direction": direction,
-                                  "bytes": nbytes}, 120)
+                self.engine.call({"cmd": "own_copy", "direction": direction, "bytes": nbytes}, 120)
                 time.sleep(cfg.warm_s)
                 busy = self.engine.call(measure, timeout)["throughput"]
                 got = self.engine.call({"cmd": "stop_copy"}, 120)
@@ -184,34 +222,72 @@ class _Run:
         alone = (before + after) / 2
         for op, n, k, busy, res in points:
             i = idle[(op, n, k)]
-            self.report.rows.append({
-                "engine": kind, "unit": unit, "copy_mode": mode, "op": op, "chunks": n,
-                "inflight": k, **res, "idle_server_gbps": i["server_gbps"],
-                "idle_p50_ms": i["p50_ms"], "idle_p99_ms": i["p99_ms"],
-                "busy_over_idle": res["server_gbps"] / i["server_gbps"]
-                if i["server_gbps"] > 0 else float("nan"),
-                "engine_alone": alone, "engine_busy": busy, "engine_loss": _loss(alone, busy),
-                "engine_drift": _loss(before, after),
-                "idle_mismatched_bytes": i["mismatched_bytes"],
-                "idle_failed_chunks": i["failed_chunks"]})
+            self.report.rows.append(
+                {
+                    "engine": kind,
+                    "unit": unit,
+                    "copy_mode": mode,
+                    "op": op,
+                    "chunks": n,
+                    "inflight": k,
+                    **res,
+                    "idle_server_gbps": i["server_gbps"],
+                    "idle_p50_ms": i["p50_ms"],
+                    "idle_p99_ms": i["p99_ms"],
+                    "busy_over_idle": res["server_gbps"] / i["server_gbps"]
+                    if i["server_gbps"] > 0
+                    else float("nan"),
+                    "engine_alone": alone,
+                    "engine_busy": busy,
+                    "engine_loss": _loss(alone, busy),
+                    "engine_drift": _loss(before, after),
+                    "idle_mismatched_bytes": i["mismatched_bytes"],
+                    "idle_failed_chunks": i["failed_chunks"],
+                }
+            )
         for op, busy, gbps, nbytes in own_rows:
-            self.report.rows.append({
-                "engine": kind, "unit": unit, "copy_mode": "own", "op": op,
-                "chunks": max(cfg.chunks), "inflight": 1, "bytes": nbytes,
-                "server_gbps": gbps, "engine_alone": alone, "engine_busy": busy,
-                "engine_loss": _loss(alone, busy), "engine_drift": _loss(before, after),
-                "mismatched_bytes": 0, "failed_chunks": 0})
+            self.report.rows.append(
+                {
+                    "engine": kind,
+                    "unit": unit,
+                    "copy_mode": "own",
+                    "op": op,
+                    "chunks": max(cfg.chunks),
+                    "inflight": 1,
+                    "bytes": nbytes,
+                    "server_gbps": gbps,
+                    "engine_alone": alone,
+                    "engine_busy": busy,
+                    "engine_loss": _loss(alone, busy),
+                    "engine_drift": _loss(before, after),
+                    "mismatched_bytes": 0,
+                    "failed_chunks": 0,
+                }
+            )
 
 
 def run(cfg: InterferenceConfig) -> Report:
-    report = Report("interference", {
-        "engines": list(cfg.engines), "copy_modes": list(cfg.copy_modes), "ops": list(cfg.ops),
-        "chunks": list(cfg.chunks), "inflight": list(cfg.inflight), "seconds": cfg.seconds,
-        "warm_s": cfg.warm_s, "geometry": cfg.geometry.describe(),
-        "chunk_size": cfg.chunk_size, "separate_object_groups": cfg.separate,
-        "l1_size_gb": cfg.l1_size_gb, "device": cfg.device, "block_order": cfg.block_order})
-    points = len(cfg.copy_modes) * len(cfg.engines) * len(cfg.ops) * len(cfg.chunks) * len(
-        cfg.inflight)
+    report = Report(
+        "interference",
+        {
+            "engines": list(cfg.engines),
+            "copy_modes": list(cfg.copy_modes),
+            "ops": list(cfg.ops),
+            "chunks": list(cfg.chunks),
+            "inflight": list(cfg.inflight),
+            "seconds": cfg.seconds,
+            "warm_s": cfg.warm_s,
+            "geometry": cfg.geometry.describe(),
+            "chunk_size": cfg.chunk_size,
+            "separate_object_groups": cfg.separate,
+            "l1_size_gb": cfg.l1_size_gb,
+            "device": cfg.device,
+            "block_order": cfg.block_order,
+        },
+    )
+    points = (
+        len(cfg.copy_modes) * len(cfg.engines) * len(cfg.ops) * len(cfg.chunks) * len(cfg.inflight)
+    )
     with progress(points, "interference", cfg.show_progress) as bar:
         r = _Run(cfg, report, bar)
         try:
@@ -221,12 +297,17 @@ def run(cfg: InterferenceConfig) -> Report:
             r.close()
     rows = [x for x in report.rows if x["copy_mode"] != "own"]
     report.summary = {
-        "mismatched_bytes": sum(x["mismatched_bytes"] + x.get("idle_mismatched_bytes", 0)
-                                for x in rows),
+        "mismatched_bytes": sum(
+            x["mismatched_bytes"] + x.get("idle_mismatched_bytes", 0) for x in rows
+        ),
         "failed_chunks": sum(x["failed_chunks"] + x.get("idle_failed_chunks", 0) for x in rows),
-        "worst_engine_loss": {f"{e}/{m}": max(x["engine_loss"] for x in rows
-                                             if x["engine"] == e and x["copy_mode"] == m)
-                              for e in cfg.engines for m in cfg.copy_modes},
+        "worst_engine_loss": {
+            f"{e}/{m}": max(
+                x["engine_loss"] for x in rows if x["engine"] == e and x["copy_mode"] == m
+            )
+            for e in cfg.engines
+            for m in cfg.copy_modes
+        },
     }
     report.notes += [
         "engine_loss = 1 - engine throughput beside the server / alone (alone: mean of a "
@@ -240,13 +321,22 @@ def run(cfg: InterferenceConfig) -> Report:
     return report
 
 
-COLUMNS = [("engine", "engine", ""), ("copy_mode", "copy", ""), ("op", "op", ""),
-           ("chunks", "chunks", "d"), ("inflight", "infl", "d"),
-           ("server_gbps", "GB/s busy", ".1f"), ("idle_server_gbps", "GB/s idle", ".1f"),
-           ("engine_alone", "engine alone", ".0f"), ("engine_busy", "beside", ".0f"),
-           ("loss_pct", "loss %", ".1f"), ("p50_ms", "p50 ms", ".2f"),
-           ("p99_ms", "p99 ms", ".2f"), ("mismatched_bytes", "mismatch B", "d"),
-           ("failed_chunks", "failed", "d")]
+COLUMNS = [
+    ("engine", "engine", ""),
+    ("copy_mode", "copy", ""),
+    ("op", "op", ""),
+    ("chunks", "chunks", "d"),
+    ("inflight", "infl", "d"),
+    ("server_gbps", "GB/s busy", ".1f"),
+    ("idle_server_gbps", "GB/s idle", ".1f"),
+    ("engine_alone", "engine alone", ".0f"),
+    ("engine_busy", "beside", ".0f"),
+    ("loss_pct", "loss %", ".1f"),
+    ("p50_ms", "p50 ms", ".2f"),
+    ("p99_ms", "p99 ms", ".2f"),
+    ("mismatched_bytes", "mismatch B", "d"),
+    ("failed_chunks", "failed", "d"),
+]
 
 
 def table(report: Report) -> str:
@@ -263,8 +353,13 @@ def plot(report: Report, path: str) -> None:
     labels = [f"{r['engine']} {r['copy_mode']} {r['op']} x{r['inflight']}" for r in rows]
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["server_gbps"] for r in rows], 0.4, label="GB/s beside the engine")
-    ax.bar(x + 0.2, [r.get("idle_server_gbps", float("nan")) for r in rows], 0.4,
-           label="GB/s, idle GPU", alpha=0.6)
+    ax.bar(
+        x + 0.2,
+        [r.get("idle_server_gbps", float("nan")) for r in rows],
+        0.4,
+        label="GB/s, idle GPU",
+        alpha=0.6,
+    )
     ax.set_ylabel("GB/s")
     ax.set_xticks(x, labels, fontsize=6, rotation=90)
     ax2 = ax.twinx()

@@ -67,20 +67,25 @@ class Worker:
         return self.loop.run_until_complete(coro)
 
     async def setup(self) -> dict[str, Any]:
-        self.client = await AsyncClient.connect(self.endpoint, timeout_s=120,
-                                                client_name="lmcache-bench-interference")
+        self.client = await AsyncClient.connect(
+            self.endpoint, timeout_s=120, client_name="lmcache-bench-interference"
+        )
         while True:
             l1 = (await self.client.stats()).l1
             if l1.ready_slabs == l1.slabs:
                 break
             await asyncio.sleep(0.05)
         self.reg = await self.client.register(**self.kv.register_kwargs())
-        self.regions = Regions.build(self.kv.geometry, self.reg.chunk_size, self.max_chunks,
-                                     self.separate, self.block_order)
-        return {"arch": self.kv.geometry.arch, "chunk_bytes": self.regions.layout.chunk_bytes,
-                "chunk_size": self.reg.chunk_size,
-                "store_bytes": self.regions.store_bytes(self.max_chunks),
-                "retrieve_bytes": self.regions.retrieve_bytes(self.max_chunks)}
+        self.regions = Regions.build(
+            self.kv.geometry, self.reg.chunk_size, self.max_chunks, self.separate, self.block_order
+        )
+        return {
+            "arch": self.kv.geometry.arch,
+            "chunk_bytes": self.regions.layout.chunk_bytes,
+            "chunk_size": self.reg.chunk_size,
+            "store_bytes": self.regions.store_bytes(self.max_chunks),
+            "retrieve_bytes": self.regions.retrieve_bytes(self.max_chunks),
+        }
 
     def _poison_b(self, n: int) -> None:
         """Overwrite what a retrieve of ``n`` chunks writes in ``B`` with the sentinel."""
@@ -90,7 +95,7 @@ class Worker:
             for spec in self.kv.group(sec.group_name).layers:
                 for b in blocks:
                     lo = spec.offset + b * spec.block_stride
-                    self.kv.tensors[spec.buffer][lo:lo + spec.page_bytes].fill_(SENTINEL)
+                    self.kv.tensors[spec.buffer][lo : lo + spec.page_bytes].fill_(SENTINEL)
         torch.cuda.synchronize(self.device)
 
     async def _store(self, n: int, region: int) -> tuple[bytes, Any]:
@@ -105,8 +110,9 @@ class Worker:
         assert self.client is not None and self.regions is not None
         hit = await self.client.lookup(self.reg, digests)
         try:
-            res = await self.client.retrieve(self.reg, digests[:32 * hit.hit_chunks],
-                                             self.regions.ids(B, hit.hit_chunks))
+            res = await self.client.retrieve(
+                self.reg, digests[: 32 * hit.hit_chunks], self.regions.ids(B, hit.hit_chunks)
+            )
         finally:
             if hit.lease_id:
                 await self.client.release(hit.lease_id)
@@ -117,8 +123,10 @@ class Worker:
         if op in ("retrieve", "both"):
             src, res = await self._store(n, A1)
             if not res.ok.all():
-                raise RuntimeError("the source batch of the retrieves was not stored: "
-                                   f"{ {k: v.tolist() for k, v in res.statuses.items()} }")
+                raise RuntimeError(
+                    "the source batch of the retrieves was not stored: "
+                    f"{ {k: v.tolist() for k, v in res.statuses.items()} }"
+                )
             self._poison_b(n)
         deadline = time.perf_counter() + seconds
         lat: dict[str, list[float]] = {"store": [], "retrieve": []}
@@ -153,8 +161,10 @@ class Worker:
                 tasks.append(retrieves())
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t_start
-        out: dict[str, Any] = {"wall_s": wall, "server_ms": phase_means(
-            phases_before, (await self.client.stats()).phases)}
+        out: dict[str, Any] = {
+            "wall_s": wall,
+            "server_ms": phase_means(phases_before, (await self.client.stats()).phases),
+        }
         st_bytes = self.regions.store_bytes(n)
         rt_bytes = self.regions.retrieve_bytes(n)
         for kind, nbytes in (("store", st_bytes), ("retrieve", rt_bytes)):
@@ -162,14 +172,16 @@ class Worker:
             if not xs:
                 continue
             a = np.asarray(xs) * 1e3
-            out[kind] = {"requests": len(xs), "bytes": nbytes,
-                         "gbps": len(xs) * nbytes / wall / 1e9,
-                         "p50_ms": float(np.percentile(a, 50)),
-                         "p99_ms": float(np.percentile(a, 99)),
-                         "failed_chunks": failed[kind]}
+            out[kind] = {
+                "requests": len(xs),
+                "bytes": nbytes,
+                "gbps": len(xs) * nbytes / wall / 1e9,
+                "p50_ms": float(np.percentile(a, 50)),
+                "p99_ms": float(np.percentile(a, 99)),
+                "failed_chunks": failed[kind],
+            }
         if op in ("retrieve", "both"):
-            out["retrieve"]["mismatched_bytes"] = self.regions.mismatched_bytes(
-                self.kv, A1, B, n)
+            out["retrieve"]["mismatched_bytes"] = self.regions.mismatched_bytes(self.kv, A1, B, n)
             out["retrieve"]["short_chunks"] = short
         return out
 
@@ -189,8 +201,11 @@ def main() -> None:
             if cmd["cmd"] == "exit":
                 break
             if cmd["cmd"] == "load":
-                out = w.run(w.load(cmd["op"], int(cmd["chunks"]), int(cmd["inflight"]),
-                                   float(cmd["seconds"])))
+                out = w.run(
+                    w.load(
+                        cmd["op"], int(cmd["chunks"]), int(cmd["inflight"]), float(cmd["seconds"])
+                    )
+                )
             else:
                 out = {"error": f"unknown command {cmd['cmd']!r}"}
         except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run

@@ -85,8 +85,7 @@ class _Plain:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
         fd = os.open(path, flags, 0o640)
         try:
-            out = memoryview(value.obj)[:direct_io.padded(len(value))] if self.direct \
-                else value
+            out = memoryview(value.obj)[: direct_io.padded(len(value))] if self.direct else value
             done = 0
             while done < len(out):
                 done += os.pwrite(fd, out[done:], done)
@@ -129,10 +128,17 @@ class _Plain:
 class _Setup:
     def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
         n = max(cfg.chunks, *cfg.latency_chunks)
-        self.args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
-                     "--disk-dir", cfg.disk_dir, "--disk-size-gb",
-                     str(max(4.0, 2 * cfg.restart_gb)), "--l2-write-queue-objects",
-                     str(8 * n)]
+        self.args = [
+            "--chunk-size",
+            str(cfg.chunk_size),
+            "--separate-object-groups",
+            "--disk-dir",
+            cfg.disk_dir,
+            "--disk-size-gb",
+            str(max(4.0, 2 * cfg.restart_gb)),
+            "--l2-write-queue-objects",
+            str(8 * n),
+        ]
         self.cfg = cfg
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
@@ -159,7 +165,7 @@ class _Setup:
         for og in reg.object_groups:
             space = codec.space_of(reg.namespace, self.fps[og.name], reg.chunk_size).hex()
             for i in range(0, len(digests), 32):
-                ck = digests[i:i + 32].hex()
+                ck = digests[i : i + 32].hex()
                 out.append(os.path.join(self.cfg.disk_dir, LAYOUT_DIR, space, ck[:2], ck))
         return out
 
@@ -202,10 +208,18 @@ def _values(paths: list[str]) -> list[memoryview]:
 
 def _row(op: str, srv: list[float], raw: list[float], nbytes: int, objects: int) -> dict:
     t_srv, t_raw = statistics.median(srv), statistics.median(raw)
-    return {"op": op, "server_s": t_srv, "raw_s": t_raw, "server_gbps": nbytes / t_srv / 1e9,
-            "raw_gbps": nbytes / t_raw / 1e9, "server_objps": objects / t_srv,
-            "raw_objps": objects / t_raw, "ratio": t_raw / t_srv,
-            "server_rounds_s": srv, "raw_rounds_s": raw}
+    return {
+        "op": op,
+        "server_s": t_srv,
+        "raw_s": t_raw,
+        "server_gbps": nbytes / t_srv / 1e9,
+        "raw_gbps": nbytes / t_raw / 1e9,
+        "server_objps": objects / t_srv,
+        "raw_objps": objects / t_raw,
+        "ratio": t_raw / t_srv,
+        "server_rounds_s": srv,
+        "raw_rounds_s": raw,
+    }
 
 
 def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
@@ -238,18 +252,32 @@ def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
     t_all = time.perf_counter() - t1
     _wait(lambda: _disk(cc).rebuild.done, "index rebuild", 600)
     st = _disk(cc)
-    return {"restart_gb": round(st.used_bytes / (1 << 30), 2), "files": st.files,
-            "start_to_ping_s": t_ping, "ping_to_first_hit_s": t_first or t_all,
-            f"ping_to_{n}_chunk_hit_s": t_all, "index_rebuild_s": st.rebuild.seconds}
+    return {
+        "restart_gb": round(st.used_bytes / (1 << 30), 2),
+        "files": st.files,
+        "start_to_ping_s": t_ping,
+        "ping_to_first_hit_s": t_first or t_all,
+        f"ping_to_{n}_chunk_hit_s": t_all,
+        "index_rebuild_s": st.rebuild.seconds,
+    }
 
 
 def run(cfg: DiskBenchConfig) -> Report:
-    report = Report("l2-disk", {"chunks": cfg.chunks, "rounds": cfg.rounds,
-                                "latency_chunks": list(cfg.latency_chunks),
-                                "repeats": cfg.repeats, "restart_gb": cfg.restart_gb,
-                                "geometry": cfg.geometry.describe(),
-                                "chunk_size": cfg.chunk_size, "l1_size_gb": cfg.l1_size_gb,
-                                "disk_dir": cfg.disk_dir, "io_threads": IO_THREADS})
+    report = Report(
+        "l2-disk",
+        {
+            "chunks": cfg.chunks,
+            "rounds": cfg.rounds,
+            "latency_chunks": list(cfg.latency_chunks),
+            "repeats": cfg.repeats,
+            "restart_gb": cfg.restart_gb,
+            "geometry": cfg.geometry.describe(),
+            "chunk_size": cfg.chunk_size,
+            "l1_size_gb": cfg.l1_size_gb,
+            "disk_dir": cfg.disk_dir,
+            "io_threads": IO_THREADS,
+        },
+    )
     with ExitStack() as stack:
         s = _Setup(cfg, stack)
         report.config["direct_io"] = s.direct
@@ -275,13 +303,24 @@ def run(cfg: DiskBenchConfig) -> Report:
         res = s.cb.retrieve(s.regb, digests, dst_ids)
         s.cb.release(look.lease_id)
         mismatched = sum(
-            1 for g in s.regb.groups if g.cached and g.kind != "sliding_window"
+            1
+            for g in s.regb.groups
+            if g.cached
+            and g.kind != "sliding_window"
             and s.src.pages(g.name, ids[g.name].tolist())
-            != s.dst.pages(g.name, dst_ids[g.name].tolist()))
+            != s.dst.pages(g.name, dst_ids[g.name].tolist())
+        )
         report.rows.append(_row(f"write {n} chunks", w_srv, w_raw, nbytes, objects))
         report.rows[0]["store_s"] = statistics.median(w_store)
-        report.rows.append(_row(f"write-behind {n} chunks", [a - b for a, b in zip(
-            w_srv, w_store, strict=True)], w_raw, nbytes, objects))
+        report.rows.append(
+            _row(
+                f"write-behind {n} chunks",
+                [a - b for a, b in zip(w_srv, w_store, strict=True)],
+                w_raw,
+                nbytes,
+                objects,
+            )
+        )
         report.rows.append(_row(f"read {n} chunks", r_srv, r_raw, nbytes, objects))
         for k in cfg.latency_chunks:
             base = _digests(5000 + k, k, s.rega.chunk_size)
@@ -289,30 +328,49 @@ def run(cfg: DiskBenchConfig) -> Report:
             paths = s.files(s.rega, base)
             srv = [s.disk_hit(s.cb, s.regb, base, k) for _ in range(cfg.repeats)]
             raw = [s.plain.read(paths) for _ in range(cfg.repeats)]
-            report.rows.append(_row(f"disk hit {k} chunks", srv, raw, k * obj_bytes,
-                                    k * len(s.rega.object_groups)))
+            report.rows.append(
+                _row(f"disk hit {k} chunks", srv, raw, k * obj_bytes, k * len(s.rega.object_groups))
+            )
         disk_b = msgspec.to_builtins(_disk(s.cb))
         restart = _restart(s, stack, digests, n)
-        report.summary = {"mismatched_groups": mismatched, "retrieved_ok": bool(res.ok.all()),
-                          "disk_b": disk_b, "restart": restart}
+        report.summary = {
+            "mismatched_groups": mismatched,
+            "retrieved_ok": bool(res.ok.all()),
+            "disk_b": disk_b,
+            "restart": restart,
+        }
     report.notes.append(
         "ratio = plain time / server time (1.0: as fast as plain os.pwrite/os.preadv of "
-        "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)")
-    report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
-                        f"objects); write includes the store into L1, write-behind starts at "
-                        f"the store's reply (the commit); read = lookup miss "
-                        f"until every chunk is an L1 hit; direct I/O: {s.direct}")
+        "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)"
+    )
+    report.notes.append(
+        f"one chunk = {report.config['chunk_bytes']} bytes (all its "
+        f"objects); write includes the store into L1, write-behind starts at "
+        f"the store's reply (the commit); read = lookup miss "
+        f"until every chunk is an L1 hit; direct I/O: {s.direct}"
+    )
     return report
 
 
 def table(report: Report) -> str:
-    rows = format_table(report.rows, [
-        ("op", "operation", ""), ("server_s", "server s", ".4f"),
-        ("store_s", "of which store s", ".4f"), ("raw_s", "plain s", ".4f"),
-        ("server_gbps", "server GB/s", ".2f"), ("raw_gbps", "plain GB/s", ".2f"),
-        ("ratio", "plain/server", ".2f")])
+    rows = format_table(
+        report.rows,
+        [
+            ("op", "operation", ""),
+            ("server_s", "server s", ".4f"),
+            ("store_s", "of which store s", ".4f"),
+            ("raw_s", "plain s", ".4f"),
+            ("server_gbps", "server GB/s", ".2f"),
+            ("raw_gbps", "plain GB/s", ".2f"),
+            ("ratio", "plain/server", ".2f"),
+        ],
+    )
     r = report.summary.get("restart", {})
-    return rows + (f"\nrestart on {r.get('restart_gb')} GiB ({r.get('files')} files): "
-                   f"ping after {r.get('start_to_ping_s', 0):.2f} s, first hit "
-                   f"{r.get('ping_to_first_hit_s', 0):.3f} s after ping, index whole "
-                   f"{r.get('index_rebuild_s', 0):.2f} s after start\n" if r else "")
+    return rows + (
+        f"\nrestart on {r.get('restart_gb')} GiB ({r.get('files')} files): "
+        f"ping after {r.get('start_to_ping_s', 0):.2f} s, first hit "
+        f"{r.get('ping_to_first_hit_s', 0):.3f} s after ping, index whole "
+        f"{r.get('index_rebuild_s', 0):.2f} s after start\n"
+        if r
+        else ""
+    )

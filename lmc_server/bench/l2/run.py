@@ -101,9 +101,17 @@ class _Setup:
         import redis
 
         n = max(cfg.chunks, *cfg.latency_chunks)
-        args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups", "--l2", url,
-                "--l2-write-queue-objects", str(8 * n),
-                "--l2-connections", str(cfg.l2_connections)]
+        args = [
+            "--chunk-size",
+            str(cfg.chunk_size),
+            "--separate-object-groups",
+            "--l2",
+            url,
+            "--l2-write-queue-objects",
+            str(8 * n),
+            "--l2-connections",
+            str(cfg.l2_connections),
+        ]
         self.a = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(args, l1_size_gb=cfg.l1_size_gb))
         probe = cfg.geometry.build(1)
@@ -121,29 +129,29 @@ class _Setup:
         stack.callback(self.raw.close)
         for c in (self.ca, self.cb):
             _wait(_is_up(c), "L2 connection", 30)
-        self.fps = {p.name: bytes.fromhex(p.fingerprint)
-                    for p in self.ca.stats().partitions}
+        self.fps = {p.name: bytes.fromhex(p.fingerprint) for p in self.ca.stats().partitions}
 
     def l2_keys(self, reg: Registration, digests: bytes) -> list[bytes]:
         out = []
         for og in reg.object_groups:
             space = codec.space_of(reg.namespace, self.fps[og.name], reg.chunk_size)
-            out += [codec.l2_key(space, digests[i:i + 32]) for i in range(0, len(digests), 32)]
+            out += [codec.l2_key(space, digests[i : i + 32]) for i in range(0, len(digests), 32)]
         return out
 
     def raw_get(self, keys: list[bytes]) -> tuple[float, list[Any]]:
         t0 = time.perf_counter()
         values: list[Any] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
-            values += self.raw.mget(keys[i:i + GET_BATCH_KEYS])
+            values += self.raw.mget(keys[i : i + GET_BATCH_KEYS])
         return time.perf_counter() - t0, values
 
     def raw_set(self, keys: list[bytes], values: list[bytes]) -> float:
         t0 = time.perf_counter()
         for i in range(0, len(keys), PUT_BATCH_KEYS):
             pipe = self.raw.pipeline(transaction=False)
-            for k, v in zip(keys[i:i + PUT_BATCH_KEYS], values[i:i + PUT_BATCH_KEYS],
-                            strict=True):
+            for k, v in zip(
+                keys[i : i + PUT_BATCH_KEYS], values[i : i + PUT_BATCH_KEYS], strict=True
+            ):
                 pipe.set(b"bench/" + k, v)
             pipe.execute()
         return time.perf_counter() - t0
@@ -168,12 +176,20 @@ def _digests(seed: int, n: int, chunk_size: int) -> bytes:
 
 
 def run(cfg: L2BenchConfig) -> Report:
-    report = Report("l2", {"chunks": cfg.chunks, "rounds": cfg.rounds,
-                           "latency_chunks": list(cfg.latency_chunks),
-                           "repeats": cfg.repeats, "geometry": cfg.geometry.describe(),
-                           "chunk_size": cfg.chunk_size, "l1_size_gb": cfg.l1_size_gb,
-                           "redis": cfg.redis_url or "redis-server started here",
-                           "l2_connections": cfg.l2_connections})
+    report = Report(
+        "l2",
+        {
+            "chunks": cfg.chunks,
+            "rounds": cfg.rounds,
+            "latency_chunks": list(cfg.latency_chunks),
+            "repeats": cfg.repeats,
+            "geometry": cfg.geometry.describe(),
+            "chunk_size": cfg.chunk_size,
+            "l1_size_gb": cfg.l1_size_gb,
+            "redis": cfg.redis_url or "redis-server started here",
+            "l2_connections": cfg.l2_connections,
+        },
+    )
     with _redis(cfg.redis_url) as url, ExitStack() as stack:
         s = _Setup(cfg, stack, url)
         n = cfg.chunks
@@ -209,17 +225,24 @@ def run(cfg: L2BenchConfig) -> Report:
         for g in s.regb.groups:
             if not g.cached or g.kind == "sliding_window":
                 continue  # full groups: every chunk, byte for byte
-            if s.src.pages(g.name, ids[g.name].tolist()) != \
-                    s.dst.pages(g.name, dst_ids[g.name].tolist()):
+            if s.src.pages(g.name, ids[g.name].tolist()) != s.dst.pages(
+                g.name, dst_ids[g.name].tolist()
+            ):
                 mismatched += 1
-        for name, srv, raw, nb in (("write", w_srv, w_raw, nbytes),
-                                   ("read", r_srv, r_raw, nbytes)):
+        for name, srv, raw, nb in (("write", w_srv, w_raw, nbytes), ("read", r_srv, r_raw, nbytes)):
             t_srv, t_raw = statistics.median(srv), statistics.median(raw)
-            report.rows.append({
-                "op": f"{name} {n} chunks", "server_s": t_srv, "raw_s": t_raw,
-                "server_gbps": nb / t_srv / 1e9, "raw_gbps": nb / t_raw / 1e9,
-                "server_objps": objects / t_srv, "raw_objps": objects / t_raw,
-                "ratio": t_raw / t_srv})
+            report.rows.append(
+                {
+                    "op": f"{name} {n} chunks",
+                    "server_s": t_srv,
+                    "raw_s": t_raw,
+                    "server_gbps": nb / t_srv / 1e9,
+                    "raw_gbps": nb / t_raw / 1e9,
+                    "server_objps": objects / t_srv,
+                    "raw_objps": objects / t_raw,
+                    "ratio": t_raw / t_srv,
+                }
+            )
         report.rows[0]["store_s"] = statistics.median(w_store)
         for k in cfg.latency_chunks:
             base = _digests(5000 + k, k, s.rega.chunk_size)
@@ -233,28 +256,48 @@ def run(cfg: L2BenchConfig) -> Report:
             raw = [s.raw_get(keys)[0] for _ in range(cfg.repeats)]
             t_srv, t_raw = statistics.median(srv), statistics.median(raw)
             kb = k * obj_bytes
-            report.rows.append({
-                "op": f"L2 hit {k} chunks", "server_s": t_srv, "raw_s": t_raw,
-                "server_gbps": kb / t_srv / 1e9, "raw_gbps": kb / t_raw / 1e9,
-                "server_objps": total / t_srv, "raw_objps": total / t_raw,
-                "ratio": t_raw / t_srv})
-        report.summary = {"mismatched_groups": mismatched,
-                          "retrieved_ok": bool(res.ok.all()),
-                          "l2_b": msgspec.to_builtins(_l2(s.cb))}
+            report.rows.append(
+                {
+                    "op": f"L2 hit {k} chunks",
+                    "server_s": t_srv,
+                    "raw_s": t_raw,
+                    "server_gbps": kb / t_srv / 1e9,
+                    "raw_gbps": kb / t_raw / 1e9,
+                    "server_objps": total / t_srv,
+                    "raw_objps": total / t_raw,
+                    "ratio": t_raw / t_srv,
+                }
+            )
+        report.summary = {
+            "mismatched_groups": mismatched,
+            "retrieved_ok": bool(res.ok.all()),
+            "l2_b": msgspec.to_builtins(_l2(s.cb)),
+        }
     report.notes.append(
         "ratio = raw time / server time (1.0: as fast as redis-py on the same bytes; "
         "target >= 0.8 for throughput; L2 hit latency target: server <= 2x raw, i.e. "
-        "ratio >= 0.5)")
-    report.notes.append(f"one chunk = {report.config['chunk_bytes']} bytes (all its "
-                        f"objects); write includes the store into L1; read = lookup miss "
-                        f"until every chunk is an L1 hit")
+        "ratio >= 0.5)"
+    )
+    report.notes.append(
+        f"one chunk = {report.config['chunk_bytes']} bytes (all its "
+        f"objects); write includes the store into L1; read = lookup miss "
+        f"until every chunk is an L1 hit"
+    )
     return report
 
 
 def table(report: Report) -> str:
-    return format_table(report.rows, [
-        ("op", "operation", ""), ("server_s", "server s", ".4f"),
-        ("store_s", "of which store s", ".4f"), ("raw_s", "redis-py s", ".4f"),
-        ("server_gbps", "server GB/s", ".2f"), ("raw_gbps", "redis-py GB/s", ".2f"),
-        ("server_objps", "server obj/s", ".0f"), ("raw_objps", "redis-py obj/s", ".0f"),
-        ("ratio", "raw/server", ".2f")])
+    return format_table(
+        report.rows,
+        [
+            ("op", "operation", ""),
+            ("server_s", "server s", ".4f"),
+            ("store_s", "of which store s", ".4f"),
+            ("raw_s", "redis-py s", ".4f"),
+            ("server_gbps", "server GB/s", ".2f"),
+            ("raw_gbps", "redis-py GB/s", ".2f"),
+            ("server_objps", "server obj/s", ".0f"),
+            ("raw_objps", "redis-py obj/s", ".0f"),
+            ("ratio", "raw/server", ".2f"),
+        ],
+    )

@@ -44,16 +44,21 @@ def _batches(n: int, object_bytes: int) -> list[range]:
     return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
-async def _batch_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int,
-                      executor: ThreadPoolExecutor) -> None:
+async def _batch_path(
+    fb: FileBackend, pool: np.ndarray, size: int, tag: int, executor: ThreadPoolExecutor
+) -> None:
     loop = asyncio.get_running_loop()
     sending: asyncio.Future[None] | None = None
     for part in _batches(len(pool) // size, size):
-        values = await asyncio.gather(*(loop.run_in_executor(
-            executor, fb.encode, SPACE, _ck(tag, i), 0, pool[i * size:(i + 1) * size].data)
-            for i in part))
-        items = [(codec.l2_key(SPACE, _ck(tag, i)), v) for i, v in zip(part, values,
-                                                                       strict=True)]
+        values = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    executor, fb.encode, SPACE, _ck(tag, i), 0, pool[i * size : (i + 1) * size].data
+                )
+                for i in part
+            )
+        )
+        items = [(codec.l2_key(SPACE, _ck(tag, i)), v) for i, v in zip(part, values, strict=True)]
         if sending is not None:
             await sending
         sending = asyncio.ensure_future(fb.put_many(items))
@@ -63,8 +68,18 @@ async def _batch_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int,
 
 async def _slots_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int) -> None:
     for part in _batches(len(pool) // size, size):
-        await fb.put_slots([SlotObject(codec.l2_key(SPACE, _ck(tag, i)), SPACE, _ck(tag, i),
-                                       0, pool[i * size:(i + 1) * size].data) for i in part])
+        await fb.put_slots(
+            [
+                SlotObject(
+                    codec.l2_key(SPACE, _ck(tag, i)),
+                    SPACE,
+                    _ck(tag, i),
+                    0,
+                    pool[i * size : (i + 1) * size].data,
+                )
+                for i in part
+            ]
+        )
 
 
 def _ck(tag: int, i: int) -> bytes:
@@ -84,8 +99,10 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
     plain = _Plain(directory, fb.direct)
     executor = ThreadPoolExecutor(4)
     times: dict[str, list[float]] = {"batch": [], "slots": [], "plain": []}
-    ready = [fb.encode(SPACE, _ck(0, i), 0, pool[i * object_bytes:(i + 1) * object_bytes].data)
-             for i in range(objects)]
+    ready = [
+        fb.encode(SPACE, _ck(0, i), 0, pool[i * object_bytes : (i + 1) * object_bytes].data)
+        for i in range(objects)
+    ]
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         await _batch_path(fb, pool, object_bytes, 2 * rnd, executor)
@@ -96,12 +113,16 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
         t, _ = plain.write(ready, f"r{rnd}")
         times["plain"].append(t)
     nbytes = objects * (object_bytes + codec.HEADER_BYTES)
-    print(f"{objects} objects of {object_bytes} bytes, direct I/O {fb.direct}, "
-          f"medians of {rounds} rounds:")
+    print(
+        f"{objects} objects of {object_bytes} bytes, direct I/O {fb.direct}, "
+        f"medians of {rounds} rounds:"
+    )
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {name:5s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
-              f"{_ratio(times['plain'], ts):.2f}  rounds {' '.join(f'{t:.3f}' for t in ts)}")
+        print(
+            f"  {name:5s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
+            f"{_ratio(times['plain'], ts):.2f}  rounds {' '.join(f'{t:.3f}' for t in ts)}"
+        )
     plain.close()
     executor.shutdown()
     await fb.shutdown()

@@ -31,8 +31,13 @@ import numpy as np
 
 MIB = 1 << 20
 CHUNKS = 64
-CASES = ("lookup", "lookup+lease+release", "reserve+commit new (evicting)",
-         "reserve+commit existing", "pin+unpin retrieve")
+CASES = (
+    "lookup",
+    "lookup+lease+release",
+    "reserve+commit new (evicting)",
+    "reserve+commit existing",
+    "pin+unpin retrieve",
+)
 
 
 def digests(n: int, tag: bytes) -> bytes:
@@ -64,8 +69,7 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
     for og in layout.object_groups:
         for sec in og.sections:
             bpc = sec.blocks_per_chunk
-            ids[sec.group_index] = np.arange(CHUNKS * bpc, dtype=np.int64).reshape(
-                CHUNKS, bpc) % 64
+            ids[sec.group_index] = np.arange(CHUNKS * bpc, dtype=np.int64).reshape(CHUNKS, bpc) % 64
     hot = index.keys(view, digests(CHUNKS, b"hot"))
     index.commit_store(index.reserve_store(view, hot, ids))
     fresh = [index.keys(view, digests(CHUNKS, b"f%d" % i)) for i in range(64)]
@@ -89,8 +93,9 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
         t = index.pin_retrieve(view, hot, ids)
         index.unpin_retrieve(t, ok=True)
 
-    return index, dict(zip(CASES, (lookup, lookup_lease, store_new, store_exists, retrieve),
-                           strict=True))
+    return index, dict(
+        zip(CASES, (lookup, lookup_lease, store_new, store_exists, retrieve), strict=True)
+    )
 
 
 def time_us(fn: Callable[[int], None], n: int) -> float:
@@ -104,8 +109,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=10_000)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--packages", default="lmc_server",
-                   help="comma-separated packages to compare, rounds interleaved")
+    p.add_argument(
+        "--packages",
+        default="lmc_server",
+        help="comma-separated packages to compare, rounds interleaved",
+    )
     a = p.parse_args()
     packages = a.packages.split(",")
     for separate in (True, False):
@@ -118,8 +126,11 @@ def main() -> None:
                     best[pkg] = min(best[pkg], time_us(setups[pkg][1][case], calls))
             for pkg in packages:
                 ratio = f"  x{best[pkg] / best[packages[0]]:.3f}" if len(packages) > 1 else ""
-                print(f"{'separate' if separate else 'combined':9s} {case:30s} {pkg:12s} "
-                      f"{best[pkg]:8.1f} us{ratio}", flush=True)
+                print(
+                    f"{'separate' if separate else 'combined':9s} {case:30s} {pkg:12s} "
+                    f"{best[pkg]:8.1f} us{ratio}",
+                    flush=True,
+                )
         for index, _ in setups.values():
             index.check()
 

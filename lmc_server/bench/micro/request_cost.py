@@ -31,9 +31,14 @@ from lmc_server.testing.presets import simple_model
 
 CALLS, REPEATS = 20000, 7
 GEO = simple_model(layers=1, bytes_per_token=16)
-REG = Registration(b"R" * 16, "ns", 256, False,
-                   [m.ObjectGroupInfo(name="kv", object_bytes=4096, groups=["full"])],
-                   list(GEO.groups))
+REG = Registration(
+    b"R" * 16,
+    "ns",
+    256,
+    False,
+    [m.ObjectGroupInfo(name="kv", object_bytes=4096, groups=["full"])],
+    list(GEO.groups),
+)
 DIGEST = hash_chain([b"x"])
 IDS = {"full": np.arange(16, dtype=np.int32)}
 
@@ -77,12 +82,13 @@ def main() -> None:
     out: dict[str, float] = {}
     c = Client("tcp://127.0.0.1:9", hello=False)  # never connects: nothing is sent
     c._roundtrip = fake_roundtrip  # type: ignore[method-assign]
-    out["sync lookup"] = best_us(lambda: [c.lookup(REG, DIGEST, lease=False)
-                                          for _ in range(CALLS)] and None)
-    out["sync store"] = best_us(lambda: [c.store(REG, DIGEST, IDS) for _ in range(CALLS)]
-                                and None)
-    out["sync retrieve"] = best_us(lambda: [c.retrieve(REG, DIGEST, IDS)
-                                            for _ in range(CALLS)] and None)
+    out["sync lookup"] = best_us(
+        lambda: [c.lookup(REG, DIGEST, lease=False) for _ in range(CALLS)] and None
+    )
+    out["sync store"] = best_us(lambda: [c.store(REG, DIGEST, IDS) for _ in range(CALLS)] and None)
+    out["sync retrieve"] = best_us(
+        lambda: [c.retrieve(REG, DIGEST, IDS) for _ in range(CALLS)] and None
+    )
     c.close()
 
     async def run_async() -> None:

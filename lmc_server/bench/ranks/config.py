@@ -63,14 +63,15 @@ class RanksConfig:
 
 def blocks_needed(geometry: KVGeometry, chunks: int, chunk_size: int) -> int:
     """Blocks per group for regions A and B of ``chunks`` chunk slots each."""
-    return 2 * chunks * max(blocks_per_chunk(g, chunk_size)
-                            for g in geometry.groups if g.cached)
+    return 2 * chunks * max(blocks_per_chunk(g, chunk_size) for g in geometry.groups if g.cached)
 
 
 def digests(seed: int, phase: str, indices: Sequence[int] | np.ndarray) -> bytes:
     """32-byte keys of chunk ``indices`` of a phase; the same on every rank."""
-    return b"".join(hashlib.blake2b(f"{seed}:{phase}:{int(i)}".encode(), digest_size=32
-                                    ).digest() for i in indices)
+    return b"".join(
+        hashlib.blake2b(f"{seed}:{phase}:{int(i)}".encode(), digest_size=32).digest()
+        for i in indices
+    )
 
 
 def prompt_digests(seed: int, prompt: int, n: int) -> bytes:

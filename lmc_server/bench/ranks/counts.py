@@ -43,6 +43,11 @@ class Counts:
             self.errors.append(f"{type(e).__name__}: {e}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"requests": self.requests, "status": self.status,
-                "copied_bytes": self.copied_bytes, "busy_s": self.busy_s,
-                "errors": self.n_errors, "error_samples": self.errors}
+        return {
+            "requests": self.requests,
+            "status": self.status,
+            "copied_bytes": self.copied_bytes,
+            "busy_s": self.busy_s,
+            "errors": self.n_errors,
+            "error_samples": self.errors,
+        }

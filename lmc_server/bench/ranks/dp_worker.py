@@ -52,8 +52,7 @@ _LOAD_FAILED = (ChunkStatus.FAILED, ChunkStatus.MISS)
 class DPEngine:
     """Engine ``engine`` of ``engines``: prompts of ``prompt_chunks`` chunks."""
 
-    def __init__(self, client: Any, reg: Registration, kv: RankKV, cfg: dict[str, Any]
-                 ) -> None:
+    def __init__(self, client: Any, reg: Registration, kv: RankKV, cfg: dict[str, Any]) -> None:
         self.client, self.reg, self.kv = client, reg, kv
         self.engine: int = cfg["rank"]
         self.engines: int = cfg["ranks"]
@@ -65,9 +64,20 @@ class DPEngine:
         self.stored_prompts = 0
         self.rng = np.random.default_rng(self.seed * 1000 + 7919 * self.engine + 1)
         self.n: dict[str, int] = dict.fromkeys(
-            ("lookups", "lookup_misses", "partial_hits", "loads", "cross_engine_chunks",
-             "own_chunks", "failed_load_chunks", "verified_loads", "checked_bytes",
-             "mismatched_bytes"), 0)
+            (
+                "lookups",
+                "lookup_misses",
+                "partial_hits",
+                "loads",
+                "cross_engine_chunks",
+                "own_chunks",
+                "failed_load_chunks",
+                "verified_loads",
+                "checked_bytes",
+                "mismatched_bytes",
+            ),
+            0,
+        )
         self.verify_s = 0.0
 
     # -- store ----------------------------------------------------------------------------
@@ -80,8 +90,10 @@ class DPEngine:
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.store(
-                self.reg, prompt_digests(self.seed, q, self.prompt_chunks),
-                self.kv.slots.ids(REGION_A, slots))
+                self.reg,
+                prompt_digests(self.seed, q, self.prompt_chunks),
+                self.kv.slots.ids(REGION_A, slots),
+            )
         except _ERRORS as e:
             counts.error(e)
             return
@@ -148,7 +160,8 @@ class DPEngine:
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.retrieve(
-                self.reg, digs[:h * DIGEST_BYTES], self.kv.slots.ids(REGION_B, dst))
+                self.reg, digs[: h * DIGEST_BYTES], self.kv.slots.ids(REGION_B, dst)
+            )
         except _ERRORS as e:
             self.lt.error(e)
             pending[half] = asyncio.ensure_future(asyncio.to_thread(self.kv.poison, dst))
@@ -192,8 +205,13 @@ class DPEngine:
 
     def report(self, seconds: float) -> dict[str, Any]:
         st, lt = self.st.to_json(), self.lt.to_json()
-        return {"seconds": seconds, "store": st, "load": lt,
-                "stored_prompts": self.stored_prompts, "verify_s": self.verify_s,
-                "failed_store_chunks": sum(st["status"][s] for s in _STORE_FAILED),
-                "store_exists_chunks": st["status"]["exists"] + st["status"]["in_progress"],
-                **self.n}
+        return {
+            "seconds": seconds,
+            "store": st,
+            "load": lt,
+            "stored_prompts": self.stored_prompts,
+            "verify_s": self.verify_s,
+            "failed_store_chunks": sum(st["status"][s] for s in _STORE_FAILED),
+            "store_exists_chunks": st["status"]["exists"] + st["status"]["in_progress"],
+            **self.n,
+        }

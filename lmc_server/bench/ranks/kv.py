@@ -30,11 +30,11 @@ class Slots:
 
     def __init__(self, geometry: KVGeometry, chunks: int, chunk_size: int) -> None:
         self.chunks = chunks
-        self.bpc = {g.name: blocks_per_chunk(g, chunk_size) for g in geometry.groups
-                    if g.cached}
+        self.bpc = {g.name: blocks_per_chunk(g, chunk_size) for g in geometry.groups if g.cached}
 
-    def blocks(self, group: str, region: int, slots: np.ndarray, first: int = 0,
-               count: int | None = None) -> np.ndarray:
+    def blocks(
+        self, group: str, region: int, slots: np.ndarray, first: int = 0, count: int | None = None
+    ) -> np.ndarray:
         bpc = self.bpc[group]
         n = bpc - first if count is None else count
         base = (region * self.chunks + np.asarray(slots, dtype=np.int64)) * bpc + first
@@ -80,8 +80,9 @@ class RankKV:
             self.kv = ShmKV(gargs.build(cfg["num_blocks"]))
         self.kv.fill_random(cfg["seed"])
         self.slots = Slots(self.kv.geometry, cfg["chunks"], self.chunk_size)
-        self.layout: RegistrationLayout = build_layout(self.kv.geometry.groups,
-                                                       self.chunk_size, separate=True)
+        self.layout: RegistrationLayout = build_layout(
+            self.kv.geometry.groups, self.chunk_size, separate=True
+        )
 
     # -- byte checks ----------------------------------------------------------------------
 
@@ -91,12 +92,22 @@ class RankKV:
         for spec in g.layers:
             if self.cuda:
                 t = self.kv.tensors[spec.buffer]
-                out.append(t.as_strided((g.num_blocks, spec.page_bytes),
-                                        (spec.block_stride, 1), spec.offset))
+                out.append(
+                    t.as_strided(
+                        (g.num_blocks, spec.page_bytes), (spec.block_stride, 1), spec.offset
+                    )
+                )
             else:
                 arr = self.kv.segments[spec.buffer].array
-                out.append(np.ndarray((g.num_blocks, spec.page_bytes), np.uint8, arr,
-                                      spec.offset, (spec.block_stride, 1)))
+                out.append(
+                    np.ndarray(
+                        (g.num_blocks, spec.page_bytes),
+                        np.uint8,
+                        arr,
+                        spec.offset,
+                        (spec.block_stride, 1),
+                    )
+                )
         return out
 
     def _written(self, n: int, one_request: bool) -> list[tuple[Any, range]]:
@@ -136,8 +147,9 @@ class RankKV:
 
             torch.cuda.synchronize(self.device)
 
-    def mismatch(self, src: np.ndarray, dst: np.ndarray, one_request: bool = True,
-                 prompt: int | None = None) -> tuple[int, int]:
+    def mismatch(
+        self, src: np.ndarray, dst: np.ndarray, one_request: bool = True, prompt: int | None = None
+    ) -> tuple[int, int]:
         """``(mismatched, checked)`` bytes of B[dst] against A[src] where a retrieve of
         these chunks writes (see :meth:`_written`); with ``prompt``, chunk ``k``'s pages
         are expected to start with its tag (:meth:`tag`) instead of A's bytes."""
@@ -146,10 +158,13 @@ class RankKV:
         for sec, pos in self._written(len(src), one_request):
             if not len(pos):
                 continue
-            a = self._section_blocks(sec, REGION_A, src[pos.start:])
-            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
-            tags: Any = None if prompt is None else tag_bytes(
-                prompt, np.repeat(np.arange(pos.start, len(src)), sec.n_blocks))
+            a = self._section_blocks(sec, REGION_A, src[pos.start :])
+            b = self._section_blocks(sec, REGION_B, dst[pos.start :])
+            tags: Any = (
+                None
+                if prompt is None
+                else tag_bytes(prompt, np.repeat(np.arange(pos.start, len(src)), sec.n_blocks))
+            )
             if self.cuda:
                 import torch
 
@@ -180,7 +195,7 @@ class RankKV:
         request of them all, else every section of every chunk), so that a retrieve
         that writes nothing cannot pass the check."""
         for sec, pos in self._written(len(dst), one_request):
-            b = self._section_blocks(sec, REGION_B, dst[pos.start:])
+            b = self._section_blocks(sec, REGION_B, dst[pos.start :])
             for view in self._views(sec.group_name):
                 if self.cuda:
                     import torch

@@ -16,20 +16,34 @@ def _series(report: Report) -> tuple[str, list[str], list[tuple[str, list[float]
     if report.config.get("mode") == "dp":
         alive = [r for r in report.rows if r.get("alive")]
         dp = s["dp"]
-        title = (f"{dp['engines']} DP engines: store {dp['store_gbps']:.2f}, load "
-                 f"{dp['load_gbps']:.2f} GB/s (raw {raw.get('d2h_gbps', 0):.2f} / "
-                 f"{raw.get('h2d_gbps', 0):.2f})")
-        return ("engine", [str(r["engine"]) for r in alive],
-                [("store (D2H)", [r["store_gbps"] for r in alive]),
-                 ("load (H2D)", [r["load_gbps"] for r in alive])], title)
+        title = (
+            f"{dp['engines']} DP engines: store {dp['store_gbps']:.2f}, load "
+            f"{dp['load_gbps']:.2f} GB/s (raw {raw.get('d2h_gbps', 0):.2f} / "
+            f"{raw.get('h2d_gbps', 0):.2f})"
+        )
+        return (
+            "engine",
+            [str(r["engine"]) for r in alive],
+            [
+                ("store (D2H)", [r["store_gbps"] for r in alive]),
+                ("load (H2D)", [r["load_gbps"] for r in alive]),
+            ],
+            title,
+        )
     rows = report.rows
-    series = [(label, [r.get(key) or 0.0 for r in rows]) for label, key in (
-        ("TP load retrieve", "tp_load_retrieve_gbps"), ("phase 2 store", "p2_store_gbps"),
-        ("phase 2 retrieve", "p2_retrieve_gbps"))
-        if any(r.get(key) is not None for r in rows)]
+    series = [
+        (label, [r.get(key) or 0.0 for r in rows])
+        for label, key in (
+            ("TP load retrieve", "tp_load_retrieve_gbps"),
+            ("phase 2 store", "p2_store_gbps"),
+            ("phase 2 retrieve", "p2_retrieve_gbps"),
+        )
+        if any(r.get(key) is not None for r in rows)
+    ]
     tp = s.get("tp_load")
-    title = (f"{len(rows)} TP ranks" + (f": TP load {tp['retrieve_gbps']:.2f} GB/s (raw "
-                                        f"{raw.get('h2d_gbps', 0):.2f})" if tp else ""))
+    title = f"{len(rows)} TP ranks" + (
+        f": TP load {tp['retrieve_gbps']:.2f} GB/s (raw {raw.get('h2d_gbps', 0):.2f})" if tp else ""
+    )
     return "rank", [str(r["rank"]) for r in rows], series, title
 
 

@@ -43,8 +43,9 @@ class RankProcess(JsonLineProcess):
                         os.unlink(os.path.join(SHM_DIR, name))
 
 
-def gather(ranks: Sequence[RankProcess], cmd: dict[str, Any], timeout_s: float
-            ) -> list[dict[str, Any]]:
+def gather(
+    ranks: Sequence[RankProcess], cmd: dict[str, Any], timeout_s: float
+) -> list[dict[str, Any]]:
     """Send ``cmd`` to every rank first, then collect the replies (they run at once)."""
     for r in ranks:
         r.send(cmd)
@@ -66,6 +67,6 @@ def union_bits(replies: Sequence[dict[str, Any]], key: str, og: str) -> np.ndarr
     out = np.zeros(n, dtype=bool)
     for r in replies:
         bits = np.unpackbits(np.frombuffer(base64.b64decode(r[key][og]), dtype=np.uint8))
-        bits = bits[:r["stored_chunks"]].astype(bool)
-        out[:bits.size] |= bits
+        bits = bits[: r["stored_chunks"]].astype(bool)
+        out[: bits.size] |= bits
     return out

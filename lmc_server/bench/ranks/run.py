@@ -82,8 +82,7 @@ log = logging.getLogger(__name__)
 class _Run:
     """State of one benchmark run; methods are the phases, in order."""
 
-    def __init__(self, cfg: RanksConfig, report: Report, srv: ServerProcess,
-                 admin: Client) -> None:
+    def __init__(self, cfg: RanksConfig, report: Report, srv: ServerProcess, admin: Client) -> None:
         self.cfg, self.report, self.srv, self.admin = cfg, report, srv, admin
         self.ranks: list[RankProcess] = []
         self.s: dict[str, Any] = report.summary
@@ -93,11 +92,18 @@ class _Run:
 
     def start_ranks(self, num_blocks: int) -> None:
         cfg = self.cfg
-        base = {"endpoint": self.srv.endpoint, "mode": cfg.mode, "backend": cfg.backend,
-                "ranks": cfg.ranks,
-                "chunks": cfg.chunks, "batch": cfg.batch, "seed": cfg.seed,
-                "geometry": asdict(cfg.geometry), "num_blocks": num_blocks,
-                "chunk_size": cfg.chunk_size}
+        base = {
+            "endpoint": self.srv.endpoint,
+            "mode": cfg.mode,
+            "backend": cfg.backend,
+            "ranks": cfg.ranks,
+            "chunks": cfg.chunks,
+            "batch": cfg.batch,
+            "seed": cfg.seed,
+            "geometry": asdict(cfg.geometry),
+            "num_blocks": num_blocks,
+            "chunk_size": cfg.chunk_size,
+        }
         for rank in range(cfg.ranks):
             self.ranks.append(RankProcess(rank, {**base, "rank": rank}))
         for r in self.ranks:
@@ -105,11 +111,13 @@ class _Run:
         info = self.ranks[0].info
         self.chunk_bytes, self.object_bytes = info["chunk_bytes"], info["object_bytes"]
         assert len({r.info["namespace"] for r in self.ranks}) == 1, "one namespace"
-        self.report.config.update(chunk_bytes=self.chunk_bytes, arch=info["arch"],
-                                  namespace=info["namespace"],
-                                  devices=[r.info["device"] for r in self.ranks])
-        self.checks["all ranks registered"] = (self.admin.stats().registrations
-                                               == cfg.ranks)
+        self.report.config.update(
+            chunk_bytes=self.chunk_bytes,
+            arch=info["arch"],
+            namespace=info["namespace"],
+            devices=[r.info["device"] for r in self.ranks],
+        )
+        self.checks["all ranks registered"] = self.admin.stats().registrations == cfg.ranks
 
     def phase1(self) -> None:
         cfg, n_og = self.cfg, len(self.object_bytes)
@@ -120,35 +128,52 @@ class _Run:
         rest = gather(self.ranks[1:], {"cmd": "p1_store"}, 3600)
         s2 = self.admin.stats()
         got = gather(self.ranks, {"cmd": "p1_retrieve"}, 3600)
-        p1 = {"store_rank0": first, "store_others_exists": [r["status"]["exists"] for r in rest],
-              "one_copy_bytes": one_copy, "l1_used_after_rank0": s1.l1.used_bytes,
-              "l1_used_after_all": s2.l1.used_bytes,
-              "stored_bytes_rank0": s1.counters.stored_bytes - s0.counters.stored_bytes,
-              "stored_bytes_others": s2.counters.stored_bytes - s1.counters.stored_bytes,
-              "mismatched_bytes": sum(r["mismatched_bytes"] for r in got),
-              "checked_bytes": sum(r["checked_bytes"] for r in got),
-              "retrieve_errors": sum(r["errors"] + r["status"]["miss"] + r["status"]["failed"]
-                                     for r in got),
-              "retrieve_s": max(r["seconds"] for r in got)}
+        p1 = {
+            "store_rank0": first,
+            "store_others_exists": [r["status"]["exists"] for r in rest],
+            "one_copy_bytes": one_copy,
+            "l1_used_after_rank0": s1.l1.used_bytes,
+            "l1_used_after_all": s2.l1.used_bytes,
+            "stored_bytes_rank0": s1.counters.stored_bytes - s0.counters.stored_bytes,
+            "stored_bytes_others": s2.counters.stored_bytes - s1.counters.stored_bytes,
+            "mismatched_bytes": sum(r["mismatched_bytes"] for r in got),
+            "checked_bytes": sum(r["checked_bytes"] for r in got),
+            "retrieve_errors": sum(
+                r["errors"] + r["status"]["miss"] + r["status"]["failed"] for r in got
+            ),
+            "retrieve_s": max(r["seconds"] for r in got),
+        }
         self.s["phase1"] = p1
         for r, g in zip(self.ranks, got, strict=True):
-            self.report.rows.append({"rank": r.rank, "pid": r.info["pid"],
-                                     "device": r.info["device"],
-                                     "p1_checked_bytes": g["checked_bytes"],
-                                     "p1_mismatched_bytes": g["mismatched_bytes"]})
-        self.checks.update({
-            "p1 rank 0 stored every chunk once": (
-                first["status"]["ok"] == cfg.chunks * n_og and first["errors"] == 0
-                and p1["stored_bytes_rank0"] == one_copy),
-            "p1 other ranks: every chunk EXISTS": all(
-                r["status"]["exists"] == cfg.chunks * n_og and r["status"]["ok"] == 0
-                and r["errors"] == 0 for r in rest) and p1["stored_bytes_others"] == 0,
-            "p1 L1 used == one copy": s1.l1.used_bytes == s2.l1.used_bytes
-            == one_copy,
-            "p1 every byte on every rank": p1["mismatched_bytes"] == 0
-            and p1["retrieve_errors"] == 0
-            and p1["checked_bytes"] == cfg.ranks * one_copy,
-        })
+            self.report.rows.append(
+                {
+                    "rank": r.rank,
+                    "pid": r.info["pid"],
+                    "device": r.info["device"],
+                    "p1_checked_bytes": g["checked_bytes"],
+                    "p1_mismatched_bytes": g["mismatched_bytes"],
+                }
+            )
+        self.checks.update(
+            {
+                "p1 rank 0 stored every chunk once": (
+                    first["status"]["ok"] == cfg.chunks * n_og
+                    and first["errors"] == 0
+                    and p1["stored_bytes_rank0"] == one_copy
+                ),
+                "p1 other ranks: every chunk EXISTS": all(
+                    r["status"]["exists"] == cfg.chunks * n_og
+                    and r["status"]["ok"] == 0
+                    and r["errors"] == 0
+                    for r in rest
+                )
+                and p1["stored_bytes_others"] == 0,
+                "p1 L1 used == one copy": s1.l1.used_bytes == s2.l1.used_bytes == one_copy,
+                "p1 every byte on every rank": p1["mismatched_bytes"] == 0
+                and p1["retrieve_errors"] == 0
+                and p1["checked_bytes"] == cfg.ranks * one_copy,
+            }
+        )
 
     def raw(self) -> None:
         cfg = self.cfg
@@ -163,8 +188,10 @@ class _Run:
         gather(part, {"cmd": "raw_prepare", "nbytes": nbytes, "raw_s": cfg.raw_s}, 600)
         raw: dict[str, Any] = {"processes": len(part), "bytes_per_copy": nbytes}
         for d in ("d2h", "h2d"):
-            per = [g["gbps"] for g in gather(part, {"cmd": "raw_go", "direction": d,
-                                                     "raw_s": cfg.raw_s}, 600)]
+            per = [
+                g["gbps"]
+                for g in gather(part, {"cmd": "raw_go", "direction": d, "raw_s": cfg.raw_s}, 600)
+            ]
             raw[f"{d}_gbps"] = sum(per)
             raw[f"{d}_gbps_per_process"] = per
         self.s["raw"] = raw
@@ -173,9 +200,17 @@ class _Run:
         """One TP phase (module docstring): aggregate and per-rank GB/s, byte check."""
         cfg = self.cfg
         n = min(cfg.tp_chunks or cfg.batch, cfg.chunks)
-        got = gather(self.ranks, {"cmd": "tp", "mode": mode, "duration_s": cfg.tp_s,
-                                   "chunks": n, "inflight": cfg.tp_inflight},
-                      cfg.tp_s + 600)
+        got = gather(
+            self.ranks,
+            {
+                "cmd": "tp",
+                "mode": mode,
+                "duration_s": cfg.tp_s,
+                "chunks": n,
+                "inflight": cfg.tp_inflight,
+            },
+            cfg.tp_s + 600,
+        )
         seconds = max(g["seconds"] for g in got)
         raw = self.s["raw"]
         res: dict[str, Any] = {"chunks": n, "inflight": cfg.tp_inflight, "seconds": seconds}
@@ -185,30 +220,34 @@ class _Run:
             res[f"{d}_gbps"] = nbytes / seconds / 1e9
             res[f"{d}_ratio"] = res[f"{d}_gbps"] / raw[key] if raw[key] else None
             res[f"{d}_requests"] = requests
-            res[f"{d}_ms_per_request"] = (1e3 * sum(g[d]["busy_s"] for g in got) / requests
-                                          if requests else None)
-            res[f"{d}_gbps_per_rank"] = [g[d]["copied_bytes"] / g["seconds"] / 1e9
-                                         for g in got]
+            res[f"{d}_ms_per_request"] = (
+                1e3 * sum(g[d]["busy_s"] for g in got) / requests if requests else None
+            )
+            res[f"{d}_gbps_per_rank"] = [g[d]["copied_bytes"] / g["seconds"] / 1e9 for g in got]
         res["errors"] = sum(g[d]["errors"] for g in got for d in ("retrieve", "store"))
-        res["failed_statuses"] = sum(g["retrieve"]["status"][s] for g in got
-                                     for s in ("miss", "failed"))
+        res["failed_statuses"] = sum(
+            g["retrieve"]["status"][s] for g in got for s in ("miss", "failed")
+        )
         res["mismatched_bytes"] = sum(g["mismatched_bytes"] for g in got)
         res["checked_bytes"] = sum(g["checked_bytes"] for g in got)
         self.s[f"tp_{mode}"] = res
         for row, g in zip(self.report.rows, got, strict=True):
             row[f"tp_{mode}_retrieve_gbps"] = g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
         self.checks[f"tp {mode}: no errors, every byte checked"] = (
-            res["errors"] == 0 and res["failed_statuses"] == 0 and res["mismatched_bytes"] == 0
-            and res["checked_bytes"] > 0 and all(g["verify_ok"] for g in got)
-            and res["retrieve_requests"] > 0)
+            res["errors"] == 0
+            and res["failed_statuses"] == 0
+            and res["mismatched_bytes"] == 0
+            and res["checked_bytes"] > 0
+            and all(g["verify_ok"] for g in got)
+            and res["retrieve_requests"] > 0
+        )
 
     def phase2(self) -> None:
         cfg = self.cfg
         s0 = self.admin.stats()
         victim = self.ranks[-1] if cfg.kill_one and cfg.ranks > 1 else None
         for r in self.ranks:
-            r.send({"cmd": "p2", "duration_s": cfg.duration_s,
-                    "verify_every": cfg.verify_every})
+            r.send({"cmd": "p2", "duration_s": cfg.duration_s, "verify_every": cfg.verify_every})
         t0 = time.monotonic()
         if victim is not None:
             time.sleep(cfg.duration_s / 2)
@@ -222,67 +261,88 @@ class _Run:
         ret_b = sum(g["retrieve"]["copied_bytes"] for g in got)
         raw = self.s["raw"]
         distinct = {og: union_bits(got, "committed_bits", og) for og in self.object_bytes}
-        pending = {og: union_bits(got, "pending_bits", og) & ~distinct[og]
-                   for og in self.object_bytes}
+        pending = {
+            og: union_bits(got, "pending_bits", og) & ~distinct[og] for og in self.object_bytes
+        }
         distinct_b = sum(int(distinct[og].sum()) * b for og, b in self.object_bytes.items())
         unknown_b = sum(int(pending[og].sum()) * b for og, b in self.object_bytes.items())
         copies_b = s1.counters.stored_bytes - s0.counters.stored_bytes
         evicted_b = s1.counters.evicted_bytes - s0.counters.evicted_bytes
         evicted_total = int(s1.counters.evicted_bytes)
         stored_total = int(s1.counters.stored_bytes)
-        p2 = {"seconds": seconds, "wall_s": wall_s, "ranks_reporting": len(got),
-              "store_bytes": store_b, "retrieve_bytes": ret_b,
-              "store_gbps": store_b / seconds / 1e9, "retrieve_gbps": ret_b / seconds / 1e9,
-              "mismatched_bytes": sum(g["mismatched_bytes"] for g in got),
-              "checked_bytes": sum(g["checked_bytes"] for g in got),
-              "verified_requests": sum(g["verified_requests"] for g in got),
-              "errors": sum(g["store"]["errors"] + g["retrieve"]["errors"] for g in got),
-              "failed_statuses": sum(g["store"]["status"]["failed"]
-                                     + g["store"]["status"]["no_space"]
-                                     + g["retrieve"]["status"]["failed"] for g in got),
-              "retrieve_misses": sum(g["retrieve"]["status"]["miss"] for g in got),
-              "store_in_progress": sum(g["store"]["status"]["in_progress"] for g in got),
-              "error_samples": [e for g in got for d in ("store", "retrieve")
-                                for e in g[d]["error_samples"]][:MAX_ERRORS_KEPT]}
+        p2 = {
+            "seconds": seconds,
+            "wall_s": wall_s,
+            "ranks_reporting": len(got),
+            "store_bytes": store_b,
+            "retrieve_bytes": ret_b,
+            "store_gbps": store_b / seconds / 1e9,
+            "retrieve_gbps": ret_b / seconds / 1e9,
+            "mismatched_bytes": sum(g["mismatched_bytes"] for g in got),
+            "checked_bytes": sum(g["checked_bytes"] for g in got),
+            "verified_requests": sum(g["verified_requests"] for g in got),
+            "errors": sum(g["store"]["errors"] + g["retrieve"]["errors"] for g in got),
+            "failed_statuses": sum(
+                g["store"]["status"]["failed"]
+                + g["store"]["status"]["no_space"]
+                + g["retrieve"]["status"]["failed"]
+                for g in got
+            ),
+            "retrieve_misses": sum(g["retrieve"]["status"]["miss"] for g in got),
+            "store_in_progress": sum(g["store"]["status"]["in_progress"] for g in got),
+            "error_samples": [
+                e for g in got for d in ("store", "retrieve") for e in g[d]["error_samples"]
+            ][:MAX_ERRORS_KEPT],
+        }
         p2["store_ratio"] = p2["store_gbps"] / raw["d2h_gbps"] if raw["d2h_gbps"] else None
-        p2["retrieve_ratio"] = (p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"]
-                                else None)
-        l1 = {"used_bytes": s1.l1.used_bytes, "capacity_bytes": s1.l1.capacity_bytes,
-              "distinct_bytes_phase2": distinct_b, "copied_bytes_phase2": copies_b,
-              "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
-              "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
-              "evicted_bytes_phase2": evicted_b, "unknown_bytes_phase2": unknown_b,
-              # what L1 held when phase 2 began (phase 1, TP stores) plus phase 2's
-              "single_copy_bytes": s0.l1.used_bytes + distinct_b - evicted_b,
-              "writing_objects": sum(p.writing for p in s1.partitions)}
+        p2["retrieve_ratio"] = p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"] else None
+        l1 = {
+            "used_bytes": s1.l1.used_bytes,
+            "capacity_bytes": s1.l1.capacity_bytes,
+            "distinct_bytes_phase2": distinct_b,
+            "copied_bytes_phase2": copies_b,
+            "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
+            "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
+            "evicted_bytes_phase2": evicted_b,
+            "unknown_bytes_phase2": unknown_b,
+            # what L1 held when phase 2 began (phase 1, TP stores) plus phase 2's
+            "single_copy_bytes": s0.l1.used_bytes + distinct_b - evicted_b,
+            "writing_objects": sum(p.writing for p in s1.partitions),
+        }
         self.s["phase2"], self.s["l1"] = p2, l1
         by_rank = {r.rank: g for r, g in zip(survivors, got, strict=True)}
         for row in self.report.rows:
             g = by_rank.get(row["rank"])
-            row.update(alive=g is not None,
-                       p2_store_gbps=g["store"]["copied_bytes"] / g["seconds"] / 1e9
-                       if g else None,
-                       p2_retrieve_gbps=g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
-                       if g else None,
-                       p2_errors=(g["store"]["errors"] + g["retrieve"]["errors"]) if g else None,
-                       p2_mismatched_bytes=g["mismatched_bytes"] if g else None)
-        self.checks.update({
-            "p2 survivors: no errors": p2["errors"] == 0 and p2["failed_statuses"] == 0,
-            "p2 verified bytes match": p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0,
-            "p2 replicated KV copied once": (
-                distinct_b <= copies_b <= distinct_b + unknown_b + evicted_b),
-            "p2 L1 used == stored - evicted": (
-                l1["used_bytes"] == stored_total - evicted_total),
-            "p2 no unfinished writes left": l1["writing_objects"] == 0,
-        })
+            row.update(
+                alive=g is not None,
+                p2_store_gbps=g["store"]["copied_bytes"] / g["seconds"] / 1e9 if g else None,
+                p2_retrieve_gbps=g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9 if g else None,
+                p2_errors=(g["store"]["errors"] + g["retrieve"]["errors"]) if g else None,
+                p2_mismatched_bytes=g["mismatched_bytes"] if g else None,
+            )
+        self.checks.update(
+            {
+                "p2 survivors: no errors": p2["errors"] == 0 and p2["failed_statuses"] == 0,
+                "p2 verified bytes match": p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0,
+                "p2 replicated KV copied once": (
+                    distinct_b <= copies_b <= distinct_b + unknown_b + evicted_b
+                ),
+                "p2 L1 used == stored - evicted": (
+                    l1["used_bytes"] == stored_total - evicted_total
+                ),
+                "p2 no unfinished writes left": l1["writing_objects"] == 0,
+            }
+        )
         if evicted_total == 0 and unknown_b == 0:
             self.checks["p2 L1 used == distinct chunks x chunk bytes"] = (
-                l1["used_bytes"] == l1["single_copy_bytes"])
+                l1["used_bytes"] == l1["single_copy_bytes"]
+            )
 
     def dp(self) -> None:
         """The DP phase (:mod:`.dp`), phase 3 inside it when ``kill_one``."""
         self.s["dp"], self.report.rows, checks = dp_phase(
-            self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3)
+            self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3
+        )
         self.checks.update(checks)
 
     def phase3(self, victim: RankProcess) -> None:
@@ -301,10 +361,14 @@ class _Run:
             if detect_s is not None and (unmapped_s is not None or not names):
                 break
             time.sleep(0.05)
-        p3 = {"victim_rank": victim.rank, "registrations_before": before,
-              "registrations_after": self.admin.stats().registrations,
-              "detected_s": detect_s, "unmapped_s": unmapped_s,
-              "limit_s": KILL_DETECT_S}
+        p3 = {
+            "victim_rank": victim.rank,
+            "registrations_before": before,
+            "registrations_after": self.admin.stats().registrations,
+            "detected_s": detect_s,
+            "unmapped_s": unmapped_s,
+            "limit_s": KILL_DETECT_S,
+        }
         self.s["phase3"] = p3
         self.checks["p3 dead rank's registration dropped within 5 s"] = detect_s is not None
         if names:
@@ -323,33 +387,63 @@ def run(cfg: RanksConfig) -> Report:
     if cfg.mode not in MODES:
         raise ValueError(f"mode {cfg.mode!r}: choose from {', '.join(MODES)}")
     if cfg.mode == "dp" and cfg.chunks < 2 * cfg.batch:
-        raise ValueError(f"--chunks {cfg.chunks}: DP loads into two halves of region B, "
-                         f"so it needs at least twice --batch ({2 * cfg.batch})")
+        raise ValueError(
+            f"--chunks {cfg.chunks}: DP loads into two halves of region B, "
+            f"so it needs at least twice --batch ({2 * cfg.batch})"
+        )
     probe = cfg.geometry.build(1)
     need = blocks_needed(probe, cfg.chunks, cfg.chunk_size)
     num_blocks = cfg.num_blocks or need
     if num_blocks < need:
-        raise ValueError(f"--num-blocks {num_blocks}: {cfg.chunks} chunks in two regions "
-                         f"need {need}")
+        raise ValueError(
+            f"--num-blocks {num_blocks}: {cfg.chunks} chunks in two regions need {need}"
+        )
     chunk_bytes = build_layout(probe.groups, cfg.chunk_size, separate=True).chunk_bytes
     l1_gb = cfg.l1_size_gb or auto_l1_size_gb(chunk_bytes, cfg.chunks)
     if l1_gb * (1 << 30) < 1.1 * cfg.chunks * chunk_bytes:
-        raise ValueError(f"--l1-size-gb {l1_gb}: phase 1 needs "
-                         f"{cfg.chunks * chunk_bytes / (1 << 30):.2f} GiB and some room")
-    tp_only = {"verify_every": cfg.verify_every, "tp_modes": list(cfg.tp_modes),
-               "tp_s": cfg.tp_s, "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks),
-               "tp_inflight": cfg.tp_inflight}
-    report = Report("ranks", {
-        "mode": cfg.mode, "backend": cfg.backend, "ranks": cfg.ranks, "chunks": cfg.chunks,
-        "duration_s": cfg.duration_s, "kill_one": cfg.kill_one, "batch": cfg.batch,
-        "geometry": cfg.geometry.describe(), "num_blocks": num_blocks,
-        "chunk_size": cfg.chunk_size, "l1_size_gb": l1_gb,
-        **(tp_only if cfg.mode == "tp" else {}),
-        "separate_object_groups": True, "eviction_policy": "LRU"})
-    args = ["--chunk-size", str(cfg.chunk_size), "--separate-object-groups",
-            "--eviction-policy", "LRU", "--log-level", "WARNING"]
-    with ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb,
-                       start_timeout_s=120) as srv, Client(srv.endpoint, timeout_s=60) as admin:
+        raise ValueError(
+            f"--l1-size-gb {l1_gb}: phase 1 needs "
+            f"{cfg.chunks * chunk_bytes / (1 << 30):.2f} GiB and some room"
+        )
+    tp_only = {
+        "verify_every": cfg.verify_every,
+        "tp_modes": list(cfg.tp_modes),
+        "tp_s": cfg.tp_s,
+        "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks),
+        "tp_inflight": cfg.tp_inflight,
+    }
+    report = Report(
+        "ranks",
+        {
+            "mode": cfg.mode,
+            "backend": cfg.backend,
+            "ranks": cfg.ranks,
+            "chunks": cfg.chunks,
+            "duration_s": cfg.duration_s,
+            "kill_one": cfg.kill_one,
+            "batch": cfg.batch,
+            "geometry": cfg.geometry.describe(),
+            "num_blocks": num_blocks,
+            "chunk_size": cfg.chunk_size,
+            "l1_size_gb": l1_gb,
+            **(tp_only if cfg.mode == "tp" else {}),
+            "separate_object_groups": True,
+            "eviction_policy": "LRU",
+        },
+    )
+    args = [
+        "--chunk-size",
+        str(cfg.chunk_size),
+        "--separate-object-groups",
+        "--eviction-policy",
+        "LRU",
+        "--log-level",
+        "WARNING",
+    ]
+    with (
+        ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb, start_timeout_s=120) as srv,
+        Client(srv.endpoint, timeout_s=60) as admin,
+    ):
         report.summary["pool_ready_s"] = srv.wait_pool_ready(POOL_READY_TIMEOUT_S)
         r = _Run(cfg, report, srv, admin)
         try:
@@ -370,4 +464,3 @@ def run(cfg: RanksConfig) -> Report:
     report.summary["ok"] = all(r.checks.values())
     notes(report, cfg)
     return report
-

@@ -9,12 +9,16 @@ from lmc_server.bench.ranks.config import KILL_DETECT_S, RanksConfig
 
 
 def notes(report: Report, cfg: RanksConfig) -> None:
-    raw = ("pinned cudaMemcpy on every GPU at once (testing.cuda_kv.raw_copy_gbps, one "
-           "process per GPU), summed" if cfg.backend == "cuda" else
-           "numpy copies shm <-> populated anonymous memory in every rank process at "
-           "once, summed")
-    report.notes.append(f"raw = {raw}; ours = bytes copied by the server for all ranks "
-                        "(OK statuses x object bytes) / phase seconds")
+    raw = (
+        "pinned cudaMemcpy on every GPU at once (testing.cuda_kv.raw_copy_gbps, one "
+        "process per GPU), summed"
+        if cfg.backend == "cuda"
+        else "numpy copies shm <-> populated anonymous memory in every rank process at once, summed"
+    )
+    report.notes.append(
+        f"raw = {raw}; ours = bytes copied by the server for all ranks "
+        "(OK statuses x object bytes) / phase seconds"
+    )
     if cfg.mode == "dp":
         report.notes += [
             "dp: every engine is rank 0 of world size 1 (one namespace); each stores its "
@@ -45,36 +49,77 @@ def _fmt(v: Any) -> str:
 
 def _aggregate(agg: list[dict[str, Any]]) -> str:
     rows = [{k: (_fmt(v) if k != "what" else v) for k, v in a.items()} for a in agg]
-    return format_table(rows, [("what", "aggregate", ""), ("ours", "ours", ""),
-                               ("ref", "raw / expected", ""), ("ratio", "ratio", "")])
+    return format_table(
+        rows,
+        [
+            ("what", "aggregate", ""),
+            ("ours", "ours", ""),
+            ("ref", "raw / expected", ""),
+            ("ratio", "ratio", ""),
+        ],
+    )
 
 
 def _dp_table(report: Report) -> str:
-    engines = format_table(report.rows, [
-        ("engine", "engine", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
-        ("store_gbps", "store GB/s", ".2f"), ("load_gbps", "load GB/s", ".2f"),
-        ("stored_prompts", "prompts", "d"), ("loads", "loads", "d"),
-        ("lookup_misses", "lookup misses", "d"),
-        ("cross_engine_chunks", "cross-engine chunks", "d"),
-        ("own_chunks", "own chunks", "d"), ("verified_loads", "verified", "d"),
-        ("mismatched_bytes", "mismatch B", "d"), ("failed_chunks", "failed", "d"),
-        ("errors", "errors", "d")])
+    engines = format_table(
+        report.rows,
+        [
+            ("engine", "engine", "d"),
+            ("device", "dev", "d"),
+            ("alive", "alive", ""),
+            ("store_gbps", "store GB/s", ".2f"),
+            ("load_gbps", "load GB/s", ".2f"),
+            ("stored_prompts", "prompts", "d"),
+            ("loads", "loads", "d"),
+            ("lookup_misses", "lookup misses", "d"),
+            ("cross_engine_chunks", "cross-engine chunks", "d"),
+            ("own_chunks", "own chunks", "d"),
+            ("verified_loads", "verified", "d"),
+            ("mismatched_bytes", "mismatch B", "d"),
+            ("failed_chunks", "failed", "d"),
+            ("errors", "errors", "d"),
+        ],
+    )
     s = report.summary
     dp, raw = s.get("dp", {}), s.get("raw", {})
     agg = [
-        {"what": "store GB/s (D2H), all engines", "ours": dp.get("store_gbps"),
-         "ref": raw.get("d2h_gbps"), "ratio": dp.get("store_ratio")},
-        {"what": "load GB/s (H2D), all engines", "ours": dp.get("load_gbps"),
-         "ref": raw.get("h2d_gbps"), "ratio": dp.get("load_ratio")},
-        {"what": "cross-engine chunks loaded", "ours": dp.get("cross_engine_chunks"),
-         "ref": None, "ratio": None},
-        {"what": "loads verified / loads", "ours": dp.get("verified_loads"),
-         "ref": dp.get("loads"), "ratio": None},
-        {"what": "mismatched bytes / checked", "ours": dp.get("mismatched_bytes"),
-         "ref": dp.get("checked_bytes"), "ratio": None},
+        {
+            "what": "store GB/s (D2H), all engines",
+            "ours": dp.get("store_gbps"),
+            "ref": raw.get("d2h_gbps"),
+            "ratio": dp.get("store_ratio"),
+        },
+        {
+            "what": "load GB/s (H2D), all engines",
+            "ours": dp.get("load_gbps"),
+            "ref": raw.get("h2d_gbps"),
+            "ratio": dp.get("load_ratio"),
+        },
+        {
+            "what": "cross-engine chunks loaded",
+            "ours": dp.get("cross_engine_chunks"),
+            "ref": None,
+            "ratio": None,
+        },
+        {
+            "what": "loads verified / loads",
+            "ours": dp.get("verified_loads"),
+            "ref": dp.get("loads"),
+            "ratio": None,
+        },
+        {
+            "what": "mismatched bytes / checked",
+            "ours": dp.get("mismatched_bytes"),
+            "ref": dp.get("checked_bytes"),
+            "ratio": None,
+        },
         {"what": "failed chunks", "ours": dp.get("failed_chunks"), "ref": 0, "ratio": None},
-        {"what": "dead engine detected (s)", "ours": s.get("phase3", {}).get("detected_s"),
-         "ref": KILL_DETECT_S, "ratio": None},
+        {
+            "what": "dead engine detected (s)",
+            "ours": s.get("phase3", {}).get("detected_s"),
+            "ref": KILL_DETECT_S,
+            "ratio": None,
+        },
     ]
     return f"{engines}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
 
@@ -83,14 +128,21 @@ def table(report: Report) -> str:
     """Per-rank (per-engine) rows, then the aggregate figures."""
     if report.config.get("mode") == "dp":
         return _dp_table(report)
-    ranks = format_table(report.rows, [
-        ("rank", "rank", "d"), ("device", "dev", "d"), ("alive", "alive", ""),
-        ("p1_checked_bytes", "p1 checked B", "d"),
-        ("p1_mismatched_bytes", "p1 mismatch B", "d"),
-        ("tp_load_retrieve_gbps", "tp load GB/s", ".2f"),
-        ("p2_store_gbps", "p2 store GB/s", ".2f"),
-        ("p2_retrieve_gbps", "p2 retr GB/s", ".2f"),
-        ("p2_errors", "p2 errors", "d"), ("p2_mismatched_bytes", "p2 mismatch B", "d")])
+    ranks = format_table(
+        report.rows,
+        [
+            ("rank", "rank", "d"),
+            ("device", "dev", "d"),
+            ("alive", "alive", ""),
+            ("p1_checked_bytes", "p1 checked B", "d"),
+            ("p1_mismatched_bytes", "p1 mismatch B", "d"),
+            ("tp_load_retrieve_gbps", "tp load GB/s", ".2f"),
+            ("p2_store_gbps", "p2 store GB/s", ".2f"),
+            ("p2_retrieve_gbps", "p2 retr GB/s", ".2f"),
+            ("p2_errors", "p2 errors", "d"),
+            ("p2_mismatched_bytes", "p2 mismatch B", "d"),
+        ],
+    )
     s = report.summary
     p2, raw, l1 = s.get("phase2", {}), s.get("raw", {}), s.get("l1", {})
     agg = []
@@ -98,24 +150,53 @@ def table(report: Report) -> str:
         tp = s.get(f"tp_{mode}")
         if tp is None:
             continue
-        agg.append({"what": f"tp {mode}: retrieve GB/s (H2D), all ranks",
-                    "ours": tp["retrieve_gbps"], "ref": raw.get("h2d_gbps"),
-                    "ratio": tp["retrieve_ratio"]})
+        agg.append(
+            {
+                "what": f"tp {mode}: retrieve GB/s (H2D), all ranks",
+                "ours": tp["retrieve_gbps"],
+                "ref": raw.get("h2d_gbps"),
+                "ratio": tp["retrieve_ratio"],
+            }
+        )
         if tp["store_requests"]:
-            agg.append({"what": f"tp {mode}: store GB/s (D2H), rank 0",
-                        "ours": tp["store_gbps"], "ref": raw.get("d2h_gbps"),
-                        "ratio": tp["store_ratio"]})
+            agg.append(
+                {
+                    "what": f"tp {mode}: store GB/s (D2H), rank 0",
+                    "ours": tp["store_gbps"],
+                    "ref": raw.get("d2h_gbps"),
+                    "ratio": tp["store_ratio"],
+                }
+            )
     agg += [
-        {"what": "p2 store GB/s (D2H), all ranks, with checks", "ours": p2.get("store_gbps"),
-         "ref": raw.get("d2h_gbps"), "ratio": p2.get("store_ratio")},
-        {"what": "p2 retrieve GB/s (H2D), all ranks, with checks",
-         "ours": p2.get("retrieve_gbps"),
-         "ref": raw.get("h2d_gbps"), "ratio": p2.get("retrieve_ratio")},
-        {"what": "L1 used bytes vs one copy", "ours": l1.get("used_bytes"),
-         "ref": l1.get("single_copy_bytes"), "ratio": None},
-        {"what": "p2 bytes copied vs distinct", "ours": l1.get("copied_bytes_phase2"),
-         "ref": l1.get("distinct_bytes_phase2"), "ratio": l1.get("copies_per_distinct_chunk")},
-        {"what": "dead rank detected (s)", "ours": s.get("phase3", {}).get("detected_s"),
-         "ref": KILL_DETECT_S, "ratio": None},
+        {
+            "what": "p2 store GB/s (D2H), all ranks, with checks",
+            "ours": p2.get("store_gbps"),
+            "ref": raw.get("d2h_gbps"),
+            "ratio": p2.get("store_ratio"),
+        },
+        {
+            "what": "p2 retrieve GB/s (H2D), all ranks, with checks",
+            "ours": p2.get("retrieve_gbps"),
+            "ref": raw.get("h2d_gbps"),
+            "ratio": p2.get("retrieve_ratio"),
+        },
+        {
+            "what": "L1 used bytes vs one copy",
+            "ours": l1.get("used_bytes"),
+            "ref": l1.get("single_copy_bytes"),
+            "ratio": None,
+        },
+        {
+            "what": "p2 bytes copied vs distinct",
+            "ours": l1.get("copied_bytes_phase2"),
+            "ref": l1.get("distinct_bytes_phase2"),
+            "ratio": l1.get("copies_per_distinct_chunk"),
+        },
+        {
+            "what": "dead rank detected (s)",
+            "ours": s.get("phase3", {}).get("detected_s"),
+            "ref": KILL_DETECT_S,
+            "ratio": None,
+        },
     ]
     return f"{ranks}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"

@@ -65,16 +65,19 @@ class _Worker:
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.store(
-                self.reg, digests(self.seed, phase, idx),
-                self.kv.slots.ids(REGION_A, idx % self.chunks))
+                self.reg,
+                digests(self.seed, phase, idx),
+                self.kv.slots.ids(REGION_A, idx % self.chunks),
+            )
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None
         counts.add(res, time.perf_counter() - t0)
         return res
 
-    async def _store_settled(self, idx: np.ndarray, counts: Counts, until: float
-                             ) -> dict[str, np.ndarray]:
+    async def _store_settled(
+        self, idx: np.ndarray, counts: Counts, until: float
+    ) -> dict[str, np.ndarray]:
         """Store chunks ``idx`` of phase 2, storing again the ones another rank was
         writing (``IN_PROGRESS``) until each is committed (``EXISTS``), failed, or
         ``until`` passes. Returns the last status per object group (255: no reply)."""
@@ -93,13 +96,15 @@ class _Worker:
             todo = todo[busy]
             await asyncio.sleep(IN_PROGRESS_POLL_S)
 
-    async def _retrieve(self, phase: str, idx: np.ndarray, dst: np.ndarray,
-                        counts: Counts) -> ChunkResult | None:
+    async def _retrieve(
+        self, phase: str, idx: np.ndarray, dst: np.ndarray, counts: Counts
+    ) -> ChunkResult | None:
         assert self.reg is not None
         t0 = time.perf_counter()
         try:
             res: ChunkResult = await self.client.retrieve(
-                self.reg, digests(self.seed, phase, idx), self.kv.slots.ids(REGION_B, dst))
+                self.reg, digests(self.seed, phase, idx), self.kv.slots.ids(REGION_B, dst)
+            )
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None
@@ -111,27 +116,38 @@ class _Worker:
 
         dp = self.cfg["mode"] == "dp"  # an engine of its own: rank 0 of world size 1
         self.client = await AsyncClient.connect(
-            self.cfg["endpoint"], timeout_s=120,
-            client_name=f"bench-{'engine' if dp else 'rank'}{self.rank}")
-        self.reg = await self.client.register(**self.kv.kv.register_kwargs(
-            world_size=1 if dp else self.cfg["ranks"], rank=0 if dp else self.rank,
-            replicated=True))
+            self.cfg["endpoint"],
+            timeout_s=120,
+            client_name=f"bench-{'engine' if dp else 'rank'}{self.rank}",
+        )
+        self.reg = await self.client.register(
+            **self.kv.kv.register_kwargs(
+                world_size=1 if dp else self.cfg["ranks"],
+                rank=0 if dp else self.rank,
+                replicated=True,
+            )
+        )
         assert self.reg.chunk_size == self.kv.chunk_size, "the server's chunk size is ours"
         assert self.reg.chunk_bytes == self.kv.layout.chunk_bytes, "layouts agree"
         if dp:
             self.dp = DPEngine(self.client, self.reg, self.kv, self.cfg)
         names = [s.name for s in self.kv.kv.segments] if not self.kv.cuda else []
-        return {"chunk_bytes": self.reg.chunk_bytes, "object_bytes": self._object_bytes(),
-                "namespace": self.reg.namespace, "arch": self.kv.kv.geometry.arch,
-                "device": self.kv.device, "device_count": self.kv.device_count,
-                "segments": names, "pid": os.getpid()}
+        return {
+            "chunk_bytes": self.reg.chunk_bytes,
+            "object_bytes": self._object_bytes(),
+            "namespace": self.reg.namespace,
+            "arch": self.kv.kv.geometry.arch,
+            "device": self.kv.device,
+            "device_count": self.kv.device_count,
+            "segments": names,
+            "pid": os.getpid(),
+        }
 
     async def p1_store(self) -> dict[str, Any]:
         counts = Counts(self._object_bytes())
         t0 = time.perf_counter()
         for start in range(0, self.chunks, self.batch):
-            await self._store("p1", np.arange(start, min(start + self.batch, self.chunks)),
-                              counts)
+            await self._store("p1", np.arange(start, min(start + self.batch, self.chunks)), counts)
         return {"seconds": time.perf_counter() - t0, **counts.to_json()}
 
     async def p1_retrieve(self) -> dict[str, Any]:
@@ -140,15 +156,20 @@ class _Worker:
         dst = (src + self.rank) % self.chunks
         t0 = time.perf_counter()
         for i in range(self.chunks):
-            await self._retrieve("p1", src[i:i + 1], dst[i:i + 1], counts)
+            await self._retrieve("p1", src[i : i + 1], dst[i : i + 1], counts)
         seconds = time.perf_counter() - t0
         bad, checked = 0, 0
         for lo in range(0, self.chunks, 64):
-            b, c = await asyncio.to_thread(self.kv.mismatch, src[lo:lo + 64], dst[lo:lo + 64],
-                                          False)
+            b, c = await asyncio.to_thread(
+                self.kv.mismatch, src[lo : lo + 64], dst[lo : lo + 64], False
+            )
             bad, checked = bad + b, checked + c
-        return {"seconds": seconds, "mismatched_bytes": bad, "checked_bytes": checked,
-                **counts.to_json()}
+        return {
+            "seconds": seconds,
+            "mismatched_bytes": bad,
+            "checked_bytes": checked,
+            **counts.to_json(),
+        }
 
     async def p2(self, duration_s: float, verify_every: int) -> dict[str, Any]:
         """Store and retrieve loops on one connection until ``duration_s`` has passed."""
@@ -210,10 +231,15 @@ class _Worker:
             a = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
             return base64.b64encode(np.packbits(a).tobytes()).decode()
 
-        return {"seconds": seconds, "store": st.to_json(), "retrieve": rt.to_json(),
-                "stored_chunks": next_chunk, **verify,
-                "committed_bits": {og: bits(v) for og, v in stored_ok.items()},
-                "pending_bits": {og: bits(v) for og, v in stored_pending.items()}}
+        return {
+            "seconds": seconds,
+            "store": st.to_json(),
+            "retrieve": rt.to_json(),
+            "stored_chunks": next_chunk,
+            **verify,
+            "committed_bits": {og: bits(v) for og, v in stored_ok.items()},
+            "pending_bits": {og: bits(v) for og, v in stored_pending.items()},
+        }
 
     async def tp(self, mode: str, duration_s: float, n: int, inflight: int) -> dict[str, Any]:
         """Steady-state transfer, the tensor-parallel load pattern: every rank retrieves
@@ -249,9 +275,14 @@ class _Worker:
         await asyncio.to_thread(self.kv.poison, dst)
         res = await self._retrieve("p1", src, dst, vt)
         bad, checked = await asyncio.to_thread(self.kv.mismatch, src, dst)
-        return {"seconds": seconds, "retrieve": rt.to_json(), "store": st.to_json(),
-                "verify_ok": bool(res is not None and res.ok.all()),
-                "mismatched_bytes": bad, "checked_bytes": checked}
+        return {
+            "seconds": seconds,
+            "retrieve": rt.to_json(),
+            "store": st.to_json(),
+            "verify_ok": bool(res is not None and res.ok.all()),
+            "mismatched_bytes": bad,
+            "checked_bytes": checked,
+        }
 
     def raw_prepare(self, nbytes: int, raw_s: float) -> dict[str, Any]:
         self.raw_nbytes = nbytes
@@ -271,8 +302,11 @@ class _Worker:
         if self.kv.cuda:
             from lmc_server.testing.cuda_kv import raw_copy_gbps
 
-            return {"gbps": raw_copy_gbps(self.raw_nbytes, direction, device=self.kv.device,
-                                          iters=self.raw_iters)}
+            return {
+                "gbps": raw_copy_gbps(
+                    self.raw_nbytes, direction, device=self.kv.device, iters=self.raw_iters
+                )
+            }
         total, spent = 0, 0.0
         while spent < raw_s or total == 0:
             spent += self.raw.seconds(direction, self.raw_nbytes)
@@ -314,8 +348,9 @@ async def _serve(first: dict[str, Any]) -> None:
             elif op == "raw_go":
                 _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
             elif op == "tp":
-                _reply(await worker.tp(cmd["mode"], cmd["duration_s"], cmd["chunks"],
-                                       cmd["inflight"]))
+                _reply(
+                    await worker.tp(cmd["mode"], cmd["duration_s"], cmd["chunks"], cmd["inflight"])
+                )
             elif op == "p2":
                 _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
             elif op == "dp_seed":

@@ -60,8 +60,9 @@ def _kv(cfg: ThroughputConfig, num_blocks: int) -> Iterator[Any]:
             yield kv
 
 
-async def _run_server(endpoint: str, kv: Any, cfg: ThroughputConfig, copy_mode: str,
-                      raw: Raw, bar: Any) -> list[dict[str, Any]]:
+async def _run_server(
+    endpoint: str, kv: Any, cfg: ThroughputConfig, copy_mode: str, raw: Raw, bar: Any
+) -> list[dict[str, Any]]:
     client = await AsyncClient.connect(endpoint, timeout_s=120, client_name="lmcache-bench")
     try:
         while True:  # time a ready server: the pool is prepared in the background
@@ -87,12 +88,21 @@ def run(cfg: ThroughputConfig) -> Report:
     probe = cfg.geometry.build(1)
     num_blocks = 3 * max_batch * max_blocks_per_chunk(probe, cfg.chunk_size)
     modes = cfg.copy_modes if cfg.backend == "cuda" else ("-",)
-    report = Report("throughput", {
-        "backend": cfg.backend, "batches": list(cfg.batches),
-        "geometry": cfg.geometry.describe(), "chunk_size": cfg.chunk_size,
-        "separate_object_groups": cfg.separate, "l1_size_gb": cfg.l1_size_gb,
-        "copy_modes": list(modes), "concurrent": cfg.concurrent,
-        "min_time_s": cfg.min_time_s, "min_iters": cfg.min_iters})
+    report = Report(
+        "throughput",
+        {
+            "backend": cfg.backend,
+            "batches": list(cfg.batches),
+            "geometry": cfg.geometry.describe(),
+            "chunk_size": cfg.chunk_size,
+            "separate_object_groups": cfg.separate,
+            "l1_size_gb": cfg.l1_size_gb,
+            "copy_modes": list(modes),
+            "concurrent": cfg.concurrent,
+            "min_time_s": cfg.min_time_s,
+            "min_iters": cfg.min_iters,
+        },
+    )
     with _kv(cfg, num_blocks) as kv:
         kv.fill_random(cfg.seed)
         regions = Regions.build(kv.geometry, cfg.chunk_size, max_batch, cfg.separate)
@@ -100,32 +110,42 @@ def run(cfg: ThroughputConfig) -> Report:
         report.config["arch"] = kv.geometry.arch
         raw = Raw(cfg, regions.store_bytes(max_batch))
         try:
-            with progress(len(modes) * len(cfg.batches), "throughput",
-                          cfg.show_progress) as bar:
+            with progress(len(modes) * len(cfg.batches), "throughput", cfg.show_progress) as bar:
                 for mode in modes:
-                    args = ["--chunk-size", str(cfg.chunk_size), "--log-level", "WARNING",
-                            "--separate-object-groups" if cfg.separate
-                            else "--no-separate-object-groups"]
+                    args = [
+                        "--chunk-size",
+                        str(cfg.chunk_size),
+                        "--log-level",
+                        "WARNING",
+                        "--separate-object-groups"
+                        if cfg.separate
+                        else "--no-separate-object-groups",
+                    ]
                     if cfg.backend == "cuda":
                         name, _, staging_mb = mode.partition(":")
                         args += ["--cuda-copy-mode", name]
                         if staging_mb:
                             args += ["--cuda-staging-mb", staging_mb]
-                    with ServerProcess(args, backend=cfg.backend,
-                                       l1_size_gb=cfg.l1_size_gb) as srv:
-                        report.rows += asyncio.run(_run_server(srv.endpoint, kv, cfg, mode,
-                                                               raw, bar))
+                    with ServerProcess(args, backend=cfg.backend, l1_size_gb=cfg.l1_size_gb) as srv:
+                        report.rows += asyncio.run(
+                            _run_server(srv.endpoint, kv, cfg, mode, raw, bar)
+                        )
         finally:
             raw.close()
     report.summary = {
         "mismatched_bytes": sum(r["mismatched_bytes"] for r in report.rows),
         "failed_chunks": sum(r["failed_chunks"] for r in report.rows),
-        "min_ratio": {m: min(r["ratio"] for r in report.rows if r["mode"] == m)
-                      for m in sorted({r["mode"] for r in report.rows})},
+        "min_ratio": {
+            m: min(r["ratio"] for r in report.rows if r["mode"] == m)
+            for m in sorted({r["mode"] for r in report.rows})
+        },
     }
-    raw_what = ("pinned cudaMemcpy (testing.cuda_kv.raw_copy_gbps)" if cfg.backend == "cuda"
-                else "one numpy.copyto between a /dev/shm segment and populated anonymous "
-                     "memory, single thread, timed right after each server request")
+    raw_what = (
+        "pinned cudaMemcpy (testing.cuda_kv.raw_copy_gbps)"
+        if cfg.backend == "cuda"
+        else "one numpy.copyto between a /dev/shm segment and populated anonymous "
+        "memory, single thread, timed right after each server request"
+    )
     report.notes += [
         f"raw = {raw_what}, same byte count, timed in this run; ratio = ours / raw",
         "retrieve bytes: full-prefix sections of every chunk, sliding-window sections "
@@ -138,11 +158,20 @@ def run(cfg: ThroughputConfig) -> Report:
     return report
 
 
-COLUMNS = [("mode", "mode", ""), ("copy_mode", "copy", ""), ("chunks", "chunks", "d"),
-           ("bytes", "MB", ""), ("p50_ms", "p50 ms", ".2f"), ("ours_gbps", "ours GB/s", ".2f"),
-           ("raw_gbps", "raw GB/s", ".2f"), ("ratio", "ours/raw", ".2f"),
-           ("srv_ms", "srv ms", ".2f"), ("copy_ms", "copy ms", ".2f"),
-           ("mismatched_bytes", "mismatch B", "d"), ("failed_chunks", "failed", "d")]
+COLUMNS = [
+    ("mode", "mode", ""),
+    ("copy_mode", "copy", ""),
+    ("chunks", "chunks", "d"),
+    ("bytes", "MB", ""),
+    ("p50_ms", "p50 ms", ".2f"),
+    ("ours_gbps", "ours GB/s", ".2f"),
+    ("raw_gbps", "raw GB/s", ".2f"),
+    ("ratio", "ours/raw", ".2f"),
+    ("srv_ms", "srv ms", ".2f"),
+    ("copy_ms", "copy ms", ".2f"),
+    ("mismatched_bytes", "mismatch B", "d"),
+    ("failed_chunks", "failed", "d"),
+]
 
 
 def table(report: Report) -> str:
@@ -158,15 +187,24 @@ def plot(report: Report, path: str) -> None:
     for mode, copy in keys:
         rs = [r for r in report.rows if r["mode"] == mode and r["copy_mode"] == copy]
         label = mode if copy == "-" else f"{mode} ({copy})"
-        line = ax.plot([r["chunks"] for r in rs], [r["ours_gbps"] for r in rs], "o-",
-                       label=f"ours: {label}")[0]
-        ax.plot([r["chunks"] for r in rs], [r["raw_gbps"] for r in rs], "--",
-                color=line.get_color(), alpha=0.6, label=f"raw: {label}")
+        line = ax.plot(
+            [r["chunks"] for r in rs], [r["ours_gbps"] for r in rs], "o-", label=f"ours: {label}"
+        )[0]
+        ax.plot(
+            [r["chunks"] for r in rs],
+            [r["raw_gbps"] for r in rs],
+            "--",
+            color=line.get_color(),
+            alpha=0.6,
+            label=f"raw: {label}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("chunks per request")
     ax.set_ylabel("GB/s")
-    ax.set_title(f"lmcache bench throughput ({report.config['backend']}, "
-                 f"{report.config['chunk_bytes'] / 1e6:.2f} MB/chunk)")
+    ax.set_title(
+        f"lmcache bench throughput ({report.config['backend']}, "
+        f"{report.config['chunk_bytes'] / 1e6:.2f} MB/chunk)"
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     save_figure(fig, path)

@@ -51,8 +51,11 @@ class Raw:
         from lmc_server.testing.cuda_kv import raw_copy_gbps  # type: ignore[import-not-found, unused-ignore]
 
         # "both" there copies one size each way at once: use the larger one
-        return float(raw_copy_gbps(max(nbytes, nbytes2), direction, device=self.cfg.device,
-                                   iters=self.cfg.raw_iters))
+        return float(
+            raw_copy_gbps(
+                max(nbytes, nbytes2), direction, device=self.cfg.device, iters=self.cfg.raw_iters
+            )
+        )
 
     def close(self) -> None:
         if self._cpu is not None:
@@ -62,8 +65,7 @@ class Raw:
 class Session:
     """One registration on one server, with the helpers every timed step needs."""
 
-    def __init__(self, client: AsyncClient, reg: Registration, kv: Any,
-                 regions: Regions) -> None:
+    def __init__(self, client: AsyncClient, reg: Registration, kv: Any, regions: Regions) -> None:
         self.client = client
         self.reg = reg
         self.kv = kv
@@ -85,29 +87,49 @@ class Session:
 
 
 def _enough(times: list[float], cfg: ThroughputConfig) -> bool:
-    return len(times) >= cfg.max_iters or (len(times) >= cfg.min_iters
-                                           and sum(times) >= cfg.min_time_s)
+    return len(times) >= cfg.max_iters or (
+        len(times) >= cfg.min_iters and sum(times) >= cfg.min_time_s
+    )
 
 
-def _row(mode: str, copy_mode: str, n: int, nbytes: int, times: list[float], raw_gbps: float,
-         mismatched: int, failed: int, server_ms: dict[str, dict[str, float]],
-         seconds_per_request: float | None = None) -> dict[str, Any]:
+def _row(
+    mode: str,
+    copy_mode: str,
+    n: int,
+    nbytes: int,
+    times: list[float],
+    raw_gbps: float,
+    mismatched: int,
+    failed: int,
+    server_ms: dict[str, dict[str, float]],
+    seconds_per_request: float | None = None,
+) -> dict[str, Any]:
     """One table row; GB/s is ``nbytes`` over the median of ``times`` or, for sustained
     runs, over ``seconds_per_request`` (wall time / requests)."""
     med = float(np.median(times))
     ours = nbytes / (seconds_per_request or med) / 1e9
     one_op = next(iter(server_ms.values())) if len(server_ms) == 1 else None
-    return {"mode": mode, "copy_mode": copy_mode, "chunks": n, "bytes": nbytes,
-            "iters": len(times), "p50_ms": med * 1e3, "ours_gbps": ours,
-            "raw_gbps": raw_gbps, "ratio": ours / raw_gbps if raw_gbps > 0 else float("nan"),
-            "mismatched_bytes": mismatched, "failed_chunks": failed,
-            "srv_ms": sum(one_op.values()) if one_op else float("nan"),
-            "copy_ms": one_op.get("copy", 0.0) if one_op else float("nan"),
-            "server_ms": server_ms}
+    return {
+        "mode": mode,
+        "copy_mode": copy_mode,
+        "chunks": n,
+        "bytes": nbytes,
+        "iters": len(times),
+        "p50_ms": med * 1e3,
+        "ours_gbps": ours,
+        "raw_gbps": raw_gbps,
+        "ratio": ours / raw_gbps if raw_gbps > 0 else float("nan"),
+        "mismatched_bytes": mismatched,
+        "failed_chunks": failed,
+        "srv_ms": sum(one_op.values()) if one_op else float("nan"),
+        "copy_ms": one_op.get("copy", 0.0) if one_op else float("nan"),
+        "server_ms": server_ms,
+    }
 
 
-async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: str,
-                         raw: Raw) -> list[dict[str, Any]]:
+async def measure_batch(
+    s: Session, n: int, cfg: ThroughputConfig, copy_mode: str, raw: Raw
+) -> list[dict[str, Any]]:
     rows = []
     regions = s.regions
     st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
@@ -135,9 +157,19 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
         if res.ok.all():
             last[region] = digests
     after = await s.phases()
-    rows.append(_row("store", copy_mode, n, st_bytes, times,
-                     raw.gbps("d2h", st_bytes, 0, raw_times), 0, failed,
-                     phase_means(before, after)))
+    rows.append(
+        _row(
+            "store",
+            copy_mode,
+            n,
+            st_bytes,
+            times,
+            raw.gbps("d2h", st_bytes, 0, raw_times),
+            0,
+            failed,
+            phase_means(before, after),
+        )
+    )
     # retrieve: alternate sources so every request changes region B, verify each
     times, raw_times, failed, bad = [], [], 0, 0
     before = after
@@ -151,9 +183,19 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
         if res.ok.all():  # a failed chunk is reported, not written (fail closed)
             bad += regions.mismatched_bytes(s.kv, src, B, n)
     after = await s.phases()
-    rows.append(_row("retrieve", copy_mode, n, rt_bytes, times,
-                     raw.gbps("h2d", rt_bytes, 0, raw_times), bad, failed,
-                     phase_means(before, after)))
+    rows.append(
+        _row(
+            "retrieve",
+            copy_mode,
+            n,
+            rt_bytes,
+            times,
+            raw.gbps("h2d", rt_bytes, 0, raw_times),
+            bad,
+            failed,
+            phase_means(before, after),
+        )
+    )
     if cfg.concurrent:
         times, raw_times, failed, bad = [], [], 0, 0
         before = await s.phases()
@@ -166,16 +208,27 @@ async def measure_batch(s: Session, n: int, cfg: ThroughputConfig, copy_mode: st
             failed += len(st.failed_chunks) + len(rt.failed_chunks)
             if rt.ok.all():
                 bad += regions.mismatched_bytes(s.kv, src, B, n)
-        rows.append(_row("store+retrieve", copy_mode, n, st_bytes + rt_bytes, times,
-                         raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
-                         phase_means(before, await s.phases())))
+        rows.append(
+            _row(
+                "store+retrieve",
+                copy_mode,
+                n,
+                st_bytes + rt_bytes,
+                times,
+                raw.gbps("both", st_bytes, rt_bytes, raw_times),
+                bad,
+                failed,
+                phase_means(before, await s.phases()),
+            )
+        )
     for k in cfg.inflight:  # last: their stores evict what the rows above read
         rows += await _measure_inflight(s, n, k, cfg, copy_mode, raw)
     return rows
 
 
-async def _sustained(s: Session, n: int, k: int, cfg: ThroughputConfig, mode: str,
-                     source: bytes) -> tuple[list[float], list[ChunkResult], float]:
+async def _sustained(
+    s: Session, n: int, k: int, cfg: ThroughputConfig, mode: str, source: bytes
+) -> tuple[list[float], list[ChunkResult], float]:
     """Keep ``k`` requests in flight; returns latencies, results, wall time."""
     latencies: list[float] = []
     results: list[ChunkResult] = []
@@ -185,8 +238,9 @@ async def _sustained(s: Session, n: int, k: int, cfg: ThroughputConfig, mode: st
 
     async def slot() -> None:
         nonlocal issued
-        while issued < cfg.max_iters * k and (issued < cfg.min_iters * k
-                                              or time.perf_counter() < deadline):
+        while issued < cfg.max_iters * k and (
+            issued < cfg.min_iters * k or time.perf_counter() < deadline
+        ):
             issued += 1
             t0 = time.perf_counter()
             if mode == "store":
@@ -200,8 +254,9 @@ async def _sustained(s: Session, n: int, k: int, cfg: ThroughputConfig, mode: st
     return latencies, results, time.perf_counter() - t_start
 
 
-async def _measure_inflight(s: Session, n: int, k: int, cfg: ThroughputConfig,
-                            copy_mode: str, raw: Raw) -> list[dict[str, Any]]:
+async def _measure_inflight(
+    s: Session, n: int, k: int, cfg: ThroughputConfig, copy_mode: str, raw: Raw
+) -> list[dict[str, Any]]:
     """Sustained throughput with ``k`` requests in flight.
 
     A new request goes out as soon as one completes (what a pipelining worker does), for
@@ -223,30 +278,51 @@ async def _measure_inflight(s: Session, n: int, k: int, cfg: ThroughputConfig,
         latencies, results, wall = await _sustained(s, n, k, cfg, mode, source)
         issued = len(latencies)
         after = await s.phases()
-        raw_times = [t for t in (raw.sample(direction, nbytes) for _ in range(3))
-                     if t is not None]
+        raw_times = [t for t in (raw.sample(direction, nbytes) for _ in range(3)) if t is not None]
         failed = sum(len(r.failed_chunks) for r in results)
         bad = 0
         if mode == "retrieve" and all(r.ok.all() for r in results):
             bad = regions.mismatched_bytes(s.kv, A1, B, n)
-        rows.append(_row(f"{mode} x{k}", copy_mode, n, nbytes, latencies,
-                         raw.gbps(direction, nbytes, 0, raw_times), bad, failed,
-                         phase_means(before, after), seconds_per_request=wall / issued))
+        rows.append(
+            _row(
+                f"{mode} x{k}",
+                copy_mode,
+                n,
+                nbytes,
+                latencies,
+                raw.gbps(direction, nbytes, 0, raw_times),
+                bad,
+                failed,
+                phase_means(before, after),
+                seconds_per_request=wall / issued,
+            )
+        )
     if cfg.concurrent:  # k stores and k retrieves in flight at once, both directions
         source, res0 = await s.store(n, A1)
         assert res0.ok.all(), "the source batch of the retrieves was not stored"
         before = await s.phases()
         (lat_s, res_s, wall_s), (lat_r, res_r, wall_r) = await asyncio.gather(
-            _sustained(s, n, k, cfg, "store", b""), _sustained(s, n, k, cfg, "retrieve", source))
+            _sustained(s, n, k, cfg, "store", b""), _sustained(s, n, k, cfg, "retrieve", source)
+        )
         after = await s.phases()
         nbytes = len(lat_s) * st_bytes + len(lat_r) * rt_bytes
-        raw_times = [t for t in (raw.sample("both", st_bytes, rt_bytes) for _ in range(3))
-                     if t is not None]
+        raw_times = [
+            t for t in (raw.sample("both", st_bytes, rt_bytes) for _ in range(3)) if t is not None
+        ]
         failed = sum(len(r.failed_chunks) for r in res_s + res_r)
         bad = regions.mismatched_bytes(s.kv, A1, B, n) if all(r.ok.all() for r in res_r) else 0
-        row = _row(f"store+retrieve x{k}", copy_mode, n, nbytes, lat_s + lat_r,
-                   raw.gbps("both", st_bytes, rt_bytes, raw_times), bad, failed,
-                   phase_means(before, after), seconds_per_request=max(wall_s, wall_r))
+        row = _row(
+            f"store+retrieve x{k}",
+            copy_mode,
+            n,
+            nbytes,
+            lat_s + lat_r,
+            raw.gbps("both", st_bytes, rt_bytes, raw_times),
+            bad,
+            failed,
+            phase_means(before, after),
+            seconds_per_request=max(wall_s, wall_r),
+        )
         row["bytes"] = st_bytes + rt_bytes  # one store and one retrieve, like the x1 row
         rows.append(row)
     return rows

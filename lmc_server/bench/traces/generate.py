@@ -37,9 +37,14 @@ class Record:
     output_length: int = 64
 
     def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp_ms,
-                           "input_length": len(self.hash_ids) * BLOCK_TOKENS,
-                           "output_length": self.output_length, "hash_ids": self.hash_ids})
+        return json.dumps(
+            {
+                "timestamp": self.timestamp_ms,
+                "input_length": len(self.hash_ids) * BLOCK_TOKENS,
+                "output_length": self.output_length,
+                "hash_ids": self.hash_ids,
+            }
+        )
 
 
 class _Ids:
@@ -54,8 +59,13 @@ class _Ids:
         return out
 
 
-def shared_prompts(requests: int = 6000, seed: int = 1, prompts: int = 64,
-                   zipf_a: float = 1.0, scan_share: float = 0.3) -> Iterator[Record]:
+def shared_prompts(
+    requests: int = 6000,
+    seed: int = 1,
+    prompts: int = 64,
+    zipf_a: float = 1.0,
+    scan_share: float = 0.3,
+) -> Iterator[Record]:
     """Users behind ``prompts`` system prompts of 8-48 blocks (Zipf), a 1-6 block one-off
     part each; ``scan_share`` of the requests are one-off 16-64 block documents."""
     rng = np.random.default_rng(seed)
@@ -74,9 +84,14 @@ def shared_prompts(requests: int = 6000, seed: int = 1, prompts: int = 64,
         yield Record(int(t), blocks)
 
 
-def multi_turn(requests: int = 6000, seed: int = 2, live_sessions: int = 150,
-               prompts: int = 3, mean_turns: float = 6.0,
-               mean_think_ms: float = 60_000.0) -> Iterator[Record]:
+def multi_turn(
+    requests: int = 6000,
+    seed: int = 2,
+    live_sessions: int = 150,
+    prompts: int = 3,
+    mean_turns: float = 6.0,
+    mean_think_ms: float = 60_000.0,
+) -> Iterator[Record]:
     """``live_sessions`` concurrent chats; a session ends after a geometric number of
     turns (mean ``mean_turns``) and a new one starts. Each turn adds the previous answer
     and a new message (1-4 blocks; the first message 2-16 blocks) to the history."""
@@ -88,8 +103,9 @@ def multi_turn(requests: int = 6000, seed: int = 2, live_sessions: int = 150,
     sessions: list[tuple[float, list[int]]] = []
     for _ in range(live_sessions):
         start = float(rng.exponential(mean_think_ms))
-        sessions.append((start, system[int(rng.integers(prompts))] +
-                         ids.take(int(rng.integers(2, 17)))))
+        sessions.append(
+            (start, system[int(rng.integers(prompts))] + ids.take(int(rng.integers(2, 17))))
+        )
     for _ in range(requests):
         i = min(range(len(sessions)), key=lambda j: sessions[j][0])
         t, history = sessions[i]

@@ -49,16 +49,24 @@ def _ratio(hits: list[int], requests: list[TraceRequest]) -> float:
     return sum(hits) * CHUNK_TOKENS / total if total else float("nan")
 
 
-def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
-            ) -> tuple[list[int], StatsReport]:
+def _replay(
+    endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
+) -> tuple[list[int], StatsReport]:
     """Drive one server through the trace; hit chunks per request and final stats."""
     geometry = kv
     hits = []
     with Client(endpoint, timeout_s=120, client_name="lmcache-bench-replay") as c:
-        buffers = [ShmBuffer(name=f"lmc-null-{i}", size_bytes=s)
-                   for i, s in enumerate(geometry.buffer_sizes)]
-        reg = c.register(model=geometry.model, kv_dtype=geometry.kv_dtype,
-                         arch=geometry.arch, groups=geometry.groups, buffers=buffers)
+        buffers = [
+            ShmBuffer(name=f"lmc-null-{i}", size_bytes=s)
+            for i, s in enumerate(geometry.buffer_sizes)
+        ]
+        reg = c.register(
+            model=geometry.model,
+            kv_dtype=geometry.kv_dtype,
+            arch=geometry.arch,
+            groups=geometry.groups,
+            buffers=buffers,
+        )
         bpc = {g.name: blocks_per_chunk(g, CHUNK_TOKENS) for g in geometry.groups if g.cached}
         for i, r in enumerate(requests):
             n = r.n_chunks
@@ -69,9 +77,8 @@ def _replay(endpoint: str, requests: list[TraceRequest], kv: Any, bar: Any
             h = res.hit_chunks
             hits.append(h)
             if h < n:
-                ids = {name: np.arange((n - h) * b, dtype=np.int32)
-                       for name, b in bpc.items()}
-                c.store(reg, r.digests[32 * h:], ids)
+                ids = {name: np.arange((n - h) * b, dtype=np.int32) for name, b in bpc.items()}
+                c.store(reg, r.digests[32 * h :], ids)
             if res.lease_id:
                 c.release(res.lease_id)
             if i % 256 == 255:
@@ -91,47 +98,76 @@ def run(cfg: ReplayConfig) -> Report:
     object_bytes = build_layout(geometry.groups, CHUNK_TOKENS, False).chunk_bytes
     slab_bytes = cfg.slab_size_mb * MIB
     if object_bytes > slab_bytes:
-        raise ValueError(f"a chunk is {object_bytes} bytes, more than a "
-                         f"{cfg.slab_size_mb} MiB slab: raise --slab-size-mb")
+        raise ValueError(
+            f"a chunk is {object_bytes} bytes, more than a "
+            f"{cfg.slab_size_mb} MiB slab: raise --slab-size-mb"
+        )
     slots_per_slab = slab_bytes // object_bytes
     distinct_bytes = distinct * object_bytes
     inf = infinite_hits(chunks)
     inf_ratio = _ratio(inf, requests)
-    report = Report("replay", {
-        "trace": cfg.trace, "requests": len(requests), "limit": cfg.limit,
-        "input_tokens": sum(r.input_tokens for r in requests),
-        "chunk_refs": sum(len(c) for c in chunks), "distinct_chunks": distinct,
-        "geometry": cfg.geometry.describe(), "chunk_size": CHUNK_TOKENS,
-        "object_bytes": object_bytes, "distinct_bytes": distinct_bytes,
-        "slab_size_mb": cfg.slab_size_mb, "slots_per_slab": slots_per_slab,
-        "backend": "null", "object_groups": "combined",
-        "fractions": list(cfg.fractions), "policies": list(cfg.policies)})
+    report = Report(
+        "replay",
+        {
+            "trace": cfg.trace,
+            "requests": len(requests),
+            "limit": cfg.limit,
+            "input_tokens": sum(r.input_tokens for r in requests),
+            "chunk_refs": sum(len(c) for c in chunks),
+            "distinct_chunks": distinct,
+            "geometry": cfg.geometry.describe(),
+            "chunk_size": CHUNK_TOKENS,
+            "object_bytes": object_bytes,
+            "distinct_bytes": distinct_bytes,
+            "slab_size_mb": cfg.slab_size_mb,
+            "slots_per_slab": slots_per_slab,
+            "backend": "null",
+            "object_groups": "combined",
+            "fractions": list(cfg.fractions),
+            "policies": list(cfg.policies),
+        },
+    )
     report.summary["infinite_ratio"] = inf_ratio
     hows = set()
-    with progress(len(requests) * len(cfg.fractions) * len(cfg.policies), "replay",
-                  cfg.show_progress) as bar:
+    with progress(
+        len(requests) * len(cfg.fractions) * len(cfg.policies), "replay", cfg.show_progress
+    ) as bar:
         for frac in cfg.fractions:
             n_slabs = max(1, int(frac * distinct_bytes // slab_bytes))
             capacity = n_slabs * slots_per_slab
             l1_size_gb = n_slabs * slab_bytes / GIB
             bel_ratio = _ratio(belady_hits(chunks, capacity), requests)
             for policy in cfg.policies:
-                with server(["--metrics-port", "0"], backend="null", l1_size_gb=l1_size_gb,
-                            slab_size_mb=cfg.slab_size_mb, chunk_size=CHUNK_TOKENS,
-                            separate=False, eviction_policy=policy,
-                            allow_thread=True) as (srv, how):
+                with server(
+                    ["--metrics-port", "0"],
+                    backend="null",
+                    l1_size_gb=l1_size_gb,
+                    slab_size_mb=cfg.slab_size_mb,
+                    chunk_size=CHUNK_TOKENS,
+                    separate=False,
+                    eviction_policy=policy,
+                    allow_thread=True,
+                ) as (srv, how):
                     hits, stats = _replay(srv.endpoint, requests, geometry, bar)
                 hows.add(how)
                 parts = stats.partitions
                 served = stats.counters.hit_tokens
-                report.rows.append({
-                    "fraction": frac, "actual_fraction": capacity / distinct if distinct else 0,
-                    "l1_size_gb": l1_size_gb, "capacity_objects": capacity,
-                    "server_capacity_objects": sum(p.capacity_objects for p in parts),
-                    "policy": policy, "hit_ratio": _ratio(hits, requests),
-                    "belady_ratio": bel_ratio, "infinite_ratio": inf_ratio,
-                    "server_hit_tokens": served, "evictions": stats.counters.evictions,
-                    "no_space": stats.counters.alloc_failures.get("no_space", 0)})
+                report.rows.append(
+                    {
+                        "fraction": frac,
+                        "actual_fraction": capacity / distinct if distinct else 0,
+                        "l1_size_gb": l1_size_gb,
+                        "capacity_objects": capacity,
+                        "server_capacity_objects": sum(p.capacity_objects for p in parts),
+                        "policy": policy,
+                        "hit_ratio": _ratio(hits, requests),
+                        "belady_ratio": bel_ratio,
+                        "infinite_ratio": inf_ratio,
+                        "server_hit_tokens": served,
+                        "evictions": stats.counters.evictions,
+                        "no_space": stats.counters.alloc_failures.get("no_space", 0),
+                    }
+                )
     report.notes += [
         "backend null: the server does all bookkeeping (index, leases, eviction) but copies "
         "no bytes; bytes per chunk come from the geometry "
@@ -149,23 +185,32 @@ def table(report: Report) -> str:
     (whole slabs of whole objects: the actual one is what the server and the bounds
     had), then every policy's token hit ratio side by side with Belady and infinite."""
     c = report.config
-    head = (f"{c['requests']} requests, {c['input_tokens']} input tokens, "
-            f"{c['chunk_refs']} chunk references, {c['distinct_chunks']} distinct chunks "
-            f"({c['distinct_bytes'] / GIB:.1f} GiB at {c['object_bytes']} B/chunk)\n")
+    head = (
+        f"{c['requests']} requests, {c['input_tokens']} input tokens, "
+        f"{c['chunk_refs']} chunk references, {c['distinct_chunks']} distinct chunks "
+        f"({c['distinct_bytes'] / GIB:.1f} GiB at {c['object_bytes']} B/chunk)\n"
+    )
     policies = list(c["policies"])
     lines = []
     for frac in sorted({r["fraction"] for r in report.rows}):
         rs = [r for r in report.rows if r["fraction"] == frac]
-        line: dict[str, Any] = {"fraction": frac, "actual_fraction": rs[0]["actual_fraction"],
-                                "l1_size_gb": rs[0]["l1_size_gb"],
-                                "capacity_objects": rs[0]["capacity_objects"],
-                                "belady_ratio": rs[0]["belady_ratio"],
-                                "infinite_ratio": rs[0]["infinite_ratio"]}
+        line: dict[str, Any] = {
+            "fraction": frac,
+            "actual_fraction": rs[0]["actual_fraction"],
+            "l1_size_gb": rs[0]["l1_size_gb"],
+            "capacity_objects": rs[0]["capacity_objects"],
+            "belady_ratio": rs[0]["belady_ratio"],
+            "infinite_ratio": rs[0]["infinite_ratio"],
+        }
         for r in rs:
             line[r["policy"]] = r["hit_ratio"]
         lines.append(line)
-    columns = [("fraction", "requested", ".2f"), ("actual_fraction", "actual", ".4f"),
-               ("l1_size_gb", "L1 GiB", ".1f"), ("capacity_objects", "objects", "d")]
+    columns = [
+        ("fraction", "requested", ".2f"),
+        ("actual_fraction", "actual", ".4f"),
+        ("l1_size_gb", "L1 GiB", ".1f"),
+        ("capacity_objects", "objects", "d"),
+    ]
     columns += [(p, p, ".4f") for p in policies]
     columns += [("belady_ratio", "Belady", ".4f"), ("infinite_ratio", "infinite", ".4f")]
     return head + format_table(lines, columns)
@@ -177,14 +222,20 @@ def plot(report: Report, path: str) -> None:
     fig, ax = plot_figure()
     fracs = sorted({r["actual_fraction"] for r in report.rows})
     for policy in report.config["policies"]:
-        rs = sorted((r for r in report.rows if r["policy"] == policy),
-                    key=lambda r: r["actual_fraction"])
-        ax.plot([r["actual_fraction"] for r in rs], [r["hit_ratio"] for r in rs], "o-",
-                label=f"server {policy}")
+        rs = sorted(
+            (r for r in report.rows if r["policy"] == policy), key=lambda r: r["actual_fraction"]
+        )
+        ax.plot(
+            [r["actual_fraction"] for r in rs],
+            [r["hit_ratio"] for r in rs],
+            "o-",
+            label=f"server {policy}",
+        )
     bel = {r["actual_fraction"]: r["belady_ratio"] for r in report.rows}
     ax.plot(fracs, [bel[f] for f in fracs], "k--", label="Belady (offline optimum)")
-    ax.axhline(report.summary["infinite_ratio"], color="gray", linestyle=":",
-               label="infinite cache")
+    ax.axhline(
+        report.summary["infinite_ratio"], color="gray", linestyle=":", label="infinite cache"
+    )
     ax.set_xscale("log")
     ax.set_xlabel("L1 size / distinct chunk bytes of the trace (actual, whole slabs)")
     ax.set_ylabel("token hit ratio")

@@ -61,8 +61,9 @@ class _LRU:
         return out
 
 
-def simulate(requests: list[list[int]], l1_chunks: int, disk_chunks: int,
-             policy: str) -> PolicyResult:
+def simulate(
+    requests: list[list[int]], l1_chunks: int, disk_chunks: int, policy: str
+) -> PolicyResult:
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
     l1, disk = _LRU(l1_chunks), _LRU(disk_chunks)
@@ -114,13 +115,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("traces", nargs="+")
     p.add_argument("--limit", type=int, default=1000)
-    p.add_argument("--sizes", default="0.05:0.25,0.05:1.0,0.2:0.5",
-                   help="L1:disk fractions of the distinct chunks, comma-separated")
+    p.add_argument(
+        "--sizes",
+        default="0.05:0.25,0.05:1.0,0.2:0.5",
+        help="L1:disk fractions of the distinct chunks, comma-separated",
+    )
     args = p.parse_args()
     from lmc_server.bench.traces.trace import chunk_ids
 
-    print("trace | L1 | disk | policy | token hit | of which disk | disk writes per "
-          "disk hit | L1 also on disk")
+    print(
+        "trace | L1 | disk | policy | token hit | of which disk | disk writes per "
+        "disk hit | L1 also on disk"
+    )
     for path in args.traces:
         chunks, distinct = chunk_ids(load_trace(path, args.limit))
         total = sum(len(c) for c in chunks)
@@ -128,11 +134,13 @@ def main() -> None:
             l1f, df = (float(x) for x in pair.split(":"))
             for policy in POLICIES:
                 r = simulate(chunks, int(l1f * distinct), int(df * distinct), policy)
-                print(f"{path.rsplit('/', 1)[-1]} | {l1f:g} | {df:g} | {policy} | "
-                      f"{(r.l1_hit_chunks + r.disk_hit_chunks) / total:.3f} | "
-                      f"{r.disk_hit_chunks / total:.3f} | "
-                      f"{r.disk_writes / max(1, r.disk_hit_chunks):.2f} | "
-                      f"{r.l1_kept_on_disk:.2f}")
+                print(
+                    f"{path.rsplit('/', 1)[-1]} | {l1f:g} | {df:g} | {policy} | "
+                    f"{(r.l1_hit_chunks + r.disk_hit_chunks) / total:.3f} | "
+                    f"{r.disk_hit_chunks / total:.3f} | "
+                    f"{r.disk_writes / max(1, r.disk_hit_chunks):.2f} | "
+                    f"{r.l1_kept_on_disk:.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ class TraceRequest:
 
 def _payloads(hash_ids: list[int], n_chunks: int) -> Iterator[bytes]:
     for k in range(n_chunks):
-        yield int(hash_ids[k // CHUNKS_PER_BLOCK]).to_bytes(8, "little", signed=True) + \
-            bytes([k % CHUNKS_PER_BLOCK])
+        yield int(hash_ids[k // CHUNKS_PER_BLOCK]).to_bytes(8, "little", signed=True) + bytes(
+            [k % CHUNKS_PER_BLOCK]
+        )
 
 
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
@@ -71,6 +72,10 @@ def chunk_ids(requests: list[TraceRequest]) -> tuple[list[list[int]], int]:
     out = []
     for r in requests:
         d = r.digests
-        out.append([ids.setdefault(d[i:i + DIGEST_BYTES], len(ids))
-                    for i in range(0, len(d), DIGEST_BYTES)])
+        out.append(
+            [
+                ids.setdefault(d[i : i + DIGEST_BYTES], len(ids))
+                for i in range(0, len(d), DIGEST_BYTES)
+            ]
+        )
     return out, len(ids)

@@ -84,8 +84,12 @@ def _detect_arch() -> str:
 class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by an ``lmcache server`` on this host."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("LMCacheMPConnector needs vLLM's kv_cache_config")
@@ -93,18 +97,21 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra(extra)
         self.kv_cache_config = kv_cache_config
         parallel = vllm_config.parallel_config
-        self.world_size = int(parallel.tensor_parallel_size) * int(
-            parallel.pipeline_parallel_size)
+        self.world_size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self.model = self.settings.model or str(vllm_config.model_config.model)
         self.arch = self.settings.arch or _detect_arch()
-        self.link = ServerLink(self.settings.endpoint, timeout_s=self.settings.timeout_s,
-                               client_name=f"vllm-{role.name.lower()}",
-                               max_inflight=self.settings.max_inflight)
+        self.link = ServerLink(
+            self.settings.endpoint,
+            timeout_s=self.settings.timeout_s,
+            client_name=f"vllm-{role.name.lower()}",
+            max_inflight=self.settings.max_inflight,
+        )
         welcome = self.link._client.welcome
         assert welcome is not None
         self.chunk_size = int(welcome.chunk_size)
-        self.hash_block = int(kv_cache_config.hash_block_size
-                              or vllm_config.cache_config.block_size)
+        self.hash_block = int(
+            kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+        )
         self.layout = describe(kv_cache_config)
         self.planner: SchedulerPlanner | None = None
         self.transfers: WorkerTransfers | None = None
@@ -118,15 +125,24 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self.geometry = ChunkGeometry(self.chunk_size, self.hash_block, vg.engine_groups)
         self.loaded_group_ids = tuple(i for i, g in enumerate(vg.engine_groups) if g.cached)
         if self._role == KVConnectorRole.SCHEDULER:
-            self.link.register(model=self.model, kv_dtype=vg.kv_dtype, arch=self.arch,
-                               groups=vg.groups, world_size=self.world_size, rank=0,
-                               replicated=vg.replicated)
-            self.planner = SchedulerPlanner(self.geometry, self.link,
-                                            store=self.settings.store,
-                                            load=self.settings.load,
-                                            store_generated=self.settings.store_generated,
-                                            l2_wait_s=self.settings.l2_wait_s,
-                                            lookup_wait_s=self.settings.lookup_wait_s)
+            self.link.register(
+                model=self.model,
+                kv_dtype=vg.kv_dtype,
+                arch=self.arch,
+                groups=vg.groups,
+                world_size=self.world_size,
+                rank=0,
+                replicated=vg.replicated,
+            )
+            self.planner = SchedulerPlanner(
+                self.geometry,
+                self.link,
+                store=self.settings.store,
+                load=self.settings.load,
+                store_generated=self.settings.store_generated,
+                l2_wait_s=self.settings.l2_wait_s,
+                lookup_wait_s=self.settings.lookup_wait_s,
+            )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The worker's KV cache as it registered it, for the scheduler (below)."""
@@ -135,7 +151,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         return LMCacheMPHandshake(layout=self.layout.to_dict())
 
     def set_xfer_handshake_metadata(
-            self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         """Plan with the workers' view of the KV cache when it differs from ours.
 
         vLLM hands the scheduler a copy of the KV cache config in which a group's
@@ -180,16 +197,23 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         rank = self._rank() if self.world_size > 1 else 0
         vg = build_groups(self.kv_cache_config, kv_caches)
-        self.link.register(model=self.model, kv_dtype=vg.kv_dtype, arch=self.arch,
-                           groups=vg.groups, buffers=vg.buffers,
-                           world_size=self.world_size, rank=rank, replicated=vg.replicated)
+        self.link.register(
+            model=self.model,
+            kv_dtype=vg.kv_dtype,
+            arch=self.arch,
+            groups=vg.groups,
+            buffers=vg.buffers,
+            world_size=self.world_size,
+            rank=rank,
+            replicated=vg.replicated,
+        )
         stores = self.settings.store and (not vg.replicated or rank == self.settings.store_rank)
         tracker = TransferTracker(by_block_ids=failures_by_block_ids(vg.engine_groups))
         self._exporter_event = any(getattr(t, "is_cuda", False) for t in kv_caches.values())
-        self._zeroes_blocks = bool(getattr(self.kv_cache_config, "needs_kv_cache_zeroing",
-                                           False))
-        self.transfers = WorkerTransfers(self.link, tracker, stores=stores,
-                                         fence_timeout_s=self.settings.fence_timeout_s)
+        self._zeroes_blocks = bool(getattr(self.kv_cache_config, "needs_kv_cache_zeroing", False))
+        self.transfers = WorkerTransfers(
+            self.link, tracker, stores=stores, fence_timeout_s=self.settings.fence_timeout_s
+        )
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
@@ -224,8 +248,9 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request is computed only after its load finished."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Stores are issued once per step in :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
@@ -251,12 +276,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self.transfers.wait_loads(self.settings.idle_load_wait_s)
         rep = self.transfers.tracker.poll(finished_req_ids)
         self._invalid_block_ids |= rep.invalid_block_ids
-        return KVConnectorTransferResults(finished_sending=rep.finished_sending,
-                                          finished_recving=rep.finished_recving,
-                                          failed_recving=rep.failed_recving)
+        return KVConnectorTransferResults(
+            finished_sending=rep.finished_sending,
+            finished_recving=rep.finished_recving,
+            failed_recving=rep.failed_recving,
+        )
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending or None, res.finished_recving or None
 
@@ -283,15 +309,22 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         the next step, and its answer is usually back by the first
         :meth:`get_num_new_matched_tokens`."""
         assert self.planner is not None
-        self.planner.request_arrived(request.request_id, request.block_hashes,
-                                     request.num_tokens, request.num_prompt_tokens)
+        self.planner.request_arrived(
+            request.request_id, request.block_hashes, request.num_tokens, request.num_prompt_tokens
+        )
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.planner is not None
-        n = self.planner.matched_tokens(request.request_id, request.block_hashes,
-                                        request.num_tokens, request.num_prompt_tokens,
-                                        num_computed_tokens, self._event_tokens(request))
+        n = self.planner.matched_tokens(
+            request.request_id,
+            request.block_hashes,
+            request.num_tokens,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            self._event_tokens(request),
+        )
         if n is None:
             return None, False
         return n, n > 0
@@ -301,43 +334,60 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         or None. None too for a request whose block hashes cover more than its tokens
         (LoRA, multimodal inputs, a cache salt): a router hashing the tokens alone would
         take its chunks for another prompt's."""
-        if not self.settings.kv_events or request.lora_request is not None \
-                or request.mm_features or request.cache_salt:
+        if (
+            not self.settings.kv_events
+            or request.lora_request is not None
+            or request.mm_features
+            or request.cache_salt
+        ):
             return None
         return request.all_token_ids
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.planner is not None
-        self.planner.after_alloc(request.request_id, blocks.get_block_ids(),
-                                 num_external_tokens)
+        self.planner.after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.planner is not None
         n_sched = scheduler_output.num_scheduled_tokens
-        scheduled = [ScheduledRequest(r.req_id, r.num_computed_tokens,
-                                      n_sched.get(r.req_id, 0), r.block_ids, True)
-                     for r in scheduler_output.scheduled_new_reqs]
+        scheduled = [
+            ScheduledRequest(
+                r.req_id, r.num_computed_tokens, n_sched.get(r.req_id, 0), r.block_ids, True
+            )
+            for r in scheduler_output.scheduled_new_reqs
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            scheduled.append(ScheduledRequest(
-                req_id, cached.num_computed_tokens[i], n_sched.get(req_id, 0),
-                cached.new_block_ids[i], req_id in cached.resumed_req_ids))
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    n_sched.get(req_id, 0),
+                    cached.new_block_ids[i],
+                    req_id in cached.resumed_req_ids,
+                )
+            )
         plan = self.planner.build_step(scheduled, scheduler_output.preempted_req_ids or ())
         return LMCacheMPMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.planner is not None
-        self.planner.transfers_finished(connector_output.finished_recving or (),
-                                        connector_output.finished_sending or (),
-                                        connector_output.failed_recving or ())
+        self.planner.transfers_finished(
+            connector_output.finished_recving or (),
+            connector_output.finished_sending or (),
+            connector_output.failed_recving or (),
+        )
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.planner is not None
         return self.planner.request_finished(request.request_id), None
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.planner is not None
         return self.planner.request_finished(request.request_id), None

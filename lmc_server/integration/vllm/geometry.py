@@ -76,10 +76,16 @@ def _layer(name: str, spec: Any, plan: dict[str, tuple[int, int]]) -> LayerDesc:
     states = int(spec.num_states)
     unpadded = int(getattr(spec, "unpadded_page_size_bytes", spec.page_size_bytes))
     stride, offset = plan.get(name, (None, None))
-    return LayerDesc(name=name, record_format=_record_format(spec), states_per_block=states,
-                     bytes_per_state=max(1, unpadded // max(1, states)),
-                     page_bytes=int(spec.page_size_bytes), mla=_is_mla(spec),
-                     block_stride=stride, offset=offset)
+    return LayerDesc(
+        name=name,
+        record_format=_record_format(spec),
+        states_per_block=states,
+        bytes_per_state=max(1, unpadded // max(1, states)),
+        page_bytes=int(spec.page_size_bytes),
+        mla=_is_mla(spec),
+        block_stride=stride,
+        offset=offset,
+    )
 
 
 def describe(kv_cache_config: Any) -> KVLayout:
@@ -93,12 +99,21 @@ def describe(kv_cache_config: Any) -> KVLayout:
         specs = {name: _layer_spec(group, name) for name in group.layer_names}
         kind, window = _kind(group, next(iter(specs.values()), group.kv_cache_spec))
         layers = tuple(_layer(name, spec, plan) for name, spec in specs.items())
-        groups.append(GroupDesc(kind=kind, tokens_per_block=int(group.kv_cache_spec.block_size),
-                                layers=layers, window_tokens=window))
+        groups.append(
+            GroupDesc(
+                kind=kind,
+                tokens_per_block=int(group.kv_cache_spec.block_size),
+                layers=layers,
+                window_tokens=window,
+            )
+        )
     return KVLayout(num_blocks=int(kv_cache_config.num_blocks), groups=tuple(groups))
 
 
-def build_groups(kv_cache_config: Any, kv_caches: dict[str, Any] | None = None,
-                 exporter: TensorExporter | None = None) -> RegistrationPlan:
+def build_groups(
+    kv_cache_config: Any,
+    kv_caches: dict[str, Any] | None = None,
+    exporter: TensorExporter | None = None,
+) -> RegistrationPlan:
     """Server groups for vLLM's ``kv_cache_config``; with ``kv_caches``, real placement."""
     return derive_registration(describe(kv_cache_config), kv_caches, exporter)
