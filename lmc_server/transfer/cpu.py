@@ -12,6 +12,7 @@ thread so that the server answers at once and requests use slabs as they become 
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -78,14 +79,14 @@ class CpuHostPool(HostPool):
                     except OSError:
                         self._populate = False
                 if not self._populate:
-                    self.array[lo:lo + self.slab_bytes:_PAGE] = 0
+                    self.array[lo : lo + self.slab_bytes : _PAGE] = 0
                 on_ready(slab)
 
         self._thread = threading.Thread(target=prepare, name="lmc-pool-prepare", daemon=True)
         self._thread.start()
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        return self.array[offset:offset + nbytes].tobytes()
+        return self.array[offset : offset + nbytes].tobytes()
 
     def close(self) -> None:
         self._stop.set()
@@ -94,7 +95,21 @@ class CpuHostPool(HostPool):
             self._thread = None
         if not self._mm.closed:
             del self.array
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                # a view of the pool is still referenced, typically from a reference
+                # cycle (an exception's traceback holding the frame of a write from a
+                # slot, after L2 failed): collect cycles and try once more; failing
+                # that, the mapping goes with the process (nothing copies any more)
+                gc.collect()
+                try:
+                    self._mm.close()
+                except BufferError:
+                    log.warning(
+                        "the pool is still referenced at close; it is unmapped "
+                        "when the process exits"
+                    )
 
 
 class ShmMapping(Mapping):
@@ -107,8 +122,9 @@ class ShmMapping(Mapping):
         try:
             for b in buffers:
                 if not isinstance(b, ShmBuffer):
-                    raise TransferError("the cpu backend maps shared-memory buffers only "
-                                        f"(got {type(b).__name__})")
+                    raise TransferError(
+                        f"the cpu backend maps shared-memory buffers only (got {type(b).__name__})"
+                    )
                 self._map(b)
         except BaseException:
             self.close()
@@ -116,8 +132,7 @@ class ShmMapping(Mapping):
 
     def _map(self, b: ShmBuffer) -> None:
         if not SHM_NAME.match(b.name):
-            raise TransferError(
-                f"shared-memory name {b.name!r} must match {SHM_NAME.pattern}")
+            raise TransferError(f"shared-memory name {b.name!r} must match {SHM_NAME.pattern}")
         if b.size_bytes <= 0:
             raise TransferError(f"buffer {b.name!r}: size_bytes must be positive")
         path = os.path.join(SHM_DIR, b.name)
@@ -129,8 +144,8 @@ class ShmMapping(Mapping):
             size = os.fstat(fd).st_size
             if size < b.size_bytes:
                 raise TransferError(
-                    f"shared memory {b.name!r} has {size} bytes, registration says "
-                    f"{b.size_bytes}")
+                    f"shared memory {b.name!r} has {size} bytes, registration says {b.size_bytes}"
+                )
             mm = mmap.mmap(fd, b.size_bytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -147,10 +162,22 @@ class ShmMapping(Mapping):
         self._maps.clear()
 
 
-def _layer_view(buf: np.ndarray, offset: int, n_layers: int, layer_stride: int,
-                n_blocks: int, block_stride: int, page: int) -> np.ndarray:
-    return np.ndarray((n_layers, n_blocks, page), dtype=np.uint8, buffer=buf, offset=offset,
-                      strides=(layer_stride, block_stride, 1))
+def _layer_view(
+    buf: np.ndarray,
+    offset: int,
+    n_layers: int,
+    layer_stride: int,
+    n_blocks: int,
+    block_stride: int,
+    page: int,
+) -> np.ndarray:
+    return np.ndarray(
+        (n_layers, n_blocks, page),
+        dtype=np.uint8,
+        buffer=buf,
+        offset=offset,
+        strides=(layer_stride, block_stride, 1),
+    )
 
 
 def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> None:
@@ -165,8 +192,15 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
         row = ids[ci]
         dst_base = int(c.object_offsets[ci])
         if consecutive[ci] and row[0] >= 0:
-            eng = _layer_view(buf, r.base_offset + int(row[0]) * r.block_stride, nl,
-                              r.layer_stride, nb, r.block_stride, page)
+            eng = _layer_view(
+                buf,
+                r.base_offset + int(row[0]) * r.block_stride,
+                nl,
+                r.layer_stride,
+                nb,
+                r.block_stride,
+                page,
+            )
             obj = np.ndarray((nl, nb, page), np.uint8, pool, dst_base, obj_strides)
             if to_pool:
                 np.copyto(obj, eng)
@@ -176,8 +210,9 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
         for j, b in enumerate(row.tolist()):
             if b < 0:
                 continue
-            eng = np.ndarray((nl, page), np.uint8, buf, r.base_offset + b * r.block_stride,
-                             (r.layer_stride, 1))
+            eng = np.ndarray(
+                (nl, page), np.uint8, buf, r.base_offset + b * r.block_stride, (r.layer_stride, 1)
+            )
             obj = np.ndarray((nl, page), np.uint8, pool, dst_base + j * obs, (ols, 1))
             if to_pool:
                 np.copyto(obj, eng)
@@ -237,8 +272,9 @@ class CpuEngine(TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
         return ShmMapping(buffers)
 
-    def submit(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool,
-               done: DoneCallback) -> None:
+    def submit(
+        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+    ) -> None:
         """Copies of at most ``INLINE_BYTES`` run right here (a thread hop costs more
         than the copy); larger ones are split over the copy threads and the last
         piece to finish calls ``done``."""
