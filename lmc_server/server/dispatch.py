@@ -29,7 +29,8 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_request, encode, error_reply
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.protocol.stats import StatsReport
-from lmc_server.server.handlers import DataRequest, Handlers
+from lmc_server.server.data_path import DataRequest
+from lmc_server.server.handlers import Handlers
 from lmc_server.server.peers import Conn
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats

@@ -1,0 +1,214 @@
+"""The data path's handlers: store and retrieve, typed request in, typed reply out.
+
+A store or retrieve is parsed and checked once, into a :class:`DataRequest`, by
+:meth:`DataPath.data_request` (the dispatcher calls it before the request gets a task),
+and copied in one submission. The bookkeeping runs on the loop, the copy is handed to
+the engine (``submit``: planned and launched here, completed on the engine's threads, one
+wake-up back through a :class:`Completion`), and the bookkeeping finishes on the loop
+again, so the index is only ever touched from one thread. Slots a copy may still write
+are freed or unpinned only after that copy reported, even when a bug raises in between.
+
+:class:`DataPath` is the base of :class:`~lmc_server.server.handlers.Handlers`, which sets
+the attributes declared here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lmc_server.cache.index import L1Index, StoreTicket
+from lmc_server.cache.layout import RunCopy
+from lmc_server.config import Config
+from lmc_server.protocol import messages as m
+from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
+from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.server.completion import Completion
+from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.settle import CommitWatch
+from lmc_server.server.stats import PhaseClock, ServerStats
+from lmc_server.server.validate import block_ids
+from lmc_server.transfer.base import TransferEngine, TransferError
+
+if TYPE_CHECKING:
+    from lmc_server.l2.chain import TierChain
+    from lmc_server.server.events import KvEventPublisher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DataRequest:
+    """A store or retrieve checked against its registration: what the handler needs,
+    resolved once (the registration, one block-id array per group, the chunk keys; a
+    retrieve's prefix ends, a store's engine hashes per chunk for its KV events)."""
+
+    msg: m.Store | m.Retrieve
+    reg: Registration
+    ids: dict[int, np.ndarray]
+    keys: list[bytes]
+    ends: list[int]
+    events_per_chunk: int
+
+
+class DataPath:
+    """Store and retrieve (and the one check of their requests)."""
+
+    config: Config
+    index: L1Index
+    engine: TransferEngine
+    stats: ServerStats
+    limits: Limits
+    commits: CommitWatch
+    before_commit: Callable[[], None]
+    l2: TierChain | None
+    events: KvEventPublisher | None
+    sessions: SessionTable
+
+    def _registration(self, session: Session, msg: Any) -> Registration:
+        """The sender's registration the request names (refused: unknown)."""
+        reg = self.sessions.find(session, msg.registration_id)
+        if reg is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_REGISTRATION,
+                "no such registration on this connection",
+                msg.req_id,
+            )
+        return reg
+
+    def data_request(self, session: Session, msg: m.Store | m.Retrieve) -> DataRequest:
+        """Resolve and check a store or retrieve once (a refusal raises
+        :class:`ProtocolError` before anything is reserved or copied)."""
+        reg = self._registration(session, msg)
+        if reg.lookup_only:
+            raise ProtocolError(
+                ErrorCode.LOOKUP_ONLY, "this registration has no buffers (lookup-only)", msg.req_id
+            )
+        n = chunk_count(msg.digests, self.limits, msg.req_id)
+        ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
+        try:
+            keys = self.index.keys(reg.view, msg.digests, msg.salt)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+        if isinstance(msg, m.Retrieve):
+            return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id), 0)
+        per = (
+            check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
+            if msg.events is not None
+            else 0
+        )
+        return DataRequest(msg, reg, ids, keys, [], per)
+
+    def _submit(
+        self, reg: Registration, copies: list[RunCopy], to_pool: bool, completion: Completion
+    ) -> None:
+        """Hand a request's copies to the engine; a refusal is reported as its error."""
+        done = completion.part()
+        assert reg.mapping is not None
+        try:
+            self.engine.submit(reg.mapping, copies, to_pool, done)
+        except TransferError as e:
+            done(str(e) or "copy failed")
+        except BaseException:  # a bug: the part still reports, so the request can finish
+            done("copy not started: internal error")
+            raise
+
+    async def _wait(self, completion: Completion, clock: PhaseClock) -> list[str]:
+        errors = await completion.wait()
+        clock.mark_at("copy", completion.done_at)
+        clock.mark("hop_out")
+        return errors
+
+    async def store(self, session: Session, req: DataRequest, clock: PhaseClock) -> m.StoreResult:
+        """Reserve, copy, commit (last chunk first, see :mod:`lmc_server.cache`)."""
+        clock.mark("queue")
+        msg, reg, keys, per = req.msg, req.reg, req.keys, req.events_per_chunk
+        assert isinstance(msg, m.Store)
+        ticket = self.index.reserve_store(reg.view, keys, req.ids)
+        clock.mark("prepare")
+        if not ticket.copies:  # every chunk already stored or being stored
+            self._commit(ticket, keys, msg, per)
+        else:
+            completion = Completion(asyncio.get_running_loop())
+            reg.begin_op()
+            try:
+                try:
+                    self._submit(reg, ticket.copies, True, completion)
+                except BaseException:
+                    # a bug past the submission: its copy may still be writing into
+                    # the slots, so they are freed only once it has reported
+                    await completion.wait()
+                    self.index.abort_store(ticket)
+                    raise
+                clock.mark("submit")
+                err = next((e for e in await self._wait(completion, clock) if e), "")
+                self.before_commit()
+                if err or reg.closing:
+                    self.index.abort_store(ticket)
+                    log.warning(
+                        "store by %s failed: %s",
+                        reg.registration_id.hex()[:8],
+                        err or "registration closed during the copy",
+                    )
+                else:
+                    self._commit(ticket, keys, msg, per)
+                    self.stats.observe_transfer(
+                        "store", ticket.nbytes, completion.done_at - completion.started_at
+                    )
+                    if self.l2 is not None:
+                        self.l2.on_commit(reg.namespace, ticket)
+            finally:
+                reg.end_op()
+                self.commits.changed()
+        statuses = list(ticket.statuses)
+        await self.commits.settle(reg.view, keys, statuses)  # IN_PROGRESS: wait
+        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
+
+    def _commit(self, ticket: StoreTicket, keys: list[bytes], msg: m.Store, per: int) -> None:
+        """Commit a store's ticket; the event publisher sees its objects with the
+        store's event fields (``per`` engine hashes per chunk)."""
+        if self.events is None:
+            self.index.commit_store(ticket)
+            return
+        with self.events.staged(keys, msg.events, per, salted=bool(msg.salt)):
+            self.index.commit_store(ticket)
+
+    async def retrieve(
+        self, session: Session, req: DataRequest, clock: PhaseClock
+    ) -> m.RetrieveResult:
+        """Pin, copy, unpin."""
+        clock.mark("queue")
+        msg, reg, ids, keys = req.msg, req.reg, req.ids, req.keys
+        assert isinstance(msg, m.Retrieve)
+        ticket = self.index.pin_retrieve(reg.view, keys, ids, req.ends)
+        clock.mark("prepare")
+        if not ticket.copies:
+            self.index.unpin_retrieve(ticket, True)
+        else:
+            completion = Completion(asyncio.get_running_loop())
+            reg.begin_op()
+            try:
+                try:
+                    self._submit(reg, ticket.copies, False, completion)
+                except BaseException:  # a bug: unpin once nothing can read the slots
+                    await completion.wait()
+                    self.index.unpin_retrieve(ticket, False)
+                    raise
+                clock.mark("submit")
+                errors = await self._wait(completion, clock)
+                err = next((e for e in errors if e), "")
+                if err:
+                    log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], err)
+                self.index.unpin_retrieve(ticket, not err)
+                if not err:
+                    self.stats.observe_transfer(
+                        "retrieve", ticket.nbytes, completion.done_at - completion.started_at
+                    )
+            finally:
+                reg.end_op()
+        return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
