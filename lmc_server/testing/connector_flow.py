@@ -29,7 +29,8 @@ import numpy as np
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.exporters import TensorExporter
 from lmc_server.integration.kvlayout import RegistrationPlan, derive_registration
-from lmc_server.integration.link import LOAD_PART_CHUNKS, ServerLink
+from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link_batches import LOAD_PART_CHUNKS
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LoadSpec, ScheduledRequest, StepPlan
 from lmc_server.integration.worker import (
@@ -280,7 +281,7 @@ def check_batched_step(
 ) -> None:
     """``n_requests`` requests store in one step, then ``n_requests`` others hit in one
     step: one batched store, and batched retrieves of at most
-    :data:`~lmc_server.integration.link.LOAD_PART_CHUNKS` chunks each, on the worker's
+    :data:`~lmc_server.integration.link_batches.LOAD_PART_CHUNKS` chunks each, on the worker's
     connection (the server counts them); every load succeeds and writes exactly the
     stored pages.
 

@@ -86,7 +86,7 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path, m
     """120 requests hit (100+ of them in one step) under ``kv_load_failure_policy=fail``:
     a step's loads in batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (not one
     per request), no ``busy``, none fails, every loaded byte right."""
-    from lmc_server.integration.link import LOAD_PART_CHUNKS
+    from lmc_server.integration.link_batches import LOAD_PART_CHUNKS
 
     n = 120
     e = engine(
