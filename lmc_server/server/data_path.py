@@ -24,6 +24,7 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.layout import RunCopy
+from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
@@ -81,6 +82,13 @@ class DataPath:
             )
         return reg
 
+    def _keys(self, view: CacheView, msg: Any) -> list[bytes]:
+        """The chunk keys of a request's digests (and salt); a bad salt is refused."""
+        try:
+            return self.index.keys(view, msg.digests, msg.salt)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+
     def data_request(self, session: Session, msg: m.Store | m.Retrieve) -> DataRequest:
         """Resolve and check a store or retrieve once (a refusal raises
         :class:`ProtocolError` before anything is reserved or copied)."""
@@ -91,10 +99,7 @@ class DataPath:
             )
         n = chunk_count(msg.digests, self.limits, msg.req_id)
         ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
-        try:
-            keys = self.index.keys(reg.view, msg.digests, msg.salt)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+        keys = self._keys(reg.view, msg)
         if isinstance(msg, m.Retrieve):
             return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id), 0)
         per = (

@@ -208,27 +208,31 @@ class Handlers(DataPath):
         log.info("unregistered %s", reg.registration_id.hex()[:8])
         return m.Unregistered(req_id=msg.req_id)
 
-    def lookup(self, session: Session, msg: m.Lookup) -> m.LookupResult:
-        reg = self._registration(session, msg)
-        chunk_count(msg.digests, self.limits, msg.req_id)
-        try:
-            keys = self.index.keys(reg.view, msg.digests, msg.salt)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
-        ttl = self.config.lease_ttl_s
-        hit, lease = self.index.lookup(
-            reg.view, keys, session.sid, ttl, self.clock(), take_lease=msg.lease
+    def _lookup_prefix(
+        self, reg: Registration, session: Session, keys: list[bytes], now_s: float, lease: bool
+    ) -> tuple[int, int, int]:
+        """One prefix looked up: its hit chunks, lease id (0: none) and the chunks asked
+        of the lower tiers after an L1 miss."""
+        hit, taken = self.index.lookup(
+            reg.view, keys, session.sid, self.config.lease_ttl_s, now_s, take_lease=lease
         )
         pending = (
             self.l2.on_lookup(reg.view, reg.namespace, keys, hit)
             if self.l2 is not None and hit < len(keys)
             else 0
         )
+        return hit, taken.lease_id if taken else 0, pending
+
+    def lookup(self, session: Session, msg: m.Lookup) -> m.LookupResult:
+        reg = self._registration(session, msg)
+        chunk_count(msg.digests, self.limits, msg.req_id)
+        keys = self._keys(reg.view, msg)
+        hit, lease_id, pending = self._lookup_prefix(reg, session, keys, self.clock(), msg.lease)
         return m.LookupResult(
             req_id=msg.req_id,
             hit_chunks=hit,
-            lease_id=lease.lease_id if lease else 0,
-            lease_ttl_s=ttl if lease else 0.0,
+            lease_id=lease_id,
+            lease_ttl_s=self.config.lease_ttl_s if lease_id else 0.0,
             l2_pending_chunks=pending,
         )
 
@@ -239,30 +243,21 @@ class Handlers(DataPath):
         reg = self._registration(session, msg)
         n = chunk_count(msg.digests, self.limits, msg.req_id)
         ends = prefix_ends(msg.prefix_ends, n, msg.req_id) if n or msg.prefix_ends else []
-        try:
-            keys = self.index.keys(reg.view, msg.digests, msg.salt)
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
-        ttl, now_s = self.config.lease_ttl_s, self.clock()
+        keys = self._keys(reg.view, msg)
+        now_s = self.clock()
         hits, lease_ids, pending = [], [], []
         lo = 0
         for hi in ends:
             part, lo = keys[lo:hi], hi
-            hit, lease = self.index.lookup(
-                reg.view, part, session.sid, ttl, now_s, take_lease=msg.lease
-            )
+            hit, lease_id, asked = self._lookup_prefix(reg, session, part, now_s, msg.lease)
             hits.append(hit)
-            lease_ids.append(lease.lease_id if lease else 0)
-            pending.append(
-                self.l2.on_lookup(reg.view, reg.namespace, part, hit)
-                if self.l2 is not None and hit < len(part)
-                else 0
-            )
+            lease_ids.append(lease_id)
+            pending.append(asked)
         return m.LookupBatchResult(
             req_id=msg.req_id,
             hit_chunks=np.asarray(hits, dtype="<i4").tobytes(),
             lease_ids=np.asarray(lease_ids, dtype="<u8").tobytes(),
-            lease_ttl_s=ttl if any(lease_ids) else 0.0,
+            lease_ttl_s=self.config.lease_ttl_s if any(lease_ids) else 0.0,
             l2_pending_chunks=np.asarray(pending, dtype="<i4").tobytes() if any(pending) else b"",
         )
 
@@ -273,10 +268,7 @@ class Handlers(DataPath):
         view = self.views.get(msg.namespace)
         hits = [0] * len(ends)
         if view is not None and ends:
-            try:
-                keys = self.index.keys(view, msg.digests, msg.salt)
-            except ValueError as e:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), msg.req_id) from None
+            keys = self._keys(view, msg)
             hits = self.index.probe(view, keys, ends)
         return m.ProbeResult(
             req_id=msg.req_id,
