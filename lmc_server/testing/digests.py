@@ -2,7 +2,8 @@
 
 ``chained_digests(n, tag)`` is ``n`` 32-byte digests, each hashing the one before (as
 real prefix digests do), so two calls with the same ``tag`` share every prefix and
-different tags share none.
+different tags share none. The digests are joined once at the end: appending to a
+``bytes`` copies it each time, which made 40,000 digests cost seconds.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import hashlib
 
 
 def chained_digests(n: int, tag: bytes = b"") -> bytes:
-    out, prev = b"", bytes(32)
+    out: list[bytes] = []
+    prev = bytes(32)
     for i in range(n):
         prev = hashlib.blake2b(prev + tag + i.to_bytes(4, "little"), digest_size=32).digest()
-        out += prev
-    return out
+        out.append(prev)
+    return b"".join(out)
