@@ -6,7 +6,8 @@
 - :mod:`~lmc_server.server.dispatch`: frames to handler calls and replies;
 - :mod:`~lmc_server.server.handlers`: what each request means (index, engine);
 - :mod:`~lmc_server.server.housekeeping`: leases, idle sessions, the eviction log;
-- :mod:`~lmc_server.server.liveness`: heartbeat, systemd watchdog and STATUS lines.
+- :mod:`~lmc_server.server.liveness`: heartbeat, systemd watchdog and STATUS lines;
+- :mod:`~lmc_server.server.teardown`: the signals and the way down (the base class).
 
 Signals: SIGINT and SIGTERM start a graceful shutdown (new requests are answered
 ``shutting_down``, in-flight copies get ``drain_timeout_s`` to finish, mappings are
@@ -35,9 +36,7 @@ health stall) reads ``clock``; tests inject a fake one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import fields
@@ -50,7 +49,6 @@ from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config
 from lmc_server.l2.url import redact_url
-from lmc_server.logs import reopen_logs
 from lmc_server.metrics import (
     CounterCollector,
     LiveState,
@@ -71,6 +69,7 @@ from lmc_server.server.report import build_report
 from lmc_server.server.router import Router
 from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
+from lmc_server.server.teardown import ServerTeardown
 from lmc_server.transfer.base import HostPool, TransferEngine
 from lmc_server.transfer.select import make_engine
 
@@ -80,7 +79,7 @@ EXIT_OK = 0
 EXIT_STARTUP_FAILURE = 3
 
 
-class Server:
+class Server(ServerTeardown):
     """One L1 cache daemon. ``run()`` blocks until shutdown and returns an exit code.
 
     ``engine``, ``clock`` and ``notifier`` replace the configured transfer engine, the
@@ -118,15 +117,6 @@ class Server:
         self.on_shutdown: list[Callable[[Server], None]] = []
         self.l2: Any = None  # lmc_server.l2.chain.TierChain with --l2 or --disk-dir
         self.events: KvEventPublisher | None = None  # with --kv-events-endpoint
-
-    @property
-    def draining(self) -> bool:
-        """Shutdown has begun: new requests are answered ``shutting_down``."""
-        return self.dispatch.draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.dispatch.draining = value
 
     @property
     def housekeeping_ticks(self) -> int:
@@ -334,115 +324,6 @@ class Server:
             self.l2,
             self.events,
         )
-
-    # -- signals ------------------------------------------------------------------------
-
-    def handle_exit(self) -> None:
-        if not self.should_exit:
-            log.info("shutdown requested")
-        self.should_exit = True
-        if self.housekeeper is not None:
-            self.housekeeper.stop()
-        if self._exit_event is not None:
-            self._exit_event.set()
-
-    def handle_hup(self) -> None:
-        """SIGHUP: reopen log files (after rotation) and log where the server stands."""
-        files = reopen_logs()
-        log.info(
-            "SIGHUP: %s; %s",
-            f"reopened {', '.join(files)}" if files else "logging to stderr, nothing to reopen",
-            self.liveness.status_line()
-            if self.started and self.liveness is not None
-            else "starting",
-        )
-
-    def _install_signal_handlers(self) -> None:
-        handlers = {
-            signal.SIGINT: self.handle_exit,
-            signal.SIGTERM: self.handle_exit,
-            signal.SIGHUP: self.handle_hup,
-        }
-        for sig, handler in handlers.items():
-            try:
-                self._prev_signals[sig] = signal.getsignal(sig)
-                self.loop.add_signal_handler(sig, handler)
-            except (ValueError, RuntimeError):  # not the main thread
-                self._prev_signals.pop(sig, None)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, prev in self._prev_signals.items():
-            with contextlib.suppress(ValueError, RuntimeError):
-                self.loop.remove_signal_handler(sig)
-                signal.signal(sig, prev)
-        self._prev_signals.clear()
-
-    # -- shutdown -----------------------------------------------------------------------
-
-    async def shutdown(self) -> None:
-        """Stop taking work, let copies finish, answer the rest, release everything."""
-        self.draining = True
-        tasks = self.dispatch.tasks
-        self.notifier.stopping(f"draining {len(tasks)} in-flight requests")
-        for cb in self.on_shutdown:
-            cb(self)
-        if tasks:
-            log.info(
-                "draining %d in-flight requests (up to %.0f s)",
-                len(tasks),
-                self.config.drain_timeout_s,
-            )
-            _, pending = await asyncio.wait(set(tasks), timeout=self.config.drain_timeout_s)
-            if pending:
-                # From here on only running copies are waited for: copies still queued
-                # in the engine are not started, stores waiting on another writer's
-                # chunks stop waiting (settle); nothing else can delay the end.
-                self.engine.stop_queued()
-                self.handlers.commits.close()
-                self.dispatch.answer_unfinished(pending)
-                await asyncio.wait(pending)
-        assert self.router is not None
-        self.router.drain()  # answer what is still queued with shutting_down
-        st = self.index.stats
-        log.info(
-            "served %d requests; %d of %d looked-up chunks hit; %d objects stored, "
-            "%d retrieved, %d evicted",
-            sum(dict(self.stats.requests).values()),
-            st.hit_chunks,
-            st.lookup_chunks,
-            st.stored_objects,
-            st.retrieved_objects,
-            st.evictions,
-        )
-        await self._close_resources()
-        log.info("shutdown complete")
-
-    async def _close_resources(self) -> None:
-        """Release what startup built, in reverse dependency order; safe after a startup
-        that failed part of the way."""
-        if self.l2 is not None:  # before the pool goes: its threads read and fill slots
-            await self.l2.stop()
-        if self.housekeeper is not None:
-            self.housekeeper.stop()
-        if self.liveness is not None:
-            self.liveness.stop()
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-        if self.router is not None:
-            self.router.close_socket()
-        if self.events is not None:
-            self.events.close()
-        for session in self.sessions.sessions():
-            self.sessions.drop(session)
-        pool = getattr(self, "host_pool", None)
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close()
-        elif pool is not None:
-            pool.close()
-        if self.router is not None:
-            self.router.terminate()
-        self.notifier.close()
 
 
 def _describe(cfg: Config) -> str:
