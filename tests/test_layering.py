@@ -458,6 +458,21 @@ def test_lmcache_server_loads_no_bench_testing_or_client() -> None:
     )
 
 
+def test_a_cpu_server_without_metrics_or_events_loads_no_prometheus_torch_or_cupy() -> None:
+    """Each test starts a hundred-odd servers: the CPU engine's start-up imports only
+    what it runs. Prometheus (and http.server) load with ``--metrics-port``, the KV-event
+    publisher with ``--kv-events-endpoint``, CuPy and torch never on the CPU backend
+    (they are absent in CI, so this holds where they are installed, the GPU machine)."""
+    assert (
+        _loaded_after(
+            "lmc_server.cli.main, lmc_server.server.server, lmc_server.transfer.select, "
+            "lmc_server.transfer.cpu, lmc_server.logs",
+            ("prometheus_client", "http.server", "cupy", "torch", "lmc_server.server.events"),
+        )
+        == []
+    )
+
+
 def test_testing_presets_load_no_client_or_zmq() -> None:
     """The presets are data; the shared-memory KV (client, zmq) loads on first use."""
     assert (

@@ -25,7 +25,7 @@ from lmc_server.cache.counters import CacheStats, counters_of
 from lmc_server.cli.main import cli
 from lmc_server.client import Client
 from lmc_server.client.digests import chunk_digests
-from lmc_server.metrics import MetricsServer
+from lmc_server.metrics.endpoint import MetricsServer
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import dsv41_flash

@@ -6,8 +6,8 @@ families are derived from their one definition (:func:`counter_families`), so a 
 added to ``CacheStats`` is exported without a change here. The collector reads
 the server's counters and sessions through :class:`RequestCounters` and
 :class:`SessionCounts`, protocols that say what it reads, so this layer imports nothing
-of the server (the server imports it); the histogram bounds are defined here
-(:data:`TRANSFER_BUCKETS_S`) and the server's counters bucket by them.
+of the server (the server imports it); the histogram bounds are defined in
+:mod:`.buckets` and the server's counters bucket by them.
 :meth:`ServerCollector.collect` runs on the HTTP thread while the event loop keeps
 mutating those objects, so it copies every dict with one C-level call (atomic under
 the GIL: no "changed size during iteration") and derives histogram counts from the
@@ -41,25 +41,9 @@ from lmc_server import __version__
 from lmc_server.cache.counters import CacheStats, CounterInfo, counters_of
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
+from lmc_server.metrics.buckets import TRANSFER_BUCKETS_S
 
 PREFIX = "lmcache_"
-#: Upper bounds (seconds) of the transfer-duration histogram buckets; a transfer's
-#: ``buckets`` list has one count per bound plus one for ``+Inf``.
-TRANSFER_BUCKETS_S = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
 
 
 def counter_families(

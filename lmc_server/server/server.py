@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -49,17 +49,8 @@ from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config
 from lmc_server.l2.url import redact_url
-from lmc_server.metrics import (
-    CounterCollector,
-    LiveState,
-    MetricsServer,
-    ServerCollector,
-    ServerInfo,
-    make_registry,
-)
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.dispatch import Dispatcher
-from lmc_server.server.events import KvEventPublisher, kv_event_settings
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.housekeeping import HOUSEKEEPING_INTERVAL_S, Housekeeper
 from lmc_server.server.liveness import HEALTH_STALL_S, Liveness
@@ -72,6 +63,10 @@ from lmc_server.server.stats import ServerStats
 from lmc_server.server.teardown import ServerTeardown
 from lmc_server.transfer.base import HostPool, TransferEngine
 from lmc_server.transfer.select import make_engine
+
+if TYPE_CHECKING:
+    from lmc_server.metrics.endpoint import MetricsServer
+    from lmc_server.server.events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +175,8 @@ class Server(ServerTeardown):
             )
             self.l2.start()
         if cfg.kv_events_endpoint:
+            from lmc_server.server.events import KvEventPublisher, kv_event_settings
+
             self.events = self.handlers.events = KvEventPublisher(
                 kv_event_settings(cfg), self.loop, cfg.chunk_size
             )
@@ -251,6 +248,17 @@ class Server(ServerTeardown):
         router.drain()
 
     def _start_metrics(self) -> None:
+        # imported here: prometheus_client and http.server are about a tenth of the
+        # daemon's import time, and a server without --metrics-port needs neither
+        from lmc_server.metrics.collector import (
+            CounterCollector,
+            LiveState,
+            ServerCollector,
+            ServerInfo,
+        )
+        from lmc_server.metrics.endpoint import MetricsServer
+        from lmc_server.metrics.registry import make_registry
+
         cfg = self.config
         tasks = self.dispatch.tasks
         collector = ServerCollector(

@@ -10,7 +10,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from lmc_server.metrics.collector import TRANSFER_BUCKETS_S
+from lmc_server.metrics.buckets import TRANSFER_BUCKETS_S
 
 
 @dataclass
