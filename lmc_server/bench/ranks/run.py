@@ -45,8 +45,9 @@ instead (world size 1 each, one namespace); after the raw baseline, one DP phase
 ``duration_s`` in which each stores its own prompts and loads prefixes any engine stored,
 at its own pace, every loaded prefix checked byte for byte; phase 3 as above.
 
-Modules: :mod:`.config` (settings both sides share), :mod:`.procs` (the rank
-processes), :mod:`.table` (notes and table), :mod:`.plot` (the picture),
+Modules: :mod:`.config` (settings both sides share), :mod:`.soak` (phase 2),
+:mod:`.kill` (phase 3), :mod:`.procs` (the rank processes), :mod:`.table` (notes
+and table), :mod:`.plot` (the picture),
 :mod:`.worker`, :mod:`.dp_worker` and :mod:`.kv` (a rank: its commands,
 a DP engine's loops, its KV and byte checks).
 """
@@ -54,14 +55,11 @@ a DP engine's loops, its KV and byte checks).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict
 from typing import Any
 
 from lmc_server.bench.common import Report
 from lmc_server.bench.ranks.config import (
-    KILL_DETECT_S,
-    MAX_ERRORS_KEPT,
     MODES,
     POOL_READY_TIMEOUT_S,
     RAW_MIN_BYTES,
@@ -70,7 +68,9 @@ from lmc_server.bench.ranks.config import (
     blocks_needed,
 )
 from lmc_server.bench.ranks.dp import dp_phase
-from lmc_server.bench.ranks.procs import RankProcess, gather, maps_hold, union_bits
+from lmc_server.bench.ranks.kill import kill_phase
+from lmc_server.bench.ranks.procs import RankProcess, gather
+from lmc_server.bench.ranks.soak import soak_phase
 from lmc_server.bench.ranks.table import notes
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
@@ -243,100 +243,18 @@ class _Run:
         )
 
     def phase2(self) -> None:
-        cfg = self.cfg
-        s0 = self.admin.stats()
-        victim = self.ranks[-1] if cfg.kill_one and cfg.ranks > 1 else None
-        for r in self.ranks:
-            r.send({"cmd": "p2", "duration_s": cfg.duration_s, "verify_every": cfg.verify_every})
-        t0 = time.monotonic()
-        if victim is not None:
-            time.sleep(cfg.duration_s / 2)
-            self.phase3(victim)
-        survivors = [r for r in self.ranks if r is not victim]
-        got = [r.recv(cfg.duration_s + 600) for r in survivors]
-        wall_s = time.monotonic() - t0
-        s1 = self.admin.stats()
-        seconds = max(g["seconds"] for g in got)
-        store_b = sum(g["store"]["copied_bytes"] for g in got)
-        ret_b = sum(g["retrieve"]["copied_bytes"] for g in got)
-        raw = self.s["raw"]
-        distinct = {og: union_bits(got, "committed_bits", og) for og in self.object_bytes}
-        pending = {
-            og: union_bits(got, "pending_bits", og) & ~distinct[og] for og in self.object_bytes
-        }
-        distinct_b = sum(int(distinct[og].sum()) * b for og, b in self.object_bytes.items())
-        unknown_b = sum(int(pending[og].sum()) * b for og, b in self.object_bytes.items())
-        copies_b = s1.counters.stored_bytes - s0.counters.stored_bytes
-        evicted_b = s1.counters.evicted_bytes - s0.counters.evicted_bytes
-        evicted_total = int(s1.counters.evicted_bytes)
-        stored_total = int(s1.counters.stored_bytes)
-        p2 = {
-            "seconds": seconds,
-            "wall_s": wall_s,
-            "ranks_reporting": len(got),
-            "store_bytes": store_b,
-            "retrieve_bytes": ret_b,
-            "store_gbps": store_b / seconds / 1e9,
-            "retrieve_gbps": ret_b / seconds / 1e9,
-            "mismatched_bytes": sum(g["mismatched_bytes"] for g in got),
-            "checked_bytes": sum(g["checked_bytes"] for g in got),
-            "verified_requests": sum(g["verified_requests"] for g in got),
-            "errors": sum(g["store"]["errors"] + g["retrieve"]["errors"] for g in got),
-            "failed_statuses": sum(
-                g["store"]["status"]["failed"]
-                + g["store"]["status"]["no_space"]
-                + g["retrieve"]["status"]["failed"]
-                for g in got
-            ),
-            "retrieve_misses": sum(g["retrieve"]["status"]["miss"] for g in got),
-            "store_in_progress": sum(g["store"]["status"]["in_progress"] for g in got),
-            "error_samples": [
-                e for g in got for d in ("store", "retrieve") for e in g[d]["error_samples"]
-            ][:MAX_ERRORS_KEPT],
-        }
-        p2["store_ratio"] = p2["store_gbps"] / raw["d2h_gbps"] if raw["d2h_gbps"] else None
-        p2["retrieve_ratio"] = p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"] else None
-        l1 = {
-            "used_bytes": s1.l1.used_bytes,
-            "capacity_bytes": s1.l1.capacity_bytes,
-            "distinct_bytes_phase2": distinct_b,
-            "copied_bytes_phase2": copies_b,
-            "copies_per_distinct_chunk": copies_b / distinct_b if distinct_b else None,
-            "one_copy_per_rank_bytes": cfg.ranks * distinct_b,
-            "evicted_bytes_phase2": evicted_b,
-            "unknown_bytes_phase2": unknown_b,
-            # what L1 held when phase 2 began (phase 1, TP stores) plus phase 2's
-            "single_copy_bytes": s0.l1.used_bytes + distinct_b - evicted_b,
-            "writing_objects": sum(p.writing for p in s1.partitions),
-        }
-        self.s["phase2"], self.s["l1"] = p2, l1
-        by_rank = {r.rank: g for r, g in zip(survivors, got, strict=True)}
-        for row in self.report.rows:
-            g = by_rank.get(row["rank"])
-            row.update(
-                alive=g is not None,
-                p2_store_gbps=g["store"]["copied_bytes"] / g["seconds"] / 1e9 if g else None,
-                p2_retrieve_gbps=g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9 if g else None,
-                p2_errors=(g["store"]["errors"] + g["retrieve"]["errors"]) if g else None,
-                p2_mismatched_bytes=g["mismatched_bytes"] if g else None,
-            )
-        self.checks.update(
-            {
-                "p2 survivors: no errors": p2["errors"] == 0 and p2["failed_statuses"] == 0,
-                "p2 verified bytes match": p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0,
-                "p2 replicated KV copied once": (
-                    distinct_b <= copies_b <= distinct_b + unknown_b + evicted_b
-                ),
-                "p2 L1 used == stored - evicted": (
-                    l1["used_bytes"] == stored_total - evicted_total
-                ),
-                "p2 no unfinished writes left": l1["writing_objects"] == 0,
-            }
+        """Phase 2, the correctness soak (:mod:`.soak`), phase 3 inside it when
+        ``kill_one``."""
+        self.s["phase2"], self.s["l1"], checks = soak_phase(
+            self.cfg,
+            self.ranks,
+            self.admin,
+            self.object_bytes,
+            self.s["raw"],
+            self.report.rows,
+            self.phase3,
         )
-        if evicted_total == 0 and unknown_b == 0:
-            self.checks["p2 L1 used == distinct chunks x chunk bytes"] = (
-                l1["used_bytes"] == l1["single_copy_bytes"]
-            )
+        self.checks.update(checks)
 
     def dp(self) -> None:
         """The DP phase (:mod:`.dp`), phase 3 inside it when ``kill_one``."""
@@ -346,33 +264,10 @@ class _Run:
         self.checks.update(checks)
 
     def phase3(self, victim: RankProcess) -> None:
-        before = self.admin.stats().registrations
-        victim.kill()
-        t0 = time.monotonic()
+        """Phase 3, one rank killed (:mod:`.kill`)."""
         pid = self.srv.proc.pid if self.srv.proc is not None else 0
-        names = victim.info.get("segments", [])
-        detect_s = unmapped_s = None
-        while time.monotonic() - t0 < KILL_DETECT_S:
-            now = time.monotonic() - t0
-            if detect_s is None and self.admin.stats().registrations == before - 1:
-                detect_s = now
-            if names and unmapped_s is None and maps_hold(pid, names) is False:
-                unmapped_s = now
-            if detect_s is not None and (unmapped_s is not None or not names):
-                break
-            time.sleep(0.05)
-        p3 = {
-            "victim_rank": victim.rank,
-            "registrations_before": before,
-            "registrations_after": self.admin.stats().registrations,
-            "detected_s": detect_s,
-            "unmapped_s": unmapped_s,
-            "limit_s": KILL_DETECT_S,
-        }
-        self.s["phase3"] = p3
-        self.checks["p3 dead rank's registration dropped within 5 s"] = detect_s is not None
-        if names:
-            self.checks["p3 dead rank's segments unmapped within 5 s"] = unmapped_s is not None
+        self.s["phase3"], checks = kill_phase(victim, self.admin, pid)
+        self.checks.update(checks)
 
     def close(self) -> None:
         for r in self.ranks:
