@@ -26,7 +26,9 @@ to every subscriber or, while one's queue is full, to none, counted in
 ``--heartbeat-timeout-s`` the PUB socket is re-created (``stall_resets``), so one stuck
 subscriber cannot silence the stream for the others (docs/operations.md, "KV events").
 The disk tier's objects are published by :mod:`lmc_server.server.events_tiers`, replays
-served by :mod:`lmc_server.server.events_replay`. Loop thread only: the index calls
+served by :mod:`lmc_server.server.events_replay`; the settings are
+:mod:`lmc_server.server.events_settings`, the encoding of a commit's events and of a
+run of removals :mod:`lmc_server.server.events_stage`. Loop thread only: the index calls
 :class:`~lmc_server.cache.watch.SlotWatcher` inside its operations, which only appends;
 encoding and sending happen in :meth:`KvEventPublisher.flush`, once per loop iteration.
 """
@@ -35,22 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zmq
 
 from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.keys import NS_BYTES
 from lmc_server.cache.view import CacheView
-from lmc_server.config import Config
 from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.server.events_replay import ReplayBuffer
+from lmc_server.server.events_settings import KvEventSettings, binds
+from lmc_server.server.events_stage import Removals, Stage
 from lmc_server.server.events_tiers import DiskEvents
 
 if TYPE_CHECKING:
@@ -61,67 +61,6 @@ log = logging.getLogger(__name__)
 #: The event-hash of an object stored without the connector's fields: the first bytes
 #: of its digest, as a big-endian uint64 (routers reduce every hash to 64 bits).
 _DIGEST_HASH = slice(NS_BYTES, NS_BYTES + 8)
-
-
-@dataclass(frozen=True)
-class KvEventSettings:
-    """Where and how much: endpoints, the topic prefix, the bounds."""
-
-    endpoint: str
-    replay_endpoint: str = ""
-    topic_prefix: str = ""
-    hwm: int = 100_000  # batches queued per subscriber before sends are dropped
-    replay_batches: int = 10_000  # batches kept for replay
-    heartbeat_timeout_s: float = 4.0  # a peer silent this long is disconnected
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule for its PUB endpoint, kept so a vLLM ``--kv-events-config`` endpoint
-    means the same here: bind a wildcard (``*``, ``::``) or ipc endpoint, connect to any
-    other (a router that binds its SUB socket, as llm-d's indexer does centrally)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def kv_event_settings(config: Config) -> KvEventSettings:
-    """The publisher's settings from the server's (topic prefix defaulted)."""
-    return KvEventSettings(
-        endpoint=config.kv_events_endpoint,
-        replay_endpoint=config.kv_events_replay_endpoint,
-        topic_prefix=config.kv_events_topic or f"kv@{socket.gethostname()}@",
-        hwm=config.kv_events_hwm,
-        replay_batches=config.kv_events_replay_batches,
-        heartbeat_timeout_s=config.heartbeat_timeout_s,
-    )
-
-
-@dataclass
-class _Stage:
-    """The event fields of the store being committed, by key (see :meth:`staged`)."""
-
-    suppress: bool
-    chunk_size: int
-    per: int = 0
-    at: dict[bytes, int] = field(default_factory=dict)
-    fields: StoreEvents | None = None
-    out: list[tuple[int, bytes, Any]] = field(default_factory=list)
-    #: the store's tokens and hashes as encoded msgpack elements, made at first use
-    tokens: bytes = b""
-    hashes: bytes = b""
-
-
-@dataclass
-class _Removals:
-    """A run of removals on one topic, merged into one ``BlockRemoved`` at flush:
-    encoded uint64 elements and their count."""
-
-    medium: str
-    parts: list[bytes] = field(default_factory=list)
-    n: int = 0
-
-    def event(self) -> ev.BlockRemoved:
-        return ev.BlockRemoved(
-            block_hashes=ev.raw_array(b"".join(self.parts), self.n), medium=self.medium
-        )
 
 
 class KvEventPublisher:
@@ -151,7 +90,7 @@ class KvEventPublisher:
         self._published: dict[bytes, bytes | None] = {}
         self._pending: dict[bytes, list[Any]] = {}
         self._flush_handle: asyncio.Handle | None = None
-        self._stage: _Stage | None = None
+        self._stage: Stage | None = None
         #: (namespace, layout fingerprint, key prefix) of every watched object group
         self._watched: list[tuple[str, bytes, bytes]] = []
         self.disk: DiskEvents | None = None
@@ -250,7 +189,7 @@ class KvEventPublisher:
         (``per`` hashes per chunk), or not at all when the store was salted, in chunk
         order (the index commits a prefix from its end; a router resolves each block's
         parent, so it must hear of the parent first)."""
-        stage = _Stage(suppress=salted, chunk_size=self.chunk_size)
+        stage = Stage(suppress=salted, chunk_size=self.chunk_size)
         if not salted:
             stage.per, stage.fields = per, fields
             stage.at = {k: i for i, k in enumerate(keys)}
@@ -280,23 +219,8 @@ class KvEventPublisher:
                 lora_name=None,
             )
         else:
-            f, per, cs = stage.fields, stage.per, stage.chunk_size
-            if not stage.tokens:  # once per store, vectorized over its chunks
-                stage.tokens = ev.uint32_elements(np.frombuffer(f.token_ids, dtype="<u4"))
-                stage.hashes = ev.uint64_elements(f.block_hashes)
-            hb, tb = per * ev.U64_ELEMENT_BYTES, cs * ev.U32_ELEMENT_BYTES
-            hashes = stage.hashes[hb * i : hb * (i + 1)]
-            parent = int.from_bytes(f.parent_hashes[8 * i : 8 * i + 8], "big")
+            hashes, event = stage.stored(i)
             self._published[key] = hashes
-            event = ev.BlockStored(
-                block_hashes=ev.raw_array(hashes, per),
-                parent_block_hash=parent or None,
-                token_ids=ev.raw_array(stage.tokens[tb * i : tb * (i + 1)], cs),
-                block_size=cs // per,
-                lora_id=None,
-                medium=ev.MEDIUM_CPU,
-                lora_name=None,
-            )
         if stage is not None and i is not None:
             stage.out.append((i, topic, event))  # sent in chunk order when the commit ends
         else:
@@ -318,8 +242,8 @@ class KvEventPublisher:
             hashes = b"\xcf" + key[_DIGEST_HASH]
         events = self._pending.get(topic)
         run = events[-1] if events else None
-        if not isinstance(run, _Removals) or run.medium != medium:
-            run = _Removals(medium)
+        if not isinstance(run, Removals) or run.medium != medium:
+            run = Removals(medium)
             self._append(topic, run)
         run.parts.append(hashes)
         run.n += len(hashes) // ev.U64_ELEMENT_BYTES
@@ -363,7 +287,7 @@ class KvEventPublisher:
         pending, self._pending = self._pending, {}
         ts = self.wall_clock()
         for topic, events in pending.items():
-            events = [e.event() if isinstance(e, _Removals) else e for e in events]
+            events = [e.event() if isinstance(e, Removals) else e for e in events]
             payload = ev.encode_batch(ev.KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
             seq = self.next_seq
             self.next_seq += 1
@@ -415,7 +339,7 @@ class KvEventPublisher:
 class _Staging:
     """``with publisher.staged(...)``: the store's fields apply while it commits."""
 
-    def __init__(self, publisher: KvEventPublisher, stage: _Stage) -> None:
+    def __init__(self, publisher: KvEventPublisher, stage: Stage) -> None:
         self.publisher = publisher
         self.stage = stage
 

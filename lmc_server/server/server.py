@@ -175,7 +175,8 @@ class Server(ServerTeardown):
             )
             self.l2.start()
         if cfg.kv_events_endpoint:
-            from lmc_server.server.events import KvEventPublisher, kv_event_settings
+            from lmc_server.server.events import KvEventPublisher
+            from lmc_server.server.events_settings import kv_event_settings
 
             self.events = self.handlers.events = KvEventPublisher(
                 kv_event_settings(cfg), self.loop, cfg.chunk_size
