@@ -17,6 +17,31 @@ from lmc_server.client.core import Registration
 from lmc_server.client.shm import ShmSegment
 from lmc_server.testing.presets import KVGeometry
 
+#: Words drawn per slice by :func:`fill_random_bytes` (8 MiB: no temporary as large as
+#: the array).
+_FILL_WORDS = 1 << 20
+
+
+def fill_random_bytes(arrays: Sequence[np.ndarray], seed: int) -> None:
+    """Fill each uint8 array, in order, with seeded random bytes: the same ``seed`` gives
+    the same bytes in every process.
+
+    Drawn as 64-bit words straight from the bit generator into the array, a slice at a
+    time: every byte is still uniform and independent, at about a third of the CPU of
+    ``integers(0, 256, dtype=uint8)`` plus a copy (0.5 s instead of 1.4 s for the
+    702 MiB of a 512-block DeepSeek-V4.1-Flash KV cache, measured here); tests fill
+    hundreds of MiB each.
+    """
+    bits = np.random.PCG64(seed)
+    for a in arrays:
+        n = a.shape[0]
+        whole = n - n % 8
+        for lo in range(0, whole, _FILL_WORDS * 8):
+            hi = min(lo + _FILL_WORDS * 8, whole)
+            a[lo:hi].view(np.uint64)[:] = bits.random_raw((hi - lo) // 8)
+        if whole < n:
+            a[whole:] = np.frombuffer(bits.random_raw(1).tobytes()[: n - whole], np.uint8)
+
 
 class KVCache:
     """What every test KV cache shares: its geometry, groups, registration arguments.
@@ -83,9 +108,7 @@ class ShmKV(KVCache):
         return [s.spec for s in self.segments]
 
     def fill_random(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for s in self.segments:
-            s.array[:] = rng.integers(0, 256, size=s.size_bytes, dtype=np.uint8)
+        fill_random_bytes([s.array for s in self.segments], seed)
 
     def fill(self, value: int) -> None:
         for s in self.segments:

@@ -32,6 +32,7 @@ from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.client.shm import ShmSegment
 from lmc_server.integration.exporters import register_shm_segment, unregister_shm_segment
 from lmc_server.integration.kvlayout import KVLayout
+from lmc_server.testing.kv import fill_random_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,8 +265,7 @@ class ShmBacking:
         return dict(host_views(fx, self.segment.array))
 
     def fill_random(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.segment.array[:] = rng.integers(0, 256, size=self.size_bytes, dtype=np.uint8)
+        fill_random_bytes([self.segment.array], seed)
 
     def snapshot(self) -> np.ndarray:
         return self.segment.array.copy()
