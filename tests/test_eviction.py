@@ -9,6 +9,7 @@ import pytest
 from lmc_server.cache.eviction import POLICIES, EvictionPolicy, LRUPolicy, make_policy
 from lmc_server.cache.eviction_arc import ARCPolicy
 from lmc_server.cache.eviction_base import FrequencySketch, GhostTags
+from lmc_server.cache.eviction_names import SUMMARIES
 from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
 from lmc_server.cache.eviction_sarc import SARCPolicy
 
@@ -154,6 +155,13 @@ def test_unknown_policy_names_choices() -> None:
 def test_names_are_case_insensitive_and_documented(name: str) -> None:
     assert make_policy(name.lower()).name == name
     assert POLICIES[name].summary and "\n" not in POLICIES[name].summary
+
+
+def test_the_policies_are_the_names_the_configuration_offers() -> None:
+    """``--eviction-policy`` takes its choices and help from ``eviction_names`` (no
+    numpy); the registry of classes must name exactly those, in the same order."""
+    assert list(POLICIES) == list(SUMMARIES)
+    assert all(cls.summary == SUMMARIES[name] for name, cls in POLICIES.items())
 
 
 def test_peek_is_what_pop_returns_under_churn(policy: EvictionPolicy) -> None:

@@ -473,6 +473,13 @@ def test_a_cpu_server_without_metrics_or_events_loads_no_prometheus_torch_or_cup
     )
 
 
+def test_the_cli_loads_no_numpy_before_a_command_runs() -> None:
+    """Every ``lmcache`` call (the tests make dozens that only check a usage error) pays
+    for what the CLI module imports; numpy was two thirds of it. A command that needs
+    it (the server, the client commands) imports it when it runs."""
+    assert _loaded_after("lmc_server.cli.main", ("numpy",)) == []
+
+
 def test_testing_presets_load_no_client_or_zmq() -> None:
     """The presets are data; the shared-memory KV (client, zmq) loads on first use."""
     assert (

@@ -19,6 +19,7 @@ import numpy as np
 from lmc_server.cache.eviction_arc import ARCPolicy
 from lmc_server.cache.eviction_base import NIL as _NIL
 from lmc_server.cache.eviction_base import EvictionPolicy
+from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
 from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
 from lmc_server.cache.eviction_sarc import SARCPolicy
 
@@ -52,7 +53,7 @@ class LRUPolicy(EvictionPolicy):
     """
 
     name = "LRU"
-    summary = "least recently used first (a lookup, retrieve or released lease is a use)"
+    summary = SUMMARIES[name]
 
     def __init__(self, capacity: int = 0) -> None:
         self._prev = array("i")
@@ -239,7 +240,7 @@ class FIFOPolicy(EvictionPolicy):
     """
 
     name = "FIFO"
-    summary = "first stored, first evicted; uses do not count"
+    summary = SUMMARIES[name]
 
     def __init__(self, capacity: int = 0) -> None:
         self._seq = array("q")
@@ -316,12 +317,6 @@ class FIFOPolicy(EvictionPolicy):
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)
 }
-
-#: ``--help`` text of ``--eviction-policy``: one line per policy (``\b`` keeps click
-#: from re-wrapping them into one paragraph).
-POLICY_HELP = "Eviction policy, one of:\n\n\b\n" + "\n".join(
-    f"{name}: {cls.summary}" for name, cls in POLICIES.items()
-)
 
 
 def make_policy(name: str, capacity: int = 0) -> EvictionPolicy:

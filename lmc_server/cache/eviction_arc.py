@@ -21,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmc_server.cache.eviction_base import NIL, EvictionPolicy, GhostTags, SlotLists
+from lmc_server.cache.eviction_names import SUMMARIES
 
 _T1, _T2 = 1, 2
 
 
 class ARCPolicy(EvictionPolicy):
     name = "ARC"
-    summary = "adaptive: balances once-used (recency) against re-used (frequency) objects"
+    summary = SUMMARIES[name]
 
     def __init__(self, capacity: int = 0) -> None:
         self._lists = SlotLists(2)

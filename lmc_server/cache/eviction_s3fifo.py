@@ -24,6 +24,7 @@ from array import array
 from collections.abc import Sequence
 
 from lmc_server.cache.eviction_base import NIL, EvictionPolicy, GhostTags, SlotLists
+from lmc_server.cache.eviction_names import SUMMARIES
 
 _S, _M = 1, 2
 _MAX_FREQ = 3
@@ -33,7 +34,7 @@ SMALL_SHARE = 0.1
 
 class S3FIFOPolicy(EvictionPolicy):
     name = "S3FIFO"
-    summary = "small probationary FIFO + main FIFO + ghosts: one-time objects leave first"
+    summary = SUMMARIES[name]
 
     def __init__(self, capacity: int = 0) -> None:
         self._lists = SlotLists(2)

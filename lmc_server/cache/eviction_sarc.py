@@ -46,6 +46,7 @@ from lmc_server.cache.eviction_base import (
     GhostTags,
     SlotLists,
 )
+from lmc_server.cache.eviction_names import SUMMARIES
 
 _COLD, _WARM = 1, 2
 #: Sketch counters per slot of capacity (rounded down to a power of two in all, so
@@ -62,10 +63,7 @@ WEIGHT_STEP = 0.02
 
 class SARCPolicy(EvictionPolicy):
     name = "SARC"
-    summary = (
-        "ARC with a long-memory frequency sketch: prefixes that come back are kept "
-        "over first-time ones"
-    )
+    summary = SUMMARIES[name]
 
     def __init__(self, capacity: int = 0) -> None:
         self._lists = SlotLists(2)

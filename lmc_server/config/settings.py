@@ -13,10 +13,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from lmc_server.cache.eviction import POLICIES, POLICY_HELP
+from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
 from lmc_server.config.declare import ConfigError, check_declared, setting
 from lmc_server.net import host_problem, is_loopback, tcp_endpoint
-from lmc_server.protocol.codec import DEFAULT_MAX_FRAME_BYTES
+from lmc_server.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -80,7 +80,7 @@ class Config:
         "instead of one object per chunk.",
     )
     l1_size_gb: float | None = setting(None, _l1_help, low=0, low_open=True)  # None: machine's
-    eviction_policy: str = setting("LRU", POLICY_HELP, choices=list(POLICIES), any_case=True)
+    eviction_policy: str = setting("LRU", POLICY_HELP, choices=list(SUMMARIES), any_case=True)
     backend: str = setting(
         "auto",
         "Transfer engine: cuda (GPU workers), cpu (shared memory), auto (cuda when "

@@ -7,27 +7,13 @@ so the client can match the error to its request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 import numpy as np
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
+from lmc_server.protocol.limits import Limits
 from lmc_server.protocol.messages import Error, Reply, Request, StoreEvents
-
-#: Default largest frame accepted, in bytes. A 256-chunk lookup is ~8 KiB; a 4096-chunk
-#: store of a 5-group registration is ~0.7 MiB. The zmq socket drops peers that send
-#: frames over 4x this (hard limit, no reply possible); between the two the server
-#: answers TOO_LARGE.
-DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-MAX_CHUNKS_PER_REQUEST = 16384
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    max_chunks_per_request: int = MAX_CHUNKS_PER_REQUEST
 
 
 class _ReqIdOnly(msgspec.Struct):
