@@ -33,37 +33,51 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: How often the start-up probe reconnects while the server is not bound yet, and how
+#: long it waits for an answer before it looks at the process again.
+_PROBE_RECONNECT_MS = 10
+_PROBE_POLL_MS = 20
+
+
 def wait_for_ping(
     endpoint: str,
     timeout_s: float,
     proc: subprocess.Popen[bytes] | None = None,
     ready: bool = False,
 ) -> float:
-    """Seconds until the server at ``endpoint`` answers ping (and is ready, if asked)."""
+    """Seconds until the server at ``endpoint`` answers ping (and is ready, if asked).
+
+    One DEALER socket, connected before the server binds: zmq keeps the ping queued and
+    delivers it on the first connect that succeeds, retried every
+    ``_PROBE_RECONNECT_MS`` (zmq's default is 100 ms), so the answer comes within a few
+    milliseconds of the bind instead of at the next round of a poll-and-sleep loop. A
+    server that answers but is not ready yet is asked again; an exited one is an error.
+    """
     t0 = time.monotonic()
     ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
     try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, _PROBE_RECONNECT_MS)
+        sock.connect(endpoint)
+        ping = encode(m.Ping(req_id=1))
+        sock.send(ping)
         while True:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
-            try:
-                sock.send(encode(m.Ping(req_id=1)))
-                if sock.poll(100):
-                    reply = decode_reply(sock.recv())
-                    if isinstance(reply, m.Pong) and (reply.ready or not ready):
-                        return time.monotonic() - t0
-            finally:
-                sock.close(linger=0)
+            if sock.poll(_PROBE_POLL_MS):
+                reply = decode_reply(sock.recv())
+                if isinstance(reply, m.Pong) and (reply.ready or not ready):
+                    return time.monotonic() - t0
+                time.sleep(_PROBE_POLL_MS / 1000)  # answered, not ready yet: ask again
+                sock.send(ping)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(
                     f"server exited with status {proc.returncode} before answering ping"
                 )
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"server at {endpoint} did not answer within {timeout_s} s")
-            time.sleep(0.02)
     finally:
+        sock.close(linger=0)
         ctx.term()
 
 
