@@ -64,7 +64,7 @@ from lmc_server.transfer.cuda_lanes import (
 from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
 from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
+from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class CudaEngine(TransferEngine):
         self.staging_half_bytes = staging_half_bytes
         #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
         self._kernel_pct = kernel_pct or _nvml_reader
-        self._gates: dict[int, BusyGate] = {}
+        self._gates: dict[int, SampledGate] = {}
         #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
         #: (``make_batch_copier``: device -> copier or ``None``). On the H200 it took
         #: stores beside a GEMM engine from 48.9 to 54.2 GB/s (docs/gpu.md).
@@ -184,8 +184,8 @@ class CudaEngine(TransferEngine):
                         cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
                     )
                     if self.copy_mode == "auto":
-                        self._gates[device] = BusyGate(
-                            self._kernel_pct(device), name=f"GPU {device}"
+                        self._gates[device] = SampledGate(
+                            BusyGate(self._kernel_pct(device), name=f"GPU {device}")
                         )
                     if self.copy_mode in ("auto", "dma") and self.batch_copies:
                         self._batch[device] = self._make_batch_copier(device)
@@ -398,6 +398,9 @@ class CudaEngine(TransferEngine):
             job.done("the server is shutting down: copy not started")
 
     def close(self) -> None:
+        for gate in self._gates.values():
+            gate.close()
+        self._gates.clear()
         for lanes in list(self._lanes.values()):
             for lane in lanes.all:
                 lane.jobs.put(None)
