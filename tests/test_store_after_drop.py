@@ -28,7 +28,7 @@ from lmc_server.cache.status import ChunkStatus
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.server.handlers import Handlers
-from lmc_server.server.sessions import SessionTable
+from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import simple_model
@@ -63,7 +63,7 @@ async def _scenario(op: str) -> None:
     with ShmKV(geo) as kv:
         kv.fill_random(7)
 
-        def join(identity: bytes) -> tuple[object, bytes]:
+        def join(identity: bytes) -> tuple[Session, bytes]:
             session = sessions.get_or_create(identity, 0.0)
             h.hello(session, m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION))
             reg = h.register(session, m.Register(req_id=2, **kv.register_kwargs()))
@@ -81,8 +81,11 @@ async def _scenario(op: str) -> None:
         )
         req = h.data_request(a, msg)  # checked: the dispatcher gives it a task next ...
         h.drop_session(a, "connection closed")  # ... but the drop runs first
-        handler = h.store if op == "store" else h.retrieve
-        reply = await asyncio.wait_for(handler(a, req, PhaseClock(0.0)), 5)
+        reply: m.StoreResult | m.RetrieveResult
+        if op == "store":
+            reply = await asyncio.wait_for(h.store(a, req, PhaseClock(0.0)), 5)
+        else:
+            reply = await asyncio.wait_for(h.retrieve(a, req, PhaseClock(0.0)), 5)
         statuses = np.frombuffer(reply.statuses[0], dtype=np.uint8)
         assert (statuses == ChunkStatus.FAILED).all(), statuses
 

@@ -62,8 +62,9 @@ from lmc_server.transfer.cuda_lanes import (
     Lanes,
 )
 from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
+from lmc_server.transfer.cuda_units import Region
 from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 log = logging.getLogger(__name__)
