@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
+from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 
 class Clock:
@@ -158,3 +160,68 @@ def test_gate_stays_on_copy_engines_between_nvml_samples() -> None:
         seen.append(g.busy())
         clock.t += 0.1
     assert all(seen)
+
+
+def test_sampled_gate_reads_on_its_own_thread_and_stops() -> None:
+    """The sampler reads the reader off the caller's thread; callers only see the last
+    decision (busy until the first read), and close stops the reads."""
+    import threading
+
+    readings = iter([0] * 3 + [90] * 1000)
+    readers: set[str] = set()
+    read_count = 0
+    fourth = threading.Event()
+
+    def read() -> int:
+        nonlocal read_count
+        readers.add(threading.current_thread().name)
+        read_count += 1
+        if read_count >= 4:
+            fourth.set()
+        return next(readings)
+
+    inner = BusyGate(read, busy_pct=20, idle_pct=10, refresh_s=0.01, name="fake")
+    sampled = SampledGate(inner)
+    try:
+        assert fourth.wait(10), "the sampler never read four times"
+        # three idle readings, then busy ones: the gate follows without a caller reading
+        for _ in range(1000):
+            if sampled.busy() and sampled.last_pct == 90:
+                break
+            time.sleep(0.01)
+        assert sampled.busy() and sampled.last_pct == 90
+        assert readers == {"lmc-fake-busy"}
+    finally:
+        sampled.close()
+    after = read_count
+    time.sleep(0.05)
+    assert read_count == after  # closed: no more reads
+
+
+def test_sampled_gate_counts_a_failing_reader_as_busy() -> None:
+    import threading
+
+    calls = 0
+    raised = threading.Event()
+
+    def read() -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return 0
+        raised.set()
+        raise OSError("NVML went away")
+
+    inner = BusyGate(read, busy_pct=20, idle_pct=10, refresh_s=0.01, name="failing")
+    inner.update()  # idle
+    assert not inner.state
+    sampled = SampledGate(inner)
+    try:
+        assert raised.wait(10)
+        for _ in range(1000):
+            if sampled.busy():
+                break
+            time.sleep(0.01)
+        assert sampled.busy() and sampled.last_pct is None
+    finally:
+        sampled.close()

@@ -12,8 +12,11 @@ last part ended (the end of the ``copy`` phase).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+
+log = logging.getLogger(__name__)
 
 
 class Completion:
@@ -90,15 +93,24 @@ class Completion:
 
 
 class DoneFn:
-    """The ``done`` callback of one part (a small object rather than a closure)."""
+    """The ``done`` callback of one part (a small object rather than a closure).
 
-    __slots__ = ("_completion", "_index")
+    Only its first call counts: a second one (an engine that reported and then raised,
+    so that the caller reports the failure too) would otherwise count another part as
+    done and leave the request waiting for ever; it is logged as the bug it is."""
+
+    __slots__ = ("_completion", "_index", "_called")
 
     def __init__(self, completion: Completion, index: int) -> None:
         self._completion = completion
         self._index = index
+        self._called = False
 
     def __call__(self, error: str) -> None:
+        if self._called:
+            log.error("a copy reported its end twice (ignored; second report: %r)", error)
+            return
+        self._called = True
         self._completion._report(self._index, error)
 
 

@@ -112,10 +112,18 @@ class DataPath:
     def _submit(
         self, reg: Registration, copies: list[RunCopy], to_pool: bool, completion: Completion
     ) -> None:
-        """Hand a request's copies to the engine; a refusal is reported as its error."""
+        """Hand a request's copies to the engine; a refusal is reported as its error.
+
+        The part added here is reported on every path, or the request would wait for
+        it forever. The registration may have closed since the request was checked:
+        its session dropped while the request waited for its task to run (seen after a
+        SIGSTOP/SIGCONT of the server, when the store and the heartbeat's disconnect
+        arrive in one loop iteration), and an idle registration unmaps at once, so the
+        copy is refused, not started."""
         done = completion.part()
-        assert reg.mapping is not None
         try:
+            if reg.mapping is None or reg.closing:
+                raise TransferError("registration closed before its copy started")
             self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
             done(str(e) or "copy failed")

@@ -1,34 +1,31 @@
 """The CUDA transfer engine: pages between workers' GPU buffers and the pinned pool.
 
-Two copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md):
-
-``staging`` (default)
-    Store: a short SM gather of the request's pages into a GPU staging buffer, then one
-    DMA per contiguous pool range (the copy engines, no SMs). Retrieve: DMA into staging,
-    then an SM scatter into the pages. Requests are cut into pieces that fill one half
-    of a double-buffered staging area, on two streams, so the gather of piece k+1 runs
-    while piece k is on the wire. SM time is a few percent of the transfer.
-``mapped``
-    One kernel reads the pages and writes the mapped pinned pool directly over PCIe
-    (or the reverse). No staging memory, but SMs are busy for the whole transfer.
+Four copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md): ``dma``
+(the GPU's copy engines alone, 1-D rows in one ``cuMemcpyBatchAsync`` call where the
+driver takes it, :mod:`~lmc_server.transfer.cuda_dma_plan`); ``staging`` (a short SM
+gather of the pages into a GPU staging half, then one DMA per contiguous pool range, in
+double-buffered pieces so the gather of piece k+1 runs while piece k is on the wire; the
+reverse for a retrieve); ``mapped`` (one kernel reads the pages and writes the mapped
+pinned pool over PCIe, or the reverse); and ``auto`` (default): ``dma`` while other
+processes' kernels hold the GPU, ``staging`` while it is idle
+(:mod:`~lmc_server.transfer.gpu_activity`), because an engine beside the server loses
+8-20 % to the server's kernels and almost nothing to copy-engine DMAs.
 
 A request is planned whole before anything is launched: every range is checked, and
-the plan is one row per (layer run, chunk) plus the block ids (``cuda_plan``); the
-kernels compute page addresses on the GPU, so planning costs a fixed ~0.1 ms whatever
-the batch size, and the whole request is enqueued at once (one upload, then per staging
-piece: gather, DMA(s), events). Each concurrent request takes a *lane* of its GPU (two
-streams, staging halves, pinned and device unit buffers, events), so the per-request
-objects are allocated once and reused. ``store``/``retrieve`` block until the copy is
-complete: by default (``wait="hybrid"``) the thread sleeps until shortly before the
-expected end and then polls the event for at most 0.3 ms; ``wait="block"`` sleeps on a
-blocking-sync event throughout (no polling, ~0.15 ms later wake-up). Ordering with the
-worker: a worker sends a store only once its writes to the pages are complete (it waits
-for an event behind them off its engine thread, ``client.cuda.stream_done``), so a
-store's copy starts at once; the server never touches the worker's streams. A
-retrieve returns only after its last write completed, so the reply itself tells the
-worker the pages are ready. (Passing an interprocess event for the server's stream to
-wait on was tried and dropped: on the H200 the imported event did not reliably order
-the copy after the worker's write; docs/gpu.md.)
+the plan is one row per (layer run, chunk) plus the block ids
+(:mod:`~lmc_server.transfer.cuda_units`); the kernels compute page addresses on the GPU,
+so planning costs a fixed ~0.1 ms whatever the batch size, and the whole request is
+enqueued at once. Each concurrent request takes a *lane* of its GPU (two streams,
+staging halves, pinned and device unit buffers, events), so the per-request objects are
+allocated once and reused. A lane's waiter thread waits for the GPU
+(:mod:`~lmc_server.transfer.cuda_wait`), reports the copy and passes the lane on.
+Ordering with the worker: a worker sends a store only once its writes to the pages are
+complete (it waits for an event behind them off its engine thread,
+``client.cuda.stream_done``), so a store's copy starts at once; the server never touches
+the worker's streams. A retrieve is reported only after its last write completed, so
+the reply itself tells the worker the pages are ready. (Passing an interprocess event
+for the server's stream to wait on was tried and dropped: on the H200 the imported event
+did not reliably order the copy after the worker's write; docs/gpu.md.)
 """
 
 from __future__ import annotations
@@ -62,9 +59,11 @@ from lmc_server.transfer.cuda_lanes import (
     Lanes,
 )
 from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization
+from lmc_server.transfer.cuda_units import Region
+from lmc_server.transfer.cuda_wait import WAIT_MODES, wait_for_lane
+from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +74,6 @@ MAPPED_THREADS = 512
 MAPPED_BLOCKS = 64
 #: The first staging piece: a short gather, so the first DMA starts early.
 FIRST_PIECE_BYTES = 8 * MIB
-#: How ``store``/``retrieve`` wait for the GPU: ``block`` sleeps in
-#: ``cudaEventSynchronize`` on a blocking-sync event; ``hybrid`` (default) sleeps
-#: (``time.sleep``) until shortly before the copy's expected end at ``EXPECTED_BPS`` and
-#: then polls the event, yielding the GIL between polls, for at most ``SPIN_S`` before
-#: falling back to the blocking wait. Measured on the H200 (docs/gpu.md): the blocking
-#: wait's wake-up added ~0.15 ms to every call, the hybrid wait ~0.02 ms; the price is
-#: at most ``SPIN_S`` of one core per call.
-WAIT_MODES = ("block", "hybrid")
-EXPECTED_BPS = 55e9
-SPIN_S = 300e-6
-WAKE_MARGIN_S = 150e-6
 
 
 def _nvml_reader(device: int) -> Callable[[], int | None]:
@@ -122,7 +110,7 @@ class CudaEngine(TransferEngine):
         self.staging_half_bytes = staging_half_bytes
         #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
         self._kernel_pct = kernel_pct or _nvml_reader
-        self._gates: dict[int, BusyGate] = {}
+        self._gates: dict[int, SampledGate] = {}
         #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
         #: (``make_batch_copier``: device -> copier or ``None``). On the H200 it took
         #: stores beside a GEMM engine from 48.9 to 54.2 GB/s (docs/gpu.md).
@@ -184,8 +172,8 @@ class CudaEngine(TransferEngine):
                         cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
                     )
                     if self.copy_mode == "auto":
-                        self._gates[device] = BusyGate(
-                            self._kernel_pct(device), name=f"GPU {device}"
+                        self._gates[device] = SampledGate(
+                            BusyGate(self._kernel_pct(device), name=f"GPU {device}")
                         )
                     if self.copy_mode in ("auto", "dma") and self.batch_copies:
                         self._batch[device] = self._make_batch_copier(device)
@@ -333,7 +321,7 @@ class CudaEngine(TransferEngine):
         while (job := lane.jobs.get()) is not None:
             err = ""
             try:
-                self._wait(lane, job.nbytes, job.t_planned)
+                wait_for_lane(lane, job.nbytes, job.t_planned, self.wait)
             except CUDA_ERRORS as e:
                 lane.drain()
                 err = f"CUDA copy failed: {e}"
@@ -360,19 +348,6 @@ class CudaEngine(TransferEngine):
             except TransferError as e:
                 job.done(str(e))
 
-    def _wait(self, lane: Lane, nbytes: int, t_start: float) -> None:
-        """Block until ``lane.done`` has completed (see ``WAIT_MODES``)."""
-        if self.wait == "hybrid":
-            sleep_s = t_start + nbytes / EXPECTED_BPS - WAKE_MARGIN_S - time.perf_counter()
-            if sleep_s > 0:
-                time.sleep(sleep_s)
-            deadline = time.perf_counter() + SPIN_S
-            while time.perf_counter() < deadline:
-                if lane.done.done:
-                    return
-                time.sleep(0)
-        lane.done.synchronize()
-
     def _batch_refused(self, plan: DmaPlan, why: str) -> None:
         """Count (and now and then log) a batch call the driver refused."""
         self.batch_fallbacks += 1
@@ -398,6 +373,9 @@ class CudaEngine(TransferEngine):
             job.done("the server is shutting down: copy not started")
 
     def close(self) -> None:
+        for gate in self._gates.values():
+            gate.close()
+        self._gates.clear()
         for lanes in list(self._lanes.values()):
             for lane in lanes.all:
                 lane.jobs.put(None)

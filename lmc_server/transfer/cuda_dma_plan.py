@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.cuda_plan import (
+from lmc_server.transfer.cuda_units import (
     BLOCK_STRIDE,
     IDS_OFFSET,
     LAYER_STRIDE,

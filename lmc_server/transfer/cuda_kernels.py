@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_plan import UNIT_WORDS
+from lmc_server.transfer.cuda_units import UNIT_WORDS
 
 SOURCE = "copy_pages.cu"
 #: Bytes per unit row (``cuda_plan.UNIT_WORDS`` int64 words).

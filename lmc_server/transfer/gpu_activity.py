@@ -190,24 +190,84 @@ class BusyGate:
         self.last_pct: int | None = None
 
     def busy(self) -> bool:
+        """The current decision, reading ``read_pct`` first if ``refresh_s`` passed."""
         now = self._clock()
         if now - self._checked_at >= self.refresh_s:
-            self._checked_at = now
-            pct = self._read()
-            self.last_pct = pct
-            was = self._busy
-            if pct is None:
-                self._busy = True
-            elif self._busy:
-                self._busy = pct >= self.idle_pct
-            else:
-                self._busy = pct >= self.busy_pct
-            if self._busy != was:
-                log.info(
-                    "%s %s (kernels %s%% of the time): copies use %s",
-                    self.name,
-                    "busy" if self._busy else "idle",
-                    "?" if pct is None else pct,
-                    "the copy engines" if self._busy else "SM staging",
-                )
+            self.update(now)
         return self._busy
+
+    def force_busy(self) -> None:
+        """Count the GPU as busy until the next read (a reader that raised)."""
+        self._busy = True
+        self.last_pct = None
+
+    @property
+    def state(self) -> bool:
+        """The last decision, without reading."""
+        return self._busy
+
+    def update(self, now: float | None = None) -> bool:
+        """Read ``read_pct`` now and decide, with hysteresis."""
+        self._checked_at = self._clock() if now is None else now
+        pct = self._read()
+        self.last_pct = pct
+        was = self._busy
+        if pct is None:
+            self._busy = True
+        elif self._busy:
+            self._busy = pct >= self.idle_pct
+        else:
+            self._busy = pct >= self.busy_pct
+        if self._busy != was:
+            log.info(
+                "%s %s (kernels %s%% of the time): copies use %s",
+                self.name,
+                "busy" if self._busy else "idle",
+                "?" if pct is None else pct,
+                "the copy engines" if self._busy else "SM staging",
+            )
+        return self._busy
+
+
+class SampledGate:
+    """A :class:`BusyGate` read on a thread of its own every ``refresh_s``, so that no
+    copy waits for NVML.
+
+    ``nvmlDeviceGetProcessUtilization`` is slow: in a py-spy profile of the server on
+    the H200 (15:28Z, one request at a time, docs/gpu.md), the reads that
+    ``BusyGate.busy`` made on the event loop every 0.1 s were a fifth of the event
+    loop's time, and every request behind a read waited for it. Here a copy only reads
+    the last decision (a bool, set by the sampler alone); until the first sample the
+    gate says busy, which picks the copy engines, never a wrong byte. ctypes releases the
+    GIL during the NVML call, so the sampler does not hold up the event loop either.
+    """
+
+    def __init__(self, gate: BusyGate) -> None:
+        self.gate = gate
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lmc-{gate.name}-busy", daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self.gate.state
+
+    @property
+    def last_pct(self) -> int | None:
+        return self.gate.last_pct
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.gate.update()
+            except Exception:  # a failing reader must not end sampling: unknown is busy
+                log.exception(
+                    "%s: reading GPU activity failed; counting it as busy", self.gate.name
+                )
+                self.gate.force_busy()
+            if self._stop.wait(self.gate.refresh_s):
+                return
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)

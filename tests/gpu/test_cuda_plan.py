@@ -18,7 +18,8 @@ from lmc_server.testing.presets import dsv41_flash
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
 from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
-from lmc_server.transfer.cuda_plan import Plan, Region, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_units import Region
 
 SLAB = 16 << 20
 
