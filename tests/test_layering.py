@@ -20,6 +20,7 @@ included; the table above already keeps circles from crossing layers).
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +176,16 @@ def layer_of(module: str) -> str:
 def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
     """Every (line, absolute module name) a file imports, anywhere in it. For
     ``from pkg import name`` both ``pkg`` and ``pkg.name`` are candidates; the caller
-    keeps ``pkg.name`` when it is a module of the package (a submodule import)."""
+    keeps ``pkg.name`` when it is a module of the package (a submodule import).
+
+    Parsed once per file version (path, size, mtime): six tests scan the whole package,
+    and parsing it is most of their time."""
+    st = path.stat()
+    return list(_imports(path, root, st.st_size, st.st_mtime_ns))
+
+
+@functools.cache
+def _imports(path: Path, root: Path, _size: int, _mtime_ns: int) -> tuple[tuple[int, str], ...]:
     mod = module_name(path, root)
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out: list[tuple[int, str]] = []
@@ -191,7 +201,7 @@ def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 out.append((node.lineno, sub if _is_module(sub) else target))
-    return sorted(set(out))
+    return tuple(sorted(set(out)))
 
 
 def _is_module(name: str) -> bool:
