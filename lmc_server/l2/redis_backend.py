@@ -1,8 +1,11 @@
-"""The Redis / Valkey adapter: redis-py, pipelined, on the adapter's own threads.
+"""The Redis / Valkey adapter: redis-py connections, pipelined, on the adapter's own threads.
 
-Reads are ``MGET`` (one command per batch of keys), writes one pipeline of ``SET`` per
-batch (no MULTI/EXEC, the writes are independent), sent straight from the L1 slots
-(``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
+A prefetch reads into the L1 slots (``reads_into_slots``): the headers first
+(:meth:`RedisBackend.heads`), then pipelined ``GET`` whose replies our own RESP reader
+receives straight into the reserved slots, checked there (:mod:`lmc_server.l2.redis_reads`);
+``get_many`` (``MGET``) stays for callers that want values. Writes are one pipeline of
+``SET`` per batch (no MULTI/EXEC, the writes are independent), sent straight from the L1
+slots (``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
 on the adapter's own threads, ``connections`` (``--l2-connections``, default 1) for
 reads and as many for writes (so a prefetch never queues behind a write-behind batch;
 with more than one, each batch is split across them and sent over parallel
@@ -30,8 +33,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
+from lmc_server.l2 import codec, redis_reads
+from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
+from lmc_server.l2.resp import RespProtocolError, RespReplyError
 from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
@@ -59,6 +63,7 @@ def _split(seq: Sequence[T], most: int) -> list[Sequence[T]]:
 class RedisBackend(L2Backend):
     name = "redis"
     writes_from_slots = True
+    reads_into_slots = True
 
     def __init__(
         self, url: str, password: str | None = None, timeout_s: float = 2.0, connections: int = 1
@@ -89,6 +94,7 @@ class RedisBackend(L2Backend):
             retry_on_timeout=False,
             health_check_interval=0,
             decode_responses=False,
+            protocol=2,  # what redis_reads parses (redis-py 8 would ask for RESP3)
             max_connections=2 * self.connections + 1,
         )
 
@@ -180,6 +186,60 @@ class RedisBackend(L2Backend):
             )
         )
 
+    def _on_conn(
+        self, client: Any, fn: Callable[[Any, Sequence[Any]], list[T]], part: Sequence[Any]
+    ) -> list[T]:
+        """``fn(connection, part)`` on one pooled connection (a read thread); a
+        connection that failed mid-stream is disconnected, never reused out of step."""
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return fn(conn, part)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    async def heads(self, keys: Sequence[bytes]) -> list[Head | None]:
+        if self._client is None:
+            raise L2Error("redis: not connected")
+        parts = await self._on_parts("head", redis_reads.read_heads, keys)
+        return [h for part in parts for h in part]
+
+    async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
+        if self._client is None:
+            raise L2Error("redis: not connected")
+        parts = await self._on_parts("get", redis_reads.read_values, reads)
+        return [r for part in parts for r in part]
+
+    async def _on_parts(
+        self, op: str, fn: Callable[[Any, Sequence[Any]], list[T]], items: Sequence[Any]
+    ) -> list[list[T]]:
+        """``fn`` over ``items`` split across the read connections, in parallel.
+
+        Returns or raises only once every part's thread is done (also when cancelled:
+        a thread may be receiving into a slot, which must stay reserved until then)."""
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.run_in_executor(self._reads, self._on_conn, self._client, fn, part)
+            for part in _split(items, self.connections)
+        ]
+        try:
+            await asyncio.shield(asyncio.wait(jobs))
+        except asyncio.CancelledError:
+            await asyncio.wait(jobs)
+            raise
+        for j in jobs:
+            e = j.exception()
+            if e is not None:
+                if isinstance(e, RespReplyError | RespProtocolError):
+                    raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
+                if isinstance(e, RedisError | OSError | TimeoutError):
+                    raise _error(op, e) from None
+                raise e
+        return [j.result() for j in jobs]
+
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
@@ -210,12 +270,12 @@ class RedisBackend(L2Backend):
                 pass
 
     async def shutdown(self) -> None:
-        """Close, then wait for the threads that read L1 slots (writes from slots,
-        checksums): the engine unmaps the pool after this returns, and a thread still
-        sending from a slot would read unmapped memory (each blocks at most the
-        socket timeout)."""
+        """Close, then wait for the threads that touch L1 slots (reads into slots,
+        writes from slots, checksums): the engine unmaps the pool after this returns,
+        and a thread still receiving into or sending from a slot would touch unmapped
+        memory (each blocks at most the socket timeout)."""
         await self.close()
-        self._reads.shutdown(wait=False)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._reads.shutdown, True)
         await loop.run_in_executor(None, self._writes.shutdown, True)
         await loop.run_in_executor(None, self._hash.shutdown, True)
