@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 
 from lmc_server.client import Client, chunk_digests
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Error, SlotRead
+from lmc_server.l2.backend import L2Error, SlotObject, SlotRead
 from lmc_server.l2.redis_backend import RedisBackend
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import block_ids_for
@@ -155,6 +156,9 @@ class CuttingStore:
         self.values = dict(values)
         self.cut = True
         self.cuts = 0
+        self.refuse: set[bytes] = set()  # SET of these keys: an error reply at once
+        self.slow_s: dict[bytes, float] = {}  # SET of these keys: reply after a delay
+        self.set_replied_s: list[float] = []  # monotonic time of each SET's +OK
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -211,8 +215,13 @@ class CuttingStore:
                 lead = b"" if cmd == b"GET" else b"*1\r\n"
                 conn.sendall(lead + b"$%d\r\n%b\r\n" % (len(v), v))
         elif cmd == b"SET":
+            if args[1] in self.refuse:
+                conn.sendall(b"-OOM command not allowed when used memory > 'maxmemory'\r\n")
+                return True
+            time.sleep(self.slow_s.get(args[1], 0.0))
             self.values[args[1]] = args[2]
             conn.sendall(b"+OK\r\n")
+            self.set_replied_s.append(time.monotonic())
         else:  # CLIENT SETINFO, SELECT, ...
             conn.sendall(b"+OK\r\n")
         return True
@@ -351,3 +360,39 @@ def test_get_into_on_a_dead_store_raises_unavailable() -> None:
             store.close()
 
     asyncio.run(go())
+
+
+def test_put_slots_returns_only_once_every_connection_is_done_with_the_slots() -> None:
+    """One connection's share refused at once, the other's still being sent: the call
+    must not return (and the writer unpin the slots) while a thread still sends from
+    them. It returned at the first refusal before the fix."""
+    pool = np.random.default_rng(5).integers(0, 256, 4 * 200_000, dtype=np.uint8)
+    objs = [
+        SlotObject(
+            codec.l2_key(SPACE, _ck(i)),
+            SPACE,
+            _ck(i),
+            0,
+            pool[i * 200_000 : (i + 1) * 200_000].data,
+        )
+        for i in range(4)
+    ]
+
+    async def go(store: CuttingStore) -> None:
+        b = RedisBackend(store.url, timeout_s=5.0, connections=2)
+        await b.connect()
+        store.refuse = {objs[0].key}  # the first share: objects 0 and 1
+        store.slow_s = {objs[2].key: 0.5}  # the second share: objects 2 and 3
+        with pytest.raises(L2Error) as refused:
+            await b.put_slots(objs)
+        returned_s = time.monotonic()
+        assert not refused.value.unavailable and "maxmemory" in str(refused.value)
+        assert len(store.set_replied_s) == 3, "the second share was not sent whole"
+        assert max(store.set_replied_s) <= returned_s
+        await b.shutdown()
+
+    store = CuttingStore({})
+    try:
+        asyncio.run(go(store))
+    finally:
+        store.close()

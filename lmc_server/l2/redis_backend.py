@@ -21,6 +21,7 @@ loop is never blocked. redis-py's own retries are off: a failed call surfaces at
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from redis.retry import Retry
 
 from lmc_server.l2 import codec, redis_reads
 from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
-from lmc_server.l2.resp import RespProtocolError, RespReplyError
+from lmc_server.l2.resp import RespProtocolError
 from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
@@ -179,15 +180,10 @@ class RedisBackend(L2Backend):
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await asyncio.gather(
-            *(
-                self._call(self._writes, "set", self._send_slots, self._client, part)
-                for part in _split(objects, self.connections)
-            )
-        )
+        await self._on_parts(self._writes, "set", self._send_slots, objects)
 
     def _on_conn(
-        self, client: Any, fn: Callable[[Any, Sequence[Any]], list[T]], part: Sequence[Any]
+        self, fn: Callable[[Any, Sequence[Any]], list[T]], client: Any, part: Sequence[Any]
     ) -> list[T]:
         """``fn(connection, part)`` on one pooled connection (a read thread); a
         connection that failed mid-stream is disconnected, never reused out of step."""
@@ -204,25 +200,33 @@ class RedisBackend(L2Backend):
     async def heads(self, keys: Sequence[bytes]) -> list[Head | None]:
         if self._client is None:
             raise L2Error("redis: not connected")
-        parts = await self._on_parts("head", redis_reads.read_heads, keys)
+        fn = functools.partial(self._on_conn, redis_reads.read_heads)
+        parts = await self._on_parts(self._reads, "head", fn, keys)
         return [h for part in parts for h in part]
 
     async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
         if self._client is None:
             raise L2Error("redis: not connected")
-        parts = await self._on_parts("get", redis_reads.read_values, reads)
+        fn = functools.partial(self._on_conn, redis_reads.read_values)
+        parts = await self._on_parts(self._reads, "get", fn, reads)
         return [r for part in parts for r in part]
 
     async def _on_parts(
-        self, op: str, fn: Callable[[Any, Sequence[Any]], list[T]], items: Sequence[Any]
-    ) -> list[list[T]]:
-        """``fn`` over ``items`` split across the read connections, in parallel.
+        self,
+        pool: ThreadPoolExecutor,
+        op: str,
+        fn: Callable[[Any, Sequence[Any]], T],
+        items: Sequence[Any],
+    ) -> list[T]:
+        """``fn(client, part)`` for ``items`` split across the connections, in parallel
+        on ``pool``; the first failure raised as :class:`L2Error`.
 
-        Returns or raises only once every part's thread is done (also when cancelled:
-        a thread may be receiving into a slot, which must stay reserved until then)."""
+        Returns or raises only once every part's thread is done, also when one part
+        failed early or the caller is cancelled: a thread may still be receiving into
+        or sending from an L1 slot, which stays reserved or pinned until this returns."""
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._reads, self._on_conn, self._client, fn, part)
+            loop.run_in_executor(pool, fn, self._client, part)
             for part in _split(items, self.connections)
         ]
         try:
@@ -232,11 +236,11 @@ class RedisBackend(L2Backend):
             raise
         for j in jobs:
             e = j.exception()
+            if isinstance(e, RespProtocolError):
+                raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
+            if isinstance(e, RedisError | OSError | TimeoutError):
+                raise _error(op, e) from None
             if e is not None:
-                if isinstance(e, RespReplyError | RespProtocolError):
-                    raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
-                if isinstance(e, RedisError | OSError | TimeoutError):
-                    raise _error(op, e) from None
                 raise e
         return [j.result() for j in jobs]
 
