@@ -4,8 +4,9 @@ For a backend with ``reads_into_slots`` (Redis), :class:`~lmc_server.l2.prefetch
 hands each batch of chunks here instead of reading values and copying them. Per batch:
 
 1. the headers of the objects L1 lacks (:meth:`L2Backend.heads`, one small round
-   trip), checked on the loop (:func:`lmc_server.l2.codec.check_head`): a missing or
-   refused value reserves nothing;
+   trip, while the previous batch is still being received), checked on the loop
+   (:func:`lmc_server.l2.codec.check_head`): a missing or refused value reserves
+   nothing;
 2. a WRITING slot per object worth reading, through the index (as a store reserves);
 3. the backend receives each value into its slot and verifies header, mask and
    checksum on its threads (:meth:`L2Backend.get_into`, which returns only once no
@@ -22,7 +23,9 @@ object group L2 cannot supply.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +36,9 @@ from lmc_server.l2.backend import Head, L2Backend, SlotRead, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
+#: Batches being received at once (each at most the prefetch's ``READ_BATCH_BYTES`` of
+#: reserved slots).
+BATCHES_IN_FLIGHT = 2
 #: (object group, chunk, mask, value or its header, L2 key) of a value worth reading.
 Good = tuple[int, int, int, Value, bytes]
 
@@ -80,32 +86,52 @@ class SlotFetcher:
         bad: list[bytes],
     ) -> tuple[int, int]:
         """Every batch in chunk order; returns how many leading chunks L1 now has (or
-        L2 had) and how many objects were committed; ``bad`` gets refused keys."""
+        L2 had) and how many objects were committed; ``bad`` gets refused keys.
+
+        Two batches in flight: batch i+1's headers are read, its slots reserved and its
+        values requested while batch i's are still being received, so no connection
+        idles at the end of a batch waiting for the slowest share. (A value found
+        damaged only while being received, in batch i, may leave batch i+1's verified
+        objects committed past the hole: valid, unreachable until it is filled.)"""
         n = len(keys)
         end, committed = n, 0
-        for first in range(0, n, per_batch):
-            if first >= end:
-                break
-            batch = range(first, min(n, first + per_batch))
-            wanted = [
-                (
-                    og.index,
-                    i,
-                    spaces[og.index],
-                    codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
-                )
-                for og in view.layout.object_groups
-                for i in self.index.missing(view, og.index, keys, batch)
-            ]
-            if not wanted:
-                continue
-            heads = await self.backend.heads([w[3] for w in wanted])
-            good, end = self._check(view, keys, wanted, heads, end, bad)
-            reserved, end = self.reserve(view, keys, [g for g in good if g[1] < end], end)
-            if reserved:
-                done, bad_at = await self._read(view, namespace, spaces, keys, reserved, bad)
+        inflight: deque[asyncio.Task[tuple[int, int]]] = deque()
+        loop = asyncio.get_running_loop()
+        try:
+            for first in range(0, n, per_batch):
+                if first >= end:
+                    break
+                batch = range(first, min(n, first + per_batch))
+                wanted = [
+                    (
+                        og.index,
+                        i,
+                        spaces[og.index],
+                        codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
+                    )
+                    for og in view.layout.object_groups
+                    for i in self.index.missing(view, og.index, keys, batch)
+                ]
+                if not wanted:
+                    continue
+                heads = await self.backend.heads([w[3] for w in wanted])
+                good, end = self._check(view, keys, wanted, heads, end, bad)
+                reserved, end = self.reserve(view, keys, [g for g in good if g[1] < end], end)
+                if reserved:
+                    inflight.append(
+                        loop.create_task(self._read(view, namespace, spaces, keys, reserved, bad))
+                    )
+                while len(inflight) >= BATCHES_IN_FLIGHT:
+                    done, bad_at = await inflight.popleft()
+                    committed += done
+                    end = min(end, bad_at)
+            while inflight:
+                done, bad_at = await inflight.popleft()
                 committed += done
                 end = min(end, bad_at)
+        finally:
+            if inflight:  # failed or cancelled: the other reads end (commit or abort) first
+                await asyncio.wait(inflight)
         return end, committed
 
     def _check(

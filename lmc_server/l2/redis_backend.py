@@ -82,6 +82,9 @@ class RedisBackend(L2Backend):
         self.connections = connections
         self._client: Any = None
         self._reads = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-r")
+        #: Header reads of the next prefetch batch, while the read threads receive the
+        #: current one (one more connection).
+        self._heads = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-redis-q")
         self._writes = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-w")
         self._hash = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="lmc-l2-redis-h")
 
@@ -96,7 +99,7 @@ class RedisBackend(L2Backend):
             health_check_interval=0,
             decode_responses=False,
             protocol=2,  # what redis_reads parses (redis-py 8 would ask for RESP3)
-            max_connections=2 * self.connections + 1,
+            max_connections=2 * self.connections + 2,  # reads, writes, headers, connect
         )
 
     async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
@@ -201,7 +204,7 @@ class RedisBackend(L2Backend):
         if self._client is None:
             raise L2Error("redis: not connected")
         fn = functools.partial(self._on_conn, redis_reads.read_heads)
-        parts = await self._on_parts(self._reads, "head", fn, keys)
+        parts = await self._on_parts(self._heads, "head", fn, keys, parts=1)
         return [h for part in parts for h in part]
 
     async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
@@ -217,9 +220,11 @@ class RedisBackend(L2Backend):
         op: str,
         fn: Callable[[Any, Sequence[Any]], T],
         items: Sequence[Any],
+        parts: int = 0,
     ) -> list[T]:
-        """``fn(client, part)`` for ``items`` split across the connections, in parallel
-        on ``pool``; the first failure raised as :class:`L2Error`.
+        """``fn(client, part)`` for ``items`` split across the connections (or into
+        ``parts``), in parallel on ``pool``; the first failure raised as
+        :class:`L2Error`.
 
         Returns or raises only once every part's thread is done, also when one part
         failed early or the caller is cancelled: a thread may still be receiving into
@@ -227,7 +232,7 @@ class RedisBackend(L2Backend):
         loop = asyncio.get_running_loop()
         jobs = [
             loop.run_in_executor(pool, fn, self._client, part)
-            for part in _split(items, self.connections)
+            for part in _split(items, parts or self.connections)
         ]
         try:
             await asyncio.shield(asyncio.wait(jobs))
@@ -281,5 +286,6 @@ class RedisBackend(L2Backend):
         await self.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._reads.shutdown, True)
+        self._heads.shutdown(wait=False)  # touches no slot
         await loop.run_in_executor(None, self._writes.shutdown, True)
         await loop.run_in_executor(None, self._hash.shutdown, True)
