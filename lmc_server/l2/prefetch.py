@@ -14,7 +14,9 @@ into the slot run on the tier's threads; then the index commits each object, or 
 it if its checksum failed, from the last chunk to the first as a store's commit does,
 so chunk 0 is evicted last. A half-written object is never visible and a value that
 fails any check is never served. (A prefetch larger than one read batch commits batch
-by batch, in chunk order, so the batches stay visible as they land.)
+by batch, in chunk order, so the batches stay visible as they land.) A backend that
+receives values into the slots itself (``reads_into_slots``: Redis) reads headers
+first and reserves before the read instead: :mod:`lmc_server.l2.prefetch_slots`.
 
 Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
 (even after part of it landed and the hit grew) starts nothing and reports what is
