@@ -14,6 +14,8 @@
 #   latency.json     bench latency (control path vs a pyzmq echo)
 #   l2.json          bench l2 (the L2 tier vs redis-py on the same bytes; needs
 #                    redis-server on PATH, e.g. carried: scripts/carry-redis.sh)
+#   l2-c4.json, l2-c8.json, l2-c8-io4.json   the same with 4 and 8 connections, and
+#                    8 connections to a redis-server with 4 I/O threads
 # Speed is reported, never asserted; the commands exit non-zero only on wrong bytes or
 # failed checks.
 set -uo pipefail
@@ -63,5 +65,12 @@ if [ "$what" = all ] || [ "$what" = l2 ]; then
   bench l2 --rounds 5 --repeats 7 --json "$out/l2.json" || status=1
   bench l2 --chunks 256 --l1-size-gb 4 --rounds 3 --repeats 3 --latency-chunks 16 \
     --json "$out/l2-256.json" || status=1
+  # Connections, and redis-server's I/O threads (Redis 7 uses them only while at least
+  # twice as many clients have replies pending: 8 connections for 4 threads).
+  for c in 4 8; do
+    bench l2 --rounds 3 --repeats 5 --l2-connections $c --json "$out/l2-c$c.json" || status=1
+  done
+  bench l2 --rounds 3 --repeats 5 --l2-connections 8 --redis-io-threads 4 \
+    --json "$out/l2-c8-io4.json" || status=1
 fi
 exit $status

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmc_server.testing.redis_process import redis_server_path
+from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":
@@ -109,3 +109,20 @@ def test_bench_l2_replay_smoke(tmp_path: Path) -> None:
     assert rows["L1 only"]["l2_hit_ratio"] == 0
     assert rows["L1 + L2"]["l2_invalid"] == 0
     assert rows["L1 + L2"]["l2_hit_ratio"] > 0
+
+
+def test_redis_io_threads_start_a_threaded_redis_and_refuse_a_given_url() -> None:
+    """``--redis-io-threads N`` reaches the redis-server the bench starts; with
+    ``--redis-url`` (a store it does not start) it is refused before anything runs."""
+    with RedisProcess(io_threads=3) as r, r.client() as c:
+        assert c.config_get("io-threads") == {"io-threads": "3"}
+        assert c.config_get("io-threads-do-reads") == {"io-threads-do-reads": "yes"}
+        url = r.url
+    res = subprocess.run(
+        [sys.executable, "-m", "lmc_server", "bench", "l2", "--redis-io-threads", "4"]
+        + ["--redis-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "--redis-io-threads" in res.stderr, res.stderr

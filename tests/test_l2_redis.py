@@ -473,20 +473,30 @@ def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
     digests = chunk_digests(tokens(90, n), CHUNK)
     with RedisProcess(password="s3cret-pw", tls_dir=str(tmp_path)) as r:
         assert r.url.startswith("rediss://")
-        with ServerProcess(
-            [*ARGS, "--l2", r.url, "--l2-password-file", str(pw)],
-            l1_size_gb=0.25,
-            env={"LMCACHE_L2_PASSWORD": "wrong"},
-        ) as a:
+        with (
+            ServerProcess(
+                [*ARGS, "--l2", r.url, "--l2-password-file", str(pw)],
+                l1_size_gb=0.25,
+                env={"LMCACHE_L2_PASSWORD": "wrong"},
+            ) as a,
+            ServerProcess(
+                [*ARGS, "--l2", r.url, "--l2-password-file", str(pw)], l1_size_gb=0.25
+            ) as b,
+        ):
             w = Worker(a.endpoint, seed=15)
+            wb = Worker(b.endpoint, seed=0)
             try:
                 wait_for(lambda: l2_stats(w.client).state == "up", "connected over TLS")
-                w.store(digests, block_seed=2)
+                ids = w.store(digests, block_seed=2)
                 wait_written(w.client, 2 * n)
                 assert len(_l2_keys(r)) == 2 * n
                 assert "s3cret-pw" not in a.log()
+                # B reads them over TLS, received into its slots through the TLS socket.
+                wait_for(lambda: l2_stats(wb.client).state == "up", "B connected over TLS")
+                retrieve_exact(wb, w, ids, digests, n)
             finally:
                 w.close()
+                wb.close()
 
 
 def test_wrong_password_is_degraded_not_fatal() -> None:

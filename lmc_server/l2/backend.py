@@ -40,6 +40,37 @@ class SlotObject:
         return codec.HEADER_BYTES + len(self.payload)
 
 
+@dataclass(frozen=True, slots=True)
+class SlotRead:
+    """One value to be received straight into its reserved L1 slot
+    (:meth:`L2Backend.get_into`).
+
+    ``dest`` is a view of the slot (``object_bytes`` long), reserved WRITING by the
+    prefetch, invisible, until the call that received it returned; ``mask`` is the
+    section mask the reservation was made for (from the value's header, read ahead).
+    """
+
+    key: bytes  # the L2 key
+    space: bytes
+    chunk_key: bytes
+    mask: int
+    dest: memoryview
+
+    @property
+    def value_bytes(self) -> int:
+        return codec.HEADER_BYTES + len(self.dest)
+
+
+#: What :meth:`L2Backend.get_into` says of one value: ``True``, received into its slot
+#: and verified (header, mask, checksum); ``None``, absent (or replaced by a value of
+#: other sections since its header was read); an :class:`~lmc_server.l2.codec.Invalid`,
+#: refused for that reason. Only ``True`` may be committed.
+ReadResult = bool | codec.Invalid | None
+#: The start of a value, as :meth:`L2Backend.heads` returns it: its first bytes (at
+#: most ``HEADER_BYTES``) and its length.
+Head = tuple[bytes, int]
+
+
 class L2Error(Exception):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
 
@@ -67,6 +98,22 @@ class L2Backend(ABC):
     @abstractmethod
     async def connect(self) -> None:
         """Open (or re-open) the connection and check the store answers."""
+
+    #: ``True``: prefetches read headers first (:meth:`heads`), reserve L1 slots for
+    #: the values worth reading, and have the adapter receive each value into its slot
+    #: (:meth:`get_into`) instead of :meth:`get_many` (no copy of its own).
+    reads_into_slots = False
+
+    async def heads(self, keys: Sequence[bytes]) -> list[Head | None]:
+        """The first bytes and length of each key's value, ``None`` where absent (only
+        called when :attr:`reads_into_slots`)."""
+        raise NotImplementedError(f"{self.name} does not read into slots")
+
+    async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
+        """Receive each value into its slot and verify it (see :data:`ReadResult`).
+        Returns, or raises :class:`L2Error`, only once nothing writes to any ``dest``
+        any more (also when cancelled: it waits for its threads, then re-raises)."""
+        raise NotImplementedError(f"{self.name} does not read into slots")
 
     @abstractmethod
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:

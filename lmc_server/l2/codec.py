@@ -137,9 +137,18 @@ def check_header(
 
     Cheap (no checksum); the payload is verified by :func:`check_payload`.
     """
-    if len(value) < HEADER_BYTES:
+    return check_head(value[:HEADER_BYTES], len(value), space, chunk_key, object_bytes)
+
+
+def check_head(
+    head: bytes | memoryview, value_bytes: int, space: bytes, chunk_key: bytes, object_bytes: int
+) -> tuple[int, Invalid | None]:
+    """:func:`check_header` of a value known by its first bytes (``head``, at most
+    ``HEADER_BYTES``) and its length: what a reader that has not received the payload
+    yet (the Redis slot reader) can check, with the same verdicts in the same order."""
+    if len(head) < HEADER_BYTES or value_bytes < HEADER_BYTES:
         return 0, Invalid.TRUNCATED
-    magic, version, mask, _, sp, ck, length, _ = _HEADER.unpack_from(value)
+    magic, version, mask, _, sp, ck, length, _ = _HEADER.unpack_from(head)
     if magic != MAGIC:
         return 0, Invalid.BAD_MAGIC
     if version != FORMAT_VERSION:
@@ -148,7 +157,7 @@ def check_header(
         return 0, Invalid.FOREIGN
     if length != object_bytes:
         return 0, Invalid.LENGTH
-    if len(value) != HEADER_BYTES + length:
+    if value_bytes != HEADER_BYTES + length:
         return 0, Invalid.TRUNCATED
     return mask, None
 
@@ -160,6 +169,26 @@ def check_payload(value: bytes | memoryview) -> bool:
     head = bytearray(view[:HEADER_BYTES])
     struct.pack_into("<Q", head, _SUM_OFFSET, 0)
     return _checksum(head, view[HEADER_BYTES:]) == want
+
+
+class PayloadSum:
+    """The checksum of a value whose payload arrives in pieces (the Redis slot reader
+    receives it straight into an L1 slot): :meth:`update` with each piece in order,
+    then :meth:`matches`. The same sum as :func:`check_payload`, over the same bytes."""
+
+    __slots__ = ("_digest", "_want")
+
+    def __init__(self, head: bytes | memoryview) -> None:
+        (self._want,) = struct.unpack_from("<Q", head, _SUM_OFFSET)
+        zeroed = bytearray(head[:HEADER_BYTES])
+        struct.pack_into("<Q", zeroed, _SUM_OFFSET, 0)
+        self._digest = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(zeroed))
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._digest.update(piece)
+
+    def matches(self) -> bool:
+        return int(self._digest.intdigest()) == self._want
 
 
 def payload(value: bytes | memoryview) -> memoryview:

@@ -14,7 +14,9 @@ into the slot run on the tier's threads; then the index commits each object, or 
 it if its checksum failed, from the last chunk to the first as a store's commit does,
 so chunk 0 is evicted last. A half-written object is never visible and a value that
 fails any check is never served. (A prefetch larger than one read batch commits batch
-by batch, in chunk order, so the batches stay visible as they land.)
+by batch, in chunk order, so the batches stay visible as they land.) A backend that
+receives values into the slots itself (``reads_into_slots``: Redis) reads headers
+first and reserves before the read instead: :mod:`lmc_server.l2.prefetch_slots`.
 
 Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
 (even after part of it landed and the hit grew) starts nothing and reports what is
@@ -32,7 +34,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
+from lmc_server.l2.prefetch_slots import Filling, Good, SlotFetcher
 from lmc_server.l2.stats import L2Stats
 
 log = logging.getLogger(__name__)
@@ -53,16 +55,6 @@ MISS_MEMORY_S = 1.0
 MISS_MEMORY_ENTRIES = 4096
 #: Bytes of values one prefetch reads per batch (at most two batches held at a time).
 READ_BATCH_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class _Filling:
-    """WRITING slots of one object group and, per object, the fetched value and its
-    L2 key."""
-
-    objects: Reservation
-    values: list[Value]
-    l2keys: list[bytes]
 
 
 class Prefetcher:
@@ -105,6 +97,11 @@ class Prefetcher:
         #: Called with the objects a prefetch committed (the chain promotes them into
         #: the tiers above this one).
         self.on_filled: Callable[[str, Reservation], None] | None = None
+        self._slots = SlotFetcher(index, backend, stats, view, self._reserve, self._filled)
+
+    def _filled(self, namespace: str, done: Reservation) -> None:
+        if self.on_filled is not None:
+            self.on_filled(namespace, done)
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
@@ -193,6 +190,8 @@ class Prefetcher:
         spaces = [self.space(namespace, og.fingerprint) for og in ogs]
         chunk_bytes = max(1, sum(og.object_bytes for og in ogs))
         per_batch = max(1, READ_BATCH_BYTES // chunk_bytes)
+        if self.backend.reads_into_slots:
+            return await self._slots.fetch(view, namespace, keys, spaces, per_batch, bad)
         end, committed = n, 0
         filling: asyncio.Task[tuple[int, int]] | None = None  # (the copies of a batch)
         try:
@@ -272,7 +271,7 @@ class Prefetcher:
         return good, end
 
     async def _fill_and_commit(
-        self, view: CacheView, namespace: str, reserved: list[_Filling], bad_keys: list[bytes]
+        self, view: CacheView, namespace: str, reserved: list[Filling], bad_keys: list[bytes]
     ) -> tuple[int, int]:
         """Verify and copy on the tier's threads, then commit (or abort) each object.
 
@@ -327,9 +326,9 @@ class Prefetcher:
         self,
         view: CacheView,
         keys: list[bytes],
-        good: list[tuple[int, int, int, Value, bytes]],
+        good: list[Good],
         end: int,
-    ) -> tuple[list[_Filling], int]:
+    ) -> tuple[list[Filling], int]:
         """Reserve a WRITING slot per object through the index (which skips keys a
         store took meanwhile); ``end`` shrinks to the first chunk of a full object group
         L1 had no room for."""
@@ -345,11 +344,11 @@ class Prefetcher:
             self.stats.prefetch_no_space += len(left)
             if view.layout.object_groups[og_index].has_full:
                 end = min(end, left[0])
-        out: list[_Filling] = []
+        out: list[Filling] = []
         for r in reserved:
             fetched = {it[0]: it for it in by_og[r.og_index]}
             items = [fetched[i] for i in r.chunks]
-            out.append(_Filling(r, [it[2] for it in items], [it[3] for it in items]))
+            out.append(Filling(r, [it[2] for it in items], [it[3] for it in items]))
         return out, end
 
     def _fill(self, offset: int, value: Value) -> bool:

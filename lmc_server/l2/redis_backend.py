@@ -1,8 +1,11 @@
-"""The Redis / Valkey adapter: redis-py, pipelined, on the adapter's own threads.
+"""The Redis / Valkey adapter: redis-py connections, pipelined, on the adapter's own threads.
 
-Reads are ``MGET`` (one command per batch of keys), writes one pipeline of ``SET`` per
-batch (no MULTI/EXEC, the writes are independent), sent straight from the L1 slots
-(``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
+A prefetch reads into the L1 slots (``reads_into_slots``): the headers first
+(:meth:`RedisBackend.heads`), then pipelined ``GET`` whose replies our own RESP reader
+receives straight into the reserved slots, checked there (:mod:`lmc_server.l2.redis_reads`);
+``get_many`` (``MGET``) stays for callers that want values. Writes are one pipeline of
+``SET`` per batch (no MULTI/EXEC, the writes are independent), sent straight from the L1
+slots (``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
 on the adapter's own threads, ``connections`` (``--l2-connections``, default 1) for
 reads and as many for writes (so a prefetch never queues behind a write-behind batch;
 with more than one, each batch is split across them and sent over parallel
@@ -18,6 +21,7 @@ loop is never blocked. redis-py's own retries are off: a failed call surfaces at
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +34,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
+from lmc_server.l2 import codec, redis_reads
+from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
+from lmc_server.l2.resp import RespProtocolError
 from lmc_server.l2.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
@@ -59,6 +64,7 @@ def _split(seq: Sequence[T], most: int) -> list[Sequence[T]]:
 class RedisBackend(L2Backend):
     name = "redis"
     writes_from_slots = True
+    reads_into_slots = True
 
     def __init__(
         self, url: str, password: str | None = None, timeout_s: float = 2.0, connections: int = 1
@@ -76,6 +82,9 @@ class RedisBackend(L2Backend):
         self.connections = connections
         self._client: Any = None
         self._reads = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-r")
+        #: Header reads of the next prefetch batch, while the read threads receive the
+        #: current one (one more connection).
+        self._heads = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-redis-q")
         self._writes = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-w")
         self._hash = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="lmc-l2-redis-h")
 
@@ -89,7 +98,8 @@ class RedisBackend(L2Backend):
             retry_on_timeout=False,
             health_check_interval=0,
             decode_responses=False,
-            max_connections=2 * self.connections + 1,
+            protocol=2,  # what redis_reads parses (redis-py 8 would ask for RESP3)
+            max_connections=2 * self.connections + 2,  # reads, writes, headers, connect
         )
 
     async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
@@ -173,12 +183,71 @@ class RedisBackend(L2Backend):
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await asyncio.gather(
-            *(
-                self._call(self._writes, "set", self._send_slots, self._client, part)
-                for part in _split(objects, self.connections)
-            )
-        )
+        await self._on_parts(self._writes, "set", self._send_slots, objects)
+
+    def _on_conn(
+        self, fn: Callable[[Any, Sequence[Any]], list[T]], client: Any, part: Sequence[Any]
+    ) -> list[T]:
+        """``fn(connection, part)`` on one pooled connection (a read thread); a
+        connection that failed mid-stream is disconnected, never reused out of step."""
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return fn(conn, part)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    async def heads(self, keys: Sequence[bytes]) -> list[Head | None]:
+        if self._client is None:
+            raise L2Error("redis: not connected")
+        fn = functools.partial(self._on_conn, redis_reads.read_heads)
+        parts = await self._on_parts(self._heads, "head", fn, keys, parts=1)
+        return [h for part in parts for h in part]
+
+    async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
+        if self._client is None:
+            raise L2Error("redis: not connected")
+        fn = functools.partial(self._on_conn, redis_reads.read_values)
+        parts = await self._on_parts(self._reads, "get", fn, reads)
+        return [r for part in parts for r in part]
+
+    async def _on_parts(
+        self,
+        pool: ThreadPoolExecutor,
+        op: str,
+        fn: Callable[[Any, Sequence[Any]], T],
+        items: Sequence[Any],
+        parts: int = 0,
+    ) -> list[T]:
+        """``fn(client, part)`` for ``items`` split across the connections (or into
+        ``parts``), in parallel on ``pool``; the first failure raised as
+        :class:`L2Error`.
+
+        Returns or raises only once every part's thread is done, also when one part
+        failed early or the caller is cancelled: a thread may still be receiving into
+        or sending from an L1 slot, which stays reserved or pinned until this returns."""
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.run_in_executor(pool, fn, self._client, part)
+            for part in _split(items, parts or self.connections)
+        ]
+        try:
+            await asyncio.shield(asyncio.wait(jobs))
+        except asyncio.CancelledError:
+            await asyncio.wait(jobs)
+            raise
+        for j in jobs:
+            e = j.exception()
+            if isinstance(e, RespProtocolError):
+                raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
+            if isinstance(e, RedisError | OSError | TimeoutError):
+                raise _error(op, e) from None
+            if e is not None:
+                raise e
+        return [j.result() for j in jobs]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
@@ -210,12 +279,13 @@ class RedisBackend(L2Backend):
                 pass
 
     async def shutdown(self) -> None:
-        """Close, then wait for the threads that read L1 slots (writes from slots,
-        checksums): the engine unmaps the pool after this returns, and a thread still
-        sending from a slot would read unmapped memory (each blocks at most the
-        socket timeout)."""
+        """Close, then wait for the threads that touch L1 slots (reads into slots,
+        writes from slots, checksums): the engine unmaps the pool after this returns,
+        and a thread still receiving into or sending from a slot would touch unmapped
+        memory (each blocks at most the socket timeout)."""
         await self.close()
-        self._reads.shutdown(wait=False)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._reads.shutdown, True)
+        self._heads.shutdown(wait=False)  # touches no slot
         await loop.run_in_executor(None, self._writes.shutdown, True)
         await loop.run_in_executor(None, self._hash.shutdown, True)

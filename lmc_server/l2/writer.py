@@ -13,9 +13,10 @@ write time the index pins each object that is still there
 skipped; a pinned one cannot be evicted, its slot not reused, while pinned). The writer
 builds the values (header, checksum, one copy of the payload) on its own threads,
 unpins, and sends one pipelined batch. A backend that writes from the slots itself
-(``writes_from_slots``: the disk tier) gets the pinned slots instead and builds and
-writes each value on its own I/O threads; its objects stay pinned until the batch is
-written (at most one batch, ``WRITE_BATCH_BYTES``, pinned at a time). Nothing here
+(``writes_from_slots``: the disk tier, Redis) gets the pinned slots instead and builds
+and writes each value on its own I/O threads; its objects stay pinned until the batch
+is written, with at most ``SLOT_BATCHES_IN_FLIGHT`` batches (each at most
+``WRITE_BATCH_BYTES``) pinned at a time. Nothing here
 ever waits for L2 on a store's or retrieve's path: when the queue is full, or L2 is
 down, new writes are dropped and counted.
 """
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 #: One batch: at most this many objects and (about) this many bytes per round trip.
 WRITE_BATCH_OBJECTS = 64
 WRITE_BATCH_BYTES = 64 << 20
+#: Batches handed to a backend that writes from the slots before the writer waits for
+#: the oldest: with two, the backend's threads go on to batch i+1 while the last
+#: objects of batch i are written, instead of idling at the end of every batch (the
+#: disk tier through the server wrote at 0.74 of plain I/O on the H200 host with one).
+#: Bounds what the writer pins: at most this many batches.
+SLOT_BATCHES_IN_FLIGHT = 2
 
 
 @dataclass(slots=True)
@@ -144,7 +151,8 @@ class WriteBehind:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            sending: asyncio.Task[None] | None = None
+            sending: deque[asyncio.Task[None]] = deque()
+            loop = asyncio.get_running_loop()
             try:
                 while self._queue and not self._closing:
                     if not self.is_up():
@@ -153,25 +161,24 @@ class WriteBehind:
                     batch = self._take_batch()
                     self.in_flight += len(batch)
                     if self.backend.writes_from_slots:  # nothing to build ahead
-                        if sending is not None:
-                            await sending
-                        sending = asyncio.get_running_loop().create_task(self._send_slots(batch))
+                        while len(sending) >= SLOT_BATCHES_IN_FLIGHT:
+                            await sending.popleft()
+                        sending.append(loop.create_task(self._send_slots(batch)))
                         continue
                     try:
                         items = await self._encode_batch(batch)
                     except BaseException:
                         self.in_flight -= len(batch)
                         raise
-                    if sending is not None:
-                        await sending
-                        sending = None
-                    sending = asyncio.get_running_loop().create_task(self._send(items, len(batch)))
+                    while sending:
+                        await sending.popleft()
+                    sending.append(loop.create_task(self._send(items, len(batch))))
             except Exception:  # a bug, not the store: keep writing later batches
                 log.exception("L2 write-behind batch failed")
                 self.stats.bump(self.stats.errors, "write")
             finally:
-                if sending is not None:
-                    await asyncio.gather(sending, return_exceptions=True)
+                if sending:
+                    await asyncio.gather(*sending, return_exceptions=True)
 
     def _pin(
         self, batch: list[tuple[bytes, Reservation, int]]

@@ -4,7 +4,9 @@
         url = r.url  # redis://127.0.0.1:PORT/0
 
 No persistence (``save ""``, no AOF), its files in a temporary folder, bound to
-127.0.0.1 only. :meth:`kill` and :meth:`start` again (same port) simulate the store
+127.0.0.1 only. ``io_threads`` > 1 starts it with Redis 6+'s I/O threads
+(``--io-threads N --io-threads-do-reads yes``: sockets read and written on N threads,
+commands still run on one). :meth:`kill` and :meth:`start` again (same port) simulate the store
 dying and coming back empty.
 """
 
@@ -32,6 +34,7 @@ class RedisProcess:
         extra: tuple[str, ...] = (),
         password: str | None = None,
         tls_dir: str | None = None,
+        io_threads: int = 1,
     ) -> None:
         """``tls_dir`` holds ca.crt, server.crt and server.key: TLS only (no plain
         port); ``password`` sets ``requirepass``."""
@@ -48,6 +51,7 @@ class RedisProcess:
         self.extra = extra
         self.password = password
         self.tls_dir = tls_dir
+        self.io_threads = io_threads
         self._dir = tempfile.TemporaryDirectory(prefix="lmc-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -81,6 +85,8 @@ class RedisProcess:
             f"{self.maxmemory_mb}mb",
             *self.extra,
         ]
+        if self.io_threads > 1:
+            args += ["--io-threads", str(self.io_threads), "--io-threads-do-reads", "yes"]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls_dir:

@@ -50,6 +50,13 @@ from lmc_server.bench.options import (
     "--l2-connections", type=click.IntRange(1, 16), default=1, help="The servers' --l2-connections."
 )
 @click.option(
+    "--redis-io-threads",
+    type=click.IntRange(1, 64),
+    default=1,
+    help="Start the redis-server with this many I/O threads (--io-threads N "
+    "--io-threads-do-reads yes); not with --redis-url.",
+)
+@click.option(
     "--disk-dir",
     default="",
     help="Instead: the disk tier on this directory "
@@ -105,6 +112,7 @@ def l2(
     l1_size_gb: float,
     redis_url: str,
     l2_connections: int,
+    redis_io_threads: int,
     disk_dir: str,
     restart_gb: float,
     trace_path: str | None,
@@ -118,6 +126,10 @@ def l2(
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
     from lmc_server.bench.l2 import run as l2b
 
+    if redis_io_threads > 1 and redis_url:
+        raise click.UsageError(
+            "--redis-io-threads starts a redis-server; set io-threads on the one at --redis-url"
+        )
     if trace_path is not None:
         from lmc_server.bench.l2 import replay as l2replay
 
@@ -166,6 +178,7 @@ def l2(
             l1_size_gb=l1_size_gb,
             redis_url=redis_url,
             l2_connections=l2_connections,
+            redis_io_threads=redis_io_threads,
         )
     )
     emit(report, l2b.table(report), json_path)

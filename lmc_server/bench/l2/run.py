@@ -56,6 +56,7 @@ class L2BenchConfig:
     redis_url: str = ""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     l2_connections: int = 1
+    redis_io_threads: int = 1
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -88,11 +89,11 @@ def _is_up(c: Client) -> Callable[[], bool]:
 
 
 @contextmanager
-def _redis(url: str) -> Iterator[str]:
+def _redis(url: str, io_threads: int = 1) -> Iterator[str]:
     if url:
         yield url
         return
-    with RedisProcess() as r:
+    with RedisProcess(io_threads=io_threads) as r:
         yield r.url
 
 
@@ -188,9 +189,10 @@ def run(cfg: L2BenchConfig) -> Report:
             "l1_size_gb": cfg.l1_size_gb,
             "redis": cfg.redis_url or "redis-server started here",
             "l2_connections": cfg.l2_connections,
+            "redis_io_threads": cfg.redis_io_threads,
         },
     )
-    with _redis(cfg.redis_url) as url, ExitStack() as stack:
+    with _redis(cfg.redis_url, cfg.redis_io_threads) as url, ExitStack() as stack:
         s = _Setup(cfg, stack, url)
         n = cfg.chunks
         obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)

@@ -7,8 +7,11 @@ Three ways to write ``--objects`` objects of ``--object-bytes`` from a numpy "po
 - ``batch``: the writer's generic path (each batch's values built first with
   ``FileBackend.encode`` on four threads, then ``put_many``; one batch built while the
   previous one is written): how the disk tier wrote before ``writes_from_slots``;
-- ``slots``: ``put_slots`` (each I/O thread copies, checksums and writes one object):
-  the disk tier's path now, batches one after the other as the writer sends them;
+- ``slots``: ``put_slots`` (each I/O thread copies, checksums and writes one object),
+  batches one after the other: the disk tier's path until the writer kept two batches
+  in flight;
+- ``slots2``: the same with two batches in flight (``SLOT_BATCHES_IN_FLIGHT``): the
+  I/O threads go on to the next batch while the last objects of one are written;
 - ``plain``: ``os.pwrite`` of ready values on four threads (``bench l2 --disk-dir``'s
   plain side).
 
@@ -25,6 +28,7 @@ import os
 import shutil
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,20 +70,32 @@ async def _batch_path(
         await sending
 
 
-async def _slots_path(fb: FileBackend, pool: np.ndarray, size: int, tag: int) -> None:
+async def _slots_path(
+    fb: FileBackend, pool: np.ndarray, size: int, tag: int, in_flight: int
+) -> None:
+    """``put_slots`` batch after batch, with at most ``in_flight`` batches handed over
+    before waiting for the oldest (the writer's ``SLOT_BATCHES_IN_FLIGHT``)."""
+    sending: deque[asyncio.Future[None]] = deque()
     for part in _batches(len(pool) // size, size):
-        await fb.put_slots(
-            [
-                SlotObject(
-                    codec.l2_key(SPACE, _ck(tag, i)),
-                    SPACE,
-                    _ck(tag, i),
-                    0,
-                    pool[i * size : (i + 1) * size].data,
+        while len(sending) >= in_flight:
+            await sending.popleft()
+        sending.append(
+            asyncio.ensure_future(
+                fb.put_slots(
+                    [
+                        SlotObject(
+                            codec.l2_key(SPACE, _ck(tag, i)),
+                            SPACE,
+                            _ck(tag, i),
+                            0,
+                            pool[i * size : (i + 1) * size].data,
+                        )
+                        for i in part
+                    ]
                 )
-                for i in part
-            ]
+            )
         )
+    await asyncio.gather(*sending)
 
 
 def _ck(tag: int, i: int) -> bytes:
@@ -98,18 +114,19 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
     await fb.connect()
     plain = _Plain(directory, fb.direct)
     executor = ThreadPoolExecutor(4)
-    times: dict[str, list[float]] = {"batch": [], "slots": [], "plain": []}
+    times: dict[str, list[float]] = {"batch": [], "slots": [], "slots2": [], "plain": []}
     ready = [
         fb.encode(SPACE, _ck(0, i), 0, pool[i * object_bytes : (i + 1) * object_bytes].data)
         for i in range(objects)
     ]
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
-        await _batch_path(fb, pool, object_bytes, 2 * rnd, executor)
+        await _batch_path(fb, pool, object_bytes, 3 * rnd, executor)
         times["batch"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        await _slots_path(fb, pool, object_bytes, 2 * rnd + 1)
-        times["slots"].append(time.perf_counter() - t0)
+        for name, tag, in_flight in (("slots", 3 * rnd + 1, 1), ("slots2", 3 * rnd + 2, 2)):
+            t0 = time.perf_counter()
+            await _slots_path(fb, pool, object_bytes, tag, in_flight)
+            times[name].append(time.perf_counter() - t0)
         t, _ = plain.write(ready, f"r{rnd}")
         times["plain"].append(t)
     nbytes = objects * (object_bytes + codec.HEADER_BYTES)
@@ -120,7 +137,7 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
     for name, ts in times.items():
         med = statistics.median(ts)
         print(
-            f"  {name:5s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
+            f"  {name:6s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
             f"{_ratio(times['plain'], ts):.2f}  rounds {' '.join(f'{t:.3f}' for t in ts)}"
         )
     plain.close()
