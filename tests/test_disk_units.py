@@ -274,3 +274,23 @@ def test_buffer_pool_reuses_and_never_hands_one_buffer_to_two_takers() -> None:
     for b in big:
         pool.give(b)
     assert pool.take(10_000) is big[0] and pool.take(10_000) is not big[1]
+
+
+def test_a_file_evicted_while_the_rebuild_runs_is_not_merged_back() -> None:
+    """The scan lists a directory, then the loop evicts (or forgets) one of its files
+    before the scan's list is merged: the gone file is not counted again (an index at
+    60,000 of 50,000 bytes under load, before), and after the rebuild a key evicted
+    anew is not remembered as gone."""
+    ix = DiskIndex(50_000)
+    ix.touch(b"a", 20_000)
+    ix.touch(b"b", 20_000)
+    listed = [(b"a", 20_000, 1.0), (b"b", 20_000, 2.0), (b"old", 5_000, 0.5)]  # the scan
+    assert ix.victims(20_000) == [b"a"]  # the loop makes room for a new file ...
+    ix.touch(b"c", 20_000)
+    ix.forget(b"b")  # ... and a read found b damaged
+    ix.merge(listed)  # then the scan's list arrives
+    assert sorted(ix.entries) == [b"c", b"old"] and ix.used_bytes == 25_000
+    ix.rebuild_done()
+    assert ix.progress.done and not ix.gone
+    assert ix.victims(30_000) == [b"old"]
+    assert not ix.gone

@@ -308,7 +308,7 @@ class FileBackend(L2Backend):
                 p.stale_tmp_removed += removed
                 p.dirs_done += 1
                 p.seconds = time.monotonic() - p.started_s
-        p.done = True
+        self.index.rebuild_done()
         p.seconds = time.monotonic() - p.started_s
         over = self.index.victims(0)
         if over:
