@@ -158,7 +158,7 @@ class CuttingStore:
         self.cuts = 0
         self.refuse: set[bytes] = set()  # SET of these keys: an error reply at once
         self.slow_s: dict[bytes, float] = {}  # SET of these keys: reply after a delay
-        self.set_replied_s: list[float] = []  # monotonic time of each SET's +OK
+        self.set_replied_s: list[float] = []  # monotonic time just before each SET's +OK
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -220,8 +220,9 @@ class CuttingStore:
                 return True
             time.sleep(self.slow_s.get(args[1], 0.0))
             self.values[args[1]] = args[2]
-            conn.sendall(b"+OK\r\n")
+            # recorded before the reply: the client may return as soon as it reads it
             self.set_replied_s.append(time.monotonic())
+            conn.sendall(b"+OK\r\n")
         else:  # CLIENT SETINFO, SELECT, ...
             conn.sendall(b"+OK\r\n")
         return True
