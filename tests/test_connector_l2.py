@@ -258,7 +258,7 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
         )
 
         # generous bound: this test checks the wait ends because the chunks arrived
-        fb.planner.l2_wait_s = 30.0
+        fb.planner.l2.wait_s = 30.0
         hashes = block_hashes(tokens, fb.hash_block)
         answers: list[int | None] = []
         deadline = time.monotonic() + 30.0

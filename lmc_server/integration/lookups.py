@@ -15,6 +15,10 @@ request of the engine the time waited. :class:`StepLookups` takes the middle roa
 * a lookup whose request is gone has its lease released as soon as the answer comes,
   on the link's thread: an idle engine takes no further step that could do it.
 
+An answer whose hit stops short while the server brings the continuation in from its
+L2 tier may be set aside for a bounded time (:class:`L2Waits`), so that a request waits
+a little for a longer hit rather than loading the short one.
+
 Pure bookkeeping over :class:`~lmc_server.integration.plans.LookupService` answers;
 the planner (:mod:`lmc_server.integration.planning`) decides what to look up.
 """
@@ -25,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from lmc_server.integration.plans import LookupService, PendingLookup
+from lmc_server.integration.plans import LookupAnswer, LookupService, PendingLookup
 
 
 class Queued(Protocol):
@@ -97,3 +101,49 @@ class StepLookups:
                 self.service.release(done.result().lease_id)
 
         fut.add_done_callback(release)
+
+
+class WaitsForL2(Protocol):
+    """What :class:`L2Waits` needs of a request: when its wait began."""
+
+    l2_wait_from: float | None
+
+
+class L2Waits:
+    """Whether an answer is set aside while the server brings chunks in from its L2 tier.
+
+    ``wait_s``: how long a request may wait (answering "ask again") from the first
+    answer that reported L2 chunks pending; 0: never wait. ``waits`` counts answers set
+    aside, ``expired`` the waits that ended at the bound with chunks still pending.
+    """
+
+    def __init__(self, chunk_size: int, wait_s: float) -> None:
+        if not 0.0 <= wait_s < float("inf"):
+            raise ValueError(f"l2_wait_s {wait_s} must be finite and >= 0")
+        self.chunk_size = chunk_size
+        self.wait_s = wait_s
+        self.waits = 0
+        self.expired = 0
+
+    def set_aside(
+        self,
+        r: WaitsForL2,
+        answer: LookupAnswer,
+        n_chunks: int,
+        num_computed_tokens: int,
+        now: float,
+    ) -> bool:
+        """True: set ``answer`` aside and ask again later, since the server is bringing
+        chunks in from L2 that would load more than the answer's hit does now."""
+        if answer.l2_pending_chunks <= 0 or answer.hit_chunks >= n_chunks or self.wait_s <= 0:
+            return False
+        coming = min(n_chunks, answer.hit_chunks + answer.l2_pending_chunks)
+        if coming * self.chunk_size <= num_computed_tokens:
+            return False  # the engine's own prefix cache already holds all of it
+        if r.l2_wait_from is None:
+            r.l2_wait_from = now
+        elif now - r.l2_wait_from >= self.wait_s:
+            self.expired += 1
+            return False
+        self.waits += 1
+        return True
