@@ -49,6 +49,12 @@ class FakeLookups:
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         return [self.lookup(d) for d in prefixes]
 
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> list[Future[LookupAnswer]]:
+        """Hashed here, on the caller's thread (the link does it on its own)."""
+        return self.lookup_batch([digests(i) for i in range(len(chunks))])
+
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)
 

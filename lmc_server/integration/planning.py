@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.lookups import L2Waits, Queued, StepLookups
+from lmc_server.integration.lookups import L2Waits, StepLookups
 from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
@@ -98,7 +98,7 @@ class SchedulerPlanner:
         lookup_wait_s: float = 0.0,
     ) -> None:
         self.l2 = L2Waits(geometry.chunk_size, l2_wait_s)
-        self.lookups = StepLookups(service, lookup_wait_s)
+        self.lookups = StepLookups(service, lookup_wait_s, geometry)
         self.lookups_answered_at_once = 0
         self.geometry = geometry
         self.service = service
@@ -157,16 +157,13 @@ class SchedulerPlanner:
             if r.queued or (r.lookup is not None and not r.lookup.done())
         )
 
-    def _queued_digests(self, q: Queued) -> bytes:
-        assert isinstance(q, Tracked)
-        return q.digests_for(self.geometry, q.lookup_chunks)
-
     def _drop_lookup(self, r: Tracked) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
         r.queued = r.asked_again = False
         if r.lookup is not None:
             self.lookups.release_when_answered(r.lookup)
             r.lookup = None
+        r.adopt_digests()
 
     # -- scheduler hooks ----------------------------------------------------------------
 
@@ -202,7 +199,7 @@ class SchedulerPlanner:
         ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
         fields (``StoreSpec.events``); None: they do not.
         """
-        self.lookups.flush(self._queued_digests)
+        self.lookups.flush()
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens, token_ids)
         r.local_tokens = num_computed_tokens
@@ -225,9 +222,10 @@ class SchedulerPlanner:
         if r.lookup is not None and r.lookup_chunks != n:
             self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.lookups.send(r.digests_for(g, n))
             r.lookup_chunks = n
             r.lookup_at_s = now
+            self.lookups.send(r)
+            assert r.lookup is not None
         if r.lookup is not None:
             self.lookups.wait(r.lookup)
             if not r.lookup.done():
@@ -237,6 +235,7 @@ class SchedulerPlanner:
                 self.lookups_answered_at_once += 1
             r.asked_again = False
             fut, r.lookup = r.lookup, None
+            r.adopt_digests()
             exc = fut.exception()
             if exc is not None:
                 logger.warning("lookup for request %s failed: %s", req_id, exc)
@@ -307,7 +306,7 @@ class SchedulerPlanner:
     ) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
-        self.lookups.new_step(self._queued_digests)
+        self.lookups.new_step()
         g = self.geometry
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads, self._pending_stores = [], []
@@ -315,7 +314,7 @@ class SchedulerPlanner:
             r = self._reqs.get(pid)
             if r is not None:
                 self._stores.fence_freed(r, None)
-                r.blocks = []
+                r.blocks = ()
                 r.answer = None
                 r.computed_tokens = 0
                 self._release(r)

@@ -114,9 +114,14 @@ class _BatchAnswer:
 class LookupService(Protocol):
     """The scheduler's link to the server (a lookup-only registration)."""
 
-    def lookup(self, digests: bytes) -> PendingLookup: ...
-
-    def lookup_batch(self, prefixes: Sequence[bytes]) -> Sequence[PendingLookup]: ...
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> Sequence[PendingLookup]:
+        """Lookup ``i`` of ``len(chunks)`` asks for the ``chunks[i]`` digests that
+        ``digests(i)`` returns. The service calls ``digests`` on its own thread, each
+        ``i`` at most once and before lookup ``i``'s answer is set, so the caller's
+        thread never hashes; a ``digests`` that raises fails its lookups."""
+        ...
 
     def release(self, lease_id: int) -> None: ...
 

@@ -45,6 +45,8 @@ class StorePlanner:
     def fence_freed(self, r: Tracked, computed_tokens: int | None) -> None:
         """Fence ``r``'s stores that read blocks the engine may free at
         ``computed_tokens`` (``None``: every block, a preemption)."""
+        if not r.stores:
+            return
         g = self.geometry
         keep = []
         for st in r.stores:
@@ -81,9 +83,10 @@ class StorePlanner:
             events=events,
         )
         self._next_store_id += 1
-        r.stores.append(
-            StoreInFlight(spec.store_id, g.first_window_blocks(ids, first, done - first))
-        )
+        r.stores = [
+            *r.stores,
+            StoreInFlight(spec.store_id, g.first_window_blocks(ids, first, done - first)),
+        ]
         r.stored_chunks = done
         r.has_store = True
         return spec

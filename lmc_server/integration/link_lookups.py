@@ -1,0 +1,153 @@
+"""The link's lookups: many engine requests' lookups per server request, hashed here.
+
+:meth:`BatchedLookups.lookup_batch` sends the lookups of many engine requests as one
+``lookup_batch`` request (each answered as a lookup, with a lease of its own), split only
+where the server's ``max_chunks_per_request`` or frame limit requires, so the link's
+thread encodes, sends and reads one message per scheduler step, not one per request.
+
+:meth:`BatchedLookups.lookup_hashed` takes the digests as a function that the link's
+thread calls: the scheduler thread hands a step's lookups over without hashing them
+(hashing is the largest per-request cost of a step that takes many arrivals), and the
+link's thread hashes and sends them in parts of :data:`LOOKUP_PART_CHUNKS` chunks, each
+part sent before the next is hashed, so the scheduler's first questions wait for one
+part's hashing, not the whole step's.
+
+Invariants: every lookup handed over is answered exactly once (its part's answers, or
+an error: a refused part, a ``digests`` that raised, a link closed first); a lookup of
+no chunks is answered at once with no hit and no lease; one lookup is never split.
+:class:`BatchedLookups` is a base of :class:`~lmc_server.integration.link.ServerLink`,
+which provides the connection (``submit``, ``_request``, the server's limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from lmc_server.cache.keys import DIGEST_BYTES
+from lmc_server.client.core import ServerError
+from lmc_server.integration.plans import LookupAnswer, LookupBatch, PendingLookup
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Most chunks of one ``lookup_batch`` request of :meth:`ServerLink.lookup_hashed`
+#: (one lookup is never split): the link's thread hashes a part and sends it before it
+#: hashes the next, so a step's first answers wait for 128 chunks' hashing (about
+#: 0.2 ms on the 2-core test VM), not the whole step's; 256 arrivals of 2 chunks are 4
+#: requests.
+LOOKUP_PART_CHUNKS = 128
+
+
+class BatchedLookups:
+    """Lookup batches over the link's connection (see the module docstring)."""
+
+    max_chunks: int
+    max_frame_bytes: int
+
+    if TYPE_CHECKING:  # provided by ServerLink
+
+        def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]: ...
+
+        async def _request(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def lookup(self, digests: bytes) -> PendingLookup:
+        return self.lookup_batch([digests])[0]
+
+    def _lookup_parts(self, chunks: Sequence[int], part_chunks: int = 0) -> list[list[int]]:
+        """Indices of the lookups of more than 0 chunks per ``lookup_batch`` request: in
+        order, each request within the server's chunk and frame limits and, if given,
+        ``part_chunks`` (a lookup alone may exceed that; it is never split)."""
+        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
+        if part_chunks:
+            max_chunks = min(max_chunks, part_chunks)
+        out: list[list[int]] = []
+        n = max_chunks
+        for i, k in enumerate(chunks):
+            if not k:
+                continue
+            if n + k > max_chunks:
+                out.append([])
+                n = 0
+            out[-1].append(i)
+            n += k
+        return out
+
+    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[PendingLookup]:
+        """One lookup per prefix, sent as ``lookup_batch`` requests (one unless the
+        server's limits split them) from one hop onto the link's thread: neither the
+        caller nor the link's thread pays a message per lookup. The answers of one
+        request are set together (:class:`LookupBatch`). A prefix of no chunks is
+        answered at once (no hit, no lease)."""
+        return self._lookups([len(d) // DIGEST_BYTES for d in prefixes], prefixes.__getitem__)
+
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> list[PendingLookup]:
+        """:meth:`lookup_batch` of ``digests(i)`` for each ``i`` of ``chunks``, hashed
+        here on the link's thread (the scheduler thread only hands the request over),
+        in parts of at most :data:`LOOKUP_PART_CHUNKS` chunks: each part is hashed and
+        sent before the next is hashed, so the first lookups are answered after
+        hashing one part, not the whole step's."""
+        return self._lookups(chunks, digests, LOOKUP_PART_CHUNKS)
+
+    def _lookups(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes], part_chunks: int = 0
+    ) -> list[PendingLookup]:
+        empty = LookupBatch()
+        empty.set([LookupAnswer(0, 0, 0.0)])
+        parts = self._lookup_parts(chunks, part_chunks)
+        batches = [LookupBatch() for _ in parts]
+        where: list[PendingLookup | None] = [None] * len(chunks)
+        for b, part in zip(batches, parts, strict=True):
+            for j, i in enumerate(part):
+                where[i] = b.answer(j)
+        out = [w if w is not None else empty.answer(0) for w in where]
+
+        async def one(batch: LookupBatch, prefixes: list[bytes]) -> None:
+            try:
+                results = await self._request("lookup_batch", prefixes, lease=True)
+                if len(results) != len(prefixes):
+                    raise ServerError(
+                        "bad_request",
+                        f"{len(results)} answers to a batch of {len(prefixes)} lookups",
+                    )
+            except Exception as e:
+                batch.set(error=e)
+                return
+            batch.set(
+                [
+                    LookupAnswer(
+                        r.hit_chunks,
+                        r.lease_id,
+                        r.lease_ttl_s,
+                        l2_pending_chunks=r.l2_pending_chunks,
+                    )
+                    for r in results
+                ]
+            )
+
+        async def run() -> None:
+            sent: list[asyncio.Task[None]] = []
+            try:
+                for b, part in zip(batches, parts, strict=True):
+                    try:
+                        prefixes = [digests(i) for i in part]
+                    except Exception as e:
+                        logger.exception("hashing %d lookups failed", len(part))
+                        b.set(error=e)
+                        continue
+                    sent.append(asyncio.ensure_future(one(b, prefixes)))
+                    await asyncio.sleep(0)  # the part goes out, replies are read
+                await asyncio.gather(*sent)
+            finally:
+                for b in batches:  # cancelled with the link: nothing set above
+                    b.set(error=ConnectionError("lookup did not run"))
+
+        if parts:
+            self.submit(run())
+        return out
