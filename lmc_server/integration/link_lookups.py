@@ -58,25 +58,6 @@ class BatchedLookups:
     def lookup(self, digests: bytes) -> PendingLookup:
         return self.lookup_batch([digests])[0]
 
-    def _lookup_parts(self, chunks: Sequence[int], part_chunks: int = 0) -> list[list[int]]:
-        """Indices of the lookups of more than 0 chunks per ``lookup_batch`` request: in
-        order, each request within the server's chunk and frame limits and, if given,
-        ``part_chunks`` (a lookup alone may exceed that; it is never split)."""
-        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
-        if part_chunks:
-            max_chunks = min(max_chunks, part_chunks)
-        out: list[list[int]] = []
-        n = max_chunks
-        for i, k in enumerate(chunks):
-            if not k:
-                continue
-            if n + k > max_chunks:
-                out.append([])
-                n = 0
-            out[-1].append(i)
-            n += k
-        return out
-
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[PendingLookup]:
         """One lookup per prefix, sent as ``lookup_batch`` requests (one unless the
         server's limits split them) from one hop onto the link's thread: neither the
@@ -98,15 +79,32 @@ class BatchedLookups:
     def _lookups(
         self, chunks: Sequence[int], digests: Callable[[int], bytes], part_chunks: int = 0
     ) -> list[PendingLookup]:
-        empty = LookupBatch()
-        empty.set([LookupAnswer(0, 0, 0.0)])
-        parts = self._lookup_parts(chunks, part_chunks)
-        batches = [LookupBatch() for _ in parts]
-        where: list[PendingLookup | None] = [None] * len(chunks)
-        for b, part in zip(batches, parts, strict=True):
-            for j, i in enumerate(part):
-                where[i] = b.answer(j)
-        out = [w if w is not None else empty.answer(0) for w in where]
+        """The lookups of more than 0 chunks in parts, one ``lookup_batch`` request
+        each: in order, each within the server's chunk and frame limits and, if given,
+        ``part_chunks`` (a lookup alone may exceed that; it is never split). One pass
+        on the caller's thread: a part's answer set, an answer per lookup."""
+        limit = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
+        if part_chunks:
+            limit = min(limit, part_chunks)
+        out: list[PendingLookup] = []
+        parts: list[tuple[LookupBatch, list[int]]] = []
+        empty: PendingLookup | None = None
+        batch, n = LookupBatch(), limit
+        part: list[int] = []
+        for i, k in enumerate(chunks):
+            if not k:
+                if empty is None:
+                    no_hit = LookupBatch()
+                    no_hit.set([LookupAnswer(0, 0, 0.0)])
+                    empty = no_hit.answer(0)
+                out.append(empty)
+                continue
+            if n + k > limit:
+                batch, part, n = LookupBatch(), [], 0
+                parts.append((batch, part))
+            out.append(batch.answer(len(part)))
+            part.append(i)
+            n += k
 
         async def one(batch: LookupBatch, prefixes: list[bytes]) -> None:
             try:
@@ -134,7 +132,7 @@ class BatchedLookups:
         async def run() -> None:
             sent: list[asyncio.Task[None]] = []
             try:
-                for b, part in zip(batches, parts, strict=True):
+                for b, part in parts:
                     try:
                         prefixes = [digests(i) for i in part]
                     except Exception as e:
@@ -145,7 +143,7 @@ class BatchedLookups:
                     await asyncio.sleep(0)  # the part goes out, replies are read
                 await asyncio.gather(*sent)
             finally:
-                for b in batches:  # cancelled with the link: nothing set above
+                for b, _ in parts:  # cancelled with the link: nothing set above
                     b.set(error=ConnectionError("lookup did not run"))
 
         if parts:

@@ -226,15 +226,17 @@ class SchedulerPlanner:
             r.lookup_at_s = now
             self.lookups.send(r)
             assert r.lookup is not None
-        if r.lookup is not None:
-            self.lookups.wait(r.lookup)
-            if not r.lookup.done():
-                r.asked_again = True
-                return None
+        fut = r.lookup
+        if fut is not None:
+            if not fut.done():
+                self.lookups.wait(fut)
+                if not fut.done():
+                    r.asked_again = True
+                    return None
             if not r.asked_again:
                 self.lookups_answered_at_once += 1
             r.asked_again = False
-            fut, r.lookup = r.lookup, None
+            r.lookup = None
             r.adopt_digests()
             exc = fut.exception()
             if exc is not None:
@@ -243,7 +245,9 @@ class SchedulerPlanner:
                 r.l2_wait_from = None
             else:
                 answer = fut.result()
-                if self.l2.set_aside(r, answer, n, num_computed_tokens, now):
+                if answer.l2_pending_chunks and self.l2.set_aside(
+                    r, answer, n, num_computed_tokens, now
+                ):
                     if answer.lease_id:
                         self.service.release(answer.lease_id)
                     return None
