@@ -249,16 +249,29 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
         assert c.stats().leases == 0
 
 
+def part_of(n_lookups: int) -> list[int]:
+    """The part (request) of each of ``n_lookups`` lookups of 2 chunks, by the link's
+    rule: 16 chunks, then twice as many per part, at most 128."""
+    out, size, part, left = [], 8, 0, 8
+    for _ in range(n_lookups):
+        if not left:
+            part, size = part + 1, min(64, 2 * size)
+            left = size
+        out.append(part)
+        left -= 1
+    return out
+
+
 def test_the_link_hashes_a_step_of_lookups_on_its_own_thread_in_parts() -> None:
     """``lookup_hashed``: the caller's thread hands 600 lookups of 2 chunks over
     without hashing (``digests`` runs on the link's thread, once per lookup); they go
-    out in ``lookup_batch`` requests of at most ``LOOKUP_PART_CHUNKS`` chunks, each
-    answer the one of its own prefix; a lookup of no chunks is answered at once; a
+    out in ``lookup_batch`` requests of 16 chunks, then twice as many each up to 128
+    (``LOOKUP_FIRST_PART_CHUNKS``, ``LOOKUP_PART_CHUNKS``), each answer the one of its
+    own prefix; a lookup of no chunks is answered at once; a
     ``digests`` that raises fails the lookups of its part only, and the link serves on."""
     import threading
 
     from lmc_server.integration.link import ServerLink
-    from lmc_server.integration.link_lookups import LOOKUP_PART_CHUNKS
 
     with (
         ServerProcess(["--chunk-size", str(CHUNK)], l1_size_gb=0.25) as srv,
@@ -287,9 +300,8 @@ def test_the_link_hashes_a_step_of_lookups_on_its_own_thread_in_parts() -> None:
             ] + [0]
             assert sorted(i for i, _ in hashed_on) == list(range(600))
             assert {t for _, t in hashed_on} == {link._thread.ident}
-            per_part = LOOKUP_PART_CHUNKS // 2
-            parts = -(-600 // per_part)
-            assert c.stats().counters.requests["lookup_batch:ok"] - before == parts
+            sent = c.stats().counters.requests["lookup_batch:ok"] - before
+            assert sent == part_of(600)[-1] + 1 == 12
             for a in answers:
                 if a.lease_id:
                     link.release(a.lease_id)
@@ -300,9 +312,9 @@ def test_the_link_hashes_a_step_of_lookups_on_its_own_thread_in_parts() -> None:
                 return prefixes[i % 600]
 
             pending = link.lookup_hashed([2] * 800, fails_at_700)
-            bad = 700 // per_part
+            parts = part_of(800)
             for i, p in enumerate(pending):
-                if i // per_part == bad:
+                if parts[i] == parts[700]:
                     assert isinstance(p.exception(10), ValueError)
                 else:
                     answer = p.result(10)

@@ -8,9 +8,10 @@ thread encodes, sends and reads one message per scheduler step, not one per requ
 :meth:`BatchedLookups.lookup_hashed` takes the digests as a function that the link's
 thread calls: the scheduler thread hands a step's lookups over without hashing them
 (hashing is the largest per-request cost of a step that takes many arrivals), and the
-link's thread hashes and sends them in parts of :data:`LOOKUP_PART_CHUNKS` chunks, each
-part sent before the next is hashed, so the scheduler's first questions wait for one
-part's hashing, not the whole step's.
+link's thread hashes and sends them in parts (:data:`LOOKUP_FIRST_PART_CHUNKS` chunks,
+then twice as many each, up to :data:`LOOKUP_PART_CHUNKS`), each part sent before the
+next is hashed, so the scheduler's first questions wait for a few chunks' hashing, not
+the whole step's.
 
 Invariants: every lookup handed over is answered exactly once (its part's answers, or
 an error: a refused part, a ``digests`` that raised, a link closed first); a lookup of
@@ -35,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Most chunks of one ``lookup_batch`` request of :meth:`ServerLink.lookup_hashed`
-#: (one lookup is never split): the link's thread hashes a part and sends it before it
-#: hashes the next, so a step's first answers wait for 128 chunks' hashing (about
-#: 0.2 ms on the 2-core test VM), not the whole step's; 256 arrivals of 2 chunks are 4
-#: requests.
+#: Chunks of the first ``lookup_batch`` request of :meth:`ServerLink.lookup_hashed`, and
+#: the most of any (one lookup is never split); each part after the first may hold
+#: twice the chunks of the one before. The link's thread hashes a part and sends it
+#: before it hashes the next, so a step's first answers wait for 16 chunks' hashing,
+#: not the whole step's, while a step of many lookups still costs few messages (256
+#: arrivals of 2 chunks: parts of 16, 32, 64, 128, 128, 128 and 16 chunks).
+LOOKUP_FIRST_PART_CHUNKS = 16
 LOOKUP_PART_CHUNKS = 128
 
 
@@ -71,26 +74,34 @@ class BatchedLookups:
     ) -> list[PendingLookup]:
         """:meth:`lookup_batch` of ``digests(i)`` for each ``i`` of ``chunks``, hashed
         here on the link's thread (the scheduler thread only hands the request over),
-        in parts of at most :data:`LOOKUP_PART_CHUNKS` chunks: each part is hashed and
-        sent before the next is hashed, so the first lookups are answered after
-        hashing one part, not the whole step's."""
-        return self._lookups(chunks, digests, LOOKUP_PART_CHUNKS)
+        in parts of :data:`LOOKUP_FIRST_PART_CHUNKS` chunks, then twice as many each,
+        up to :data:`LOOKUP_PART_CHUNKS`: each part is hashed and sent before the next
+        is hashed, so the first lookups are answered after hashing a few chunks, not
+        the whole step's."""
+        return self._lookups(chunks, digests, LOOKUP_FIRST_PART_CHUNKS, LOOKUP_PART_CHUNKS)
 
     def _lookups(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes], part_chunks: int = 0
+        self,
+        chunks: Sequence[int],
+        digests: Callable[[int], bytes],
+        first_part_chunks: int = 0,
+        part_chunks: int = 0,
     ) -> list[PendingLookup]:
         """The lookups of more than 0 chunks in parts, one ``lookup_batch`` request
         each: in order, each within the server's chunk and frame limits and, if given,
-        ``part_chunks`` (a lookup alone may exceed that; it is never split). One pass
-        on the caller's thread: a part's answer set, an answer per lookup."""
-        limit = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
+        ``part_chunks``, the first part within ``first_part_chunks`` and each later one
+        within twice the one before (a lookup alone may exceed these; it is never
+        split). One pass on the caller's thread: a part's answer set, an answer per
+        lookup."""
+        cap = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
         if part_chunks:
-            limit = min(limit, part_chunks)
+            cap = min(cap, part_chunks)
+        limit = min(cap, first_part_chunks) if first_part_chunks else cap
         out: list[PendingLookup] = []
         parts: list[tuple[LookupBatch, list[int]]] = []
         empty: PendingLookup | None = None
-        batch, n = LookupBatch(), limit
         part: list[int] = []
+        batch, n = LookupBatch(), -1  # n < 0: no part yet
         for i, k in enumerate(chunks):
             if not k:
                 if empty is None:
@@ -99,7 +110,9 @@ class BatchedLookups:
                     empty = no_hit.answer(0)
                 out.append(empty)
                 continue
-            if n + k > limit:
+            if n < 0 or n + k > limit:
+                if n >= 0:
+                    limit = min(cap, 2 * limit)
                 batch, part, n = LookupBatch(), [], 0
                 parts.append((batch, part))
             out.append(batch.answer(len(part)))
