@@ -86,8 +86,10 @@ class Queued(Protocol):
     lookup_chunks: int
     #: the request's digests known so far (a prefix)
     digests: bytes
-    #: where its lookup's digests are hashed (set when the lookup goes out)
-    hashed: tuple[HashedDigests, int] | None
+    #: where its lookup's digests are hashed, and which of them (set when the lookup
+    #: goes out; two fields, not a tuple: no object per request)
+    hashed: HashedDigests | None
+    hashed_index: int
 
 
 class StepLookups:
@@ -126,7 +128,7 @@ class StepLookups:
         )
         futs = self.service.lookup_hashed(chunks, hashed.digests)
         for i, (r, fut) in enumerate(zip(reqs, futs, strict=True)):
-            r.lookup, r.queued, r.hashed = fut, False, (hashed, i)
+            r.lookup, r.queued, r.hashed, r.hashed_index = fut, False, hashed, i
 
     def send(self, r: Queued) -> None:
         """``r``'s lookup now (a request looked up again: preempted, lease refresh)."""

@@ -67,8 +67,10 @@ class Tracked:
     #: hook allocates; in vLLM's heap one costs about 0.7 ms)
     blocks: Sequence[list[int]] = ()
     stores: Sequence[StoreInFlight] = ()
-    #: where the lookup in flight has its digests hashed (:class:`HashedDigests`)
-    hashed: tuple[HashedDigests, int] | None = None
+    #: where the lookup in flight has its digests hashed (:class:`HashedDigests`), and
+    #: which of them
+    hashed: HashedDigests | None = None
+    hashed_index: int = 0
 
     def adopt_digests(self) -> None:
         """Take the digests the lookup service hashed for this request's lookup, if it
@@ -76,9 +78,8 @@ class Tracked:
         :meth:`ChunkGeometry.digests` of the same hashes)."""
         if self.hashed is None:
             return
-        batch, i = self.hashed
+        done = self.hashed.done[self.hashed_index]
         self.hashed = None
-        done = batch.done[i]
         if done is not None and len(done) > len(self.digests):
             self.digests = done
 
