@@ -10,7 +10,8 @@ Invariants:
 
 * ``digests`` is a prefix of the request's chunk digests: the engine's block hashes of
   a chunk never change once the block is full, so a digest computed once is never
-  recomputed (:meth:`Tracked.digests_for`);
+  recomputed (:meth:`Tracked.digests_for`); those the link's thread hashed for a
+  lookup are adopted when its answer is read (:meth:`Tracked.adopt_digests`);
 * ``block_hashes`` and ``token_ids`` are the engine's live lists, read, never written.
 """
 
