@@ -4,13 +4,10 @@ This module knows nothing about vLLM's classes; the adapter
 (:mod:`lmc_server.integration.vllm.connector`) maps vLLM's requests, block tables and
 scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
-Chunk arithmetic (block ids, digests, freed window blocks) is
-:mod:`lmc_server.integration.chunks`; the values this module takes and returns
-(:class:`ScheduledRequest`, :class:`LookupAnswer`, :class:`StepPlan`) are
-:mod:`lmc_server.integration.plans`; what it remembers per request is
-:mod:`lmc_server.integration.tracked`, the store rule
-:mod:`lmc_server.integration.stores`, the lookups' queue and wait budget
-:mod:`lmc_server.integration.lookups`.
+Its parts, one job each, in ``lmc_server.integration``: ``chunks`` (block ids, digests,
+freed window blocks), ``plans`` (the values taken and returned), ``tracked`` (what is
+remembered per request), ``stores`` (the store rule), ``lookups`` (the lookups' queue,
+their wait budget, the wait for L2).
 
 Invariants:
 
@@ -30,8 +27,8 @@ Invariants:
   are sent as ``-1``;
 * every lease is released exactly once: when every worker reported the load finished,
   when the request ends first (as the answer comes, if it was still in flight), or
-  when the hit turned out useless; an unused lease
-  older than half its TTL is refreshed by a new lookup;
+  when the hit turned out useless; an unused lease older than half its TTL is
+  refreshed by a new lookup;
 * a request that had a store planned is held (blocks not freed) until the workers
   report its stores finished;
 * a store completes before any block it reads can be written again
@@ -74,9 +71,8 @@ class SchedulerPlanner:
 
     ``l2_wait_s``: how long a request may wait (answering "ask again") for chunks the
     server reports coming from its L2 tier, from the first answer that reported them;
-    0: never wait, use the L1 hit at once (:class:`L2Waits`). ``l2_waits`` counts
-    answers set aside to wait, ``l2_wait_expired`` the waits that ended at the bound
-    with chunks still pending.
+    0: never wait, use the L1 hit at once (:attr:`l2`, an :class:`L2Waits`, counts
+    the answers set aside and the waits that ended at the bound).
 
     ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
     one engine step, in total over every request of the step (0: never wait; the
@@ -131,14 +127,6 @@ class SchedulerPlanner:
         if r.lease_id:
             self.service.release(r.lease_id)
             r.lease_id = 0
-
-    @property
-    def l2_waits(self) -> int:
-        return self.l2.waits
-
-    @property
-    def l2_wait_expired(self) -> int:
-        return self.l2.expired
 
     @property
     def lookup_wait_used_s(self) -> float:
