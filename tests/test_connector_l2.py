@@ -49,6 +49,12 @@ class FakeLookups:
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         return [self.lookup(d) for d in prefixes]
 
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> list[Future[LookupAnswer]]:
+        """Hashed here, on the caller's thread (the link does it on its own)."""
+        return self.lookup_batch([digests(i) for i in range(len(chunks))])
+
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)
 
@@ -87,7 +93,7 @@ def test_pending_l2_answers_not_yet_and_releases_the_lease() -> None:
     assert ask(p) is None
     svc.answer(1, 11, 3)  # one chunk in L1, three coming from L2
     assert ask(p) is None  # set aside: ask again
-    assert svc.released == [11] and p.l2_waits == 1
+    assert svc.released == [11] and p.l2.waits == 1
     assert ask(p) is None and len(svc.pending) == 2  # the next step looks up again
     svc.answer(4, 12, 0)
     assert ask(p) == 4 * CHUNK
@@ -112,7 +118,7 @@ def test_bound_reached_uses_the_l1_hit_with_its_own_lease() -> None:
     ask(p)
     svc.answer(2, 23, 2)
     assert ask(p) == 2 * CHUNK  # the L1 hit of the last answer
-    assert svc.released == [21, 22] and p.l2_wait_expired == 1
+    assert svc.released == [21, 22] and p.l2.expired == 1
     p.after_alloc("r", [list(range(1, 66))], 2 * CHUNK)
     (load,) = p.build_step([]).loads
     # the load reads exactly the chunks the lease it carries covers
@@ -125,7 +131,7 @@ def test_nothing_pending_is_as_before() -> None:
     ask(p)
     svc.answer(2, 31, 0)  # short hit, L2 off or has nothing
     assert ask(p) == 2 * CHUNK
-    assert svc.released == [] and p.l2_waits == 0 and len(svc.pending) == 1
+    assert svc.released == [] and p.l2.waits == 0 and len(svc.pending) == 1
 
 
 def test_full_hit_or_no_gain_does_not_wait() -> None:
@@ -133,14 +139,14 @@ def test_full_hit_or_no_gain_does_not_wait() -> None:
     p = planner(svc, clock)
     ask(p)
     svc.answer(4, 41, 2)  # a full hit: nothing more to gain
-    assert ask(p) == 4 * CHUNK and p.l2_waits == 0
+    assert ask(p) == 4 * CHUNK and p.l2.waits == 0
     # the engine's own prefix cache already holds what L2 would bring
     svc2 = FakeLookups()
     p2 = planner(svc2, clock)
     assert ask(p2, computed=3 * CHUNK) is None
     svc2.answer(1, 42, 2)
     assert ask(p2, computed=3 * CHUNK) == 0
-    assert p2.l2_waits == 0 and svc2.released == [42]
+    assert p2.l2.waits == 0 and svc2.released == [42]
 
 
 def test_zero_wait_never_waits() -> None:
@@ -148,7 +154,7 @@ def test_zero_wait_never_waits() -> None:
     p = planner(svc, clock, l2_wait_s=0.0)
     ask(p)
     svc.answer(1, 51, 3)
-    assert ask(p) == CHUNK and svc.released == [] and p.l2_waits == 0
+    assert ask(p) == CHUNK and svc.released == [] and p.l2.waits == 0
 
 
 def test_request_ending_while_waiting_releases_every_lease() -> None:
@@ -258,7 +264,7 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
         )
 
         # generous bound: this test checks the wait ends because the chunks arrived
-        fb.planner.l2_wait_s = 30.0
+        fb.planner.l2.wait_s = 30.0
         hashes = block_hashes(tokens, fb.hash_block)
         answers: list[int | None] = []
         deadline = time.monotonic() + 30.0
@@ -270,8 +276,8 @@ def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:
             assert time.monotonic() < deadline, "lookup never answered"
             time.sleep(0.002)
         assert answers[0] is None and answers[-1] == 2 * CHUNK, answers
-        assert fb.planner.l2_waits >= 1, "the first answer did not wait for L2"
-        assert fb.planner.l2_wait_expired == 0
+        assert fb.planner.l2.waits >= 1, "the first answer did not wait for L2"
+        assert fb.planner.l2.expired == 0
 
         fb.planner.after_alloc("B", dst, 2 * CHUNK)
         (load,) = fb.planner.build_step([]).loads

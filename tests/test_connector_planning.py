@@ -4,7 +4,7 @@ store state machine, and the worker's exactly-once reports, against a real serve
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -53,6 +53,12 @@ class FakeLookups:
 
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         return [self.lookup(d) for d in prefixes]
+
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> list[Future[LookupAnswer]]:
+        """Hashed here, on the caller's thread (the link does it on its own)."""
+        return self.lookup_batch([digests(i) for i in range(len(chunks))])
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)

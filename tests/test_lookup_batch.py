@@ -249,6 +249,87 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
         assert c.stats().leases == 0
 
 
+def part_of(n_lookups: int) -> list[int]:
+    """The part (request) of each of ``n_lookups`` lookups of 2 chunks, by the link's
+    rule: 16 chunks, then twice as many per part, at most 128."""
+    out, size, part, left = [], 8, 0, 8
+    for _ in range(n_lookups):
+        if not left:
+            part, size = part + 1, min(64, 2 * size)
+            left = size
+        out.append(part)
+        left -= 1
+    return out
+
+
+def test_the_link_hashes_a_step_of_lookups_on_its_own_thread_in_parts() -> None:
+    """``lookup_hashed``: the caller's thread hands 600 lookups of 2 chunks over
+    without hashing (``digests`` runs on the link's thread, once per lookup); they go
+    out in ``lookup_batch`` requests of 16 chunks, then twice as many each up to 128
+    (``LOOKUP_FIRST_PART_CHUNKS``, ``LOOKUP_PART_CHUNKS``), each answer the one of its
+    own prefix; a lookup of no chunks is answered at once; a
+    ``digests`` that raises fails the lookups of its part only, and the link serves on."""
+    import threading
+
+    from lmc_server.integration.link import ServerLink
+
+    with (
+        ServerProcess(["--chunk-size", str(CHUNK)], l1_size_gb=0.25) as srv,
+        ShmKV(simple_model(layers=1, bytes_per_token=16)) as kv,
+        Client(srv.endpoint) as c,
+    ):
+        kv.fill_random(1)
+        reg = c.register(**kv.register_kwargs())
+        prefixes = [prompt(300 + i, 2) for i in range(600)]
+        for i in range(0, 600, 3):  # every third prompt: chunk 0 stored
+            assert c.store(reg, prefixes[i][:32], block_ids_for(reg, 1)).ok.all()
+        link = ServerLink(srv.endpoint, timeout_s=10)
+        hashed_on: list[tuple[int, int]] = []
+
+        def digests(i: int) -> bytes:
+            hashed_on.append((i, threading.get_ident()))
+            return prefixes[i]
+
+        try:
+            link.register(**kv.register_kwargs(buffers=[]))
+            before = c.stats().counters.requests.get("lookup_batch:ok", 0)
+            pending = link.lookup_hashed([2] * 600 + [0], digests)
+            answers = [p.result(10) for p in pending]
+            assert [a.hit_chunks for a in answers] == [
+                1 if i % 3 == 0 else 0 for i in range(600)
+            ] + [0]
+            assert sorted(i for i, _ in hashed_on) == list(range(600))
+            assert {t for _, t in hashed_on} == {link._thread.ident}
+            sent = c.stats().counters.requests["lookup_batch:ok"] - before
+            assert sent == part_of(600)[-1] + 1 == 12
+            for a in answers:
+                if a.lease_id:
+                    link.release(a.lease_id)
+
+            def fails_at_700(i: int) -> bytes:
+                if i == 700:
+                    raise ValueError("no hashes")
+                return prefixes[i % 600]
+
+            pending = link.lookup_hashed([2] * 800, fails_at_700)
+            parts = part_of(800)
+            for i, p in enumerate(pending):
+                if parts[i] == parts[700]:
+                    assert isinstance(p.exception(10), ValueError)
+                else:
+                    answer = p.result(10)
+                    assert answer.hit_chunks == (1 if i % 600 % 3 == 0 else 0)
+                    if answer.lease_id:
+                        link.release(answer.lease_id)
+            assert link.lookup(prefixes[0]).result(10).hit_chunks == 1
+        finally:
+            link.close(unregister_timeout_s=2)
+        deadline = time.monotonic() + 10
+        while c.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)  # releases are sent without waiting
+        assert c.stats().leases == 0
+
+
 def test_a_lookup_batch_is_answered_once_and_calls_back_once() -> None:
     """The connector's answers of one batch (``plans.LookupBatch``): not done, then all
     done together; the first ``set`` counts; a callback added before the answers runs

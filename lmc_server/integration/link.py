@@ -18,10 +18,10 @@ server's per-client limit); more wait in a queue, and a ``busy`` refusal is retr
 until ``timeout_s``. A transfer therefore fails only for a reason that persists:
 never because the connection was momentarily full.
 
-:meth:`ServerLink.lookup_batch` sends the lookups of many engine requests as one
-``lookup_batch`` request (each answered as a lookup, with a lease of its own), so the
-link's thread encodes, sends and reads one message per scheduler step, not one per
-request.
+Lookups (:mod:`.link_lookups`): the lookups of many engine requests go out as one or a
+few ``lookup_batch`` requests (each answered as a lookup, with a lease of its own),
+hashed on the link's thread, so the scheduler thread neither hashes nor pays a message
+per request.
 
 A restarted server. The server forgets registrations when it restarts (or drops a
 session it thought dead); zmq reconnects the socket by itself and the next request is
@@ -54,11 +54,10 @@ from typing import Any, TypeVar
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
-from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import ChunkResult, Registration, ServerError
 from lmc_server.integration.link_batches import BatchedTransfers
-from lmc_server.integration.plans import LookupAnswer, LookupBatch, PendingLookup
+from lmc_server.integration.link_lookups import BatchedLookups
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ PROBE_INTERVAL_S = 0.05
 RECONNECT_CODES = frozenset({"handshake", "unknown_registration"})
 
 
-class ServerLink(BatchedTransfers):
+class ServerLink(BatchedLookups, BatchedTransfers):
     """One registration on one server, usable from any thread.
 
     ``register`` blocks (once, at start-up); every other call is asynchronous.
@@ -257,78 +256,7 @@ class ServerLink(BatchedTransfers):
             await self._reconnect(client)
         raise AssertionError("unreachable")
 
-    # -- LookupService ------------------------------------------------------------------
-
-    def lookup(self, digests: bytes) -> PendingLookup:
-        return self.lookup_batch([digests])[0]
-
-    def _lookup_parts(self, prefixes: Sequence[bytes]) -> list[list[int]]:
-        """Indices of the non-empty prefixes per ``lookup_batch`` request: in order,
-        each request within the server's chunk and frame limits."""
-        max_chunks = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
-        out: list[list[int]] = []
-        n = max_chunks
-        for i, digests in enumerate(prefixes):
-            k = len(digests) // DIGEST_BYTES
-            if not k:
-                continue
-            if n + k > max_chunks:
-                out.append([])
-                n = 0
-            out[-1].append(i)
-            n += k
-        return out
-
-    def lookup_batch(self, prefixes: Sequence[bytes]) -> list[PendingLookup]:
-        """One lookup per prefix, sent as ``lookup_batch`` requests (one unless the
-        server's limits split them) from one hop onto the link's thread: neither the
-        caller nor the link's thread pays a message per lookup. The answers of one
-        request are set together (:class:`LookupBatch`). A prefix of no chunks is
-        answered at once (no hit, no lease)."""
-        empty = LookupBatch()
-        empty.set([LookupAnswer(0, 0, 0.0)])
-        parts = self._lookup_parts(prefixes)
-        batches = [LookupBatch() for _ in parts]
-        where: list[PendingLookup | None] = [None] * len(prefixes)
-        for b, part in zip(batches, parts, strict=True):
-            for j, i in enumerate(part):
-                where[i] = b.answer(j)
-        out = [w if w is not None else empty.answer(0) for w in where]
-
-        async def one(batch: LookupBatch, part: list[int]) -> None:
-            try:
-                results = await self._request(
-                    "lookup_batch", [prefixes[i] for i in part], lease=True
-                )
-                if len(results) != len(part):
-                    raise ServerError(
-                        "bad_request", f"{len(results)} answers to a batch of {len(part)} lookups"
-                    )
-            except Exception as e:
-                batch.set(error=e)
-                return
-            batch.set(
-                [
-                    LookupAnswer(
-                        r.hit_chunks,
-                        r.lease_id,
-                        r.lease_ttl_s,
-                        l2_pending_chunks=r.l2_pending_chunks,
-                    )
-                    for r in results
-                ]
-            )
-
-        async def run() -> None:
-            try:
-                await asyncio.gather(*(one(b, p) for b, p in zip(batches, parts, strict=True)))
-            finally:
-                for b in batches:  # cancelled with the link: nothing set above
-                    b.set(error=ConnectionError("lookup did not run"))
-
-        if parts:
-            self.submit(run())
-        return out
+    # -- LookupService (lookups: link_lookups.py) ------------------------------------
 
     def release(self, lease_id: int) -> None:
         """Give a lease back, without waiting. Releases asked for together (one engine

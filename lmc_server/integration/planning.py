@@ -4,10 +4,10 @@ This module knows nothing about vLLM's classes; the adapter
 (:mod:`lmc_server.integration.vllm.connector`) maps vLLM's requests, block tables and
 scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
-Chunk arithmetic (block ids, digests, freed window blocks) is
-:mod:`lmc_server.integration.chunks`; the values this module takes and returns
-(:class:`ScheduledRequest`, :class:`LookupAnswer`, :class:`StepPlan`) are
-:mod:`lmc_server.integration.plans`.
+Its parts, one job each, in ``lmc_server.integration``: ``chunks`` (block ids, digests,
+freed window blocks), ``plans`` (the values taken and returned), ``tracked`` (what is
+remembered per request), ``stores`` (the store rule), ``lookups`` (the lookups' queue,
+their wait budget, the wait for L2).
 
 Invariants:
 
@@ -27,17 +27,12 @@ Invariants:
   are sent as ``-1``;
 * every lease is released exactly once: when every worker reported the load finished,
   when the request ends first (as the answer comes, if it was still in flight), or
-  when the hit turned out useless; an unused lease
-  older than half its TTL is refreshed by a new lookup;
+  when the hit turned out useless; an unused lease older than half its TTL is
+  refreshed by a new lookup;
 * a request that had a store planned is held (blocks not freed) until the workers
   report its stores finished;
-* a store completes before any block it reads can be written again, whatever the step
-  boundaries. The planner derives this from the blocks vLLM may free while the request
-  runs: sliding-window blocks that leave the window (:meth:`ChunkGeometry.freed_blocks`,
-  vLLM's ``SlidingWindowManager`` rule) and every block of a preempted request. A store
-  reading such a block is fenced (:attr:`StepPlan.fence_store_ids`) in the first step
-  whose scheduling may free it, so the workers wait for it before that step's loads and
-  forward pass; a store never reads a block that was already freed (sent as ``-1``);
+* a store completes before any block it reads can be written again
+  (:mod:`lmc_server.integration.stores`, which plans stores and their fences);
 * what the server lacks is stored, per the lookup: chunks the engine holds in its own
   prefix cache are stored again when the server did not report them (evicted, server
   restarted); without a lookup answer every whole chunk is offered (the server answers
@@ -49,64 +44,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
-from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.lookups import Queued, StepLookups
+from lmc_server.integration.lookups import L2Waits, StepLookups
 from lmc_server.integration.plans import (
     LoadSpec,
     LookupAnswer,
     LookupService,
-    PendingLookup,
     ScheduledRequest,
     StepPlan,
     StoreSpec,
 )
+from lmc_server.integration.stores import StorePlanner
+from lmc_server.integration.tracked import Tracked
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SchedulerPlanner"]
-
-
-@dataclass(slots=True, eq=False)
-class _Store:
-    """A store in flight as the scheduler sees it: per window engine group, the
-    lowest block index (in the request's table) it reads."""
-
-    store_id: int
-    first_window_block: dict[int, int]
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    req_id: str
-    block_hashes: Sequence[bytes]
-    num_prompt_tokens: int
-    #: the request's tokens (the engine's live list) when its stores carry KV-event
-    #: fields, else None
-    token_ids: Sequence[int] | None = None
-    lookup: PendingLookup | None = None
-    #: chunk digests computed so far (a prefix of the request's; they never change)
-    digests: bytes = b""
-    #: a lookup waits to go out with the others of this step (:class:`StepLookups`)
-    queued: bool = False
-    #: the lookup in flight was answered "ask again" at least once
-    asked_again: bool = False
-    lookup_chunks: int = 0
-    lookup_at_s: float = 0.0
-    answer: LookupAnswer | None = None
-    lease_id: int = 0
-    #: when the first answer with L2 chunks pending came (None: not waiting for L2)
-    l2_wait_from: float | None = None
-    loading: bool = False
-    stored_chunks: int = 0
-    has_store: bool = False
-    ended: bool = False
-    local_tokens: int = 0
-    computed_tokens: int = 0
-    blocks: list[list[int]] = field(default_factory=list)
-    stores: list[_Store] = field(default_factory=list)
 
 
 class SchedulerPlanner:
@@ -117,9 +71,8 @@ class SchedulerPlanner:
 
     ``l2_wait_s``: how long a request may wait (answering "ask again") for chunks the
     server reports coming from its L2 tier, from the first answer that reported them;
-    0: never wait, use the L1 hit at once. ``l2_waits`` counts answers set aside to
-    wait, ``l2_wait_expired`` the waits that ended at the bound with chunks still
-    pending.
+    0: never wait, use the L1 hit at once (:attr:`l2`, an :class:`L2Waits`, counts
+    the answers set aside and the waits that ended at the bound).
 
     ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
     one engine step, in total over every request of the step (0: never wait; the
@@ -140,24 +93,19 @@ class SchedulerPlanner:
         l2_wait_s: float = 0.05,
         lookup_wait_s: float = 0.0,
     ) -> None:
-        if not 0.0 <= l2_wait_s < float("inf"):
-            raise ValueError(f"l2_wait_s {l2_wait_s} must be finite and >= 0")
-        self.lookups = StepLookups(service, lookup_wait_s)
+        self.l2 = L2Waits(geometry.chunk_size, l2_wait_s)
+        self.lookups = StepLookups(service, lookup_wait_s, geometry)
         self.lookups_answered_at_once = 0
         self.geometry = geometry
-        self.l2_wait_s = l2_wait_s
-        self.l2_waits = 0
-        self.l2_wait_expired = 0
         self.service = service
         self.clock = clock
         self.store_enabled = store
         self.load_enabled = load
         self.store_generated = store_generated
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_stores: list[StoreSpec] = []
-        self._pending_fences: set[int] = set()
-        self._next_store_id = 1
+        self._stores = StorePlanner(geometry)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -167,20 +115,15 @@ class SchedulerPlanner:
         block_hashes: Sequence[bytes],
         num_prompt_tokens: int,
         token_ids: Sequence[int] | None = None,
-    ) -> _Request:
+    ) -> Tracked:
         r = self._reqs.get(req_id)
         if r is None:
-            r = self._reqs[req_id] = _Request(req_id, block_hashes, num_prompt_tokens, token_ids)
+            r = self._reqs[req_id] = Tracked(req_id, block_hashes, num_prompt_tokens, token_ids)
         elif r.token_ids is None and token_ids is not None:  # queued by request_arrived
             r.token_ids = token_ids
         return r
 
-    def _digests(self, r: _Request, n_chunks: int) -> bytes:
-        """``r``'s first ``n_chunks`` chunk digests, each hashed once per request."""
-        r.digests = self.geometry.digests(r.block_hashes, n_chunks, r.digests)
-        return r.digests[: n_chunks * DIGEST_BYTES]
-
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: Tracked) -> None:
         if r.lease_id:
             self.service.release(r.lease_id)
             r.lease_id = 0
@@ -202,59 +145,13 @@ class SchedulerPlanner:
             if r.queued or (r.lookup is not None and not r.lookup.done())
         )
 
-    def _queued_digests(self, q: Queued) -> bytes:
-        assert isinstance(q, _Request)
-        return self._digests(q, q.lookup_chunks)
-
-    def _drop_lookup(self, r: _Request) -> None:
+    def _drop_lookup(self, r: Tracked) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
         r.queued = r.asked_again = False
         if r.lookup is not None:
             self.lookups.release_when_answered(r.lookup)
             r.lookup = None
-
-    def _fence_freed(self, r: _Request, computed_tokens: int | None) -> None:
-        """Fence ``r``'s stores that read blocks the engine may free at
-        ``computed_tokens`` (``None``: every block, a preemption)."""
-        keep = []
-        for st in r.stores:
-            hit = computed_tokens is None or any(
-                self.geometry.freed_blocks(self.geometry.groups[gi], computed_tokens) > first
-                for gi, first in st.first_window_block.items()
-            )
-            if hit:
-                self._pending_fences.add(st.store_id)
-            else:
-                keep.append(st)
-        r.stores = keep
-
-    def _plan_store(self, r: _Request, done: int, computed_tokens: int) -> StoreSpec | None:
-        """A store of ``r``'s chunks ``stored_chunks..done`` (whole, hashed, computed),
-        reading only blocks the engine holds at ``computed_tokens``."""
-        g = self.geometry
-        done = min(done, len(r.block_hashes) // g.hashes_per_chunk)
-        if done <= r.stored_chunks or not r.blocks:
-            return None
-        first = r.stored_chunks
-        ids = g.block_ids(r.blocks, first, done - first, computed_tokens=computed_tokens)
-        events = (
-            None
-            if r.token_ids is None
-            else g.store_events(r.block_hashes, r.token_ids, first, done - first)
-        )
-        spec = StoreSpec(
-            req_id=r.req_id,
-            first_chunk=first,
-            digests=self._digests(r, done)[first * DIGEST_BYTES :],
-            block_ids=ids,
-            store_id=self._next_store_id,
-            events=events,
-        )
-        self._next_store_id += 1
-        r.stores.append(_Store(spec.store_id, g.first_window_blocks(ids, first, done - first)))
-        r.stored_chunks = done
-        r.has_store = True
-        return spec
+        r.adopt_digests()
 
     # -- scheduler hooks ----------------------------------------------------------------
 
@@ -290,7 +187,7 @@ class SchedulerPlanner:
         ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
         fields (``StoreSpec.events``); None: they do not.
         """
-        self.lookups.flush(self._queued_digests)
+        self.lookups.flush()
         g = self.geometry
         r = self._req(req_id, block_hashes, num_prompt_tokens, token_ids)
         r.local_tokens = num_computed_tokens
@@ -313,18 +210,22 @@ class SchedulerPlanner:
         if r.lookup is not None and r.lookup_chunks != n:
             self._drop_lookup(r)
         if r.answer is None and r.lookup is None:
-            r.lookup = self.lookups.send(self._digests(r, n))
             r.lookup_chunks = n
             r.lookup_at_s = now
-        if r.lookup is not None:
-            self.lookups.wait(r.lookup)
-            if not r.lookup.done():
-                r.asked_again = True
-                return None
+            self.lookups.send(r)
+            assert r.lookup is not None
+        fut = r.lookup
+        if fut is not None:
+            if not fut.done():
+                self.lookups.wait(fut)
+                if not fut.done():
+                    r.asked_again = True
+                    return None
             if not r.asked_again:
                 self.lookups_answered_at_once += 1
             r.asked_again = False
-            fut, r.lookup = r.lookup, None
+            r.lookup = None
+            r.adopt_digests()
             exc = fut.exception()
             if exc is not None:
                 logger.warning("lookup for request %s failed: %s", req_id, exc)
@@ -332,7 +233,9 @@ class SchedulerPlanner:
                 r.l2_wait_from = None
             else:
                 answer = fut.result()
-                if self._wait_for_l2(r, answer, n, num_computed_tokens, now):
+                if answer.l2_pending_chunks and self.l2.set_aside(
+                    r, answer, n, num_computed_tokens, now
+                ):
                     if answer.lease_id:
                         self.service.release(answer.lease_id)
                     return None
@@ -345,24 +248,6 @@ class SchedulerPlanner:
             self._release(r)
             return 0
         return matched - num_computed_tokens
-
-    def _wait_for_l2(
-        self, r: _Request, answer: LookupAnswer, n: int, num_computed_tokens: int, now: float
-    ) -> bool:
-        """True: set ``answer`` aside and ask again later, since the server is bringing
-        chunks in from L2 that would load more than the answer's hit does now."""
-        if answer.l2_pending_chunks <= 0 or answer.hit_chunks >= n or self.l2_wait_s <= 0:
-            return False
-        coming = min(n, answer.hit_chunks + answer.l2_pending_chunks)
-        if coming * self.geometry.chunk_size <= num_computed_tokens:
-            return False  # the engine's own prefix cache already holds all of it
-        if r.l2_wait_from is None:
-            r.l2_wait_from = now
-        elif now - r.l2_wait_from >= self.l2_wait_s:
-            self.l2_wait_expired += 1
-            return False
-        self.l2_waits += 1
-        return True
 
     def after_alloc(
         self,
@@ -400,7 +285,7 @@ class SchedulerPlanner:
         self._pending_loads.append(
             LoadSpec(
                 req_id=req_id,
-                digests=self._digests(r, n),
+                digests=r.digests_for(g, n),
                 block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
                 lease_id=r.lease_id,
             )
@@ -413,15 +298,15 @@ class SchedulerPlanner:
     ) -> StepPlan:
         """The loads queued since the last step, the stores this step completes, and
         the earlier stores this step's scheduling may have freed blocks of."""
-        self.lookups.new_step(self._queued_digests)
+        self.lookups.new_step()
         g = self.geometry
         plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads, self._pending_stores = [], []
         for pid in preempted_req_ids:
             r = self._reqs.get(pid)
             if r is not None:
-                self._fence_freed(r, None)
-                r.blocks = []
+                self._stores.fence_freed(r, None)
+                r.blocks = ()
                 r.answer = None
                 r.computed_tokens = 0
                 self._release(r)
@@ -436,16 +321,16 @@ class SchedulerPlanner:
                 else:
                     for mine, new in zip(r.blocks, s.new_block_ids, strict=True):
                         mine.extend(new)
-            self._fence_freed(r, s.num_computed_tokens)
+            self._stores.fence_freed(r, s.num_computed_tokens)
             end = s.num_computed_tokens + s.num_scheduled_tokens
             r.computed_tokens = end
             if not self.store_enabled:
                 continue
             limit = end if self.store_generated else min(end, r.num_prompt_tokens)
-            spec = self._plan_store(r, limit // g.chunk_size, s.num_computed_tokens)
+            spec = self._stores.plan(r, limit // g.chunk_size, s.num_computed_tokens)
             if spec is not None:
                 plan.stores.append(spec)
-        plan.fence_store_ids, self._pending_fences = self._pending_fences, set()
+        plan.fence_store_ids = self._stores.take_fences()
         return plan
 
     def transfers_finished(
@@ -497,10 +382,10 @@ class SchedulerPlanner:
                 if self.store_generated
                 else min(r.computed_tokens, r.num_prompt_tokens)
             )
-            spec = self._plan_store(r, limit // g.chunk_size, r.computed_tokens)
+            spec = self._stores.plan(r, limit // g.chunk_size, r.computed_tokens)
             if spec is not None:
                 self._pending_stores.append(spec)
-        self._fence_freed(r, r.computed_tokens)
+        self._stores.fence_freed(r, r.computed_tokens)
         if r.has_store:
             return True
         if not hold_for_load:

@@ -55,9 +55,12 @@ class LookupBatch:
     callback added before runs once on the setting thread, one added after runs at once.
     """
 
-    __slots__ = ("_answers", "_callbacks", "_error", "_event", "_lock")
+    __slots__ = ("_answers", "_callbacks", "_done", "_error", "_event", "_lock")
 
     def __init__(self) -> None:
+        #: answers or error in place (set last, so a reader that sees it sees them):
+        #: what the scheduler thread reads, without a call, for every question
+        self._done = False
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._answers: Sequence[LookupAnswer] = ()
@@ -71,9 +74,10 @@ class LookupBatch:
         """Every answer (in order), or ``error`` for all of them; only the first call
         counts."""
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._answers, self._error = answers, error
+            self._done = True
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn, pending in callbacks:
@@ -89,13 +93,13 @@ class _BatchAnswer:
         self.batch, self.i = batch, i
 
     def done(self) -> bool:
-        return self.batch._event.is_set()
+        return self.batch._done
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        event = self.batch._event
-        if not event.is_set() and not event.wait(timeout):  # is_set: no lock when done
+        batch = self.batch
+        if not batch._done and not batch._event.wait(timeout):  # no lock when done
             raise TimeoutError("lookup not answered yet")
-        return self.batch._error
+        return batch._error
 
     def result(self, timeout: float | None = None) -> LookupAnswer:
         exc = self.exception(timeout)
@@ -105,7 +109,7 @@ class _BatchAnswer:
 
     def add_done_callback(self, fn: Callable[[Any], object]) -> None:
         with self.batch._lock:
-            if not self.batch._event.is_set():
+            if not self.batch._done:
                 self.batch._callbacks.append((fn, self))
                 return
         fn(self)
@@ -114,9 +118,14 @@ class _BatchAnswer:
 class LookupService(Protocol):
     """The scheduler's link to the server (a lookup-only registration)."""
 
-    def lookup(self, digests: bytes) -> PendingLookup: ...
-
-    def lookup_batch(self, prefixes: Sequence[bytes]) -> Sequence[PendingLookup]: ...
+    def lookup_hashed(
+        self, chunks: Sequence[int], digests: Callable[[int], bytes]
+    ) -> Sequence[PendingLookup]:
+        """Lookup ``i`` of ``len(chunks)`` asks for the ``chunks[i]`` digests that
+        ``digests(i)`` returns. The service calls ``digests`` on its own thread, each
+        ``i`` at most once and before lookup ``i``'s answer is set, so the caller's
+        thread never hashes; a ``digests`` that raises fails its lookups."""
+        ...
 
     def release(self, lease_id: int) -> None: ...
 

@@ -83,9 +83,10 @@ def test_chunked_prefill_on_and_off_chunk_boundaries(
 
 @pytest.mark.parametrize("model", MODELS)
 def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path, model: str) -> None:
-    """120 requests hit (100+ of them in one step) under ``kv_load_failure_policy=fail``:
-    a step's loads in batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (not one
-    per request), no ``busy``, none fails, every loaded byte right."""
+    """120 requests hit (100+ of them in one step: their lookups all answered after the
+    step that sent them) under ``kv_load_failure_policy=fail``: a step's loads in
+    batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (not one per request), no
+    ``busy``, none fails, every loaded byte right."""
     from lmc_server.integration.link_batches import LOAD_PART_CHUNKS
 
     n = 120
@@ -101,7 +102,15 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path, m
         before = counters(srv)
         for rid, p in prompts.items():
             e.add("h" + rid, p + [7, 8], max_tokens=1)
-        e.step()  # sends every lookup
+        # the server held while the step sends every lookup: the link's first parts
+        # are small, so some answers could otherwise come within this step's wait and
+        # admit their requests a step before the rest
+        assert srv.proc is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            e.step()
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
         e.wait_lookups()
         e.run(["h" + r for r in prompts])
         after = counters(srv)
