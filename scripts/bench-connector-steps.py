@@ -217,6 +217,7 @@ def run_case(
 
 
 def main() -> int:
+    from lmc_server.integration.settings import ConnectorSettings
     from lmc_server.testing.process import ServerProcess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -234,10 +235,16 @@ def main() -> int:
         help="a step without tokens (the round trip to the workers)",
     )
     ap.add_argument(
-        "--lookup-wait-ms", type=float, default=1.0, help="lmcache.mp.lookup_wait_s, in ms"
+        "--lookup-wait-ms",
+        type=float,
+        default=1e3 * ConnectorSettings.lookup_wait_s,
+        help="lmcache.mp.lookup_wait_s, in ms (default: the connector's)",
     )
     ap.add_argument(
-        "--idle-load-wait-ms", type=float, default=10.0, help="lmcache.mp.idle_load_wait_s, in ms"
+        "--idle-load-wait-ms",
+        type=float,
+        default=1e3 * ConnectorSettings.idle_load_wait_s,
+        help="lmcache.mp.idle_load_wait_s, in ms (default: the connector's)",
     )
     ap.add_argument("--rounds", type=int, default=5, help="rounds per case (medians)")
     ap.add_argument("--schedulers", default="sync,async")

@@ -263,7 +263,7 @@ def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
 
 def test_wait_settings() -> None:
     s = ConnectorSettings.from_extra({})
-    assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.001, 0.01)
+    assert (s.lookup_wait_s, s.idle_load_wait_s) == (0.005, 0.01)
     s = ConnectorSettings.from_extra(
         {"lmcache.mp.lookup_wait_s": "0", "lmcache.mp.idle_load_wait_s": 0.1}
     )

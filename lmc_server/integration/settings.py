@@ -37,7 +37,7 @@ class ConnectorSettings:
     max_inflight: int = 16
     l2_wait_s: float = 0.05
     kv_events: bool = False
-    lookup_wait_s: float = 0.001
+    lookup_wait_s: float = 0.005
     idle_load_wait_s: float = 0.01
 
     @property
