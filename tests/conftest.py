@@ -22,6 +22,7 @@ import pytest
 
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
+from lmc_server.testing.redis_process import RedisProcess
 
 ServerProcess.pool_ready_by_default = True
 
@@ -66,3 +67,12 @@ def server() -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[Client]:
     with Client(server.endpoint, timeout_s=30, client_name="pytest") as c:
         yield c
+
+
+@pytest.fixture
+def redis_proc() -> Iterator[RedisProcess]:
+    """A redis-server of the test's own (free port, no persistence), stopped after it.
+    Modules that use it skip themselves where redis-server is not installed (or fail,
+    with ``LMC_REQUIRE_REDIS=1``)."""
+    with RedisProcess() as r:
+        yield r

@@ -12,7 +12,6 @@ import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,25 @@ from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Error, SlotObject
 from lmc_server.l2.redis_backend import RedisBackend
-from lmc_server.protocol.stats import L2Report
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
-from lmc_server.testing.tierworker import CHUNK, NUM_BLOCKS, Worker, lookup_until, tokens, wait_for
+from lmc_server.testing.tierworker import (
+    BASE_ARGS,
+    CHUNK,
+    NUM_BLOCKS,
+    Worker,
+    l2_server,
+    l2_stats,
+    lookup_until,
+    tokens,
+    wait_for,
+    wait_l2_written,
+)
 
 #: A short L2 timeout, so the tests of a store going away converge quickly.
 L2_TIMEOUT_S = 0.5
-BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU"]
 ARGS = [*BASE_ARGS, "--l2-timeout-s", str(L2_TIMEOUT_S)]
 
 if redis_server_path() is None:
@@ -43,40 +51,6 @@ if redis_server_path() is None:
     pytestmark = pytest.mark.skip(
         reason="redis-server is not installed (apt-get install redis-server)"
     )
-
-
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProcess]:
-    with RedisProcess() as r:
-        yield r
-
-
-def l2_server(
-    url: str, *extra: str, metrics_port: int = 0, l2_timeout_s: float = L2_TIMEOUT_S
-) -> ServerProcess:
-    return ServerProcess(
-        [*BASE_ARGS, "--l2-timeout-s", str(l2_timeout_s), "--l2", url, *extra],
-        l1_size_gb=0.25,
-        metrics_port=metrics_port,
-    )
-
-
-def l2_stats(c: Client) -> L2Report:
-    out = c.stats().l2
-    assert out is not None, "the server runs without --l2"
-    return out
-
-
-def wait_written(c: Client, objects: int) -> None:
-    def done() -> bool:
-        st = l2_stats(c)
-        return bool(
-            st.objects_written >= objects
-            and st.write_queue_objects == 0
-            and st.writes_in_flight == 0
-        )
-
-    wait_for(done, f"{objects} objects written to L2")
 
 
 def retrieve_exact(
@@ -106,7 +80,7 @@ def test_store_on_server_a_retrieve_on_server_b_byte_exact(redis_proc: RedisProc
             objects = sum(
                 int(s.size) for s in wa.client.store(wa.reg, digests, ids).statuses.values()
             )
-            wait_written(wa.client, objects)
+            wait_l2_written(wa.client, objects)
             first = wb.client.lookup(wb.reg, digests, lease=False)
             assert first.hit_chunks == 0 and first.l2_pending_chunks == n
             retrieve_exact(wb, wa, ids, digests, n)
@@ -134,7 +108,7 @@ def test_several_connections_split_batches_and_keep_every_byte(redis_proc: Redis
             objects = sum(
                 int(s.size) for s in wa.client.store(wa.reg, digests, ids).statuses.values()
             )
-            wait_written(wa.client, objects)
+            wait_l2_written(wa.client, objects)
             retrieve_exact(wb, wa, ids, digests, n)
             assert l2_stats(wb.client).hits == objects and not l2_stats(wb.client).invalid
         finally:
@@ -262,7 +236,7 @@ def test_damaged_value_in_l2_is_never_served(
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             ids = wa.store(digests, block_seed=4)
-            wait_written(wa.client, 2 * n)
+            wait_l2_written(wa.client, 2 * n)
             r = redis_proc.client()
             key = _full_key(redis_proc, wa.reg, _fingerprints(wa.client)["full"], digests, bad)
             value = r.get(key)
@@ -317,7 +291,7 @@ def test_value_of_other_arch_is_never_served(redis_proc: RedisProcess) -> None:
         try:
             wait_for(lambda: l2_stats(w100.client).state == "up", "B connected")
             w90.store(digests, block_seed=5)
-            wait_written(w90.client, 2 * n)
+            wait_l2_written(w90.client, 2 * n)
             # Plainly: different arch, different keys: nothing to find.
             r0 = lookup_until(w100.client, w100.reg, digests, 0)
             assert r0.hit_chunks == 0
@@ -396,7 +370,7 @@ def test_server_restart_with_warm_l2_serves_hits_from_l2(redis_proc: RedisProces
                 reg = c.register(**kv.register_kwargs())
                 ids = block_ids_for(reg, n, np.random.default_rng(8))
                 assert c.store(reg, digests, ids).ok.all()
-                wait_written(c, 2 * n)
+                wait_l2_written(c, 2 * n)
         with ServerProcess([*ARGS, "--l2", redis_proc.url], port=port, l1_size_gb=0.25):
             dst = Worker(f"tcp://127.0.0.1:{port}", seed=0)
             try:
@@ -488,7 +462,7 @@ def test_tls_and_password_from_a_file(tmp_path: Path) -> None:
             try:
                 wait_for(lambda: l2_stats(w.client).state == "up", "connected over TLS")
                 ids = w.store(digests, block_seed=2)
-                wait_written(w.client, 2 * n)
+                wait_l2_written(w.client, 2 * n)
                 assert len(_l2_keys(r)) == 2 * n
                 assert "s3cret-pw" not in a.log()
                 # B reads them over TLS, received into its slots through the TLS socket.
@@ -542,7 +516,7 @@ def test_polling_never_reports_nothing_pending_before_the_prefix_is_in(
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             wa.store(digests, block_seed=3)
-            wait_written(wa.client, 2 * n)
+            wait_l2_written(wa.client, 2 * n)
             for _ in range(12):  # the stall showed in about one round of four
                 wb.client.clear()
                 t0 = time.monotonic()

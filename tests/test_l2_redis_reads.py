@@ -13,51 +13,34 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from lmc_server.client import Client, chunk_digests
+from lmc_server.client import chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Error, SlotObject, SlotRead
 from lmc_server.l2.redis_backend import RedisBackend
-from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 from lmc_server.testing.tierworker import (
+    BASE_ARGS,
     CHUNK,
     Worker,
+    l2_server,
+    l2_stats,
     lookup_until,
     retrieve_exact,
     tokens,
     wait_for,
+    wait_l2_written,
 )
 
 if redis_server_path() is None:
     pytestmark = pytest.mark.skip(reason="redis-server is not installed")
 
 SPACE = bytes(range(16))
-BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU"]
-
-
-def l2_server(url: str, *extra: str) -> ServerProcess:
-    return ServerProcess([*BASE_ARGS, "--l2-timeout-s", "2", "--l2", url, *extra], l1_size_gb=0.25)
-
-
-def l2_stats(c: Client) -> L2Report:
-    out = c.stats().l2
-    assert out is not None, "the server runs without --l2"
-    return out
-
-
-def wait_written(c: Client, objects: int) -> None:
-    def done() -> bool:
-        st = l2_stats(c)
-        return bool(st.objects_written >= objects and not st.write_queue_objects)
-
-    wait_for(done, f"{objects} objects written to L2")
 
 
 def _ck(i: int) -> bytes:
@@ -232,28 +215,22 @@ class CuttingStore:
         self._listener.close()
 
 
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProcess]:
-    with RedisProcess() as r:
-        yield r
-
-
 def test_a_value_cut_mid_stream_is_a_miss_and_the_server_serves_on(
     redis_proc: RedisProcess,
 ) -> None:
     n = 6
     digests = chunk_digests(tokens(300, n), CHUNK)
-    with l2_server(redis_proc.url) as a:
+    with l2_server(redis_proc.url, l2_timeout_s=2.0) as a:
         wa = Worker(a.endpoint, seed=31, num_blocks=8 * n)
         try:
             wait_for(lambda: l2_stats(wa.client).state == "up", "A connected")
             ids = wa.store(digests, block_seed=5)
-            wait_written(wa.client, 2 * n)
+            wait_l2_written(wa.client, 2 * n)
             with redis_proc.client() as c:
                 held = {k: c.get(k) for k in c.scan_iter(match=b"lmc2/*")}
             store = CuttingStore(held)
             try:
-                with l2_server(store.url) as b:
+                with l2_server(store.url, l2_timeout_s=2.0) as b:
                     wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
                     try:
                         wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
@@ -287,13 +264,16 @@ def test_redis_killed_mid_read_serves_no_wrong_byte(redis_proc: RedisProcess) ->
     stores and serves on (the read errors or finds nothing; never a wrong byte)."""
     n = 24
     digests = chunk_digests(tokens(310, n), CHUNK)
-    with l2_server(redis_proc.url) as a, l2_server(redis_proc.url, "--l2-connections", "2") as b:
+    with (
+        l2_server(redis_proc.url, l2_timeout_s=2.0) as a,
+        l2_server(redis_proc.url, "--l2-connections", "2", l2_timeout_s=2.0) as b,
+    ):
         wa = Worker(a.endpoint, seed=32, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             ids = wa.store(digests, block_seed=6)
-            wait_written(wa.client, 2 * n)
+            wait_l2_written(wa.client, 2 * n)
             assert wb.client.lookup(wb.reg, digests, lease=False).l2_pending_chunks == n
             redis_proc.kill()
             wait_for(
@@ -322,14 +302,14 @@ def test_l2_connections_read_into_slots_byte_exact_through_the_server(
     digests = chunk_digests(tokens(320, n), CHUNK)
     with (
         ServerProcess([*BASE_ARGS, "--l2", redis_proc.url], l1_size_gb=0.25) as a,
-        l2_server(redis_proc.url, "--l2-connections", "4") as b,
+        l2_server(redis_proc.url, "--l2-connections", "4", l2_timeout_s=2.0) as b,
     ):
         wa = Worker(a.endpoint, seed=33, num_blocks=8 * n)
         wb = Worker(b.endpoint, seed=0, num_blocks=8 * n)
         try:
             wait_for(lambda: l2_stats(wb.client).state == "up", "B connected")
             ids = wa.store(digests, block_seed=7)
-            wait_written(wa.client, 2 * n)
+            wait_l2_written(wa.client, 2 * n)
             lookup_until(wb.client, wb.reg, digests, n)
             retrieve_exact(wb, wa, ids, digests, n)
             st = l2_stats(wb.client)

@@ -43,7 +43,7 @@ from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.prefetch_slots import Filling, Good, SlotFetcher
+from lmc_server.l2.prefetch_slots import Filling, Good, SlotFetcher, Wanted, wanted_objects
 from lmc_server.l2.stats import L2Stats
 
 log = logging.getLogger(__name__)
@@ -199,16 +199,7 @@ class Prefetcher:
                 if first >= end:
                     break
                 batch = range(first, min(n, first + per_batch))
-                wanted = [
-                    (
-                        og.index,
-                        i,
-                        spaces[og.index],
-                        codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
-                    )
-                    for og in ogs
-                    for i in self.index.missing(view, og.index, keys, batch)
-                ]
+                wanted = wanted_objects(self.index, view, keys, spaces, batch)
                 values: list[Value | None] = []
                 if wanted:
                     t0 = time.perf_counter()
@@ -241,15 +232,15 @@ class Prefetcher:
         self,
         view: CacheView,
         keys: list[bytes],
-        wanted: list[tuple[int, int, bytes, bytes]],
+        wanted: list[Wanted],
         values: list[Value | None],
         end: int,
         bad_keys: list[bytes],
-    ) -> tuple[list[tuple[int, int, int, Value, bytes]], int]:
+    ) -> tuple[list[Good], int]:
         """Header checks (cheap, on the loop): the values worth reserving, and ``end``
         shrunk to the first chunk whose full object group L2 cannot supply."""
         ogs = view.layout.object_groups
-        good: list[tuple[int, int, int, Value, bytes]] = []  # og, chunk, mask, value, key
+        good: list[Good] = []
         for (og_index, i, space, l2key), value in zip(wanted, values, strict=True):
             if value is None:
                 self.stats.misses += 1

@@ -53,6 +53,27 @@ class Filling:
     l2keys: list[bytes]
 
 
+#: (object group, chunk, L2 namespace, L2 key) of an object a batch lacks in L1.
+Wanted = tuple[int, int, bytes, bytes]
+
+
+def wanted_objects(
+    index: L1Index, view: CacheView, keys: list[bytes], spaces: list[bytes], batch: range
+) -> list[Wanted]:
+    """The objects of ``batch``'s chunks that L1 lacks, object group by object group,
+    with their L2 keys: what a prefetch batch asks L2 for (both read paths)."""
+    return [
+        (
+            og.index,
+            i,
+            spaces[og.index],
+            codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
+        )
+        for og in view.layout.object_groups
+        for i in index.missing(view, og.index, keys, batch)
+    ]
+
+
 #: Reserves slots for ``Good`` values: (the reservations, the new end).
 Reserve = Callable[[CacheView, list[bytes], list[Good], int], tuple[list[Filling], int]]
 
@@ -102,16 +123,7 @@ class SlotFetcher:
                 if first >= end:
                     break
                 batch = range(first, min(n, first + per_batch))
-                wanted = [
-                    (
-                        og.index,
-                        i,
-                        spaces[og.index],
-                        codec.l2_key(spaces[og.index], keys[i][-codec.CHUNK_KEY_BYTES :]),
-                    )
-                    for og in view.layout.object_groups
-                    for i in self.index.missing(view, og.index, keys, batch)
-                ]
+                wanted = wanted_objects(self.index, view, keys, spaces, batch)
                 if not wanted:
                     continue
                 heads = await self.backend.heads([w[3] for w in wanted])
@@ -138,7 +150,7 @@ class SlotFetcher:
         self,
         view: CacheView,
         keys: list[bytes],
-        wanted: list[tuple[int, int, bytes, bytes]],
+        wanted: list[Wanted],
         heads: list[Head | None],
         end: int,
         bad_keys: list[bytes],

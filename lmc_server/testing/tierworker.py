@@ -3,7 +3,9 @@
 A :class:`Worker` is a client with its own shared-memory KV cache (the DSV4.1-Flash
 preset), registered with one server. :func:`lookup_until` polls like vLLM's scheduler
 until a prefetch is done; :func:`retrieve_exact` retrieves what hit and compares it
-byte for byte with the pages the storing worker wrote.
+byte for byte with the pages the storing worker wrote. :func:`l2_server`,
+:func:`l2_stats` and :func:`wait_l2_written` start a server on an L2 store and read its
+L2 counters, for every test module of the L2 tier.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ from typing import Any
 import numpy as np
 
 from lmc_server.client import Client, Registration
+from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, assert_same_pages, block_ids_for
 from lmc_server.testing.presets import dsv41_flash
+from lmc_server.testing.process import ServerProcess
 
 CHUNK = 256
 NUM_BLOCKS = 64
+#: The flags of a tier test's server (with ``--l2 URL`` or ``--disk-dir`` added).
+BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction-policy", "LRU"]
 
 
 def tokens(seed: int, chunks: int) -> np.ndarray:
@@ -35,6 +41,37 @@ def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.05)
+
+
+def l2_server(
+    url: str, *extra: str, metrics_port: int = 0, l2_timeout_s: float = 0.5
+) -> ServerProcess:
+    """A server (0.25 GiB of L1) on the L2 store at ``url``."""
+    return ServerProcess(
+        [*BASE_ARGS, "--l2-timeout-s", str(l2_timeout_s), "--l2", url, *extra],
+        l1_size_gb=0.25,
+        metrics_port=metrics_port,
+    )
+
+
+def l2_stats(c: Client) -> L2Report:
+    out = c.stats().l2
+    assert out is not None, "the server runs without --l2"
+    return out
+
+
+def wait_l2_written(c: Client, objects: int) -> None:
+    """Until ``objects`` objects are written to L2 and no write is queued or running."""
+
+    def done() -> bool:
+        st = l2_stats(c)
+        return bool(
+            st.objects_written >= objects
+            and st.write_queue_objects == 0
+            and st.writes_in_flight == 0
+        )
+
+    wait_for(done, f"{objects} objects written to L2")
 
 
 class Worker:
