@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from lmc_server.cache.allocator import DONOR_AGE_RATIO, SlotAllocator
 from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.eviction import make_policy
 from lmc_server.cache.pool import COMMITTED, WRITING, Partition
-from lmc_server.cache.slabs import SlabPool
+from lmc_server.cache.slabs import (
+    ALIGNED_SLOT_MIN_BYTES,
+    SLOT_ALIGN_BYTES,
+    SlabPool,
+    slot_stride,
+)
 
 SLAB = 1024
 
@@ -155,3 +162,24 @@ def test_a_donated_slab_holds_nothing_used_after_the_takers_victim() -> None:
     assert a.segments[y1 // a.slots_per_slab] == -1  # the cold slab went
     a.check()
     b.check()
+
+
+def test_large_slots_start_on_4k_boundaries_where_that_costs_no_slot() -> None:
+    """Slots of objects of 256 KiB and more are 4 KiB-aligned (the disk tier writes
+    them with direct I/O straight from L1), never at the price of a slot per slab;
+    small objects stay packed."""
+    mib = 1 << 20
+    assert slot_stride(100_000, 64 * mib) == 100_000  # small: packed
+    assert slot_stride(2_044_416, 64 * mib) == 2_048_000  # 32 slots either way
+    assert slot_stride(2 * mib + 1, 4 * mib + 2) == 2 * mib + 1  # aligned: 1 slot, not 2
+    for ob in (ALIGNED_SLOT_MIN_BYTES, 1_672_704, 2_694_912, 3_345_408):
+        stride = slot_stride(ob, 64 * mib)
+        assert stride >= ob and (64 * mib) // stride == (64 * mib) // ob
+        pool = SlabPool(2 * 64 * mib, 64 * mib)
+        for s in range(pool.n_slabs):
+            pool.mark_ready(s)
+        part = Partition(0, b"fp", "p", ob, pool, make_policy("LRU"))
+        part.add_slab(1)
+        offs = part.offsets(np.arange(part.slots_per_slab))
+        assert stride % SLOT_ALIGN_BYTES or (offs % SLOT_ALIGN_BYTES == 0).all()
+        assert (np.diff(offs) == stride).all() and offs[-1] + ob <= 2 * 64 * mib

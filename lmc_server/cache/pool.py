@@ -2,8 +2,12 @@
 
 A :class:`Partition` owns whole slabs of the :class:`~lmc_server.cache.slabs.SlabPool`,
 serves one object layout (one fingerprint) and carves each of its slabs into
-``slab_bytes // object_bytes`` equal slots, so there is no fragmentation and allocation
-is a pop from a free list. Nothing outside ``lmc_server/cache/`` imports this module
+``slab_bytes // slot_stride(object_bytes, slab_bytes)`` equal slots, so there is no fragmentation
+and allocation is a pop from a free list. Slots of large objects start on 4 KiB
+boundaries where that costs no slot (:func:`~lmc_server.cache.slabs.slot_stride`):
+slabs are page-aligned, so such a slot can be
+written to disk with direct I/O straight from where it lies
+(:mod:`lmc_server.l2.disk_layout`). Nothing outside ``lmc_server/cache/`` imports this module
 (``tests/test_layering.py``): the server and the tiers below L1 change slot states only
 through :class:`~lmc_server.cache.index.L1Index`, so every transition keeps the
 invariants below and the eviction order the index promises.
@@ -27,7 +31,7 @@ from array import array
 import numpy as np
 
 from lmc_server.cache.eviction import EvictionPolicy
-from lmc_server.cache.slabs import SlabPool
+from lmc_server.cache.slabs import SlabPool, slot_stride
 from lmc_server.cache.watch import SlotWatcher
 
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
@@ -67,7 +71,9 @@ class Partition:
         self.object_bytes = object_bytes
         self.pool = pool
         self.policy = policy
-        self.slots_per_slab = pool.slab_bytes // object_bytes
+        #: Bytes from one slot's start to the next (:func:`slot_stride`).
+        self.stride = slot_stride(object_bytes, pool.slab_bytes)
+        self.slots_per_slab = pool.slab_bytes // self.stride
         self.segments: list[int] = []
         #: ``segments`` as an int64 array for :meth:`offsets`, rebuilt after a change
         #: (slab moves are rare; offsets are computed on every request).
@@ -132,7 +138,7 @@ class Partition:
             arr = self._segments_arr = np.asarray(self.segments, dtype=np.int64)
         slab = arr[seg]
         assert (slab >= 0).all(), "a slot is in a released segment"
-        return slab * self.pool.slab_bytes + idx * self.object_bytes
+        return slab * self.pool.slab_bytes + idx * self.stride
 
     # -- slot life cycle --------------------------------------------------------------
 

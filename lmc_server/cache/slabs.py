@@ -16,6 +16,26 @@ PENDING_SLAB = -2
 FREE_SLAB = -1
 
 
+#: Slots of objects at least this large are :data:`SLOT_ALIGN_BYTES`-aligned.
+ALIGNED_SLOT_MIN_BYTES = 256 << 10
+#: The alignment of such slots: every logical block size a disk uses.
+SLOT_ALIGN_BYTES = 4096
+
+
+def slot_stride(object_bytes: int, slab_bytes: int) -> int:
+    """The distance between two slots of ``object_bytes`` objects in a slab of
+    ``slab_bytes``: the object size rounded up to :data:`SLOT_ALIGN_BYTES` for objects
+    of at least :data:`ALIGNED_SLOT_MIN_BYTES`, where that leaves as many slots in a
+    slab (it never costs a slot; the bytes it leaves unused are at most 1.6 % of a slot,
+    0.15 % for the DSV4.1 preset's 2-3 MB objects); else the object size (packed)."""
+    if object_bytes < ALIGNED_SLOT_MIN_BYTES:
+        return object_bytes
+    aligned = -(-object_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+    if slab_bytes // aligned < slab_bytes // object_bytes:
+        return object_bytes
+    return aligned
+
+
 class SlabPool:
     """Which slabs are ready and which partition owns each; no bytes are touched here.
 

@@ -28,6 +28,7 @@ from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids,
 from lmc_server.buffers import ShmBuffer
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
+from lmc_server.cache.slabs import slot_stride
 from lmc_server.client.sync import Client
 from lmc_server.config import GIB, MIB
 from lmc_server.protocol.stats import StatsReport
@@ -102,7 +103,7 @@ def run(cfg: ReplayConfig) -> Report:
             f"a chunk is {object_bytes} bytes, more than a "
             f"{cfg.slab_size_mb} MiB slab: raise --slab-size-mb"
         )
-    slots_per_slab = slab_bytes // object_bytes
+    slots_per_slab = slab_bytes // slot_stride(object_bytes, slab_bytes)
     distinct_bytes = distinct * object_bytes
     inf = infinite_hits(chunks)
     inf_ratio = _ratio(inf, requests)
