@@ -23,10 +23,17 @@ from pathlib import Path
 import pytest
 
 from lmc_server.client import Client, chunk_digests
-from lmc_server.protocol.stats import DiskReport
-from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
-from lmc_server.testing.tierworker import CHUNK, Worker, retrieve_exact, tokens, wait_for
+from lmc_server.testing.tierworker import (
+    CHUNK,
+    Worker,
+    disk_server,
+    disk_stats,
+    retrieve_exact,
+    tokens,
+    value_files,
+    wait_for,
+)
 
 ARGS = [
     "--chunk-size",
@@ -40,23 +47,6 @@ ARGS = [
 #: Every reply the checks below wait for comes well within this (a generous bound on
 #: "the server still answers", not a measure of speed).
 ANSWER_S = 10.0
-
-
-def disk_server(directory: Path, *extra: str, size_gb: float = 1.0) -> ServerProcess:
-    return ServerProcess(
-        [*ARGS, "--disk-dir", str(directory), "--disk-size-gb", str(size_gb), *extra],
-        l1_size_gb=0.25,
-    )
-
-
-def disk_stats(c: Client) -> DiskReport:
-    out = c.stats().disk
-    assert out is not None, "the server runs without --disk-dir"
-    return out
-
-
-def value_files(directory: Path) -> list[Path]:
-    return [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
 def l1_serves(src: Worker, dst: Worker, seed: int, n: int = 3) -> None:

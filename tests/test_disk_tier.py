@@ -22,59 +22,20 @@ import pytest
 
 from lmc_server.client import Client, chunk_digests
 from lmc_server.l2 import codec
-from lmc_server.protocol.stats import DiskReport
-from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.testing.process import free_port
 from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import (
     CHUNK,
     Worker,
+    disk_server,
+    disk_stats,
     lookup_until,
     retrieve_exact,
     tokens,
+    value_files,
+    wait_disk_written,
     wait_for,
 )
-
-ARGS = [
-    "--chunk-size",
-    str(CHUNK),
-    "--separate-object-groups",
-    "--eviction-policy",
-    "LRU",
-    "--l2-timeout-s",
-    "0.5",
-]
-
-
-def disk_server(
-    directory: Path, *extra: str, size_gb: float = 1.0, metrics_port: int = 0
-) -> ServerProcess:
-    return ServerProcess(
-        [*ARGS, "--disk-dir", str(directory), "--disk-size-gb", str(size_gb), *extra],
-        l1_size_gb=0.25,
-        metrics_port=metrics_port,
-    )
-
-
-def disk_stats(c: Client) -> DiskReport:
-    out = c.stats().disk
-    assert out is not None, "the server runs without --disk-dir"
-    return out
-
-
-def wait_disk_written(c: Client, objects: int) -> None:
-    def done() -> bool:
-        st = disk_stats(c)
-        return bool(
-            st.objects_written >= objects
-            and st.write_queue_objects == 0
-            and st.writes_in_flight == 0
-        )
-
-    wait_for(done, f"{objects} objects written to disk")
-
-
-def value_files(directory: Path) -> list[Path]:
-    return [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
 def objects_of(w: Worker, digests: bytes, ids: dict[str, np.ndarray]) -> int:

@@ -132,28 +132,15 @@ def probe_direct(directory: str) -> bool:
         os.unlink(path)
 
 
-def write_file(path: str, value: memoryview, direct: bool) -> None:
-    """Write ``value`` as the whole file ``path`` (temporary name, then rename).
-
-    With ``direct`` the value must come from :func:`aligned_buffer` (else it is copied
-    into one). Raises ``OSError``; a failed write leaves no temporary file behind.
-    """
+def _install(path: str, direct: bool, body: Callable[[int], None]) -> None:
+    """Run ``body(fd)`` on a new temporary file beside ``path``, then rename it over
+    ``path``; on any failure the temporary file is removed and the error raised."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
-    n = len(value)
-    if direct and not is_aligned(value):
-        buf = aligned_buffer(n)
-        buf[:n] = value
-        value = memoryview(buf)[:n]
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o640)
     try:
-        out = memoryview(value.obj)[: padded(n)] if direct else value
-        done = 0
-        while done < len(out):
-            done += os.pwrite(fd, out[done:], done)
-        if len(out) != n:
-            os.ftruncate(fd, n)
+        body(fd)
         os.close(fd)
         fd = -1
         os.rename(tmp, path)
@@ -165,6 +152,59 @@ def write_file(path: str, value: memoryview, direct: bool) -> None:
         except OSError:
             pass
         raise
+
+
+def write_file(path: str, value: memoryview, direct: bool) -> None:
+    """Write ``value`` as the whole file ``path`` (temporary name, then rename).
+
+    With ``direct`` the value must come from :func:`aligned_buffer` (else it is copied
+    into one). Raises ``OSError``; a failed write leaves no temporary file behind.
+    """
+    n = len(value)
+    if direct and not is_aligned(value):
+        buf = aligned_buffer(n)
+        buf[:n] = value
+        value = memoryview(buf)[:n]
+    out = memoryview(value.obj)[: padded(n)] if direct else value
+
+    def body(fd: int) -> None:
+        done = 0
+        while done < len(out):
+            done += os.pwrite(fd, out[done:], done)
+        if len(out) != n:
+            os.ftruncate(fd, n)
+
+    _install(path, direct, body)
+
+
+def write_parts(path: str, parts: list[memoryview], nbytes: int) -> None:
+    """Write ``parts`` back to back as the file ``path``, then cut it to ``nbytes``
+    (temporary name, then rename, as :func:`write_file`), with direct I/O.
+
+    Every part must start at an ``ALIGN_BYTES``-aligned address and be a multiple of
+    ``ALIGN_BYTES`` long (the disk layout's header block, a payload straight from its
+    L1 slot, a padded tail block): one ``pwritev``, no copy. Raises ``OSError``; a
+    failed write leaves no temporary file behind."""
+    total = sum(len(p) for p in parts)
+
+    def body(fd: int) -> None:
+        done = os.pwritev(fd, parts, 0)
+        while done < total:  # a short write (rare on a regular file): the rest
+            rest, skip = [], done
+            for p in parts:
+                if skip >= len(p):
+                    skip -= len(p)
+                    continue
+                rest.append(p[skip:])
+                skip = 0
+            n = os.pwritev(fd, rest, done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write", path)
+            done += n
+        if total != nbytes:
+            os.ftruncate(fd, nbytes)
+
+    _install(path, True, body)
 
 
 def read_file(

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from lmc_server.l2 import codec, direct_io
+from lmc_server.l2 import codec, direct_io, disk_layout
 from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.disk_index import DiskIndex, scan
 from lmc_server.l2.events import TierListeners
@@ -131,10 +131,14 @@ class FileBackend(L2Backend):
                 self._rebuild_index(), name="disk-index"
             )
 
-    def _read(self, key: bytes) -> memoryview | None:
-        return direct_io.read_file(
+    def _read(self, key: bytes) -> tuple[memoryview, int] | None:
+        """The value in ``key``'s file (either layout) and the file's size."""
+        data = direct_io.read_file(
             self.path_of(key), self.direct, MAX_VALUE_BYTES, self._buffers.take
         )
+        if data is None:
+            return None
+        return disk_layout.value_of_file(data), len(data)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if not self._connected:
@@ -153,9 +157,11 @@ class FileBackend(L2Backend):
                 if key in self.index.entries:
                     missing.append(key)
                     self.index.forget(key)
+                out.append(None)
             else:
-                self.index.touch(key, len(r))
-            out.append(r)
+                value, file_bytes = r
+                self.index.touch(key, file_bytes)
+                out.append(value)
         self.listeners.removed(missing, "missing")
         return out
 
@@ -171,20 +177,38 @@ class FileBackend(L2Backend):
         return memoryview(buf)[:n]
 
     def _write(self, key: bytes, value: Value) -> None:
+        view = memoryview(value)
+        self._to_path(key, lambda path: direct_io.write_file(path, view, self.direct))
+
+    def _to_path(self, key: bytes, write: Callable[[str], None]) -> None:
+        """``write(path)`` for ``key``'s file, its directory made on first use."""
         path = self.path_of(key)
         directory = os.path.dirname(path)
         if directory not in self._made:
             os.makedirs(directory, mode=0o750, exist_ok=True)
             self._made.add(directory)
         try:
-            direct_io.write_file(path, memoryview(value), self.direct)
+            write(path)
         except FileNotFoundError:  # the directory went (an operator cleaning up): once more
             os.makedirs(directory, mode=0o750, exist_ok=True)
-            direct_io.write_file(path, memoryview(value), self.direct)
+            write(path)
 
-    def _write_slot(self, obj: SlotObject) -> None:
-        """Build one value from its (pinned) slot into an aligned buffer and write it, on
-        one I/O thread: while this thread copies, the others' writes are in flight."""
+    def _write_slot(self, obj: SlotObject, aligned: bool) -> None:
+        """Write one object from its (pinned) slot, on one I/O thread: in the aligned
+        layout straight from the slot (:mod:`lmc_server.l2.disk_layout`), else copied
+        with its header into an aligned buffer first (while this thread copies, the
+        others' writes are in flight)."""
+        if aligned:
+            write = functools.partial(
+                disk_layout.write_aligned,
+                space=obj.space,
+                chunk_key=obj.chunk_key,
+                mask=obj.mask,
+                payload=obj.payload,
+                buffers=self._buffers,
+            )
+            self._to_path(obj.key, write)
+            return
         value = self.encode(obj.space, obj.chunk_key, obj.mask, obj.payload)
         try:
             self._write(obj.key, value)
@@ -209,9 +233,16 @@ class FileBackend(L2Backend):
             self.release([v for _, v in items])
 
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
+        aligned = [disk_layout.aligned_ok(o.payload, self.direct) for o in objects]
         await self._put(
-            [(o.key, o.value_bytes) for o in objects],
-            [functools.partial(self._write_slot, o) for o in objects],
+            [
+                (o.key, disk_layout.file_bytes(len(o.payload), a))
+                for o, a in zip(objects, aligned, strict=True)
+            ],
+            [
+                functools.partial(self._write_slot, o, a)
+                for o, a in zip(objects, aligned, strict=True)
+            ],
         )
 
     async def _put(self, sizes: list[tuple[bytes, int]], writes: list[Callable[[], None]]) -> None:

@@ -5,19 +5,22 @@ preset), registered with one server. :func:`lookup_until` polls like vLLM's sche
 until a prefetch is done; :func:`retrieve_exact` retrieves what hit and compares it
 byte for byte with the pages the storing worker wrote. :func:`l2_server`,
 :func:`l2_stats` and :func:`wait_l2_written` start a server on an L2 store and read its
-L2 counters, for every test module of the L2 tier.
+L2 counters, for every test module of the L2 tier; :func:`disk_server`,
+:func:`disk_stats`, :func:`wait_disk_written` and :func:`value_files` the same for the
+disk tier.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lmc_server.client import Client, Registration
-from lmc_server.protocol.stats import L2Report
+from lmc_server.protocol.stats import DiskReport, L2Report
 from lmc_server.testing.kv import ShmKV, assert_same_pages, block_ids_for
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.testing.process import ServerProcess
@@ -72,6 +75,51 @@ def wait_l2_written(c: Client, objects: int) -> None:
         )
 
     wait_for(done, f"{objects} objects written to L2")
+
+
+def disk_server(
+    directory: Path, *extra: str, size_gb: float = 1.0, metrics_port: int = 0
+) -> ServerProcess:
+    """A server (0.25 GiB of L1) with the disk tier on ``directory``."""
+    return ServerProcess(
+        [
+            *BASE_ARGS,
+            "--l2-timeout-s",
+            "0.5",
+            "--disk-dir",
+            str(directory),
+            "--disk-size-gb",
+            str(size_gb),
+            *extra,
+        ],
+        l1_size_gb=0.25,
+        metrics_port=metrics_port,
+    )
+
+
+def disk_stats(c: Client) -> DiskReport:
+    out = c.stats().disk
+    assert out is not None, "the server runs without --disk-dir"
+    return out
+
+
+def wait_disk_written(c: Client, objects: int) -> None:
+    """Until ``objects`` objects are on disk and no write is queued or running."""
+
+    def done() -> bool:
+        st = disk_stats(c)
+        return bool(
+            st.objects_written >= objects
+            and st.write_queue_objects == 0
+            and st.writes_in_flight == 0
+        )
+
+    wait_for(done, f"{objects} objects written to disk")
+
+
+def value_files(directory: Path) -> list[Path]:
+    """The value files under ``directory`` (not the temporaries, which start with a dot)."""
+    return [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
 class Worker:

@@ -1,8 +1,9 @@
 """The disk tier's write path in one process, without a server: how its structure
 compares with plain writes of the same bytes, on one directory, rounds interleaved.
 
-Three ways to write ``--objects`` objects of ``--object-bytes`` from a numpy "pool"
-(unaligned slots, as L1's are) into the tier's directory layout:
+Ways to write ``--objects`` objects of ``--object-bytes`` from a "pool" (a page-aligned
+mapping carved with L1's slot stride, :func:`lmc_server.cache.slabs.slot_stride`) into
+the tier's directory layout:
 
 - ``batch``: the writer's generic path (each batch's values built first with
   ``FileBackend.encode`` on four threads, then ``put_many``; one batch built while the
@@ -11,7 +12,12 @@ Three ways to write ``--objects`` objects of ``--object-bytes`` from a numpy "po
   batches one after the other: the disk tier's path until the writer kept two batches
   in flight;
 - ``slots2``: the same with two batches in flight (``SLOT_BATCHES_IN_FLIGHT``): the
-  I/O threads go on to the next batch while the last objects of one are written;
+  I/O threads go on to the next batch while the last objects of one are written; with
+  direct I/O, aligned slots are written in the aligned layout, straight from the slot
+  (:mod:`lmc_server.l2.disk_layout`): the tier's path now;
+- ``packed2``: ``slots2`` from slots 64 bytes off alignment, so each object is copied
+  with its header into an aligned buffer first (the packed layout): the tier's path
+  before the aligned layout;
 - ``plain``: ``os.pwrite`` of ready values on four threads (``bench l2 --disk-dir``'s
   plain side).
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import os
 import shutil
 import statistics
@@ -35,12 +42,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lmc_server.bench.l2.disk import _Plain
-from lmc_server.l2 import codec
+from lmc_server.cache.slabs import slot_stride
+from lmc_server.l2 import codec, direct_io
 from lmc_server.l2.backend import SlotObject
 from lmc_server.l2.file_backend import FileBackend
 from lmc_server.l2.writer import WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
 
 SPACE = bytes(16)
+#: L1's slabs at the server's default ``--slab-size-mb`` (the slot stride depends on it).
+SLAB_BYTES = 64 << 20
 
 
 def _batches(n: int, object_bytes: int) -> list[range]:
@@ -52,12 +62,18 @@ async def _batch_path(
     fb: FileBackend, pool: np.ndarray, size: int, tag: int, executor: ThreadPoolExecutor
 ) -> None:
     loop = asyncio.get_running_loop()
+    stride = slot_stride(size, SLAB_BYTES)
     sending: asyncio.Future[None] | None = None
-    for part in _batches(len(pool) // size, size):
+    for part in _batches(len(pool) // stride, size):
         values = await asyncio.gather(
             *(
                 loop.run_in_executor(
-                    executor, fb.encode, SPACE, _ck(tag, i), 0, pool[i * size : (i + 1) * size].data
+                    executor,
+                    fb.encode,
+                    SPACE,
+                    _ck(tag, i),
+                    0,
+                    pool[i * stride : i * stride + size].data,
                 )
                 for i in part
             )
@@ -71,12 +87,14 @@ async def _batch_path(
 
 
 async def _slots_path(
-    fb: FileBackend, pool: np.ndarray, size: int, tag: int, in_flight: int
+    fb: FileBackend, pool: np.ndarray, size: int, tag: int, in_flight: int, skew: int = 0
 ) -> None:
     """``put_slots`` batch after batch, with at most ``in_flight`` batches handed over
-    before waiting for the oldest (the writer's ``SLOT_BATCHES_IN_FLIGHT``)."""
+    before waiting for the oldest (the writer's ``SLOT_BATCHES_IN_FLIGHT``); slot ``i``
+    at ``i * slot_stride(size, SLAB_BYTES) + skew``."""
+    stride = slot_stride(size, SLAB_BYTES)
     sending: deque[asyncio.Future[None]] = deque()
-    for part in _batches(len(pool) // size, size):
+    for part in _batches((len(pool) - skew) // stride, size):
         while len(sending) >= in_flight:
             await sending.popleft()
         sending.append(
@@ -88,7 +106,7 @@ async def _slots_path(
                             SPACE,
                             _ck(tag, i),
                             0,
-                            pool[i * size : (i + 1) * size].data,
+                            pool[skew + i * stride : skew + i * stride + size].data,
                         )
                         for i in part
                     ]
@@ -109,23 +127,38 @@ def _ratio(plain: Sequence[float], other: Sequence[float]) -> float:
 async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    pool = np.random.default_rng(0).integers(0, 256, objects * object_bytes, dtype=np.uint8)
+    stride = slot_stride(object_bytes, SLAB_BYTES)
+    mm = mmap.mmap(-1, objects * stride + direct_io.ALIGN_BYTES)  # page-aligned, as L1
+    pool = np.frombuffer(mm, np.uint8)
+    pool[:] = np.random.default_rng(0).integers(0, 256, len(pool), dtype=np.uint8)
     fb = FileBackend(directory, 1 << 40)
     await fb.connect()
     plain = _Plain(directory, fb.direct)
     executor = ThreadPoolExecutor(4)
-    times: dict[str, list[float]] = {"batch": [], "slots": [], "slots2": [], "plain": []}
+    times: dict[str, list[float]] = {
+        "batch": [],
+        "slots": [],
+        "slots2": [],
+        "packed2": [],
+        "plain": [],
+    }
     ready = [
-        fb.encode(SPACE, _ck(0, i), 0, pool[i * object_bytes : (i + 1) * object_bytes].data)
+        fb.encode(SPACE, _ck(0, i), 0, pool[i * stride : i * stride + object_bytes].data)
         for i in range(objects)
     ]
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
-        await _batch_path(fb, pool, object_bytes, 3 * rnd, executor)
+        await _batch_path(fb, pool[: objects * stride], object_bytes, 4 * rnd, executor)
         times["batch"].append(time.perf_counter() - t0)
-        for name, tag, in_flight in (("slots", 3 * rnd + 1, 1), ("slots2", 3 * rnd + 2, 2)):
+        for name, tag, in_flight, skew in (
+            ("slots", 4 * rnd + 1, 1, 0),
+            ("slots2", 4 * rnd + 2, 2, 0),
+            ("packed2", 4 * rnd + 3, 2, 64),
+        ):
             t0 = time.perf_counter()
-            await _slots_path(fb, pool, object_bytes, tag, in_flight)
+            await _slots_path(
+                fb, pool[: skew + objects * stride], object_bytes, tag, in_flight, skew
+            )
             times[name].append(time.perf_counter() - t0)
         t, _ = plain.write(ready, f"r{rnd}")
         times["plain"].append(t)
