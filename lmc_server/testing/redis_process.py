@@ -25,6 +25,13 @@ def redis_server_path() -> str | None:
     return shutil.which("redis-server")
 
 
+def server_version(exe: str) -> str:
+    """What ``exe --version`` prints (``Redis server v=7.0.15 ...``,
+    ``Valkey server v=8.0.1 ...``), for a benchmark's report."""
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() or out.stderr.strip()
+
+
 class RedisProcess:
     def __init__(
         self,
@@ -35,10 +42,12 @@ class RedisProcess:
         password: str | None = None,
         tls_dir: str | None = None,
         io_threads: int = 1,
+        exe: str | None = None,
     ) -> None:
         """``tls_dir`` holds ca.crt, server.crt and server.key: TLS only (no plain
-        port); ``password`` sets ``requirepass``."""
-        exe = redis_server_path()
+        port); ``password`` sets ``requirepass``; ``exe`` is the server binary
+        (``valkey-server`` takes the same arguments) [default: redis-server on PATH]."""
+        exe = exe or redis_server_path()
         if exe is None:
             raise FileNotFoundError(
                 "redis-server is not installed (Debian: apt-get install "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import click
@@ -55,6 +56,13 @@ from lmc_server.bench.options import (
     default=1,
     help="Start the redis-server with this many I/O threads (--io-threads N "
     "--io-threads-do-reads yes); not with --redis-url.",
+)
+@click.option(
+    "--redis-server",
+    "redis_server",
+    default="",
+    help="The server binary to start: redis-server or valkey-server, a name on PATH "
+    "or a path [default: redis-server]; not with --redis-url.",
 )
 @click.option(
     "--disk-dir",
@@ -113,6 +121,7 @@ def l2(
     redis_url: str,
     l2_connections: int,
     redis_io_threads: int,
+    redis_server: str,
     disk_dir: str,
     restart_gb: float,
     trace_path: str | None,
@@ -129,6 +138,12 @@ def l2(
     if redis_io_threads > 1 and redis_url:
         raise click.UsageError(
             "--redis-io-threads starts a redis-server; set io-threads on the one at --redis-url"
+        )
+    if redis_server and redis_url:
+        raise click.UsageError("--redis-server starts a server; not with --redis-url")
+    if redis_server and shutil.which(redis_server) is None:
+        raise click.BadParameter(
+            f"{redis_server!r} is not an executable", param_hint="--redis-server"
         )
     if trace_path is not None:
         from lmc_server.bench.l2 import replay as l2replay
@@ -179,6 +194,7 @@ def l2(
             redis_url=redis_url,
             l2_connections=l2_connections,
             redis_io_threads=redis_io_threads,
+            redis_server=(shutil.which(redis_server) or "") if redis_server else "",
         )
     )
     emit(report, l2b.table(report), json_path)

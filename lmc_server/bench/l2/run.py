@@ -38,7 +38,7 @@ from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
-from lmc_server.testing.redis_process import RedisProcess
+from lmc_server.testing.redis_process import RedisProcess, redis_server_path, server_version
 
 #: Poll interval (stats, lookups): short enough to add little to a timing, long enough
 #: not to take the CPU the server and redis-server need on a small host.
@@ -57,6 +57,8 @@ class L2BenchConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     l2_connections: int = 1
     redis_io_threads: int = 1
+    #: The redis-server (or valkey-server) binary to start; "" = redis-server on PATH.
+    redis_server: str = ""
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -89,11 +91,11 @@ def _is_up(c: Client) -> Callable[[], bool]:
 
 
 @contextmanager
-def _redis(url: str, io_threads: int = 1) -> Iterator[str]:
+def _redis(url: str, io_threads: int = 1, exe: str = "") -> Iterator[str]:
     if url:
         yield url
         return
-    with RedisProcess(io_threads=io_threads) as r:
+    with RedisProcess(io_threads=io_threads, exe=exe or None) as r:
         yield r.url
 
 
@@ -192,7 +194,10 @@ def run(cfg: L2BenchConfig) -> Report:
             "redis_io_threads": cfg.redis_io_threads,
         },
     )
-    with _redis(cfg.redis_url, cfg.redis_io_threads) as url, ExitStack() as stack:
+    if not cfg.redis_url:
+        exe = cfg.redis_server or redis_server_path() or "redis-server"
+        report.config["redis_server"] = server_version(exe)
+    with _redis(cfg.redis_url, cfg.redis_io_threads, cfg.redis_server) as url, ExitStack() as stack:
         s = _Setup(cfg, stack, url)
         n = cfg.chunks
         obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)
