@@ -183,7 +183,7 @@ class Config:
     )
     l2_timeout_s: float = setting(2.0, "L2 connect and call timeout.", low=0.05, high=60)
     l2_connections: int = setting(
-        4,
+        8,
         "Redis connections for reads, and as many for writes; a batch is split across them.",
         low=1,
         high=16,

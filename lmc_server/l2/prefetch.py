@@ -53,8 +53,9 @@ MAX_PREFETCHES = 8
 #: How long a known L2 miss (a continuation L2 did not have) is remembered.
 MISS_MEMORY_S = 1.0
 MISS_MEMORY_ENTRIES = 4096
-#: Bytes of values one prefetch reads per batch (at most two batches held at a time).
-READ_BATCH_BYTES = 64 << 20
+#: Bytes of values one prefetch reads per batch (at most ``BATCHES_IN_FLIGHT`` of
+#: prefetch_slots held at a time).
+READ_BATCH_BYTES = 32 << 20
 
 
 class Prefetcher:

@@ -14,6 +14,7 @@ from lmc_server.bench.options import (
     ints,
     json_option,
 )
+from lmc_server.config import Config
 
 
 @click.command("l2")
@@ -48,7 +49,10 @@ from lmc_server.bench.options import (
     help="An existing Redis/Valkey to use [default: start a redis-server on a free loopback port].",
 )
 @click.option(
-    "--l2-connections", type=click.IntRange(1, 16), default=1, help="The servers' --l2-connections."
+    "--l2-connections",
+    type=click.IntRange(1, 16),
+    default=Config().l2_connections,
+    help="The servers' --l2-connections [default: the server's own].",
 )
 @click.option(
     "--redis-io-threads",

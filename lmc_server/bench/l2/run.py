@@ -55,7 +55,7 @@ class L2BenchConfig:
     l1_size_gb: float = 1.0
     redis_url: str = ""
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    l2_connections: int = 1
+    l2_connections: int = 8  # the server's default
     redis_io_threads: int = 1
     #: The redis-server (or valkey-server) binary to start; "" = redis-server on PATH.
     redis_server: str = ""

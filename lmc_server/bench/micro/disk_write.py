@@ -11,11 +11,12 @@ the tier's directory layout:
 - ``slots``: ``put_slots`` (each I/O thread copies, checksums and writes one object),
   batches one after the other: the disk tier's path until the writer kept two batches
   in flight;
-- ``slots2``: the same with two batches in flight (``SLOT_BATCHES_IN_FLIGHT``): the
-  I/O threads go on to the next batch while the last objects of one are written; with
+- ``inflight``: the same with the writer's ``SLOT_BATCHES_IN_FLIGHT`` batches in
+  flight: the I/O threads go on to the next batch while the last objects of one are
+  written; with
   direct I/O, aligned slots are written in the aligned layout, straight from the slot
   (:mod:`lmc_server.l2.disk_layout`): the tier's path now;
-- ``packed2``: ``slots2`` from slots 64 bytes off alignment, so each object is copied
+- ``packed``: ``inflight`` from slots 64 bytes off alignment, so each object is copied
   with its header into an aligned buffer first (the packed layout): the tier's path
   before the aligned layout;
 - ``plain``: ``os.pwrite`` of ready values on four threads (``bench l2 --disk-dir``'s
@@ -46,7 +47,7 @@ from lmc_server.cache.slabs import slot_stride
 from lmc_server.l2 import codec, direct_io
 from lmc_server.l2.backend import SlotObject
 from lmc_server.l2.file_backend import FileBackend
-from lmc_server.l2.writer import WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
+from lmc_server.l2.writer import SLOT_BATCHES_IN_FLIGHT, WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
 
 SPACE = bytes(16)
 #: L1's slabs at the server's default ``--slab-size-mb`` (the slot stride depends on it).
@@ -138,8 +139,8 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
     times: dict[str, list[float]] = {
         "batch": [],
         "slots": [],
-        "slots2": [],
-        "packed2": [],
+        "inflight": [],
+        "packed": [],
         "plain": [],
     }
     ready = [
@@ -152,8 +153,8 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
         times["batch"].append(time.perf_counter() - t0)
         for name, tag, in_flight, skew in (
             ("slots", 4 * rnd + 1, 1, 0),
-            ("slots2", 4 * rnd + 2, 2, 0),
-            ("packed2", 4 * rnd + 3, 2, 64),
+            ("inflight", 4 * rnd + 2, SLOT_BATCHES_IN_FLIGHT, 0),
+            ("packed", 4 * rnd + 3, SLOT_BATCHES_IN_FLIGHT, 64),
         ):
             t0 = time.perf_counter()
             await _slots_path(
@@ -170,7 +171,7 @@ async def main(directory: str, objects: int, object_bytes: int, rounds: int) -> 
     for name, ts in times.items():
         med = statistics.median(ts)
         print(
-            f"  {name:6s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
+            f"  {name:8s} {med:.3f} s  {nbytes / med / 1e9:.2f} GB/s  plain/this "
             f"{_ratio(times['plain'], ts):.2f}  rounds {' '.join(f'{t:.3f}' for t in ts)}"
         )
     plain.close()
