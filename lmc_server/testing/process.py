@@ -4,7 +4,11 @@
         Client(srv.endpoint).ping()
 
 The server runs as ``python -m lmc_server server`` on a free port with the CPU backend
-by default; leaving the block sends SIGTERM and checks the exit status is 0.
+by default; leaving the block sends SIGTERM and checks the exit status is 0. Where
+:attr:`ServerProcess.fork_from_zygote` is set (the test suite sets it) a CPU-backend
+server is instead forked from a process that imported the package once
+(:mod:`lmc_server.testing.forkserver`): the same entry point and arguments, a process of
+its own, without the 0.4 s of CPU that each import costs.
 """
 
 from __future__ import annotations
@@ -18,13 +22,26 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import zmq
 
 from lmc_server.net import tcp_endpoint
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+
+
+class Proc(Protocol):
+    """What is used of a server's process: a :class:`subprocess.Popen`, or a
+    :class:`~lmc_server.testing.forkserver.ForkedProcess`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
 
 
 def free_port() -> int:
@@ -42,7 +59,7 @@ _PROBE_POLL_MS = 20
 def wait_for_ping(
     endpoint: str,
     timeout_s: float,
-    proc: subprocess.Popen[bytes] | None = None,
+    proc: Proc | None = None,
     ready: bool = False,
 ) -> float:
     """Seconds until the server at ``endpoint`` answers ping (and is ready, if asked).
@@ -118,6 +135,9 @@ class ServerProcess:
     #: The test suite sets this (tests/conftest.py); benchmarks that time the pool's
     #: preparation keep the default and wait (or not) themselves.
     pool_ready_by_default = False
+    #: Fork CPU-backend servers from the zygote instead of starting an interpreter each
+    #: (the test suite sets it; ``LMC_TEST_ZYGOTE=0`` in the environment turns it off).
+    fork_from_zygote = False
 
     def __init__(
         self,
@@ -148,20 +168,35 @@ class ServerProcess:
         ]
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.backend = backend
+        self.proc: Proc | None = None
         self._log: IO[bytes] | None = None
         self.returncode: int | None = None
         self._final_log = ""
         self.pool_ready = self.pool_ready_by_default if pool_ready is None else pool_ready
 
     def start(self) -> ServerProcess:
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmc_server", "server", *self.args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-        )
+        if (
+            self.fork_from_zygote
+            and self.backend == "cpu"
+            and os.environ.get("LMC_TEST_ZYGOTE", "1") != "0"
+        ):
+            from lmc_server.testing.forkserver import Zygote
+
+            fd, path = tempfile.mkstemp(prefix="lmc-server-", suffix=".log")
+            self._log = os.fdopen(fd, "w+b")
+            try:
+                self.proc = Zygote.get().spawn(["server", *self.args], self.env, path)
+            finally:
+                os.unlink(path)  # the child and self._log hold it open
+        else:
+            self._log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "lmc_server", "server", *self.args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
         try:
             wait_for_ping(self.endpoint, self.start_timeout_s, self.proc)
             if self.pool_ready:
@@ -206,9 +241,9 @@ class ServerProcess:
                 raise
             finally:
                 self._close_log()
-        self.returncode = self.proc.returncode
+        self.returncode = code = self.proc.wait()
         self._close_log()
-        return self.returncode
+        return code
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
