@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from lmc_server.config import Config
-from lmc_server.testing.process import free_port, wait_for_ping
+from lmc_server.testing.process import free_port, wait_for_ping, wait_pool_ready
 from lmc_server.transfer.base import TransferEngine
 
 if TYPE_CHECKING:
@@ -82,7 +82,11 @@ class ThreadServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.exit_code: int | None = None
 
-    def start(self, timeout_s: float = 30.0) -> ThreadServer:
+    def start(self, timeout_s: float = 30.0, pool_ready: bool = True) -> ThreadServer:
+        """Start the server; return once it answers ping and (``pool_ready``, the
+        default, as :class:`~lmc_server.testing.process.ServerProcess` in the test
+        suite) once every slab of its pool is prepared, so a test's first request
+        cannot meet a pool still being prepared on a loaded machine."""
         from lmc_server.server.server import Server
 
         server = Server(self.config, engine=self.engine, **self.server_kwargs)
@@ -102,6 +106,8 @@ class ThreadServer:
         self._thread.start()
         started.wait()
         wait_for_ping(self.endpoint, timeout_s)
+        if pool_ready:
+            wait_pool_ready(self.endpoint, timeout_s)
         return self
 
     @property
@@ -160,6 +166,7 @@ def run_server(
     clock: FakeClock | None = None,
     notifier: Notifier | None = None,
     housekeeping_interval_s: float = FAST_HOUSEKEEPING_S,
+    pool_ready: bool = True,
     **config_fields: Any,
 ) -> Iterator[ThreadServer]:
     """A started :class:`ThreadServer`, stopped (and checked to exit 0) on leaving.
@@ -167,7 +174,8 @@ def run_server(
     Without ``config``, one is built from ``config_fields`` on a free loopback port with
     the cpu backend, a 1 GiB pool and no metrics endpoint. The server talks to systemd
     only through ``notifier`` (never to ``NOTIFY_SOCKET`` of the test's environment),
-    and reads ``clock`` if one is given.
+    and reads ``clock`` if one is given. It is returned once its pool is prepared
+    (``pool_ready=False``: once it answers ping).
     """
     from lmc_server.server.notify import Notifier
 
@@ -187,7 +195,7 @@ def run_server(
     }
     if clock is not None:
         kwargs["clock"] = clock
-    ts = ThreadServer(config, engine=engine, **kwargs).start()
+    ts = ThreadServer(config, engine=engine, **kwargs).start(pool_ready=pool_ready)
     try:
         yield ts
     finally:
