@@ -53,6 +53,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # an environment without xdist (tests/vllm's) has no such hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker more than the cores. A third of a worker's time is spent
     waiting on the servers, workers and commands it started, which use the cores
