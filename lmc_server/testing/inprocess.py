@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from lmc_server.config import Config
-from lmc_server.testing.process import free_port, wait_for_ping, wait_pool_ready
+from lmc_server.testing.process import free_port, wait_for_ping
 from lmc_server.transfer.base import TransferEngine
 
 if TYPE_CHECKING:
@@ -82,11 +82,12 @@ class ThreadServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.exit_code: int | None = None
 
-    def start(self, timeout_s: float = 30.0, pool_ready: bool = True) -> ThreadServer:
-        """Start the server; return once it answers ping and (``pool_ready``, the
-        default, as :class:`~lmc_server.testing.process.ServerProcess` in the test
-        suite) once every slab of its pool is prepared, so a test's first request
-        cannot meet a pool still being prepared on a loaded machine."""
+    def start(self, timeout_s: float = 30.0, ready: bool = True) -> ThreadServer:
+        """Start the server; return once it answers ping and (``ready``, the default)
+        says it is ready to serve (a slab of its pool prepared: ``Pong.ready``), so a
+        test's first request cannot meet a pool with nothing prepared on a loaded
+        machine. The rest of the pool is prepared in the background as in a server
+        process (a 1 GiB pool takes about a second here)."""
         from lmc_server.server.server import Server
 
         server = Server(self.config, engine=self.engine, **self.server_kwargs)
@@ -105,9 +106,7 @@ class ThreadServer:
         self._thread = threading.Thread(target=run, name="lmc-thread-server", daemon=True)
         self._thread.start()
         started.wait()
-        wait_for_ping(self.endpoint, timeout_s)
-        if pool_ready:
-            wait_pool_ready(self.endpoint, timeout_s)
+        wait_for_ping(self.endpoint, timeout_s, ready=ready)
         return self
 
     @property
@@ -166,7 +165,7 @@ def run_server(
     clock: FakeClock | None = None,
     notifier: Notifier | None = None,
     housekeeping_interval_s: float = FAST_HOUSEKEEPING_S,
-    pool_ready: bool = True,
+    ready: bool = True,
     **config_fields: Any,
 ) -> Iterator[ThreadServer]:
     """A started :class:`ThreadServer`, stopped (and checked to exit 0) on leaving.
@@ -174,8 +173,8 @@ def run_server(
     Without ``config``, one is built from ``config_fields`` on a free loopback port with
     the cpu backend, a 1 GiB pool and no metrics endpoint. The server talks to systemd
     only through ``notifier`` (never to ``NOTIFY_SOCKET`` of the test's environment),
-    and reads ``clock`` if one is given. It is returned once its pool is prepared
-    (``pool_ready=False``: once it answers ping).
+    and reads ``clock`` if one is given. It is returned once it is ready to serve
+    (``ready=False``: once it answers ping at all).
     """
     from lmc_server.server.notify import Notifier
 
@@ -195,7 +194,7 @@ def run_server(
     }
     if clock is not None:
         kwargs["clock"] = clock
-    ts = ThreadServer(config, engine=engine, **kwargs).start(pool_ready=pool_ready)
+    ts = ThreadServer(config, engine=engine, **kwargs).start(ready=ready)
     try:
         yield ts
     finally:
