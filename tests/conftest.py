@@ -53,6 +53,14 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist hands out modules with the most tests first unless told to keep the
+    # collection order, which LONGEST_FIRST sets (--no-loadscope-reorder, made the
+    # default here so the README's command stays as it is).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(optionalhook=True)  # an environment without xdist (tests/vllm's) has no such hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker more than the cores. A third of a worker's time is spent
