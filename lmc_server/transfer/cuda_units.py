@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lmc_server.cache.layout import RunCopy
+from lmc_server.cache.layout import LayerRun, RunCopy
 from lmc_server.transfer.base import TransferError
 
 #: int64 words per unit row; column meanings match ``kernels/copy_pages.cu``.
@@ -139,6 +139,23 @@ _TEMPLATES_MAX = 256
 _SAFE = 1 << 31
 
 
+def _row(region: Region, r: LayerRun, id_at: int) -> tuple[int, ...]:
+    """A run's unit row (columns as above), its block ids from ``id_at`` of the
+    flattened id array; ``OBJECT`` stays 0 until the plan fills it per unit."""
+    return (
+        int(region.buffer_ptrs[r.buffer]) + r.base_offset,
+        r.layer_stride,
+        r.block_stride,
+        r.page_bytes,
+        0,
+        id_at,
+        r.n_layers,
+        r.n_blocks,
+        r.object_layer_stride,
+        r.object_block_stride,
+    )
+
+
 def _template(live: list[RunCopy], region: Region) -> _Template:
     key = (
         tuple((c.run, int(c.block_ids.shape[0])) for c in live),
@@ -153,20 +170,7 @@ def _template(live: list[RunCopy], region: Region) -> _Template:
     for c in live:
         r = c.run
         m = int(c.block_ids.shape[0])
-        rows.append(
-            (
-                int(region.buffer_ptrs[r.buffer]) + r.base_offset,
-                r.layer_stride,
-                r.block_stride,
-                r.page_bytes,
-                0,
-                id_at,
-                r.n_layers,
-                r.n_blocks,
-                r.object_layer_stride,
-                r.object_block_stride,
-            )
-        )
+        rows.append(_row(region, r, id_at))
         counts.append(m)
         id_starts.append(id_at)
         off_starts.append(off_at)
@@ -268,20 +272,7 @@ def _units_exact(
         c_ids = ids[id_at : id_at + m * r.n_blocks].reshape(m, r.n_blocks)
         c_offs = offs[off_at : off_at + m]
         if _check_ranges(index[id(c)], c, c_ids, c_offs, region):
-            rows.append(
-                (
-                    int(region.buffer_ptrs[r.buffer]) + r.base_offset,
-                    r.layer_stride,
-                    r.block_stride,
-                    r.page_bytes,
-                    0,
-                    id_at,
-                    r.n_layers,
-                    r.n_blocks,
-                    r.object_layer_stride,
-                    r.object_block_stride,
-                )
-            )
+            rows.append(_row(region, r, id_at))
             counts.append(m)
             keep_offs.append(c_offs)
         id_at += m * r.n_blocks
