@@ -46,6 +46,13 @@ def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any
         time.sleep(0.05)
 
 
+def _all_written(st: L2Report | DiskReport, objects: int) -> bool:
+    """``objects`` written by a tier, and nothing of it queued or being written."""
+    return bool(
+        st.objects_written >= objects and st.write_queue_objects == 0 and st.writes_in_flight == 0
+    )
+
+
 def l2_server(
     url: str, *extra: str, metrics_port: int = 0, l2_timeout_s: float = 0.5
 ) -> ServerProcess:
@@ -66,15 +73,7 @@ def l2_stats(c: Client) -> L2Report:
 def wait_l2_written(c: Client, objects: int) -> None:
     """Until ``objects`` objects are written to L2 and no write is queued or running."""
 
-    def done() -> bool:
-        st = l2_stats(c)
-        return bool(
-            st.objects_written >= objects
-            and st.write_queue_objects == 0
-            and st.writes_in_flight == 0
-        )
-
-    wait_for(done, f"{objects} objects written to L2")
+    wait_for(lambda: _all_written(l2_stats(c), objects), f"{objects} objects written to L2")
 
 
 def disk_server(
@@ -106,15 +105,7 @@ def disk_stats(c: Client) -> DiskReport:
 def wait_disk_written(c: Client, objects: int) -> None:
     """Until ``objects`` objects are on disk and no write is queued or running."""
 
-    def done() -> bool:
-        st = disk_stats(c)
-        return bool(
-            st.objects_written >= objects
-            and st.write_queue_objects == 0
-            and st.writes_in_flight == 0
-        )
-
-    wait_for(done, f"{objects} objects written to disk")
+    wait_for(lambda: _all_written(disk_stats(c), objects), f"{objects} objects written to disk")
 
 
 def value_files(directory: Path) -> list[Path]:
