@@ -41,6 +41,8 @@ def test_bench_l2_smoke(tmp_path: Path) -> None:
             "4",
             "--l1-size-gb",
             "0.25",
+            "--warm-store-gb",
+            "0.01",
             "--json",
             str(out),
         ],
@@ -50,6 +52,7 @@ def test_bench_l2_smoke(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
+    assert report["config"]["warm_store_gb"] == 0.01 and report["config"]["warm_store_s"] > 0
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
     ops = [r["op"] for r in report["rows"]]
     assert ops == ["write 2 chunks", "read 2 chunks", "L2 hit 1 chunks", "L2 hit 2 chunks"]
@@ -113,16 +116,41 @@ def test_bench_l2_replay_smoke(tmp_path: Path) -> None:
 
 def test_redis_io_threads_start_a_threaded_redis_and_refuse_a_given_url() -> None:
     """``--redis-io-threads N`` reaches the redis-server the bench starts; with
-    ``--redis-url`` (a store it does not start) it is refused before anything runs."""
+    ``--redis-url`` (a store it does not start) it is refused before anything runs, and
+    so is ``--warm-store-gb`` (it would flush a store that is not the bench's): the
+    store's keys are still there."""
     with RedisProcess(io_threads=3) as r, r.client() as c:
         assert c.config_get("io-threads") == {"io-threads": "3"}
         assert c.config_get("io-threads-do-reads") == {"io-threads-do-reads": "yes"}
-        url = r.url
+        c.set(b"users-key", b"kept")
+        for flag, value in (("--redis-io-threads", "4"), ("--warm-store-gb", "1")):
+            res = subprocess.run(
+                [sys.executable, "-m", "lmc_server", "bench", "l2", flag, value]
+                + ["--redis-url", r.url],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert res.returncode == 2 and flag in res.stderr, res.stderr
+        assert c.get(b"users-key") == b"kept"
+
+
+def test_redis_adapter_micro_moves_the_bytes_back(tmp_path: Path) -> None:
+    """``bench.micro.redis_adapter`` writes, reads back and compares (it fails on a
+    difference), and reports a rate per connection count."""
+    out = tmp_path / "adapter.json"
     res = subprocess.run(
-        [sys.executable, "-m", "lmc_server", "bench", "l2", "--redis-io-threads", "4"]
-        + ["--redis-url", url],
+        [sys.executable, "-m", "lmc_server.bench.micro.redis_adapter", "--connections", "1,3"]
+        + ["--objects", "5", "--object-bytes", "300000", "--rounds", "2"]
+        + ["--warm-store-gb", "0.002", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
-    assert res.returncode == 2 and "--redis-io-threads" in res.stderr, res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert [r["connections"] for r in report["rows"]] == [1, 3]
+    for r in report["rows"]:
+        assert r["write_gbps"] > 0 and r["read_gbps"] > 0
+        assert len(r["write_gbps_rounds"]) == len(r["read_gbps_rounds"]) == 2
+    assert report["warm_store_s"] > 0 and report["store"]

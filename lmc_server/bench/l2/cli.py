@@ -69,6 +69,14 @@ from lmc_server.config import Config
     "or a path [default: redis-server]; not with --redis-url.",
 )
 @click.option(
+    "--warm-store-gb",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Write this much to the store the bench starts, and flush it, before timing: "
+    "a store that has served a while, not one that just started (0: the cold store) "
+    "[default: 2]; not with --redis-url (never flushed).",
+)
+@click.option(
     "--disk-dir",
     default="",
     help="Instead: the disk tier on this directory "
@@ -126,6 +134,7 @@ def l2(
     l2_connections: int,
     redis_io_threads: int,
     redis_server: str,
+    warm_store_gb: float | None,
     disk_dir: str,
     restart_gb: float,
     trace_path: str | None,
@@ -145,6 +154,11 @@ def l2(
         )
     if redis_server and redis_url:
         raise click.UsageError("--redis-server starts a server; not with --redis-url")
+    if warm_store_gb and redis_url:
+        raise click.UsageError(
+            "--warm-store-gb flushes the store it warms; it only warms one the bench "
+            "starts, never the one at --redis-url"
+        )
     if redis_server and shutil.which(redis_server) is None:
         raise click.BadParameter(
             f"{redis_server!r} is not an executable", param_hint="--redis-server"
@@ -199,6 +213,7 @@ def l2(
             l2_connections=l2_connections,
             redis_io_threads=redis_io_threads,
             redis_server=(shutil.which(redis_server) or "") if redis_server else "",
+            warm_store_gb=2.0 if warm_store_gb is None else warm_store_gb,
         )
     )
     emit(report, l2b.table(report), json_path)
