@@ -87,7 +87,8 @@ class ThreadServer:
         says it is ready to serve (a slab of its pool prepared: ``Pong.ready``), so a
         test's first request cannot meet a pool with nothing prepared on a loaded
         machine. The rest of the pool is prepared in the background as in a server
-        process (a 1 GiB pool takes about a second here)."""
+        process (a 1 GiB pool takes about a second here; the default here is 0.25 GiB,
+        as :class:`~lmc_server.testing.process.ServerProcess`'s)."""
         from lmc_server.server.server import Server
 
         server = Server(self.config, engine=self.engine, **self.server_kwargs)
@@ -171,7 +172,7 @@ def run_server(
     """A started :class:`ThreadServer`, stopped (and checked to exit 0) on leaving.
 
     Without ``config``, one is built from ``config_fields`` on a free loopback port with
-    the cpu backend, a 1 GiB pool and no metrics endpoint. The server talks to systemd
+    the cpu backend, a 0.25 GiB pool and no metrics endpoint. The server talks to systemd
     only through ``notifier`` (never to ``NOTIFY_SOCKET`` of the test's environment),
     and reads ``clock`` if one is given. It is returned once it is ready to serve
     (``ready=False``: once it answers ping at all).
@@ -182,7 +183,7 @@ def run_server(
         fields: dict[str, Any] = {
             "port": free_port(),
             "backend": "cpu",
-            "l1_size_gb": 1,
+            "l1_size_gb": 0.25,
             "metrics_port": 0,
         }
         config = Config(**(fields | config_fields))
