@@ -13,7 +13,8 @@ oldest first (by mtime) at the cold end of the LRU order: everything this server
 or read since it started stays hotter. It removes temporary files older than
 ``STALE_TMP_S`` (left by a writer killed mid-write; a live writer's are seconds old).
 Capacity is enforced on what the index knows: until the rebuild is done, files not yet
-scanned are not counted; when it is done, the coldest files go until the total fits.
+scanned are not counted; once every directory is scanned, the coldest files go until
+the total fits, and then the rebuild is done.
 
 Event-loop thread only, except :func:`scan`, which runs on a thread and touches nothing
 shared.

@@ -339,8 +339,8 @@ class FileBackend(L2Backend):
                 p.stale_tmp_removed += removed
                 p.dirs_done += 1
                 p.seconds = time.monotonic() - p.started_s
-        self.index.rebuild_done()
-        p.seconds = time.monotonic() - p.started_s
+        # What is over capacity goes before the rebuild says it is done: once "done"
+        # (stats, /healthz), the directory holds no more than --disk-size-gb.
         over = self.index.victims(0)
         if over:
             await asyncio.gather(
@@ -348,6 +348,8 @@ class FileBackend(L2Backend):
             )
             self.evicted_objects += len(over)
             self.listeners.removed(over, "evicted")
+        self.index.rebuild_done()
+        p.seconds = time.monotonic() - p.started_s
         log.info(
             "disk tier %s: index rebuilt in %.1f s (%d files, %.2f GiB; %d evicted "
             "to fit, %d stale temporary files removed)",
