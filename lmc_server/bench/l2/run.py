@@ -15,9 +15,10 @@ servers with ``--l2`` pointing at it: A stores, B (empty L1) finds the objects i
 A store the bench starts is warmed first (``--warm-store-gb``, default 2): that much
 is written to it in values of the objects' sizes and flushed, before anything is
 timed. A store process that has just started pays for every new page its allocator
-maps (on the H200 host, Valkey 9's first 2 GB of ``SET`` ran at 1.1-3 GB/s, the next
-at 4.5-9); one that has been serving for a while reuses the memory it freed or
-evicted, which is what the figures should describe. ``--warm-store-gb 0`` measures the
+maps (on the H200 host, the Redis adapter alone wrote a new Valkey 9's first GB at
+1.1-3 GB/s and later rounds at 4-6; after a ``FLUSHALL``, at 7.7-8.9); one that has
+been serving for a while reuses the memory it freed or evicted, which is what the
+figures should describe. ``--warm-store-gb 0`` measures the
 cold store. A store at ``--redis-url`` is never flushed (nor warmed).
 
 Both sides run on this host, and the raw client is synchronous redis-py with the same

@@ -8,7 +8,7 @@ keys (split across ``--connections`` connections, as the writer's batches are), 
 headers (``heads``), and one ``get_into`` of all of them, checked byte for byte at the
 end. No server, no L1 index, no batching of the writer or the prefetch, no polling: the
 adapter and the store. So it tells the store's limit from ours: on the H200 host the
-adapter read 1.4-2.0 GB/s from Valkey 8.0 and 8.7-10 GB/s from Valkey 9.1 with the same
+adapter read 1.3-2.6 GB/s from Valkey 8.0 and 8.7-11.8 GB/s from Valkey 9.1 with the same
 code, which is Valkey 9's reply copy avoidance (its I/O threads send a big value from
 the stored object; Valkey 8's main thread first copies each one into a reply buffer).
 The store is warmed first (``--warm-store-gb``, as ``lmcache bench l2`` does). Usage::
