@@ -99,10 +99,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """One CPU-backend server per test module: 1 GiB, separate object groups."""
+    """One CPU-backend server per test module: the harness's pool (0.25 GiB), separate
+    object groups."""
     with ServerProcess(
-        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"],
-        l1_size_gb=1,
+        ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
     ) as srv:
         yield srv
 

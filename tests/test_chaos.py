@@ -34,6 +34,8 @@ REAP_S = 5.0
 
 @pytest.fixture
 def srv() -> Iterator[ServerProcess]:
+    # 1 GiB: test_kill9_mid_store_leaves_nothing_partial keeps three or more batches of
+    # 16 preset chunks (86 MB each) and checks them all afterwards
     with ServerProcess(["--chunk-size", "256", "--separate-object-groups"], l1_size_gb=1) as s:
         yield s
 
@@ -197,7 +199,7 @@ def test_a_stopped_client_shorter_than_the_timeout_is_not_reaped(srv: ServerProc
 
 def test_kill9_server_then_restart_clients_recover() -> None:
     args = ["--chunk-size", "256", "--separate-object-groups"]
-    first = ServerProcess(args, l1_size_gb=1).start()
+    first = ServerProcess(args).start()
     assert first.proc is not None
     first_pid, second_pid = first.proc.pid, -1
     shm_before = set(os.listdir("/dev/shm"))
@@ -211,7 +213,7 @@ def test_kill9_server_then_restart_clients_recover() -> None:
         with pytest.raises(TimeoutError):
             c.lookup(reg, digests)
         assert time.monotonic() - t0 < 3
-        second = ServerProcess(args, port=first.port, l1_size_gb=1).start()
+        second = ServerProcess(args, port=first.port).start()
         assert second.proc is not None
         second_pid = second.proc.pid
         try:

@@ -92,7 +92,7 @@ class Served:
 def metrics_server() -> Iterator[Served]:
     port = free_port()
     with ServerProcess(
-        ["--chunk-size", str(CHUNK), "--separate-object-groups"], l1_size_gb=1, metrics_port=port
+        ["--chunk-size", str(CHUNK), "--separate-object-groups"], metrics_port=port
     ) as srv:
         yield Served(srv, port)
 
