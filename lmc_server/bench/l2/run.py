@@ -183,7 +183,7 @@ class _Setup:
             time.sleep(POLL_S)
 
 
-def _warm_store(url: str, value_bytes: list[int], gb: float) -> float:
+def warm_store(url: str, value_bytes: list[int], gb: float) -> float:
     """Write ``gb`` GB of values of the sizes in ``value_bytes`` (in turn) to the store
     at ``url``, then ``FLUSHALL SYNC`` (only ever a store this bench started); seconds."""
     import redis
@@ -239,7 +239,7 @@ def run(cfg: L2BenchConfig) -> Report:
         report.config["chunk_bytes"] = obj_bytes
         if not cfg.redis_url and cfg.warm_store_gb > 0:
             sizes = [codec.HEADER_BYTES + og.object_bytes for og in s.rega.object_groups]
-            report.config["warm_store_s"] = _warm_store(url, sizes, cfg.warm_store_gb)
+            report.config["warm_store_s"] = warm_store(url, sizes, cfg.warm_store_gb)
         w_srv, w_raw, r_srv, r_raw, w_store = [], [], [], [], []
         digests = b""
         ids: dict[str, np.ndarray] = {}

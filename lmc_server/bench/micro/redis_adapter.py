@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from lmc_server.bench.l2.run import _warm_store
+from lmc_server.bench.l2.run import warm_store
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import SlotObject, SlotRead
 from lmc_server.l2.redis_backend import RedisBackend
@@ -97,7 +97,7 @@ async def _one(url: str, connections: int, objects: int, object_bytes: int, roun
 
 async def main(args: argparse.Namespace) -> dict:
     with RedisProcess(io_threads=args.io_threads, exe=args.redis_server or None) as r:
-        warm_s = _warm_store(r.url, [codec.HEADER_BYTES + args.object_bytes], args.warm_store_gb)
+        warm_s = warm_store(r.url, [codec.HEADER_BYTES + args.object_bytes], args.warm_store_gb)
         rows = [
             await _one(r.url, c, args.objects, args.object_bytes, args.rounds)
             for c in args.connections
