@@ -213,7 +213,9 @@ def l2(
             l2_connections=l2_connections,
             redis_io_threads=redis_io_threads,
             redis_server=(shutil.which(redis_server) or "") if redis_server else "",
-            warm_store_gb=2.0 if warm_store_gb is None else warm_store_gb,
+            warm_store_gb=(
+                l2b.L2BenchConfig.warm_store_gb if warm_store_gb is None else warm_store_gb
+            ),
         )
     )
     emit(report, l2b.table(report), json_path)
