@@ -9,7 +9,7 @@ before pytest (.ci/run), so a missing one is a broken CI setup, not a skip.
 Every :class:`ServerProcess` a test starts is returned by ``start()`` with its pool
 prepared (``pool_ready_by_default``): a test that stores at once must not race the
 preparing thread on a loaded machine; a test of start-up itself passes
-``pool_ready=False``. A CPU-backend one is forked from the test zygote
+``pool_ready=False``. A CPU- or null-backend one is forked from the test zygote
 (``fork_from_zygote``, lmc_server/testing/forkserver.py): the real server entry point
 in a process of its own, without importing the package again; the tests of how
 ``lmcache server`` starts run the command themselves.
@@ -28,8 +28,8 @@ from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
 
 ServerProcess.pool_ready_by_default = True
-# CPU-backend servers forked from a process that imported the package once (0.4 s of
-# CPU saved per server, ~150 servers a run): lmc_server/testing/forkserver.py.
+# CPU- and null-backend servers forked from a process that imported the package once
+# (0.4 s of CPU saved per server, ~150 servers a run): lmc_server/testing/forkserver.py.
 ServerProcess.fork_from_zygote = True
 
 

@@ -16,7 +16,7 @@ Tests that are about how the command starts (tests/test_cli.py and the others th
 Invariants of the zygote (``serve``): it stays single-threaded, because it forks and a
 fork of a threaded process can inherit a lock some other thread held (it checks, and
 refuses to fork otherwise); it never creates a zmq context, an event loop or CUDA state
-(CUDA needs a fresh process: only CPU-backend servers come here, see
+(CUDA needs a fresh process: only CPU- and null-backend servers come here, see
 :class:`~lmc_server.testing.process.ServerProcess`); it reaps its children and reports
 each exit status; and when the process that started it goes (EOF on its stdin) it kills
 the children it still has and exits, so no server outlives a test run.

@@ -5,10 +5,10 @@
 
 The server runs as ``python -m lmc_server server`` on a free port with the CPU backend
 by default; leaving the block sends SIGTERM and checks the exit status is 0. Where
-:attr:`ServerProcess.fork_from_zygote` is set (the test suite sets it) a CPU-backend
-server is instead forked from a process that imported the package once
-(:mod:`lmc_server.testing.forkserver`): the same entry point and arguments, a process of
-its own, without the 0.4 s of CPU that each import costs.
+:attr:`ServerProcess.fork_from_zygote` is set (the test suite sets it) a CPU- or
+null-backend server is instead forked from a process that imported the package once
+(:mod:`lmc_server.testing.forkserver`): the same entry point and arguments, a process
+of its own, without the 0.4 s of CPU that each import costs.
 """
 
 from __future__ import annotations
@@ -118,6 +118,10 @@ def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
             time.sleep(0.05)
 
 
+#: Backends whose servers may be forked from the zygote: those that never touch CUDA
+#: (a CUDA context needs a fresh process).
+ZYGOTE_BACKENDS = ("cpu", "null")
+
 #: A directory: every :class:`ServerProcess` writes its whole log there when it ends
 #: (device runs set it to their output folder, so a failure can be read afterwards).
 KEEP_LOGS_ENV = "LMC_KEEP_SERVER_LOGS"
@@ -142,7 +146,7 @@ class ServerProcess:
     #: The test suite sets this (tests/conftest.py); benchmarks that time the pool's
     #: preparation keep the default and wait (or not) themselves.
     pool_ready_by_default = False
-    #: Fork CPU-backend servers from the zygote instead of starting an interpreter each
+    #: Fork CPU- and null-backend servers from the zygote instead of starting an interpreter each
     #: (the test suite sets it; ``LMC_TEST_ZYGOTE=0`` in the environment turns it off).
     fork_from_zygote = False
 
@@ -185,7 +189,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         if (
             self.fork_from_zygote
-            and self.backend == "cpu"
+            and self.backend in ZYGOTE_BACKENDS
             and os.environ.get("LMC_TEST_ZYGOTE", "1") != "0"
         ):
             from lmc_server.testing.forkserver import Zygote
