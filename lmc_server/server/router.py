@@ -102,6 +102,10 @@ class Router:
         on_message = self._on_message
         for _ in range(DRAIN_BUDGET):
             try:
+                # Asked first rather than ending on zmq.Again: the exception costs
+                # about 4 us more, two or three times per message on a busy socket.
+                if sock.closed or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
@@ -143,6 +147,8 @@ class Router:
             return
         while True:
             try:
+                if monitor.closed or not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return  # asked first: most drains find no connection event
                 ev = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.ZMQError:  # Again included: nothing queued
                 return
