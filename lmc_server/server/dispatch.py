@@ -32,6 +32,7 @@ from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.data_path import DataRequest
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.peers import Conn
+from lmc_server.server.refusal_log import RefusalLog
 from lmc_server.server.sessions import Session, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 
@@ -86,6 +87,7 @@ class Dispatcher:
         self.clock = clock
         self.report = report
         self.draining = False
+        self.refusals = RefusalLog(clock)
         #: Store and retrieve tasks not finished yet.
         self.tasks: set[asyncio.Task[None]] = set()
         #: Who to answer for each store/retrieve task: (identity, operation, req_id).
@@ -177,15 +179,10 @@ class Dispatcher:
         self._send(identity, encode(reply))
 
     def _refused(self, session: Session, op: str, e: ProtocolError) -> bytes:
-        """Count and log a refusal; the ``error`` reply that says it."""
+        """Count and log a refusal (a few lines per client and minute, the rest
+        summarized: :mod:`~lmc_server.server.refusal_log`); the ``error`` reply."""
         self.stats.count_request(op, e.code.value)
-        log.info(
-            "refused %s from %s: %s: %s",
-            op,
-            session.client_name or "client",
-            e.code.value,
-            e.message,
-        )
+        self.refusals.refused(session, op, e)
         return error_reply(e)
 
     def _internal_error(self, op: str, req_id: int) -> bytes:

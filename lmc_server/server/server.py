@@ -215,7 +215,7 @@ class Server(ServerTeardown):
             self.sessions,
             self.handlers.drop_session,
             self.housekeeping_interval_s,
-            self.handlers.commits.expire,
+            self._tick,
         )
         if not self.should_exit:  # no tick once shutdown is asked for
             self.housekeeper.start()
@@ -287,6 +287,12 @@ class Server(ServerTeardown):
             cfg.metrics_host, cfg.metrics_port, registry, self.health
         )
         self.metrics_server.start()
+
+    def _tick(self, now_s: float) -> None:
+        """The housekeeping tick's time-based checks: stores waiting past the settle
+        timeout give up; refusal summaries of the interval just over are logged."""
+        self.handlers.commits.expire(now_s)
+        self.dispatch.refusals.tick(now_s)
 
     def _disconnected(self, conn: Conn, identities: list[bytes]) -> None:
         """A connection closed: drop the sessions that still live on it, reclaiming
