@@ -24,6 +24,17 @@ from lmc_server.transfer.cuda_units import Region
 SLAB = 16 << 20
 
 
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two 1-D uint8 arrays, 8 bytes at a time (5x faster on the
+    tens of MiB each case compares)."""
+    if a.shape != b.shape:
+        return False
+    n = a.size - a.size % 8
+    return np.array_equal(a[:n].view(np.uint64), b[:n].view(np.uint64)) and np.array_equal(
+        a[n:], b[n:]
+    )
+
+
 class Memory:
     """Buffers, then the pool, then two staging halves, in one byte array."""
 
@@ -188,7 +199,7 @@ def test_plan_matches_cpu_reference(
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for c in copies:
         _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
-    assert np.array_equal(mem.pool_view(), expect_pool)
+    assert same_bytes(mem.pool_view(), expect_pool)
 
     # Retrieve into fresh buffers, with some blocks marked "leave alone" (-1).
     originals = [mem.buf(i).copy() for i in range(len(sizes))]
@@ -206,7 +217,7 @@ def test_plan_matches_cpu_reference(
     for c in holed:
         _copy_run(c, expect[c.run.buffer], mem.pool_view(), False)
     for i in range(len(sizes)):
-        assert np.array_equal(mem.buf(i), expect[i])
+        assert same_bytes(mem.buf(i), expect[i])
         touched = expect[i] != 0xEE
         assert np.array_equal(mem.buf(i)[touched], originals[i][touched])
 
@@ -294,7 +305,7 @@ def test_all_holes_copy_is_skipped_and_mixed_runs_share_a_box() -> None:
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for cc in [small] + copies[2:]:
         _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
-    assert np.array_equal(mem.pool_view(), expect_pool)
+    assert same_bytes(mem.pool_view(), expect_pool)
 
 
 def test_dma_plan_skips_holes_and_all_hole_copies() -> None:
@@ -332,7 +343,7 @@ def test_dma_plan_skips_holes_and_all_hole_copies() -> None:
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for cc in chosen:
         _copy_run(cc, mem.buf(cc.run.buffer), expect_pool, True)
-    assert np.array_equal(mem.pool_view(), expect_pool)
+    assert same_bytes(mem.pool_view(), expect_pool)
     assert plan_dma([holes], mem.region).n_rows == 0
 
 
@@ -390,7 +401,7 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
     expect_pool = np.zeros(pool_bytes, np.uint8)
     for c in copies:
         _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
-    assert np.array_equal(mem.pool_view(), expect_pool)
+    assert same_bytes(mem.pool_view(), expect_pool)
     if mode == "staging":
         assert isinstance(p, Plan)
         # one piece; one DMA per object (its sections are adjacent clusters)
