@@ -137,15 +137,21 @@ def test_random_workload_with_slab_moves_keeps_every_invariant(policy: str) -> N
 
 
 def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(policy: str) -> None:
-    """20,480 slots, 40,000 objects stored through them: ghosts and sketches full."""
+    """10,240 slots, 20,000 objects stored through them: ghosts and sketches full.
+
+    The bound is on the whole growth of the heap divided by the objects cached. Half
+    the size it was (40,000 through 20,480), because tracemalloc makes each store about
+    8x dearer; per object the two sizes measure within 2 % (SARC 239 B here, 244 B
+    there, LRU 191 and 197: dicts grow in powers of two), and a fixed cost weighs
+    twice as much here."""
     geo = simple_model(layers=1, bytes_per_token=64, tokens_per_block=16)  # 16 KiB objects
-    pool = SlabPool(20 * 16 * MIB, 16 * MIB)
+    pool = SlabPool(10 * 16 * MIB, 16 * MIB)
     idx = L1Index(pool, policy)
     for s in range(pool.n_slabs):
         pool.mark_ready(s)
     v = idx.view("mem", build_layout(geo.groups, 256, True))
     batch = ids(1000)
-    n = 40_000
+    n = 20_000
     all_digests = digests(n)
     gc.collect()
     tracemalloc.start()
@@ -160,7 +166,7 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(polic
     grown = tracemalloc.get_traced_memory()[0] - before  # every allocation since start
     tracemalloc.stop()
     part = v.partitions[0]
-    assert part.n_committed == part.capacity_objects == 20 * 1024
+    assert part.n_committed == part.capacity_objects == 10 * 1024
     per_object = grown / part.n_committed
     print(f"{policy}: python heap per cached object: {per_object:.0f} bytes")
     assert per_object <= 256, per_object
