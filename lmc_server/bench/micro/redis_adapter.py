@@ -28,10 +28,11 @@ import time
 
 import numpy as np
 
-from lmc_server.bench.l2.run import warm_store
+from lmc_server.bench.l2.run import L2BenchConfig, warm_store
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import SlotObject, SlotRead
 from lmc_server.l2.redis_backend import RedisBackend
+from lmc_server.testing.kv import fill_random_bytes
 from lmc_server.testing.redis_process import RedisProcess, server_version
 
 SPACE = b"micro-redis-adpt"
@@ -50,7 +51,7 @@ async def _one(url: str, connections: int, objects: int, object_bytes: int, roun
     src_map, dst_map = (mmap.mmap(-1, objects * object_bytes) for _ in range(2))
     src = np.frombuffer(src_map, np.uint8)
     dst = np.frombuffer(dst_map, np.uint8)
-    src[:] = np.random.default_rng(connections).integers(0, 256, src.size, dtype=np.uint8)
+    fill_random_bytes([src], connections)
     dst[:] = 0  # touched: no page faults inside a timing
     span = [slice(i * object_bytes, (i + 1) * object_bytes) for i in range(objects)]
     backend = RedisBackend(url, timeout_s=30, connections=connections)
@@ -122,7 +123,7 @@ if __name__ == "__main__":
     ap.add_argument("--objects", type=int, default=128)
     ap.add_argument("--object-bytes", type=int, default=DEFAULT_OBJECT_BYTES)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warm-store-gb", type=float, default=2.0)
+    ap.add_argument("--warm-store-gb", type=float, default=L2BenchConfig.warm_store_gb)
     ap.add_argument("--json", default="", help="also write the report here")
     a = ap.parse_args()
     a.connections = [int(c) for c in a.connections.split(",")]
