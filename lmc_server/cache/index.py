@@ -43,11 +43,15 @@ from lmc_server.cache.layout import ObjectGroupLayout, RegistrationLayout
 from lmc_server.cache.leases import Lease, LeaseTable
 from lmc_server.cache.pool import Partition
 from lmc_server.cache.reservation import Reservation
-from lmc_server.cache.retrieve import RetrieveTicket
+from lmc_server.cache.retrieve import RetrievePlans, RetrieveTicket
 from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.usage import PartitionUsage, usage_of
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
+
+#: Distinct registration layouts interned by :meth:`L1Index.view` (a bound on what a
+#: client registering ever new geometries can make the index keep).
+LAYOUTS_MAX = 1024
 
 __all__ = ["L1Index", "Lease", "PartitionUsage", "Reservation", "RetrieveTicket", "StoreTicket"]
 
@@ -65,12 +69,28 @@ class L1Index:
         self.stats = CacheStats()
         self.tick = 0
         self._allocator = SlotAllocator(pool, self._partitions, self.stats)
+        #: One layout object per distinct geometry (see :meth:`view`), at most
+        #: :data:`LAYOUTS_MAX`; past that, new geometries keep their own.
+        self._layouts: dict[tuple[object, ...], RegistrationLayout] = {}
+        #: The plans identical retrieves share (:class:`~lmc_server.cache.retrieve.RetrievePlans`).
+        self.retrieve_plans = RetrievePlans()
 
     # -- registration -----------------------------------------------------------------
 
     def view(self, namespace: str, layout: RegistrationLayout) -> CacheView:
-        """Intern ``namespace`` and get (or create) a partition per object group."""
+        """Intern ``namespace`` and get (or create) a partition per object group.
+
+        The layout is interned by value too: registrations of one geometry (the ranks
+        of a tensor-parallel engine) get one layout object, so that a retrieve one of
+        them sends is recognised by identity as the one another just sent
+        (:class:`~lmc_server.cache.retrieve.RetrievePlans`)."""
         ns_id = self._namespaces.setdefault(namespace, len(self._namespaces) + 1)
+        lkey = (layout.chunk_size, layout.object_groups, tuple(sorted(layout.windows.items())))
+        known = self._layouts.get(lkey)
+        if known is not None:
+            layout = known
+        elif len(self._layouts) < LAYOUTS_MAX:
+            self._layouts[lkey] = layout
         parts = tuple(self._partition(og) for og in layout.object_groups)
         return CacheView(ns_prefix=namespace_prefix(ns_id), layout=layout, partitions=parts)
 
@@ -205,7 +225,9 @@ class L1Index:
         """Pin what a retrieve of these chunks reads
         (:func:`~lmc_server.cache.retrieve.pin_retrieve`)."""
         self.tick += 1
-        return retrieve.pin_retrieve(view, keys, group_ids, prefix_ends, self.tick)
+        return retrieve.pin_retrieve(
+            view, keys, group_ids, prefix_ends, self.tick, self.retrieve_plans
+        )
 
     def unpin_retrieve(self, ticket: RetrieveTicket, ok: bool) -> None:
         """The copy finished (or failed: every pinned chunk then reports FAILED)."""

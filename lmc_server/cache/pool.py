@@ -27,6 +27,7 @@ maps to a ``WRITING`` or ``COMMITTED`` slot whose ``slot_key`` is that key.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -35,6 +36,30 @@ from lmc_server.cache.slabs import SlabPool, slot_stride
 from lmc_server.cache.watch import SlotWatcher
 
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3
+
+
+class SlotSet:
+    """Slots of one partition that are pinned and unpinned together, with what
+    :meth:`Partition.pin_many` needs of them worked out once: their index array (in
+    pin and in unpin order) and whether any slot appears twice. A retrieve plan that
+    several identical retrieves share (:mod:`lmc_server.cache.retrieve`) pins one
+    :class:`SlotSet` many times; it is never changed after it is made."""
+
+    __slots__ = ("slots", "idx", "back", "distinct")
+
+    def __init__(self, slots: array) -> None:
+        self.slots = slots
+        idx = np.array(slots, dtype=np.int32)
+        idx.flags.writeable = False
+        self.idx = idx
+        self.back = idx[::-1]
+        self.distinct = idx.size < PIN_VECTOR_MIN or np.unique(idx).size == idx.size
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.slots)
 
 
 #: Below this many slots :meth:`Partition.pin_many` and ``unpin_many`` loop (numpy's
@@ -85,6 +110,10 @@ class Partition:
         self.mask = array("B")
         self.tick = array("q")
         self._free: list[int] = []
+        #: Bumped by every change of which key a committed slot holds (a commit, an
+        #: eviction, an abort): a plan computed at one version reads the same objects
+        #: while the version stands (:class:`~lmc_server.cache.retrieve.RetrievePlans`).
+        self.version = 0
         self.n_committed = 0
         self.n_writing = 0
         #: Told of every commit and every eviction (the KV-event publisher); None: one
@@ -166,6 +195,7 @@ class Partition:
         assert self.state[slot] == WRITING, f"slot {slot} is not being written"
         self.state[slot] = COMMITTED
         self.mask[slot] = mask
+        self.version += 1
         self.n_writing -= 1
         self.n_committed += 1
         if self.pins[slot] == 0:
@@ -199,6 +229,7 @@ class Partition:
         del self.keys[key]
         self.slot_key[slot] = None
         self.state[slot] = FREE
+        self.version += 1
         self._free.append(slot)
 
     def pin(self, slot: int) -> None:
@@ -213,13 +244,14 @@ class Partition:
         if self.pins[slot] == 0 and self.state[slot] == COMMITTED:
             self.policy.unpin(slot)
 
-    def pin_many(self, slots: array) -> None:
+    def pin_many(self, slots: array | SlotSet) -> None:
         """:meth:`pin` each of ``slots`` (committed) in one pass: the ones pinned for the
         first time leave the eviction order in one :meth:`pin_run`. A list with a slot
         twice (a request naming a chunk twice) goes slot by slot."""
-        idx = np.frombuffer(slots, dtype=np.int32)
-        if idx.size < PIN_VECTOR_MIN or np.unique(idx).size != idx.size:
-            for s in slots:
+        ss = slots if isinstance(slots, SlotSet) else SlotSet(slots)
+        idx = ss.idx
+        if idx.size < PIN_VECTOR_MIN or not ss.distinct:
+            for s in ss.slots:
                 self.pin(s)
             return
         assert (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED).all(), (
@@ -228,23 +260,28 @@ class Partition:
         pins = np.frombuffer(self.pins, dtype=np.int32)
         before = pins[idx]
         pins[idx] = before + 1
+        if before.all():  # pinned already (an identical retrieve in flight)
+            return
         first = idx[before == 0]
-        if first.size:
-            self.policy.pin_run(first.tolist())
+        self.policy.pin_run(first.tolist())
 
-    def unpin_many(self, slots: array) -> None:
+    def unpin_many(self, slots: array | SlotSet) -> None:
         """:meth:`unpin` each of ``slots`` in one pass, last to first (so the first,
         chunk 0 of a prefix, ends most recent), as one :meth:`unpin_run`."""
-        idx = np.frombuffer(slots, dtype=np.int32)[::-1]
-        if idx.size < PIN_VECTOR_MIN or np.unique(idx).size != idx.size:
-            for s in reversed(slots):
+        ss = slots if isinstance(slots, SlotSet) else SlotSet(slots)
+        idx = ss.back
+        if idx.size < PIN_VECTOR_MIN or not ss.distinct:
+            for s in reversed(ss.slots):
                 self.unpin(s)
             return
         pins = np.frombuffer(self.pins, dtype=np.int32)
         before = pins[idx]
         assert (before > 0).all(), "unpinning a slot that is not pinned"
         pins[idx] = before - 1
-        back = idx[(before == 1) & (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED)]
+        last = before == 1
+        if not last.any():  # still pinned by another reader
+            return
+        back = idx[last & (np.frombuffer(self.state, dtype=np.int8)[idx] == COMMITTED)]
         if back.size:
             self.policy.unpin_run(back.tolist())
 

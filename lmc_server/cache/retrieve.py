@@ -11,13 +11,14 @@ chunk, window sections only for the chunks in their window at the end of each pr
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from lmc_server.cache.counters import CacheStats
-from lmc_server.cache.layout import RunCopy, plan_objects, section_block_ids
-from lmc_server.cache.pool import COMMITTED, Partition
+from lmc_server.cache.layout import RegistrationLayout, RunCopy, plan_objects, section_block_ids
+from lmc_server.cache.pool import COMMITTED, Partition, SlotSet
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 
@@ -27,11 +28,84 @@ class RetrieveTicket:
     """A retrieve in flight: the objects it pinned and the copies that read them."""
 
     statuses: list[np.ndarray]
-    pinned: list[tuple[Partition, array]]
+    pinned: list[tuple[Partition, SlotSet]]
     copies: list[RunCopy]
     nbytes: int
     objects: int
     done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """What a retrieve reads, computed once: valid while every partition of its view
+    stands at ``versions`` (no commit, eviction or abort since), because then every
+    chunk still has the slot, state and sections it had. Its arrays are read-only: the
+    same plan serves every identical retrieve (the tensor-parallel ranks of one
+    engine load the same prefix into the same block ids at once)."""
+
+    layout: RegistrationLayout
+    versions: tuple[int, ...]
+    statuses: list[np.ndarray]
+    pinned: list[tuple[Partition, SlotSet]]
+    ticked: list[np.ndarray]
+    copies: list[RunCopy]
+    nbytes: int
+    objects: int
+
+
+class RetrievePlans:
+    """The plans of the last few distinct retrieves, reused by identical ones.
+
+    A retrieve is identical when it names the same layout (registrations of one
+    geometry share one, :meth:`~lmc_server.cache.index.L1Index.layout`), the same keys,
+    the same block ids and the same prefix ends. A plan is used only while its
+    partitions' versions are unchanged (see :class:`_Plan`), so a reused plan never
+    names a slot that was freed, reused or recommitted since it was made; the pins and
+    the recency update are still made for every retrieve. Bounded: ``size`` plans, the
+    least recently used dropped first.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._plans: OrderedDict[tuple[object, ...], _Plan] = OrderedDict()
+        #: retrieves served from a plan / planned anew (tests, diagnostics)
+        self.reused = 0
+        self.planned = 0
+
+    @staticmethod
+    def key(
+        view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray], ends: list[int]
+    ) -> tuple[object, ...]:
+        return (
+            id(view.layout),
+            tuple(keys),
+            tuple(ends),
+            tuple(group_ids),
+            b"".join([a.tobytes() for a in group_ids.values()]),
+            tuple(a.shape for a in group_ids.values()),
+        )
+
+    def get(self, key: tuple[object, ...], view: CacheView) -> _Plan | None:
+        plan = self._plans.get(key)
+        if plan is None:
+            return None
+        if plan.layout is not view.layout or plan.versions != _versions(view):
+            del self._plans[key]
+            return None
+        self._plans.move_to_end(key)
+        self.reused += 1
+        return plan
+
+    def put(self, key: tuple[object, ...], plan: _Plan) -> None:
+        self.planned += 1
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+
+
+def _versions(view: CacheView) -> tuple[int, ...]:
+    return tuple([p.version for p in view.partitions])
 
 
 def pin_retrieve(
@@ -40,18 +114,44 @@ def pin_retrieve(
     group_ids: dict[int, np.ndarray],
     prefix_ends: list[int] | None,
     tick: int,
+    plans: RetrievePlans | None = None,
 ) -> RetrieveTicket:
     """Pin what a retrieve of these chunks (prefixes ending at ``prefix_ends``, exclusive
     chunk ends of the prefixes batched in one request; default one prefix) reads.
 
     A chunk whose needed sections are not all committed reports ``MISS`` and is not
     read; blocks with id ``-1`` are left untouched (and their sections not needed).
+    With ``plans``, an identical retrieve reuses the plan of an earlier one
+    (:class:`RetrievePlans`).
     """
+    ends = prefix_ends or [len(keys)]
+    key = plans.key(view, keys, group_ids, ends) if plans is not None else None
+    plan = plans.get(key, view) if plans is not None and key is not None else None
+    if plan is None:
+        plan = _plan(view, keys, group_ids, ends)
+        if plans is not None and key is not None:
+            plans.put(key, plan)
+    for (part, slots), idx in zip(plan.pinned, plan.ticked, strict=True):
+        part.pin_many(slots)  # pinned objects leave the eviction order: no touch needed
+        np.frombuffer(part.tick, dtype=np.int64)[idx] = tick
+    return RetrieveTicket(
+        statuses=[st.copy() for st in plan.statuses],
+        pinned=plan.pinned,
+        copies=plan.copies,
+        nbytes=plan.nbytes,
+        objects=plan.objects,
+    )
+
+
+def _plan(
+    view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray], ends: list[int]
+) -> _Plan:
+    """The objects a retrieve reads and their copies, from the index as it is now."""
     n = len(keys)
-    ends = prefix_ends or [n]
     bounds = list(zip([0, *ends[:-1]], ends, strict=True))
     statuses: list[np.ndarray] = []
-    pinned: list[tuple[Partition, array]] = []
+    pinned: list[tuple[Partition, SlotSet]] = []
+    ticked: list[np.ndarray] = []
     copies: list[RunCopy] = []
     nbytes = objects = 0
     for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
@@ -76,23 +176,31 @@ def pin_retrieve(
         missed = cand[~hit]
         st[missed] = ChunkStatus.MISS
         need[:, missed] = False
+        st[cand[hit]] = ChunkStatus.OK
+        st.flags.writeable = False
+        statuses.append(st)
+        if not hit.any():
+            continue
         chunks = array("i", cand[hit].tolist())
         slots = array("i", found[hit].tolist())
-        part.pin_many(slots)  # pinned objects leave the eviction order: no touch needed
-        np.frombuffer(part.tick, dtype=np.int64)[found[hit]] = tick
-        st[cand[hit]] = ChunkStatus.OK
-        statuses.append(st)
-        if not chunks:
-            continue
-        pinned.append((part, slots))
+        pinned.append((part, SlotSet(slots)))
+        ticked.append(_frozen(found[hit]))
         objects += len(slots)
         offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
         nbytes += plan_objects(
             og, offsets, np.frombuffer(chunks, dtype=np.int32), list(need), group_ids, copies
         )
-    return RetrieveTicket(
-        statuses=statuses, pinned=pinned, copies=copies, nbytes=nbytes, objects=objects
+    for c in copies:
+        c.block_ids.flags.writeable = False
+        c.object_offsets.flags.writeable = False
+    return _Plan(
+        view.layout, _versions(view), statuses, pinned, ticked, copies, nbytes, objects
     )
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 def unpin_retrieve(ticket: RetrieveTicket, ok: bool, stats: CacheStats) -> None:
