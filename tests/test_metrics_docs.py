@@ -5,7 +5,8 @@ deploy/ into dashboards and alerts; a name or label the server does not export i
 alert that never fires. The exported names come from a scrape of a real server process
 with every optional family on (L1 traffic, the disk tier, an L2 tier on a redis-server,
 the KV-event publisher); the docs' names are every ``lmcache_*`` token in them, and a
-``{a,b}`` or ``{a="x"}`` after a name lists its labels.
+``{a,b}`` or ``{a="x"}`` after a name lists its labels; the labels column of
+docs/operations.md's metrics table is held to the exported labels exactly.
 """
 
 from __future__ import annotations
@@ -159,3 +160,25 @@ def test_every_metric_the_docs_name_is_exported(exported: dict[str, set[str]]) -
                 wrong.append(f"{where}: {name} has labels {sorted(exported[name])}, not {inside}")
     assert checked >= 40, checked  # the docs name most families; a broken regex finds none
     assert not wrong, "\n".join(wrong)
+
+
+def _table_rows(doc: str) -> Iterator[tuple[list[str], set[str]]]:
+    """The metrics table of docs/operations.md: (full names in the first cell, label
+    names of the third cell, their values in parentheses left out)."""
+    text = (ROOT / "docs" / doc).read_text()
+    section = text.split("## Metrics reference", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`lmcache_"):
+            continue
+        names = re.findall(r"`(lmcache_[a-z0-9_]*[a-z0-9])`", cells[0])
+        labels = set(re.findall(r"[a-z_]+", re.sub(r"\([^)]*\)", "", cells[2])))
+        yield names, labels
+
+
+def test_the_metrics_tables_labels_are_the_exported_ones(exported: dict[str, set[str]]) -> None:
+    rows = list(_table_rows("operations.md"))
+    assert len(rows) >= 25, len(rows)
+    for names, labels in rows:
+        for name in names:
+            assert exported[name] == labels, (name, sorted(exported[name]), sorted(labels))
