@@ -1,6 +1,6 @@
 """Time to first token of a connector hit against recomputing the same prompt, on a GPU.
 
-Issue 22's target: a hit of two chunks reaches its first token no later than
+The target: a hit of two chunks reaches its first token no later than
 recomputing it would. For prompts of ``n`` whole 256-token chunks and one more token
 (the hit covers the chunks, the engine computes the last token), on one GPU:
 

@@ -1,7 +1,8 @@
 """Which concurrent activity makes ``cuMemcpyBatchAsync`` refuse a batch (CUresult 1)?
 
-The 12:50Z DP run on the H200 saw the first stores of eight engines refused while the
-server's 32 GB pool was still being pinned in the background. This runs 256-copy batches
+A DP run on the H200 (``lmcache bench ranks --mode dp``, 8 engines) saw the first stores
+of eight engines refused while the server's 32 GB pool was still being pinned in the
+background. This runs 256-copy batches
 (D2H and H2D, 93-418 KB each) from one thread while another (a) does nothing, (b) keeps
 allocating pinned host memory (``cudaHostAlloc``, as the pool's pinning thread does),
 (c) keeps registering host memory (``cudaHostRegister``), (d) issues batches of its own;

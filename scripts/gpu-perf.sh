@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The performance measurements of docs/benchmarks.md ("H200 GPU machine") in one go.
+# The GPU machine's performance measurements of docs/benchmarks.md in one go.
 #
 # Usage (repository root, project importable, e.g. PYTHONPATH=$PWD, on a GPU machine):
 #   bash scripts/gpu-perf.sh [throughput|ranks|dp|latency|l2|all]   (default: all)

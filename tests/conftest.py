@@ -34,7 +34,7 @@ ServerProcess.fork_from_zygote = True
 
 
 #: Modules that take longest (seconds of one worker, ``--junitxml`` of a CI-like run on
-#: the 2-core machine, 2026-12-01): run first, so that under xdist no long module starts
+#: a 2-core machine): run first, so that under xdist no long module starts
 #: last and runs alone while the other workers idle. Order only; a stale entry costs
 #: nothing but a little packing.
 LONGEST_FIRST = (

@@ -1,4 +1,4 @@
-"""Each setting declared once (issue 26, item 3): what ``lmcache server`` refuses on the
+"""Each setting declared once: what ``lmcache server`` refuses on the
 command line, :meth:`Config.check` refuses from code (the benchmarks and the in-process
 server build a ``Config`` without click), with an error naming the flag; the defaults
 agree; and a bad value from the environment or the TOML file is refused as a flag's is.

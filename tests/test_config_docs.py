@@ -1,4 +1,4 @@
-"""The docs' flag tables held to the declarations of :class:`Config` (issue 26, item 3).
+"""The docs' flag tables held to the declarations of :class:`Config`.
 
 Every ``lmcache server`` setting is listed in the "Settings" table of docs/operations.md
 or of docs/l2.md (the L2 tier's), once, with the environment variable the server reads

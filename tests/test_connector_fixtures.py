@@ -90,7 +90,7 @@ def test_dsv41_fixture_has_every_kind_of_group() -> None:
 
 
 def test_sm100_128_token_compressed_blocks_register_and_follow_the_chunk_rule() -> None:
-    """Defect 8: on SM100 vLLM prefers 128-token blocks for the compressed group (64
+    """On SM100 vLLM prefers 128-token blocks for the compressed group (64
     states of two tokens). Registration takes them with 256-token chunks; a chunk
     size that is not a multiple of 128 is refused naming the group and the numbers."""
     from lmc_server.client import Client

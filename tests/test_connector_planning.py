@@ -338,7 +338,7 @@ DSV_TABLES = [
 
 @pytest.mark.parametrize("first_step", [512, 500, 700])
 def test_store_fenced_in_the_first_step_that_may_free_its_blocks(first_step: int) -> None:
-    """Defect 1: whatever the step boundaries, a store is fenced in the first step
+    """Whatever the step boundaries, a store is fenced in the first step
     whose scheduling may free a block it reads (vLLM frees sliding-window blocks
     wholly below ``computed - W + 1``), and never earlier than needed."""
     svc = FakeLookups()
@@ -381,7 +381,7 @@ def test_store_fenced_in_the_first_step_that_may_free_its_blocks(first_step: int
 
 
 def test_store_never_reads_blocks_already_freed() -> None:
-    """Defect 1: a store planned after some of its window blocks left the window (the
+    """A store planned after some of its window blocks left the window (the
     engine hashed the chunk's last tokens late, as under async scheduling) sends
     them as -1: vLLM may have reused them already."""
     svc = FakeLookups()
@@ -404,7 +404,7 @@ def test_store_never_reads_blocks_already_freed() -> None:
 
 
 def test_chunks_the_server_lacks_are_stored_even_if_the_engine_holds_them() -> None:
-    """Defect 3: vLLM's prefix cache holds 3 chunks, the server reported 1 (it evicted
+    """vLLM's prefix cache holds 3 chunks, the server reported 1 (it evicted
     or lost the rest): chunks 1.. are stored, not assumed stored."""
     svc = FakeLookups()
     g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
@@ -429,7 +429,7 @@ def test_chunks_the_server_lacks_are_stored_even_if_the_engine_holds_them() -> N
 
 
 def test_hit_not_taken_releases_its_lease_at_once() -> None:
-    """Defect 5: vLLM dropped the hit after the lookup (0 external tokens: a partial
+    """vLLM dropped the hit after the lookup (0 external tokens: a partial
     tail, skip_reading_prefix_cache, a replay): the lease goes back now."""
     svc = FakeLookups()
     p = SchedulerPlanner(ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc)
@@ -445,7 +445,7 @@ def test_hit_not_taken_releases_its_lease_at_once() -> None:
 
 @pytest.mark.parametrize("store_generated", [True, False])
 def test_generated_chunks_are_stored(store_generated: bool) -> None:
-    """Defect 6: whole chunks of generated tokens are stored (the next turn's prompt
+    """Whole chunks of generated tokens are stored (the next turn's prompt
     holds them), unless turned off; chunks still missing at the end are stored by a
     final store while the blocks are held."""
     svc = FakeLookups()

@@ -125,7 +125,7 @@ def _tables(geo: KVGeometry, first: int, num_tokens: int) -> list[list[int]]:
 
 
 def test_store_finishes_before_freed_window_blocks_are_rewritten(srv: ServerProcess) -> None:
-    """Defect 1. A 512-token prefill step ends exactly on a chunk boundary; at the next
+    """A 512-token prefill step ends exactly on a chunk boundary; at the next
     step vLLM frees chunk 0's sliding-window blocks (they left the window) and may hand
     them to another request, whose forward pass writes them. With the server stopped
     (SIGSTOP) the store of chunk 0 cannot run before that write: the step must wait
@@ -231,7 +231,7 @@ def test_fence_timeout_aborts_the_store(srv: ServerProcess) -> None:
 
 
 def test_hundred_requests_hit_in_one_step(srv: ServerProcess) -> None:
-    """Defect 2. 120 requests store in one step and 120 load in one step: one batched
+    """120 requests store in one step and 120 load in one step: one batched
     store and batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (4), no
     ``busy``, every load succeeds byte-exact."""
     n = 120
@@ -241,7 +241,7 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess) -> None:
 
 
 def test_busy_is_retried_not_failed(srv: ServerProcess) -> None:
-    """Defect 2, back-pressure: a link allowed more in flight than the server takes
+    """Back-pressure: a link allowed more in flight than the server takes
     (64 per connection) queues and retries ``busy``; every retrieve succeeds."""
     geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)
     with ShmKV(geo) as kv:
@@ -263,7 +263,7 @@ def test_busy_is_retried_not_failed(srv: ServerProcess) -> None:
 
 
 def test_shutdown_waits_for_stores_in_flight(srv: ServerProcess) -> None:
-    """Defect 4. Stores sent just before shutdown complete (bounded wait) before the
+    """Stores sent just before shutdown complete (bounded wait) before the
     connection closes; with the server stalled past the bound, shutdown returns in
     time and nothing half-written becomes visible."""
     geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)

@@ -5,8 +5,7 @@ digests, so a faster way of computing them must give the same bytes. Held three 
 for several geometries (vLLM's 16-token hash blocks, DeepSeek-V4.1's hybrid groups
 hashed every 32 tokens, other chunk sizes) and for block hashes salted per request:
 
-* against golden values recorded before the digests were computed off the scheduler
-  thread (a SHA-256 of all digests of each case);
+* against golden values (a SHA-256 of all digests of each case), recorded once;
 * against the format written out here, independently of the code
   (``digest[k] = blake2b(digest[k-1] || hashes of chunk k)``, a zero seed, 32 bytes);
 * through the planner: what a lookup, a load and a store send is those bytes, however
@@ -42,8 +41,9 @@ GEOMETRIES = [
     ("dsv41-512", 512, 32, DSV41),
     ("dsv41-b64-256", 256, 64, DSV41),
 ]
-#: SHA-256 of every digest of a case, recorded at 50de972 (digests hashed on the
-#: scheduler thread, as since issue 13); keyed by (geometry, salt)
+#: SHA-256 of every digest of a case, keyed by (geometry, salt): recorded once from the
+#: scheduler thread's hashing, so that moving or rewriting the hashing cannot change a key
+#: that caches already hold
 GOLDEN = {
     ("plain-256", b""): "c8d6ae6d68f591faf711f35e4f31d78c6e38b390f766c9eb370e00d8e164d37b",
     ("plain-256", b"salt-a"): "9abbc60654dfdf2d854c288d569d6078576117a59ed5a9da70e6005ba80c3e92",

@@ -1,4 +1,4 @@
-"""Issue 17, items 3, 5 and 6: CURVE for ``lmcache ping``/``stats`` (flags, environment,
+"""CURVE for ``lmcache ping``/``stats`` (flags, environment,
 TOML), the startup log's real L1 size, and a metrics port that clashes with nothing
 common on a GPU host."""
 

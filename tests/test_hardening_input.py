@@ -1,4 +1,4 @@
-"""Issue 23, items 1-3: no L2 credential ever accepted or shown, every setting accepted in
+"""No L2 credential ever accepted or shown, every setting accepted in
 the TOML file under its flag's name, no traceback for a mistyped host or port.
 
 Real ``lmcache`` processes throughout: what a user types is what is tested, with the
@@ -108,7 +108,8 @@ def test_a_credential_in_the_config_file_or_environment_is_refused(
 
 def test_a_query_parameter_redis_py_does_not_know_stops_the_start() -> None:
     """redis-py makes every query parameter a keyword of its connections; one it does
-    not know used to kill the tier's background task silently (L2 never connected)."""
+    not know would kill the tier's background task silently (L2 never connected), so
+    the server refuses it at start."""
     res = lmcache(
         "server",
         *SMALL,

@@ -1,4 +1,4 @@
-"""Issue 17, item 2: IPv6 for the server, the clients, the connector's endpoint and
+"""IPv6 for the server, the clients, the connector's endpoint and
 /metrics, with the loopback-only rule (``::1`` is loopback; ``::`` needs CURVE)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 17, item 1: registrations whose pages alias are refused, naming both layers.
+"""Registrations whose pages alias are refused, naming both layers.
 
 Pages of two layers may share bytes only where vLLM shares them: different groups laid
 over one tensor, for the same block id (one block-id space, a block owned by one group at a

@@ -1,4 +1,4 @@
-"""Issue 17, items 4, 7 and 8: honest replies, quiet clients kept, transparent
+"""Honest replies, quiet clients kept, transparent
 re-handshakes, and clients that never hang a process at exit."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from lmc_server.testing.process import ServerProcess, free_port
 
 def test_burst_with_unknown_registration_is_answered_unknown_registration() -> None:
     """A burst larger than the in-flight limit, all naming an unknown registration: every
-    reply says so (before: all but the first were ``busy``), and the server serves on."""
+    reply says so (not ``busy``, which would send the client retrying), and the server
+    serves on."""
     with run_server(max_inflight_per_client=2, l1_size_gb=0.25) as srv:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)

@@ -1,4 +1,4 @@
-"""Issue 23, item 4: a shared-memory client leaves nothing in /dev/shm, even killed -9.
+"""A shared-memory client leaves nothing in /dev/shm, even killed -9.
 
 A segment's name is removed as soon as the server has acknowledged the registration
 (the server's mapping does not need it), so a client killed with SIGKILL right after

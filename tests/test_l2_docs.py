@@ -1,4 +1,4 @@
-"""docs/l2.md's figures, measured from the codec (issue 23, item 5): the bytes a value
+"""docs/l2.md's figures, measured from the codec: the bytes a value
 adds to its object, the key's size, and a meaning for every ``invalid`` reason."""
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def test_get_into_on_a_dead_store_raises_unavailable() -> None:
 def test_put_slots_returns_only_once_every_connection_is_done_with_the_slots() -> None:
     """One connection's share refused at once, the other's still being sent: the call
     must not return (and the writer unpin the slots) while a thread still sends from
-    them. It returned at the first refusal before the fix."""
+    them, whatever share is refused first."""
     pool = np.random.default_rng(5).integers(0, 256, 4 * 200_000, dtype=np.uint8)
     objs = [
         SlotObject(

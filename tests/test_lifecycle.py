@@ -257,7 +257,7 @@ def test_past_the_drain_timeout_stores_are_answered_at_once_retrieves_when_copie
 
 
 def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
-    """Issue 23, item 6. A store whose chunk another store is writing waits for that
+    """A store whose chunk another store is writing waits for that
     writer to settle (``server/settle.py``, up to 10 s); past the drain timeout it stops
     waiting, so the drain waits for running copies only, never for the drain timeout
     plus the settle timeout. Here the writer's copy is held: the waiting store's task
@@ -301,7 +301,7 @@ def test_past_the_drain_timeout_only_copies_are_waited_for() -> None:
 def test_past_the_drain_timeout_queued_copies_are_not_started(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Issue 23, item 6. Copies queued in the engine behind others (a loaded server) are
+    """Copies queued in the engine behind others (a loaded server) are
     not started once the drain timed out, so the drain ends with the copies already
     running instead of the whole backlog: the store waiting for a copy thread is
     answered ``shutting_down`` and its copy never runs (nothing of it is committed)."""

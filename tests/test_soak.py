@@ -6,8 +6,8 @@ wrong byte, no survivor saw an error, and the index holds nothing half-written o
 The short configuration runs in CI; the long one (a few minutes) runs with
 ``pytest -m soak``; ``LMC_SOAK_S`` overrides its length. The monitoring client holds no
 registration and is quiet while the workers run, longer than the server's idle-session
-interval in the long run: a connected client must never be forgotten for that (issue 17;
-``tests/test_hardening_sessions.py::test_quiet_connected_client_is_not_forgotten`` covers
+interval in the long run: a connected client must never be forgotten for that
+(``tests/test_hardening_sessions.py::test_quiet_connected_client_is_not_forgotten`` covers
 it in CI with a clock moved forward).
 """
 

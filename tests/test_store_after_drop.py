@@ -3,10 +3,10 @@
 The dispatcher checks a request into a :class:`DataRequest` and gives it a task; the
 session's drop can run before that task does (after a SIGSTOP/SIGCONT of the server the
 store and the heartbeat's disconnect arrive in one loop iteration), and an idle
-registration unmaps at once. Such a request used to wait for ever on a copy that was
-never started: its reserved slots stayed WRITING, every later store of the same keys
-waited its whole settle timeout in vain, and the server no longer exited on SIGTERM
-(``test_store_to_a_stalled_server_is_not_failed_early`` failed about one run in eight).
+registration unmaps at once. Such a request must not wait for a copy that is never
+started: its reserved slots would stay WRITING, every later store of the same keys would
+wait its whole settle timeout in vain, and the server would not exit on SIGTERM (seen as
+``test_store_to_a_stalled_server_is_not_failed_early`` failing about one run in eight).
 
 These tests drive the server's own handlers, index and CPU engine in-process, because
 the order they need (drop between check and run) is one a real socket gives only by

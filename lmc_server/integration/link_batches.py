@@ -29,7 +29,7 @@ T = TypeVar("T")
 #: request's load is never split). A server request is answered once, when all its
 #: chunks are in: a step that starts 256 loads would otherwise report none finished
 #: before the last; parts this size finish one after another, up to ``max_inflight``
-#: copying at once (32 chunks of a Llama-3-8B-like cache: 1 GiB, docs/benchmarks.md).
+#: copying at once (32 chunks of a Llama-3-8B-like cache: 1 GiB).
 LOAD_PART_CHUNKS = 32
 
 Item = tuple[bytes, BlockIds]

@@ -11,9 +11,9 @@ zeros), so a file is checked exactly as a Redis value is.
 
 Why two: direct I/O (``O_DIRECT``) needs the memory, the file offset and the length of
 every write aligned to the device's blocks. In the packed layout the payload starts at
-offset 72, so it cannot go to disk from where it lies; it was copied (with the header)
-into an aligned buffer first, a copy that cost the tier a tenth to a quarter of the
-plain-write figure on the H200 host (docs/benchmarks.md, "The disk tier"). In the
+offset 72, so it cannot go to disk from where it lies; it is copied (with the header)
+into an aligned buffer first, a copy that costs the tier a tenth to a quarter of the
+plain-write figure on the H200 host (docs/benchmarks.md, "l2 --disk-dir"). In the
 aligned layout the payload starts at ``ALIGN_BYTES``: a write is one ``pwritev`` of a
 4 KiB header block and the payload straight from its pinned L1 slot (and, for a length
 that is not a multiple of 4 KiB, the last partial block copied into a second 4 KiB

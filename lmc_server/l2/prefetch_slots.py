@@ -37,9 +37,9 @@ from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
 
 #: Batches being received at once (each at most the prefetch's ``READ_BATCH_BYTES`` of
-#: reserved slots): 4 of 32 MiB reserve what 2 of 64 MiB did, and keep a connection that
-#: finished its share of one batch busy with the next three (Valkey 8, 4 I/O threads, on
-#: the H200 host: reads 1.69-2.03 GB/s with 2 x 64 MiB, 2.12-2.23 with 4 x 32 MiB).
+#: reserved slots): 4 of 32 MiB reserve as much L1 as 2 of 64 MiB, and keep a connection
+#: that finished its share of one batch busy with the next three (Valkey 8, 4 I/O threads,
+#: on the H200 host: reads 2.12-2.23 GB/s with 4 x 32 MiB, 1.69-2.03 with 2 x 64 MiB).
 BATCHES_IN_FLIGHT = 4
 #: (object group, chunk, mask, value or its header, L2 key) of a value worth reading.
 Good = tuple[int, int, int, Value, bytes]

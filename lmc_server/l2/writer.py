@@ -46,7 +46,7 @@ WRITE_BATCH_BYTES = 32 << 20
 #: Batches handed to a backend that writes from the slots before the writer waits for
 #: the oldest: the backend's threads go on to batch i+1 while the last objects of batch
 #: i are written, instead of idling at the end of every batch. Bounds what the writer
-#: pins: at most this many batches (4 x 32 MiB: what 2 x 64 MiB pinned; on the H200 host
+#: pins: at most this many batches (4 x 32 MiB: as much as 2 x 64 MiB; on the H200 host
 #: with Valkey 8 and 4 I/O threads, writes 1.86-2.41 GB/s with 2 x 64 MiB, 2.03-2.22
 #: with 4 x 32 MiB, one run each).
 SLOT_BATCHES_IN_FLIGHT = 4

@@ -137,9 +137,8 @@ class ServerProcess:
 
     ``l1_size_gb`` defaults to 0.25 (four 64 MiB slabs): what a test stores fits, and
     a pool's preparation is not free. Every page of the cpu engine's pool is populated
-    by the server, about 1.2 s of CPU per GiB on the 2-core CI VM (zeroing it, huge
-    pages or not), and the suite waits for it. The default was 1 GiB until the
-    suite's CPU time was measured. A test or benchmark that needs room asks for it;
+    by the server, about 1.2 s of CPU per GiB on a 2-core VM (zeroing it, huge
+    pages or not), and the suite waits for it. A test or benchmark that needs room asks for it;
     every GPU test and every benchmark names its size.
     """
 

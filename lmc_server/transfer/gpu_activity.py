@@ -43,8 +43,8 @@ REFRESH_S = 0.1
 #: last sample finds none newer
 #: (``NVML_ERROR_NOT_FOUND``). That is "no news", not "idle": the reader keeps its
 #: last figure until no sample has come for this long, and only then answers 0. (Taking
-#: it as idle made ``auto`` flip to staging on every other request beside a GEMM
-#: engine and cost the engine 3-6 % in the 12:50Z run, docs/gpu.md.)
+#: it as idle makes ``auto`` flip to staging on about every other request beside a GEMM
+#: engine, which costs that engine 3-6 %, docs/gpu.md.)
 STALE_S = 1.0
 
 
@@ -233,10 +233,10 @@ class SampledGate:
     """A :class:`BusyGate` read on a thread of its own every ``refresh_s``, so that no
     copy waits for NVML.
 
-    ``nvmlDeviceGetProcessUtilization`` is slow: in a py-spy profile of the server on
-    the H200 (15:28Z, one request at a time, docs/gpu.md), the reads that
-    ``BusyGate.busy`` made on the event loop every 0.1 s were a fifth of the event
-    loop's time, and every request behind a read waited for it. Here a copy only reads
+    ``nvmlDeviceGetProcessUtilization`` is slow: in a py-spy profile of a server on the
+    H200 reading it on the event loop every 0.1 s (one request at a time), the reads
+    took 1.3-1.8 ms each, a fifth of the event loop's time, and every request behind a
+    read waited for it. Here a copy only reads
     the last decision (a bool, set by the sampler alone); until the first sample the
     gate says busy, which picks the copy engines, never a wrong byte. ctypes releases the
     GIL during the NVML call, so the sampler does not hold up the event loop either.

@@ -52,7 +52,7 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
     """An index of ``package`` holding one hot 64-chunk prefix, and one callable per case."""
     index_mod = importlib.import_module(f"{package}.cache.index")
     layout_mod = importlib.import_module(f"{package}.cache.layout")
-    try:  # SlabPool's module since 2026-12-01 (before: cache.pool, with the partitions)
+    try:  # SlabPool's module (a tree where it is cache.pool, with the partitions, also works)
         pool_mod = importlib.import_module(f"{package}.cache.slabs")
     except ModuleNotFoundError:
         pool_mod = importlib.import_module(f"{package}.cache.pool")
