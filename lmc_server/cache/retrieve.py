@@ -193,9 +193,7 @@ def _plan(
     for c in copies:
         c.block_ids.flags.writeable = False
         c.object_offsets.flags.writeable = False
-    return _Plan(
-        view.layout, _versions(view), statuses, pinned, ticked, copies, nbytes, objects
-    )
+    return _Plan(view.layout, _versions(view), statuses, pinned, ticked, copies, nbytes, objects)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

@@ -48,7 +48,8 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
+from lmc_server.transfer.cuda_dma_plan import DmaPlan
+from lmc_server.transfer.cuda_dma_reuse import DmaPlans
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
     CUDA_ERRORS,
@@ -129,6 +130,11 @@ class CudaEngine(TransferEngine):
         self.profile = False
         self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
+        #: DMA plans of recent copy lists, moved to the next worker with the same
+        #: request (:mod:`~lmc_server.transfer.cuda_dma_reuse`); launched from one thread
+        #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
+        self._dma_plans = DmaPlans()
+        self._plan_lock = threading.Lock()
         self._lanes: dict[int, Lanes] = {}
         self._lanes_lock = threading.Lock()
         self._ipc = IpcTable()
@@ -200,7 +206,12 @@ class CudaEngine(TransferEngine):
         t_enter = time.perf_counter()
         if not isinstance(mapping, CudaMapping) or mapping.closed:
             raise TransferError("registration has no open CUDA mapping")
-        live = [c for c in copies if c.block_ids.size]
+        # the list itself when every copy has chunks: identical requests share it
+        live = (
+            copies
+            if all(c.block_ids.size for c in copies)
+            else [c for c in copies if c.block_ids.size]
+        )
         if not live:
             done("")
             return
@@ -234,7 +245,8 @@ class CudaEngine(TransferEngine):
                     mode = "dma" if self._gates[device].busy() else "staging"
                 plan: Plan | DmaPlan
                 if mode == "dma":
-                    plan = plan_dma(job.copies, region)
+                    with self._plan_lock:
+                        plan = self._dma_plans.plan(job.copies, region)
                     if not plan.n_rows:
                         job.done("")
                         return False

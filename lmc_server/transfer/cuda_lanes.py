@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import cupy
@@ -113,7 +114,7 @@ class Job:
     """One submitted copy; the timestamps feed ``CudaEngine.last_profile``."""
 
     mapping: CudaMapping
-    copies: list[RunCopy]
+    copies: Sequence[RunCopy]
     to_pool: bool
     done: DoneCallback
     t_enter: float
