@@ -33,7 +33,7 @@ from lmc_server.server.completion import Completion
 from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
-from lmc_server.server.validate import block_ids
+from lmc_server.server.validate import CheckedIds
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class DataPath:
     l2: TierChain | None
     events: KvEventPublisher | None
     sessions: SessionTable
+    checked_ids: CheckedIds
 
     def _registration(self, session: Session, msg: Any) -> Registration:
         """The sender's registration the request names (refused: unknown)."""
@@ -98,7 +99,7 @@ class DataPath:
                 ErrorCode.LOOKUP_ONLY, "this registration has no buffers (lookup-only)", msg.req_id
             )
         n = chunk_count(msg.digests, self.limits, msg.req_id)
-        ids = block_ids(reg.groups, reg.blocks_per_chunk, msg, n)
+        ids = self.checked_ids.check(reg.groups, reg.blocks_per_chunk, msg, n)
         keys = self._keys(reg.view, msg)
         if isinstance(msg, m.Retrieve):
             return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id), 0)

@@ -31,6 +31,7 @@ from lmc_server.server.data_path import DataPath
 from lmc_server.server.sessions import Registration, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import ServerStats
+from lmc_server.server.validate import CheckedIds
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class Handlers(DataPath):
         self.before_commit: Callable[[], None] = lambda: None
         #: Stores that found their keys being written by another store wait on this.
         self.commits = CommitWatch(index, clock)
+        #: The block ids of recent data requests, checked once (identical requests of
+        #: tensor-parallel ranks reuse them).
+        self.checked_ids = CheckedIds()
         #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
         #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
         self.l2: TierChain | None = None

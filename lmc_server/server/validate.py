@@ -5,10 +5,18 @@ frame sizes, digest and block-id lengths. What needs the registration is here: o
 block-id list per group, none for a scratch group, and every id in
 ``-1 .. num_blocks - 1`` (``-1``: a block the request skips, nothing is copied for
 it). Every check raises :class:`ProtocolError`; the request is then refused whole.
+
+:class:`CheckedIds` remembers the last few distinct block-id lists it checked: the
+tensor-parallel ranks of one engine send the same ids at once, and each after the first
+gets the arrays the first one's check made (read-only) instead of decoding and checking
+them again. A list is the same only byte for byte, against the same group geometry
+(cached or not, block count, blocks per chunk), so a reused answer is the one a fresh
+check would give.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,5 +64,42 @@ def block_ids(
                     f"out of range -1..{g.num_blocks - 1}",
                     msg.req_id,
                 )
-        out[gi] = ids.astype(np.int64).reshape(n, bpc)
+        arr = ids.astype(np.int64).reshape(n, bpc)
+        arr.flags.writeable = False
+        out[gi] = arr
     return out
+
+
+class CheckedIds:
+    """:func:`block_ids` with the answers of the last ``size`` distinct lists kept
+    (module docstring). Loop thread only."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._known: OrderedDict[tuple[object, ...], dict[int, np.ndarray]] = OrderedDict()
+        #: answers reused (tests, diagnostics)
+        self.reused = 0
+
+    def check(
+        self,
+        groups: Sequence[GroupSpec],
+        blocks_per_chunk: Sequence[int],
+        msg: m.Store | m.Retrieve,
+        n: int,
+    ) -> dict[int, np.ndarray]:
+        key = (
+            n,
+            tuple(blocks_per_chunk),
+            tuple([g.num_blocks if g.cached else -1 for g in groups]),
+            tuple(msg.block_ids),
+        )
+        out = self._known.get(key)
+        if out is not None:
+            self._known.move_to_end(key)
+            self.reused += 1
+            return out
+        out = block_ids(groups, blocks_per_chunk, msg, n)  # raises before it is kept
+        self._known[key] = out
+        if len(self._known) > self.size:
+            self._known.popitem(last=False)
+        return out
