@@ -48,7 +48,7 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
+from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES, DmaPlan, plan_dma
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
     CUDA_ERRORS,
@@ -74,6 +74,9 @@ MAPPED_THREADS = 512
 MAPPED_BLOCKS = 64
 #: The first staging piece: a short gather, so the first DMA starts early.
 FIRST_PIECE_BYTES = 8 * MIB
+#: DMA streams per lane: copy mode ``dma`` spreads one request's copies over them, so
+#: that several copy engines serve it (docs/gpu.md, "Every KV layout").
+DMA_STREAMS = 4
 
 
 def _nvml_reader(device: int) -> Callable[[], int | None]:
@@ -97,6 +100,8 @@ class CudaEngine(TransferEngine):
         kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
         batch_copies: bool = True,
         make_batch_copier: Callable[[int], BatchCopier | None] = batch_copier,
+        dma_streams: int = DMA_STREAMS,
+        dma_split_bytes: int = MIN_STREAM_BYTES,
     ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
@@ -129,6 +134,11 @@ class CudaEngine(TransferEngine):
         self.profile = False
         self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
+        self.dma_streams = dma_streams
+        #: the least bytes a request puts on one of its DMA streams
+        self.dma_split_bytes = dma_split_bytes
+        #: the most DMA streams one request used so far (diagnostics and tests)
+        self.dma_streams_used = 0
         self._lanes: dict[int, Lanes] = {}
         self._lanes_lock = threading.Lock()
         self._ipc = IpcTable()
@@ -167,7 +177,9 @@ class CudaEngine(TransferEngine):
             with self._lanes_lock:
                 lanes = self._lanes.get(device)
                 if lanes is None:
-                    lanes = Lanes(device, self._lanes_per_device, self.staging_half_bytes)
+                    lanes = Lanes(
+                        device, self._lanes_per_device, self.staging_half_bytes, self.dma_streams
+                    )
                     self._sm_count[device] = int(
                         cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
                     )
@@ -259,11 +271,15 @@ class CudaEngine(TransferEngine):
                 self.copies_by_path[mode] += 1
                 if self.profile:
                     lane.timing[0].record(lane.sm)
-                    lane.dma.wait_event(lane.timing[0])
+                    for s in lane.dmas:
+                        s.wait_event(lane.timing[0])
                 if isinstance(plan, DmaPlan):
-                    refused = issue_dma(lane, plan, to_pool, self._batch.get(device))
-                    if refused:
-                        self._batch_refused(plan, refused)
+                    refused, used = issue_dma(
+                        lane, plan, to_pool, self._batch.get(device), self.dma_split_bytes
+                    )
+                    self.dma_streams_used = max(self.dma_streams_used, used)
+                    for why in refused:
+                        self._batch_refused(plan, why)
                     last = lane.dma
                 else:
                     units, ids = lane.upload(plan, lane.sm)
@@ -382,7 +398,8 @@ class CudaEngine(TransferEngine):
                 if lane.waiter is not None:
                     lane.waiter.join()
                 lane.sm.synchronize()
-                lane.dma.synchronize()
+                for s in lane.dmas:
+                    s.synchronize()
         self._lanes.clear()
         if self._pool is not None:
             self._pool.close()
