@@ -13,10 +13,10 @@ export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupy}" PYTHONUNBUFFERED=1 LMC_REQU
 step="${1:-measure}"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv > "$out/gpu.txt" 2>&1
 if [ "$step" = measure ]; then
-  timeout 230 python3 scripts/gpu-dma-layouts.py --seconds 0.25 --engines idle,hbm \
+  timeout 150 python3 scripts/gpu-dma-layouts.py --seconds 0.25 --engines idle,hbm \
     --methods raw,cur,b1,b4,b8 --json "$out/dma-layouts.json" > "$out/dma-layouts.log" 2>&1
   echo "dma-layouts rc=$?"
-  timeout 200 python3 -m pytest -p no:cacheprovider -q -k "not benchmark" \
+  timeout 150 python3 -m pytest -p no:cacheprovider -q -k "not benchmark" \
     tests/gpu/test_cuda_plan.py tests/gpu/test_cuda_engine.py > "$out/tests.log" 2>&1
   echo "tests rc=$?"
   grep -E "passed|failed|error" "$out/tests.log" | tail -15
