@@ -13,7 +13,10 @@ issues it with the engine's own ``issue_dma`` on real lanes, in several ways:
 ``bN``
     ``N`` DMA streams per lane, 1-D and 2-D rows in one batch call per stream;
 ``raw``
-    one contiguous ``cudaMemcpyAsync`` of the request's bytes (the link).
+    one contiguous ``cudaMemcpyAsync`` of the request's bytes (the link);
+``d2d``
+    the ``b4`` copies with the pool in device memory instead (what a copy-engine
+    gather into a device staging buffer would cost before its one contiguous DMA).
 
 each with one or two requests in flight (one lane each, every lane kept busy), both
 directions, on the idle GPU and beside the interference benchmark's engines (another
@@ -58,7 +61,9 @@ LAYOUTS = {
 class Setup:
     """Device buffers of one layout and a pinned pool for ``inflight`` requests."""
 
-    def __init__(self, model: str, placement: str, order: str, inflight: int) -> None:
+    def __init__(
+        self, model: str, placement: str, order: str, inflight: int, d2d: bool = False
+    ) -> None:
         args = GeometryArgs(model=model, placement=placement)
         probe = args.build(1)
         bpc = max(blocks_per_chunk(g, 256) for g in probe.groups if g.cached)
@@ -70,15 +75,11 @@ class Setup:
         per_req = sum(og.object_bytes for og in self.layout.object_groups) * CHUNKS
         self.pool_bytes = inflight * per_req
         self.pool = cupy.cuda.alloc_pinned_memory(self.pool_bytes)
-        self.region = Region(
-            np.asarray([int(b.ptr) for b in self.bufs], np.int64),
-            np.asarray(self.geo.buffer_sizes, np.int64),
-            np.asarray([int(self.pool.ptr)], np.int64),
-            self.pool_bytes,
-            self.pool_bytes,
-        )
+        self.region = self._region(int(self.pool.ptr))
+        self.dev_pool = cupy.cuda.memory.alloc(self.pool_bytes) if d2d else None
         rng = np.random.default_rng(1)
         self.plans: list[DmaPlan] = []
+        self.plans_d2d: list[DmaPlan] = []
         self.plan_ms = 0.0
         for r in range(inflight):
             copies: list[RunCopy] = []
@@ -97,7 +98,18 @@ class Setup:
             t0 = time.perf_counter()
             self.plans.append(plan_dma(copies, self.region))
             self.plan_ms = (time.perf_counter() - t0) * 1e3
+            if self.dev_pool is not None:
+                self.plans_d2d.append(plan_dma(copies, self._region(int(self.dev_pool.ptr))))
         self.dev_scratch = cupy.cuda.memory.alloc(self.plans[0].nbytes)
+
+    def _region(self, pool: int) -> Region:
+        return Region(
+            np.asarray([int(b.ptr) for b in self.bufs], np.int64),
+            np.asarray(self.geo.buffer_sizes, np.int64),
+            np.asarray([pool], np.int64),
+            self.pool_bytes,
+            self.pool_bytes,
+        )
 
     def rows_info(self) -> dict[str, Any]:
         rows = self.plans[0].rows
@@ -147,7 +159,8 @@ class Loop:
             dst, src = (pool, dev) if self.to_pool else (dev, pool)
             cupy.cuda.runtime.memcpyAsync(dst, src, n, 4, lane.dma.ptr)
         else:
-            issue_dma(lane, self.setup.plans[k], self.to_pool, self.copier, 4 << 20)
+            plans = self.setup.plans_d2d if self.method == "d2d" else self.setup.plans
+            issue_dma(lane, plans[k], self.to_pool, self.copier, 4 << 20)
         lane.done.record(lane.dma)
         self.issue_s.append(time.perf_counter() - t0)
 
@@ -177,6 +190,7 @@ def main() -> None:
     ap.add_argument("--methods", default="raw,cur,b1,b4,b8")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--d2d", default="", help="layouts that also measure method d2d")
     a = ap.parse_args()
     engine = JsonLineProcess("lmc_server.bench.interference.engine", "engine", {"device": 0})
     gpu = engine.recv(300)["gpu"]
@@ -184,11 +198,13 @@ def main() -> None:
         m: [Lane(0, dma_streams=int(m[1:]) if m.startswith("b") else 1) for _ in range(2)]
         for m in a.methods.split(",")
     }
+    by_streams["d2d"] = [Lane(0, dma_streams=4) for _ in range(2)]
+    d2d = set(filter(None, a.d2d.split(",")))
     out: dict[str, Any] = {"gpu": gpu, "chunks": CHUNKS, "points": [], "layouts": {}}
     setups = {}
     for name in a.layouts.split(","):
         model, placement, order = LAYOUTS[name]
-        setups[name] = Setup(model, placement, order, 2)
+        setups[name] = Setup(model, placement, order, 2, d2d=name in d2d)
         out["layouts"][name] = setups[name].rows_info()
         print(name, out["layouts"][name], flush=True)
     for kind in a.engines.split(","):
@@ -201,7 +217,8 @@ def main() -> None:
         for name, setup in setups.items():
             for to_pool in (True, False):
                 for inflight in (1, 2):
-                    for method in a.methods.split(","):
+                    extra = ["d2d"] if name in d2d else []
+                    for method in a.methods.split(",") + extra:
                         loop = Loop(setup, method, to_pool, inflight, by_streams[method])
                         loop.thread.start()
                         time.sleep(0.05)
@@ -234,7 +251,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     methods = a.methods.split(",")
-    print(f"GB/s (engine loss %) per method: {methods}; issue ms per request (not raw)")
+    print("method:GB/s (engine loss %); issue ms per request (not raw)")
     for kind in a.engines.split(","):
         for name in setups:
             for op in ("store", "load"):
@@ -244,11 +261,12 @@ def main() -> None:
                         for p in out["points"]
                         if (p["engine"], p["layout"], p["op"], p["inflight"]) == (kind, name, op, k)
                     }
+                    shown = [m for m in methods + ["d2d"] if m in pts]
                     cells = " ".join(
-                        f"{pts[m]['gbps']:5.1f}({100 * pts[m]['engine_loss']:4.1f})"
-                        for m in methods
+                        f"{m}:{pts[m]['gbps']:5.1f}({100 * pts[m]['engine_loss']:4.1f})"
+                        for m in shown
                     )
-                    issue = "/".join(f"{pts[m]['issue_ms']:.2f}" for m in methods if m != "raw")
+                    issue = "/".join(f"{pts[m]['issue_ms']:.2f}" for m in shown if m != "raw")
                     print(f"{kind:5} {name:27} {op:5} x{k} {cells} {issue}")
 
 

@@ -3,8 +3,8 @@
 # GPU machine, from the tree, with the wheels installed (docs/gpu.md). STEP:
 #   measure  scripts/gpu-dma-layouts.py beside the idle GPU and the HBM-bound engine,
 #            then the engine and plan GPU tests;
-#   bench    `lmcache bench interference` for every layout in the default copy mode,
-#            `bench throughput` on the idle GPU, then the server GPU tests.
+#   tests    the engine GPU tests of the Llama-like layouts' copy-engine paths, the
+#            2-D batch self-check and auto's idle choice.
 # Logs and JSON go to $OUT.
 set -uo pipefail
 out="${OUT:-$PWD/.bench/layouts}"
@@ -21,4 +21,11 @@ if [ "$step" = measure ]; then
   echo "tests rc=$?"
   grep -E "passed|failed|error" "$out/tests.log" | tail -15
   tail -75 "$out/dma-layouts.log"
+fi
+if [ "$step" = tests ]; then
+  timeout 80 python3 -m pytest -p no:cacheprovider -q -rA tests/gpu/test_cuda_engine.py -k \
+    "(llama and (dma or auto)) or batch_copies or (auto-idle and dsv41-sm90-pad0)" \
+    > "$out/tests.log" 2>&1
+  echo "tests rc=$?"
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -40
 fi

@@ -7,9 +7,11 @@ gather of the pages into a GPU staging half, then one DMA per contiguous pool ra
 double-buffered pieces so the gather of piece k+1 runs while piece k is on the wire; the
 reverse for a retrieve); ``mapped`` (one kernel reads the pages and writes the mapped
 pinned pool over PCIe, or the reverse); and ``auto`` (default): ``dma`` while other
-processes' kernels hold the GPU, ``staging`` while it is idle
-(:mod:`~lmc_server.transfer.gpu_activity`), because an engine beside the server loses
-8-20 % to the server's kernels and almost nothing to copy-engine DMAs.
+processes' kernels hold the GPU (:mod:`~lmc_server.transfer.gpu_activity`), because an
+engine beside the server loses 8-20 % to the server's kernels and almost nothing to
+copy-engine DMAs; on an idle GPU ``dma`` too where a request's copies are wide rows
+(:func:`~lmc_server.transfer.cuda_dma_plan.wide_rows`: at the link there), else
+``staging``.
 
 A request is planned whole before anything is launched: every range is checked, and
 the plan is one row per (layer run, chunk) plus the block ids
@@ -48,7 +50,7 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES, DmaPlan, plan_dma
+from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES, DmaPlan, plan_dma, wide_rows
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
     CUDA_ERRORS,
@@ -243,7 +245,8 @@ class CudaEngine(TransferEngine):
                 region = self._region(job.mapping)
                 mode = self.copy_mode
                 if mode == "auto":
-                    mode = "dma" if self._gates[device].busy() else "staging"
+                    busy = self._gates[device].busy()
+                    mode = "dma" if busy or wide_rows(job.copies) else "staging"
                 plan: Plan | DmaPlan
                 if mode == "dma":
                     plan = plan_dma(job.copies, region)

@@ -152,6 +152,27 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     return DmaPlan(_join_rows(rows, row_unit), int((rows[:, WIDTH] * rows[:, HEIGHT]).sum()))
 
 
+#: Copy-engine rows at least this wide reach the link on an idle GPU too (block-outermost
+#: pages: 337 KB rows at 0.99-1.0 of raw with two requests in flight, where 15-64 KB rows
+#: reached 0.72-0.88; H200, docs/gpu.md), so mode ``auto`` takes ``dma`` for them there.
+WIDE_ROW_BYTES = 128 << 10
+
+
+def wide_rows(copies: Sequence[RunCopy]) -> bool:
+    """Whether every copy moves a stored block as one contiguous range of at least
+    :data:`WIDE_ROW_BYTES` on both sides (its layers side by side in the worker's
+    buffer and in the object), so that its ``dma`` rows are wide. Decided from the
+    runs alone, before any plan."""
+    for c in copies:
+        r = c.run
+        side_by_side = r.n_layers == 1 or (
+            r.layer_stride == r.page_bytes and r.object_layer_stride == r.page_bytes
+        )
+        if not side_by_side or r.n_layers * r.page_bytes < WIDE_ROW_BYTES:
+            return False
+    return bool(copies)
+
+
 #: The least bytes a DMA stream of a lane is given: below this one request's copies stay
 #: on fewer streams (joining a stream costs an event record and wait).
 MIN_STREAM_BYTES = 4 << 20
