@@ -159,18 +159,20 @@ WIDE_ROW_BYTES = 128 << 10
 
 
 def wide_rows(copies: Sequence[RunCopy]) -> bool:
-    """Whether every copy moves a stored block as one contiguous range of at least
-    :data:`WIDE_ROW_BYTES` on both sides (its layers side by side in the worker's
-    buffer and in the object), so that its ``dma`` rows are wide. Decided from the
-    runs alone, before any plan."""
+    """Whether the request's stored blocks are, weighted by bytes, contiguous ranges of
+    at least :data:`WIDE_ROW_BYTES` on both sides on average (a block's layers side by
+    side in the worker's buffer and in the object; otherwise a row is a page), so that
+    its ``dma`` rows are wide. Decided from the runs alone, before any plan."""
+    total = weighted = 0
     for c in copies:
         r = c.run
         side_by_side = r.n_layers == 1 or (
             r.layer_stride == r.page_bytes and r.object_layer_stride == r.page_bytes
         )
-        if not side_by_side or r.n_layers * r.page_bytes < WIDE_ROW_BYTES:
-            return False
-    return bool(copies)
+        row = r.n_layers * r.page_bytes if side_by_side else r.page_bytes
+        total += c.nbytes
+        weighted += c.nbytes * row
+    return total > 0 and weighted >= WIDE_ROW_BYTES * total
 
 
 #: The least bytes a DMA stream of a lane is given: below this one request's copies stay

@@ -295,7 +295,9 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
         if activity:
             paths = {k for k, v in engine.copies_by_path.items() if v}
             # idle: the copy engines too where a block is one wide range on both sides
-            wide = exported.placement == "block" and exported.pad == 0
+            # (256 KiB in the Llama-like block-outermost case; the 8-layer DSV4.1
+            # preset's blocks are 17-76 KB ranges, narrow)
+            wide = exported.placement == "block" and exported.pad == 0 and exported.model != "dsv41"
             assert paths == {"dma" if activity == "busy" or wide else "staging"}
     finally:
         mapping.close()

@@ -14,10 +14,10 @@ import pytest
 
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
-from lmc_server.testing.presets import dsv41_flash, llama3_8b
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma, split_rows
+from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma, split_rows, wide_rows
 from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_units import Region
 
@@ -490,3 +490,29 @@ def test_split_rows_covers_every_row_once_by_bytes() -> None:
     assert len(split_rows(rows, 8, min_bytes=total)) == 1
     assert len(split_rows(rows[:3], 8, min_bytes=1)) == 3
     assert split_rows(rows[:0], 4) == []
+
+
+def test_wide_rows_weighs_blocks_by_bytes() -> None:
+    """``auto``'s idle choice: block-outermost DSV4.1 (44 layers: 418 KB blocks, the
+    indexer's 93 KB among them) and block-outermost Llama are wide; layer-outermost
+    pages, padded block strides and the 8-layer preset's 76 KB blocks are not."""
+
+    def copies(geo: KVGeometry) -> list[RunCopy]:
+        layout = build_layout(geo.groups, 256, separate=True)
+        out: list[RunCopy] = []
+        for og in layout.object_groups:
+            for s in og.sections:
+                ids = np.arange(2 * s.n_blocks).reshape(2, s.n_blocks)
+                out += plan_copies(s, ids, np.asarray([0, og.object_bytes], np.int64))
+        return out
+
+    assert wide_rows(copies(dsv41_flash(num_blocks=64, layers=44, placement="block")))
+    assert wide_rows(copies(llama3_8b(num_blocks=64, layers=4, placement="block")))
+    assert not wide_rows(copies(dsv41_flash(num_blocks=64, layers=44, placement="layer")))
+    assert not wide_rows(
+        copies(dsv41_flash(num_blocks=64, layers=44, placement="block", stride_pad=72))
+    )
+    assert not wide_rows(copies(dsv41_flash(num_blocks=64, layers=8, placement="block")))
+    for backend in ("flash_attn", "flashinfer"):
+        assert not wide_rows(copies(llama3_8b(num_blocks=64, backend=backend)))
+    assert not wide_rows([])
