@@ -17,7 +17,7 @@ A request is planned whole before anything is launched: every range is checked, 
 the plan is one row per (layer run, chunk) plus the block ids
 (:mod:`~lmc_server.transfer.cuda_units`); the kernels compute page addresses on the GPU,
 so planning costs a fixed ~0.1 ms whatever the batch size, and the whole request is
-enqueued at once. Each concurrent request takes a *lane* of its GPU (two streams,
+enqueued at once. Each concurrent request takes a *lane* of its GPU (an SM stream, DMA streams,
 staging halves, pinned and device unit buffers, events), so the per-request objects are
 allocated once and reused. A lane's waiter thread waits for the GPU
 (:mod:`~lmc_server.transfer.cuda_wait`), reports the copy and passes the lane on.

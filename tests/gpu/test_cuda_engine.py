@@ -231,7 +231,8 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     pieces (kernel launches at unit rows past the first); ``dma-streams`` spreads one
     request over eight DMA streams; ``dma-consecutive`` takes consecutive block ids
     (pages of a layer copied as one 2-D copy per layer); ``auto`` takes the copy engines
-    while the (fake) kernel time says busy, staging while it says idle."""
+    while the (fake) kernel time says busy, and while it says idle for wide blocks only
+    (staging otherwise)."""
     name, _, variant = mode.partition("-")
     pct = {"busy": 95, "idle": 0}.get(variant)
     small: dict[str, Any] = (
