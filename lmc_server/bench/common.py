@@ -24,7 +24,7 @@ import numpy as np
 from lmc_server import __version__
 from lmc_server.config import Config
 from lmc_server.protocol.stats import PhaseSum
-from lmc_server.testing.presets import KVGeometry, dsv41_flash
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 
 GB = 1e9
 #: Tokens per chunk of the servers a benchmark starts unless its config says otherwise:
@@ -35,15 +35,22 @@ DEFAULT_CHUNK_SIZE: int = Config.chunk_size
 
 @dataclass(frozen=True)
 class GeometryArgs:
-    """The preset parameters given on the command line; ``build`` makes a geometry."""
+    """The preset parameters given on the command line; ``build`` makes a geometry.
+
+    ``model`` picks the preset: ``dsv41`` (DeepSeek-V4.1-Flash, the default) or an
+    ordinary Llama-3-8B-like model in the FlashAttention (``llama-flash-attn``) or
+    FlashInfer (``llama-flashinfer``) tensor shape; ``layers`` of ``None`` is the
+    preset's own count, and the DSV4.1-only fields do not apply to the Llama ones.
+    """
 
     arch: str = "sm90"
-    layers: int = 44
+    layers: int | None = None
     sliding_groups: int = 2
     kv_source_every: int = 2
     window_tokens: int = 128
     stride_pad: int = 0
     placement: str = "block"
+    model: str = "dsv41"
 
     @classmethod
     def pop(cls, kwargs: dict[str, Any]) -> GeometryArgs:
@@ -58,15 +65,27 @@ class GeometryArgs:
                     "window_tokens",
                     "stride_pad",
                     "placement",
+                    "model",
                 )
+                if k in kwargs
             }
         )
 
     def build(self, num_blocks: int) -> KVGeometry:
+        if self.model in LLAMA_BACKENDS:
+            return llama3_8b(
+                arch=self.arch,
+                num_blocks=num_blocks,
+                layers=self.layers or 32,
+                backend=LLAMA_BACKENDS[self.model],
+                placement=self.placement,
+            )
+        if self.model != "dsv41":
+            raise ValueError(f"model preset {self.model!r}: expected one of {MODEL_PRESETS}")
         return dsv41_flash(
             arch=self.arch,
             num_blocks=num_blocks,
-            layers=self.layers,
+            layers=self.layers or 44,
             sliding_groups=self.sliding_groups,
             kv_source_every=self.kv_source_every,
             window_tokens=self.window_tokens,
@@ -75,11 +94,22 @@ class GeometryArgs:
         )
 
     def describe(self) -> str:
+        if self.model in LLAMA_BACKENDS:
+            return (
+                f"Llama-3-8B-like preset: {self.layers or 32} layers, 8 KV heads x 128, bf16, "
+                f"16-token blocks, {LLAMA_BACKENDS[self.model]} tensor shape, "
+                f"{self.placement}-outermost pages"
+            )
         return (
-            f"DSV4.1-Flash preset: {self.layers} layers, arch {self.arch}, "
+            f"DSV4.1-Flash preset: {self.layers or 44} layers, arch {self.arch}, "
             f"{self.sliding_groups} sliding groups (window {self.window_tokens}), "
             f"kv source every {self.kv_source_every}, {self.placement}-outermost pages"
         )
+
+
+#: ``--model`` values of the Llama-like preset -> its attention backend's tensor shape
+LLAMA_BACKENDS = {"llama-flash-attn": "flash_attn", "llama-flashinfer": "flashinfer"}
+MODEL_PRESETS = ("dsv41", *LLAMA_BACKENDS)
 
 
 def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:

@@ -67,8 +67,17 @@ def names(allowed: tuple[str, ...], flag: str) -> Any:
 
 
 def geometry_options(f: F) -> F:
-    """Click options that build a DSV4.1-Flash-shaped geometry (preset defaults)."""
+    """Click options that build a preset geometry (DSV4.1-Flash unless ``--model``)."""
     opts = [
+        click.option(
+            "--model",
+            type=click.Choice(["dsv41", "llama-flash-attn", "llama-flashinfer"]),
+            default="dsv41",
+            help="KV preset: dsv41 (DeepSeek-V4.1-Flash), or a Llama-3-8B-like model "
+            "(32 layers, 8 KV heads x 128, bf16, 16-token blocks, a KV tensor per layer) "
+            "in the FlashAttention ([2, blocks, ...]: K and V planes) or FlashInfer "
+            "([blocks, 2, ...]) shape.",
+        ),
         click.option(
             "--arch",
             type=click.Choice(["sm90", "sm100"]),
@@ -78,8 +87,9 @@ def geometry_options(f: F) -> F:
         click.option(
             "--layers",
             type=click.IntRange(1, 512),
-            default=44,
-            help="Layers of the preset (illustrative; the model card has none).",
+            default=None,
+            help="Layers of the preset (default: 44 for dsv41, illustrative, the model "
+            "card has none; 32 for the Llama-like ones).",
         ),
         click.option(
             "--sliding-groups",

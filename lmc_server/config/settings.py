@@ -110,8 +110,9 @@ class Config:
         "cuda engine: 'dma' moves pages with the GPU's copy engines alone (no "
         "kernel: nearly free for an engine computing on the same GPU); 'staging' gathers "
         "pages with a short kernel into a staging buffer and moves it in one DMA (fastest "
-        "on an idle GPU); 'auto' takes dma while the GPU runs kernels (NVML), staging "
-        "while it is idle; 'mapped' has a kernel read/write pinned host memory. See "
+        "on an idle GPU for page-sized rows); 'auto' takes dma while the GPU runs kernels "
+        "(NVML) and, on an idle GPU, for wide blocks (block-outermost pages), staging "
+        "otherwise; 'mapped' has a kernel read/write pinned host memory. See "
         "docs/gpu.md.",
         choices=CUDA_COPY_MODES,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmc_server.testing.presets import KVGeometry, dsv41_flash, simple_model
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b, simple_model
 
 if TYPE_CHECKING:
     from lmc_server.testing.kv import ShmKV
@@ -25,4 +25,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KVGeometry", "ShmKV", "dsv41_flash", "simple_model"]
+__all__ = ["KVGeometry", "ShmKV", "dsv41_flash", "llama3_8b", "simple_model"]

@@ -18,6 +18,15 @@ layer. ``placement="layer"`` (the default) puts layer ``l``, block ``b`` at ``l 
 num_blocks * stride + b * stride`` (layer-outermost, a tensor per layer laid end to
 end); ``placement="block"`` at ``b * n_layers * stride + l * stride`` (block-outermost:
 every layer of a block side by side, as vLLM lays out DeepSeek-V4's KV cache).
+
+``llama3_8b`` is an ordinary model as vLLM lays it out: one KV tensor per layer (its own
+buffer, as vLLM allocates one per attention layer), 32 layers of 8 KV heads of 128
+dims, bf16, 16-token blocks, in the shape of one attention backend: ``flash_attn``
+(``[2, num_blocks, block_size, heads, head_dim]``: a K plane and a V plane, so a block
+of a layer is two 32 KiB pages ``num_blocks`` pages apart) or ``flashinfer``
+(``[num_blocks, 2, block_size, heads, head_dim]``: K and V of a block side by side, one
+64 KiB page). ``placement="block"`` puts every layer in one buffer, block outermost
+(``[num_blocks, layers, ...]``, a cross-layer layout).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from lmc_server.cache.geometry import GroupSpec, LayerSpec, blocks_per_chunk
 
 MAIN_RECORD = {"sm100": (528, 512)}
 PLACEMENTS = ("layer", "block")
+ATTENTION_BACKENDS = ("flash_attn", "flashinfer")
 DEFAULT_MAIN_RECORD = (584, 576)
 INDEXER_BYTES = 132
 
@@ -223,3 +233,64 @@ def simple_model(
         0,
     )
     return KVGeometry(model=model, kv_dtype="bf16", arch=arch, groups=[g], buffer_sizes=[size])
+
+
+def llama3_8b(
+    arch: str = "sm90",
+    num_blocks: int = 64,
+    layers: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+    backend: str = "flash_attn",
+    placement: str = "layer",
+    model: str = "meta-llama/Meta-Llama-3-8B",
+) -> KVGeometry:
+    """A Llama-3-8B-shaped KV cache (bf16, full attention) in one backend's shape.
+
+    ``flash_attn``: each layer declares two pages per block, K then V (the planes sit
+    ``num_blocks`` blocks apart in its tensor); ``flashinfer``: one page per block, K
+    and V side by side. With ``placement="layer"`` buffer ``l`` is layer ``l``'s
+    tensor; with ``"block"`` buffer 0 holds every layer, block outermost.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {ATTENTION_BACKENDS}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: expected one of {PLACEMENTS}")
+    plane = block_size * kv_heads * head_dim * 2  # bytes of K (or V) of one block
+    layer_bytes = 2 * num_blocks * plane
+    specs: list[LayerSpec] = []
+    for i in range(layers):
+        name = f"model.layers.{i}.self_attn.attn"
+        if placement == "layer":
+            buf, base, stride = i, 0, 2 * plane
+        else:
+            buf, base, stride = 0, i * 2 * plane, layers * 2 * plane
+        if backend == "flashinfer":
+            specs.append(LayerSpec(buf, base, stride, 2 * plane, name))
+        elif placement == "layer":  # [2, num_blocks, ...]: the V plane after every K page
+            specs.append(LayerSpec(buf, base, plane, plane, f"{name}.k"))
+            specs.append(LayerSpec(buf, base + num_blocks * plane, plane, plane, f"{name}.v"))
+        else:  # block-outermost: K and V of a block and layer side by side
+            specs.append(LayerSpec(buf, base, stride, plane, f"{name}.k"))
+            specs.append(LayerSpec(buf, base + plane, stride, plane, f"{name}.v"))
+    state = plane // block_size * (2 if backend == "flashinfer" else 1)
+    group = GroupSpec(
+        name="full",
+        kind="full",
+        tokens_per_block=block_size,
+        states_per_block=block_size,
+        record_format="bf16",
+        bytes_per_state=state,
+        num_blocks=num_blocks,
+        layers=specs,
+    )
+    sizes = [layer_bytes] * layers if placement == "layer" else [layers * layer_bytes]
+    return KVGeometry(
+        model=model,
+        kv_dtype="bf16",
+        arch=arch,
+        groups=[group],
+        buffer_sizes=sizes,
+        notes={"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim},
+    )

@@ -7,15 +7,17 @@ gather of the pages into a GPU staging half, then one DMA per contiguous pool ra
 double-buffered pieces so the gather of piece k+1 runs while piece k is on the wire; the
 reverse for a retrieve); ``mapped`` (one kernel reads the pages and writes the mapped
 pinned pool over PCIe, or the reverse); and ``auto`` (default): ``dma`` while other
-processes' kernels hold the GPU, ``staging`` while it is idle
-(:mod:`~lmc_server.transfer.gpu_activity`), because an engine beside the server loses
-8-20 % to the server's kernels and almost nothing to copy-engine DMAs.
+processes' kernels hold the GPU (:mod:`~lmc_server.transfer.gpu_activity`), because an
+engine beside the server loses 8-20 % to the server's kernels and almost nothing to
+copy-engine DMAs; on an idle GPU ``dma`` too where a request's copies are wide rows
+(:func:`~lmc_server.transfer.cuda_dma_plan.wide_rows`: at the link there), else
+``staging``.
 
 A request is planned whole before anything is launched: every range is checked, and
 the plan is one row per (layer run, chunk) plus the block ids
 (:mod:`~lmc_server.transfer.cuda_units`); the kernels compute page addresses on the GPU,
 so planning costs a fixed ~0.1 ms whatever the batch size, and the whole request is
-enqueued at once. Each concurrent request takes a *lane* of its GPU (two streams,
+enqueued at once. Each concurrent request takes a *lane* of its GPU (an SM stream, DMA streams,
 staging halves, pinned and device unit buffers, events), so the per-request objects are
 allocated once and reused. A lane's waiter thread waits for the GPU
 (:mod:`~lmc_server.transfer.cuda_wait`), reports the copy and passes the lane on.
@@ -48,7 +50,7 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import DmaPlan
+from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES, DmaPlan, wide_rows
 from lmc_server.transfer.cuda_dma_reuse import DmaPlans
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
 from lmc_server.transfer.cuda_lanes import (
@@ -75,6 +77,9 @@ MAPPED_THREADS = 512
 MAPPED_BLOCKS = 64
 #: The first staging piece: a short gather, so the first DMA starts early.
 FIRST_PIECE_BYTES = 8 * MIB
+#: DMA streams per lane: copy mode ``dma`` spreads one request's copies over them, so
+#: that several copy engines serve it (docs/gpu.md, "Every KV layout").
+DMA_STREAMS = 4
 
 
 def _nvml_reader(device: int) -> Callable[[], int | None]:
@@ -98,6 +103,8 @@ class CudaEngine(TransferEngine):
         kernel_pct: Callable[[int], Callable[[], int | None]] | None = None,
         batch_copies: bool = True,
         make_batch_copier: Callable[[int], BatchCopier | None] = batch_copier,
+        dma_streams: int = DMA_STREAMS,
+        dma_split_bytes: int = MIN_STREAM_BYTES,
     ) -> None:
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
@@ -135,6 +142,11 @@ class CudaEngine(TransferEngine):
         #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
         self._dma_plans = DmaPlans()
         self._plan_lock = threading.Lock()
+        self.dma_streams = dma_streams
+        #: the least bytes a request puts on one of its DMA streams
+        self.dma_split_bytes = dma_split_bytes
+        #: the most DMA streams one request used so far (diagnostics and tests)
+        self.dma_streams_used = 0
         self._lanes: dict[int, Lanes] = {}
         self._lanes_lock = threading.Lock()
         self._ipc = IpcTable()
@@ -173,7 +185,9 @@ class CudaEngine(TransferEngine):
             with self._lanes_lock:
                 lanes = self._lanes.get(device)
                 if lanes is None:
-                    lanes = Lanes(device, self._lanes_per_device, self.staging_half_bytes)
+                    lanes = Lanes(
+                        device, self._lanes_per_device, self.staging_half_bytes, self.dma_streams
+                    )
                     self._sm_count[device] = int(
                         cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
                     )
@@ -242,7 +256,8 @@ class CudaEngine(TransferEngine):
                 region = self._region(job.mapping)
                 mode = self.copy_mode
                 if mode == "auto":
-                    mode = "dma" if self._gates[device].busy() else "staging"
+                    busy = self._gates[device].busy()
+                    mode = "dma" if busy or wide_rows(job.copies) else "staging"
                 plan: Plan | DmaPlan
                 if mode == "dma":
                     with self._plan_lock:
@@ -271,11 +286,15 @@ class CudaEngine(TransferEngine):
                 self.copies_by_path[mode] += 1
                 if self.profile:
                     lane.timing[0].record(lane.sm)
-                    lane.dma.wait_event(lane.timing[0])
+                    for s in lane.dmas:
+                        s.wait_event(lane.timing[0])
                 if isinstance(plan, DmaPlan):
-                    refused = issue_dma(lane, plan, to_pool, self._batch.get(device))
-                    if refused:
-                        self._batch_refused(plan, refused)
+                    refused, used = issue_dma(
+                        lane, plan, to_pool, self._batch.get(device), self.dma_split_bytes
+                    )
+                    self.dma_streams_used = max(self.dma_streams_used, used)
+                    for why in refused:
+                        self._batch_refused(plan, why)
                     last = lane.dma
                 else:
                     units, ids = lane.upload(plan, lane.sm)
@@ -394,7 +413,8 @@ class CudaEngine(TransferEngine):
                 if lane.waiter is not None:
                     lane.waiter.join()
                 lane.sm.synchronize()
-                lane.dma.synchronize()
+                for s in lane.dmas:
+                    s.synchronize()
         self._lanes.clear()
         if self._pool is not None:
             self._pool.close()

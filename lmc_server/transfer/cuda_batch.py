@@ -54,7 +54,29 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 class BatchCopier:
-    """``copy(dsts, srcs, sizes, stream)``: 1-D copies in stream order, one driver call."""
+    """``copy(dsts, srcs, sizes, stream)``: 1-D copies in stream order, one driver call;
+    ``copy2d`` the same for pitched 2-D copies where :attr:`two_d` passed its check
+    (``has_2d``), else callers issue those one ``cudaMemcpy2DAsync`` each."""
+
+    two_d: Batch2DCopier | None = None
+
+    @property
+    def has_2d(self) -> bool:
+        return self.two_d is not None
+
+    def copy2d(
+        self,
+        dst: np.ndarray,
+        dst_pitch: np.ndarray,
+        src: np.ndarray,
+        src_pitch: np.ndarray,
+        width: np.ndarray,
+        height: np.ndarray,
+        stream: int,
+    ) -> None:
+        if self.two_d is None:
+            raise TransferError("no checked cuMemcpy3DBatchAsync on this driver")
+        self.two_d.copy(dst, dst_pitch, src, src_pitch, width, height, stream)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
@@ -91,6 +113,74 @@ class BatchCopier:
         rc = self._fn(*args)
         if rc != 0:
             raise TransferError(f"cuMemcpyBatchAsync of {n} copies failed (CUresult {rc})")
+
+
+#: ``CUDA_MEMCPY3D_BATCH_OP``: two 40-byte operands (``type``, then the pointer member
+#: of the union: ``ptr``, ``rowLength``, ``layerHeight``, ``locHint``), the extent
+#: (width, height, depth), the source access order and the flags: 112 bytes.
+BATCH_OP_3D = np.dtype(
+    [
+        ("src_type", np.int32),
+        ("_p0", np.int32),
+        ("src_ptr", np.uint64),
+        ("src_row", np.uint64),
+        ("src_layer", np.uint64),
+        ("src_loc", np.int64),
+        ("dst_type", np.int32),
+        ("_p1", np.int32),
+        ("dst_ptr", np.uint64),
+        ("dst_row", np.uint64),
+        ("dst_layer", np.uint64),
+        ("dst_loc", np.int64),
+        ("width", np.uint64),
+        ("height", np.uint64),
+        ("depth", np.uint64),
+        ("order", np.int32),
+        ("flags", np.uint32),
+    ]
+)
+assert BATCH_OP_3D.itemsize == 112
+CU_MEMCPY_OPERAND_TYPE_POINTER = 1
+
+
+class Batch2DCopier:
+    """``copy(dst, dst_pitch, src, src_pitch, width, height, stream)``: pitched 2-D copies
+    (``height`` rows of ``width`` bytes) in stream order, one ``cuMemcpy3DBatchAsync``
+    call. The descriptors are one numpy structured array filled column by column, so
+    building them costs a few numpy operations whatever their number."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._v2 = hasattr(lib, "cuMemcpy3DBatchAsync_v2")
+        self._fn = lib.cuMemcpy3DBatchAsync_v2 if self._v2 else lib.cuMemcpy3DBatchAsync
+        self._fn.restype = ctypes.c_int
+
+    def copy(
+        self,
+        dst: np.ndarray,
+        dst_pitch: np.ndarray,
+        src: np.ndarray,
+        src_pitch: np.ndarray,
+        width: np.ndarray,
+        height: np.ndarray,
+        stream: int,
+    ) -> None:
+        n = int(width.size)
+        if n == 0:
+            return
+        ops = np.zeros(n, dtype=BATCH_OP_3D)  # per call: lanes issue from several threads
+        ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+        ops["src_ptr"], ops["src_row"], ops["src_layer"] = src, src_pitch, height
+        ops["dst_ptr"], ops["dst_row"], ops["dst_layer"] = dst, dst_pitch, height
+        ops["width"], ops["height"], ops["depth"] = width, height, 1
+        ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        ops["flags"] = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        args: list[object] = [ctypes.c_size_t(n), ctypes.c_void_p(ops.ctypes.data)]
+        if not self._v2:
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        args += [ctypes.c_ulonglong(0), ctypes.c_void_p(stream)]
+        rc = self._fn(*args)
+        if rc != 0:
+            raise TransferError(f"cuMemcpy3DBatchAsync of {n} 2-D copies failed (CUresult {rc})")
 
 
 _lock = threading.Lock()
@@ -146,9 +236,58 @@ def _check(device: int) -> BatchCopier | None:
     except (OSError, AttributeError, TransferError, cupy.cuda.runtime.CUDARuntimeError) as e:
         log.warning("cuMemcpyBatchAsync unusable (%s): dma copies are issued one at a time", e)
         return None
+    copier.two_d = _check_2d(lib, device)
     log.info(
-        "device %d: dma copies go to the driver in batches (cuMemcpyBatchAsync%s)",
+        "device %d: dma copies go to the driver in batches (cuMemcpyBatchAsync%s%s)",
         device,
         "_v2" if copier._v2 else "",
+        ", cuMemcpy3DBatchAsync for 2-D copies" if copier.two_d else "",
     )
+    return copier
+
+
+def _check_2d(lib: ctypes.CDLL, device: int) -> Batch2DCopier | None:
+    """A checked 2-D batch copier, or ``None``: pitched copies both ways, byte for byte
+    against numpy's reading of the same rows (narrow and wide rows, unequal pitches)."""
+    import cupy
+
+    if not (hasattr(lib, "cuMemcpy3DBatchAsync_v2") or hasattr(lib, "cuMemcpy3DBatchAsync")):
+        log.info("the CUDA driver has no cuMemcpy3DBatchAsync: 2-D dma copies go one at a time")
+        return None
+    try:
+        copier = Batch2DCopier(lib)
+        with cupy.cuda.Device(device):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            n = 1 << 21
+            src = (cupy.arange(n // 4, dtype=cupy.uint32) * 2654435761).view(cupy.uint8)
+            back = cupy.zeros_like(src)
+            host = cupy.cuda.alloc_pinned_memory(n)
+            hv = np.frombuffer(host, dtype=np.uint8, count=n)
+            hv[:] = 0
+            # (device offset, device pitch, host offset, host pitch, width, height)
+            shapes = np.asarray(
+                [[0, 4096, 0, 1000, 1000, 7], [65536, 19008, 300000, 40000, 19008, 22]],
+                dtype=np.uint64,
+            )
+            d0, h0, b0 = int(src.data.ptr), int(hv.ctypes.data), int(back.data.ptr)
+            dev, dp, hst, hp, w, h = (shapes[:, i] for i in range(6))
+            copier.copy(h0 + hst, hp, d0 + dev, dp, w, h, stream.ptr)
+            copier.copy(b0 + dev, dp, h0 + hst, hp, w, h, stream.ptr)
+            stream.synchronize()
+            want, got = src.get(), back.get()
+            for do, dpi, ho, hpi, wi, he in shapes.tolist():
+                for r in range(he):
+                    a, b = do + r * dpi, ho + r * hpi
+                    if not (
+                        np.array_equal(hv[b : b + wi], want[a : a + wi])
+                        and np.array_equal(got[a : a + wi], want[a : a + wi])
+                    ):
+                        log.warning(
+                            "cuMemcpy3DBatchAsync self-check copied wrong bytes: 2-D dma "
+                            "copies go one at a time"
+                        )
+                        return None
+    except (OSError, AttributeError, TransferError, cupy.cuda.runtime.CUDARuntimeError) as e:
+        log.warning("cuMemcpy3DBatchAsync unusable (%s): 2-D dma copies go one at a time", e)
+        return None
     return copier

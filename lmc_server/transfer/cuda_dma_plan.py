@@ -62,7 +62,11 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     and in the object, so they merge into one row; a block id of -1 ("leave this page
     alone") ends a run and is skipped. A run's layers become the height of one 2-D copy
     when its layer stride is at least the row's width (layers that do not overlap, in
-    increasing order); otherwise each layer is a row of its own.
+    increasing order); otherwise each layer is a row of its own. A run of consecutive
+    ids whose pages do not tile (block-major objects of layer-outermost pages) is
+    copied whichever way takes fewer descriptors: a 2-D copy of the layers per block,
+    or one of the blocks per layer (a Llama K plane: 16 pages of 32 KiB in one copy
+    instead of 16).
     """
     u = plan_units(copies, region)
     if u is None:
@@ -75,20 +79,39 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     unit = np.repeat(np.arange(t.shape[0], dtype=np.int64), n_blocks)
     ids = _unit_ids(t, u.ids)
     j = np.arange(ids.size, dtype=np.int64) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)
-    page = t[unit, PAGE_BYTES]
-    contiguous = (t[unit, BLOCK_STRIDE] == page) & (t[unit, OBJ_BLOCK_STRIDE] == page)
     live = ids >= 0
-    # a run continues where the id follows its predecessor in the same unit
+    # runs of consecutive block ids within a unit (a dead id ends a run and is skipped)
     follows = np.zeros(ids.size, dtype=bool)
-    follows[1:] = (j[1:] > 0) & live[:-1] & contiguous[1:] & (ids[1:] == ids[:-1] + 1)
+    follows[1:] = (j[1:] > 0) & live[:-1] & (ids[1:] == ids[:-1] + 1)
     follows &= live
     first = np.flatnonzero(live & ~follows)
-    # a run ends at the next id that does not follow (a begin or a dead id)
     breaks = np.append(np.flatnonzero(~follows), ids.size)
-    stop = breaks[np.searchsorted(breaks, first, side="right")]
-    length = stop - first
+    length = breaks[np.searchsorted(breaks, first, side="right")] - first
     ru = unit[first]
-    width = length * page[first]
+    page_r = t[ru, PAGE_BYTES]
+    contiguous = (t[ru, BLOCK_STRIDE] == page_r) & (t[ru, OBJ_BLOCK_STRIDE] == page_r)
+    # A run of k blocks whose pages do not tile both sides is k rows of a block's L
+    # layers, or L rows of a layer's k blocks (pitch: the block strides): the fewer.
+    # (a block whose layers sit side by side on both sides is one 1-D copy anyway)
+    layers_r = t[ru, N_LAYERS]
+    adjacent = (
+        (layers_r > 1) & (t[ru, LAYER_STRIDE] == page_r) & (t[ru, OBJ_LAYER_STRIDE] == page_r)
+    )
+    across = ~contiguous & ~adjacent & (length > layers_r)
+    split = ~contiguous & ~across & (length > 1)
+    if split.any():  # one run per block
+        reps = np.where(split, length, 1)
+        at = np.repeat(np.cumsum(reps) - reps, reps)
+        step = np.arange(int(reps.sum()), dtype=np.int64) - at
+        first = np.repeat(first, reps) + step
+        length = np.where(np.repeat(split, reps), 1, np.repeat(length, reps))
+        across = np.repeat(across, reps)
+        ru = unit[first]
+    across_rows = _across_rows(t, ids, j, start, first[across], length[across])
+    first, length = first[~across], length[~across]
+    ru = unit[first]
+    page = t[ru, PAGE_BYTES]
+    width = length * page
     layers = t[ru, N_LAYERS]
     lstride = t[ru, LAYER_STRIDE]
     obj_pitch = t[ru, OBJ_LAYER_STRIDE]
@@ -111,6 +134,9 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
         per[:, HEIGHT] = 1
         rows = np.concatenate([rows[stacked], per])
         row_unit = np.concatenate([ru[stacked], np.repeat(ru[~stacked], reps)])
+    if across_rows.size:
+        rows = np.concatenate([rows, across_rows])
+        row_unit = np.concatenate([row_unit, np.full(across_rows.shape[0], -1, np.int64)])
     # rows whose layers are adjacent on both sides (block-major objects of a
     # block-outermost worker) are one contiguous range: a 1-D copy
     flat = (
@@ -124,6 +150,83 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
         rows[flat, DEV_PITCH] = rows[flat, WIDTH]
         rows[flat, POOL_PITCH] = rows[flat, WIDTH]
     return DmaPlan(_join_rows(rows, row_unit), int((rows[:, WIDTH] * rows[:, HEIGHT]).sum()))
+
+
+#: Copy-engine rows at least this wide reach the link on an idle GPU too (block-outermost
+#: pages: 337 KB rows at 0.99-1.0 of raw with two requests in flight, where 15-64 KB rows
+#: reached 0.72-0.88; H200, docs/gpu.md), so mode ``auto`` takes ``dma`` for them there.
+WIDE_ROW_BYTES = 128 << 10
+
+
+def wide_rows(copies: Sequence[RunCopy]) -> bool:
+    """Whether the request's stored blocks are, weighted by bytes, contiguous ranges of
+    at least :data:`WIDE_ROW_BYTES` on both sides on average (a block's layers side by
+    side in the worker's buffer and in the object; otherwise a row is a page), so that
+    its ``dma`` rows are wide. Decided from the runs alone, before any plan."""
+    total = weighted = 0
+    for c in copies:
+        r = c.run
+        side_by_side = r.n_layers == 1 or (
+            r.layer_stride == r.page_bytes and r.object_layer_stride == r.page_bytes
+        )
+        row = r.n_layers * r.page_bytes if side_by_side else r.page_bytes
+        total += c.nbytes
+        weighted += c.nbytes * row
+    return total > 0 and weighted >= WIDE_ROW_BYTES * total
+
+
+#: The least bytes a DMA stream of a lane is given: below this one request's copies stay
+#: on fewer streams (joining a stream costs an event record and wait).
+MIN_STREAM_BYTES = 4 << 20
+
+
+def split_rows(rows: np.ndarray, parts: int, min_bytes: int = MIN_STREAM_BYTES) -> list[np.ndarray]:
+    """``rows`` cut into at most ``parts`` consecutive slices of about equal bytes, each
+    of at least ``min_bytes`` (one slice when the rows hold less): one per DMA stream.
+    Every row is in exactly one slice, in order."""
+    if rows.shape[0] == 0:
+        return []
+    nbytes = rows[:, WIDTH] * rows[:, HEIGHT]
+    total = int(nbytes.sum())
+    k = max(1, min(parts, rows.shape[0], total // max(1, min_bytes)))
+    if k == 1:
+        return [rows]
+    cum = np.cumsum(nbytes)
+    cuts = np.searchsorted(cum, total * np.arange(1, k, dtype=np.int64) // k, side="left") + 1
+    bounds = np.unique(np.concatenate([[0], np.minimum(cuts, rows.shape[0]), [rows.shape[0]]]))
+    return [rows[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)]
+
+
+def _across_rows(
+    t: np.ndarray,
+    ids: np.ndarray,
+    j: np.ndarray,
+    start: np.ndarray,
+    first: np.ndarray,
+    length: np.ndarray,
+) -> np.ndarray:
+    """Rows of runs copied layer by layer: for each layer of the run's unit, one 2-D
+    copy of ``length`` pages (the run's consecutive blocks), the device rows a block
+    stride apart and the pool rows an object block stride apart. Both strides are at
+    least a page (the registration's check and the block-major object), so the rows of
+    one copy never overlap."""
+    if not first.size:
+        return np.zeros((0, 6), np.int64)
+    ru = np.repeat(np.arange(t.shape[0], dtype=np.int64), t[:, N_BLOCKS])[first]
+    layers = t[ru, N_LAYERS]
+    at = np.repeat(np.cumsum(layers) - layers, layers)
+    li = np.arange(int(layers.sum()), dtype=np.int64) - at
+    r = np.repeat(np.arange(first.size), layers)
+    u = ru[r]
+    rows = np.empty((li.size, 6), dtype=np.int64)
+    f = first[r]
+    rows[:, DEV_ADDR] = t[u, PAGE_BASE] + li * t[u, LAYER_STRIDE] + ids[f] * t[u, BLOCK_STRIDE]
+    rows[:, DEV_PITCH] = t[u, BLOCK_STRIDE]
+    rows[:, POOL_ADDR] = start[u] + li * t[u, OBJ_LAYER_STRIDE] + j[f] * t[u, OBJ_BLOCK_STRIDE]
+    rows[:, POOL_PITCH] = t[u, OBJ_BLOCK_STRIDE]
+    rows[:, WIDTH] = t[u, PAGE_BYTES]
+    rows[:, HEIGHT] = length[r]
+    return rows
 
 
 def _join_rows(rows: np.ndarray, row_unit: np.ndarray) -> np.ndarray:

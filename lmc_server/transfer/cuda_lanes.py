@@ -1,6 +1,8 @@
 """Lanes: what one in-flight copy on one GPU needs, allocated once and reused.
 
-A lane is two streams (SM gather/scatter, DMA), the double-buffered staging area, the
+A lane is an SM stream (gather/scatter), one or more DMA streams (copy mode ``dma``
+spreads a request's descriptors over them, so that several copy engines work on one
+request), the double-buffered staging area, the
 pinned and device buffers a plan's unit rows and block ids travel in, and the events
 that order them; a waiter thread per lane reports each launched job's completion
 (:class:`~lmc_server.transfer.cuda.CudaEngine` runs it). :class:`Lanes` hands a GPU's
@@ -44,12 +46,18 @@ class Lane:
     rewritten while a copy may still read it.
     """
 
-    def __init__(self, device: int, min_half_bytes: int = STAGING_HALF_BYTES) -> None:
+    def __init__(
+        self, device: int, min_half_bytes: int = STAGING_HALF_BYTES, dma_streams: int = 1
+    ) -> None:
         self.device = device
         self.min_half_bytes = min_half_bytes
         with cupy.cuda.Device(device):
             self.sm = cupy.cuda.Stream(non_blocking=True)
-            self.dma = cupy.cuda.Stream(non_blocking=True)
+            #: ``dmas[0]`` is ``dma``, the stream every path ends on; the others are
+            #: joined into it (``joined``) before ``done`` is recorded.
+            self.dmas = [cupy.cuda.Stream(non_blocking=True) for _ in range(max(1, dma_streams))]
+            self.dma = self.dmas[0]
+            self.joined = [cupy.cuda.Event(disable_timing=True) for _ in self.dmas]
             self.filled = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
             self.freed = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
             self.done = cupy.cuda.Event(block=True, disable_timing=True)
@@ -102,7 +110,7 @@ class Lane:
 
     def drain(self) -> None:
         """Wait for whatever this lane enqueued (after a failure part-way through)."""
-        for s in (self.sm, self.dma):
+        for s in (self.sm, *self.dmas):
             try:
                 s.synchronize()
             except CUDA_ERRORS as e:
@@ -134,10 +142,13 @@ class Lanes:
     never queued while a lane sits free.
     """
 
-    def __init__(self, device: int, limit: int, half_bytes: int = STAGING_HALF_BYTES) -> None:
+    def __init__(
+        self, device: int, limit: int, half_bytes: int = STAGING_HALF_BYTES, dma_streams: int = 1
+    ) -> None:
         self.device = device
         self.limit = limit
         self.half_bytes = half_bytes
+        self.dma_streams = dma_streams
         self._free: list[Lane] = []
         self._pending: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -150,7 +161,7 @@ class Lanes:
             if len(self.all) >= self.limit:
                 self._pending.append(job)
                 return None
-            lane = Lane(self.device, self.half_bytes)
+            lane = Lane(self.device, self.half_bytes, self.dma_streams)
             self.all.append(lane)
             return lane
 

@@ -12,11 +12,22 @@ ordered by the lane's events. Nothing here waits for the GPU.
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cuda_batch import BatchCopier
-from lmc_server.transfer.cuda_dma_plan import DEV_ADDR, HEIGHT, POOL_ADDR, WIDTH, DmaPlan
+from lmc_server.transfer.cuda_dma_plan import (
+    DEV_ADDR,
+    DEV_PITCH,
+    HEIGHT,
+    MIN_STREAM_BYTES,
+    POOL_ADDR,
+    POOL_PITCH,
+    WIDTH,
+    DmaPlan,
+    split_rows,
+)
 from lmc_server.transfer.cuda_lanes import MEMCPY_DEFAULT, Lane
 from lmc_server.transfer.cuda_plan import Plan
 
@@ -24,17 +35,39 @@ from lmc_server.transfer.cuda_plan import Plan
 GATHER_THREADS = 256
 
 
-def issue_dma(lane: Lane, plan: DmaPlan, to_pool: bool, batch: BatchCopier | None) -> str:
-    """Issue the plan's copies on the lane's DMA stream (copy engines only); returns
-    the driver's refusal of the batch call, ``""`` when there was none.
+def issue_dma(
+    lane: Lane,
+    plan: DmaPlan,
+    to_pool: bool,
+    batch: BatchCopier | None,
+    split_bytes: int = MIN_STREAM_BYTES,
+) -> tuple[list[str], int]:
+    """Issue the plan's copies on the lane's DMA streams (copy engines only); returns
+    the driver's refusals of batch calls (empty: none) and the streams used.
 
-    A batch call the driver refuses is issued again as single copies: a copy writes the
-    same bytes however often it runs, and the singles follow whatever part of the batch
-    the driver did queue in stream order, so the result is the same.
+    The rows are cut into one slice per DMA stream (:func:`split_rows`, by bytes), so
+    that several copy engines work on one request; every stream but the first is joined
+    into ``lane.dma`` by an event, so work recorded on ``lane.dma`` afterwards follows
+    every copy. Per stream, 1-D rows go in one ``cuMemcpyBatchAsync`` call and 2-D rows
+    in one ``cuMemcpy3DBatchAsync`` call where the driver passed those checks. A batch
+    call the driver refuses is issued again as single copies: a copy writes the same
+    bytes however often it runs, and the singles follow whatever part of the batch the
+    driver did queue in stream order, so the result is the same.
     """
-    stream = lane.dma.ptr
-    rows = plan.rows
-    refused = ""
+    refused: list[str] = []
+    parts = split_rows(plan.rows, len(lane.dmas), split_bytes)
+    for k, rows in enumerate(parts):
+        refused += _issue_rows(rows, to_pool, batch, lane.dmas[k].ptr)
+    for k in range(1, len(parts)):
+        lane.joined[k].record(lane.dmas[k])
+        lane.dma.wait_event(lane.joined[k])
+    return refused, len(parts)
+
+
+def _issue_rows(
+    rows: np.ndarray, to_pool: bool, batch: BatchCopier | None, stream: int
+) -> list[str]:
+    refused: list[str] = []
     if batch is not None:
         one = rows[:, HEIGHT] == 1
         if one.any():
@@ -47,7 +80,19 @@ def issue_dma(lane: Lane, plan: DmaPlan, to_pool: bool, batch: BatchCopier | Non
                     batch.copy(dev, pool, width, stream)
                 rows = rows[~one]
             except TransferError as e:
-                refused = str(e)
+                refused.append(str(e))
+        two = rows[:, HEIGHT] > 1
+        if batch.has_2d and two.any():
+            r = rows[two]
+            dev, dp, pool, pp = r[:, DEV_ADDR], r[:, DEV_PITCH], r[:, POOL_ADDR], r[:, POOL_PITCH]
+            try:
+                if to_pool:
+                    batch.copy2d(pool, pp, dev, dp, r[:, WIDTH], r[:, HEIGHT], stream)
+                else:
+                    batch.copy2d(dev, dp, pool, pp, r[:, WIDTH], r[:, HEIGHT], stream)
+                rows = rows[~two]
+            except TransferError as e:
+                refused.append(str(e))
     copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
     for dev, dpitch, pool, ppitch, width, height in rows.tolist():
         dst, dst_pitch, src, src_pitch = (

@@ -5,8 +5,9 @@ process computes, every kernel the server launches waits for a time slice of the
 and costs that process 7-19 % of its throughput, whereas copy-engine DMAs run beside
 it at almost no cost (0-2.4 %). On an idle GPU the reverse holds for speed: the short SM
 gather into staging plus one DMA reaches 0.98 of the link, the copy engines' 2-D copies
-0.85-0.89. So ``auto`` uses the copy engines while the GPU is busy and staging while it
-is idle, and this module says which it is.
+0.85-0.89 (wide 1-D copies of block-outermost pages reach the link there too). So ``auto``
+uses the copy engines while the GPU is busy, and staging while it is idle unless a
+request's blocks are wide; this module says which it is.
 
 The signal is NVML's per-process SM utilization (``nvmlDeviceGetProcessUtilization``:
 per process, the share of the last sample period its kernels held the SMs), summed over

@@ -45,10 +45,22 @@ from lmc_server.client.aio import AsyncClient
 from lmc_server.client.cuda import stream_done
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
 from lmc_server.testing.kv import block_ids_for
-from lmc_server.testing.presets import KVGeometry, dsv41_flash
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
+
+#: ``model`` of a worker's args -> the Llama-like preset's attention backend
+LLAMA_MODELS = {"llama-flash-attn": "flash_attn", "llama-flashinfer": "flashinfer"}
 
 
 def geometry(args: dict) -> KVGeometry:
+    model = args.get("model", "dsv41")
+    if model in LLAMA_MODELS:
+        return llama3_8b(
+            arch=args.get("arch") or device_arch(0),
+            num_blocks=args.get("num_blocks", 64),
+            layers=args.get("layers", 4),
+            backend=LLAMA_MODELS[model],
+            placement=args.get("placement", "layer"),
+        )
     return dsv41_flash(
         arch=args.get("arch") or device_arch(0),
         num_blocks=args.get("num_blocks", 64),
@@ -119,7 +131,9 @@ def roundtrip(args: dict) -> None:
             assert b.size == a.size, "need more blocks for a disjoint retrieve"
             ids_b[name] = b
         holes = {name: b.copy() for name, b in ids_b.items()}
-        holes["compressed"].reshape(n, -1)[0, 1] = -1
+        holes["compressed" if "compressed" in holes else next(iter(holes))].reshape(n, -1)[
+            0, 1
+        ] = -1
         res = c.retrieve(reg, digests, holes)
         assert res.ok.all(), res.statuses
         og_of = {gname: og.name for og in reg.object_groups for gname in og.groups}

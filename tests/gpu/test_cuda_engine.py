@@ -29,7 +29,7 @@ import pytest
 from lmc_server.buffers import CudaIpcBuffer
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
-from lmc_server.testing.presets import KVGeometry, dsv41_flash
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
 
@@ -43,12 +43,28 @@ class Exported:
     """A worker process holding filled buffers until :meth:`close`."""
 
     def __init__(
-        self, arch: str, pad: int, num_blocks: int, layers: int, placement: str = "layer"
+        self,
+        arch: str,
+        pad: int,
+        num_blocks: int,
+        layers: int,
+        placement: str = "layer",
+        model: str = "dsv41",
     ) -> None:
-        self.placement, self.pad = placement, pad
-        self.geo: KVGeometry = dsv41_flash(
-            arch=arch, num_blocks=num_blocks, layers=layers, stride_pad=pad, placement=placement
-        )
+        self.placement, self.pad, self.model = placement, pad, model
+        if model == "dsv41":
+            self.geo: KVGeometry = dsv41_flash(
+                arch=arch, num_blocks=num_blocks, layers=layers, stride_pad=pad, placement=placement
+            )
+        else:
+            backend = {"llama-flash-attn": "flash_attn", "llama-flashinfer": "flashinfer"}[model]
+            self.geo = llama3_8b(
+                arch=arch,
+                num_blocks=num_blocks,
+                layers=layers,
+                backend=backend,
+                placement=placement,
+            )
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -61,6 +77,7 @@ class Exported:
                         "num_blocks": num_blocks,
                         "layers": layers,
                         "placement": placement,
+                        "model": model,
                     }
                 ),
             ],
@@ -119,9 +136,14 @@ def write_buffers(mapping: Any, value: int) -> None:
 
 
 def batch(
-    geo: KVGeometry, n: int, rng: np.random.Generator, exclude: dict[str, np.ndarray] | None = None
+    geo: KVGeometry,
+    n: int,
+    rng: np.random.Generator,
+    exclude: dict[str, np.ndarray] | None = None,
+    consecutive: bool = False,
 ) -> tuple[list[RunCopy], dict[str, np.ndarray]]:
-    """Copies for ``n`` chunks: object group ``i`` in slabs from ``4 * i``, random blocks."""
+    """Copies for ``n`` chunks: object group ``i`` in slabs from ``4 * i``, random blocks
+    (or the lowest free ones in order, as a fresh engine hands them out)."""
     layout = build_layout(geo.groups, 256, separate=True)
     copies: list[RunCopy] = []
     used: dict[str, np.ndarray] = {}
@@ -135,34 +157,43 @@ def batch(
             pool = np.arange(g.num_blocks)
             if exclude is not None:
                 pool = np.setdiff1d(pool, exclude[g.name])
-            gids = rng.permutation(pool)[: n * bpc].reshape(n, bpc)
+            gids = (pool if consecutive else rng.permutation(pool))[: n * bpc].reshape(n, bpc)
             used[g.name] = gids.ravel()
             copies += plan_copies(s, section_block_ids(s, gids), offs)
     return copies, used
 
 
 CASES = [
-    ("sm90", 0, "layer"),
-    ("sm100", 0, "layer"),
-    ("sm90", 72, "layer"),
-    ("sm100", 13, "layer"),
-    ("sm90", 0, "block"),
-    ("sm100", 0, "block"),
-    ("sm90", 72, "block"),
+    ("sm90", 0, "layer", "dsv41"),
+    ("sm100", 0, "layer", "dsv41"),
+    ("sm90", 72, "layer", "dsv41"),
+    ("sm100", 13, "layer", "dsv41"),
+    ("sm90", 0, "block", "dsv41"),
+    ("sm100", 0, "block", "dsv41"),
+    ("sm90", 72, "block", "dsv41"),
+    ("sm90", 0, "layer", "llama-flash-attn"),
+    ("sm90", 0, "layer", "llama-flashinfer"),
+    ("sm90", 0, "block", "llama-flash-attn"),
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-pad{p}-{pl}" for a, p, pl in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{a}-pad{p}-{pl}" for a, p, pl, m in CASES])
 def exported(request: pytest.FixtureRequest) -> Iterator[Exported]:
-    arch, pad, placement = request.param
-    e = Exported(arch, pad, num_blocks=96, layers=8, placement=placement)
+    arch, pad, placement, model = request.param
+    if model == "dsv41":
+        e = Exported(arch, pad, num_blocks=96, layers=8, placement=placement)
+    else:  # 16 blocks a chunk: two disjoint 6-chunk batches
+        e = Exported(arch, pad, num_blocks=200, layers=4, placement=placement, model=model)
     yield e
     e.close()
 
 
 class RefusingCopier:
     """A batch copier whose every call the driver refuses (as the H200's did for a few
-    calls of a DP run): the engine must issue the same rows as single copies."""
+    calls of a DP run), 1-D and 2-D: the engine must issue the same rows as single
+    copies."""
+
+    has_2d = True
 
     def __init__(self) -> None:
         self.calls = 0
@@ -173,6 +204,12 @@ class RefusingCopier:
         self.calls += 1
         raise TransferError("cuMemcpyBatchAsync of n copies failed (CUresult 1)")
 
+    def copy2d(self, *_: object) -> None:
+        from lmc_server.transfer.base import TransferError
+
+        self.calls += 1
+        raise TransferError("cuMemcpy3DBatchAsync of n 2-D copies failed (CUresult 1)")
+
 
 @pytest.mark.parametrize(
     "mode",
@@ -182,6 +219,8 @@ class RefusingCopier:
         "mapped",
         "dma-single",
         "dma-batch",
+        "dma-streams",
+        "dma-consecutive",
         "dma-refused",
         "auto-busy",
         "auto-idle",
@@ -189,8 +228,11 @@ class RefusingCopier:
 )
 def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     """Every path byte-exact; ``staging-pieces`` cuts a request into many staging
-    pieces (kernel launches at unit rows past the first); ``auto`` takes the copy
-    engines while the (fake) kernel time says busy, staging while it says idle."""
+    pieces (kernel launches at unit rows past the first); ``dma-streams`` spreads one
+    request over eight DMA streams; ``dma-consecutive`` takes consecutive block ids
+    (pages of a layer copied as one 2-D copy per layer); ``auto`` takes the copy engines
+    while the (fake) kernel time says busy, and while it says idle for wide blocks only
+    (staging otherwise)."""
     name, _, variant = mode.partition("-")
     pct = {"busy": 95, "idle": 0}.get(variant)
     small: dict[str, Any] = (
@@ -200,6 +242,8 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     )
     if variant == "single":  # one driver call per row
         small["batch_copies"] = False
+    if variant == "streams":  # every request cut into slices of 64 KiB and more
+        small.update(dma_streams=8, dma_split_bytes=64 << 10)
     refusing = RefusingCopier()
     if variant == "refused":  # every batch refused: single copies instead
         small["make_batch_copier"] = lambda _device: refusing
@@ -212,7 +256,8 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
     try:
         rng = np.random.default_rng(42)
         src = read_buffers(mapping)
-        copies, used = batch(exported.geo, 6, rng)
+        consecutive = variant == "consecutive"
+        copies, used = batch(exported.geo, 6, rng, consecutive=consecutive)
         engine.store(mapping, copies)
         if variant == "pieces":
             assert engine.last_profile["pieces"] > 2
@@ -225,7 +270,9 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
                 a, b = off, off + c.run.nbytes
                 assert np.array_equal(got_pool[a:b], expect_pool[a:b]), "store differs"
         # Retrieve into other blocks, some of them marked -1 (left alone).
-        other, _ = batch(exported.geo, 6, np.random.default_rng(43), exclude=used)
+        other, _ = batch(
+            exported.geo, 6, np.random.default_rng(43), exclude=used, consecutive=consecutive
+        )
         retrieve = []
         for c, o in zip(copies, other, strict=True):
             assert o.run == c.run
@@ -244,9 +291,15 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
             assert engine.batch_fallbacks == refusing.calls
             if exported.placement == "block" and exported.pad == 0:  # 1-D rows
                 assert refusing.calls >= 2
+        if variant == "streams":
+            assert engine.dma_streams_used > 1
         if activity:
             paths = {k for k, v in engine.copies_by_path.items() if v}
-            assert paths == {"dma" if activity == "busy" else "staging"}
+            # idle: the copy engines too where a block is one wide range on both sides
+            # (256 KiB in the Llama-like block-outermost case; the 8-layer DSV4.1
+            # preset's blocks are 17-76 KB ranges, narrow)
+            wide = exported.placement == "block" and exported.pad == 0 and exported.model != "dsv41"
+            assert paths == {"dma" if activity == "busy" or wide else "staging"}
     finally:
         mapping.close()
         engine.close()
@@ -291,7 +344,9 @@ def test_batch_copies_pass_their_check_on_this_driver() -> None:
     (the engine falls back to single copies elsewhere)."""
     from lmc_server.transfer.cuda_batch import batch_copier
 
-    assert batch_copier(0) is not None
+    copier = batch_copier(0)
+    assert copier is not None
+    assert copier.has_2d  # cuMemcpy3DBatchAsync passed its pitched-copy check
 
 
 def test_nvml_reads_this_gpu() -> None:

@@ -14,10 +14,10 @@ import pytest
 
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
-from lmc_server.testing.presets import dsv41_flash
+from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma
+from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma, split_rows, wide_rows
 from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_units import Region
 
@@ -407,3 +407,112 @@ def test_section_of_many_runs_interleaves_block_major(mode: str) -> None:
         # one piece; one DMA per object (its sections are adjacent clusters)
         assert len(p.pieces) == 1 and len(p.pieces[0].segments) == n
         assert sorted(int(x) for q in p.pieces for x in q.segments[:, 2]) == [full.object_bytes] * n
+
+
+def llama_copies(
+    backend: str, placement: str, n_chunks: int, consecutive: bool, rng: np.random.Generator
+) -> tuple[list[RunCopy], list[int], int]:
+    """Copies of ``n_chunks`` chunks of the Llama-like preset (4 layers), objects in
+    random slots of the first slabs."""
+    geo = llama3_8b(num_blocks=96, layers=4, backend=backend, placement=placement)
+    layout = build_layout(geo.groups, 256, separate=True)
+    (og,) = layout.object_groups
+    per = SLAB // og.object_bytes
+    slots = rng.permutation(per * 2)[:n_chunks]
+    offs = ((slots // per) * SLAB + (slots % per) * og.object_bytes).astype(np.int64)
+    (s,) = og.sections
+    g = geo.groups[s.group_index]
+    order = np.arange(g.num_blocks) if consecutive else rng.permutation(g.num_blocks)
+    gids = order[: n_chunks * 16].reshape(n_chunks, 16)
+    return plan_copies(s, section_block_ids(s, gids), offs), geo.buffer_sizes, 3 * SLAB
+
+
+@pytest.mark.parametrize("consecutive", [False, True], ids=["random-ids", "consecutive-ids"])
+@pytest.mark.parametrize("placement", ["layer", "block"])
+@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer"])
+def test_llama_dma_plan_matches_cpu_reference(
+    backend: str, placement: str, consecutive: bool
+) -> None:
+    """The Llama-like preset in both backends' shapes, byte-exact both ways against the
+    CPU engine; consecutive ids on per-layer tensors take one 2-D copy per layer (and
+    plane) and chunk, not one per page."""
+    rng = np.random.default_rng(11)
+    copies, sizes, pool_bytes = llama_copies(backend, placement, 5, consecutive, rng)
+    mem = Memory(sizes, pool_bytes, half_bytes=1 << 20)
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = rng.integers(0, 256, sizes[i], dtype=np.uint8)
+    p = plan_dma(copies, mem.region)
+    assert p.nbytes == sum(c.nbytes for c in copies)
+    pages = sum(c.block_ids.size * c.run.n_layers for c in copies)
+    if placement == "block":  # every layer of a block side by side: a block per row
+        assert p.n_rows == (5 if consecutive else 5 * 16)
+    elif consecutive:  # a plane's 16 blocks in one 2-D copy
+        assert p.n_rows == sum(c.block_ids.shape[0] * c.run.n_layers for c in copies)
+        assert (p.rows[:, 5] == 16).all()
+    else:
+        assert int(p.rows[:, 5].sum()) == pages
+    mem.run_dma(p, to_pool=True)
+    expect_pool = np.zeros(pool_bytes, np.uint8)
+    for c in copies:
+        _copy_run(c, mem.buf(c.run.buffer), expect_pool, True)
+    assert same_bytes(mem.pool_view(), expect_pool)
+    holed = [
+        RunCopy(
+            c.run, np.where(rng.random(c.block_ids.shape) < 0.2, -1, c.block_ids), c.object_offsets
+        )
+        for c in copies
+    ]
+    for i in range(len(sizes)):
+        mem.buf(i)[:] = 0xEE
+    mem.run_dma(plan_dma(holed, mem.region), to_pool=False)
+    expect = [np.full(s, 0xEE, np.uint8) for s in sizes]
+    for c in holed:
+        _copy_run(c, expect[c.run.buffer], mem.pool_view(), False)
+    for i in range(len(sizes)):
+        assert same_bytes(mem.buf(i), expect[i])
+
+
+def test_split_rows_covers_every_row_once_by_bytes() -> None:
+    """Slices for the DMA streams: consecutive, every row once, about equal bytes, none
+    under the least size, one slice for a small request."""
+    rng = np.random.default_rng(3)
+    rows = np.zeros((1000, 6), np.int64)
+    rows[:, 0] = np.arange(1000)
+    rows[:, 4] = rng.integers(1 << 10, 1 << 16, 1000)
+    rows[:, 5] = rng.integers(1, 23, 1000)
+    total = int((rows[:, 4] * rows[:, 5]).sum())
+    for parts in (1, 2, 3, 4, 8):
+        got = split_rows(rows, parts, min_bytes=1 << 20)
+        assert len(got) == min(parts, total >> 20)
+        assert np.array_equal(np.concatenate(got)[:, 0], rows[:, 0])
+        sizes = [int((g[:, 4] * g[:, 5]).sum()) for g in got]
+        assert max(sizes) - min(sizes) <= 2 * int((rows[:, 4] * rows[:, 5]).max())
+    assert len(split_rows(rows, 8, min_bytes=total)) == 1
+    assert len(split_rows(rows[:3], 8, min_bytes=1)) == 3
+    assert split_rows(rows[:0], 4) == []
+
+
+def test_wide_rows_weighs_blocks_by_bytes() -> None:
+    """``auto``'s idle choice: block-outermost DSV4.1 (44 layers: 418 KB blocks, the
+    indexer's 93 KB among them) and block-outermost Llama are wide; layer-outermost
+    pages, padded block strides and the 8-layer preset's 76 KB blocks are not."""
+
+    def copies(geo: KVGeometry) -> list[RunCopy]:
+        layout = build_layout(geo.groups, 256, separate=True)
+        out: list[RunCopy] = []
+        for og in layout.object_groups:
+            for s in og.sections:
+                ids = np.arange(2 * s.n_blocks).reshape(2, s.n_blocks)
+                out += plan_copies(s, ids, np.asarray([0, og.object_bytes], np.int64))
+        return out
+
+    assert wide_rows(copies(dsv41_flash(num_blocks=64, layers=44, placement="block")))
+    assert wide_rows(copies(llama3_8b(num_blocks=64, layers=4, placement="block")))
+    assert not wide_rows(copies(dsv41_flash(num_blocks=64, layers=44, placement="layer")))
+    assert not wide_rows(
+        copies(dsv41_flash(num_blocks=64, layers=44, placement="block", stride_pad=72))
+    )
+    assert not wide_rows(copies(dsv41_flash(num_blocks=64, layers=8, placement="block")))
+    for backend in ("flash_attn", "flashinfer"):
+        assert not wide_rows(copies(llama3_8b(num_blocks=64, backend=backend)))
+    assert not wide_rows([])

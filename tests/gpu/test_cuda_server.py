@@ -81,6 +81,31 @@ def test_roundtrip_dsv41_all_groups(
     assert "ROUNDTRIP OK" in out
 
 
+@pytest.mark.parametrize(
+    ("model", "placement"),
+    [("llama-flash-attn", "layer"), ("llama-flashinfer", "layer"), ("llama-flash-attn", "block")],
+)
+def test_roundtrip_llama(cuda_server: ServerProcess, model: str, placement: str) -> None:
+    """The Llama-like preset as vLLM lays it out (a KV tensor per layer, each its own
+    buffer; FlashAttention's K and V planes or FlashInfer's blocks), byte-exact through
+    the server in both copy paths, retrieved into other blocks with a hole."""
+    out = run_worker(
+        {
+            "mode": "roundtrip",
+            "endpoint": cuda_server.endpoint,
+            "chunks": 4,
+            "num_blocks": 160,
+            "layers": 4,
+            "seed": 30
+            + ["llama-flash-attn", "llama-flashinfer"].index(model)
+            + 2 * (placement == "block"),
+            "model": model,
+            "placement": placement,
+        }
+    )
+    assert "ROUNDTRIP OK" in out
+
+
 def test_roundtrip_full_batch(cuda_server: ServerProcess) -> None:
     """A 64-chunk batch of the full 44-layer preset, laid out as vLLM does."""
     out = run_worker(

@@ -165,6 +165,14 @@ class _Run:
         self.report.config.setdefault("chunk_bytes", info["chunk_bytes"])
         self.report.config.setdefault("arch", info["arch"])
         self.request_bytes = {"store": info["store_bytes"], "retrieve": info["retrieve_bytes"]}
+        # the retrieves' source batch and every store in flight hold pool space at once
+        need = (2 * max(cfg.inflight) + 1) * info["store_bytes"]
+        if need > cfg.l1_size_gb * (1 << 30):
+            raise RuntimeError(
+                f"{max(cfg.inflight)} requests of {max(cfg.chunks)} chunks in flight need "
+                f"{need / (1 << 30):.1f} GiB of pool at once; --l1-size-gb is "
+                f"{cfg.l1_size_gb:g} (a Llama-like 64-chunk request is 2 GiB: use 12)"
+            )
         self.engine.call({"cmd": "pause"}, 60)
         for op in cfg.ops:  # first requests pay kernel loads and buffer allocations
             self._load(worker, op, max(cfg.chunks), max(cfg.inflight), cfg.warm_s)

@@ -91,11 +91,14 @@ class Worker:
         """Overwrite what a retrieve of ``n`` chunks writes in ``B`` with the sentinel."""
         assert self.regions is not None
         for sec in self.regions.sections():
+            g = self.kv.group(sec.group_name)
             blocks = self.regions.written_blocks(sec, B, n)
-            for spec in self.kv.group(sec.group_name).layers:
-                for b in blocks:
-                    lo = spec.offset + b * spec.block_stride
-                    self.kv.tensors[spec.buffer][lo : lo + spec.page_bytes].fill_(SENTINEL)
+            idx = torch.as_tensor(blocks, dtype=torch.int64, device=self.kv.device)
+            for spec in g.layers:  # one kernel per layer, not per page
+                pages = self.kv.tensors[spec.buffer].as_strided(
+                    (g.num_blocks, spec.page_bytes), (spec.block_stride, 1), spec.offset
+                )
+                pages.index_fill_(0, idx, SENTINEL)
         torch.cuda.synchronize(self.device)
 
     async def _store(self, n: int, region: int) -> tuple[bytes, Any]:
