@@ -144,7 +144,7 @@ def ranks(
     **geometry: Any,
 ) -> None:
     """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
-    a dead rank."""
+    the server's CPU per request by thread and the rate it saturates at, a dead rank."""
     from lmc_server.bench.ranks import run as rk
     from lmc_server.bench.ranks.config import RanksConfig
     from lmc_server.bench.ranks.table import table
