@@ -151,3 +151,13 @@ def test_a_child_process_is_read_with_its_parent() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_that_is_gone_reads_as_nothing() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    a = snapshot(child.pid)
+    assert a.threads == {} and a.processes == {}
+    r = cpu_report(a, snapshot(child.pid), requests=5)
+    assert r["groups"] == {} and r["busiest_thread"] is None and r["processes"] == []
+    assert r["saturation_requests_per_s"] is None

@@ -74,7 +74,7 @@ class ServerLoad:
                 time.sleep(max(0.0, self.end_s - time.monotonic()))
                 rb = _answered(c)
                 b = snapshot(self.pid)
-        except (OSError, TimeoutError, ConnectionError, ServerError) as e:
+        except (OSError, ValueError, TimeoutError, ConnectionError, ServerError) as e:
             log.warning("reading the server's load failed: %s", e)
             self._result = {"error": f"{type(e).__name__}: {e}"}
             return
