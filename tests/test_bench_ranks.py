@@ -10,6 +10,10 @@ The DP mode (independent engines, world size 1 each) gets the same: its tagged b
 checker on its own (a prompt's bytes differ from every other prompt's stored from the
 same slots), then a small run (3 engines, one killed) whose engines must share one
 namespace, load chunks other engines stored and find every byte of every load right.
+
+Every timed phase reports the server's CPU by thread (``server_cpu``); the runs check
+it is there and plausible, and a third run takes the TP grid form (lists of chunks per
+request and requests in flight), one entry per pair.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from click.testing import CliRunner
@@ -28,6 +33,22 @@ from lmc_server.bench.ranks.config import REGION_A, REGION_B, TAG_BYTES, blocks_
 from lmc_server.bench.ranks.kv import RankKV
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_server_cpu_plausible(cpu: dict[str, Any]) -> None:
+    """A phase's ``server_cpu``: read, requests served, the loop busy, rates consistent."""
+    assert "error" not in cpu, cpu
+    assert cpu["requests"] > 0 and cpu["wall_s"] > 0 and cpu["requests_per_s"] > 0, cpu
+    loop = cpu["groups"]["loop"]
+    assert loop["threads"] == 1 and loop["cpu_s"] > 0 and loop["cpu_us_per_request"] > 0, cpu
+    for g in cpu["groups"].values():
+        assert 0 <= g["busy"] <= 1.5 * g["threads"], cpu
+    busiest = cpu["busiest_thread"]
+    assert 0 < busiest["busy"] <= 1.5 and busiest["cpu_us_per_request"] > 0, cpu
+    assert busiest["busy"] >= loop["busy"], cpu
+    assert cpu["saturation_requests_per_s"] >= cpu["requests_per_s"], cpu
+    assert cpu["loop_saturation_requests_per_s"] >= cpu["saturation_requests_per_s"], cpu
+    assert cpu["requests_by_op"], cpu
 
 
 def _rank_kv(chunks: int) -> RankKV:
@@ -145,6 +166,8 @@ def test_ranks_dp_cpu_smoke(tmp_path: Path) -> None:
     assert dp["store_gbps"] > 0 and dp["load_gbps"] > 0 and dp["load_ratio"] > 0
     assert len(dp["load_gbps_per_engine"]) == 2 and min(dp["load_gbps_per_engine"]) > 0
     assert dp["store_bytes"] <= dp["server_stored_bytes"]  # the killed engine's too
+    assert_server_cpu_plausible(dp["server_cpu"])
+    assert {"store", "lookup", "retrieve"} <= set(dp["server_cpu"]["requests_by_op"])
     rows = {row["engine"]: row for row in r["rows"]}
     assert {e: row["alive"] for e, row in rows.items()} == {0: True, 1: True, 2: False}
     assert sum(rows[e]["cross_engine_chunks"] for e in (0, 1)) == dp["cross_engine_chunks"]
@@ -213,6 +236,12 @@ def test_ranks_cpu_smoke(tmp_path: Path) -> None:
         assert len(tp["retrieve_gbps_per_rank"]) == 4 and min(tp["retrieve_gbps_per_rank"]) > 0
         assert tp["retrieve_gbps"] > 0 and tp["retrieve_ratio"] > 0
     assert s["tp_load"]["store_requests"] == 0 < s["tp_mixed"]["store_requests"]
+    assert [t["mode"] for t in s["tp"]] == ["load", "mixed"]  # the one pair, both modes
+    assert s["tp"][0] == s["tp_load"] and s["tp"][1] == s["tp_mixed"]
+    for tp in s["tp"]:
+        assert_server_cpu_plausible(tp["server_cpu"])
+    assert set(s["tp_load"]["server_cpu"]["requests_by_op"]) <= {"retrieve", "stats"}
+    assert_server_cpu_plausible(s["phase2"]["server_cpu"])
     p2, l1 = s["phase2"], s["l1"]
     assert p2["errors"] == 0 and p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0
     assert p2["store_gbps"] > 0 and p2["retrieve_gbps"] > 0 and p2["ranks_reporting"] == 3
@@ -230,3 +259,75 @@ def test_ranks_cpu_smoke(tmp_path: Path) -> None:
     assert s["registrations_at_end"] == 0
     pids = {f"lmc-{row['pid']}-" for row in r["rows"]}  # the killed rank's too
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(tuple(pids))]
+
+
+def test_ranks_tp_grid_runs_every_pair_on_one_server(tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    res = CliRunner().invoke(
+        bench,
+        [
+            "ranks",
+            "--ranks",
+            "2",
+            "--chunks",
+            "4",
+            "--batch",
+            "2",
+            "--duration-s",
+            "0.5",
+            "--no-kill-one",
+            "--layers",
+            "2",
+            "--raw-s",
+            "0.05",
+            "--l1-size-gb",
+            "0.5",
+            "--tp-modes",
+            "load",
+            "--tp-s",
+            "0.5",
+            "--tp-chunks",
+            "1,3",
+            "--tp-inflight",
+            "2",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["config"]["tp_chunks"] == [1, 3] and r["config"]["tp_inflight"] == [2]
+    s = r["summary"]
+    assert s["ok"] and all(s["checks"].values()), s["checks"]
+    assert [(t["mode"], t["chunks"], t["inflight"]) for t in s["tp"]] == [
+        ("load", 1, 2),
+        ("load", 3, 2),
+    ]
+    assert "tp_load" not in s  # a grid has no one TP entry per mode
+    for tp in s["tp"]:
+        assert tp["errors"] == 0 and tp["mismatched_bytes"] == 0 and tp["checked_bytes"] > 0
+        assert tp["retrieve_gbps"] > 0
+        assert_server_cpu_plausible(tp["server_cpu"])
+    assert_server_cpu_plausible(s["phase2"]["server_cpu"])
+    # the table: a row per TP pair and one for phase 2
+    rows = [
+        line.split()
+        for line in res.output.splitlines()
+        if line.strip().startswith(("tp load", "phase 2"))
+    ]
+    assert [row[:4] for row in rows] == [
+        ["tp", "load", "1", "2"],
+        ["tp", "load", "3", "2"],
+        ["phase", "2", "2", "-"],
+    ]
+
+
+def test_ranks_refuses_tp_chunks_beyond_what_phase_1_stores() -> None:
+    res = CliRunner().invoke(
+        bench, ["ranks", "--chunks", "8", "--tp-chunks", "4,9", "--layers", "2"]
+    )
+    assert res.exit_code == 2
+    assert "--tp-chunks 9" in res.output and "--chunks 9 or more" in res.output
+    res = CliRunner().invoke(bench, ["ranks", "--tp-inflight", "1,65", "--layers", "2"])
+    assert res.exit_code == 2 and "--tp-inflight" in res.output

@@ -36,22 +36,24 @@ ALLOWED: dict[str, set[str]] = {
     # Leaves. net: endpoint strings and address checks (stdlib only). logs: logging
     # setup for the daemon. buffers: the msgspec types that describe a worker's KV
     # buffers on the wire (shared memory, CUDA IPC); read by protocol, client, transfer.
+    # threadnames: OS names for the threads the server starts (stdlib only).
     "net": set(),
     "logs": set(),
     "buffers": set(),
+    "threadnames": set(),
     # The cache core: geometry, layout, keys, pool, eviction, index. Imports nothing of
     # the package (and only numpy/msgspec outside it, see THIRD_PARTY).
     "cache": set(),
     # Sans-IO wire protocol: messages carry group specs (cache) and buffer specs.
     "protocol": {"cache", "buffers"},
     # Transfer engines copy by the cache's layout into the buffers a worker registered.
-    "transfer": {"cache", "buffers"},
+    "transfer": {"cache", "buffers", "threadnames"},
     # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
     # the engine's host pool. Takes its settings through a protocol, not Config.
-    "l2": {"cache", "transfer"},
+    "l2": {"cache", "transfer", "threadnames"},
     # Prometheus collector and HTTP endpoint. Reads the index and pool directly; the
     # server's own counters and sessions through protocols it defines (no server import).
-    "metrics": {"cache", "net"},
+    "metrics": {"cache", "net", "threadnames"},
     # Server settings: values and checks; the checks of a subsystem live with it (l2).
     "config": {"cache", "protocol", "net", "l2"},
     # The daemon: everything of the server stack below it.
@@ -65,6 +67,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "logs",
         "net",
+        "threadnames",
     },
     # Client library: speaks the protocol; digests and buffers for workers.
     "client": {"protocol", "cache", "buffers", "net"},
@@ -82,6 +85,7 @@ ALLOWED: dict[str, set[str]] = {
         "cache",
         "buffers",
         "net",
+        "threadnames",
     },
     # Benchmarks: measure a real server (process or in-process thread) with the client
     # and the test helpers; may use any layer below the CLI.
@@ -99,6 +103,7 @@ ALLOWED: dict[str, set[str]] = {
         "buffers",
         "net",
         "logs",
+        "threadnames",
     },
     # The command line: builds a Config and runs the Server; admin commands use the
     # client; ``lmcache bench`` is loaded lazily (checked by a test below).
@@ -140,6 +145,7 @@ THIRD_PARTY_FORBIDDEN: dict[str, set[str]] = {
     },
     "protocol": {"zmq", "asyncio", "uvloop", "socket", "threading", "torch", "cupy"},
     "buffers": {"zmq", "asyncio", "socket", "torch", "cupy", "numpy"},
+    "threadnames": {"zmq", "asyncio", "socket", "torch", "cupy", "numpy"},
     **{
         layer: {"cupy"}
         for layer in (

@@ -41,6 +41,7 @@ from lmc_server.l2 import codec, direct_io, disk_layout
 from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.disk_index import DiskIndex, scan
 from lmc_server.l2.events import TierListeners
+from lmc_server.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class FileBackend(L2Backend):
         self._want_direct = direct
         self.direct = False
         self.evicted_objects = 0
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="lmc-disk")
+        self._io = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="lmc-disk", initializer=name_os_thread
+        )
         self._buffers = direct_io.BufferPool(BUFFER_POOL_BYTES)
         self._made: set[str] = set()
         self._connected = False
@@ -326,7 +329,9 @@ class FileBackend(L2Backend):
         p = self.index.progress
         p.started_s = time.monotonic()
         loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(1, thread_name_prefix="lmc-disk-scan") as pool:
+        with ThreadPoolExecutor(
+            1, thread_name_prefix="lmc-disk-scan", initializer=name_os_thread
+        ) as pool:
             dirs = await loop.run_in_executor(pool, self._leaf_dirs)
             p.dirs_total = len(dirs)
             it = scan(dirs, self._key_of)

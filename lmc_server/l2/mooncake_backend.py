@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from lmc_server.l2.backend import L2Backend, L2Error, Value
+from lmc_server.threadnames import name_os_thread
 
 MIB = 1 << 20
 
@@ -38,7 +39,9 @@ class MooncakeBackend(L2Backend):
         self.local_hostname = query.get("local_hostname", "127.0.0.1")
         self.timeout_s = timeout_s
         self._store: Any = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-mooncake")
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix="lmc-mooncake", initializer=name_os_thread
+        )
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ from lmc_server.l2 import codec, redis_reads
 from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
 from lmc_server.l2.resp import RespProtocolError
 from lmc_server.l2.url import redact_url
+from lmc_server.threadnames import name_os_thread
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64
@@ -81,12 +82,20 @@ class RedisBackend(L2Backend):
         self.timeout_s = timeout_s
         self.connections = connections
         self._client: Any = None
-        self._reads = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-r")
+        self._reads = ThreadPoolExecutor(
+            connections, thread_name_prefix="lmc-redis-r", initializer=name_os_thread
+        )
         #: Header reads of the next prefetch batch, while the read threads receive the
         #: current one (one more connection).
-        self._heads = ThreadPoolExecutor(1, thread_name_prefix="lmc-l2-redis-q")
-        self._writes = ThreadPoolExecutor(connections, thread_name_prefix="lmc-l2-redis-w")
-        self._hash = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="lmc-l2-redis-h")
+        self._heads = ThreadPoolExecutor(
+            1, thread_name_prefix="lmc-redis-q", initializer=name_os_thread
+        )
+        self._writes = ThreadPoolExecutor(
+            connections, thread_name_prefix="lmc-redis-w", initializer=name_os_thread
+        )
+        self._hash = ThreadPoolExecutor(
+            HASH_THREADS, thread_name_prefix="lmc-redis-h", initializer=name_os_thread
+        )
 
     def _make(self) -> Any:
         return redis.Redis.from_url(

@@ -29,6 +29,7 @@ from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.prefetch import Prefetcher
 from lmc_server.l2.stats import L2Stats
 from lmc_server.l2.writer import WriteBehind
+from lmc_server.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ class L2Tier:
         self.state_reason = "connecting"
         self.state_since_s = clock()
         self._spaces: dict[tuple[str, bytes], bytes] = {}
-        self._executor = ThreadPoolExecutor(L2_THREADS, thread_name_prefix="lmc-l2")
+        self._executor = ThreadPoolExecutor(
+            L2_THREADS, thread_name_prefix="lmc-l2", initializer=name_os_thread
+        )
         self.writer = WriteBehind(
             index,
             backend,

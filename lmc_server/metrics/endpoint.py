@@ -19,9 +19,12 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from lmc_server.net import address_family, bare_host
+from lmc_server.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
+#: The listening thread's name; each scrape's thread is ``lmc-metrics-req``.
+METRICS_THREAD = "lmc-metrics"
 #: Seconds a client may take to send its request line before it is dropped.
 REQUEST_TIMEOUT_S = 10.0
 
@@ -29,6 +32,10 @@ REQUEST_TIMEOUT_S = 10.0
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        name_os_thread(f"{METRICS_THREAD}-req")
+        super().process_request_thread(request, client_address)
 
 
 class MetricsServer:
@@ -66,10 +73,7 @@ class MetricsServer:
         self._httpd = cls((self.host, self.port), handler)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="lmc-metrics",
-            daemon=True,
+            target=_serve, args=(self._httpd,), name=METRICS_THREAD, daemon=True
         )
         self._thread.start()
         log.info("metrics at %s/metrics, health at %s/healthz", self.address, self.address)
@@ -83,6 +87,11 @@ class MetricsServer:
             self._thread.join()
         self._httpd = None
         self._thread = None
+
+
+def _serve(httpd: _HTTPServer) -> None:
+    name_os_thread()
+    httpd.serve_forever(poll_interval=0.2)
 
 
 def _make_handler(

@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ from lmc_server.server.router import Router
 from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
 from lmc_server.server.teardown import ServerTeardown
+from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import HostPool, TransferEngine
 from lmc_server.transfer.select import make_engine
 
@@ -136,6 +138,10 @@ class Server(ServerTeardown):
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()
+        # run_in_executor(None, ...) threads carry an OS name too (threadnames.py)
+        self.loop.set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="lmc-aio", initializer=name_os_thread)
+        )
         self._exit_event = asyncio.Event()
         self._install_signal_handlers()
         try:

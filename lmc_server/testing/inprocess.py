@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmc_server.config import Config
 from lmc_server.testing.process import free_port, wait_for_ping
+from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import TransferEngine
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class ThreadServer:
         started = threading.Event()
 
         def run() -> None:
+            name_os_thread("lmc-inproc-srv")
             loop = asyncio.new_event_loop()
             self._loop = loop
             started.set()

@@ -25,6 +25,7 @@ import numpy as np
 
 from lmc_server.buffers import BufferSpec, ShmBuffer
 from lmc_server.cache.layout import RunCopy
+from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import (
     DeviceInfo,
     DoneCallback,
@@ -69,6 +70,7 @@ class CpuHostPool(HostPool):
 
     def start(self, on_ready: Callable[[int], None]) -> None:
         def prepare() -> None:
+            name_os_thread()
             for slab in range(self.n_slabs):
                 if self._stop.is_set():
                     return
@@ -82,7 +84,7 @@ class CpuHostPool(HostPool):
                     self.array[lo : lo + self.slab_bytes : _PAGE] = 0
                 on_ready(slab)
 
-        self._thread = threading.Thread(target=prepare, name="lmc-pool-prepare", daemon=True)
+        self._thread = threading.Thread(target=prepare, name="lmc-pool-fill", daemon=True)
         self._thread.start()
 
     def read(self, offset: int, nbytes: int) -> bytes:
@@ -262,7 +264,9 @@ class CpuEngine(TransferEngine):
     def __init__(self, copy_threads: int = 0) -> None:
         self.copy_threads = copy_threads or min(4, os.cpu_count() or 1)
         self._pool: CpuHostPool | None = None
-        self._executor = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="lmc-copy")
+        self._executor = ThreadPoolExecutor(
+            self.copy_threads, thread_name_prefix="lmc-copy", initializer=name_os_thread
+        )
         self._stopped = threading.Event()
 
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:

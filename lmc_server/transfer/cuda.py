@@ -41,6 +41,7 @@ import cupy
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
+from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import (
     DoneCallback,
@@ -348,6 +349,7 @@ class CudaEngine(TransferEngine):
 
     def _waiter(self, lane: Lane) -> None:
         """Wait for each launched job of ``lane``, report it, pass the lane on."""
+        name_os_thread()
         lanes = self._lanes_of(lane.device)
         while (job := lane.jobs.get()) is not None:
             err = ""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import cupy
 import numpy as np
 
+from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import HostPool, TransferError
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class CudaHostPool(HostPool):
         return populate
 
     def _prepare(self, on_ready: Callable[[int], None]) -> None:
+        name_os_thread()
         t0 = time.perf_counter()
         populate = True
         with cupy.cuda.Device(self.device):

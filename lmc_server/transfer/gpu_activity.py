@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from lmc_server.threadnames import name_os_thread
+
 log = logging.getLogger(__name__)
 
 #: Kernel time (percent) at or above which an idle GPU counts as busy, and below which
@@ -246,7 +248,8 @@ class SampledGate:
     def __init__(self, gate: BusyGate) -> None:
         self.gate = gate
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lmc-{gate.name}-busy", daemon=True)
+        tag = gate.name.lower().replace(" ", "")  # "GPU 0" -> lmc-gpu0-busy
+        self._thread = threading.Thread(target=self._run, name=f"lmc-{tag}-busy", daemon=True)
         self._thread.start()
 
     def busy(self) -> bool:
@@ -257,6 +260,7 @@ class SampledGate:
         return self.gate.last_pct
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             try:
                 self.gate.update()

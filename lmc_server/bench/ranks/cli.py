@@ -10,9 +10,17 @@ from lmc_server.bench.common import GeometryArgs, emit
 from lmc_server.bench.options import (
     backend_option,
     geometry_options,
+    ints,
     json_option,
     plot_option,
 )
+from lmc_server.bench.ranks.config import MAX_TP_INFLIGHT
+
+
+def _optional_ints(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[int, ...] | None:
+    return None if value is None else ints(ctx, param, value)
 
 
 @click.command()
@@ -99,16 +107,19 @@ from lmc_server.bench.options import (
 )
 @click.option(
     "--tp-chunks",
-    type=click.IntRange(1),
     default=None,
-    help="Chunks per TP request (the prefix length) [default: --batch].",
+    callback=_optional_ints,
+    help="Chunks per TP request (the prefix length), comma-separated (1,4,16,64): "
+    "each TP mode runs for every pair of --tp-chunks and --tp-inflight; at most "
+    "--chunks [default: --batch].",
 )
 @click.option(
     "--tp-inflight",
-    type=click.IntRange(1, 64),
-    default=1,
+    default="1",
     show_default=True,
-    help="Requests each rank keeps in flight in the TP phases.",
+    callback=ints,
+    help=f"Requests each rank keeps in flight in the TP phases, comma-separated "
+    f"(1,2,4; each at most {MAX_TP_INFLIGHT}).",
 )
 @json_option
 @plot_option("Write a PNG plot here (GB/s per rank or engine).")
@@ -128,12 +139,12 @@ def ranks(
     plot_path: str | None,
     tp_modes: str,
     tp_s: float,
-    tp_chunks: int | None,
-    tp_inflight: int,
+    tp_chunks: tuple[int, ...] | None,
+    tp_inflight: tuple[int, ...],
     **geometry: Any,
 ) -> None:
     """Ranks of one engine (TP) or independent engines (DP) on one server: bytes, GB/s,
-    a dead rank."""
+    the server's CPU per request by thread and the rate it saturates at, a dead rank."""
     from lmc_server.bench.ranks import run as rk
     from lmc_server.bench.ranks.config import RanksConfig
     from lmc_server.bench.ranks.table import table

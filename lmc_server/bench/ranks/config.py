@@ -37,6 +37,9 @@ DP_RECENT_PROMPTS = 8
 #: DP mode: bytes at the start of every page that carry the prompt's tag.
 TAG_BYTES = 16
 MODES = ("tp", "dp")
+TP_MODES = ("load", "mixed")
+#: Requests a rank keeps in flight in a TP phase, at most.
+MAX_TP_INFLIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,16 @@ class RanksConfig:
     seed: int = 0
     tp_modes: tuple[str, ...] = ("load", "mixed")
     tp_s: float = 5.0
-    tp_chunks: int | None = None
-    tp_inflight: int = 1
+    #: Chunks per TP request, each TP mode run for every (chunks, inflight) pair;
+    #: ``None``: ``(batch,)``.
+    tp_chunks: tuple[int, ...] | None = None
+    tp_inflight: tuple[int, ...] = (1,)
     chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+def tp_pairs(cfg: RanksConfig) -> list[tuple[int, int]]:
+    """The (chunks per request, requests in flight per rank) pairs each TP mode runs."""
+    return [(c, i) for c in (cfg.tp_chunks or (cfg.batch,)) for i in cfg.tp_inflight]
 
 
 def blocks_needed(geometry: KVGeometry, chunks: int, chunk_size: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
 from lmc_server.bench.ranks.procs import RankProcess, gather
+from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.client.sync import Client
 
 _SUMMED = (
@@ -67,12 +68,15 @@ def dp_phase(
     admin: Client,
     raw: dict[str, Any],
     kill: Callable[[RankProcess], None],
+    load: Callable[[float], ServerLoad],
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, bool]]:
     """Seed, run and sum the DP phase: ``(summary, rows, checks)``. ``kill`` is called
-    with the last engine halfway through when ``cfg.kill_one`` (phase 3)."""
+    with the last engine halfway through when ``cfg.kill_one`` (phase 3); ``load``
+    reads the server's CPU over the timed phase."""
     seeds = gather(engines, {"cmd": "dp_seed"}, 600)
     s0 = admin.stats()
     victim = engines[-1] if cfg.kill_one and len(engines) > 1 else None
+    server_cpu = load(cfg.duration_s)
     for e in engines:
         e.send({"cmd": "dp", "duration_s": cfg.duration_s})
     t0 = time.monotonic()
@@ -109,6 +113,7 @@ def dp_phase(
         res[f"{d}_gbps_per_engine"] = [g[d]["copied_bytes"] / g["seconds"] / 1e9 for g in got]
         res[f"server_{srv}"] = getattr(s1.counters, srv) - getattr(s0.counters, srv)
     res["failed_chunks"] = res["failed_store_chunks"] + res["failed_load_chunks"]
+    res["server_cpu"] = server_cpu.result()
     res["errors"] = sum(g[d]["errors"] for g in got for d in ("store", "load"))
     res["error_samples"] = [
         e for g in got for d in ("store", "load") for e in g[d]["error_samples"]

@@ -20,11 +20,16 @@ copies at once. The aggregate is the sum.
 
 TP phases (``tp_modes``, each for ``tp_s``), the steady-state transfer throughput with
 no byte check inside the timed loop: ``load`` is the tensor-parallel load pattern, every
-rank retrieving the same prefix of ``tp_chunks`` phase-1 chunks into its own GPU at
-once (``tp_inflight`` requests in flight each, 1 = a rank waits for its load before the
-next, as before a prefill); ``mixed`` adds rank 0 storing fresh chunks meanwhile. Per
-rank and aggregate GB/s per direction against the raw aggregate; after each loop, one
-poisoned retrieve per rank is compared byte for byte.
+rank retrieving the same prefix of ``chunks`` phase-1 chunks into its own GPU at once
+(``inflight`` requests in flight each, 1 = a rank waits for its load before the next,
+as before a prefill); ``mixed`` adds rank 0 storing fresh chunks meanwhile. Each mode
+runs once per (chunks, inflight) pair of ``tp_chunks`` x ``tp_inflight``, on the same
+server. Per rank and aggregate GB/s per direction against the raw aggregate; after each
+loop, one poisoned retrieve per rank is compared byte for byte.
+
+Every timed phase (each TP phase, phase 2, the DP phase) also reads the server's CPU by
+thread inside the phase (:mod:`.serverload`): CPU per request by thread group, busy
+fractions, the busiest thread, and the request rate at which it would saturate.
 
 Phase 2 (a correctness soak; its GB/s include the byte checks it makes): for
 ``duration_s`` every rank runs a store loop (fresh chunks, the same
@@ -46,8 +51,8 @@ instead (world size 1 each, one namespace); after the raw baseline, one DP phase
 at its own pace, every loaded prefix checked byte for byte; phase 3 as above.
 
 Modules: :mod:`.config` (settings both sides share), :mod:`.soak` (phase 2),
-:mod:`.kill` (phase 3), :mod:`.procs` (the rank processes), :mod:`.table` (notes
-and table), :mod:`.plot` (the picture),
+:mod:`.kill` (phase 3), :mod:`.procs` (the rank processes), :mod:`.serverload` (the
+server's CPU in a phase), :mod:`.table` (notes and tables), :mod:`.plot` (the picture),
 :mod:`.worker`, :mod:`.dp_worker` and :mod:`.kv` (a rank: its commands,
 a DP engine's loops, its KV and byte checks).
 """
@@ -60,16 +65,20 @@ from typing import Any
 
 from lmc_server.bench.common import Report
 from lmc_server.bench.ranks.config import (
+    MAX_TP_INFLIGHT,
     MODES,
     POOL_READY_TIMEOUT_S,
     RAW_MIN_BYTES,
+    TP_MODES,
     RanksConfig,
     auto_l1_size_gb,
     blocks_needed,
+    tp_pairs,
 )
 from lmc_server.bench.ranks.dp import dp_phase
 from lmc_server.bench.ranks.kill import kill_phase
 from lmc_server.bench.ranks.procs import RankProcess, gather
+from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.bench.ranks.soak import soak_phase
 from lmc_server.bench.ranks.table import notes
 from lmc_server.cache.layout import build_layout
@@ -196,10 +205,17 @@ class _Run:
             raw[f"{d}_gbps_per_process"] = per
         self.s["raw"] = raw
 
-    def tp(self, mode: str) -> None:
-        """One TP phase (module docstring): aggregate and per-rank GB/s, byte check."""
+    def load(self, duration_s: float) -> ServerLoad:
+        """The server's CPU by thread over a phase that starts now (:mod:`.serverload`)."""
+        assert self.srv.proc is not None
+        return ServerLoad.for_phase(self.srv.proc.pid, self.srv.endpoint, duration_s)
+
+    def tp(self, mode: str, n: int, inflight: int, single: bool) -> None:
+        """One TP phase (module docstring): aggregate and per-rank GB/s, byte check,
+        the server's CPU. ``single``: the only (chunks, inflight) pair of the run, whose
+        entry is also ``tp_<mode>`` and whose per-rank GB/s go in the rank rows."""
         cfg = self.cfg
-        n = min(cfg.tp_chunks or cfg.batch, cfg.chunks)
+        load = self.load(cfg.tp_s)
         got = gather(
             self.ranks,
             {
@@ -207,13 +223,14 @@ class _Run:
                 "mode": mode,
                 "duration_s": cfg.tp_s,
                 "chunks": n,
-                "inflight": cfg.tp_inflight,
+                "inflight": inflight,
+                "tag": f"{mode}-{n}x{inflight}",
             },
             cfg.tp_s + 600,
         )
         seconds = max(g["seconds"] for g in got)
         raw = self.s["raw"]
-        res: dict[str, Any] = {"chunks": n, "inflight": cfg.tp_inflight, "seconds": seconds}
+        res: dict[str, Any] = {"mode": mode, "chunks": n, "inflight": inflight, "seconds": seconds}
         for d, key in (("retrieve", "h2d_gbps"), ("store", "d2h_gbps")):
             nbytes = sum(g[d]["copied_bytes"] for g in got)
             requests = sum(g[d]["requests"] for g in got)
@@ -230,10 +247,14 @@ class _Run:
         )
         res["mismatched_bytes"] = sum(g["mismatched_bytes"] for g in got)
         res["checked_bytes"] = sum(g["checked_bytes"] for g in got)
-        self.s[f"tp_{mode}"] = res
-        for row, g in zip(self.report.rows, got, strict=True):
-            row[f"tp_{mode}_retrieve_gbps"] = g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
-        self.checks[f"tp {mode}: no errors, every byte checked"] = (
+        res["server_cpu"] = load.result()
+        self.s.setdefault("tp", []).append(res)
+        if single:
+            self.s[f"tp_{mode}"] = res
+            for row, g in zip(self.report.rows, got, strict=True):
+                row[f"tp_{mode}_retrieve_gbps"] = g["retrieve"]["copied_bytes"] / g["seconds"] / 1e9
+        what = f"tp {mode}" if single else f"tp {mode} {n} chunks x {inflight} in flight"
+        self.checks[f"{what}: no errors, every byte checked"] = (
             res["errors"] == 0
             and res["failed_statuses"] == 0
             and res["mismatched_bytes"] == 0
@@ -253,13 +274,14 @@ class _Run:
             self.s["raw"],
             self.report.rows,
             self.phase3,
+            self.load,
         )
         self.checks.update(checks)
 
     def dp(self) -> None:
         """The DP phase (:mod:`.dp`), phase 3 inside it when ``kill_one``."""
         self.s["dp"], self.report.rows, checks = dp_phase(
-            self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3
+            self.cfg, self.ranks, self.admin, self.s["raw"], self.phase3, self.load
         )
         self.checks.update(checks)
 
@@ -277,8 +299,17 @@ class _Run:
 def run(cfg: RanksConfig) -> Report:
     if cfg.ranks < 1 or cfg.chunks < 1 or cfg.batch < 1 or cfg.batch > cfg.chunks:
         raise ValueError("need ranks >= 1, chunks >= 1 and 1 <= batch <= chunks")
-    if not set(cfg.tp_modes) <= {"load", "mixed"} or cfg.tp_inflight < 1:
-        raise ValueError("tp modes are 'load' and 'mixed'; tp inflight >= 1")
+    if not set(cfg.tp_modes) <= set(TP_MODES):
+        raise ValueError(f"tp modes are {' and '.join(map(repr, TP_MODES))}")
+    if not cfg.tp_inflight or not all(1 <= i <= MAX_TP_INFLIGHT for i in cfg.tp_inflight):
+        raise ValueError(f"--tp-inflight: between 1 and {MAX_TP_INFLIGHT} requests per rank")
+    pairs = tp_pairs(cfg)
+    longest = max(c for c, _ in pairs)
+    if cfg.mode == "tp" and cfg.tp_modes and (min(c for c, _ in pairs) < 1 or longest > cfg.chunks):
+        raise ValueError(
+            f"--tp-chunks {longest}: the TP phases load a prefix phase 1 stored; "
+            f"give --chunks {longest} or more (now {cfg.chunks})"
+        )
     if cfg.mode not in MODES:
         raise ValueError(f"mode {cfg.mode!r}: choose from {', '.join(MODES)}")
     if cfg.mode == "dp" and cfg.chunks < 2 * cfg.batch:
@@ -304,8 +335,8 @@ def run(cfg: RanksConfig) -> Report:
         "verify_every": cfg.verify_every,
         "tp_modes": list(cfg.tp_modes),
         "tp_s": cfg.tp_s,
-        "tp_chunks": min(cfg.tp_chunks or cfg.batch, cfg.chunks),
-        "tp_inflight": cfg.tp_inflight,
+        "tp_chunks": list(cfg.tp_chunks or (cfg.batch,)),
+        "tp_inflight": list(cfg.tp_inflight),
     }
     report = Report(
         "ranks",
@@ -350,7 +381,8 @@ def run(cfg: RanksConfig) -> Report:
                 r.phase1()
                 r.raw()
                 for mode in cfg.tp_modes:
-                    r.tp(mode)
+                    for n, inflight in pairs:
+                        r.tp(mode, n, inflight, single=len(pairs) == 1)
                 r.phase2()
         finally:
             r.close()

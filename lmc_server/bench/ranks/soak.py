@@ -17,6 +17,7 @@ from typing import Any
 
 from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
 from lmc_server.bench.ranks.procs import RankProcess, union_bits
+from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.client.sync import Client
 
 
@@ -28,12 +29,15 @@ def soak_phase(
     raw: dict[str, Any],
     rows: list[dict[str, Any]],
     phase3: Callable[[RankProcess], None],
+    load: Callable[[float], ServerLoad],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, bool]]:
     """Run phase 2 (``phase3`` kills the last rank halfway when ``kill_one``); returns
     the phase's summary, the L1 accounting and the checks; ``rows`` (one per rank) get
-    each rank's phase-2 figures."""
+    each rank's phase-2 figures. ``load(seconds)`` reads the server's CPU over the
+    phase from when it is called."""
     s0 = admin.stats()
     victim = ranks[-1] if cfg.kill_one and cfg.ranks > 1 else None
+    server_cpu = load(cfg.duration_s)
     for r in ranks:
         r.send({"cmd": "p2", "duration_s": cfg.duration_s, "verify_every": cfg.verify_every})
     t0 = time.monotonic()
@@ -79,6 +83,7 @@ def soak_phase(
             e for g in got for d in ("store", "retrieve") for e in g[d]["error_samples"]
         ][:MAX_ERRORS_KEPT],
     }
+    p2["server_cpu"] = server_cpu.result()
     p2["store_ratio"] = p2["store_gbps"] / raw["d2h_gbps"] if raw["d2h_gbps"] else None
     p2["retrieve_ratio"] = p2["retrieve_gbps"] / raw["h2d_gbps"] if raw["h2d_gbps"] else None
     l1 = {

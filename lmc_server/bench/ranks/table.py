@@ -1,4 +1,4 @@
-"""The notes and the table of ``lmcache bench ranks`` (from its report, nothing else)."""
+"""The notes and the tables of ``lmcache bench ranks`` (from its report, nothing else)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from lmc_server.bench.common import Report, format_table
 from lmc_server.bench.ranks.config import KILL_DETECT_S, RanksConfig
+from lmc_server.bench.ranks.serverload import MARGIN_S
 
 
 def notes(report: Report, cfg: RanksConfig) -> None:
@@ -35,6 +36,19 @@ def notes(report: Report, cfg: RanksConfig) -> None:
             "p2 single copy: distinct <= server stored bytes <= distinct + unknown (a "
             "killed rank's in-flight writes) + evicted (re-stored after eviction)",
         ]
+    report.notes += [
+        "server CPU (per timed phase, a window inside the phase leaving "
+        f"min({MARGIN_S} s, a tenth of the phase) at each end): utime + stime of every "
+        "thread of the server process (and any child) from /proc/<pid>/task/*/stat, "
+        "grouped by thread name (loop: the event loop, tid == pid; copy_waiters, "
+        "copy_threads, zmq_io: ZMQbg/*, cuda: the driver's own, pool, tiers, ...); "
+        "requests = what the server answered in the window by its own counters, stats "
+        "requests left out; busy = CPU s / wall s (per group: summed over its threads)",
+        "sat req/s = req/s / the busiest thread's busy fraction: the rate at which that "
+        "one thread would be 100% busy, an extrapolation that assumes its CPU per "
+        "request stays the same at that rate (queueing, batching and a second "
+        "bottleneck can change it either way)",
+    ]
     for name, ok in report.summary["checks"].items():
         report.notes.append(f"check {'PASS' if ok else 'FAIL'}: {name}")
 
@@ -58,6 +72,63 @@ def _aggregate(agg: list[dict[str, Any]]) -> str:
             ("ratio", "ratio", ""),
         ],
     )
+
+
+def _load_row(phase: str, res: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One row of the server-CPU table from a phase's summary (its ``server_cpu``)."""
+    cpu = res.get("server_cpu") or {}
+    loop = cpu.get("groups", {}).get("loop", {})
+    busiest = cpu.get("busiest_thread") or {}
+    retrieve = res.get("retrieve_gbps", res.get("load_gbps"))
+    return {
+        "phase": phase,
+        **extra,
+        "rps": cpu.get("requests_per_s"),
+        "gbps": retrieve,
+        "ratio": res.get("retrieve_ratio", res.get("load_ratio")),
+        "store_gbps": res.get("store_gbps") or None,  # "-": nothing stored
+        "loop_busy": loop.get("busy"),
+        "loop_us": loop.get("cpu_us_per_request"),
+        # the event loop's OS name is the process name: say which thread it is
+        "busiest": "loop" if busiest.get("group") == "loop" else busiest.get("name"),
+        "busiest_busy": busiest.get("busy"),
+        "sat_rps": cpu.get("saturation_requests_per_s"),
+        "error": cpu.get("error"),
+    }
+
+
+def server_load_table(report: Report) -> str:
+    """A row per timed phase: its rate, GB/s and the server's CPU (``server_cpu``)."""
+    s = report.summary
+    rows = [
+        _load_row(f"tp {t['mode']}", t, chunks=t["chunks"], inflight=t["inflight"])
+        for t in s.get("tp", [])
+    ]
+    if "phase2" in s:
+        rows.append(_load_row("phase 2", s["phase2"], chunks=report.config.get("batch")))
+    if "dp" in s:
+        rows.append(_load_row("dp", s["dp"], chunks=s["dp"].get("prompt_chunks")))
+    if not rows:
+        return ""
+    table = format_table(
+        rows,
+        [
+            ("phase", "phase", ""),
+            ("chunks", "chunks", "d"),
+            ("inflight", "in flight", "d"),
+            ("rps", "req/s", ",.0f"),
+            ("gbps", "retr GB/s", ".2f"),
+            ("ratio", "of raw", ".3f"),
+            ("store_gbps", "store GB/s", ".2f"),
+            ("loop_busy", "loop busy", ".2f"),
+            ("loop_us", "loop us/req", ",.0f"),
+            ("busiest", "busiest thread", ""),
+            ("busiest_busy", "its busy", ".2f"),
+            ("sat_rps", "sat req/s", ",.0f"),
+        ],
+    )
+    errors = [f"{r['phase']}: server CPU not read ({r['error']})" for r in rows if r["error"]]
+    return "\n".join([table, *errors])
 
 
 def _dp_table(report: Report) -> str:
@@ -121,7 +192,12 @@ def _dp_table(report: Report) -> str:
             "ratio": None,
         },
     ]
-    return f"{engines}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
+    return _joined([engines, _aggregate(agg), server_load_table(report)], bool(s.get("ok")))
+
+
+def _joined(parts: list[str], ok: bool) -> str:
+    """The tables (an empty one left out) and the verdict, a blank line apart."""
+    return "\n\n".join([*(p for p in parts if p), f"result: {'PASS' if ok else 'FAIL'}"])
 
 
 def table(report: Report) -> str:
@@ -146,7 +222,7 @@ def table(report: Report) -> str:
     s = report.summary
     p2, raw, l1 = s.get("phase2", {}), s.get("raw", {}), s.get("l1", {})
     agg = []
-    for mode in ("load", "mixed"):
+    for mode in ("load", "mixed"):  # a grid's TP phases are in the server-CPU table
         tp = s.get(f"tp_{mode}")
         if tp is None:
             continue
@@ -199,4 +275,4 @@ def table(report: Report) -> str:
             "ratio": None,
         },
     ]
-    return f"{ranks}\n\n{_aggregate(agg)}\n\nresult: {'PASS' if s.get('ok') else 'FAIL'}"
+    return _joined([ranks, _aggregate(agg), server_load_table(report)], bool(s.get("ok")))

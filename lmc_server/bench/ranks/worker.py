@@ -241,13 +241,16 @@ class _Worker:
             "pending_bits": {og: bits(v) for og, v in stored_pending.items()},
         }
 
-    async def tp(self, mode: str, duration_s: float, n: int, inflight: int) -> dict[str, Any]:
+    async def tp(
+        self, mode: str, duration_s: float, n: int, inflight: int, tag: str
+    ) -> dict[str, Any]:
         """Steady-state transfer, the tensor-parallel load pattern: every rank retrieves
         the same prefix (phase-1 chunks ``0..n-1``) into its own region-B blocks, with
         ``inflight`` requests in flight, until ``duration_s`` has passed; in mode
         ``mixed`` rank 0 also stores fresh chunks with as many in flight. Nothing is
         verified inside the timed loop; one poisoned retrieve after it is compared byte
-        for byte, so a loop that wrote nothing cannot pass."""
+        for byte, so a loop that wrote nothing cannot pass. ``tag`` names the phase's
+        fresh chunks (one name per phase of a run: a store is never an ``EXISTS``)."""
         ob = self._object_bytes()
         rt, st, vt = Counts(ob), Counts(ob), Counts(ob)
         src = np.arange(n)
@@ -265,7 +268,7 @@ class _Worker:
             while time.monotonic() < deadline:
                 idx = np.arange(next_chunk, next_chunk + n)
                 next_chunk += n
-                await self._store(f"tp-{mode}", idx, st)
+                await self._store(f"tp-{tag}", idx, st)
 
         loops = [retrieve_loop() for _ in range(inflight)]
         if mode == "mixed" and self.rank == 0:
@@ -349,7 +352,9 @@ async def _serve(first: dict[str, Any]) -> None:
                 _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
             elif op == "tp":
                 _reply(
-                    await worker.tp(cmd["mode"], cmd["duration_s"], cmd["chunks"], cmd["inflight"])
+                    await worker.tp(
+                        cmd["mode"], cmd["duration_s"], cmd["chunks"], cmd["inflight"], cmd["tag"]
+                    )
                 )
             elif op == "p2":
                 _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
