@@ -59,6 +59,19 @@ SYNC_REQUESTS: tuple[type, ...] = (
 DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
 
 
+class _Pending:
+    """Who to answer for one store or retrieve task, and whether the drain timeout
+    answered it already (its own reply is then suppressed)."""
+
+    __slots__ = ("identity", "op", "req_id", "answered")
+
+    def __init__(self, identity: bytes, op: str, req_id: int) -> None:
+        self.identity = identity
+        self.op = op
+        self.req_id = req_id
+        self.answered = False
+
+
 def tag_of(cls: type) -> str:
     """A message type's tag: its name on the wire, in handlers and in metrics."""
     return str(cls.__struct_config__.tag)  # type: ignore[attr-defined]
@@ -90,10 +103,9 @@ class Dispatcher:
         self.refusals = RefusalLog(clock)
         #: Store and retrieve tasks not finished yet.
         self.tasks: set[asyncio.Task[None]] = set()
-        #: Who to answer for each store/retrieve task: (identity, operation, req_id).
-        self._task_requests: dict[asyncio.Task[None], tuple[bytes, str, int]] = {}
-        #: Tasks already answered ``shutting_down`` at the drain timeout (no second reply).
-        self._answered: set[asyncio.Task[None]] = set()
+        #: Who to answer for each store/retrieve task (and whether the drain timeout
+        #: answered it ``shutting_down`` already: no second reply).
+        self._task_requests: dict[asyncio.Task[None], _Pending] = {}
 
     def attach(
         self,
@@ -162,11 +174,12 @@ class Dispatcher:
                         msg.req_id,
                     )
                 session.inflight += 1
+                pending = _Pending(identity, op, msg.req_id)
                 task = self.loop.create_task(
-                    self._run_async(session, op, self._data[type(msg)], req, clock)
+                    self._run_async(session, op, self._data[type(msg)], req, clock, pending)
                 )
                 self.tasks.add(task)
-                self._task_requests[task] = (identity, op, msg.req_id)
+                self._task_requests[task] = pending
                 task.add_done_callback(self._task_done)
                 return
         except ProtocolError as e:
@@ -204,6 +217,7 @@ class Dispatcher:
         handler: Callable[..., Any],
         req: DataRequest,
         clock: PhaseClock,
+        pending: _Pending,
     ) -> None:
         msg = req.msg
         ok = False
@@ -218,8 +232,7 @@ class Dispatcher:
             payload = self._internal_error(op, msg.req_id)
         finally:
             session.inflight -= 1
-        task = asyncio.current_task()
-        if task is not None and task in self._answered:  # answered at the drain timeout
+        if pending.answered:  # answered at the drain timeout
             return
         self._send(session.identity, payload)
         if ok:  # refusals are cheap and would skew the phase means
@@ -236,19 +249,20 @@ class Dispatcher:
         when its copy has stopped: a reply before that would let the engine reuse
         blocks still being written.
         """
-        waiting = 0
+        waiting = answered = 0
         for task in pending:
             info = self._task_requests.get(task)
-            if info is None:
+            if info is None or info.answered:
                 continue
-            identity, op, req_id = info
-            if op != "store":
+            if info.op != "store":
                 waiting += 1
                 continue
-            self._answered.add(task)
-            self.stats.count_request(op, ErrorCode.SHUTTING_DOWN.value)
+            info.answered = True
+            answered += 1
+            req_id = info.req_id
+            self.stats.count_request(info.op, ErrorCode.SHUTTING_DOWN.value)
             self._send(
-                identity,
+                info.identity,
                 error_reply(
                     ProtocolError(
                         ErrorCode.SHUTTING_DOWN,
@@ -261,6 +275,6 @@ class Dispatcher:
         log.warning(
             "drain timeout: %d stores answered shutting_down, waiting for %d "
             "retrieves still copying into engine memory",
-            len(self._answered),
+            answered,
             waiting,
         )

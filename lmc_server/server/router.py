@@ -62,6 +62,7 @@ class Router:
         self._auth: Any = None
         self._fd: int | None = None
         self._monitor_fd: int | None = None
+        self._recheck_due = False
         self.monitor: zmq.Socket[Any] | None = None
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
@@ -118,14 +119,26 @@ class Router:
         self.loop.call_soon(self.drain)
 
     def after_io(self) -> None:
+        """A send outside a drain may have taken the edge of messages that arrived
+        meanwhile: look once, after the callbacks of this loop iteration (one look for
+        all the replies an iteration sends, such as eight ranks' loads that finish
+        together)."""
+        if not self._recheck_due:
+            self._recheck_due = True
+            self.loop.call_soon(self._recheck)
+
+    def _recheck(self) -> None:
+        self._recheck_due = False
         if not self.sock.closed and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self.loop.call_soon(self.drain)
+            self.drain()
 
     def send(self, identity: bytes, payload: bytes) -> None:
         if self.sock.closed:
             return
         try:
-            self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
+            sock = self.sock
+            sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)
+            sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             log.warning(
                 "reply dropped: peer %s is not reading (send queue full)", identity.hex()[:8]
