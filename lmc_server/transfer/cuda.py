@@ -66,7 +66,7 @@ from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pi
 from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda_pool import CudaHostPool
 from lmc_server.transfer.cuda_units import Region
-from lmc_server.transfer.cuda_wait import WAIT_MODES, wait_for_lane
+from lmc_server.transfer.cuda_wait import WAIT_MODES, LinkClock, wait_for_lane
 from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class CudaEngine(TransferEngine):
         #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
         self._dma_plans = DmaPlans()
         self._plan_lock = threading.Lock()
+        #: when each GPU's copies in flight are expected done (waiters sleep until then)
+        self._link = LinkClock()
         self.dma_streams = dma_streams
         #: the least bytes a request puts on one of its DMA streams
         self.dma_split_bytes = dma_split_bytes
@@ -333,6 +335,8 @@ class CudaEngine(TransferEngine):
                 lane.drain()
             raise
         job.nbytes = plan.nbytes
+        with self._plan_lock:
+            job.expected_end = self._link.expect(device, to_pool, plan.nbytes, job.t_planned)
         if isinstance(plan, DmaPlan):
             job.pieces, job.dmas = 1, plan.n_rows
         else:
@@ -354,7 +358,7 @@ class CudaEngine(TransferEngine):
         while (job := lane.jobs.get()) is not None:
             err = ""
             try:
-                wait_for_lane(lane, job.nbytes, job.t_planned, self.wait)
+                wait_for_lane(lane, job.expected_end, self.wait)
             except CUDA_ERRORS as e:
                 lane.drain()
                 err = f"CUDA copy failed: {e}"

@@ -128,6 +128,8 @@ class Job:
     t_enter: float
     nbytes: int = 0
     t_planned: float = 0.0
+    #: when the copy is expected done (``cuda_wait.LinkClock``)
+    expected_end: float = 0.0
     t_launched: float = 0.0
     pieces: int = 0
     dmas: int = 0

@@ -6,13 +6,20 @@
 ``SPIN_S`` before falling back to the blocking wait. Measured on the H200 (docs/gpu.md):
 the blocking wait's wake-up added ~0.15 ms to every copy, the hybrid wait ~0.02 ms; the
 price is at most ``SPIN_S`` of one core per copy.
+
+A copy's expected end counts the copies launched before it in the same direction on the
+same GPU (:class:`LinkClock`): they share the GPU's copy engines, so with several lanes
+busy a copy ends after theirs, and a waiter that expected it at its own size alone would
+spin for nothing, taking the GIL from the event loop at every poll.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from lmc_server.transfer.cuda_lanes import Lane
+if TYPE_CHECKING:  # no CuPy at import: LinkClock is tested on CPU-only hosts
+    from lmc_server.transfer.cuda_lanes import Lane
 
 WAIT_MODES = ("block", "hybrid")
 EXPECTED_BPS = 55e9
@@ -20,11 +27,29 @@ SPIN_S = 300e-6
 WAKE_MARGIN_S = 150e-6
 
 
-def wait_for_lane(lane: Lane, nbytes: int, t_start: float, mode: str) -> None:
-    """Block until ``lane.done`` has completed (``t_start``: ``perf_counter`` time the
-    copy of ``nbytes`` was planned, which dates its expected end)."""
+class LinkClock:
+    """When the copies launched so far in one direction of one GPU's link are expected
+    to be done, at ``EXPECTED_BPS``: a new copy of ``nbytes`` launched at ``now`` starts
+    when they are and is expected ``nbytes / EXPECTED_BPS`` later. Callers serialize
+    access (the engine's launch lock)."""
+
+    __slots__ = ("_busy_until",)
+
+    def __init__(self) -> None:
+        self._busy_until: dict[tuple[int, bool], float] = {}
+
+    def expect(self, device: int, to_pool: bool, nbytes: int, now: float) -> float:
+        key = (device, to_pool)
+        end = max(now, self._busy_until.get(key, 0.0)) + nbytes / EXPECTED_BPS
+        self._busy_until[key] = end
+        return end
+
+
+def wait_for_lane(lane: Lane, expected_end: float, mode: str) -> None:
+    """Block until ``lane.done`` has completed (``expected_end``: the ``perf_counter``
+    time the copy is expected to be done, :class:`LinkClock`)."""
     if mode == "hybrid":
-        sleep_s = t_start + nbytes / EXPECTED_BPS - WAKE_MARGIN_S - time.perf_counter()
+        sleep_s = expected_end - WAKE_MARGIN_S - time.perf_counter()
         if sleep_s > 0:
             time.sleep(sleep_s)
         deadline = time.perf_counter() + SPIN_S
