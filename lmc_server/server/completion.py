@@ -7,6 +7,10 @@ counts those calls and wakes the request's coroutine once, when the last arrives
 (``call_soon_threadsafe``, or directly when the last report comes from the loop's own
 thread, as with engines that copy inline). It remembers each part's error and when the
 last part ended (the end of the ``copy`` phase).
+
+Two ways to be told: ``await completion.wait()`` (a store's task), or a callback given
+as ``then`` and :meth:`Completion.seal` (a retrieve, which needs no task of its own: its
+end is one callback on the loop, :meth:`~lmc_server.server.data_path.DataPath.start_retrieve`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,12 @@ class Completion:
         "started_at",
         "done_at",
         "_future",
+        "_then",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, then: Callable[[], None] | None = None
+    ) -> None:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
@@ -50,7 +58,9 @@ class Completion:
         #: ``perf_counter`` times at which the first part was added and the last reported.
         self.started_at = 0.0
         self.done_at = 0.0
-        self._future: asyncio.Future[None] = loop.create_future()
+        #: the callback of :meth:`seal` (then there is no future to await)
+        self._then = then
+        self._future: asyncio.Future[None] | None = None if then else loop.create_future()
 
     def part(self) -> DoneFn:
         """A callback for one more part; call it exactly once."""
@@ -73,20 +83,38 @@ class Completion:
             self._wake()
 
     def _wake(self) -> None:
+        if self._then is not None:
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._then)
+            else:
+                self._loop.call_soon_threadsafe(self._then)
+            return
+        assert self._future is not None
         if threading.get_ident() == self._loop_thread:
             if not self._future.done():
                 self._future.set_result(None)
         else:
             self._loop.call_soon_threadsafe(_resolve, self._future)
 
-    async def wait(self) -> list[str]:
-        """Every part has been added: wait until each has reported; their errors."""
+    def _seal(self) -> bool:
         with self._lock:
             self._sealed = True
             last = self._left == 0
             if last:
                 self.done_at = time.perf_counter()
-        if last:
+        return last
+
+    def seal(self) -> None:
+        """Every part has been added (callback mode): ``then`` runs on the loop once
+        each has reported (soon, if they all have)."""
+        assert self._then is not None, "seal() is for a completion made with a callback"
+        if self._seal():
+            self._loop.call_soon(self._then)
+
+    async def wait(self) -> list[str]:
+        """Every part has been added: wait until each has reported; their errors."""
+        assert self._future is not None, "wait() is for a completion made without a callback"
+        if self._seal():
             return self.errors
         await self._future
         return self.errors

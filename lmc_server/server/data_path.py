@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmc_server.cache.index import L1Index, StoreTicket
+from lmc_server.cache.index import L1Index, RetrieveTicket, StoreTicket
 from lmc_server.cache.layout import RunCopy
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
@@ -192,37 +192,76 @@ class DataPath:
         with self.events.staged(keys, msg.events, per, salted=bool(msg.salt)):
             self.index.commit_store(ticket)
 
-    async def retrieve(
-        self, session: Session, req: DataRequest, clock: PhaseClock
-    ) -> m.RetrieveResult:
-        """Pin, copy, unpin."""
+    def start_retrieve(
+        self,
+        session: Session,
+        req: DataRequest,
+        clock: PhaseClock,
+        finish: Callable[[m.RetrieveResult | None, BaseException | None], None],
+    ) -> None:
+        """Pin, copy, unpin, with no task of its own: ``finish(reply, None)`` on the loop
+        once the copy is done, or ``finish(None, error)`` for a bug, whose pinned slots
+        are unpinned once nothing can read them any more. ``finish`` is called once; a
+        retrieve with nothing to copy is finished before this returns."""
         clock.mark("queue")
-        msg, reg, ids, keys = req.msg, req.reg, req.ids, req.keys
+        msg, reg = req.msg, req.reg
         assert isinstance(msg, m.Retrieve)
-        ticket = self.index.pin_retrieve(reg.view, keys, ids, req.ends)
+        ticket = self.index.pin_retrieve(reg.view, req.keys, req.ids, req.ends)
         clock.mark("prepare")
         if not ticket.copies:
             self.index.unpin_retrieve(ticket, True)
-        else:
-            completion = Completion(asyncio.get_running_loop())
-            reg.begin_op()
+            finish(_retrieved(msg, ticket), None)
+            return
+        bugs: list[BaseException] = []
+
+        def copied() -> None:
             try:
-                try:
-                    self._submit(reg, ticket.copies, False, completion)
-                except BaseException:  # a bug: unpin once nothing can read the slots
-                    await completion.wait()
-                    self.index.unpin_retrieve(ticket, False)
-                    raise
-                clock.mark("submit")
-                errors = await self._wait(completion, clock)
-                err = next((e for e in errors if e), "")
-                if err:
+                clock.mark_at("copy", completion.done_at)
+                clock.mark("hop_out")
+                err = next((e for e in completion.errors if e), "")
+                if err and not bugs:
                     log.warning("retrieve by %s failed: %s", reg.registration_id.hex()[:8], err)
-                self.index.unpin_retrieve(ticket, not err)
-                if not err:
+                ok = not err and not bugs
+                self.index.unpin_retrieve(ticket, ok)
+                if ok:
                     self.stats.observe_transfer(
                         "retrieve", ticket.nbytes, completion.done_at - completion.started_at
                     )
+            except Exception as e:  # a bug: reported to the caller, like one of submit
+                bugs.append(e)
             finally:
                 reg.end_op()
-        return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
+            if bugs:
+                finish(None, bugs[0])
+            else:
+                finish(_retrieved(msg, ticket), None)
+
+        completion = Completion(asyncio.get_running_loop(), then=copied)
+        reg.begin_op()
+        try:
+            self._submit(reg, ticket.copies, False, completion)
+        except Exception as e:  # a bug: its part was reported, the slots unpin after it
+            bugs.append(e)
+        else:
+            clock.mark("submit")
+        completion.seal()
+
+    async def retrieve(
+        self, session: Session, req: DataRequest, clock: PhaseClock
+    ) -> m.RetrieveResult:
+        """:meth:`start_retrieve`, awaited (for callers that run it as a coroutine)."""
+        fut: asyncio.Future[m.RetrieveResult] = asyncio.get_running_loop().create_future()
+
+        def finish(reply: m.RetrieveResult | None, error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                assert reply is not None
+                fut.set_result(reply)
+
+        self.start_retrieve(session, req, clock, finish)
+        return await fut
+
+
+def _retrieved(msg: m.Retrieve, ticket: RetrieveTicket) -> m.RetrieveResult:
+    return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])

@@ -4,7 +4,9 @@
 session, enforces what holds for every request (hello first, nothing new while
 draining, the in-flight limit), decodes, and either runs a control handler to
 completion and sends its reply, or starts a task for a store or retrieve whose reply
-is sent when its copy is done. Every request gets exactly one reply: a result, or an
+is sent when its copy is done (a store runs as a task, since it may wait for another
+writer; a retrieve is one callback when its copy ends, no task). Every request gets
+exactly one reply: a result, or an
 ``Error`` for a :class:`ProtocolError` (a refusal) or a bug (``internal``, logged); the
 only exception is a peer that keeps talking without hello, which is ignored after
 :data:`PRE_HELLO_MESSAGES` messages (no amplification).
@@ -101,11 +103,12 @@ class Dispatcher:
         self.report = report
         self.draining = False
         self.refusals = RefusalLog(clock)
-        #: Store and retrieve tasks not finished yet.
-        self.tasks: set[asyncio.Task[None]] = set()
+        #: Stores and retrieves not finished yet: a store's task, a retrieve's future
+        #: (done when it is answered).
+        self.tasks: set[asyncio.Future[None]] = set()
         #: Who to answer for each store/retrieve task (and whether the drain timeout
         #: answered it ``shutting_down`` already: no second reply).
-        self._task_requests: dict[asyncio.Task[None], _Pending] = {}
+        self._task_requests: dict[asyncio.Future[None], _Pending] = {}
 
     def attach(
         self,
@@ -120,9 +123,7 @@ class Dispatcher:
         self._sync: dict[type, Callable[[Session, Any], m.Reply]] = {
             cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS
         }
-        self._data: dict[type, Callable[..., Any]] = {
-            cls: getattr(handlers, tag_of(cls)) for cls in DATA_REQUESTS
-        }
+        self._store = handlers.store
         self._ops: dict[type, str] = {
             cls: tag_of(cls) for cls in (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)
         }
@@ -175,12 +176,11 @@ class Dispatcher:
                     )
                 session.inflight += 1
                 pending = _Pending(identity, op, msg.req_id)
-                task = self.loop.create_task(
-                    self._run_async(session, op, self._data[type(msg)], req, clock, pending)
-                )
-                self.tasks.add(task)
-                self._task_requests[task] = pending
-                task.add_done_callback(self._task_done)
+                if isinstance(msg, m.Retrieve):
+                    self._retrieve(session, op, req, clock, pending)
+                    return
+                task = self.loop.create_task(self._run_store(session, op, req, clock, pending))
+                self._track(task, pending)
                 return
         except ProtocolError as e:
             self._send(identity, self._refused(session, op, e))
@@ -198,40 +198,89 @@ class Dispatcher:
         self.refusals.refused(session, op, e)
         return error_reply(e)
 
-    def _internal_error(self, op: str, req_id: int) -> bytes:
-        """Count and log a bug (called from an ``except``); the ``internal`` reply."""
-        log.exception("internal error handling %s", op)
+    def _internal_error(self, op: str, req_id: int, error: BaseException | None = None) -> bytes:
+        """Count and log a bug (``error``, or the one being handled); the ``internal``
+        reply."""
+        log.error("internal error handling %s", op, exc_info=error or True)
         self.stats.count_request(op, ErrorCode.INTERNAL.value)
         return error_reply(
             ProtocolError(ErrorCode.INTERNAL, "internal server error (logged)", req_id)
         )
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _track(self, fut: asyncio.Future[None], pending: _Pending) -> None:
+        self.tasks.add(fut)
+        self._task_requests[fut] = pending
+        fut.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Future[None]) -> None:
         self.tasks.discard(task)
         self._task_requests.pop(task, None)
 
-    async def _run_async(
-        self,
-        session: Session,
-        op: str,
-        handler: Callable[..., Any],
-        req: DataRequest,
-        clock: PhaseClock,
-        pending: _Pending,
+    async def _run_store(
+        self, session: Session, op: str, req: DataRequest, clock: PhaseClock, pending: _Pending
     ) -> None:
-        msg = req.msg
         ok = False
         try:
-            reply = await handler(session, req, clock)
+            reply = await self._store(session, req, clock)
             payload = encode(reply)
             self.stats.count_request(op, "ok")
             ok = True
         except ProtocolError as e:
             payload = self._refused(session, op, e)
         except Exception:
-            payload = self._internal_error(op, msg.req_id)
+            payload = self._internal_error(op, req.msg.req_id)
         finally:
             session.inflight -= 1
+        self._answer(session, clock, op, pending, payload, ok)
+
+    def _retrieve(
+        self, session: Session, op: str, req: DataRequest, clock: PhaseClock, pending: _Pending
+    ) -> None:
+        """Start a retrieve; its answer goes out from the callback that ends it."""
+        done: asyncio.Future[None] = self.loop.create_future()
+        self._track(done, pending)
+        finished = False
+
+        def finish(reply: m.RetrieveResult | None, error: BaseException | None) -> None:
+            nonlocal finished
+            if finished:
+                log.error("a retrieve finished twice (ignored)")
+                return
+            finished = True
+            session.inflight -= 1
+            ok = False
+            if error is None:
+                try:
+                    assert reply is not None
+                    payload = encode(reply)
+                    self.stats.count_request(op, "ok")
+                    ok = True
+                except Exception as e:
+                    payload = self._internal_error(op, req.msg.req_id, e)
+            elif isinstance(error, ProtocolError):
+                payload = self._refused(session, op, error)
+            else:
+                payload = self._internal_error(op, req.msg.req_id, error)
+            done.set_result(None)
+            self._answer(session, clock, op, pending, payload, ok)
+
+        try:
+            self.handlers.start_retrieve(session, req, clock, finish)
+        except Exception as e:  # a bug: answered now unless it was already
+            if finished:
+                log.exception("internal error after a retrieve was answered")
+            else:
+                finish(None, e)
+
+    def _answer(
+        self,
+        session: Session,
+        clock: PhaseClock,
+        op: str,
+        pending: _Pending,
+        payload: bytes,
+        ok: bool,
+    ) -> None:
         if pending.answered:  # answered at the drain timeout
             return
         self._send(session.identity, payload)
@@ -240,7 +289,7 @@ class Dispatcher:
             self.stats.observe_phases(op, clock)
         self._after_io()
 
-    def answer_unfinished(self, pending: set[asyncio.Task[None]]) -> None:
+    def answer_unfinished(self, pending: set[asyncio.Future[None]]) -> None:
         """At the drain timeout: answer stores now, wait for retrieves.
 
         Copies cannot be interrupted (a running DMA or memcpy); a store's reply only
