@@ -292,8 +292,16 @@ class CudaEngine(TransferEngine):
                     for s in lane.dmas:
                         s.wait_event(lane.timing[0])
                 if isinstance(plan, DmaPlan):
+                    # one request alone on its GPU spreads over the lane's DMA streams;
+                    # with other lanes busy the copy engines are shared already, and
+                    # each extra stream would only cost the loop an event and a call
+                    alone = self._lanes[device].busy <= 1
                     refused, used = issue_dma(
-                        lane, plan, to_pool, self._batch.get(device), self.dma_split_bytes
+                        lane,
+                        plan,
+                        to_pool,
+                        self._batch.get(device),
+                        self.dma_split_bytes if alone else plan.nbytes + 1,
                     )
                     self.dma_streams_used = max(self.dma_streams_used, used)
                     for why in refused:

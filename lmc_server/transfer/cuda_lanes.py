@@ -175,6 +175,11 @@ class Lanes:
             self._free.append(lane)
             return None
 
+    @property
+    def busy(self) -> int:
+        """Lanes with a copy in flight (read without the lock: a hint, not a decision)."""
+        return len(self.all) - len(self._free)
+
     def stop_queued(self) -> list[Job]:
         """Take every queued job out (the caller fails them); later ones queue again."""
         with self._lock:
