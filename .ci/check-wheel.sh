@@ -5,7 +5,7 @@
 #    the tree (lmc_server/**/*.py) and the CUDA sources (kernels/ as lmc_server.kernels);
 # 2. installs it, without extras, into a fresh venv outside the checkout and, from
 #    another directory: bare `lmcache`, `lmcache --help`, `lmcache bench --help` and every
-#    `lmcache bench <command> --help`;
+#    `lmcache bench <command> --help`, and a disk-tier trace replay (no extras needed);
 # 3. starts the README's server command line there (its own port, the cpu backend and a
 #    small pool), runs `lmcache ping`, `lmcache stats` and the README's Python example
 #    against it, then stops it with SIGTERM and wants exit 0.
@@ -94,6 +94,20 @@ while read -r cmd; do
     lmcache bench $cmd --help >/dev/null || fail "lmcache bench $cmd --help"
 done <<<"$COMMANDS"
 echo "check-wheel: $(wc -l <<<"$COMMANDS") bench commands' help"
+
+echo "check-wheel: a disk-tier trace replay without the extras (no tqdm, no redis)"
+python - "$WORK/trace.jsonl" <<'PYEOF'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for turn in (1, 2):
+        for conv in range(3):
+            rec = {"timestamp": turn * 1000 + conv, "input_length": 512 * turn,
+                   "hash_ids": [1000 * conv + k for k in range(turn)]}
+            f.write(json.dumps(rec) + "\n")
+PYEOF
+lmcache bench l2 --replay "$WORK/trace.jsonl" --replay-tier disk --no-progress \
+    >"$WORK/replay.txt" 2>&1 || { cat "$WORK/replay.txt" >&2; fail "bench l2 --replay-tier disk"; }
+grep -q "L1 + disk" "$WORK/replay.txt" || fail "bench l2 replay: $(cat "$WORK/replay.txt")"
 
 read -r PORT < <(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 # The README's first command line, on its own port, the cpu backend and a small pool
