@@ -134,6 +134,9 @@ awk '/^```python$/ {on = 1; next} /^```$/ {on = 0} on' "$ROOT/README.md" \
 [ -s "$WORK/example.py" ] || fail "no Python example in README.md"
 python "$WORK/example.py" >"$WORK/example.out" 2>&1 \
     || { cat "$WORK/example.out" >&2; fail "the README's Python example"; }
+sed -n 's/^ *print(.*)  *# \(.*\)$/\1/p' "$WORK/example.py" >"$WORK/example.promised"
+diff "$WORK/example.promised" "$WORK/example.out" >&2 \
+    || fail "the README's Python example printed other than its comments say"
 sed 's/^/  example: /' "$WORK/example.out"
 
 kill -TERM "$SERVER_PID"

@@ -37,6 +37,5 @@ def require(module: str, what: str = "") -> None:
         return
     extra, used_for, instead = EXTRAS[module]
     raise click.UsageError(
-        f"{what or used_for} needs the {module} package: "
-        f"pip install 'lmc-server[{extra}]'{instead}"
+        f"{what or used_for} needs the {module} package: pip install 'lmc-server[{extra}]'{instead}"
     )

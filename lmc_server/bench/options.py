@@ -183,8 +183,7 @@ def no_progress_option(f: F) -> F:
         "--no-progress",
         is_flag=True,
         callback=_needs_tqdm,
-        help="Hide the progress bar (drawn on a terminal; needs pip install "
-        "'lmc-server[bench]').",
+        help="Hide the progress bar (drawn on a terminal; needs pip install 'lmc-server[bench]').",
     )(f)
 
 
