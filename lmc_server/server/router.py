@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -83,7 +84,15 @@ class Router:
             self._auth = start_curve(
                 self.ctx, sock, cfg.curve_secret_key_file, cfg.curve_clients_dir
             )
-        sock.bind(cfg.endpoint)
+        try:
+            sock.bind(cfg.endpoint)
+        except zmq.ZMQError as e:
+            fix = (
+                "; choose another --port, or stop what holds it (another lmcache server?)"
+                if e.errno == errno.EADDRINUSE
+                else ""
+            )
+            raise OSError(f"cannot listen on {cfg.endpoint}: {e.strerror}{fix}") from None
         if cfg.ipc_path:
             bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
