@@ -16,10 +16,10 @@ import msgspec
 from lmc_server import __version__
 from lmc_server.cli.options import SourcedOption, declared_options
 from lmc_server.config import (
-    GIB,
     Config,
     ConfigError,
     default_l1_size_gb,
+    gib_text,
     load_client_toml,
     load_toml,
     physical_memory_bytes,
@@ -298,10 +298,6 @@ def _listening(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
 @cli.command()
 @_endpoint_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw report as JSON.")
@@ -336,8 +332,8 @@ def stats(
         f"eviction {report.eviction_policy}"
     )
     click.echo(
-        f"L1: {_gib(l1.used_bytes)} used of {_gib(l1.capacity_bytes)} "
-        f"({_gib(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
+        f"L1: {gib_text(l1.used_bytes)} used of {gib_text(l1.capacity_bytes)} "
+        f"({gib_text(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
         f"{l1.objects} objects"
     )
     click.echo(
@@ -346,7 +342,7 @@ def stats(
     if (d := report.disk) is not None:
         click.echo(
             f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
-            f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+            f"written, {gib_text(d.used_bytes)} of {gib_text(d.capacity_bytes)} in {d.files} "
             f"files, index {'whole' if d.rebuild.done else 'rebuilding'}"
         )
     if (l2 := report.l2) is not None:
@@ -366,7 +362,7 @@ def stats(
             click.echo(
                 f"{p.name:<14}{p.object_bytes:>12}{p.slabs:>8}"
                 f"{p.objects:>10}{p.capacity_objects:>10}"
-                f"{_gib(p.used_bytes):>14}"
+                f"{gib_text(p.used_bytes):>14}"
             )
     click.echo("")
     for k, v in msgspec.structs.asdict(report.counters).items():

@@ -32,6 +32,11 @@ CUDA_COPY_MODES = ("auto", "staging", "mapped", "dma")
 METRICS_PORT = 8555
 
 
+def gib_text(n_bytes: int) -> str:
+    """A byte count as logs and the CLI show sizes: ``0.25 GiB``."""
+    return f"{n_bytes / GIB:.2f} GiB"
+
+
 def physical_memory_bytes() -> int:
     """Total RAM of this machine (or of this cgroup, if that is smaller)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
