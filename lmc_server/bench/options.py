@@ -152,8 +152,8 @@ def json_option(f: F) -> F:
     )(f)
 
 
-def _needs_matplotlib(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
-    if value:
+def _needs_matplotlib(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+    if value and not ctx.resilient_parsing:
         extras.require("matplotlib")
     return value
 
@@ -170,8 +170,8 @@ def plot_option(help: str = "Write a PNG plot here.") -> Callable[[F], F]:
     )
 
 
-def _needs_tqdm(_ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
-    if not value and sys.stderr.isatty():  # a bar is drawn only on a terminal
+def _needs_tqdm(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if not value and not ctx.resilient_parsing and sys.stderr.isatty():  # bars need a tty
         extras.require("tqdm")
     return value
 
