@@ -1,7 +1,7 @@
 """What a server says of its pool size at start, and what it leaves behind at a clean
 stop: an ``--l1-size-gb`` is logged as given and in GiB, its rounding down to whole
-slabs said once; the ``--ipc-path`` socket file is removed after SIGTERM (and only the
-file this server bound)."""
+slabs said once; the ``--ipc-path`` and KV-event ``ipc://`` socket files are removed
+after SIGTERM (and only the files this server bound)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ def test_the_ipc_socket_file_is_removed_after_sigterm(tmp_path: Path) -> None:
         assert srv.terminate(signal.SIGTERM) == 0
     assert not path.exists(), "the socket file outlived the server"
     assert path.parent.is_dir(), "the folder stays (it may be the operator's)"
+
+
+def test_the_kv_event_ipc_socket_files_are_removed_after_sigterm(tmp_path: Path) -> None:
+    events, replay = tmp_path / "events", tmp_path / "replay"
+    args = ["--kv-events-endpoint", f"ipc://{events}", "--kv-events-replay-endpoint"]
+    with ServerProcess([*args, f"ipc://{replay}"]) as srv:
+        assert events.is_socket() and replay.is_socket()
+        assert srv.terminate(signal.SIGTERM) == 0
+    assert not events.exists() and not replay.exists()
 
 
 def test_only_the_socket_file_this_server_bound_is_removed(tmp_path: Path) -> None:

@@ -43,6 +43,18 @@ def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> int:
     return os.lstat(path).st_ino
 
 
+def bound_ipc_file(endpoint: str) -> tuple[str, int] | None:
+    """The socket file and inode of an ``ipc://`` endpoint just bound (for
+    :func:`remove_ipc` at close); None for another transport or an abstract name."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    try:
+        return path, os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
 def remove_ipc(path: str, inode: int) -> None:
     """Remove the socket file :func:`bind_ipc` made, once the socket is closed (zmq
     leaves it behind). Only that file: one another server bound at the same path since
