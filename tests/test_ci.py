@@ -21,3 +21,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = _pytest_command((ROOT / ".ci" / "run").read_text())
     assert ci == readme
     assert "-n auto" in ci and "--timeout" in ci
+
+
+def test_ci_checks_the_installed_wheel() -> None:
+    """CI installs the package the way users do (a wheel, outside the checkout) and runs
+    the commands and the README's Python example from there: an editable install
+    imports the tree, so it cannot see a module the wheel leaves out."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\nbash .ci/check-wheel.sh\n" in ci
+    script = (ROOT / ".ci" / "check-wheel.sh").read_text()
+    for step in ("pip wheel", "-m venv", "lmcache --help", "lmcache ping", "lmcache stats"):
+        assert step in script, step

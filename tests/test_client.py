@@ -418,3 +418,53 @@ def test_both_clients_refuse_bad_block_ids_before_sending(
                 rec.close()
             assert len(rec.frames) == 2, "hello and register only: nothing else was sent"
     assert messages[0] == messages[1]
+
+
+# -- async with -------------------------------------------------------------------------
+
+
+def test_async_with_says_hello_on_enter_like_the_blocking_client(server: ThreadServer) -> None:
+    """``async with AsyncClient(endpoint) as c`` is ``with Client(endpoint) as c``: the
+    hello is said on enter (the server refuses every other request before it), the
+    connection serves byte-exactly, and it is closed on exit."""
+
+    async def scenario() -> None:
+        with (
+            ShmKV(simple_model(layers=1, bytes_per_token=16)) as src,
+            ShmKV(simple_model(layers=1, bytes_per_token=16)) as dst,
+        ):
+            src.fill_random(11)
+            dst.fill(0)
+            async with AsyncClient(server.endpoint, timeout_s=10, client_name="aw") as c:
+                assert c.welcome is not None
+                reg_src = await c.register(**src.register_kwargs())
+                reg_dst = await c.register(**dst.register_kwargs())
+                digests = chunk_digests(np.arange(2 * CHUNK) + 5, CHUNK)
+                ids = block_ids_for(reg_src, 2, first_block=3)
+                assert (await c.store(reg_src, digests, ids)).ok.all()
+                assert (await c.lookup(reg_dst, digests, lease=False)).hit_chunks == 2
+                assert (await c.retrieve(reg_dst, digests, ids)).ok.all()
+                assert_same_pages(reg_src, src, ids, dst, ids, 2)
+            with pytest.raises(RuntimeError, match="closed"):
+                async with c:
+                    pass
+            # connect() said hello already; entering does not say it again.
+            c2 = await AsyncClient.connect(server.endpoint, timeout_s=10)
+            first = c2.welcome
+            async with c2:
+                assert c2.welcome is first
+                assert (await c2.ping()).ready
+
+    asyncio.run(scenario())
+
+
+def test_async_with_and_no_server_raises_timeout_and_closes() -> None:
+    async def scenario() -> AsyncClient:
+        c = AsyncClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3)
+        with pytest.raises(TimeoutError, match="hello"):
+            async with c:
+                pass
+        return c
+
+    c = asyncio.run(scenario())
+    assert c.in_flight == 0 and c._sock.closed

@@ -1,7 +1,8 @@
 """Each setting declared once: what ``lmcache server`` refuses on the
 command line, :meth:`Config.check` refuses from code (the benchmarks and the in-process
 server build a ``Config`` without click), with an error naming the flag; the defaults
-agree; and a bad value from the environment or the TOML file is refused as a flag's is.
+agree; and a bad value from the environment or the TOML file is refused as a flag's is,
+naming the variable or the file's key the user wrote.
 
 The bounds are read from the command's click options, not from the declarations, so the
 test holds the two paths to each other whatever produces them. Before the declarations,
@@ -98,27 +99,38 @@ ENVVARS = {d.name: d.envvar for d in declarations(Config)}
 KEYS = {d.name: d.key for d in declarations(Config)}
 
 
-def _refused(res: Any, flag: str) -> None:
+def _refused(res: Any, where: str) -> None:
     assert res.exit_code == 2, res.output
-    assert f"Invalid value for '{flag}'" in res.output, res.output
+    assert f"Invalid value for {where}" in res.output, res.output
     assert "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("name,flag,value", CASES)
-def test_a_bad_value_from_the_environment_is_refused_naming_the_flag(
+def test_a_bad_value_on_the_command_line_is_refused_naming_the_flag(
     name: str, flag: str, value: Any
 ) -> None:
-    env = {ENVVARS[name]: str(value)}
-    _refused(CliRunner().invoke(cli, ["server", *GUARD], env=env), flag)
+    res = CliRunner().invoke(cli, ["server", *GUARD, flag, str(value)])
+    _refused(res, f"'{flag}': ")
 
 
 @pytest.mark.parametrize("name,flag,value", CASES)
-def test_a_bad_value_from_the_config_file_is_refused_naming_the_flag(
+def test_a_bad_value_from_the_environment_is_refused_naming_the_variable(
+    name: str, flag: str, value: Any
+) -> None:
+    """The user set a variable, not the flag: the error names the variable first."""
+    env = {ENVVARS[name]: str(value)}
+    res = CliRunner().invoke(cli, ["server", *GUARD], env=env)
+    _refused(res, f"{ENVVARS[name]} (the environment's {flag}): ")
+
+
+@pytest.mark.parametrize("name,flag,value", CASES)
+def test_a_bad_value_from_the_config_file_is_refused_naming_the_key(
     tmp_path: Path, name: str, flag: str, value: Any
 ) -> None:
     toml = tmp_path / "server.toml"
     toml.write_text(f"{KEYS[name]} = {json.dumps(value)}\n")
-    _refused(CliRunner().invoke(cli, ["server", "--config", str(toml), *GUARD]), flag)
+    res = CliRunner().invoke(cli, ["server", "--config", str(toml), *GUARD])
+    _refused(res, f"{KEYS[name]} in the --config file ({flag}): ")
 
 
 def test_the_guard_alone_is_refused_by_the_check() -> None:

@@ -216,14 +216,30 @@ def emit(report: Report, table: str, json_path: str | None) -> None:
         click.echo(f"wrote {json_path}")
 
 
+class _NoBar:
+    """What :func:`progress` returns where no bar is shown: takes updates, draws nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def progress(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr (hidden when ``enabled`` is false or stderr is no terminal)."""
+    """A tqdm bar on stderr; none (and no tqdm import) when ``enabled`` is false or
+    stderr is no terminal. The commands check for tqdm before they start
+    (:func:`lmc_server.bench.options.output_options`)."""
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
     from tqdm import tqdm
 
     return tqdm(
         total=total,
         desc=desc,
-        disable=None if enabled else True,
         leave=False,
         file=sys.stderr,
         unit="step",

@@ -9,11 +9,13 @@ command, which is the order ``--help`` shows them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from lmc_server.bench import extras
 from lmc_server.config import CUDA_COPY_MODES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -160,12 +162,41 @@ def json_option(f: F) -> F:
     )(f)
 
 
+def _needs_matplotlib(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+    if value and not ctx.resilient_parsing:
+        extras.require("matplotlib")
+    return value
+
+
 def plot_option(help: str = "Write a PNG plot here.") -> Callable[[F], F]:
-    """``--plot PATH`` (``plot_path``): the report drawn."""
-    return click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help=help)
+    """``--plot PATH`` (``plot_path``): the report drawn (needs matplotlib, the bench
+    extra: a usage error naming it, before the benchmark starts)."""
+    return click.option(
+        "--plot",
+        "plot_path",
+        type=click.Path(dir_okay=False),
+        callback=_needs_matplotlib,
+        help=help + " Needs pip install 'lmc-server[bench]'.",
+    )
+
+
+def _needs_tqdm(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if not value and not ctx.resilient_parsing and sys.stderr.isatty():  # bars need a tty
+        extras.require("tqdm")
+    return value
+
+
+def no_progress_option(f: F) -> F:
+    """``--no-progress``; without it, on a terminal, tqdm must be installed (a usage
+    error naming the bench extra, before the benchmark starts)."""
+    return click.option(
+        "--no-progress",
+        is_flag=True,
+        callback=_needs_tqdm,
+        help="Hide the progress bar (drawn on a terminal; needs pip install 'lmc-server[bench]').",
+    )(f)
 
 
 def output_options(f: F) -> F:
     """``--json``, ``--plot`` and ``--no-progress``, in that order."""
-    f = click.option("--no-progress", is_flag=True, help="Hide the progress bar.")(f)
-    return json_option(plot_option()(f))
+    return json_option(plot_option()(no_progress_option(f)))

@@ -14,17 +14,17 @@ import click
 import msgspec
 
 from lmc_server import __version__
-from lmc_server.cli.options import declared_options
+from lmc_server.cli.options import SourcedOption, declared_options
 from lmc_server.config import (
-    GIB,
     Config,
     ConfigError,
     default_l1_size_gb,
+    gib_text,
     load_client_toml,
     load_toml,
     physical_memory_bytes,
 )
-from lmc_server.net import host_problem, tcp_endpoint
+from lmc_server.net import bare_host, host_problem, tcp_endpoint
 
 _EXAMPLES = """
 \b
@@ -84,6 +84,7 @@ def cli() -> None:
     is_eager=True,
     expose_value=False,
     envvar="LMCACHE_CONFIG",
+    show_envvar=True,
     help="TOML file with settings (names as below, '-' or '_').",
 )
 @declared_options(Config)
@@ -151,6 +152,7 @@ def _endpoint_options(f: Any) -> Any:
         "--curve-client-secret-key-file",
         default="",
         envvar="LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE",
+        cls=SourcedOption,
         help="This client's CURVE certificate with its secret key (NAME."
         "key_secret from 'lmcache keygen --name NAME'; its NAME.key must "
         "be in the server's --curve-clients-dir).",
@@ -159,6 +161,7 @@ def _endpoint_options(f: Any) -> Any:
         "--curve-server-key-file",
         default="",
         envvar="LMCACHE_CURVE_SERVER_KEY_FILE",
+        cls=SourcedOption,
         help="The server's public CURVE certificate (server.key); with a "
         "client certificate, talk CURVE.",
     )(f)
@@ -173,12 +176,14 @@ def _endpoint_options(f: Any) -> Any:
         type=click.IntRange(1, 65535),
         default=5555,
         envvar="LMCACHE_PORT",
+        cls=SourcedOption,
         help="Server port.",
     )(f)
     f = click.option(
         "--host",
         default="127.0.0.1",
         envvar="LMCACHE_HOST",
+        cls=SourcedOption,
         callback=_check_host,
         help="Server address (IPv4, IPv6 with or without brackets, or a name).",
     )(f)
@@ -189,6 +194,7 @@ def _endpoint_options(f: Any) -> Any:
         is_eager=True,
         expose_value=False,
         envvar="LMCACHE_CONFIG",
+        show_envvar=True,
         help="TOML file: the server's file works ([server] host and port, [client] CURVE keys).",
     )(f)
     return f
@@ -248,9 +254,7 @@ def ping(
         try:
             pong = c.ping()
         except TimeoutError:
-            click.echo(
-                f"no answer from {c.endpoint} within {timeout_s} s{_curve_hint(curve)}", err=True
-            )
+            click.echo(_no_answer(host, port, timeout_s, curve), err=True)
             sys.exit(1)
     click.echo(
         f"ok: lmcache server {pong.server_version} at {c.endpoint}"
@@ -258,16 +262,40 @@ def ping(
     )
 
 
-def _curve_hint(curve: Any) -> str:
+def _no_answer(host: str, port: int, timeout_s: float, curve: Any) -> str:
+    """Why a server did not answer, as far as the client can tell: nothing listens at
+    the address (a TCP connect is refused), or something listens and stays silent,
+    which with no CURVE keys given is what a CURVE server does to a plain client, and
+    with keys given what it does to keys it does not accept."""
+    endpoint = tcp_endpoint(host, port)
+    if not _listening(host, port, min(timeout_s, 2.0)):
+        return (
+            f"no server answered at {endpoint}: nothing is listening there. Is "
+            f"'lmcache server' running, with this --host and --port (LMCACHE_HOST, "
+            f"LMCACHE_PORT)?"
+        )
+    if curve is None:
+        return (
+            f"no answer from {endpoint} within {timeout_s} s: something listens there but "
+            f"did not answer. If the server uses CURVE (--curve-secret-key-file), pass "
+            f"--curve-server-key-file and --curve-client-secret-key-file"
+        )
     return (
-        ""
-        if curve is not None
-        else " (a CURVE server does not answer clients without keys: see --curve-server-key-file)"
+        f"no answer from {endpoint} within {timeout_s} s with CURVE keys: check that "
+        f"--curve-server-key-file is the server's public key and that this client's "
+        f"public key (NAME.key) is in the server's --curve-clients-dir"
     )
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+def _listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connection to host:port is accepted."""
+    import socket
+
+    try:
+        with socket.create_connection((bare_host(host), port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 @cli.command()
@@ -288,7 +316,7 @@ def stats(
         with _client(host, port, timeout_s, curve, hello=True) as c:
             report = c.stats()
     except TimeoutError:
-        click.echo(f"no answer from {endpoint} within {timeout_s} s{_curve_hint(curve)}", err=True)
+        click.echo(_no_answer(host, port, timeout_s, curve), err=True)
         sys.exit(1)
     if as_json:  # the report's fields as JSON keys (docs/protocol.md)
         click.echo(json.dumps(msgspec.to_builtins(report), indent=2, sort_keys=True))
@@ -304,8 +332,8 @@ def stats(
         f"eviction {report.eviction_policy}"
     )
     click.echo(
-        f"L1: {_gib(l1.used_bytes)} used of {_gib(l1.capacity_bytes)} "
-        f"({_gib(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
+        f"L1: {gib_text(l1.used_bytes)} used of {gib_text(l1.capacity_bytes)} "
+        f"({gib_text(l1.ready_bytes)} ready, {l1.free_slabs} free slabs), "
         f"{l1.objects} objects"
     )
     click.echo(
@@ -314,7 +342,7 @@ def stats(
     if (d := report.disk) is not None:
         click.echo(
             f"disk {d.url} {d.state}: {d.hits} hits, {d.objects_written} objects "
-            f"written, {_gib(d.used_bytes)} of {_gib(d.capacity_bytes)} in {d.files} "
+            f"written, {gib_text(d.used_bytes)} of {gib_text(d.capacity_bytes)} in {d.files} "
             f"files, index {'whole' if d.rebuild.done else 'rebuilding'}"
         )
     if (l2 := report.l2) is not None:
@@ -334,7 +362,7 @@ def stats(
             click.echo(
                 f"{p.name:<14}{p.object_bytes:>12}{p.slabs:>8}"
                 f"{p.objects:>10}{p.capacity_objects:>10}"
-                f"{_gib(p.used_bytes):>14}"
+                f"{gib_text(p.used_bytes):>14}"
             )
     click.echo("")
     for k, v in msgspec.structs.asdict(report.counters).items():

@@ -2,8 +2,9 @@
 
 One click option per declared field, in field order: the flag (a ``--x/--no-x`` pair for
 a bool), ``IntRange``/``FloatRange``/``Choice`` from the declared range or choices (so
-a bad value from a flag, the environment or the TOML file is refused by click with its
-usual message, naming the flag), the default, the ``LMCACHE_*`` variable, the help. The
+a bad value from a flag, the environment or the TOML file is refused by click, naming
+where the value came from: :class:`SourcedOption`), the default, the ``LMCACHE_*``
+variable (``--help`` shows it), the help. The
 option's parameter name is the field's, so ``Config(**kwargs)`` takes what click passes.
 """
 
@@ -31,11 +32,38 @@ def declared_options(cls: type) -> Callable[[F], F]:
     return decorate
 
 
+class SourcedOption(click.Option):
+    """A click option whose bad value is reported as the user gave it: a bad
+    ``LMCACHE_CHUNK_SIZE=abc`` names the variable (and the flag it stands for), a bad
+    value in the ``--config`` file names the file's key, a bad flag the flag. ``--help``
+    shows the environment variable of each option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("show_envvar", True)
+        super().__init__(*args, **kwargs)
+
+    def process_value(self, ctx: click.Context, value: Any) -> Any:
+        try:
+            return super().process_value(ctx, value)
+        except click.BadParameter as e:
+            source = ctx.get_parameter_source(self.name) if self.name else None
+            flag = self.opts[0]
+            if source is click.core.ParameterSource.ENVIRONMENT and self.envvar:
+                e.param_hint = f"{self.envvar} (the environment's {flag})"
+            elif source is click.core.ParameterSource.DEFAULT_MAP:
+                key = flag.removeprefix("--").replace("-", "_")
+                e.param_hint = f"{key} in the --config file ({flag})"
+            else:
+                e.param_hint = f"'{flag}'"
+            raise
+
+
 def option(d: Declared) -> Callable[[F], F]:
     flag = f"{d.flag}/--no-{d.flag[2:]}" if d.kind is bool else d.flag
     return click.option(
         flag,
         d.name,
+        cls=SourcedOption,
         type=click_type(d),
         default=d.default,
         envvar=d.envvar,

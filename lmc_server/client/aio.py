@@ -61,16 +61,22 @@ def _release(
 
 
 class AsyncClient:
-    """Create with ``await AsyncClient.connect(endpoint)``; close with ``await close()``
-    or use ``async with await AsyncClient.connect(...) as c``. A client never closed is
-    released when collected or at exit (without waiting), never hanging the process.
+    """A connection to one server, for asyncio. Either ``async with
+    AsyncClient(endpoint) as c:`` (as ``with Client(endpoint) as c:``: hello on enter,
+    closed on exit) or ``c = await AsyncClient.connect(endpoint)`` and ``await
+    c.close()``. A client never closed is released when collected or at exit (without
+    waiting), never hanging the process.
 
     A request answered ``handshake`` (the server forgot this connection's session, e.g.
     it restarted) is retried once after a new hello, transparently.
     """
 
     def __init__(
-        self, endpoint: str, timeout_s: float = 30.0, curve: CurveKeys | None = None
+        self,
+        endpoint: str = "tcp://127.0.0.1:5555",
+        timeout_s: float = 30.0,
+        curve: CurveKeys | None = None,
+        client_name: str = "",
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -81,7 +87,7 @@ class AsyncClient:
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
-        self._client_name = ""
+        self._client_name = client_name
         self._pending: dict[int, asyncio.Future[m.Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -96,8 +102,13 @@ class AsyncClient:
         client_name: str = "",
         curve: CurveKeys | None = None,
     ) -> AsyncClient:
-        self = cls(endpoint, timeout_s, curve)
-        self._client_name = client_name
+        self = cls(endpoint, timeout_s, curve, client_name)
+        await self._start()
+        return self
+
+    async def _start(self) -> None:
+        """Start the reader and the watcher on the running loop and say hello; on a
+        failure (no answer within the timeout, a refusal) the client is closed."""
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
         self._watcher = loop.create_task(self._watch())
@@ -106,7 +117,6 @@ class AsyncClient:
         except BaseException:
             await self.close()
             raise
-        return self
 
     def on_connection_lost(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the event loop) each time the connection drops."""
@@ -121,6 +131,11 @@ class AsyncClient:
         self.welcome = await self._run(self._b.hello(self._client_name))
 
     async def __aenter__(self) -> AsyncClient:
+        """Say hello unless :meth:`connect` did already."""
+        if self._reader is None:
+            if not self._finalizer.alive:
+                raise RuntimeError("this AsyncClient is closed; make a new one")
+            await self._start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,4 +1,8 @@
-"""POSIX shared-memory KV buffers for the CPU engine (tests, CPU-only hosts).
+"""POSIX shared-memory KV buffers for the server's cpu backend (CPU-only hosts, tests).
+
+A worker whose KV cache lives in host memory allocates it here (:class:`ShmSegment`),
+uses ``segment.array`` as that memory and registers ``segment.spec``: the server maps
+the same pages, so stores and retrieves copy straight between them and its pool.
 
 The worker creates a segment under ``/dev/shm`` (mode 0600, random ``lmc-<pid>-``
 name) and registers it by name; the server opens the name once, at registration, and
@@ -56,7 +60,10 @@ def registered(buffers: Sequence[BufferSpec]) -> None:
 
 
 class ShmSegment:
-    """One segment this process created; ``array`` is a writable uint8 view.
+    """A zero-filled shared-memory segment of ``size_bytes`` this process created;
+    ``array`` is a writable uint8 view of all of it (reshape or ``.view()`` it to the
+    engine's layout), ``spec`` what a registration's ``buffers`` take. Close it (or use
+    ``with``) once the registration is gone.
 
     ``keep_name``: keep the name after a registration (see the module docstring).
     """

@@ -27,6 +27,7 @@ from lmc_server.config.settings import (
     SYSTEM_RESERVE_BYTES,
     Config,
     default_l1_size_gb,
+    gib_text,
     physical_memory_bytes,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "Declared",
     "declarations",
     "default_l1_size_gb",
+    "gib_text",
     "load_client_toml",
     "load_toml",
     "physical_memory_bytes",

@@ -31,14 +31,10 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    if "server" in data and set(data) <= {"server", "client"} and isinstance(data["server"], dict):
-        data = data["server"]
+    data = _server_settings(path, data)
     out: dict[str, Any] = {}
     for key, value in data.items():
-        name = key.replace("-", "_")
-        if name == "client" and isinstance(value, dict):
-            continue  # the client commands' table (load_client_toml)
-        name = FLAG_NAMES.get(name, name)
+        name = FLAG_NAMES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name not in CONFIG_KEYS:
             raise ConfigError(
                 f"config file {path}: unknown setting {key!r}; known: "
@@ -51,6 +47,35 @@ def load_toml(path: str) -> dict[str, Any]:
             )
         out[name] = value
     return out
+
+
+#: The tables a settings file may hold; settings are scalars, so a table is never one.
+TABLES = ("server", "client")
+
+
+def _server_settings(path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The server's settings of a parsed file: its ``[server]`` table, or its top level
+    (less ``[client]``). A table of another name (``[clinet]``) is refused by name, and
+    so is a file with settings both at top level and under ``[server]``."""
+    tables = {k for k, v in data.items() if isinstance(v, dict)}
+    unknown = sorted(tables - set(TABLES))
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown table [{unknown[0]}]; known tables: "
+            f"{', '.join(f'[{t}]' for t in TABLES)} (or the server's settings at top level)"
+        )
+    if "server" in data and not isinstance(data["server"], dict):
+        raise ConfigError(f"config file {path}: server must be a table ([server])")
+    top = {k: v for k, v in data.items() if k not in tables}
+    if "server" in tables:
+        if top:
+            raise ConfigError(
+                f"config file {path}: settings both at top level ({', '.join(sorted(top))}) "
+                f"and under [server]; put them all under [server]"
+            )
+        server: dict[str, Any] = data["server"]
+        return server
+    return top
 
 
 #: Settings of the client commands (``ping``, ``stats``) in a ``[client]`` table.

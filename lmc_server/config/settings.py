@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
-from lmc_server.config.declare import ConfigError, check_declared, setting
+from lmc_server.config.declare import ConfigError, check_declared, declarations, setting
 from lmc_server.net import host_problem, is_loopback, tcp_endpoint
 from lmc_server.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 
@@ -30,6 +30,11 @@ CUDA_COPY_MODES = ("auto", "staging", "mapped", "dma")
 #: (node_exporter 9100, DCGM exporter 9400, ...), and clear of Prometheus itself (9090),
 #: Pushgateway/Alertmanager (9091/9093), vLLM and Triton (8000-8002), 8080 and Grafana.
 METRICS_PORT = 8555
+
+
+def gib_text(n_bytes: int) -> str:
+    """A byte count as logs and the CLI show sizes: ``0.25 GiB``."""
+    return f"{n_bytes / GIB:.2f} GiB"
 
 
 def physical_memory_bytes() -> int:
@@ -55,6 +60,12 @@ def _l1_help() -> str:
         f"L1 pool size in GiB [default: a quarter of this machine's memory, "
         f"{default_l1_size_gb():.0f} here]."
     )
+
+
+#: Settings of the Redis/Valkey L2 tier alone, and those of every tier below L1 (the
+#: disk tier's too): given without such a tier, they are refused.
+REDIS_ONLY = ("l2_password_file", "l2_connections")
+TIER_SETTINGS = ("l2_write_queue_objects", "l2_prefetch_max_chunks", "l2_timeout_s")
 
 
 @dataclass
@@ -293,7 +304,21 @@ class Config:
             raise ConfigError("KV events topic: at most 256 characters, no NUL")
 
     def _check_tiers(self) -> None:
-        """The disk and L2 tiers' own checks (the URL, the password, the filesystem)."""
+        """The disk and L2 tiers' own checks (the URL, the password, the filesystem); a
+        tier's setting changed from its default without the tier is refused (it would
+        do nothing, and the user meant something by it)."""
+        self._check_unused(
+            REDIS_ONLY,
+            not self.l2_url,
+            "the L2 tier (--l2), which is not configured",
+            "--l2 redis://HOST:PORT/DB",
+        )
+        self._check_unused(
+            TIER_SETTINGS,
+            not self.l2_url and not self.disk_dir,
+            "the tiers below L1 (--l2, --disk-dir), none of which is configured",
+            "--l2 URL or --disk-dir PATH",
+        )
         if self.l2_url:
             from lmc_server.l2.checks import check_l2_config
             from lmc_server.l2.url import L2ConfigError
@@ -309,6 +334,20 @@ class Config:
                 check_disk_config(self)
             except DiskConfigError as e:
                 raise ConfigError(str(e)) from None
+
+    def _check_unused(self, names: tuple[str, ...], unused: bool, tier: str, add: str) -> None:
+        """Refuse the settings ``names`` changed from their defaults where ``unused``."""
+        if not unused:
+            return
+        given = [
+            d.flag
+            for d in declarations(Config)
+            if d.name in names and getattr(self, d.name) != d.default
+        ]
+        if given:
+            flags = ", ".join(given)
+            verb = "is a setting" if len(given) == 1 else "are settings"
+            raise ConfigError(f"{flags} {verb} of {tier}: add {add}, or remove {flags}")
 
     def _check_memory(self, memory_bytes: int | None) -> None:
         if self.backend == "null" or not self.memory_check:

@@ -41,8 +41,9 @@ class _HTTPServer(ThreadingHTTPServer):
 class MetricsServer:
     """Serve ``registry`` at ``/metrics`` and ``health()`` at ``/healthz`` on host:port.
 
-    :meth:`start` binds (raising ``OSError`` if the port is taken, so a bad setting
-    fails startup rather than silently losing metrics) and returns once listening.
+    :meth:`start` binds (raising ``OSError`` naming the address and ``--metrics-port``
+    if the port is taken, so a bad setting fails startup rather than silently losing
+    metrics) and returns once listening.
     """
 
     def __init__(
@@ -70,7 +71,13 @@ class MetricsServer:
         family = address_family(self.host)
         if family != _HTTPServer.address_family:  # IPv6 literal, or a name only IPv6
             cls = type("_HTTPServer6", (_HTTPServer,), {"address_family": family})
-        self._httpd = cls((self.host, self.port), handler)
+        try:
+            self._httpd = cls((self.host, self.port), handler)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve metrics on {self.address}: {e.strerror or e}; choose "
+                f"another --metrics-port (0 turns the endpoint off)"
+            ) from None
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(
             target=_serve, args=(self._httpd,), name=METRICS_THREAD, daemon=True

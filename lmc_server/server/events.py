@@ -52,6 +52,7 @@ from lmc_server.server.events_replay import ReplayBuffer
 from lmc_server.server.events_settings import KvEventSettings, binds
 from lmc_server.server.events_stage import Removals, Stage
 from lmc_server.server.events_tiers import DiskEvents
+from lmc_server.server.security import bound_ipc_file, remove_ipc
 
 if TYPE_CHECKING:
     from lmc_server.l2.events import TierListeners
@@ -98,6 +99,8 @@ class KvEventPublisher:
         #: ``monotonic`` time of the first failed send since the last one that went out
         self._stalled_since: float | None = None
         self.replay = ReplayBuffer(settings.replay_batches, loop, self.stats)
+        #: (path, inode) of the ipc:// socket files bound, removed at close
+        self._ipc_files: list[tuple[str, int]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -110,6 +113,8 @@ class KvEventPublisher:
             rep = self._ctx.socket(zmq.ROUTER)
             self._heartbeat(rep)
             self.replay.serve(rep, s.replay_endpoint)
+        bound = [s.replay_endpoint, s.endpoint if binds(s.endpoint) else ""]
+        self._ipc_files = [f for e in bound if e and (f := bound_ipc_file(e)) is not None]
         self._pending[s.topic_prefix.encode()] = [ev.AllBlocksCleared()]
         self.flush()
         log.info(
@@ -149,6 +154,9 @@ class KvEventPublisher:
         self._live = False
         self.replay.close()
         self._ctx.term()
+        for path, inode in self._ipc_files:
+            remove_ipc(path, inode)
+        self._ipc_files = []
 
     # -- what is watched ----------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
-from lmc_server.config import Config
+from lmc_server.config import Config, gib_text
 from lmc_server.server.notify import Notifier
 from lmc_server.server.sessions import SessionTable
 
@@ -100,8 +100,8 @@ class Liveness:
         ratio = st.hit_chunks / st.lookup_chunks if st.lookup_chunks else 0.0
         return (
             f"serving: {self.sessions.registrations} registrations, L1 "
-            f"{used / (1 << 30):.1f} of {self.slab_pool.capacity_bytes / (1 << 30):.1f} "
-            f"GiB used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions"
+            f"{gib_text(used)} of {gib_text(self.slab_pool.capacity_bytes)} "
+            f"used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions"
         )
 
     def slab_ready_threadsafe(self, slab: int) -> None:
@@ -117,21 +117,21 @@ class Liveness:
         if pool.ready_slabs == pool.n_slabs:
             self.pool_ready_at_s = self.clock()
             log.info(
-                "L1 pool ready: %d slabs (%.1f GiB) in %.2f s",
+                "L1 pool ready: %d slabs (%s) in %.2f s",
                 pool.n_slabs,
-                pool.capacity_bytes / (1 << 30),
+                gib_text(pool.capacity_bytes),
                 self.pool_ready_at_s - self.started_at_s,
             )
             self._status_at_s = self.pool_ready_at_s
             self.notifier.status(
                 f"serving on {self.config.endpoint}; L1 pool ready "
-                f"({pool.capacity_bytes / (1 << 30):.1f} GiB)"
+                f"({gib_text(pool.capacity_bytes)})"
             )
         elif self.notifier.enabled and self.clock() - self._status_at_s >= STATUS_INTERVAL_S:
             self._status_at_s = self.clock()
             self.notifier.status(
                 f"serving on {self.config.endpoint}; preparing L1 pool: "
-                f"{pool.ready_bytes / (1 << 30):.1f} of "
-                f"{pool.capacity_bytes / (1 << 30):.1f} GiB "
+                f"{gib_text(pool.ready_bytes)} of "
+                f"{gib_text(pool.capacity_bytes)} "
                 f"({pool.ready_slabs / pool.n_slabs:.0%})"
             )

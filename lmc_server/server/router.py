@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from lmc_server.config import Config
 from lmc_server.server.peers import Conn, ConnectionTracker
-from lmc_server.server.security import bind_ipc, start_curve
+from lmc_server.server.security import bind_ipc, remove_ipc, start_curve
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Router:
         self._fd: int | None = None
         self._monitor_fd: int | None = None
         self._recheck_due = False
+        self._ipc_inode: int | None = None  # of the ipc socket file, once bound
         self.monitor: zmq.Socket[Any] | None = None
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
@@ -84,9 +86,17 @@ class Router:
             self._auth = start_curve(
                 self.ctx, sock, cfg.curve_secret_key_file, cfg.curve_clients_dir
             )
-        sock.bind(cfg.endpoint)
+        try:
+            sock.bind(cfg.endpoint)
+        except zmq.ZMQError as e:
+            fix = (
+                "; choose another --port, or stop what holds it (another lmcache server?)"
+                if e.errno == errno.EADDRINUSE
+                else ""
+            )
+            raise OSError(f"cannot listen on {cfg.endpoint}: {e.strerror}{fix}") from None
         if cfg.ipc_path:
-            bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
+            self._ipc_inode = bind_ipc(sock, cfg.ipc_path, cfg.ipc_group)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._monitor_fd = int(self.monitor.getsockopt(zmq.FD))
         self.loop.add_reader(self._monitor_fd, self.drain_monitor)
@@ -196,8 +206,12 @@ class Router:
         sock.close(linger=0)
 
     def terminate(self) -> None:
-        """Stop the CURVE authenticator and terminate the zmq context (last)."""
+        """Stop the CURVE authenticator, terminate the zmq context (last) and remove the
+        ipc socket file."""
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         self.ctx.term()
+        if self._ipc_inode is not None:
+            remove_ipc(self.config.ipc_path, self._ipc_inode)
+            self._ipc_inode = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import stat
 from typing import Any
 
 import zmq
@@ -22,8 +23,9 @@ from zmq.auth.thread import ThreadAuthenticator
 log = logging.getLogger(__name__)
 
 
-def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> None:
-    """Bind ``ipc://path`` with its folder 0700 (0770 and chgrp'd with ``group``)."""
+def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> int:
+    """Bind ``ipc://path`` with its folder 0700 (0770 and chgrp'd with ``group``);
+    returns the socket file's inode, for :func:`remove_ipc` at shutdown."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, mode=0o700, exist_ok=True)
     gid = grp.getgrnam(group).gr_gid if group else -1
@@ -38,6 +40,31 @@ def bind_ipc(sock: zmq.Socket[Any], path: str, group: str = "") -> None:
     log.info(
         "listening on ipc://%s (folder mode %o%s)", path, mode, f", group {group}" if group else ""
     )
+    return os.lstat(path).st_ino
+
+
+def bound_ipc_file(endpoint: str) -> tuple[str, int] | None:
+    """The socket file and inode of an ``ipc://`` endpoint just bound (for
+    :func:`remove_ipc` at close); None for another transport or an abstract name."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    try:
+        return path, os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def remove_ipc(path: str, inode: int) -> None:
+    """Remove the socket file :func:`bind_ipc` made, once the socket is closed (zmq
+    leaves it behind). Only that file: one another server bound at the same path since
+    (a new inode) is left alone."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:
+            os.unlink(path)
+    except OSError as e:
+        log.warning("could not remove the ipc socket file %s: %s", path, e.strerror)
 
 
 def start_curve(

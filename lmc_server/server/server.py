@@ -48,7 +48,7 @@ import zmq
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
-from lmc_server.config import Config
+from lmc_server.config import Config, gib_text
 from lmc_server.l2.url import redact_url
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.dispatch import Dispatcher
@@ -169,6 +169,15 @@ class Server(ServerTeardown):
         )
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
         self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
+        if self.host_pool.size_bytes < cfg.l1_size_bytes:
+            log.info(
+                "L1 size %s rounded down to whole slabs of %d MiB: %s (a multiple of "
+                "%g GiB is used whole)",
+                gib_text(cfg.l1_size_bytes),
+                cfg.slab_size_mb,
+                gib_text(self.host_pool.size_bytes),
+                cfg.slab_bytes / (1 << 30),
+            )
         self.index = L1Index(self.slab_pool, cfg.eviction_policy)
         self.handlers = Handlers(
             cfg, self.index, self.engine, self.sessions, self.stats, self.clock
@@ -228,11 +237,11 @@ class Server(ServerTeardown):
         self.liveness.heartbeat()
         self.started = True
         log.info(
-            "listening on %s (backend %s, L1 %.1f GiB in %d slabs of %d MiB, "
+            "listening on %s (backend %s, L1 %s = %d slabs of %d MiB, "
             "eviction %s, chunk size %d, %s object groups)",
             cfg.endpoint,
             self.engine.name,
-            self.host_pool.size_bytes / (1 << 30),
+            gib_text(self.host_pool.size_bytes),
             self.slab_pool.n_slabs,
             cfg.slab_size_mb,
             cfg.eviction_policy,
@@ -240,8 +249,7 @@ class Server(ServerTeardown):
             "separate" if cfg.separate_object_groups else "combined",
         )
         self.notifier.ready(
-            f"serving on {cfg.endpoint}; preparing L1 pool "
-            f"({self.host_pool.size_bytes / (1 << 30):.1f} GiB)"
+            f"serving on {cfg.endpoint}; preparing L1 pool ({gib_text(self.host_pool.size_bytes)})"
         )
         if self.notifier.enabled:
             log.info(
@@ -353,5 +361,6 @@ def _describe(cfg: Config) -> str:
     values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     values["l2_url"] = redact_url(cfg.l2_url) if cfg.l2_url else ""
     values["l1_size_bytes"] = cfg.l1_size_bytes
-    values["l1_size_gb"] = cfg.l1_size_bytes / (1 << 30)  # the size used, not 0 (default)
+    # the size asked for (resolved from the machine where not given), as typed
+    values["l1_size_gb"] = float(f"{cfg.l1_size_bytes / (1 << 30):.6g}")
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())

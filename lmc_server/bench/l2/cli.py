@@ -8,11 +8,13 @@ from typing import Any
 
 import click
 
+from lmc_server.bench import extras
 from lmc_server.bench.common import GeometryArgs, emit
 from lmc_server.bench.options import (
     geometry_options,
     ints,
     json_option,
+    no_progress_option,
 )
 from lmc_server.config import Config
 
@@ -124,6 +126,7 @@ from lmc_server.config import Config
 )
 @geometry_options
 @json_option
+@no_progress_option
 def l2(
     chunks: int,
     rounds: int,
@@ -143,11 +146,10 @@ def l2(
     l1_fraction: float,
     l2_fraction: float,
     json_path: str | None,
+    no_progress: bool,
     **geometry: Any,
 ) -> None:
     """L2 (Redis) GB/s and objects/s through two servers vs redis-py on the same bytes."""
-    from lmc_server.bench.l2 import run as l2b
-
     if redis_io_threads > 1 and redis_url:
         raise click.UsageError(
             "--redis-io-threads starts a redis-server; set io-threads on the one at --redis-url"
@@ -166,6 +168,9 @@ def l2(
     if trace_path is not None:
         from lmc_server.bench.l2 import replay as l2replay
 
+        if replay_tier != "disk":
+            extras.require("redis", "lmcache bench l2 --replay with the Redis tier")
+
         src = click.get_current_context().get_parameter_source("layers")
         geo = GeometryArgs.pop(geometry)
         if src is not None and src.name == "DEFAULT":
@@ -178,6 +183,7 @@ def l2(
                 l2_fraction=l2_fraction,
                 geometry=geo,
                 disk=replay_tier == "disk",
+                show_progress=not no_progress,
             )
         )
         emit(rep, l2replay.table(rep), json_path)
@@ -201,6 +207,9 @@ def l2(
         if report.summary["mismatched_groups"] or not report.summary["retrieved_ok"]:
             raise SystemExit(1)
         return
+    extras.require("redis", "lmcache bench l2 (the Redis tier; --disk-dir for the disk tier)")
+    from lmc_server.bench.l2 import run as l2b
+
     report = l2b.run(
         l2b.L2BenchConfig(
             chunks=chunks,

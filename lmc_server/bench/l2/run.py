@@ -43,7 +43,6 @@ from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, fo
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
-from lmc_server.l2.redis_backend import GET_BATCH_KEYS, PUT_BATCH_KEYS
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
@@ -153,6 +152,8 @@ class _Setup:
         return out
 
     def raw_get(self, keys: list[bytes]) -> tuple[float, list[Any]]:
+        from lmc_server.l2.redis_backend import GET_BATCH_KEYS
+
         t0 = time.perf_counter()
         values: list[Any] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
@@ -160,6 +161,8 @@ class _Setup:
         return time.perf_counter() - t0, values
 
     def raw_set(self, keys: list[bytes], values: list[bytes]) -> float:
+        from lmc_server.l2.redis_backend import PUT_BATCH_KEYS
+
         t0 = time.perf_counter()
         for i in range(0, len(keys), PUT_BATCH_KEYS):
             pipe = self.raw.pipeline(transaction=False)
@@ -187,6 +190,8 @@ def warm_store(url: str, value_bytes: list[int], gb: float) -> float:
     """Write ``gb`` GB of values of the sizes in ``value_bytes`` (in turn) to the store
     at ``url``, then ``FLUSHALL SYNC`` (only ever a store this bench started); seconds."""
     import redis
+
+    from lmc_server.l2.redis_backend import PUT_BATCH_KEYS
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(7)
