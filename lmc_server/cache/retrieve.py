@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.counters import CacheStats
-from lmc_server.cache.layout import RegistrationLayout, RunCopy, plan_objects, section_block_ids
+from lmc_server.cache.layout import (
+    ObjectGroupLayout,
+    RegistrationLayout,
+    RunCopy,
+    plan_objects,
+    section_block_ids,
+)
 from lmc_server.cache.pool import COMMITTED, Partition, SlotSet
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
@@ -68,6 +74,8 @@ class RetrievePlans:
     def __init__(self, size: int = 16) -> None:
         self.size = size
         self._plans: OrderedDict[tuple[object, ...], _Plan] = OrderedDict()
+        #: what a request of each shape needs (:class:`_Shape`), for the plans made anew
+        self.shapes: dict[tuple[object, ...], _Shape] = {}
         #: retrieves served from a plan / planned anew (tests, diagnostics)
         self.reused = 0
         self.planned = 0
@@ -128,7 +136,7 @@ def pin_retrieve(
     key = plans.key(view, keys, group_ids, ends) if plans is not None else None
     plan = plans.get(key, view) if plans is not None and key is not None else None
     if plan is None:
-        plan = _plan(view, keys, group_ids, ends)
+        plan = _plan(view, keys, group_ids, ends, plans.shapes if plans is not None else None)
         if plans is not None and key is not None:
             plans.put(key, plan)
     for (part, slots), idx in zip(plan.pinned, plan.ticked, strict=True):
@@ -143,45 +151,121 @@ def pin_retrieve(
     )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _Shape:
+    """What a retrieve of ``n`` chunks with prefix ends ``ends`` reads of one object group
+    when none of its block ids is -1: which sections of which chunks (``need``), the
+    chunks with any (``cand``), the sections each of those needs as a mask (``want``),
+    and its statuses when every candidate hits (``all_hit``). It depends only on the
+    layout, ``n`` and ``ends``: made once, read-only, shared."""
+
+    layout: RegistrationLayout  # held, so that the id in its key is not reused
+    need: np.ndarray
+    cand: np.ndarray
+    cand_list: list[int]
+    want: np.ndarray
+    all_hit: np.ndarray
+
+
+def _needed(
+    og: ObjectGroupLayout,
+    n: int,
+    bounds: list[tuple[int, int]],
+    group_ids: dict[int, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``need``, ``cand`` and ``want`` of one object group (``group_ids`` None: no -1)."""
+    need = np.zeros((len(og.sections), n), dtype=bool)
+    for r in og.retentions:
+        r.mark_needed(need, bounds)
+    if group_ids is not None:
+        for bit, sec in enumerate(og.sections):
+            need[bit] &= (section_block_ids(sec, group_ids[sec.group_index]) >= 0).any(1)
+    cand = np.flatnonzero(need.any(axis=0))
+    want = (
+        need[:, cand].astype(np.uint8) << np.arange(len(og.sections), dtype=np.uint8)[:, None]
+    ).sum(axis=0, dtype=np.uint8)
+    return need, cand, want
+
+
+def _shape(
+    shapes: dict[tuple[object, ...], _Shape] | None,
+    layout: RegistrationLayout,
+    og: ObjectGroupLayout,
+    n: int,
+    ends: list[int],
+    bounds: list[tuple[int, int]],
+) -> _Shape:
+    key = (id(layout), og.index, n, tuple(ends))
+    shape = shapes.get(key) if shapes is not None else None
+    if shape is None or shape.layout is not layout:
+        need, cand, want = _needed(og, n, bounds, None)
+        all_hit = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
+        all_hit[cand] = ChunkStatus.OK
+        for a in (need, cand, want, all_hit):
+            a.flags.writeable = False
+        shape = _Shape(layout, need, cand, cand.tolist(), want, all_hit)
+        if shapes is not None:
+            if len(shapes) >= SHAPES_MAX:
+                shapes.pop(next(iter(shapes)))
+            shapes[key] = shape
+    return shape
+
+
+#: Shapes kept per index (distinct layouts x object groups x request lengths x ends).
+SHAPES_MAX = 1024
+
+
 def _plan(
-    view: CacheView, keys: list[bytes], group_ids: dict[int, np.ndarray], ends: list[int]
+    view: CacheView,
+    keys: list[bytes],
+    group_ids: dict[int, np.ndarray],
+    ends: list[int],
+    shapes: dict[tuple[object, ...], _Shape] | None = None,
 ) -> _Plan:
-    """The objects a retrieve reads and their copies, from the index as it is now."""
+    """The objects a retrieve reads and their copies, from the index as it is now.
+
+    A request none of whose block ids is -1 (the usual case) takes what it needs of
+    each object group from its :class:`_Shape`; with holes, it is worked out here."""
     n = len(keys)
     bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+    holes = any(int(a.min()) < 0 for a in group_ids.values() if a.size)
     statuses: list[np.ndarray] = []
     pinned: list[tuple[Partition, SlotSet]] = []
     ticked: list[np.ndarray] = []
     copies: list[RunCopy] = []
     nbytes = objects = 0
     for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
-        st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
-        need = np.zeros((len(og.sections), n), dtype=bool)
-        for r in og.retentions:
-            r.mark_needed(need, bounds)
-        for bit, sec in enumerate(og.sections):
-            need[bit] &= (section_block_ids(sec, group_ids[sec.group_index]) >= 0).any(1)
-        cand = np.flatnonzero(need.any(axis=0))
+        shape: _Shape | None = None
+        if holes:
+            need, cand, want = _needed(og, n, bounds, group_ids)
+            cand_list = cand.tolist()
+        else:
+            shape = _shape(shapes, view.layout, og, n, ends, bounds)
+            need, cand, want, cand_list = shape.need, shape.cand, shape.want, shape.cand_list
         get = part.keys.get
-        found = np.array([get(keys[i], -1) for i in cand.tolist()], dtype=np.int64)
-        want = (
-            need[:, cand].astype(np.uint8) << np.arange(len(og.sections), dtype=np.uint8)[:, None]
-        ).sum(axis=0, dtype=np.uint8)
+        found = np.array([get(keys[i], -1) for i in cand_list], dtype=np.int64)
         hit = found >= 0
         if hit.any():  # (a partition may have no slots at all yet)
             at = np.maximum(found, 0)
             hit &= (np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED) & (
                 (np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want
             )
-        missed = cand[~hit]
-        st[missed] = ChunkStatus.MISS
-        need[:, missed] = False
-        st[cand[hit]] = ChunkStatus.OK
-        st.flags.writeable = False
+        if shape is not None and bool(hit.all()):
+            st = shape.all_hit
+            chunks_arr = cand
+        else:
+            st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
+            need = need.copy()
+            missed = cand[~hit]
+            st[missed] = ChunkStatus.MISS
+            need[:, missed] = False
+            chunks_arr = cand[hit]
+            st[chunks_arr] = ChunkStatus.OK
+            st.flags.writeable = False
         statuses.append(st)
-        if not hit.any():
+        if not chunks_arr.size:
             continue
-        chunks = array("i", cand[hit].tolist())
+        chunks = array("i", chunks_arr.tolist())
         slots = array("i", found[hit].tolist())
         pinned.append((part, SlotSet(slots)))
         ticked.append(_frozen(found[hit]))
