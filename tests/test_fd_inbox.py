@@ -100,7 +100,7 @@ def test_descriptors_never_claimed_are_closed(inbox: FdInbox) -> None:
         time.sleep(0.05)
 
 
-def test_a_peer_of_another_user_is_refused(inbox: FdInbox) -> None:
+def test_a_peer_of_another_user_and_group_is_refused(inbox: FdInbox) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run a peer under another uid")
     fd = sealed_memfd(4096)
@@ -109,6 +109,8 @@ def test_a_peer_of_another_user_is_refused(inbox: FdInbox) -> None:
     if pid == 0:  # the peer: nobody
         try:
             os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
             os.setuid(65534)
             os.write(w, send(inbox.name, secrets.token_bytes(16), [fd]))
         except BaseException as e:
@@ -122,7 +124,7 @@ def test_a_peer_of_another_user_is_refused(inbox: FdInbox) -> None:
         os.close(r)
         os.waitpid(pid, 0)
         os.close(fd)
-    assert answer == b"error: descriptors are taken from the server's own user only"
+    assert answer == b"error: descriptors are taken from the server's own user or group only"
     assert inbox.pending_fds == 0
 
 

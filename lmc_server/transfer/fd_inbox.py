@@ -13,8 +13,11 @@ descriptors, and waits for ``ok``; its ``register`` then names ``(token, index)`
 (:class:`~lmc_server.buffers.ShmFdBuffer`) and :meth:`FdInbox.take` hands the
 descriptors to the mapping. Invariants:
 
-* only a peer with the server's uid (or root) is heard (``SO_PEERCRED``): the same
-  rule as for opening its ``/dev/shm`` files, which are created mode 0600;
+* only a peer of the server's user or group (or root) is heard (``SO_PEERCRED``), as
+  only those could share ``/dev/shm`` files with it (the deployment's ``UMask=0007``
+  and shared group, docs/operations.md). A descriptor grants the server only memory
+  its peer holds already; what the server then reads or writes there is decided on
+  the main socket, under its own exposure rules;
 * at most :data:`MAX_FDS_PER_MESSAGE` descriptors a message and :data:`MAX_PENDING_FDS`
   waiting in all; descriptors not taken within ``ttl_s`` are closed;
 * a token is taken once (a second ``take`` of it fails), so a registration cannot map
@@ -53,7 +56,7 @@ class FdInbox:
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self.name = f"lmc-fds-{os.getpid()}-{secrets.token_hex(8)}"
-        self._uid = os.geteuid()
+        self._uid, self._gid = os.geteuid(), os.getegid()
         self._lock = threading.Lock()
         self._pending: dict[bytes, tuple[float, list[int]]] = {}
         self._n_pending = 0
@@ -116,7 +119,7 @@ class FdInbox:
 
     def _receive(self, conn: socket.socket) -> bytes:
         """One peer's message: its answer, ``ok`` or ``error: ...``."""
-        pid, uid, _ = _UCRED.unpack(
+        pid, uid, gid = _UCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
         conn.settimeout(PEER_TIMEOUT_S)
@@ -124,10 +127,15 @@ class FdInbox:
             data, fds, flags, _ = socket.recv_fds(conn, TOKEN_BYTES + 1, MAX_FDS_PER_MESSAGE)
         except TimeoutError:
             return b"error: no message within the timeout"
-        if uid not in (self._uid, 0):
+        if uid not in (self._uid, 0) and gid != self._gid:
             _close_all(fds)
-            log.warning("descriptor socket: refused pid %d of uid %d (not the server's)", pid, uid)
-            return b"error: descriptors are taken from the server's own user only"
+            log.warning(
+                "descriptor socket: refused pid %d of uid %d, gid %d (not the server's)",
+                pid,
+                uid,
+                gid,
+            )
+            return b"error: descriptors are taken from the server's own user or group only"
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(data) != TOKEN_BYTES or not fds:
             _close_all(fds)
             return (
