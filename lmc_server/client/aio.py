@@ -206,7 +206,11 @@ class AsyncClient:
         server restarted) is answered with a new hello and a new hand-over, once."""
         for attempt in (0, 1):
             fd_socket = self.welcome.fd_socket if self.welcome is not None else ""
-            passed = await asyncio.to_thread(shm.handed_over, buffers, fd_socket, self.timeout_s)
+            passed: Sequence[BufferSpec] = buffers
+            if fd_socket and shm.hands_over(buffers):  # blocks on the server: off the loop
+                passed = await asyncio.to_thread(
+                    shm.handed_over, buffers, fd_socket, self.timeout_s
+                )
             call = self._b.register(
                 model=model,
                 kv_dtype=kv_dtype,

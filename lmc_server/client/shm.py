@@ -36,6 +36,11 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 TOKEN_BYTES = 16
 
 
+def hands_over(buffers: Sequence[BufferSpec]) -> bool:
+    """Whether :func:`handed_over` has segments of this process to hand over."""
+    return any(isinstance(b, ShmBuffer) and b.name in _LIVE for b in buffers)
+
+
 def handed_over(
     buffers: Sequence[BufferSpec], fd_socket: str, timeout_s: float
 ) -> list[BufferSpec]:
