@@ -103,7 +103,7 @@ def test_a_client_killed_after_registering_leaves_nothing(srv: ServerProcess) ->
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "registered"
-        assert segments_of(proc.pid) == []  # no name outlives the registration
+        assert segments_of(proc.pid) == []  # its segments have no name, ever
         with Client(srv.endpoint) as c:
             assert c.stats().registrations == 1
     finally:
