@@ -1,11 +1,11 @@
 """Where a worker's KV cache lives, as a registration declares it on the wire.
 
 One msgspec tagged union, :data:`BufferSpec`: a POSIX shared-memory segment for the cpu
-engine (:class:`ShmBuffer`) or a CUDA IPC handle for the cuda engine
-(:class:`CudaIpcBuffer`). The protocol carries them, the client builds them and the
-transfer engines open them; the cache core never sees them (it works in offsets into a
-buffer index), which is why they live here, below all three, and not in ``cache``.
-Imports msgspec only.
+engine, by name (:class:`ShmBuffer`) or by descriptor (:class:`ShmFdBuffer`), or a
+CUDA IPC handle for the cuda engine (:class:`CudaIpcBuffer`). The protocol carries
+them, the client builds them and the transfer engines open them; the cache core never
+sees them (it works in offsets into a buffer index), which is why they live here,
+below all three, and not in ``cache``. Imports msgspec only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ class ShmBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="sh
     size_bytes: int
 
 
+class ShmFdBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="shm_fd"):
+    """A shared-memory segment whose descriptor the worker handed to the server over
+    its descriptor socket (:mod:`lmc_server.transfer.fd_inbox`): descriptor ``index``
+    of the message sent with ``token``. The segment has no name anywhere."""
+
+    token: bytes
+    index: int
+    size_bytes: int
+
+
 class CudaIpcBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cuda_ipc"):
     """A CUDA allocation exported with ``cudaIpcGetMemHandle`` (CUDA engine).
 
@@ -37,4 +47,4 @@ class CudaIpcBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
     size_bytes: int
 
 
-BufferSpec = ShmBuffer | CudaIpcBuffer
+BufferSpec = ShmBuffer | ShmFdBuffer | CudaIpcBuffer

@@ -7,6 +7,9 @@ of the server and the clients sets (it keeps IPv4 working: the sockets are dual-
 
 The loopback rule: a host is loopback if it is ``127.0.0.0/8``, ``::1``, or a name all of
 whose addresses are. ``::``, ``0.0.0.0``, ``*`` and any other address are not.
+
+vLLM's bind-or-connect rule for its KV-event PUB endpoint (:func:`binds`) is read here
+too, so that the server's exposure check and its publisher agree on what is bound.
 """
 
 from __future__ import annotations
@@ -106,3 +109,19 @@ def address_family(host: str, resolver: Resolver = socket.getaddrinfo) -> socket
     if addrs and all(ipaddress.ip_address(a).version == 6 for a in addrs):
         return socket.AF_INET6
     return socket.AF_INET
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule for its KV-event PUB endpoint, kept so a vLLM ``--kv-events-config``
+    endpoint means the same here: bind a wildcard (``*``, ``::``) or ipc endpoint,
+    connect to any other (a router that binds its SUB socket, as llm-d's indexer does
+    centrally)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (``*`` for a wildcard), None for any
+    other transport."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0]

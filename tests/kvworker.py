@@ -36,7 +36,7 @@ def main() -> None:
         num_blocks=args.get("num_blocks", 32),
         layers=args.get("layers", 44),
     )
-    with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo, keep_names=False) as kv:
+    with Client(args["endpoint"], client_name="kvworker") as c, ShmKV(geo) as kv:
         kv.fill_random(args["seed"])
         reg = c.register(
             **kv.register_kwargs(

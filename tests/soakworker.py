@@ -28,8 +28,8 @@ def main() -> None:
     ops = mismatches = errors = 0
     with (
         Client(endpoint, timeout_s=20) as c,
-        ShmKV(geo, keep_names=False) as src,
-        ShmKV(geo, keep_names=False) as dst,
+        ShmKV(geo) as src,
+        ShmKV(geo) as dst,
     ):
         src.fill_random(1234)  # every worker holds the same bytes for the same prefix
         reg = c.register(**src.register_kwargs(replicated=True, world_size=2))

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.client import Client, Registration, chunk_digests
+from lmc_server.client.shm import handed_over
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, decode_reply, decode_request, encode
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
@@ -172,9 +173,11 @@ def test_decoder_and_dispatcher_survive_fuzzing(
     sock.connect(fuzz_server.endpoint)
     sock.send(encode(m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION)))
     assert sock.poll(5000)
-    assert isinstance(decode_reply(sock.recv()), m.Welcome)
+    welcome = decode_reply(sock.recv())
+    assert isinstance(welcome, m.Welcome)
     kv = ShmKV(simple_model(num_blocks=32))
-    sock.send(encode(m.Register(req_id=2, **kv.register_kwargs())))
+    passed = handed_over(kv.buffers, welcome.fd_socket, 10.0)  # as the client does
+    sock.send(encode(m.Register(req_id=2, **kv.register_kwargs(buffers=passed))))
     assert sock.poll(5000)
     registered = decode_reply(sock.recv())
     assert isinstance(registered, m.Registered)

@@ -25,6 +25,7 @@ from lmc_server import PROTOCOL_VERSION
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
+from lmc_server.client.shm import handed_over
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
 from lmc_server.server.handlers import Handlers
@@ -66,7 +67,9 @@ async def _scenario(op: str) -> None:
         def join(identity: bytes) -> tuple[Session, bytes]:
             session = sessions.get_or_create(identity, 0.0)
             h.hello(session, m.Hello(req_id=1, protocol_version=PROTOCOL_VERSION))
-            reg = h.register(session, m.Register(req_id=2, **kv.register_kwargs()))
+            # a raw register, as the client sends it: the segments handed over first
+            passed = handed_over(kv.buffers, engine.fd_socket, 10.0)
+            reg = h.register(session, m.Register(req_id=2, **kv.register_kwargs(buffers=passed)))
             return session, reg.registration_id
 
         a, a_reg = join(b"a")

@@ -28,11 +28,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.client import shm
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
     CurveKeys,
     Registration,
+    ServerError,
     configure_socket,
 )
 from lmc_server.client.requests import Call, RequestBuilder
@@ -214,18 +216,33 @@ class AsyncClient:
         rank: int = 0,
         replicated: bool = False,
     ) -> Registration:
-        return await self._run(
-            self._b.register(
+        """Shared-memory segments of this process are handed to the server by
+        descriptor first (:mod:`lmc_server.client.shm`); a ``handshake`` refusal (the
+        server restarted) is answered with a new hello and a new hand-over, once."""
+        for attempt in (0, 1):
+            fd_socket = self.welcome.fd_socket if self.welcome is not None else ""
+            passed: Sequence[BufferSpec] = buffers
+            if fd_socket and shm.hands_over(buffers):  # blocks on the server: off the loop
+                passed = await asyncio.to_thread(
+                    shm.handed_over, buffers, fd_socket, self.timeout_s
+                )
+            call = self._b.register(
                 model=model,
                 kv_dtype=kv_dtype,
                 arch=arch,
                 groups=groups,
-                buffers=buffers,
+                buffers=passed,
                 world_size=world_size,
                 rank=rank,
                 replicated=replicated,
             )
-        )
+            try:
+                return await self._run(call)
+            except ServerError as e:
+                if e.code != "handshake" or attempt or self.welcome is None:
+                    raise
+            await self._hello()
+        raise AssertionError("unreachable")
 
     async def unregister(self, reg: Registration) -> None:
         await self._run(self._b.unregister(reg))

@@ -22,10 +22,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from lmc_server import PROTOCOL_VERSION
-from lmc_server.buffers import BufferSpec
+from lmc_server.buffers import BufferSpec, ShmFdBuffer
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.keys import DIGEST_BYTES
-from lmc_server.client import shm
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
@@ -75,7 +74,15 @@ class Call(Generic[T]):
             and isinstance(reply, m.Error)
             and reply.code == "handshake"
             and not isinstance(self.msg, m.Hello)
+            and not _hands_over(self.msg)
         )
+
+
+def _hands_over(msg: m._Msg) -> bool:
+    """A registration naming descriptors handed to one server process: a restarted
+    server never got them, so the transport hands them over again and builds a new
+    message (``register`` on either client) instead of resending this one."""
+    return isinstance(msg, m.Register) and any(isinstance(b, ShmFdBuffer) for b in msg.buffers)
 
 
 def raw_call(msg: m._Msg, expected: type[R]) -> Call[R]:
@@ -135,10 +142,8 @@ class RequestBuilder:
             buffers=list(buffers),
             groups=list(groups),
         )
-        shm.check_registrable(msg.buffers)
 
         def registration(reply: m.Registered) -> Registration:
-            shm.registered(msg.buffers)  # the server has opened them: names not needed
             return Registration(
                 reply.registration_id,
                 reply.namespace,

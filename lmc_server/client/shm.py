@@ -1,62 +1,95 @@
-"""POSIX shared-memory KV buffers for the server's cpu backend (CPU-only hosts, tests).
+"""Shared-memory KV buffers for the server's cpu backend (CPU-only hosts, tests).
 
 A worker whose KV cache lives in host memory allocates it here (:class:`ShmSegment`),
 uses ``segment.array`` as that memory and registers ``segment.spec``: the server maps
 the same pages, so stores and retrieves copy straight between them and its pool.
 
-The worker creates a segment under ``/dev/shm`` (mode 0600, random ``lmc-<pid>-``
-name) and registers it by name; the server opens the name once, at registration, and
-its mapping stays valid until it unmaps, whatever happens to the name. So the name is
-needed only until the server has acknowledged the registration, and it is removed then
-(:func:`registered`, called by the client for every ``Registered`` reply): a worker
-killed with SIGKILL afterwards leaves nothing in ``/dev/shm``.
+A segment is a nameless ``memfd`` sealed against resizing, so it exists only as long as
+some process holds it: a worker or a server killed with SIGKILL at any moment leaves
+nothing in ``/dev/shm`` (nothing of ours is ever there). The server maps a segment
+from its file descriptor, which the client hands over on the server's descriptor
+socket (SCM_RIGHTS, :mod:`lmc_server.transfer.fd_inbox`, named in the ``welcome``)
+just before each registration (:func:`handed_over`). A segment therefore registers any
+number of times: from several clients, and again after a server restart (the link
+reconnects and hands it to the new server process).
 
-The price: a segment is registered once. The server opens segments only by name (a
-socket cannot pass it a file descriptor) and Linux cannot give an unlinked file a name
-again, so a second registration of the same segment, another client's or the same
-client's after a server restart, would find no name: the client refuses it before
-sending (:func:`check_registrable`). A segment that must be registered again is
-created with ``keep_name=True``; its name then lives until :meth:`ShmSegment.close`
-(or :meth:`ShmSegment.unlink`), and a kill -9 leaves it behind.
+Buffers that are not segments of this process (a name under ``/dev/shm`` that another
+program manages) are sent as they are, and a server without a descriptor socket (the
+null backend, which maps nothing) gets each segment's :attr:`ShmSegment.spec`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
+import socket
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
-from lmc_server.buffers import BufferSpec, ShmBuffer
+from lmc_server.buffers import BufferSpec, ShmBuffer, ShmFdBuffer
 
 SHM_DIR = "/dev/shm"
 #: This process's segments by name (weak: a segment dropped or closed leaves).
 _LIVE: weakref.WeakValueDictionary[str, ShmSegment] = weakref.WeakValueDictionary()
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Bytes of a hand-over's token (as :data:`lmc_server.transfer.fd_inbox.TOKEN_BYTES`).
+TOKEN_BYTES = 16
 
 
-def check_registrable(buffers: Sequence[BufferSpec]) -> None:
-    """Raise ``ValueError`` if a segment of this process among ``buffers`` has lost its
-    name (registered already): the server could not open it."""
-    for b in buffers:
-        seg = _LIVE.get(b.name) if isinstance(b, ShmBuffer) else None
-        if seg is not None and seg.unlinked:
-            raise ValueError(
-                f"shared-memory segment {seg.name} was registered already and its name "
-                f"removed (nothing is left behind if this process is killed); create it "
-                f"with ShmSegment(..., keep_name=True) to register it more than once"
-            )
+def hands_over(buffers: Sequence[BufferSpec]) -> bool:
+    """Whether :func:`handed_over` has segments of this process to hand over."""
+    return any(isinstance(b, ShmBuffer) and b.name in _LIVE for b in buffers)
 
 
-def registered(buffers: Sequence[BufferSpec]) -> None:
-    """The server acknowledged a registration of ``buffers``: remove the name of each
-    segment of this process among them, unless it keeps its name."""
-    for b in buffers:
-        seg = _LIVE.get(b.name) if isinstance(b, ShmBuffer) else None
-        if seg is not None and not seg.keep_name:
-            seg.unlink()
+def handed_over(
+    buffers: Sequence[BufferSpec], fd_socket: str, timeout_s: float
+) -> list[BufferSpec]:
+    """``buffers`` for a registration message: the segments of this process among them
+    handed to the server on ``fd_socket`` (one message, one token) and named by
+    descriptor; any other buffer passed through. Blocks until the server took them.
+
+    Raises ``ConnectionError`` if the server refused them or cannot be reached there,
+    ``TimeoutError`` if it did not answer within ``timeout_s``."""
+    segs = [_LIVE.get(b.name) if isinstance(b, ShmBuffer) else None for b in buffers]
+    if not fd_socket or not any(segs):
+        return list(buffers)
+    fds: list[int] = []
+    index: dict[int, int] = {}  # segment id -> its descriptor's index in the message
+    for seg in segs:
+        if seg is not None and id(seg) not in index:
+            index[id(seg)] = len(fds)
+            fds.append(seg.fileno())
+    token = secrets.token_bytes(TOKEN_BYTES)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + fd_socket)
+            socket.send_fds(sock, [token], fds)
+            answer = sock.recv(256)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the server's descriptor socket @{fd_socket} did not answer within {timeout_s} s"
+            ) from None
+        except OSError as e:
+            raise ConnectionError(
+                f"cannot hand shared-memory segments to the server on @{fd_socket}: {e} "
+                "(the cpu backend needs the worker on the server's host, in its network "
+                "namespace, under its user)"
+            ) from None
+    if answer != b"ok":
+        text = answer.decode(errors="replace") or "connection closed"
+        raise ConnectionError(f"the server refused the shared-memory segments: {text}")
+    out: list[BufferSpec] = []
+    for b, seg in zip(buffers, segs, strict=True):
+        if seg is None:
+            out.append(b)
+        else:
+            out.append(ShmFdBuffer(token=token, index=index[id(seg)], size_bytes=b.size_bytes))
+    return out
 
 
 class ShmSegment:
@@ -65,48 +98,44 @@ class ShmSegment:
     engine's layout), ``spec`` what a registration's ``buffers`` take. Close it (or use
     ``with``) once the registration is gone.
 
-    ``keep_name``: keep the name after a registration (see the module docstring).
+    ``name`` identifies the segment in this process (its :attr:`spec` names it; the
+    client library hands the descriptor over instead, see the module docstring); no
+    file has that name.
     """
 
-    def __init__(self, size_bytes: int, name: str | None = None, keep_name: bool = False) -> None:
-        self.name = name or f"lmc-{os.getpid()}-{secrets.token_hex(8)}"
+    def __init__(self, size_bytes: int) -> None:
+        self.name = f"lmc-{os.getpid()}-{secrets.token_hex(8)}"
         self.size_bytes = size_bytes
-        self.keep_name = keep_name
-        self.path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size_bytes)
-            self._mm = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+            os.ftruncate(self._fd, size_bytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._mm = mmap.mmap(self._fd, size_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
-            os.unlink(self.path)
+            os.close(self._fd)
             raise
-        finally:
-            os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
-        self._unlinked = False
+        self._closed = False
         _LIVE[self.name] = self
 
     @property
     def spec(self) -> ShmBuffer:
         return ShmBuffer(name=self.name, size_bytes=self.size_bytes)
 
-    @property
-    def unlinked(self) -> bool:
-        """The name is gone: the memory lives on in every mapping of it."""
-        return self._unlinked
-
-    def unlink(self) -> None:
-        if not self._unlinked:
-            self._unlinked = True
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+    def fileno(self) -> int:
+        if self._closed:
+            raise ValueError(f"shared-memory segment {self.name} is closed")
+        return self._fd
 
     def close(self) -> None:
-        """Unlink, and unmap unless views of ``array`` are still alive elsewhere (the
-        mapping then goes away with the last view)."""
-        self.unlink()
+        """Close the descriptor, and unmap unless views of ``array`` are still alive
+        elsewhere (the mapping then goes away with the last view). The memory is freed
+        once no process (the server included) maps it any more."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.pop(self.name, None)
+        os.close(self._fd)
         if not self._mm.closed:
             self.array = np.empty(0, dtype=np.uint8)
             try:

@@ -16,6 +16,7 @@ import zmq
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.client import shm
 from lmc_server.client.core import (
     BlockIds,
     ChunkResult,
@@ -135,18 +136,28 @@ class Client:
         rank: int = 0,
         replicated: bool = False,
     ) -> Registration:
-        return self._run(
-            self._b.register(
+        """Shared-memory segments of this process are handed to the server by
+        descriptor first (:mod:`lmc_server.client.shm`); a ``handshake`` refusal (the
+        server restarted) is answered with a new hello and a new hand-over, once."""
+        for attempt in (0, 1):
+            fd_socket = self.welcome.fd_socket if self.welcome is not None else ""
+            call = self._b.register(
                 model=model,
                 kv_dtype=kv_dtype,
                 arch=arch,
                 groups=groups,
-                buffers=buffers,
+                buffers=shm.handed_over(buffers, fd_socket, self.timeout_s),
                 world_size=world_size,
                 rank=rank,
                 replicated=replicated,
             )
-        )
+            try:
+                return self._run(call)
+            except ServerError as e:
+                if e.code != "handshake" or attempt or self.welcome is None:
+                    raise
+            self._hello()
+        raise AssertionError("unreachable")
 
     def unregister(self, reg: Registration) -> None:
         self._run(self._b.unregister(reg))

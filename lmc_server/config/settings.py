@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
 from lmc_server.config.declare import ConfigError, check_declared, declarations, setting
-from lmc_server.net import host_problem, is_loopback, tcp_endpoint
+from lmc_server.net import binds, endpoint_host, host_problem, is_loopback, tcp_endpoint
 from lmc_server.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
@@ -217,14 +217,21 @@ class Config:
         "Publish L1 stores and removals for KV-aware routers, in vLLM's KV-event "
         "format, on this ZeroMQ PUB endpoint; as vLLM does, a wildcard (tcp://*:5557) or "
         "ipc:// endpoint is bound, any other connected to (a router's bound SUB). The "
-        "stream carries prompt tokens: expose it only to the router. See "
-        "docs/operations.md.",
+        "stream carries prompt tokens: bound on a non-loopback address it needs CURVE "
+        "or --kv-events-allow-remote. See docs/security.md.",
         metavar="ENDPOINT",
     )
     kv_events_replay_endpoint: str = setting(
         "",
-        "ROUTER endpoint where subscribers ask for missed batches (vLLM's replay protocol).",
+        "ROUTER endpoint where subscribers ask for missed batches (vLLM's replay "
+        "protocol); always bound, under the same rule as --kv-events-endpoint.",
         metavar="ENDPOINT",
+    )
+    kv_events_allow_remote: bool = setting(
+        False,
+        "Let the KV-event endpoints be bound on a non-loopback address without CURVE: "
+        "anyone who can reach them reads the prompts' tokens. For a trusted network "
+        "whose router cannot speak CURVE.",
     )
     kv_events_topic: str = setting(
         "",
@@ -282,12 +289,18 @@ class Config:
                 "CURVE needs both --curve-secret-key-file and "
                 "--curve-clients-dir (see 'lmcache keygen')"
             )
-        if not self.curve_secret_key_file and not is_loopback(self.host):
+        if self.exposed(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host}: clients could map and read any KV "
                 f"they can name. Listen on 127.0.0.1 (the default), use --ipc-path, or "
                 f"configure CURVE (--curve-secret-key-file, --curve-clients-dir)"
             )
+
+    def exposed(self, host: str) -> bool:
+        """The exposure rule, for every socket the server binds: one bound on a host
+        other machines can reach (not loopback: ``*``, ``0.0.0.0``, ``::``, any other
+        address) needs CURVE."""
+        return not self.curve_secret_key_file and not is_loopback(host)
 
     def _check_kv_events(self) -> None:
         ends = [e for e in (self.kv_events_endpoint, self.kv_events_replay_endpoint) if e]
@@ -300,6 +313,28 @@ class Config:
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        bound = [(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")]
+        if binds(self.kv_events_endpoint):
+            bound.append((self.kv_events_endpoint, "--kv-events-endpoint"))
+        elif endpoint_host(self.kv_events_endpoint) in ("0.0.0.0", "[::]"):
+            raise ConfigError(
+                f"--kv-events-endpoint {self.kv_events_endpoint}: an endpoint without a "
+                f"wildcard is connected to (vLLM's rule), and 0.0.0.0 names no peer; "
+                f"to listen on every address write tcp://*:PORT"
+            )
+        for endpoint, flag in bound:
+            host = endpoint_host(endpoint)
+            if host is None or self.kv_events_allow_remote or not self.exposed(host):
+                continue
+            raise ConfigError(
+                f"refusing to bind {flag} {endpoint}: the KV-event stream carries the "
+                f"prompts' tokens and anyone who can reach it would read them. Bind it on "
+                f"loopback (tcp://127.0.0.1:PORT for the replay endpoint, tcp://[::1]:PORT "
+                f"or ipc://PATH for the publisher), connect to the router's address "
+                f"instead (tcp://ROUTER:PORT), configure CURVE (--curve-secret-key-file, "
+                f"--curve-clients-dir: the event sockets admit the same clients), or pass "
+                f"--kv-events-allow-remote"
+            )
         if "\x00" in self.kv_events_topic or len(self.kv_events_topic) > 256:
             raise ConfigError("KV events topic: at most 256 characters, no NUL")
 

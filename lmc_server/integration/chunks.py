@@ -72,6 +72,10 @@ class ChunkGeometry:
         self.hash_block_size = hash_block_size
         self.groups = tuple(groups)
         self.hashes_per_chunk = chunk_size // hash_block_size
+        #: (index, group, blocks per chunk) of each cached group, for the per-request paths
+        self._cached = [
+            (gi, g, blocks_per_chunk(g, chunk_size)) for gi, g in enumerate(self.groups) if g.cached
+        ]
 
     def blocks_per_chunk(self, group: EngineGroup) -> int:
         return blocks_per_chunk(group, self.chunk_size)
@@ -154,15 +158,18 @@ class ChunkGeometry:
         blocks past the table's end become ``-1``.
         """
         out: dict[str, np.ndarray] = {}
-        for gi, g in enumerate(self.groups):
-            if not g.cached:
-                continue
-            bpc = self.blocks_per_chunk(g)
+        for gi, g, bpc in self._cached:
             lo = first_chunk * bpc
-            ids = np.full(n_chunks * bpc, -1, dtype=np.int32)
-            have = np.asarray(group_blocks[gi][lo : lo + n_chunks * bpc], dtype=np.int64)
-            ids[: have.size] = have
-            ids[ids == NULL_BLOCK_ID] = -1
+            n = n_chunks * bpc
+            # one array from the table's slice (the usual case: the table covers the
+            # chunks and holds no null block) rather than a fill and masks: this runs
+            # per request on the scheduler thread, where each numpy call costs a few µs
+            have = group_blocks[gi][lo : lo + n]
+            ids = np.array(have, dtype=np.int32)
+            if len(have) < n:
+                ids = np.concatenate([ids, np.full(n - len(have), -1, dtype=np.int32)])
+            if NULL_BLOCK_ID in have:
+                ids[ids == NULL_BLOCK_ID] = -1
             keep_blocks = (
                 max(keep_tokens // g.tokens_per_block, self.freed_blocks(g, computed_tokens)) - lo
             )

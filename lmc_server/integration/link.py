@@ -27,9 +27,9 @@ A restarted server. The server forgets registrations when it restarts (or drops 
 session it thought dead); zmq reconnects the socket by itself and the next request is
 refused (``handshake`` or ``unknown_registration``). The link then connects afresh,
 registers again with the same arguments and retries the request once; a lookup,
-store or retrieve fails only if that fails too. Shared-memory buffers can be registered
-again only if their segments kept their names (``ShmSegment(..., keep_name=True)``,
-:mod:`lmc_server.client.shm`); otherwise registering again fails, saying so.
+store or retrieve fails only if that fails too. Shared-memory segments are handed to
+the new server process by descriptor like to the first (:mod:`lmc_server.client.shm`),
+so this holds on the cpu backend as on CUDA.
 
 A server that died with requests in flight. Their replies will never come, and waiting
 for ``timeout_s`` would stall whatever waits on them (a fence stops the whole engine).

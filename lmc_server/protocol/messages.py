@@ -187,6 +187,8 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     backend: str
     max_frame_bytes: int
     max_chunks_per_request: int
+    #: Abstract unix socket taking shared-memory descriptors (cpu backend; "" if none).
+    fd_socket: str = ""
 
 
 class ObjectGroupInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.keys import NS_BYTES
@@ -49,10 +50,15 @@ from lmc_server.cache.view import CacheView
 from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.server.events_replay import ReplayBuffer
-from lmc_server.server.events_settings import KvEventSettings, binds
+from lmc_server.server.events_settings import KvEventSettings, binds, needs_curve
 from lmc_server.server.events_stage import Removals, Stage
 from lmc_server.server.events_tiers import DiskEvents
-from lmc_server.server.security import bound_ipc_file, remove_ipc
+from lmc_server.server.security import (
+    bound_ipc_file,
+    curve_server,
+    remove_ipc,
+    start_authenticator,
+)
 
 if TYPE_CHECKING:
     from lmc_server.l2.events import TierListeners
@@ -81,6 +87,7 @@ class KvEventPublisher:
         self.wall_clock = wall_clock
         self.stats = KvEventCounters()
         self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
         self._pub: zmq.Socket[Any] | None = None
         self._live = False  # between open() and close()
         #: namespace key prefix -> topic, or None for a namespace that is not published.
@@ -107,20 +114,31 @@ class KvEventPublisher:
     def open(self) -> None:
         """Bind the sockets and publish ``AllBlocksCleared`` (the pool starts empty)."""
         s = self.settings
-        self._pub = self._bind_pub()
+        try:
+            self._pub = self._bind_pub()
+            if s.replay_endpoint:
+                rep = self._ctx.socket(zmq.ROUTER)
+                try:
+                    self._heartbeat(rep)
+                    self._secure(rep, s.replay_endpoint)
+                    self.replay.serve(rep, s.replay_endpoint)
+                except BaseException:
+                    rep.close(linger=0)
+                    raise
+        except BaseException:  # a socket left open would hang the context's term
+            self.close()
+            raise
         self._live = True
-        if s.replay_endpoint:
-            rep = self._ctx.socket(zmq.ROUTER)
-            self._heartbeat(rep)
-            self.replay.serve(rep, s.replay_endpoint)
         bound = [s.replay_endpoint, s.endpoint if binds(s.endpoint) else ""]
         self._ipc_files = [f for e in bound if e and (f := bound_ipc_file(e)) is not None]
         self._pending[s.topic_prefix.encode()] = [ev.AllBlocksCleared()]
         self.flush()
         log.info(
-            "publishing KV events on %s (replay %s, topic %s<model>)",
+            "publishing KV events: %s %s%s (replay %s, topic %s<model>)",
+            "binding" if binds(s.endpoint) else "connecting to",
             s.endpoint,
-            s.replay_endpoint or "off",
+            " with CURVE" if self._auth is not None and needs_curve(s.endpoint) else "",
+            f"bound on {s.replay_endpoint}" if s.replay_endpoint else "off",
             s.topic_prefix,
         )
 
@@ -130,17 +148,34 @@ class KvEventPublisher:
         self._heartbeat(pub)
         pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
-        if binds(self.settings.endpoint):
-            pub.bind(self.settings.endpoint)
-        else:
-            pub.connect(self.settings.endpoint)
+        try:
+            if binds(self.settings.endpoint):
+                self._secure(pub, self.settings.endpoint)
+                pub.bind(self.settings.endpoint)
+            else:
+                pub.connect(self.settings.endpoint)
+        except BaseException:
+            pub.close(linger=0)
+            raise
         return pub
+
+    def _secure(self, sock: zmq.Socket[Any], endpoint: str) -> None:
+        """A socket about to be bound where other machines reach it is a CURVE server
+        admitting the server's clients, when the server has CURVE (the configuration
+        refuses such an endpoint without CURVE unless ``--kv-events-allow-remote``)."""
+        s = self.settings
+        if not s.curve_secret_key_file or not needs_curve(endpoint):
+            return
+        if self._auth is None:
+            self._auth = start_authenticator(self._ctx, s.curve_clients_dir)
+        curve_server(sock, s.curve_secret_key_file)
 
     def _heartbeat(self, sock: zmq.Socket[Any]) -> None:
         """No linger; ZMTP heartbeats, so a subscriber that is gone or stopped (its
         zmq thread no longer answers) is disconnected and its queue freed."""
         hb_ms = int(self.settings.heartbeat_timeout_s * 1000)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # dual-stack: tcp://[::1]:PORT binds
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, hb_ms // 4))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
@@ -153,6 +188,9 @@ class KvEventPublisher:
             self._pub = None
         self._live = False
         self.replay.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
         for path, inode in self._ipc_files:
             remove_ipc(path, inode)

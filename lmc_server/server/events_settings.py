@@ -1,7 +1,8 @@
 """The KV-event publisher's settings, from the server's (``--kv-events-*``).
 
 Apart from :mod:`.events` so that the publisher takes only what it needs (not the whole
-``Config``) and so that vLLM's bind-or-connect rule is read in one place.
+``Config``). vLLM's bind-or-connect rule (:func:`binds`) lives in :mod:`lmc_server.net`,
+where the server's exposure check reads it too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import socket
 from dataclasses import dataclass
 
 from lmc_server.config import Config
+from lmc_server.net import binds, endpoint_host, is_loopback
+
+__all__ = ["KvEventSettings", "binds", "kv_event_settings", "needs_curve"]
 
 
 @dataclass(frozen=True)
@@ -22,13 +26,16 @@ class KvEventSettings:
     hwm: int = 100_000  # batches queued per subscriber before sends are dropped
     replay_batches: int = 10_000  # batches kept for replay
     heartbeat_timeout_s: float = 4.0  # a peer silent this long is disconnected
+    #: The server's CURVE secret key file and admitted clients (both "" without CURVE):
+    #: an event socket bound on a non-loopback address is a CURVE server with them.
+    curve_secret_key_file: str = ""
+    curve_clients_dir: str = ""
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule for its PUB endpoint, kept so a vLLM ``--kv-events-config`` endpoint
-    means the same here: bind a wildcard (``*``, ``::``) or ipc endpoint, connect to any
-    other (a router that binds its SUB socket, as llm-d's indexer does centrally)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+def needs_curve(endpoint: str) -> bool:
+    """A socket bound at ``endpoint`` would be reachable from other machines."""
+    host = endpoint_host(endpoint)
+    return host is not None and not is_loopback(host)
 
 
 def kv_event_settings(config: Config) -> KvEventSettings:
@@ -40,4 +47,6 @@ def kv_event_settings(config: Config) -> KvEventSettings:
         hwm=config.kv_events_hwm,
         replay_batches=config.kv_events_replay_batches,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
+        curve_secret_key_file=config.curve_secret_key_file,
+        curve_clients_dir=config.curve_clients_dir,
     )

@@ -113,6 +113,7 @@ class Handlers(DataPath):
             backend=self.engine.name,
             max_frame_bytes=self.limits.max_frame_bytes,
             max_chunks_per_request=self.limits.max_chunks_per_request,
+            fd_socket=self.engine.fd_socket,
         )
 
     def register(self, session: Session, msg: m.Register) -> m.Registered:

@@ -63,7 +63,6 @@ class Router:
         self._auth: Any = None
         self._fd: int | None = None
         self._monitor_fd: int | None = None
-        self._recheck_due = False
         self._ipc_inode: int | None = None  # of the ipc socket file, once bound
         self.monitor: zmq.Socket[Any] | None = None
         self.ctx = zmq.Context()
@@ -130,17 +129,11 @@ class Router:
 
     def after_io(self) -> None:
         """A send outside a drain may have taken the edge of messages that arrived
-        meanwhile: look once, after the callbacks of this loop iteration (one look for
-        all the replies an iteration sends, such as eight ranks' loads that finish
-        together)."""
-        if not self._recheck_due:
-            self._recheck_due = True
-            self.loop.call_soon(self._recheck)
-
-    def _recheck(self) -> None:
-        self._recheck_due = False
+        meanwhile: look now (a look deferred to the end of the iteration lets a request
+        that arrives in between be read before the callbacks its reply's request
+        scheduled, such as the KV events of a store being numbered)."""
         if not self.sock.closed and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self.drain()
+            self.loop.call_soon(self.drain)
 
     def send(self, identity: bytes, payload: bytes) -> None:
         if self.sock.closed:

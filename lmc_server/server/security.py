@@ -71,16 +71,31 @@ def start_curve(
     ctx: zmq.Context[Any], sock: zmq.Socket[Any], secret_file: str, clients_dir: str
 ) -> ThreadAuthenticator:
     """Make ``sock`` a CURVE server that admits only the certificates in ``clients_dir``."""
+    auth = start_authenticator(ctx, clients_dir)
+    try:
+        curve_server(sock, secret_file)
+    except BaseException:
+        auth.stop()
+        raise
+    log.info("CURVE on: clients admitted from %s", clients_dir)
+    return auth
+
+
+def start_authenticator(ctx: zmq.Context[Any], clients_dir: str) -> ThreadAuthenticator:
+    """A ZAP authenticator for ``ctx``'s CURVE servers: the certificates in ``clients_dir``."""
     if not os.path.isdir(clients_dir):
         raise ValueError(f"CURVE clients folder {clients_dir} does not exist")
-    public, secret = zmq.auth.load_certificate(secret_file)
-    if not secret:
-        raise ValueError(f"{secret_file} holds no secret key (use NAME.key_secret)")
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=clients_dir)
+    return auth
+
+
+def curve_server(sock: zmq.Socket[Any], secret_file: str) -> None:
+    """Make ``sock`` (not bound yet) a CURVE server with the key pair in ``secret_file``."""
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if not secret:
+        raise ValueError(f"{secret_file} holds no secret key (use NAME.key_secret)")
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_server = True
-    log.info("CURVE on: clients admitted from %s", clients_dir)
-    return auth

@@ -261,6 +261,36 @@ class ConnectorFlow:
             assert rep.failed_recving == {"C"}
         assert mem.first_difference(mem.snapshot(), before) is None
 
+    def check_survives_restart(
+        self, seed: int, tokens: list[int], restart: Callable[[], None]
+    ) -> None:
+        """Turn 1 prefills request ``A`` (stored); ``restart()`` restarts the server (or
+        kills it and has it started again while turn 2 arrives); turn 2 finds the new,
+        empty server: a miss, the prompt prefilled into ``B``'s blocks and stored with
+        no failed chunk; turn 3 loads the hit into request ``C``, given ``A``'s
+        blocks (free again), and exactly the pages stored in turn 2 land there. Both
+        links connected and registered again. Raises ``AssertionError``."""
+        mem = self.backing
+        mem.fill_random(seed)
+        a = self.tables(len(tokens))
+        _, rep = self.prefill("A", tokens, a)
+        assert rep.finished_sending == {"A"} and self.tracker.failed_store_chunks == 0
+        restart()
+        b = self.tables(len(tokens))
+        step, rep = self.prefill("B", tokens, b)  # a miss: the new server holds nothing
+        assert [s.n_chunks for s in step.stores] == [2]
+        assert rep.finished_sending == {"B"}
+        assert self.tracker.failed_store_chunks == 0, "a store failed after the restart"
+        before = mem.snapshot()
+        n, load, rep = self.load_hit("C", tokens, a)  # A's blocks, free again
+        assert n == 2 * self.chunk_size and load is not None, f"turn 3 hit {n} tokens"
+        assert rep.finished_recving == {"C"}
+        assert not rep.failed_recving and not rep.invalid_block_ids
+        expected = mem.apply(before, self.copies(load, b))
+        bad = mem.first_difference(mem.snapshot(), expected)
+        assert bad is None, f"byte {bad} differs: {describe_byte(self.fx.groups, bad)}"
+        assert self.sched.reconnects >= 1 and self.work.reconnects >= 1
+
     def close(self) -> None:
         self.work.close()
         self.sched.close()

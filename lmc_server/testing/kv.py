@@ -84,21 +84,20 @@ class KVCache:
 
 
 class ShmKV(KVCache):
-    """Shared-memory buffers for ``geometry``; close (or use ``with``) to unlink them.
+    """Shared-memory buffers for ``geometry``; close (or use ``with``) to free them.
 
-    Tests register one KV cache from several clients and again after a server
-    restart, so its segments keep their names by default; ``keep_names=False`` is what
-    the client library's segments do (:mod:`lmc_server.client.shm`): the names go once
-    a server acknowledged a registration, and a process killed with SIGKILL after that
-    leaves nothing in ``/dev/shm`` (worker processes a test kills).
+    The segments are the client library's (:mod:`lmc_server.client.shm`): nameless
+    but while a registration is sent, so they register any number of times (several
+    clients, a restarted server) and a process killed with SIGKILL leaves nothing in
+    ``/dev/shm`` (worker processes a test kills).
     """
 
-    def __init__(self, geometry: KVGeometry, keep_names: bool = True) -> None:
+    def __init__(self, geometry: KVGeometry) -> None:
         self.geometry = geometry
         self.segments: list[ShmSegment] = []
         try:
             for size in geometry.buffer_sizes:
-                self.segments.append(ShmSegment(size, keep_name=keep_names))
+                self.segments.append(ShmSegment(size))
         except BaseException:
             self.close()
             raise
@@ -127,13 +126,6 @@ class ShmKV(KVCache):
         return b"".join(
             self.page(group, li, b).tobytes() for li in range(len(g.layers)) for b in blocks
         )
-
-    def unlink(self) -> None:
-        """Remove the segments' names (after registering: the server has mapped them).
-        The memory lives on in every mapping, and nothing is left behind in /dev/shm
-        if this process is killed."""
-        for s in self.segments:
-            s.unlink()
 
     def close(self) -> None:
         for s in self.segments:

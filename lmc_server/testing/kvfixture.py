@@ -255,8 +255,7 @@ class ShmBacking:
 
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
-        # kept: the connector registers it again after a server restart
-        self.segment = ShmSegment(size_bytes, keep_name=True)
+        self.segment = ShmSegment(size_bytes)
         register_shm_segment(self.segment)
 
     def views(self, fx: KVFixture) -> dict[str, Any]:

@@ -81,6 +81,12 @@ class TransferEngine(ABC):
 
     name: str
 
+    @property
+    def fd_socket(self) -> str:
+        """The abstract unix socket that takes shared-memory descriptors, named in the
+        ``welcome`` ("": this engine takes none; see :mod:`.fd_inbox`)."""
+        return ""
+
     @abstractmethod
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool: ...
 

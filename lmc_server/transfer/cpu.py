@@ -1,8 +1,9 @@
 """The CPU transfer engine: POSIX shared memory in place of GPU pages, numpy copies.
 
-Workers create their "KV buffers" as segments under ``/dev/shm`` and register them by
-name; the server maps each segment (the mapping survives the worker unlinking it or
-dying) and copies pages with ``numpy.copyto`` on strided views, which releases the GIL,
+Workers create their "KV buffers" as shared-memory segments and hand their descriptors
+to the server (:mod:`.fd_inbox`; a segment may also be registered by its name under
+``/dev/shm``); the server maps each segment (the mapping survives the worker dying)
+and copies pages with ``numpy.copyto`` on strided views, which releases the GIL,
 split over a small thread pool. It implements exactly the contract the CUDA engine
 does, so the full server path (real processes, sockets and bytes) runs on any host.
 
@@ -12,18 +13,20 @@ thread so that the server answers at once and requests use slabs as they become 
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from lmc_server.buffers import BufferSpec, ShmBuffer
+from lmc_server.buffers import BufferSpec, ShmBuffer, ShmFdBuffer
 from lmc_server.cache.layout import RunCopy
 from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import (
@@ -34,6 +37,7 @@ from lmc_server.transfer.base import (
     TransferEngine,
     TransferError,
 )
+from lmc_server.transfer.fd_inbox import FdInbox, FdInboxError
 
 log = logging.getLogger(__name__)
 
@@ -115,42 +119,89 @@ class CpuHostPool(HostPool):
 
 
 class ShmMapping(Mapping):
-    """The worker's segments mapped shared; ``arrays[i]`` views buffer ``i``."""
+    """The worker's segments mapped shared; ``arrays[i]`` views buffer ``i``.
 
-    def __init__(self, buffers: Sequence[BufferSpec]) -> None:
+    ``inbox`` holds the descriptors of :class:`ShmFdBuffer` buffers (none: only
+    buffers by name are mapped). A segment passed by descriptor must be sealed
+    against shrinking (``F_SEAL_SHRINK``, as :class:`~lmc_server.client.shm.ShmSegment`
+    makes it): a segment cut short under the mapping would kill the server with
+    SIGBUS at the next copy.
+    """
+
+    def __init__(self, buffers: Sequence[BufferSpec], inbox: FdInbox | None = None) -> None:
         self.device = DeviceInfo(arch=None, description="cpu (shared memory)")
         self._maps: list[mmap.mmap] = []
         self.arrays: list[np.ndarray] = []
+        passed: dict[bytes, list[int]] = {}
         try:
             for b in buffers:
-                if not isinstance(b, ShmBuffer):
+                if isinstance(b, ShmBuffer):
+                    self._map_name(b)
+                elif isinstance(b, ShmFdBuffer):
+                    self._map_fd(b, self._passed(b, inbox, passed))
+                else:
                     raise TransferError(
                         f"the cpu backend maps shared-memory buffers only (got {type(b).__name__})"
                     )
-                self._map(b)
         except BaseException:
             self.close()
             raise
+        finally:
+            for fds in passed.values():
+                for fd in fds:
+                    os.close(fd)
 
-    def _map(self, b: ShmBuffer) -> None:
+    @staticmethod
+    def _passed(b: ShmFdBuffer, inbox: FdInbox | None, passed: dict[bytes, list[int]]) -> int:
+        if inbox is None:
+            raise TransferError("this server takes no shared-memory descriptors")
+        if b.token not in passed:
+            try:
+                passed[b.token] = inbox.take(b.token)
+            except FdInboxError as e:
+                raise TransferError(str(e)) from None
+        fds = passed[b.token]
+        if not 0 <= b.index < len(fds):
+            raise TransferError(f"descriptor {b.index} not sent: {len(fds)} came with the token")
+        return fds[b.index]
+
+    def _map_name(self, b: ShmBuffer) -> None:
         if not SHM_NAME.match(b.name):
             raise TransferError(f"shared-memory name {b.name!r} must match {SHM_NAME.pattern}")
-        if b.size_bytes <= 0:
-            raise TransferError(f"buffer {b.name!r}: size_bytes must be positive")
         path = os.path.join(SHM_DIR, b.name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise TransferError(f"cannot open shared memory {b.name!r}: {e.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size < b.size_bytes:
-                raise TransferError(
-                    f"shared memory {b.name!r} has {size} bytes, registration says {b.size_bytes}"
-                )
-            mm = mmap.mmap(fd, b.size_bytes, flags=mmap.MAP_SHARED)
+            self._map(fd, b.size_bytes, repr(b.name))
         finally:
             os.close(fd)
+
+    def _map_fd(self, b: ShmFdBuffer, fd: int) -> None:
+        what = f"passed segment {b.index}"
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise TransferError(f"{what} is not sealed against shrinking (F_SEAL_SHRINK)")
+        self._map(fd, b.size_bytes, what)
+
+    def _map(self, fd: int, size_bytes: int, what: str) -> None:
+        if size_bytes <= 0:
+            raise TransferError(f"buffer {what}: size_bytes must be positive")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TransferError(f"shared memory {what} is not a regular file")
+        if st.st_size < size_bytes:
+            raise TransferError(
+                f"shared memory {what} has {st.st_size} bytes, registration says {size_bytes}"
+            )
+        try:
+            mm = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+        except OSError as e:
+            raise TransferError(f"cannot map shared memory {what}: {e.strerror}") from None
         self._maps.append(mm)
         self.arrays.append(np.frombuffer(mm, dtype=np.uint8))
 
@@ -268,13 +319,21 @@ class CpuEngine(TransferEngine):
             self.copy_threads, thread_name_prefix="lmc-copy", initializer=name_os_thread
         )
         self._stopped = threading.Event()
+        self._inbox: FdInbox | None = None
+
+    @property
+    def fd_socket(self) -> str:
+        return "" if self._inbox is None else self._inbox.name
 
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
+        """The pool, and the descriptor socket: the engine serves from now on."""
         self._pool = CpuHostPool(size_bytes, slab_bytes)
+        if self._inbox is None:
+            self._inbox = FdInbox()
         return self._pool
 
     def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
-        return ShmMapping(buffers)
+        return ShmMapping(buffers, self._inbox)
 
     def submit(
         self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
@@ -323,5 +382,8 @@ class CpuEngine(TransferEngine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self._pool is not None:
             self._pool.close()

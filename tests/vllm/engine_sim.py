@@ -270,7 +270,7 @@ class SimEngine:
         caches = allocate_kv_cache(cfg, torch.device("cpu"), layout)
         storage = next(iter(caches.values())).untyped_storage()
         base, size = storage.data_ptr(), storage.nbytes()
-        self.segment = ShmSegment(size, keep_name=True)  # registered again on a restart
+        self.segment = ShmSegment(size)
         register_shm_segment(self.segment)
         raw = torch.frombuffer(self.segment._mm, dtype=torch.uint8)
         self.views: dict[str, Any] = {}

@@ -1,0 +1,62 @@
+"""The connector's links and worker through a real server restart, on the CPU engine.
+
+The CPU twin of ``tests/gpu/test_connector_restart_gpu.py``: the connector's scheduler
+and worker parts (:class:`lmc_server.testing.connector_flow.ConnectorFlow`) over a KV
+cache exactly as vLLM 0.33 allocates it (``tests/fixtures/vllm-*.json``) in shared
+memory, against a server that is restarted between turns (SIGTERM), killed -9 and
+started again, or killed and started again only after the next turn arrived. In every
+case the next turn's stores succeed on the new server and the turn after loads them
+byte-exact (:meth:`ConnectorFlow.check_survives_restart`), and nothing is left in
+/dev/shm by this process or any server.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lmc_server.testing.connector_flow import ConnectorFlow
+from lmc_server.testing.kvfixture import KVFixture, ShmBacking
+from lmc_server.testing.server_restarts import HOW, RestartingServer
+
+FIXTURES = Path(__file__).with_name("fixtures")
+SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
+SEED = 17
+
+
+def prompt(salt: int) -> list[int]:
+    return [salt * 100_000 + i for i in range(2 * 256 + 60)]
+
+
+@pytest.fixture
+def servers() -> Iterator[RestartingServer]:
+    s = RestartingServer(SERVER_ARGS, l1_size_gb=0.25)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def left_in_dev_shm(pids: list[int]) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(tuple(f"lmc-{p}-" for p in pids))]
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("name", ["vllm-dsv41-sm90", "vllm-llama"])
+def test_the_connector_stores_and_loads_after_a_restart(
+    servers: RestartingServer, name: str, how: str
+) -> None:
+    fx = KVFixture.load(FIXTURES / f"{name}.json")
+    restart: Callable[[], None] = lambda: servers.restart(how)  # noqa: E731
+    with (
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, servers.endpoint, fx.arch or "cpu", timeout_s=15) as flow,
+    ):
+        assert left_in_dev_shm([os.getpid(), *servers.pids]) == []
+        flow.check_survives_restart(SEED, prompt(3), restart)
+    servers.close()
+    assert len(servers.pids) == 2
+    assert left_in_dev_shm([os.getpid(), *servers.pids]) == []
