@@ -34,6 +34,8 @@ import struct
 import threading
 import time
 
+from lmc_server.threadnames import name_os_thread
+
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
@@ -100,6 +102,7 @@ class FdInbox:
     # -- the inbox thread -------------------------------------------------------------
 
     def _serve(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
