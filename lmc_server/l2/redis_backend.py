@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2 import codec, redis_reads
+from lmc_server.l2 import codec, redis_reads, settle
 from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
 from lmc_server.l2.resp import RespProtocolError
 from lmc_server.l2.url import redact_url
@@ -103,10 +103,23 @@ class RedisBackend(L2Backend):
         )
 
     async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
+        client = self._client
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except (RedisError, OSError, TimeoutError) as e:
-            raise _error(op, e) from None
+            raise self._failure(op, e, client) from None
+
+    def _failure(self, op: str, e: BaseException, client: Any) -> L2Error:
+        """The :class:`L2Error` of a call made on ``client`` that raised ``e``.
+
+        A call that fails after the tier reconnected meanwhile (its connection was
+        closed under it by :meth:`connect`, or it timed out on the store the tier
+        already found gone) says nothing new about the store: it is a refusal
+        (counted), not a second outage for the tier to report."""
+        err = _error(op, e)
+        if client is not None and client is not self._client and err.unavailable:
+            return L2Error(f"{err} (on a connection since replaced)", unavailable=False)
+        return err
 
     async def connect(self) -> None:
         await self.close()
@@ -230,23 +243,18 @@ class RedisBackend(L2Backend):
         failed early or the caller is cancelled: a thread may still be receiving into
         or sending from an L1 slot, which stays reserved or pinned until this returns."""
         loop = asyncio.get_running_loop()
+        client = self._client
         jobs = [
-            loop.run_in_executor(pool, fn, self._client, part)
+            loop.run_in_executor(pool, fn, client, part)
             for part in _split(items, parts or self.connections)
         ]
-        try:
-            await asyncio.shield(asyncio.wait(jobs))
-        except asyncio.CancelledError:
-            await asyncio.wait(jobs)
-            raise
-        for j in jobs:
-            e = j.exception()
+        errors = await settle.wait_all(jobs)  # every part's exception consumed
+        for e in errors:
             if isinstance(e, RespProtocolError):
                 raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
             if isinstance(e, RedisError | OSError | TimeoutError):
-                raise _error(op, e) from None
-            if e is not None:
-                raise e
+                raise self._failure(op, e, client) from None
+            raise e
         return [j.result() for j in jobs]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
