@@ -258,8 +258,9 @@ class WriteBehind:
         try:
             await put
         except L2Error as e:
-            self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(sizes) - len(e.written))
+            if e.dropped == "error":
+                self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, e.dropped, len(sizes) - len(e.written))
             self.on_error(e)
             if e.written:
                 nbytes = dict(sizes)
