@@ -10,6 +10,7 @@ written or dropped with a reason, and what is on disk is served byte for byte.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -49,6 +50,16 @@ def tier_bytes(directory: Path) -> int:
     return total
 
 
+def is_up(c: Client) -> bool:
+    return disk_stats(c).state == "up"
+
+
+def prefetched(w: Worker, digests: bytes) -> tuple[int] | None:
+    """(chunks hit,) once nothing is being fetched any more."""
+    x = w.client.lookup(w.reg, digests, lease=False)
+    return None if x.l2_pending_chunks else (x.hit_chunks,)
+
+
 class Sampler(threading.Thread):
     """Freezes the servers, sums the tier's files, thaws them; until stopped."""
 
@@ -80,8 +91,8 @@ def test_servers_sharing_a_directory_never_pass_its_capacity(tmp_path: Path) -> 
     watchers = [Client(s.endpoint, timeout_s=30) for s in servers]  # the main thread's
     sampler = Sampler(servers, directory)
     try:
-        for w in workers:
-            wait_for(lambda w=w: disk_stats(w.client).state == "up", "disk tier up")
+        for c in watchers:
+            wait_for(functools.partial(is_up, c), "disk tier up")
         stored: list[list[tuple[bytes, dict]]] = [[] for _ in workers]
         errors: list[BaseException] = []
 
@@ -131,14 +142,7 @@ def test_servers_sharing_a_directory_never_pass_its_capacity(tmp_path: Path) -> 
             try:
                 for i, w in enumerate(workers):
                     d, ids = stored[i][-1]
-                    r = wait_for(
-                        lambda d=d: (
-                            (x := reader.client.lookup(reader.reg, d, lease=False))
-                            and x.l2_pending_chunks == 0
-                            and (x.hit_chunks,)
-                        ),
-                        "prefetch done",
-                    )[0]
+                    r = wait_for(functools.partial(prefetched, reader, d), "prefetch done")[0]
                     if r:
                         retrieve_exact(reader, w, ids, d, r)
                 assert not disk_stats(reader.client).invalid
