@@ -19,6 +19,7 @@ from lmc_server.l2.file_backend import FileBackend
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.tier import L2Tier
 from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_password
+from lmc_server.l2.writer import WRITE_PIN_FRACTION
 from lmc_server.transfer.base import HostPool
 
 
@@ -58,7 +59,12 @@ def make_tier(
         config.l2_prefetch_max_chunks,
         config.l2_timeout_s,
         clock,
+        pin_budget_bytes=_pin_budget(config),
     )
+
+
+def _pin_budget(config: L2Settings) -> int:
+    return int(config.l1_size_bytes * WRITE_PIN_FRACTION)
 
 
 class TierSettings(L2Settings, DiskSettings, Protocol):
@@ -81,6 +87,7 @@ def make_disk_tier(
         config.l2_timeout_s,
         clock,
         kind="disk",
+        pin_budget_bytes=_pin_budget(config),
     )
 
 

@@ -89,6 +89,13 @@ from lmc_server.config import Config
     help="--disk-dir: fill the directory to this much before the restart run.",
 )
 @click.option(
+    "--flood-chunks",
+    type=click.IntRange(0),
+    default=512,
+    help="--disk-dir: chunks stored back to back (and then paced below the disk's "
+    "rate) to count what of the committed objects the write-behind writes (0: skip).",
+)
+@click.option(
     "--replay",
     "trace_path",
     type=click.Path(exists=True, dir_okay=False),
@@ -137,6 +144,7 @@ def l2(
     warm_store_gb: float | None,
     disk_dir: str,
     restart_gb: float,
+    flood_chunks: int,
     trace_path: str | None,
     replay_tier: str,
     limit: int,
@@ -193,6 +201,7 @@ def l2(
                 latency_chunks=latency_chunks,
                 repeats=repeats,
                 restart_gb=restart_gb,
+                flood_chunks=flood_chunks,
                 geometry=GeometryArgs.pop(geometry),
                 l1_size_gb=l1_size_gb,
             )
