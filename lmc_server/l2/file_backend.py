@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from lmc_server.l2 import codec, direct_io, disk_layout
 from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
+from lmc_server.l2.disk_config import disk_error
 from lmc_server.l2.disk_index import DiskIndex, scan, stale_by_age
 from lmc_server.l2.disk_ledger import DiskLedger, remove_counted
 from lmc_server.l2.events import TierListeners
@@ -125,7 +126,7 @@ class FileBackend(L2Backend):
         try:
             self.direct = await self._run(self._check_dir)
         except OSError as e:
-            raise L2Error(f"disk {self.root}: {e.strerror or e}") from None
+            raise L2Error(disk_error(self.root, "use it", e)) from None
         if not self._connected:
             log.info(
                 "disk tier %s: %s I/O, capacity %.1f GiB",

@@ -139,6 +139,16 @@ class _Plain:
 class _Setup:
     def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
         n = max(cfg.chunks, *cfg.latency_chunks)
+        probe = cfg.geometry.build(1)
+        chunk_bytes = sum(  # at most: every page of every cached group, plus headers
+            blocks_per_chunk(g, cfg.chunk_size) * sum(lay.page_bytes for lay in g.layers) + 8192
+            for g in probe.groups
+            if g.cached
+        )
+        # Room for every round, latency point and flood, so none evicts another's files.
+        held = chunk_bytes * (
+            cfg.rounds * cfg.chunks + sum(cfg.latency_chunks) + 2 * cfg.flood_chunks
+        )
         self.args = [
             "--chunk-size",
             str(cfg.chunk_size),
@@ -146,14 +156,13 @@ class _Setup:
             "--disk-dir",
             cfg.disk_dir,
             "--disk-size-gb",
-            str(max(4.0, 2 * cfg.restart_gb)),
+            str(max(4.0, 2 * cfg.restart_gb) + round(held / (1 << 30), 2)),
             "--l2-write-queue-objects",
             str(8 * n),
         ]
         self.cfg = cfg
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
-        probe = cfg.geometry.build(1)
         per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
         geometry = cfg.geometry.build(n * per_chunk)
         self.src = stack.enter_context(ShmKV(geometry))
