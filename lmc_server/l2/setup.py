@@ -26,6 +26,15 @@ from lmc_server.transfer.base import HostPool
 def make_backend(
     target: L2Target, password: str | None, timeout_s: float, connections: int = 1
 ) -> L2Backend:
+    if target.kind == "redis-cluster":
+        try:
+            from lmc_server.l2.redis_cluster_backend import RedisClusterBackend
+        except ImportError:
+            raise L2ConfigError(
+                "--l2 redis+cluster://: the redis package is not installed "
+                "(pip install 'lmc-server[l2]')"
+            ) from None
+        return RedisClusterBackend(target.url, password, timeout_s, connections)
     if target.kind == "redis":
         try:
             from lmc_server.l2.redis_backend import RedisBackend
