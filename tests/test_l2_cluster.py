@@ -10,8 +10,12 @@ followed by redis-py's cluster client) cost no error and no wrong byte.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +157,41 @@ def test_slots_migrated_while_reading_cost_no_error_and_no_wrong_byte(
         finally:
             src.close()
             dst.close()
+
+
+def test_bench_l2_starts_a_cluster_and_reads_back_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--redis-cluster-nodes",
+            "3",
+            "--chunks",
+            "2",
+            "--rounds",
+            "1",
+            "--latency-chunks",
+            "1",
+            "--repeats",
+            "1",
+            "--layers",
+            "4",
+            "--l1-size-gb",
+            "0.25",
+            "--warm-store-gb",
+            "0.01",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["redis_cluster_nodes"] == 3
+    assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]

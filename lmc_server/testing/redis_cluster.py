@@ -15,14 +15,32 @@ slots with their keys from one node to another (``redis-cli --cluster reshard``)
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import time
 from typing import Any
 
+from lmc_server.testing.process import free_port
 from lmc_server.testing.redis_process import RedisProcess
 
+#: A node's cluster bus listens this far above its port (Redis' fixed rule).
+BUS_PORT_OFFSET = 10_000
 #: How long a node may be silent before the others mark it failed (Redis: 15 s).
 NODE_TIMEOUT_MS = 1000
+
+
+def _cluster_port() -> int:
+    """A free loopback port whose cluster bus port (10,000 higher) is free too."""
+    while True:
+        port = free_port()
+        if port > 65535 - BUS_PORT_OFFSET:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + BUS_PORT_OFFSET))
+            except OSError:
+                continue
+        return port
 
 
 def redis_cli_path() -> str | None:
@@ -48,7 +66,8 @@ class RedisClusterProcess:
             "yes",
         )
         self.nodes = [
-            RedisProcess(extra=extra, exe=exe, io_threads=io_threads) for _ in range(nodes)
+            RedisProcess(port=_cluster_port(), extra=extra, exe=exe, io_threads=io_threads)
+            for _ in range(nodes)
         ]
 
     @property

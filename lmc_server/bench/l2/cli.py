@@ -69,6 +69,14 @@ from lmc_server.config import Config
     "or a path [default: redis-server]; not with --redis-url.",
 )
 @click.option(
+    "--redis-cluster-nodes",
+    type=click.IntRange(0, 16),
+    default=0,
+    help="Start a Redis Cluster of this many primaries on loopback (each with "
+    "--redis-io-threads, from --redis-server) and run the servers on "
+    "--l2 redis+cluster://...; not with --redis-url [default: 0, one store].",
+)
+@click.option(
     "--warm-store-gb",
     type=click.FloatRange(min=0),
     default=None,
@@ -141,6 +149,7 @@ def l2(
     l2_connections: int,
     redis_io_threads: int,
     redis_server: str,
+    redis_cluster_nodes: int,
     warm_store_gb: float | None,
     disk_dir: str,
     restart_gb: float,
@@ -160,6 +169,8 @@ def l2(
         raise click.UsageError(
             "--redis-io-threads starts a redis-server; set io-threads on the one at --redis-url"
         )
+    if redis_cluster_nodes and redis_url:
+        raise click.UsageError("--redis-cluster-nodes starts a cluster; not with --redis-url")
     if redis_server and redis_url:
         raise click.UsageError("--redis-server starts a server; not with --redis-url")
     if warm_store_gb and redis_url:
@@ -222,6 +233,7 @@ def l2(
             l2_connections=l2_connections,
             redis_io_threads=redis_io_threads,
             redis_server=(shutil.which(redis_server) or "") if redis_server else "",
+            cluster_nodes=redis_cluster_nodes,
             warm_store_gb=(
                 l2b.L2BenchConfig.warm_store_gb if warm_store_gb is None else warm_store_gb
             ),

@@ -161,6 +161,7 @@ class _Setup:
             str(8 * n),
         ]
         self.cfg = cfg
+        self.max_chunks = n
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
@@ -211,8 +212,9 @@ class _Setup:
         obj_bytes = sum(og.object_bytes for og in self.rega.object_groups)
         committed = 0
         t0 = time.perf_counter()
-        for i in range(0, chunks, FLOOD_STORE_CHUNKS):
-            n = min(FLOOD_STORE_CHUNKS, chunks - i)
+        per = min(FLOOD_STORE_CHUNKS, self.max_chunks)  # what the KV cache has blocks for
+        for i in range(0, chunks, per):
+            n = min(per, chunks - i)
             d = _digests(first_seed + i, n, self.rega.chunk_size)
             ids = block_ids_for(self.rega, n, np.random.default_rng(first_seed + i))
             res = self.ca.store(self.rega, d, ids)
