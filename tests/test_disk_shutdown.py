@@ -21,6 +21,7 @@ from lmc_server.testing.tierworker import (
     lookup_until,
     retrieve_exact,
     tokens,
+    value_files,
     wait_for,
 )
 
@@ -57,6 +58,42 @@ def test_sigterm_right_after_a_burst_loses_nothing_committed(tmp_path: Path) -> 
             for d, ids in stored[-2:]:
                 r.client.clear()
                 retrieve_exact(r, src, ids, d, CHUNKS)
+            assert not disk_stats(r.client).invalid
+        finally:
+            r.close()
+            src.close()
+
+
+def test_kill_9_mid_writes_loses_only_writes_in_flight(tmp_path: Path) -> None:
+    """kill -9 while the queue is full: after a restart no temporary file is left (the
+    dead writer's go at start), the ledger is what is on disk, and every chunk is the
+    exact bytes or a miss."""
+    directory = tmp_path / "disk"
+    stored: list[tuple[bytes, dict[str, np.ndarray]]] = []
+    with disk_server(directory, size_gb=1.0) as a:
+        w = Worker(a.endpoint, seed=4)
+        try:
+            wait_for(lambda: disk_stats(w.client).state == "up", "disk tier up")
+            for p in range(PROMPTS):
+                d = chunk_digests(tokens(900 + p, CHUNKS), CHUNK)
+                stored.append((d, w.store(d, block_seed=p)))
+            a.kill()
+        finally:
+            w.close()
+    with disk_server(directory, size_gb=1.0) as b:
+        r = Worker(b.endpoint, seed=0)
+        src = Worker(b.endpoint, seed=4)
+        try:
+            wait_for(lambda: disk_stats(r.client).rebuild.done, "index rebuilt")
+            assert not [p for p in directory.rglob("*.tmp")], "a temporary file is left"
+            on_disk = sum(p.stat().st_size for p in value_files(directory))
+            assert disk_stats(r.client).used_bytes == on_disk
+            for d, ids in stored:
+                r.client.clear()
+                hit = lookup_until(r.client, r.reg, d, 0).hit_chunks
+                r.client.release(r.client.lookup(r.reg, d).lease_id)
+                if hit:
+                    retrieve_exact(r, src, ids, d, hit)
             assert not disk_stats(r.client).invalid
         finally:
             r.close()
