@@ -108,6 +108,11 @@ def _hint(path: str, e: OSError) -> str:
             "a part of the path cannot be made here (a kernel filesystem such as /proc, "
             "or a parent removed meanwhile): use a directory on a disk"
         )
+    if e.errno == errno.ENOLCK:
+        return (
+            "the filesystem takes no POSIX locks (NFS mounted with nolock?): the servers "
+            "sharing a directory count its bytes under one; mount it with locking"
+        )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return "the filesystem (or the user's quota) is full: free space or use another"
     return "use a directory the server's user can write"
