@@ -244,18 +244,35 @@ class RedisBackend(L2Backend):
         or sending from an L1 slot, which stays reserved or pinned until this returns."""
         loop = asyncio.get_running_loop()
         client = self._client
-        jobs = [
-            loop.run_in_executor(pool, fn, client, part)
-            for part in _split(items, parts or self.connections)
-        ]
+        plan = self._plan(items, parts or self.connections)
+        jobs = [loop.run_in_executor(pool, fn, conn, [items[i] for i in idx]) for conn, idx in plan]
         errors = await settle.wait_all(jobs)  # every part's exception consumed
+        if errors:
+            await self._failed_parts(errors)
         for e in errors:
             if isinstance(e, RespProtocolError):
                 raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
             if isinstance(e, RedisError | OSError | TimeoutError):
                 raise self._failure(op, e, client) from None
             raise e
-        return [j.result() for j in jobs]
+        results = [j.result() for j in jobs]
+        if len(plan) == 1 or all(r is None for r in results):
+            return results
+        merged: list[Any] = [None] * len(items)  # one part again, in the items' order
+        for (_, idx), part in zip(plan, results, strict=True):
+            values: Sequence[Any] = part  # type: ignore[assignment]
+            for i, r in zip(idx, values, strict=True):
+                merged[i] = r
+        return [merged]  # type: ignore[list-item]
+
+    def _plan(self, items: Sequence[Any], parts: int) -> list[tuple[Any, Sequence[int]]]:
+        """Which client (its connection pool) sends which of ``items`` (positions): one
+        store, the items in ``parts`` contiguous runs. A cluster routes by slot."""
+        return [(self._client, run) for run in _split(range(len(items)), parts)]
+
+    async def _failed_parts(self, errors: list[BaseException]) -> None:
+        """Hook: parts of a call failed with ``errors`` (the cluster reloads its slot
+        map on a redirection)."""
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:
