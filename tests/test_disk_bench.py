@@ -34,6 +34,8 @@ def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
             "0.25",
             "--restart-gb",
             "0.02",
+            "--flood-chunks",
+            "8",
             "--json",
             str(out),
         ],
@@ -57,6 +59,11 @@ def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
     restart = report["summary"]["restart"]
     assert restart["files"] > 0 and restart["ping_to_first_hit_s"] > 0
     assert "restart on" in res.stdout
+    flood = report["summary"]["flood"]
+    for f in flood.values():  # every committed object written or dropped, by cause
+        assert f["committed_objects"] == 8 * 2
+        assert f["written_objects"] + sum(f["dropped_writes"].values()) == 16
+    assert flood["paced"]["store_gbps_target"] > 0 and "flood paced" in res.stdout
 
 
 def test_bench_l2_replay_disk_smoke(tmp_path: Path) -> None:

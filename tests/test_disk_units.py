@@ -218,6 +218,7 @@ def test_index_merge_puts_scanned_files_coldest_first() -> None:
 class _Settings:
     def __init__(self, disk_dir: str, disk_size_gb: float, backend: str = "cpu") -> None:
         self.disk_dir, self.disk_size_gb, self.backend = disk_dir, disk_size_gb, backend
+        self.disk_optional = False
 
 
 @pytest.mark.parametrize(

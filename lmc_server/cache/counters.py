@@ -193,7 +193,7 @@ class L2Counters(CounterSet, kw_only=True):
         counter(
             "Objects not written to L2, by reason.",
             label="reason",
-            known=("queue_full", "l2_down", "evicted", "error", "shutdown"),
+            known=("queue_full", "l2_down", "evicted", "error", "full", "shutdown"),
         ),
     ] = {}
     errors: Annotated[

@@ -212,6 +212,12 @@ class Config:
         low=0,
         high=1 << 20,
     )
+    disk_optional: bool = setting(
+        False,
+        "Start even if --disk-dir cannot be used (not writable, read-only, not a "
+        "directory): the disk tier starts degraded and retries; without it the server "
+        "refuses to start, saying what to change.",
+    )
     kv_events_endpoint: str = setting(
         "",
         "Publish L1 stores and removals for KV-aware routers, in vLLM's KV-event "

@@ -75,13 +75,21 @@ class L2Error(Exception):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
 
     def __init__(
-        self, message: str, unavailable: bool = True, written: list[bytes] | None = None
+        self,
+        message: str,
+        unavailable: bool = True,
+        written: list[bytes] | None = None,
+        dropped: str = "error",
     ) -> None:
         super().__init__(message)
         self.unavailable = unavailable
         #: A write of several objects that failed for some: the keys that were written
         #: all the same (the writer counts and announces those; empty: none).
         self.written: list[bytes] = written or []
+        #: Why the objects not written were dropped (``dropped_writes{reason}``):
+        #: ``error`` (also counted in ``errors{write}``) or ``full`` (the store holds
+        #: its capacity and had nothing of this server's to evict: not an error).
+        self.dropped = dropped
 
 
 class L2Backend(ABC):

@@ -18,6 +18,7 @@ it called the L2 tier: after a commit and after a lookup that hit less than it a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from lmc_server.cache.index import Reservation, StoreTicket
@@ -68,9 +69,12 @@ class TierChain:
         for tier in self.tiers:
             tier.start()
 
-    async def stop(self) -> None:
-        """Top down: a prefetch of an upper tier may still start one below it (which
-        then waits for it), never the other way round."""
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Write out every tier's queue, side by side, for at most ``drain_s``; then
+        stop the tiers top down: a prefetch of an upper tier may still start one below
+        it (which then waits for it), never the other way round."""
+        if drain_s > 0:
+            await asyncio.gather(*(t.drain(drain_s) for t in self.tiers))
         for tier in self.tiers:
             await tier.stop()
 

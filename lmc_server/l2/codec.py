@@ -50,6 +50,8 @@ FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sBBH16s32sQQ")
 HEADER_BYTES = _HEADER.size
 _SUM_OFFSET = HEADER_BYTES - 8
+#: The header's bytes before the checksum (:func:`header_prefix`).
+HEADER_PREFIX_BYTES = _SUM_OFFSET
 #: :func:`encode_into` copies and hashes in pieces of this size: small enough that a
 #: piece just copied is still in the CPU cache when it is hashed (one read of the
 #: source from memory, not two), large enough that the Python loop costs nothing.
@@ -79,6 +81,14 @@ def space_of(namespace: str, layout_fingerprint: bytes, chunk_size: int) -> byte
 def l2_key(space: bytes, chunk_key: bytes) -> bytes:
     assert len(space) == SPACE_BYTES and len(chunk_key) == CHUNK_KEY_BYTES
     return KEY_PREFIX + space + chunk_key
+
+
+def header_prefix(space: bytes, chunk_key: bytes, mask: int, payload_bytes: int) -> bytes:
+    """A value header's bytes before its checksum: what says which value it is (format
+    version, sections, space, chunk key, length), without reading the payload."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, mask, 0, space, chunk_key, payload_bytes, 0)[
+        :_SUM_OFFSET
+    ]
 
 
 def header(space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> bytes:

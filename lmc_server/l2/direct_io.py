@@ -37,6 +37,8 @@ TMP_SUFFIX = ".tmp"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _counter = itertools.count()
 _HOST = socket.gethostname().replace("/", "_")[:32]
+#: This host, as named in temporary files.
+HOST = _HOST
 
 
 def padded(nbytes: int) -> int:
@@ -132,11 +134,33 @@ def probe_direct(directory: str) -> bool:
         os.unlink(path)
 
 
+def temporary_path(path: str) -> str:
+    """A new name beside ``path`` for a temporary file of this process
+    (``.NAME.HOST.PID.N.tmp``: :func:`temporary_owner` reads who made it)."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
+
+
+def temporary_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the process that made the temporary file ``name``, or None when
+    ``name`` is not one of :func:`temporary_path`'s."""
+    if not name.startswith(".") or not name.endswith(TMP_SUFFIX):
+        return None
+    parts = name[1 : -len(TMP_SUFFIX)].split(".")
+    if len(parts) < 4 or not parts[-1].isdigit() or not parts[-2].isdigit():
+        return None
+    return ".".join(parts[1:-2]), int(parts[-2])
+
+
+def is_own_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file of this process."""
+    return temporary_owner(name) == (_HOST, os.getpid())
+
+
 def _install(path: str, direct: bool, body: Callable[[int], None]) -> None:
     """Run ``body(fd)`` on a new temporary file beside ``path``, then rename it over
     ``path``; on any failure the temporary file is removed and the error raised."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{next(_counter)}{TMP_SUFFIX}")
+    tmp = temporary_path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o640)
     try:

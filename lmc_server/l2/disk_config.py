@@ -8,6 +8,7 @@ so a typo in ``--disk-size-gb`` is refused at start, not found when the disk fil
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Protocol
 
@@ -28,6 +29,8 @@ class DiskSettings(Protocol):
     def disk_dir(self) -> str: ...
     @property
     def disk_size_gb(self) -> float: ...
+    @property
+    def disk_optional(self) -> bool: ...
 
 
 def disk_path(disk_dir: str) -> str:
@@ -44,6 +47,84 @@ def disk_path(disk_dir: str) -> str:
 
 def capacity_bytes(config: DiskSettings) -> int:
     return int(config.disk_size_gb * GIB)
+
+
+def unusable(path: str) -> str | None:
+    """Why the server cannot keep the disk tier in ``path`` (the path, the error and
+    what to change), or None when it can. Leaves nothing behind: in an existing
+    directory it creates, writes and removes a file; else it makes and removes a
+    directory in the nearest existing parent (the tier makes the path at start)."""
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if existing == path:
+            step = "write a file in it"
+            probe = os.path.join(path, f".lmcache-probe.{os.getpid()}")
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+            try:
+                os.write(fd, b"\0")
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        else:
+            step = f"create it (in {existing})"
+            probe = os.path.join(existing, f".lmcache-probe.{os.getpid()}")
+            os.mkdir(probe, 0o700)
+            os.rmdir(probe)
+    except OSError as e:
+        return disk_error(path, step, e)
+    return None
+
+
+def disk_error(path: str, step: str, e: OSError) -> str:
+    """``--disk-dir PATH: cannot STEP: ENAME (message) at WHERE; what to change``."""
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return f"--disk-dir {path}: cannot {step}: {code} ({e.strerror}); {_hint(path, e)}"
+
+
+def _hint(path: str, e: OSError) -> str:
+    who = _user()
+    if e.errno in (errno.EACCES, errno.EPERM):
+        if path.startswith(("/proc/", "/sys/")):
+            return "that is a kernel filesystem: use a directory on a disk"
+        return (
+            f"the server runs as {who}: give it the directory (chown {who} {path}; "
+            f"chmod 0750 {path}), or pick one it owns; under systemd, ProtectSystem=strict "
+            f"leaves only the unit's StateDirectory/CacheDirectory and its "
+            f"ReadWritePaths= writable: add ReadWritePaths={path} to the unit "
+            f"(deploy/lmcache-server.service, docs/operations.md)"
+        )
+    if e.errno == errno.EROFS:
+        return (
+            f"the filesystem is read-only for the server: under systemd "
+            f"(ProtectSystem=strict) add ReadWritePaths={path} to the unit "
+            f"(deploy/lmcache-server.service), else remount it read-write"
+        )
+    if e.errno == errno.ENOTDIR:
+        return "a part of the path is a file, not a directory: name another path"
+    if e.errno == errno.ENOENT:
+        return (
+            "a part of the path cannot be made here (a kernel filesystem such as /proc, "
+            "or a parent removed meanwhile): use a directory on a disk"
+        )
+    if e.errno == errno.ENOLCK:
+        return (
+            "the filesystem takes no POSIX locks (NFS mounted with nolock?): the servers "
+            "sharing a directory count its bytes under one; mount it with locking"
+        )
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the filesystem (or the user's quota) is full: free space or use another"
+    return "use a directory the server's user can write"
+
+
+def _user() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return f"uid {os.geteuid()}"
 
 
 def check_disk_config(config: DiskSettings) -> None:
@@ -63,6 +144,14 @@ def check_disk_config(config: DiskSettings) -> None:
     path = disk_path(config.disk_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise DiskConfigError(f"--disk-dir {path} exists and is not a directory")
+    problem = unusable(path)
+    if problem is not None:
+        if config.disk_optional:
+            return  # the tier starts degraded, says so and retries (--disk-optional)
+        raise DiskConfigError(
+            f"{problem}; or pass --disk-optional to start without the disk tier until "
+            f"the directory can be used"
+        )
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)

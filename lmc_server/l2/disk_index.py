@@ -10,8 +10,10 @@ never a wrong byte.
 The index rebuild walks the directory on a thread after start, in the background,
 and hands each fan-out directory's files to the event loop (:meth:`DiskIndex.merge`),
 oldest first (by mtime) at the cold end of the LRU order: everything this server wrote
-or read since it started stays hotter. It removes temporary files older than
-``STALE_TMP_S`` (left by a writer killed mid-write; a live writer's are seconds old).
+or read since it started stays hotter. It removes the temporary files of writers that
+are gone (killed mid-write): on this host, those of a process that no longer runs, at
+once; another host's, once older than ``STALE_TMP_S`` (a live writer's are seconds
+old).
 Capacity is enforced on what the index knows: until the rebuild is done, files not yet
 scanned are not counted; once every directory is scanned, the coldest files go until
 the total fits, and then the rebuild is done.
@@ -93,6 +95,21 @@ class DiskIndex:
             self.gone.update(out)
         return out
 
+    def coldest(self, nbytes: int) -> list[bytes]:
+        """Remove and return the coldest keys until they hold at least ``nbytes`` (the
+        directory, shared with other servers, needs that much room; all of them when
+        this index knows less)."""
+        out: list[bytes] = []
+        freed = 0
+        while self.entries and freed < nbytes:
+            key, size = self.entries.popitem(last=False)
+            self.used_bytes -= size
+            freed += size
+            out.append(key)
+        if not self.progress.done:
+            self.gone.update(out)
+        return out
+
     def rebuild_done(self) -> None:
         """The rebuild merged its last directory: nothing listed before can come back."""
         self.progress.done = True
@@ -111,15 +128,24 @@ class DiskIndex:
         self.progress.bytes += sum(f[1] for f in found)
 
 
+def stale_by_age(name: str, mtime_s: float, now_s: Callable[[], float] = time.time) -> bool:
+    """A temporary file no live writer would still have open: older than
+    ``STALE_TMP_S`` (the rule for another host's files; the tier knows more of its own
+    host's, :meth:`~lmc_server.l2.file_backend.FileBackend.stale_temporary`)."""
+    return now_s() - mtime_s > STALE_TMP_S
+
+
 def scan(
     leaf_dirs: list[str],
     key_of: Callable[[str, str], bytes | None],
-    now_s: Callable[[], float] = time.time,
+    stale: Callable[[str, float], bool] = stale_by_age,
+    removed_bytes: Callable[[int], None] = lambda n: None,
 ) -> Iterator[tuple[list[tuple[bytes, int, float]], int]]:
     """Per directory of ``leaf_dirs``: its value files ``(key, bytes, mtime)`` and how
-    many stale temporary files were removed. ``key_of(dir, name)`` maps a file name to
-    its key (``None``: not a value file, left alone). Thread; only reads the
-    filesystem and unlinks stale temporaries."""
+    many stale temporary files were removed (``stale(name, mtime)``; each removal's
+    size is told to ``removed_bytes``). ``key_of(dir, name)`` maps a file name to its
+    key (``None``: not a value file, left alone). Thread; only reads the filesystem
+    and unlinks stale temporaries."""
     for d in leaf_dirs:
         found: list[tuple[bytes, int, float]] = []
         removed = 0
@@ -134,12 +160,13 @@ def scan(
             except OSError:
                 continue  # gone meanwhile (evicted, renamed over)
             if e.name.endswith(TMP_SUFFIX):
-                if now_s() - st.st_mtime > STALE_TMP_S:
+                if stale(e.name, st.st_mtime):
                     try:
                         os.unlink(e.path)
-                        removed += 1
                     except OSError:
-                        pass
+                        continue
+                    removed += 1
+                    removed_bytes(st.st_size)
                 continue
             if not e.is_file(follow_symlinks=False):
                 continue

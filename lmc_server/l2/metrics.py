@@ -88,17 +88,19 @@ class L2Collector(Collector):
         )
         index = getattr(t.backend, "index", None)
         if isinstance(index, DiskIndex):
-            yield from _disk_families(pre, index, getattr(t.backend, "evicted_objects", 0))
+            ledger = getattr(t.backend, "ledger", None)
+            used = ledger.used_bytes if ledger is not None else index.used_bytes
+            yield from _disk_families(pre, index, used, getattr(t.backend, "evicted_objects", 0))
 
 
-def _disk_families(pre: str, index: DiskIndex, evicted: int) -> Iterator[Metric]:
+def _disk_families(pre: str, index: DiskIndex, used: int, evicted: int) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         pre + "capacity_bytes", "Bytes the disk tier may hold.", value=index.capacity_bytes
     )
     yield GaugeMetricFamily(
         pre + "used_bytes",
-        "Bytes of the files the disk tier's index knows.",
-        value=index.used_bytes,
+        "Bytes of the disk tier's files in its directory (every server sharing it).",
+        value=used,
     )
     yield GaugeMetricFamily(
         pre + "files", "Files the disk tier's index knows.", value=len(index.entries)

@@ -40,7 +40,7 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index, Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
-from lmc_server.l2 import codec
+from lmc_server.l2 import codec, settle
 from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.prefetch_slots import Filling, Good, SlotFetcher, Wanted, wanted_objects
@@ -226,7 +226,7 @@ class Prefetcher:
                 end = min(end, bad_at)
         finally:
             if filling is not None:  # cancelled or failed: the copies end first (shielded:
-                await asyncio.wait({filling})  # a slot is never freed under its copy)
+                await settle.wait_all({filling})  # a slot is never freed under its copy)
         return end, committed
 
     def _check(

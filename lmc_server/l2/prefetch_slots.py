@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from lmc_server.cache.index import L1Index, Reservation
 from lmc_server.cache.view import CacheView
-from lmc_server.l2 import codec
+from lmc_server.l2 import codec, settle
 from lmc_server.l2.backend import Head, L2Backend, SlotRead, Value
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.stats import L2Stats
@@ -144,8 +144,8 @@ class SlotFetcher:
                 committed += done
                 end = min(end, bad_at)
         finally:
-            if inflight:  # failed or cancelled: the other reads end (commit or abort) first
-                await asyncio.wait(inflight)
+            if inflight:  # failed or cancelled: the other reads end (commit or abort)
+                await settle.wait_all(inflight)  # first, their failures consumed
         return end, committed
 
     def _check(

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2 import codec, redis_reads
+from lmc_server.l2 import codec, redis_reads, settle
 from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
 from lmc_server.l2.resp import RespProtocolError
 from lmc_server.l2.url import redact_url
@@ -112,10 +112,23 @@ class RedisBackend(L2Backend):
         )
 
     async def _call(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
+        client = self._client
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except (RedisError, OSError, TimeoutError) as e:
-            raise _error(op, e) from None
+            raise self._failure(op, e, client) from None
+
+    def _failure(self, op: str, e: BaseException, client: Any) -> L2Error:
+        """The :class:`L2Error` of a call made on ``client`` that raised ``e``.
+
+        A call that fails after the tier reconnected meanwhile (its connection was
+        closed under it by :meth:`connect`, or it timed out on the store the tier
+        already found gone) says nothing new about the store: it is a refusal
+        (counted), not a second outage for the tier to report."""
+        err = _error(op, e)
+        if client is not None and client is not self._client and err.unavailable:
+            return L2Error(f"{err} (on a connection since replaced)", unavailable=False)
+        return err
 
     async def connect(self) -> None:
         await self.close()
@@ -239,24 +252,36 @@ class RedisBackend(L2Backend):
         failed early or the caller is cancelled: a thread may still be receiving into
         or sending from an L1 slot, which stays reserved or pinned until this returns."""
         loop = asyncio.get_running_loop()
-        jobs = [
-            loop.run_in_executor(pool, fn, self._client, part)
-            for part in _split(items, parts or self.connections)
-        ]
-        try:
-            await asyncio.shield(asyncio.wait(jobs))
-        except asyncio.CancelledError:
-            await asyncio.wait(jobs)
-            raise
-        for j in jobs:
-            e = j.exception()
+        client = self._client
+        plan = self._plan(items, parts or self.connections)
+        jobs = [loop.run_in_executor(pool, fn, conn, [items[i] for i in idx]) for conn, idx in plan]
+        errors = await settle.wait_all(jobs)  # every part's exception consumed
+        if errors:
+            await self._failed_parts(errors)
+        for e in errors:
             if isinstance(e, RespProtocolError):
                 raise L2Error(f"redis {op}: {type(e).__name__}: {e}") from None
             if isinstance(e, RedisError | OSError | TimeoutError):
-                raise _error(op, e) from None
-            if e is not None:
-                raise e
-        return [j.result() for j in jobs]
+                raise self._failure(op, e, client) from None
+            raise e
+        results = [j.result() for j in jobs]
+        if len(plan) == 1 or all(r is None for r in results):
+            return results
+        merged: list[Any] = [None] * len(items)  # one part again, in the items' order
+        for (_, idx), part in zip(plan, results, strict=True):
+            values: Sequence[Any] = part  # type: ignore[assignment]
+            for i, r in zip(idx, values, strict=True):
+                merged[i] = r
+        return [merged]  # type: ignore[list-item]
+
+    def _plan(self, items: Sequence[Any], parts: int) -> list[tuple[Any, Sequence[int]]]:
+        """Which client (its connection pool) sends which of ``items`` (positions): one
+        store, the items in ``parts`` contiguous runs. A cluster routes by slot."""
+        return [(self._client, run) for run in _split(range(len(items)), parts)]
+
+    async def _failed_parts(self, errors: list[BaseException]) -> None:
+        """Hook: parts of a call failed with ``errors`` (the cluster reloads its slot
+        map on a redirection)."""
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if self._client is None:

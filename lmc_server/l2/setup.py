@@ -19,12 +19,22 @@ from lmc_server.l2.file_backend import FileBackend
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.tier import L2Tier
 from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_password
+from lmc_server.l2.writer import WRITE_PIN_FRACTION
 from lmc_server.transfer.base import HostPool
 
 
 def make_backend(
     target: L2Target, password: str | None, timeout_s: float, connections: int = 1
 ) -> L2Backend:
+    if target.kind == "redis-cluster":
+        try:
+            from lmc_server.l2.redis_cluster_backend import RedisClusterBackend
+        except ImportError:
+            raise L2ConfigError(
+                "--l2 redis+cluster://: the redis package is not installed "
+                "(pip install 'lmc-server[l2]')"
+            ) from None
+        return RedisClusterBackend(target.url, password, timeout_s, connections)
     if target.kind == "redis":
         try:
             from lmc_server.l2.redis_backend import RedisBackend
@@ -58,7 +68,12 @@ def make_tier(
         config.l2_prefetch_max_chunks,
         config.l2_timeout_s,
         clock,
+        pin_budget_bytes=_pin_budget(config),
     )
+
+
+def _pin_budget(config: L2Settings) -> int:
+    return int(config.l1_size_bytes * WRITE_PIN_FRACTION)
 
 
 class TierSettings(L2Settings, DiskSettings, Protocol):
@@ -81,6 +96,7 @@ def make_disk_tier(
         config.l2_timeout_s,
         clock,
         kind="disk",
+        pin_budget_bytes=_pin_budget(config),
     )
 
 

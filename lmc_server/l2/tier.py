@@ -58,6 +58,7 @@ class L2Tier:
         timeout_s: float,
         clock: Callable[[], float],
         kind: str = "l2",
+        pin_budget_bytes: int = 0,
     ) -> None:
         self.backend = backend
         #: ``"l2"`` (a shared store) or ``"disk"``: names the tier in logs and reports.
@@ -87,6 +88,8 @@ class L2Tier:
             self.is_up,
             self.failed,
             self.listeners.stored,
+            pin_budget_bytes,
+            f"{self.label} {display_url}",
         )
         self.prefetcher = Prefetcher(
             index,
@@ -194,6 +197,10 @@ class L2Tier:
             self._supervise(), name="l2-supervisor"
         )
         self.writer.start()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown, first step: write out what is queued (at most ``timeout_s``)."""
+        await self.writer.drain(timeout_s)
 
     async def stop(self) -> None:
         """Finish what touches the pool, then drop the rest and close the store.

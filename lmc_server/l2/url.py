@@ -33,6 +33,10 @@ SCHEMES = {
     "rediss": "redis",
     "valkey": "redis",
     "valkeys": "redis",
+    "redis+cluster": "redis-cluster",
+    "rediss+cluster": "redis-cluster",
+    "valkey+cluster": "redis-cluster",
+    "valkeys+cluster": "redis-cluster",
     "mooncake": "mooncake",
 }
 PASSWORD_ENV = "LMCACHE_L2_PASSWORD"
@@ -139,19 +143,32 @@ def parse_l2_url(url: str) -> L2Target:
         raise L2ConfigError(
             f"--l2 {shown!r}: the URL carries a credential ({where}); remove it: {_WHERE}"
         )
-    try:
-        _ = parts.port  # raises on a bad port (its message would echo the text)
-    except ValueError:
-        raise L2ConfigError(f"--l2 {shown!r}: the port is not a number in 0..65535") from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise L2ConfigError(
             f"--l2 {shown!r}: scheme {scheme or '(none)'!r} is not "
             f"supported; use one of {', '.join(sorted(SCHEMES))}://host:port"
         )
-    if not parts.hostname:
-        raise L2ConfigError(f"--l2 {shown!r}: no host")
-    return L2Target(url=url, kind=SCHEMES[scheme], tls=scheme in ("rediss", "valkeys"))
+    if SCHEMES[scheme] == "redis-cluster":  # HOST:PORT[,HOST:PORT...]
+        for node in parts.netloc.rpartition("@")[2].split(","):
+            host, colon, port = node.strip().rpartition(":")
+            if not host or not colon or not port.isdigit() or not 0 < int(port) < 65536:
+                raise L2ConfigError(
+                    f"--l2 {shown!r}: a cluster URL names its nodes as "
+                    f"HOST:PORT[,HOST:PORT...] ({scheme}://10.0.0.1:7000,10.0.0.2:7000)"
+                )
+        if parts.path.strip("/") not in ("", "0"):
+            raise L2ConfigError(f"--l2 {shown!r}: a cluster has database 0 only (no /DB)")
+    else:
+        try:
+            _ = parts.port  # raises on a bad port (its message would echo the text)
+        except ValueError:
+            raise L2ConfigError(f"--l2 {shown!r}: the port is not a number in 0..65535") from None
+        if not parts.hostname:
+            raise L2ConfigError(f"--l2 {shown!r}: no host")
+    return L2Target(
+        url=url, kind=SCHEMES[scheme], tls=scheme.partition("+")[0] in ("rediss", "valkeys")
+    )
 
 
 def read_password(password_file: str, environ: dict[str, str] | None = None) -> str | None:

@@ -50,20 +50,37 @@ WRITE_BATCH_BYTES = 32 << 20
 #: with Valkey 8 and 4 I/O threads, writes 1.86-2.41 GB/s with 2 x 64 MiB, 2.03-2.22
 #: with 4 x 32 MiB, one run each).
 SLOT_BATCHES_IN_FLIGHT = 4
+#: The share of L1 each tier's queue may keep pinned from commit until written (see
+#: :class:`WriteBehind`): with a disk tier and L2, at most half of L1 is pinned for
+#: writes (an object queued for both is pinned once in memory), the rest is evicted
+#: as usual, so stores never find L1 all pinned.
+WRITE_PIN_FRACTION = 0.25
 
 
 @dataclass(slots=True)
 class _Pending:
-    """Objects ``next .. end-1`` of one committed reservation, waiting to be written."""
+    """Objects ``next .. end-1`` of one committed reservation, waiting to be written;
+    those before ``pinned_end`` were pinned in L1 when queued (see :class:`WriteBehind`)."""
 
     space: bytes
     objects: Reservation
     next: int
     end: int
+    pinned_end: int = 0
 
 
 class WriteBehind:
-    """The bounded write queue and the task that drains it (see the module docstring)."""
+    """The bounded write queue and the task that drains it (see the module docstring).
+
+    Queued objects are pinned in L1 from their commit until written, up to
+    ``pin_budget_bytes`` of them (``pinned_bytes``): L1 evicts other objects first, so
+    under a store rate above the tier's, what is committed is written in commit order
+    as long as the backlog fits the budget, instead of being evicted from L1 before
+    its turn (``dropped_writes{reason="evicted"}``). Objects queued past the budget are
+    not pinned (they are written if L1 still holds them at their turn). Invariant:
+    ``pinned_bytes`` is the bytes of the queued and in-flight objects pinned at
+    enqueue, never above ``pin_budget_bytes``.
+    """
 
     def __init__(
         self,
@@ -77,6 +94,8 @@ class WriteBehind:
         is_up: Callable[[], bool],
         on_error: Callable[[L2Error], None],
         on_stored: Callable[[list[bytes]], None] = lambda keys: None,
+        pin_budget_bytes: int = 0,
+        name: str = "L2",
     ) -> None:
         self.index = index
         self.backend = backend
@@ -88,6 +107,10 @@ class WriteBehind:
         self.is_up = is_up
         self.on_error = on_error
         self.on_stored = on_stored
+        self.pin_budget_bytes = pin_budget_bytes
+        #: The tier, as logs name it.
+        self.name = name
+        self.pinned_bytes = 0
         self._queue: deque[_Pending] = deque()
         self.depth = 0  # objects queued
         self.in_flight = 0  # objects taken from the queue, not yet written or dropped
@@ -117,13 +140,25 @@ class WriteBehind:
             n = max(room, 0)
             if n == 0:
                 return
-        self._queue.append(_Pending(self.space(namespace, objects.fingerprint), objects, 0, n))
+        pinned = 0
+        obj_bytes = objects.object_bytes
+        while (
+            pinned < n
+            and self.pinned_bytes + obj_bytes <= self.pin_budget_bytes
+            and self.index.pin_object(objects, pinned) is not None
+        ):
+            pinned += 1
+            self.pinned_bytes += obj_bytes
+        self._queue.append(
+            _Pending(self.space(namespace, objects.fingerprint), objects, 0, n, pinned)
+        )
         self.depth += n
         self._wake.set()
 
-    def _take_batch(self) -> list[tuple[bytes, Reservation, int]]:
-        """Pop up to one batch of ``(space, reservation, object position)``."""
-        out: list[tuple[bytes, Reservation, int]] = []
+    def _take_batch(self) -> list[tuple[bytes, Reservation, int, bool]]:
+        """Pop up to one batch of ``(space, reservation, object position, pinned at
+        enqueue)``."""
+        out: list[tuple[bytes, Reservation, int, bool]] = []
         nbytes = 0
         while self._queue and len(out) < WRITE_BATCH_OBJECTS and nbytes < WRITE_BATCH_BYTES:
             p = self._queue[0]
@@ -133,7 +168,7 @@ class WriteBehind:
                 WRITE_BATCH_OBJECTS - len(out),
                 max(1, (WRITE_BATCH_BYTES - nbytes) // object_bytes),
             )
-            out += [(p.space, p.objects, j) for j in range(p.next, p.next + take)]
+            out += [(p.space, p.objects, j, j < p.pinned_end) for j in range(p.next, p.next + take)]
             nbytes += take * object_bytes
             p.next += take
             if p.next == p.end:
@@ -144,8 +179,24 @@ class WriteBehind:
     def drop_all(self, reason: str) -> None:
         if self.depth:
             self.stats.bump(self.stats.dropped_writes, reason, self.depth)
+        for p in self._queue:
+            for j in range(p.next, p.pinned_end):
+                self._unpin_queued(p.objects, j)
         self._queue.clear()
         self.depth = 0
+
+    def _forget_batch(self, batch: list[tuple[bytes, Reservation, int, bool]]) -> None:
+        """A batch taken from the queue that will not be written (shutdown)."""
+        for _, objects, j, queued_pin in batch:
+            if queued_pin:
+                self._unpin_queued(objects, j)
+        self.in_flight -= len(batch)
+        self.stats.bump(self.stats.dropped_writes, "shutdown", len(batch))
+
+    def _unpin_queued(self, objects: Reservation, j: int) -> None:
+        """Release the pin object ``j`` of ``objects`` took when it was queued."""
+        self.index.unpin_object(objects, j)
+        self.pinned_bytes -= objects.object_bytes
 
     async def _run(self) -> None:
         """Drain the queue: build batch i+1's values while batch i is being sent."""
@@ -162,8 +213,12 @@ class WriteBehind:
                     batch = self._take_batch()
                     self.in_flight += len(batch)
                     if self.backend.writes_from_slots:  # nothing to build ahead
-                        while len(sending) >= SLOT_BATCHES_IN_FLIGHT:
-                            await sending.popleft()
+                        try:
+                            while len(sending) >= SLOT_BATCHES_IN_FLIGHT:
+                                await sending.popleft()
+                        except BaseException:  # cancelled at shutdown: unpin, uncount
+                            self._forget_batch(batch)
+                            raise
                         sending.append(loop.create_task(self._send_slots(batch)))
                         continue
                     try:
@@ -182,14 +237,17 @@ class WriteBehind:
                     await asyncio.gather(*sending, return_exceptions=True)
 
     def _pin(
-        self, batch: list[tuple[bytes, Reservation, int]]
+        self, batch: list[tuple[bytes, Reservation, int, bool]]
     ) -> tuple[list[tuple[bytes, bytes, int, int, int]], list[tuple[Reservation, int]]]:
         """Pin the objects of ``batch`` still in L1 (event loop): the jobs
-        ``(space, chunk key, mask, offset, bytes)`` and the pins to undo."""
+        ``(space, chunk key, mask, offset, bytes)`` and the pins to undo (those taken
+        at enqueue are released here, the write's own pin holds them until written)."""
         jobs: list[tuple[bytes, bytes, int, int, int]] = []
         pinned: list[tuple[Reservation, int]] = []
-        for space, objects, j in batch:
+        for space, objects, j, queued_pin in batch:
             at = self.index.pin_object(objects, j)
+            if queued_pin:
+                self._unpin_queued(objects, j)
             if at is None:
                 self.stats.bump(self.stats.dropped_writes, "evicted")
                 continue
@@ -207,7 +265,7 @@ class WriteBehind:
         return jobs, pinned
 
     async def _encode_batch(
-        self, batch: list[tuple[bytes, Reservation, int]]
+        self, batch: list[tuple[bytes, Reservation, int, bool]]
     ) -> list[tuple[bytes, Value]]:
         """``(L2 key, value)`` of each object still in L1 (pinned during the copy)."""
         jobs, pinned = self._pin(batch)
@@ -223,7 +281,7 @@ class WriteBehind:
                 self.index.unpin_object(objects, j)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
-    async def _send_slots(self, batch: list[tuple[bytes, Reservation, int]]) -> None:
+    async def _send_slots(self, batch: list[tuple[bytes, Reservation, int, bool]]) -> None:
         """Write ``batch`` straight from its slots (:attr:`L2Backend.writes_from_slots`),
         pinned until the backend returns; the objects leave ``in_flight`` however it
         ends."""
@@ -258,8 +316,9 @@ class WriteBehind:
         try:
             await put
         except L2Error as e:
-            self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(sizes) - len(e.written))
+            if e.dropped == "error":
+                self.stats.bump(self.stats.errors, "write")
+            self.stats.bump(self.stats.dropped_writes, e.dropped, len(sizes) - len(e.written))
             self.on_error(e)
             if e.written:
                 nbytes = dict(sizes)
@@ -282,8 +341,35 @@ class WriteBehind:
         """Header and payload of one object (worker thread; the slot is pinned)."""
         return self.backend.encode(space, chunk_key, mask, self.view(offset, nbytes).data)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Write out the queue (shutdown, before :meth:`stop`): return once nothing is
+        queued or in flight, the tier is degraded, or ``timeout_s`` passed."""
+        if not (self.depth or self.in_flight) or not self.is_up():
+            return
+        t0 = time.monotonic()
+        log.info(
+            "%s: writing out %d queued objects before shutdown (up to %.0f s)",
+            self.name,
+            self.depth + self.in_flight,
+            timeout_s,
+        )
+        self._wake.set()
+        while (self.depth or self.in_flight) and self.is_up():
+            left = t0 + timeout_s - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "%s: drain timeout: %d queued objects not written (dropped as "
+                    "shutdown); raise --drain-timeout-s",
+                    self.name,
+                    self.depth + self.in_flight,
+                )
+                return
+            await asyncio.sleep(min(0.01, left))
+        log.info("%s: queue written out in %.2f s", self.name, time.monotonic() - t0)
+
     async def stop(self, timeout_s: float) -> None:
-        """Stop after the batch in progress (its copies are finished before returning)."""
+        """Stop after the batch in progress (its copies are finished before returning);
+        what is still queued is dropped (``shutdown``)."""
         self._closing = True
         self._wake.set()
         if self._task is not None:

@@ -279,7 +279,7 @@ class ServerCollector(Collector):
         )
         pinned_b = family(
             "l1_partition_pinned_bytes",
-            "Bytes of objects pinned by leases or retrieves (not evictable).",
+            "Bytes of objects pinned by leases, retrieves or queued tier writes (not evictable).",
         )
         capacity_o = family(
             "l1_partition_capacity_objects", "Object slots in the slabs a partition owns."

@@ -98,7 +98,7 @@ class DiskReport(L2Report, kw_only=True):
     """The disk tier (with ``--disk-dir``): the L2 counters and state, plus its space."""
 
     capacity_bytes: int
-    used_bytes: int  # of the files the index knows (see ``rebuild``)
+    used_bytes: int  # in the directory, by every server sharing it (its ledger)
     files: int
     evicted_objects: int
     direct_io: bool

@@ -150,7 +150,7 @@ def disk_report(tier: L2Tier) -> DiskReport:
     return DiskReport(
         **msgspec.structs.asdict(l2_report(tier)),
         capacity_bytes=backend.index.capacity_bytes,
-        used_bytes=backend.index.used_bytes,
+        used_bytes=backend.ledger.used_bytes,
         files=len(backend.index.entries),
         evicted_objects=backend.evicted_objects,
         direct_io=backend.direct,

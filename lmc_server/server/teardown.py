@@ -168,7 +168,8 @@ class ServerTeardown:
         """Release what startup built, in reverse dependency order; safe after a startup
         that failed part of the way."""
         if self.l2 is not None:  # before the pool goes: its threads read and fill slots
-            await self.l2.stop()
+            # What was committed is written out first, within the drain timeout.
+            await self.l2.stop(self.config.drain_timeout_s if self.started else 0.0)
         if self.housekeeper is not None:
             self.housekeeper.stop()
         if self.liveness is not None:

@@ -71,6 +71,14 @@ from lmc_server.config import Config
     "or a path [default: redis-server]; not with --redis-url.",
 )
 @click.option(
+    "--redis-cluster-nodes",
+    type=click.IntRange(0, 16),
+    default=0,
+    help="Start a Redis Cluster of this many primaries on loopback (each with "
+    "--redis-io-threads, from --redis-server) and run the servers on "
+    "--l2 redis+cluster://...; not with --redis-url [default: 0, one store].",
+)
+@click.option(
     "--warm-store-gb",
     type=click.FloatRange(min=0),
     default=None,
@@ -89,6 +97,13 @@ from lmc_server.config import Config
     type=click.FloatRange(min=0),
     default=2.0,
     help="--disk-dir: fill the directory to this much before the restart run.",
+)
+@click.option(
+    "--flood-chunks",
+    type=click.IntRange(0),
+    default=512,
+    help="--disk-dir: chunks stored back to back (and then paced below the disk's "
+    "rate) to count what of the committed objects the write-behind writes (0: skip).",
 )
 @click.option(
     "--replay",
@@ -137,9 +152,11 @@ def l2(
     l2_connections: int,
     redis_io_threads: int,
     redis_server: str,
+    redis_cluster_nodes: int,
     warm_store_gb: float | None,
     disk_dir: str,
     restart_gb: float,
+    flood_chunks: int,
     trace_path: str | None,
     replay_tier: str,
     limit: int,
@@ -154,6 +171,8 @@ def l2(
         raise click.UsageError(
             "--redis-io-threads starts a redis-server; set io-threads on the one at --redis-url"
         )
+    if redis_cluster_nodes and redis_url:
+        raise click.UsageError("--redis-cluster-nodes starts a cluster; not with --redis-url")
     if redis_server and redis_url:
         raise click.UsageError("--redis-server starts a server; not with --redis-url")
     if warm_store_gb and redis_url:
@@ -199,6 +218,7 @@ def l2(
                 latency_chunks=latency_chunks,
                 repeats=repeats,
                 restart_gb=restart_gb,
+                flood_chunks=flood_chunks,
                 geometry=GeometryArgs.pop(geometry),
                 l1_size_gb=l1_size_gb,
             )
@@ -222,6 +242,7 @@ def l2(
             l2_connections=l2_connections,
             redis_io_threads=redis_io_threads,
             redis_server=(shutil.which(redis_server) or "") if redis_server else "",
+            cluster_nodes=redis_cluster_nodes,
             warm_store_gb=(
                 l2b.L2BenchConfig.warm_store_gb if warm_store_gb is None else warm_store_gb
             ),

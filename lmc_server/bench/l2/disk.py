@@ -13,6 +13,10 @@ stores, B (empty L1) finds the objects on disk.
   ``os.preadv`` of the same files;
 - latency: the same for 1, 16 and 64 chunks (B's L1 cleared before each), median of
   ``--repeats``, against the plain reads of those files;
+- flood: ``--flood-chunks`` fresh chunks stored on A back to back, as fast as the store
+  into L1 goes (a store rate above the disk's), then again paced at
+  ``PACED_FRACTION`` of the write-behind rate measured above (a rate the disk can
+  carry): objects committed, written and dropped by cause once A's queue is empty;
 - restart: the directory is filled to ``--restart-gb`` (A's objects plus filler files
   written plainly), both servers stop, a third starts on it: seconds from its first
   answer to ``ping`` until a lookup of A's prefix hits, and until its index is whole.
@@ -57,6 +61,13 @@ class DiskBenchConfig:
     geometry: GeometryArgs = field(default_factory=GeometryArgs)
     l1_size_gb: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    flood_chunks: int = 512
+
+
+#: The paced flood stores at this fraction of the write-behind rate of the rounds.
+PACED_FRACTION = 0.8
+#: Chunks per store of the flood (one prompt of a few chunks, as an engine stores).
+FLOOD_STORE_CHUNKS = 4
 
 
 def _disk(c: Client) -> DiskReport:
@@ -128,6 +139,16 @@ class _Plain:
 class _Setup:
     def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
         n = max(cfg.chunks, *cfg.latency_chunks)
+        probe = cfg.geometry.build(1)
+        chunk_bytes = sum(  # at most: every page of every cached group, plus headers
+            blocks_per_chunk(g, cfg.chunk_size) * sum(lay.page_bytes for lay in g.layers) + 8192
+            for g in probe.groups
+            if g.cached
+        )
+        # Room for every round, latency point and flood, so none evicts another's files.
+        held = chunk_bytes * (
+            cfg.rounds * cfg.chunks + sum(cfg.latency_chunks) + 2 * cfg.flood_chunks
+        )
         self.args = [
             "--chunk-size",
             str(cfg.chunk_size),
@@ -135,14 +156,14 @@ class _Setup:
             "--disk-dir",
             cfg.disk_dir,
             "--disk-size-gb",
-            str(max(4.0, 2 * cfg.restart_gb)),
+            str(max(4.0, 2 * cfg.restart_gb) + round(held / (1 << 30), 2)),
             "--l2-write-queue-objects",
             str(8 * n),
         ]
         self.cfg = cfg
+        self.max_chunks = n
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
-        probe = cfg.geometry.build(1)
         per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
         geometry = cfg.geometry.build(n * per_chunk)
         self.src = stack.enter_context(ShmKV(geometry))
@@ -182,6 +203,47 @@ class _Setup:
         t_store = time.perf_counter() - t0
         _wait(lambda: _written(self.ca) >= before + objects, "write-behind")
         return t_store, time.perf_counter() - t0, ids
+
+    def flood(self, first_seed: int, chunks: int, gbps: float = 0.0) -> dict:
+        """Store ``chunks`` fresh chunks on A, ``FLOOD_STORE_CHUNKS`` per store, back to
+        back (``gbps`` 0) or paced at ``gbps``; once A's queue is empty, what of it was
+        written and what dropped, by cause (differences of A's counters)."""
+        before = _disk(self.ca)
+        obj_bytes = sum(og.object_bytes for og in self.rega.object_groups)
+        committed = 0
+        t0 = time.perf_counter()
+        per = min(FLOOD_STORE_CHUNKS, self.max_chunks)  # what the KV cache has blocks for
+        for i in range(0, chunks, per):
+            n = min(per, chunks - i)
+            d = _digests(first_seed + i, n, self.rega.chunk_size)
+            ids = block_ids_for(self.rega, n, np.random.default_rng(first_seed + i))
+            res = self.ca.store(self.rega, d, ids)
+            committed += sum(int((s == 0).sum()) for s in res.statuses.values())
+            if gbps:
+                due = t0 + (i + n) * obj_bytes / (gbps * 1e9)
+                time.sleep(max(0.0, due - time.perf_counter()))
+        t_store = time.perf_counter() - t0
+        _wait(lambda: _written(self.ca) >= 0, "write-behind", 600)
+        t_all = time.perf_counter() - t0
+        after = _disk(self.ca)
+        written = after.objects_written - before.objects_written
+        dropped = {
+            k: v - before.dropped_writes.get(k, 0)
+            for k, v in after.dropped_writes.items()
+            if v - before.dropped_writes.get(k, 0)
+        }
+        return {
+            "chunks": chunks,
+            "store_gbps_target": gbps or None,
+            "store_gbps": chunks * obj_bytes / t_store / 1e9,
+            "committed_objects": committed,
+            "written_objects": written,
+            "written_fraction": written / committed if committed else 0.0,
+            "dropped_writes": dropped,
+            "write_gbps": (after.bytes_written - before.bytes_written) / t_all / 1e9,
+            "store_s": t_store,
+            "until_written_s": t_all,
+        }
 
     def disk_hit(self, client: Client, reg: Registration, digests: bytes, n: int) -> float:
         """Seconds from a lookup that misses L1 until all ``n`` chunks hit in L1."""
@@ -276,6 +338,7 @@ def run(cfg: DiskBenchConfig) -> Report:
             "l1_size_gb": cfg.l1_size_gb,
             "disk_dir": cfg.disk_dir,
             "io_threads": IO_THREADS,
+            "flood_chunks": cfg.flood_chunks,
         },
     )
     with ExitStack() as stack:
@@ -332,11 +395,23 @@ def run(cfg: DiskBenchConfig) -> Report:
                 _row(f"disk hit {k} chunks", srv, raw, k * obj_bytes, k * len(s.rega.object_groups))
             )
         disk_b = msgspec.to_builtins(_disk(s.cb))
+        flood: dict = {}
+        if cfg.flood_chunks:
+            behind_gbps = (
+                nbytes
+                / statistics.median([a - b for a, b in zip(w_srv, w_store, strict=True)])
+                / 1e9
+            )
+            flood = {
+                "back_to_back": s.flood(20_000, cfg.flood_chunks),
+                "paced": s.flood(40_000, cfg.flood_chunks, PACED_FRACTION * behind_gbps),
+            }
         restart = _restart(s, stack, digests, n)
         report.summary = {
             "mismatched_groups": mismatched,
             "retrieved_ok": bool(res.ok.all()),
             "disk_b": disk_b,
+            "flood": flood,
             "restart": restart,
         }
     report.notes.append(
@@ -365,12 +440,23 @@ def table(report: Report) -> str:
             ("ratio", "plain/server", ".2f"),
         ],
     )
+    flood = "".join(
+        f"\nflood {name} ({f['chunks']} chunks, stores at {f['store_gbps']:.2f} GB/s): "
+        f"{f['written_objects']} of {f['committed_objects']} committed objects written "
+        f"({f['written_fraction']:.3f}), dropped {f['dropped_writes'] or 'none'}, "
+        f"disk {f['write_gbps']:.2f} GB/s"
+        for name, f in report.summary.get("flood", {}).items()
+    )
     r = report.summary.get("restart", {})
-    return rows + (
-        f"\nrestart on {r.get('restart_gb')} GiB ({r.get('files')} files): "
-        f"ping after {r.get('start_to_ping_s', 0):.2f} s, first hit "
-        f"{r.get('ping_to_first_hit_s', 0):.3f} s after ping, index whole "
-        f"{r.get('index_rebuild_s', 0):.2f} s after start\n"
-        if r
-        else ""
+    return (
+        rows
+        + flood
+        + (
+            f"\nrestart on {r.get('restart_gb')} GiB ({r.get('files')} files): "
+            f"ping after {r.get('start_to_ping_s', 0):.2f} s, first hit "
+            f"{r.get('ping_to_first_hit_s', 0):.3f} s after ping, index whole "
+            f"{r.get('index_rebuild_s', 0):.2f} s after start\n"
+            if r
+            else ""
+        )
     )

@@ -69,6 +69,9 @@ class L2BenchConfig:
     warm_store_gb: float = 2.0
     #: The redis-server (or valkey-server) binary to start; "" = redis-server on PATH.
     redis_server: str = ""
+    #: Start a Redis Cluster of this many primaries on loopback instead of one store
+    #: (the servers use ``--l2 redis+cluster://...``); 0: one store.
+    cluster_nodes: int = 0
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -101,17 +104,53 @@ def _is_up(c: Client) -> Callable[[], bool]:
 
 
 @contextmanager
-def _redis(url: str, io_threads: int = 1, exe: str = "") -> Iterator[str]:
+def _redis(url: str, io_threads: int = 1, exe: str = "", cluster_nodes: int = 0) -> Iterator[str]:
     if url:
         yield url
+        return
+    if cluster_nodes:
+        from lmc_server.testing.redis_cluster import RedisClusterProcess
+
+        with RedisClusterProcess(cluster_nodes, exe=exe or None, io_threads=io_threads) as c:
+            yield c.url
         return
     with RedisProcess(io_threads=io_threads, exe=exe or None) as r:
         yield r.url
 
 
+def raw_client(url: str, socket_timeout_s: float) -> Any:
+    """redis-py's own client of the store at ``url`` (a cluster client for a cluster
+    URL): the baseline the server's figures are compared with."""
+    import redis
+
+    if "+cluster://" in url:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from lmc_server.l2.redis_cluster_backend import cluster_nodes
+
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes(url)],
+            socket_timeout=socket_timeout_s,
+        )
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout_s)
+
+
+def _mget(client: Any, keys: list[bytes]) -> list[Any]:
+    return list(
+        client.mget_nonatomic(keys) if hasattr(client, "mget_nonatomic") else client.mget(keys)
+    )
+
+
+def _pipeline(client: Any) -> Any:
+    return (
+        client.pipeline()
+        if hasattr(client, "mget_nonatomic")
+        else client.pipeline(transaction=False)
+    )
+
+
 class _Setup:
     def __init__(self, cfg: L2BenchConfig, stack: ExitStack, url: str) -> None:
-        import redis
 
         n = max(cfg.chunks, *cfg.latency_chunks)
         args = [
@@ -138,7 +177,7 @@ class _Setup:
         self.cb = stack.enter_context(Client(self.b.endpoint, timeout_s=60))
         self.rega = self.ca.register(**self.src.register_kwargs())
         self.regb = self.cb.register(**self.dst.register_kwargs())
-        self.raw = redis.Redis.from_url(url, socket_timeout=30)
+        self.raw = raw_client(url, 30)
         stack.callback(self.raw.close)
         for c in (self.ca, self.cb):
             _wait(_is_up(c), "L2 connection", 30)
@@ -157,7 +196,7 @@ class _Setup:
         t0 = time.perf_counter()
         values: list[Any] = []
         for i in range(0, len(keys), GET_BATCH_KEYS):
-            values += self.raw.mget(keys[i : i + GET_BATCH_KEYS])
+            values += _mget(self.raw, keys[i : i + GET_BATCH_KEYS])
         return time.perf_counter() - t0, values
 
     def raw_set(self, keys: list[bytes], values: list[bytes]) -> float:
@@ -165,7 +204,7 @@ class _Setup:
 
         t0 = time.perf_counter()
         for i in range(0, len(keys), PUT_BATCH_KEYS):
-            pipe = self.raw.pipeline(transaction=False)
+            pipe = _pipeline(self.raw)
             for k, v in zip(
                 keys[i : i + PUT_BATCH_KEYS], values[i : i + PUT_BATCH_KEYS], strict=True
             ):
@@ -189,17 +228,16 @@ class _Setup:
 def warm_store(url: str, value_bytes: list[int], gb: float) -> float:
     """Write ``gb`` GB of values of the sizes in ``value_bytes`` (in turn) to the store
     at ``url``, then ``FLUSHALL SYNC`` (only ever a store this bench started); seconds."""
-    import redis
 
     from lmc_server.l2.redis_backend import PUT_BATCH_KEYS
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(7)
     values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in value_bytes]
-    with redis.Redis.from_url(url, socket_timeout=60) as r:
+    with raw_client(url, 60) as r:
         written, i = 0, 0
         while written < gb * 1e9:
-            pipe = r.pipeline(transaction=False)
+            pipe = _pipeline(r)
             for _ in range(PUT_BATCH_KEYS // 4):
                 v = values[i % len(values)]
                 pipe.set(b"bench-warm/%d" % i, v)
@@ -230,13 +268,17 @@ def run(cfg: L2BenchConfig) -> Report:
             "redis": cfg.redis_url or "redis-server started here",
             "l2_connections": cfg.l2_connections,
             "redis_io_threads": cfg.redis_io_threads,
+            "redis_cluster_nodes": cfg.cluster_nodes,
             "warm_store_gb": 0.0 if cfg.redis_url else cfg.warm_store_gb,
         },
     )
     if not cfg.redis_url:
         exe = cfg.redis_server or redis_server_path() or "redis-server"
         report.config["redis_server"] = server_version(exe)
-    with _redis(cfg.redis_url, cfg.redis_io_threads, cfg.redis_server) as url, ExitStack() as stack:
+    with (
+        _redis(cfg.redis_url, cfg.redis_io_threads, cfg.redis_server, cfg.cluster_nodes) as url,
+        ExitStack() as stack,
+    ):
         s = _Setup(cfg, stack, url)
         n = cfg.chunks
         obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)

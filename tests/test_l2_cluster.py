@@ -1,0 +1,197 @@
+"""L2 on a Redis Cluster: real redis-server nodes on loopback, real servers, real bytes.
+
+A three-node cluster (primaries only, ``redis-cli --cluster create``) behind
+``--l2 redis+cluster://...``: what server A stores, server B reads back byte for byte,
+with the keys spread over every node; a node killed mid-run makes the tier degraded
+(lookups that miss L1 are misses, stores and L1 hits go on, nothing wrong served) and
+it comes back by itself; slots migrated with their keys while B reads (MOVED and ASK
+followed by redis-py's cluster client) cost no error and no wrong byte.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmc_server.client import chunk_digests
+from lmc_server.testing.redis_cluster import RedisClusterProcess
+from lmc_server.testing.tierworker import (
+    CHUNK,
+    Worker,
+    l2_server,
+    l2_stats,
+    lookup_until,
+    retrieve_exact,
+    tokens,
+    wait_for,
+    wait_l2_written,
+)
+
+pytestmark = [
+    pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh"),
+    pytest.mark.needs_tool("redis-cli", "Debian: redis-tools; CI: .ci/install-redis.sh"),
+]
+
+
+@pytest.fixture
+def cluster() -> Iterator[RedisClusterProcess]:
+    with RedisClusterProcess(3) as c:
+        yield c
+
+
+def up(w: Worker) -> bool:
+    return l2_stats(w.client).state == "up"
+
+
+def test_store_on_a_read_on_b_across_the_nodes(cluster: RedisClusterProcess) -> None:
+    with l2_server(cluster.url) as a, l2_server(cluster.url) as b:
+        src, dst = Worker(a.endpoint, seed=11), Worker(b.endpoint, seed=0)
+        try:
+            wait_for(lambda: up(src) and up(dst), "both connected")
+            stored = []
+            for p in range(3):
+                d = chunk_digests(tokens(600 + p, 4), CHUNK)
+                stored.append((d, src.store(d, block_seed=p)))
+            wait_l2_written(src.client, 3 * 4 * 2)
+            assert all(n.client().dbsize() > 0 for n in cluster.nodes), "keys on every node"
+            for d, ids in stored:
+                retrieve_exact(dst, src, ids, d, 4)
+            st = l2_stats(dst.client)
+            assert st.hits >= 3 * 4 * 2 and not st.invalid and not st.errors
+        finally:
+            src.close()
+            dst.close()
+
+
+def test_a_node_killed_mid_run_costs_misses_then_comes_back(
+    cluster: RedisClusterProcess,
+) -> None:
+    with l2_server(cluster.url) as a, l2_server(cluster.url) as b:
+        src, dst = Worker(a.endpoint, seed=12), Worker(b.endpoint, seed=0)
+        try:
+            wait_for(lambda: up(src) and up(dst), "both connected")
+            d0 = chunk_digests(tokens(700, 4), CHUNK)
+            ids0 = src.store(d0, block_seed=1)
+            wait_l2_written(src.client, 8)
+            cluster.stop_node(1)
+            for p in range(3):  # stores and L1 go on; L2 writes fail or are dropped
+                src.store(chunk_digests(tokens(710 + p, 4), CHUNK), block_seed=p)
+            assert src.client.lookup(src.reg, d0, lease=False).hit_chunks == 4
+            wait_for(lambda: not up(dst) or not up(src), "a tier degraded", 30)
+            miss = chunk_digests(tokens(799, 4), CHUNK)
+            r = dst.client.lookup(dst.reg, miss, lease=False)
+            assert r.hit_chunks == 0  # a miss, not an error
+            cluster.start_node(1)
+            cluster.wait_ok()
+            wait_for(lambda: up(src) and up(dst), "both back up", 30)
+            d1 = chunk_digests(tokens(720, 4), CHUNK)
+            ids1 = src.store(d1, block_seed=9)
+            written = l2_stats(src.client).objects_written
+            wait_for(lambda: l2_stats(src.client).objects_written >= written, "writes")
+            wait_l2_written(src.client, written)
+            retrieve_exact(dst, src, ids1, d1, 4)
+            # What the killed node held is gone (it came back empty): a miss or the
+            # exact bytes, never anything else.
+            dst.client.clear()
+            hit = lookup_until(dst.client, dst.reg, d0, 0).hit_chunks
+            dst.client.release(dst.client.lookup(dst.reg, d0).lease_id)
+            if hit:
+                retrieve_exact(dst, src, ids0, d0, hit)
+            assert not l2_stats(dst.client).invalid
+            assert "Traceback" not in a.log() + b.log()
+        finally:
+            src.close()
+            dst.close()
+
+
+def test_slots_migrated_while_reading_cost_no_error_and_no_wrong_byte(
+    cluster: RedisClusterProcess,
+) -> None:
+    with l2_server(cluster.url) as a, l2_server(cluster.url) as b:
+        src, dst = Worker(a.endpoint, seed=13), Worker(b.endpoint, seed=0)
+        try:
+            wait_for(lambda: up(src) and up(dst), "both connected")
+            stored = []
+            for p in range(4):
+                d = chunk_digests(tokens(800 + p, 4), CHUNK)
+                stored.append((d, src.store(d, block_seed=p)))
+            wait_l2_written(src.client, 4 * 4 * 2)
+            keys_before = cluster.keys()
+            moved: list[str] = []
+            errors: list[BaseException] = []
+
+            def reshard() -> None:
+                try:
+                    moved.append(cluster.move_slots(0, 1, 3000))
+                except BaseException as e:  # reported below
+                    errors.append(e)
+
+            t = threading.Thread(target=reshard)
+            t.start()
+            rounds = 0
+            while t.is_alive() or rounds < 2:
+                for d, ids in stored:
+                    dst.client.clear()
+                    look = lookup_until(dst.client, dst.reg, d, 0)
+                    dst.client.release(look.lease_id)
+                    r = dst.client.lookup(dst.reg, d, lease=False)
+                    if r.hit_chunks:
+                        retrieve_exact(dst, src, ids, d, r.hit_chunks)
+                rounds += 1
+            t.join()
+            assert not errors, errors
+            assert cluster.keys() == keys_before  # the keys moved, none lost
+            wait_for(lambda: up(dst), "up after the migration", 30)
+            for d, ids in stored:  # every prompt, through the new slot map
+                dst.client.clear()
+                retrieve_exact(dst, src, ids, d, 4)
+            st = l2_stats(dst.client)
+            assert not st.invalid
+            assert "Traceback" not in a.log() + b.log()
+        finally:
+            src.close()
+            dst.close()
+
+
+def test_bench_l2_starts_a_cluster_and_reads_back_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmc_server",
+            "bench",
+            "l2",
+            "--redis-cluster-nodes",
+            "3",
+            "--chunks",
+            "2",
+            "--rounds",
+            "1",
+            "--latency-chunks",
+            "1",
+            "--repeats",
+            "1",
+            "--layers",
+            "4",
+            "--l1-size-gb",
+            "0.25",
+            "--warm-store-gb",
+            "0.01",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["redis_cluster_nodes"] == 3
+    assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
