@@ -28,7 +28,13 @@ import pytest
 
 from lmc_server.buffers import CudaIpcBuffer
 from lmc_server.cache.geometry import blocks_per_chunk
-from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
+from lmc_server.cache.layout import (
+    LayerRun,
+    RunCopy,
+    build_layout,
+    plan_copies,
+    section_block_ids,
+)
 from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
@@ -359,6 +365,12 @@ def test_nvml_reads_this_gpu() -> None:
     assert pct is not None and 0 <= pct <= 100
 
 
+def first_block_past(run: LayerRun, buffer_bytes: int) -> int:
+    """The smallest block id whose pages in ``run`` end past ``buffer_bytes``."""
+    top = run.base_offset + max(0, (run.n_layers - 1) * run.layer_stride) + run.page_bytes
+    return max(0, -(-(buffer_bytes - top + 1) // run.block_stride))
+
+
 @pytest.mark.parametrize("mode", ["staging", "dma"])
 def test_engine_refuses_out_of_range_before_copy(exported: Exported, mode: str) -> None:
     engine, pool = make_engine(mode, 8 * SLAB)
@@ -371,7 +383,11 @@ def test_engine_refuses_out_of_range_before_copy(exported: Exported, mode: str) 
         bufs_before = read_buffers(mapping)
         bad = list(copies)
         ids = bad[-1].block_ids.copy()
-        ids[-1, -1] = 96  # one past the last block of the group
+        # the first block whose pages end past its buffer (the engine's own bound;
+        # ids past the group's block count but inside the buffer, as the V plane of
+        # FlashAttention's layout after its K plane, are the server's check)
+        run = bad[-1].run
+        ids[-1, -1] = first_block_past(run, exported.buffers[run.buffer].size_bytes)
         bad[-1] = RunCopy(bad[-1].run, ids, bad[-1].object_offsets)
         write_buffers(mapping, 0x22)
         with pytest.raises(TransferError):
