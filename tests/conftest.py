@@ -116,7 +116,7 @@ def client(server: ServerProcess) -> Iterator[Client]:
 @pytest.fixture
 def redis_proc() -> Iterator[RedisProcess]:
     """A redis-server of the test's own (free port, no persistence), stopped after it.
-    Modules that use it skip themselves where redis-server is not installed (or fail,
-    with ``LMC_REQUIRE_REDIS=1``)."""
+    A test that uses it carries ``needs_tool("redis-server", ...)``: skipped where
+    redis-server is not installed, failed under ``CI=true``."""
     with RedisProcess() as r:
         yield r
