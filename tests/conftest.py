@@ -26,6 +26,7 @@ import pytest
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
+from lmc_server.testing.suite_order import DURATIONS_KEY, module_rank
 
 ServerProcess.pool_ready_by_default = True
 # CPU- and null-backend servers forked from a process that imported the package once
@@ -33,29 +34,34 @@ ServerProcess.pool_ready_by_default = True
 ServerProcess.fork_from_zygote = True
 
 
-#: Modules that take longest (seconds of one worker, ``--junitxml`` of a CI-like run on
-#: a 2-core machine): run first, so that under xdist no long module starts
-#: last and runs alone while the other workers idle. Order only; a stale entry costs
-#: nothing but a little packing.
-LONGEST_FIRST = (
-    "test_fuzz.py",
-    "test_connector_runtime.py",
-    "test_l2_redis.py",
-    "test_policies.py",
-    "test_soak.py",
-    "test_chaos.py",
-    "test_bench_ranks.py",
-    "test_stateful.py",
-    "test_bench_smoke.py",
-    "test_hardening_input.py",
-    "test_replay_traces.py",
-    "test_kv_events.py",
-)
+#: Seconds per test module in this run, for the next run's order
+#: (lmc_server/testing/suite_order.py); kept by the controller, not the xdist workers.
+_module_seconds: dict[str, float] = {}
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    name = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    _module_seconds[name] = _module_seconds.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    cache = getattr(session.config, "cache", None)
+    if cache is None or _is_xdist_worker(session.config) or not _module_seconds:
+        return
+    if session.config.option.keyword:  # a -k run times part of a module
+        return
+    seconds = dict(cache.get(DURATIONS_KEY, {}))
+    seconds.update({k: round(v, 2) for k, v in _module_seconds.items()})
+    cache.set(DURATIONS_KEY, seconds)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # xdist hands out modules with the most tests first unless told to keep the
-    # collection order, which LONGEST_FIRST sets (--no-loadscope-reorder, made the
+    # collection order, which module_rank sets (--no-loadscope-reorder, made the
     # default here so the README's command stays as it is).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
@@ -70,7 +76,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    cache = getattr(config, "cache", None)
+    rank = module_rank(cache.get(DURATIONS_KEY, None) if cache is not None else None)
     items.sort(key=lambda i: rank.get(i.path.name, len(rank)))  # stable: in-module order kept
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:
@@ -116,7 +123,7 @@ def client(server: ServerProcess) -> Iterator[Client]:
 @pytest.fixture
 def redis_proc() -> Iterator[RedisProcess]:
     """A redis-server of the test's own (free port, no persistence), stopped after it.
-    Modules that use it skip themselves where redis-server is not installed (or fail,
-    with ``LMC_REQUIRE_REDIS=1``)."""
+    A test that uses it carries ``needs_tool("redis-server", ...)``: skipped where
+    redis-server is not installed, failed under ``CI=true``."""
     with RedisProcess() as r:
         yield r

@@ -22,7 +22,7 @@ from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.inprocess import ThreadServer, run_server
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import wait_pool_ready
-from lmc_server.transfer.base import DoneCallback, Mapping
+from lmc_server.transfer.base import BufferMapping, DoneCallback
 from lmc_server.transfer.cpu import CpuEngine
 
 NUM_BLOCKS = 512
@@ -42,7 +42,7 @@ class FailingEngine(CpuEngine):
         self.parts: list[int] = []
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         k = self.submissions
         self.submissions += 1

@@ -15,14 +15,14 @@ from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.inprocess import run_server
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import simple_model
-from lmc_server.transfer.base import Mapping
+from lmc_server.transfer.base import BufferMapping
 from lmc_server.transfer.null import NullEngine
 
 
 class BrokenOpen(NullEngine):
     """An engine whose ``open`` fails with a bug (not a ``TransferError`` refusal)."""
 
-    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+    def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         raise RuntimeError("a bug in open")
 
 

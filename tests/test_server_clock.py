@@ -8,7 +8,6 @@ miss is forgotten when the clock moves past its memory, without real waiting.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ from lmc_server.testing.engines import HoldingEngine
 from lmc_server.testing.inprocess import FakeClock, run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
-from lmc_server.testing.redis_process import RedisProcess, redis_server_path
+from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import wait_for
 
 CHUNK = 256
@@ -108,15 +107,7 @@ def test_a_store_waiting_for_another_writer_gives_up_by_the_servers_clock() -> N
         assert loser.lookup(reg_l, digests, lease=False).hit_chunks == 1  # serves on
 
 
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProcess]:
-    if redis_server_path() is None:
-        pytest.skip("redis-server is not installed")
-    pytest.importorskip("redis")
-    with RedisProcess() as r:
-        yield r
-
-
+@pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh")
 def test_a_remembered_l2_miss_is_forgotten_by_the_servers_clock(redis_proc: RedisProcess) -> None:
     """Server B looks a prefix up before server A stored it: L2 misses, and B remembers
     the miss for ``MISS_MEMORY_S`` of its clock (a poll starts no L2 read). Once A's

@@ -95,6 +95,3 @@ class LeaseTable:
         for lease_id in ids:
             self.release(lease_id)
         return len(ids)
-
-    def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None

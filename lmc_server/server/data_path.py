@@ -30,7 +30,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
-from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.server.validate import CheckedIds
@@ -50,7 +50,7 @@ class DataRequest:
     retrieve's prefix ends, a store's engine hashes per chunk for its KV events)."""
 
     msg: m.Store | m.Retrieve
-    reg: Registration
+    reg: RegisteredCache
     ids: dict[int, np.ndarray]
     keys: list[bytes]
     ends: list[int]
@@ -72,7 +72,7 @@ class DataPath:
     sessions: SessionTable
     checked_ids: CheckedIds
 
-    def _registration(self, session: Session, msg: Any) -> Registration:
+    def _registration(self, session: Session, msg: Any) -> RegisteredCache:
         """The sender's registration the request names (refused: unknown)."""
         reg = self.sessions.find(session, msg.registration_id)
         if reg is None:
@@ -111,7 +111,7 @@ class DataPath:
         return DataRequest(msg, reg, ids, keys, [], per)
 
     def _submit(
-        self, reg: Registration, copies: list[RunCopy], to_pool: bool, completion: Completion
+        self, reg: RegisteredCache, copies: list[RunCopy], to_pool: bool, completion: Completion
     ) -> None:
         """Hand a request's copies to the engine; a refusal is reported as its error.
 

@@ -28,7 +28,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.data_path import DataPath
-from lmc_server.server.sessions import Registration, Session, SessionTable
+from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import ServerStats
 from lmc_server.server.validate import CheckedIds
@@ -171,7 +171,7 @@ class Handlers(DataPath):
         if self.events is not None:
             self.events.watch(view, namespace, msg.model, published=msg.replicated or msg.rank == 0)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
-        reg = Registration(
+        reg = RegisteredCache(
             self.sessions.new_registration_id(),
             session,
             namespace,
@@ -214,7 +214,7 @@ class Handlers(DataPath):
         return m.Unregistered(req_id=msg.req_id)
 
     def _lookup_prefix(
-        self, reg: Registration, session: Session, keys: list[bytes], now_s: float, lease: bool
+        self, reg: RegisteredCache, session: Session, keys: list[bytes], now_s: float, lease: bool
     ) -> tuple[int, int, int]:
         """One prefix looked up: its hit chunks, lease id (0: none) and the chunks asked
         of the lower tiers after an L1 miss."""

@@ -16,21 +16,26 @@ from dataclasses import dataclass, field
 
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.cache.view import CacheView
-from lmc_server.transfer.base import Mapping
+from lmc_server.transfer.base import BufferMapping
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Registration:
-    """One worker's declared KV cache and its server-side state."""
+class RegisteredCache:
+    """One worker's registered KV cache as the server holds it.
+
+    Its layout (groups, view), the mapping of the worker's memory and the count of copies
+    in flight. The client's handle on the same registration is
+    ``lmc_server.client.Registration``.
+    """
 
     registration_id: bytes
     session: Session
     namespace: str
     groups: list[GroupSpec]
     view: CacheView
-    mapping: Mapping | None
+    mapping: BufferMapping | None
     blocks_per_chunk: list[int]
     inflight: int = 0
     closing: bool = False
@@ -72,7 +77,7 @@ class Session:
     pre_hello: int = 0
     conn: tuple[int, int] | None = None  # (socket descriptor, accept generation)
     client_name: str = ""
-    registrations: dict[bytes, Registration] = field(default_factory=dict)
+    registrations: dict[bytes, RegisteredCache] = field(default_factory=dict)
     inflight: int = 0
 
 
@@ -81,7 +86,7 @@ class SessionTable:
 
     def __init__(self) -> None:
         self._by_identity: dict[bytes, Session] = {}
-        self._registrations: dict[bytes, Registration] = {}
+        self._registrations: dict[bytes, RegisteredCache] = {}
         self._next_sid = 1
 
     def __len__(self) -> int:
@@ -110,23 +115,23 @@ class SessionTable:
     def new_registration_id() -> bytes:
         return secrets.token_bytes(16)
 
-    def add(self, reg: Registration) -> None:
+    def add(self, reg: RegisteredCache) -> None:
         self._registrations[reg.registration_id] = reg
         reg.session.registrations[reg.registration_id] = reg
 
-    def find(self, session: Session, registration_id: bytes) -> Registration | None:
+    def find(self, session: Session, registration_id: bytes) -> RegisteredCache | None:
         """The registration if it exists, is open, and belongs to ``session``."""
         reg = self._registrations.get(registration_id)
         if reg is None or reg.session is not session or reg.closing:
             return None
         return reg
 
-    def remove(self, reg: Registration) -> None:
+    def remove(self, reg: RegisteredCache) -> None:
         self._registrations.pop(reg.registration_id, None)
         reg.session.registrations.pop(reg.registration_id, None)
         reg.close()
 
-    def drop(self, session: Session) -> list[Registration]:
+    def drop(self, session: Session) -> list[RegisteredCache]:
         """Forget a session; returns its registrations (already closing)."""
         self._by_identity.pop(session.identity, None)
         regs = list(session.registrations.values())

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Sequence
 
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.base import DoneCallback, Mapping
+from lmc_server.transfer.base import BufferMapping, DoneCallback
 from lmc_server.transfer.cpu import CpuEngine
 
-_Submission = tuple[asyncio.AbstractEventLoop, Mapping, Sequence[RunCopy], bool, DoneCallback]
+_Submission = tuple[asyncio.AbstractEventLoop, BufferMapping, Sequence[RunCopy], bool, DoneCallback]
 
 
 class HoldingEngine(CpuEngine):
@@ -37,7 +37,7 @@ class HoldingEngine(CpuEngine):
         self.submissions = 0
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         with self._cond:
             self.submissions += 1
@@ -73,7 +73,7 @@ class HoldingEngine(CpuEngine):
         return len(held)
 
     def _start(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         try:
             super().submit(mapping, copies, to_pool, done)
@@ -95,7 +95,7 @@ class BackloggedEngine(CpuEngine):
         self.submitted = 0
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         super().submit(mapping, copies, to_pool, done)
         with self._cond:

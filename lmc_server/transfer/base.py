@@ -61,7 +61,7 @@ class HostPool(ABC):
         """Stop preparing slabs and release the memory. Idempotent."""
 
 
-class Mapping(ABC):
+class BufferMapping(ABC):
     """One registration's buffers, mapped into the server for its lifetime."""
 
     device: DeviceInfo
@@ -91,12 +91,12 @@ class TransferEngine(ABC):
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool: ...
 
     @abstractmethod
-    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+    def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         """Map a registration's buffers; raise :class:`TransferError` if impossible."""
 
     @abstractmethod
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         """Start copying pages into the pool (``to_pool``) or out of it; never blocks.
 
@@ -109,15 +109,15 @@ class TransferEngine(ABC):
         Blocks whose id is ``-1`` are left untouched.
         """
 
-    def store(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+    def store(self, mapping: BufferMapping, copies: Sequence[RunCopy]) -> None:
         """Blocking store (tests, benchmarks): returns once every byte has landed."""
         self._blocking(mapping, copies, True)
 
-    def retrieve(self, mapping: Mapping, copies: Sequence[RunCopy]) -> None:
+    def retrieve(self, mapping: BufferMapping, copies: Sequence[RunCopy]) -> None:
         """Blocking retrieve (tests, benchmarks): returns once the pages are written."""
         self._blocking(mapping, copies, False)
 
-    def _blocking(self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool) -> None:
+    def _blocking(self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool) -> None:
         finished = threading.Event()
         errors: list[str] = []
 

@@ -30,10 +30,10 @@ from lmc_server.buffers import BufferSpec, ShmBuffer, ShmFdBuffer
 from lmc_server.cache.layout import RunCopy
 from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import (
+    BufferMapping,
     DeviceInfo,
     DoneCallback,
     HostPool,
-    Mapping,
     TransferEngine,
     TransferError,
 )
@@ -118,7 +118,7 @@ class CpuHostPool(HostPool):
                     )
 
 
-class ShmMapping(Mapping):
+class ShmMapping(BufferMapping):
     """The worker's segments mapped shared; ``arrays[i]`` views buffer ``i``.
 
     ``inbox`` holds the descriptors of :class:`ShmFdBuffer` buffers (none: only
@@ -332,11 +332,11 @@ class CpuEngine(TransferEngine):
             self._inbox = FdInbox()
         return self._pool
 
-    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+    def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         return ShmMapping(buffers, self._inbox)
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         """Copies of at most ``INLINE_BYTES`` run right here (a thread hop costs more
         than the copy); larger ones are split over the copy threads and the last

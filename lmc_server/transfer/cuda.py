@@ -44,9 +44,9 @@ from lmc_server.cache.layout import RunCopy
 from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import (
+    BufferMapping,
     DoneCallback,
     HostPool,
-    Mapping,
     TransferEngine,
     TransferError,
 )
@@ -171,7 +171,7 @@ class CudaEngine(TransferEngine):
         self._pool = CudaHostPool(size_bytes, slab_bytes, pinning=self.pinning)
         return self._pool
 
-    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+    def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         try:
             return CudaMapping(self._ipc, list(buffers))
         except CUDA_ERRORS as e:
@@ -211,7 +211,7 @@ class CudaEngine(TransferEngine):
     # -- copies -------------------------------------------------------------------------
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         """Plan and launch on the calling thread, then hand the lane to its waiter.
 

@@ -21,7 +21,7 @@ import cupy
 import numpy as np
 
 from lmc_server.buffers import BufferSpec, CudaIpcBuffer
-from lmc_server.transfer.base import DeviceInfo, Mapping, TransferError
+from lmc_server.transfer.base import BufferMapping, DeviceInfo, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class IpcTable:
         return len(self._open)
 
 
-class CudaMapping(Mapping):
+class CudaMapping(BufferMapping):
     """One registration's buffers on one GPU; ``ptrs``/``sizes`` index like the buffers.
 
     Keeps its IPC handles open until :meth:`close` (idempotent), which the server calls

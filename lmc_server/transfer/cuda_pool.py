@@ -126,10 +126,6 @@ class CudaHostPool(HostPool):
             self.pinned_s,
         )
 
-    @property
-    def pinned_slabs(self) -> int:
-        return int(np.count_nonzero(self.slab_ptrs))
-
     def slab_view(self, slab: int) -> np.ndarray:
         """A numpy view of one ready slab (tests and diagnostics)."""
         ptr = int(self.slab_ptrs[slab])

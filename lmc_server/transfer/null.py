@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.base import DeviceInfo, DoneCallback, HostPool, Mapping, TransferEngine
+from lmc_server.transfer.base import (
+    BufferMapping,
+    DeviceInfo,
+    DoneCallback,
+    HostPool,
+    TransferEngine,
+)
 
 
 class NullHostPool(HostPool):
@@ -31,7 +37,7 @@ class NullHostPool(HostPool):
         pass
 
 
-class NullMapping(Mapping):
+class NullMapping(BufferMapping):
     def __init__(self) -> None:
         self.device = DeviceInfo(arch=None, description="null (no memory)")
 
@@ -45,11 +51,11 @@ class NullEngine(TransferEngine):
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
         return NullHostPool(size_bytes, slab_bytes)
 
-    def open(self, buffers: Sequence[BufferSpec]) -> Mapping:
+    def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         return NullMapping()
 
     def submit(
-        self, mapping: Mapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
+        self, mapping: BufferMapping, copies: Sequence[RunCopy], to_pool: bool, done: DoneCallback
     ) -> None:
         done("")
 
