@@ -2,7 +2,7 @@
 # The package as a user installs it, run by .ci/run after the test suite:
 #   bash .ci/check-wheel.sh
 # 1. builds the wheel (what `pip install .` installs) and checks it holds every module of
-#    the tree (lmc_server/**/*.py) and the CUDA sources (lmc_server/kernels/*.cu);
+#    the tree (lmc_server/**/*.py) and the CUDA sources (kernels/ as lmc_server.kernels);
 # 2. installs it, without extras, into a fresh venv outside the checkout and, from
 #    another directory: bare `lmcache`, `lmcache --help`, `lmcache bench --help` and every
 #    `lmcache bench <command> --help`, and a disk-tier trace replay (no extras needed);
@@ -44,9 +44,9 @@ wheel, root = sys.argv[1], Path(sys.argv[2])
 shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("lmc_server/")}
 tree = {p.relative_to(root).as_posix() for p in (root / "lmc_server").rglob("*.py")}
 tree |= {
-    p.relative_to(root).as_posix()
-    for p in (root / "lmc_server" / "kernels").iterdir()
-    if p.suffix in (".cu", ".cuh")
+    "lmc_server/kernels/" + p.name
+    for p in (root / "kernels").iterdir()
+    if p.suffix in (".py", ".cu", ".cuh")
 }
 missing = sorted(tree - shipped)
 if missing:
