@@ -37,19 +37,17 @@ ALLOWED: dict[str, set[str]] = {
     # setup for the daemon. buffers: the msgspec types that describe a worker's KV
     # buffers on the wire (shared memory, CUDA IPC); read by protocol, client, transfer.
     # threadnames: OS names for the threads the server starts (stdlib only).
-    # kernels: the CUDA sources as package data (stdlib only).
     "net": set(),
     "logs": set(),
     "buffers": set(),
     "threadnames": set(),
-    "kernels": set(),
     # The cache core: geometry, layout, keys, pool, eviction, index. Imports nothing of
     # the package (and only numpy/msgspec outside it, see THIRD_PARTY).
     "cache": set(),
     # Sans-IO wire protocol: messages carry group specs (cache) and buffer specs.
     "protocol": {"cache", "buffers"},
     # Transfer engines copy by the cache's layout into the buffers a worker registered.
-    "transfer": {"cache", "buffers", "threadnames", "kernels"},
+    "transfer": {"cache", "buffers", "threadnames"},
     # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
     # the engine's host pool. Takes its settings through a protocol, not Config.
     "l2": {"cache", "transfer", "threadnames"},

@@ -1,7 +1,6 @@
-"""Loading and launching the page copy kernels (``lmc_server/kernels/copy_pages.cu``).
+"""Loading and launching the page copy kernels (``kernels/copy_pages.cu``).
 
-The source is package data of ``lmc_server.kernels`` (read by
-:func:`lmc_server.kernels.source_text`), is compiled once per
+The source ships inside the package (``lmc_server.kernels``), is compiled once per
 process by NVRTC through ``cupy.RawModule`` (CuPy caches the binary on disk), and
 loaded once per device. :func:`launch` is the thin host wrapper: it checks the unit
 range and launch shape before every launch; the addresses the unit rows and block ids
@@ -10,12 +9,13 @@ lead to were checked when the plan was built (:mod:`lmc_server.transfer.cuda_pla
 
 from __future__ import annotations
 
+import importlib
 import threading
+from pathlib import Path
 
 import cupy
 import numpy as np
 
-from lmc_server.kernels import source_text
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cuda_units import UNIT_WORDS
 
@@ -30,6 +30,20 @@ _source: str | None = None
 _functions: dict[tuple[int, str], cupy.RawKernel] = {}
 
 
+def source_file() -> Path:
+    """The installed ``lmc_server.kernels`` source, or ``kernels/`` of a source tree.
+
+    A source tree run with ``PYTHONPATH`` (the GPU test machine) has no
+    ``lmc_server.kernels`` package: that name exists only once installed.
+    """
+    try:
+        kernels = importlib.import_module("lmc_server.kernels")
+    except ImportError:
+        return Path(__file__).resolve().parents[2] / "kernels" / SOURCE
+    path: Path = kernels.source_path(SOURCE)
+    return path
+
+
 def kernel(device: int, name: str) -> cupy.RawKernel:
     """``gather_units`` or ``scatter_units``, loaded on ``device`` (compiled once)."""
     global _source
@@ -41,7 +55,7 @@ def kernel(device: int, name: str) -> cupy.RawKernel:
         fn = _functions.get(key)
         if fn is None:
             if _source is None:
-                _source = source_text(SOURCE)
+                _source = source_file().read_text()
             with cupy.cuda.Device(device):
                 module = cupy.RawModule(code=_source, options=("-std=c++17",))
                 for n in KERNELS:

@@ -3,7 +3,7 @@
 Pure numpy (no CuPy), so every address computation and range check is testable on a
 CPU-only host. A *unit* is one layer run of one chunk. The host never expands a request
 into per-page descriptors: it uploads one row of ``UNIT_WORDS`` ``int64`` words per unit
-(layout in ``lmc_server/kernels/copy_pages.cu``) plus the chunks' block ids, and the kernels compute
+(layout in ``kernels/copy_pages.cu``) plus the chunks' block ids, and the kernels compute
 each page's address from them. Planning therefore costs a fixed number of numpy
 operations per request (one per copy for the checks, a few dozen in all), independent of
 the number of pages: about 0.1 ms for a 64-chunk DeepSeek-V4.1 batch, small enough to
@@ -27,7 +27,7 @@ import numpy as np
 from lmc_server.cache.layout import LayerRun, RunCopy
 from lmc_server.transfer.base import TransferError
 
-#: int64 words per unit row; column meanings match ``lmc_server/kernels/copy_pages.cu``.
+#: int64 words per unit row; column meanings match ``kernels/copy_pages.cu``.
 UNIT_WORDS = 10
 (
     PAGE_BASE,

@@ -1,7 +1,7 @@
 """The CUDA engine's copy plans, executed by numpy on a simulated address space.
 
 Runs on any host (no GPU marker): every kernel launch (emulated slot by slot, with the
-index arithmetic of ``lmc_server/kernels/copy_pages.cu``) and every DMA the engine would issue is
+index arithmetic of ``kernels/copy_pages.cu``) and every DMA the engine would issue is
 applied to one numpy "memory" in which buffers, pool and staging halves sit at their
 addresses, and the resulting pool and page bytes are compared with the CPU engine's
 reference copy of the same :class:`RunCopy` list.
@@ -84,7 +84,7 @@ class Memory:
                     self.mem[d : d + width] = self.mem[p : p + width]
 
     def kernel(self, plan: Plan, first: int, count: int, to_object: bool) -> None:
-        """``copy_units`` of lmc_server/kernels/copy_pages.cu, slot by slot, on this memory."""
+        """``copy_units`` of kernels/copy_pages.cu, slot by slot, on this memory."""
         per_unit = plan.max_layers * plan.max_blocks
         rows = plan.units[first : first + count].tolist()
         ids = plan.ids.tolist()
