@@ -17,13 +17,14 @@ from collections.abc import Mapping
 
 #: The longest modules of a CI-like run on a 2-core machine, longest first.
 LONGEST_FIRST = (
-    "test_fuzz.py",
     "test_connector_runtime.py",
     "test_l2_redis.py",
-    "test_policies.py",
+    "test_l2_cluster.py",
     "test_soak.py",
     "test_chaos.py",
     "test_bench_ranks.py",
+    "test_fuzz.py",
+    "test_policies.py",
     "test_stateful.py",
     "test_bench_smoke.py",
     "test_hardening_input.py",
