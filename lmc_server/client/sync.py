@@ -26,6 +26,7 @@ from lmc_server.client.core import (
     configure_socket,
 )
 from lmc_server.client.requests import Call, RequestBuilder, raw_call
+from lmc_server.errors import LmcTimeoutError
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.protocol.stats import StatsReport
@@ -56,7 +57,11 @@ class Client:
         self._client_name = client_name
         self.welcome: m.Welcome | None = None
         if hello:
-            self._hello()
+            try:
+                self._hello()
+            except BaseException:  # no one to close it: the caller never gets the object
+                self.close()
+                raise
 
     def _hello(self) -> None:
         self.welcome = self._run(self._b.hello(self._client_name))
@@ -83,7 +88,7 @@ class Client:
         """The next reply, whatever its ``req_id`` (tests of malformed input)."""
         t = self.timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(t * 1000)):
-            raise TimeoutError(f"no reply from {self.endpoint} within {t} s")
+            raise LmcTimeoutError(f"no reply from {self.endpoint} within {t} s")
         return decode_reply(self._sock.recv())
 
     def _call(self, msg: m._Msg, expected: type[Any], timeout_s: float | None = None) -> Any:
@@ -105,7 +110,7 @@ class Client:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-                raise TimeoutError(
+                raise LmcTimeoutError(
                     f"no reply from {self.endpoint} to "
                     f"{type(msg).__name__.lower()} within the timeout"
                 )
