@@ -36,26 +36,28 @@ ALLOWED: dict[str, set[str]] = {
     # Leaves. net: endpoint strings and address checks (stdlib only). logs: logging
     # setup for the daemon. buffers: the msgspec types that describe a worker's KV
     # buffers on the wire (shared memory, CUDA IPC); read by protocol, client, transfer.
-    # threadnames: OS names for the threads the server starts (stdlib only).
+    # threadnames: OS names for the threads the server starts (stdlib only). errors: the
+    # root of every error class of the package (stdlib only; every layer may raise one).
+    "errors": set(),
     "net": set(),
     "logs": set(),
     "buffers": set(),
     "threadnames": set(),
     # The cache core: geometry, layout, keys, pool, eviction, index. Imports nothing of
-    # the package (and only numpy/msgspec outside it, see THIRD_PARTY).
-    "cache": set(),
+    # the package but the error root (and only numpy/msgspec outside it, see THIRD_PARTY).
+    "cache": {"errors"},
     # Sans-IO wire protocol: messages carry group specs (cache) and buffer specs.
-    "protocol": {"cache", "buffers"},
+    "protocol": {"cache", "buffers", "errors"},
     # Transfer engines copy by the cache's layout into the buffers a worker registered.
-    "transfer": {"cache", "buffers", "threadnames"},
+    "transfer": {"cache", "buffers", "threadnames", "errors"},
     # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
     # the engine's host pool. Takes its settings through a protocol, not Config.
-    "l2": {"cache", "transfer", "threadnames"},
+    "l2": {"cache", "transfer", "threadnames", "errors"},
     # Prometheus collector and HTTP endpoint. Reads the index and pool directly; the
     # server's own counters and sessions through protocols it defines (no server import).
-    "metrics": {"cache", "net", "threadnames"},
+    "metrics": {"cache", "net", "threadnames", "errors"},
     # Server settings: values and checks; the checks of a subsystem live with it (l2).
-    "config": {"cache", "protocol", "net", "l2"},
+    "config": {"cache", "protocol", "net", "l2", "errors"},
     # The daemon: everything of the server stack below it.
     "server": {
         "protocol",
@@ -68,11 +70,12 @@ ALLOWED: dict[str, set[str]] = {
         "logs",
         "net",
         "threadnames",
+        "errors",
     },
     # Client library: speaks the protocol; digests and buffers for workers.
-    "client": {"protocol", "cache", "buffers", "net"},
+    "client": {"protocol", "cache", "buffers", "net", "errors"},
     # Engine integrations (vLLM) on top of the client.
-    "integration": {"client", "protocol", "cache", "buffers", "net"},
+    "integration": {"client", "protocol", "cache", "buffers", "net", "errors"},
     # Test helpers: presets, shared-memory KV caches, server and redis processes, and
     # the server in process (a thread, a fake clock): above the server, below bench.
     "testing": {
@@ -86,6 +89,7 @@ ALLOWED: dict[str, set[str]] = {
         "buffers",
         "net",
         "threadnames",
+        "errors",
     },
     # Benchmarks: measure a real server (process or in-process thread) with the client
     # and the test helpers; may use any layer below the CLI.
@@ -104,11 +108,12 @@ ALLOWED: dict[str, set[str]] = {
         "net",
         "logs",
         "threadnames",
+        "errors",
     },
     # The command line: builds a Config and runs the Server; admin commands use the
     # client; ``lmcache bench`` is loaded lazily (checked by a test below).
-    "cli": {"bench", "server", "client", "config", "cache", "protocol", "net", "logs"},
-    "__main__": {"cli"},
+    "cli": {"bench", "server", "client", "config", "cache", "protocol", "net", "logs", "errors"},
+    "__main__": {"cli", "errors"},
 }
 
 #: (importing module, imported layer) -> why the upward edge is still there. Each entry

@@ -27,6 +27,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from lmc_server.cache.overlap import Pages, candidate_pairs, overlap
+from lmc_server.errors import LmcError
 
 GroupKind = Literal["full", "sliding_window", "scratch"]
 
@@ -44,7 +45,7 @@ MAX_LAYERS = 1024
 MAX_UNEQUAL_STRIDE_PAIRS = 20_000
 
 
-class GeometryError(ValueError):
+class GeometryError(LmcError, ValueError):
     """A registration's geometry breaks a rule; the message names group and numbers."""
 
 

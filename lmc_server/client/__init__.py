@@ -18,6 +18,12 @@ them, which the server maps once and then copies pages out of and into:
 Endpoints from a host and a port (IPv4, IPv6 with or without brackets, or a name):
 ``tcp_endpoint("::1", 5555) == "tcp://[::1]:5555"``; the sockets speak IPv6.
 ``lmc_server.client.aio.AsyncClient`` is the same API for asyncio.
+
+Errors: a refusal is a :class:`ServerError` (its ``code`` names the reason), a wait
+that gets no answer an :class:`LmcTimeoutError` (a ``TimeoutError``), a hand-over the
+server refuses an :class:`LmcConnectionError` (a ``ConnectionError``); all are
+:class:`LmcError`, so ``except LmcError`` handles every error the client raises for the
+server's sake.
 """
 
 from lmc_server.cache.geometry import GroupSpec, LayerSpec
@@ -25,6 +31,7 @@ from lmc_server.client.core import ChunkResult, CurveKeys, Registration, ServerE
 from lmc_server.client.digests import chunk_digests, hash_chain
 from lmc_server.client.shm import ShmSegment
 from lmc_server.client.sync import Client
+from lmc_server.errors import LmcConnectionError, LmcError, LmcTimeoutError
 from lmc_server.net import tcp_endpoint
 
 __all__ = [
@@ -33,6 +40,9 @@ __all__ = [
     "CurveKeys",
     "GroupSpec",
     "LayerSpec",
+    "LmcConnectionError",
+    "LmcError",
+    "LmcTimeoutError",
     "Registration",
     "ServerError",
     "ShmSegment",

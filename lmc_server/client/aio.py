@@ -38,6 +38,7 @@ from lmc_server.client.core import (
     configure_socket,
 )
 from lmc_server.client.requests import Call, RequestBuilder
+from lmc_server.errors import LmcTimeoutError
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
 from lmc_server.protocol.stats import StatsReport
@@ -185,7 +186,7 @@ class AsyncClient:
             await self._sock.send(encode(msg))
             reply = await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
-            raise TimeoutError(
+            raise LmcTimeoutError(
                 f"no reply from {self.endpoint} to "
                 f"{type(msg).__name__.lower()} within {self.timeout_s} s"
             ) from None

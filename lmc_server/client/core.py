@@ -15,6 +15,7 @@ import numpy as np
 
 from lmc_server.cache.geometry import GroupSpec, blocks_per_chunk
 from lmc_server.cache.status import SUCCESS, ChunkStatus
+from lmc_server.errors import LmcError
 from lmc_server.protocol import messages as m
 
 BlockIds = Mapping[str, np.ndarray | Sequence[int]]
@@ -61,7 +62,7 @@ def configure_socket(sock: Any, curve: CurveKeys | None) -> None:
         sock.curve_secretkey = curve.secret
 
 
-class ServerError(Exception):
+class ServerError(LmcError):
     """The server refused a request; ``code`` is an :class:`ErrorCode` value."""
 
     def __init__(self, code: str, message: str) -> None:

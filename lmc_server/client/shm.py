@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lmc_server.buffers import BufferSpec, ShmBuffer, ShmFdBuffer
+from lmc_server.errors import LmcConnectionError, LmcTimeoutError
 
 SHM_DIR = "/dev/shm"
 #: This process's segments by name (weak: a segment dropped or closed leaves).
@@ -71,18 +72,18 @@ def handed_over(
             socket.send_fds(sock, [token], fds)
             answer = sock.recv(256)
         except TimeoutError:
-            raise TimeoutError(
+            raise LmcTimeoutError(
                 f"the server's descriptor socket @{fd_socket} did not answer within {timeout_s} s"
             ) from None
         except OSError as e:
-            raise ConnectionError(
+            raise LmcConnectionError(
                 f"cannot hand shared-memory segments to the server on @{fd_socket}: {e} "
                 "(the cpu backend needs the worker on the server's host, in its network "
                 "namespace, under its user)"
             ) from None
     if answer != b"ok":
         text = answer.decode(errors="replace") or "connection closed"
-        raise ConnectionError(f"the server refused the shared-memory segments: {text}")
+        raise LmcConnectionError(f"the server refused the shared-memory segments: {text}")
     out: list[BufferSpec] = []
     for b, seg in zip(buffers, segs, strict=True):
         if seg is None:

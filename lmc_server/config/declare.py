@@ -26,11 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lmc_server.errors import LmcError
+
 _KEY = "lmc_server.setting"
 ENV_PREFIX = "LMCACHE_"
 
 
-class ConfigError(ValueError):
+class ConfigError(LmcError, ValueError):
     """A setting is invalid; the message says which and what is allowed."""
 
 

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmc_server.errors import LmcError
 from lmc_server.l2 import codec
 
 #: A value as an adapter returns or takes it: ``bytes`` (Redis) or a view of a buffer
@@ -71,7 +72,7 @@ ReadResult = bool | codec.Invalid | None
 Head = tuple[bytes, int]
 
 
-class L2Error(Exception):
+class L2Error(LmcError):
     """A backend call failed; ``unavailable`` when the store could not be reached."""
 
     def __init__(

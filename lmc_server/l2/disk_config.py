@@ -12,11 +12,13 @@ import errno
 import os
 from typing import Protocol
 
+from lmc_server.errors import LmcError
+
 GIB = 1 << 30
 FILE_SCHEME = "file://"
 
 
-class DiskConfigError(ValueError):
+class DiskConfigError(LmcError, ValueError):
     """The disk tier's settings are unusable; the message says why."""
 
 

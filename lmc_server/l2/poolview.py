@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lmc_server.errors import LmcError
 from lmc_server.transfer.base import HostPool
 
 
-class PoolViewError(RuntimeError):
+class PoolViewError(LmcError, RuntimeError):
     """The pool has no bytes to read or write (the null engine)."""
 
 

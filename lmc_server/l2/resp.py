@@ -27,6 +27,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
+from lmc_server.errors import LmcError
+
 #: The reader's own buffer: reply lines and the bytes that arrive with them.
 BUFFER_BYTES = 64 << 10
 MAX_LINE_BYTES = 4 << 10
@@ -35,11 +37,11 @@ MAX_LINE_BYTES = 4 << 10
 PIECE_BYTES = 256 << 10
 
 
-class RespProtocolError(Exception):
+class RespProtocolError(LmcError):
     """The stream is not the RESP reply expected: the connection is out of step."""
 
 
-class RespReplyError(Exception):
+class RespReplyError(LmcError):
     """The store answered a command with an error reply (consumed; still in step)."""
 
 

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
+from lmc_server.errors import LmcError
+
 #: Schemes and the adapter that serves them.
 SCHEMES = {
     "redis": "redis",
@@ -56,7 +58,7 @@ _WHERE = (
 )
 
 
-class L2ConfigError(ValueError):
+class L2ConfigError(LmcError, ValueError):
     """The L2 URL or its credentials are unusable; the message says why."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from lmc_server.errors import LmcError
+
 
 class ErrorCode(StrEnum):
     """Why a request was refused. Every refusal leaves the server serving others."""
@@ -23,7 +25,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"  # a bug; logged with a traceback on the server
 
 
-class ProtocolError(Exception):
+class ProtocolError(LmcError):
     """A request that must be answered with an :class:`ErrorCode` and a message."""
 
     def __init__(self, code: ErrorCode, message: str, req_id: int = 0) -> None:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
+from lmc_server.errors import LmcError
 
 
-class TransferError(RuntimeError):
+class TransferError(LmcError, RuntimeError):
     """A mapping or a copy failed; the message is safe to send to the client."""
 
 

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 
+from lmc_server.errors import LmcError
 from lmc_server.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ PEER_TIMEOUT_S = 1.0
 _UCRED = struct.Struct("3i")
 
 
-class FdInboxError(Exception):
+class FdInboxError(LmcError):
     """A registration named descriptors the inbox does not hold."""
 
 
