@@ -8,43 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lmc_server.testing.bench_runs import run_bench_l2
+
 
 def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
     out = tmp_path / "disk.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmc_server",
-            "bench",
-            "l2",
-            "--disk-dir",
-            str(tmp_path / "d"),
-            "--chunks",
-            "2",
-            "--rounds",
-            "1",
-            "--latency-chunks",
-            "1,2",
-            "--repeats",
-            "1",
-            "--layers",
-            "4",
-            "--l1-size-gb",
-            "0.25",
-            "--restart-gb",
-            "0.02",
-            "--flood-chunks",
-            "8",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    report, stdout = run_bench_l2(
+        out, "--disk-dir", str(tmp_path / "d"), "--restart-gb", "0.02", "--flood-chunks", "8"
     )
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(out.read_text())
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
     assert [r["op"] for r in report["rows"]] == [
         "write 2 chunks",
@@ -58,12 +29,12 @@ def test_bench_l2_disk_smoke(tmp_path: Path) -> None:
     assert not report["summary"]["disk_b"]["invalid"]
     restart = report["summary"]["restart"]
     assert restart["files"] > 0 and restart["ping_to_first_hit_s"] > 0
-    assert "restart on" in res.stdout
+    assert "restart on" in stdout
     flood = report["summary"]["flood"]
     for f in flood.values():  # every committed object written or dropped, by cause
         assert f["committed_objects"] == 8 * 2
         assert f["written_objects"] + sum(f["dropped_writes"].values()) == 16
-    assert flood["paced"]["store_gbps_target"] > 0 and "flood paced" in res.stdout
+    assert flood["paced"]["store_gbps_target"] > 0 and "flood paced" in stdout
 
 
 def test_bench_l2_replay_disk_smoke(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lmc_server.testing.bench_runs import run_bench_l2
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
 if redis_server_path() is None:
@@ -22,36 +23,7 @@ if redis_server_path() is None:
 
 def test_bench_l2_smoke(tmp_path: Path) -> None:
     out = tmp_path / "l2.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmc_server",
-            "bench",
-            "l2",
-            "--chunks",
-            "2",
-            "--rounds",
-            "1",
-            "--latency-chunks",
-            "1,2",
-            "--repeats",
-            "1",
-            "--layers",
-            "4",
-            "--l1-size-gb",
-            "0.25",
-            "--warm-store-gb",
-            "0.01",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(out.read_text())
+    report, _ = run_bench_l2(out, "--warm-store-gb", "0.01")
     assert report["config"]["warm_store_gb"] == 0.01 and report["config"]["warm_store_s"] > 0
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
     ops = [r["op"] for r in report["rows"]]

@@ -10,9 +10,6 @@ followed by redis-py's cluster client) cost no error and no wrong byte.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lmc_server.client import chunk_digests
+from lmc_server.testing.bench_runs import run_bench_l2
 from lmc_server.testing.redis_cluster import RedisClusterProcess
 from lmc_server.testing.tierworker import (
     CHUNK,
@@ -161,37 +159,8 @@ def test_slots_migrated_while_reading_cost_no_error_and_no_wrong_byte(
 
 def test_bench_l2_starts_a_cluster_and_reads_back_every_byte(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmc_server",
-            "bench",
-            "l2",
-            "--redis-cluster-nodes",
-            "3",
-            "--chunks",
-            "2",
-            "--rounds",
-            "1",
-            "--latency-chunks",
-            "1",
-            "--repeats",
-            "1",
-            "--layers",
-            "4",
-            "--l1-size-gb",
-            "0.25",
-            "--warm-store-gb",
-            "0.01",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    report, _ = run_bench_l2(
+        out, "--redis-cluster-nodes", "3", "--warm-store-gb", "0.01", latency_chunks="1"
     )
-    assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(out.read_text())
     assert report["config"]["redis_cluster_nodes"] == 3
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
