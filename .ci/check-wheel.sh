@@ -14,21 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 PYTHON="${PYTHON:-python3}"
-WORK="$(mktemp -d)"
-SERVER_PID=""
-cleanup() {
-    if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-        kill -KILL "$SERVER_PID" 2>/dev/null || true
-    fi
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-fail() {
-    echo "check-wheel: FAIL: $*" >&2
-    [ -f "$WORK/server.log" ] && sed 's/^/  server: /' "$WORK/server.log" >&2
-    exit 1
-}
+CHECK=check-wheel
+# shellcheck source=.ci/server-scratch.sh
+. .ci/server-scratch.sh
 
 echo "check-wheel: building the wheel"
 "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT" >"$WORK/build.log" 2>&1 \

@@ -15,21 +15,9 @@ ROOT="$PWD"
 
 bash .ci/install-ops-tools.sh  # a no-op under .ci/run, which installed them already
 
-WORK="$(mktemp -d)"
-SERVER_PID=""
-cleanup() {
-    if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-        kill -KILL "$SERVER_PID" 2>/dev/null || true
-    fi
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-fail() {
-    echo "ops-checks: FAIL: $*" >&2
-    [ -f "$WORK/server.log" ] && sed 's/^/  server: /' "$WORK/server.log" >&2
-    exit 1
-}
+CHECK=ops-checks
+# shellcheck source=.ci/server-scratch.sh
+. .ci/server-scratch.sh
 
 read -r PORT METRICS_PORT < <("$PY" - <<'PYEOF'
 from lmc_server.testing.process import free_port
