@@ -13,6 +13,8 @@ byte-exact (:meth:`ConnectorFlow.check_survives_restart`), and nothing is left i
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,3 +62,49 @@ def test_the_connector_stores_and_loads_after_a_restart(
     servers.close()
     assert len(servers.pids) == 2
     assert left_in_dev_shm([os.getpid(), *servers.pids]) == []
+
+
+def test_a_store_that_comes_before_the_pool_is_prepared_waits_for_it() -> None:
+    """A server that just started prepares its pool slab by slab (pinning a large one
+    takes seconds on CUDA), and clients can register and store before its first slab is
+    ready. Such a store is answered ``busy`` (the connector's link asks again), not
+    failed: once the pool is ready the turn's chunks are stored, no chunk failed, and
+    the next turn loads them byte-exact; a ping is served meanwhile."""
+    from lmc_server.client import Client, ServerError
+    from lmc_server.client.digests import chunk_digests
+    from lmc_server.testing.engines import UnpreparedPoolEngine
+    from lmc_server.testing.inprocess import run_server
+    from lmc_server.testing.kv import ShmKV, block_ids_for
+    from lmc_server.testing.presets import simple_model
+
+    fx = KVFixture.load(FIXTURES / "vllm-llama.json")
+    engine = UnpreparedPoolEngine()
+    with (
+        run_server(engine=engine, ready=False, chunk_size=256) as ts,
+        Client(ts.endpoint) as c,
+        ShmKV(simple_model()) as kv,
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, ts.endpoint, fx.arch or "cpu", timeout_s=15) as flow,
+    ):
+        reg = c.register(**kv.register_kwargs())
+        with pytest.raises(ServerError) as refused:
+            c.store(reg, chunk_digests(list(range(256)), 256), block_ids_for(reg, 1))
+        assert refused.value.code == "busy" and "no slab ready" in str(refused.value)
+
+        def busy_stores() -> int:
+            return c.stats().counters.requests.get("store:busy", 0)
+
+        def prepare_once_the_link_was_refused() -> None:
+            deadline = time.monotonic() + 10
+            while busy_stores() < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            engine.prepare()
+
+        preparer = threading.Thread(target=prepare_once_the_link_was_refused)
+        preparer.start()
+        try:
+            flow.check_store_then_load(SEED, prompt(5))
+        finally:
+            preparer.join()
+        assert busy_stores() >= 2, "the link's store never met the unprepared pool"
+        assert c.ping().ready

@@ -19,7 +19,7 @@ class ErrorCode(StrEnum):
     ARCH = "arch"  # record format or device architecture not allowed
     BOUNDS = "bounds"  # block id out of the registered range
     TRANSFER = "transfer"  # mapping or copy failed
-    BUSY = "busy"  # too many requests in flight for this client
+    BUSY = "busy"  # ask again later: too many in flight, or the L1 pool not prepared yet
     LOOKUP_ONLY = "lookup_only"  # store/retrieve on a registration without buffers
     SHUTTING_DOWN = "shutting_down"  # the server is draining
     INTERNAL = "internal"  # a bug; logged with a traceback on the server

@@ -124,6 +124,7 @@ class Dispatcher:
             cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS
         }
         self._store = handlers.store
+        self._pool = handlers.index.pool
         self._ops: dict[type, str] = {
             cls: tag_of(cls) for cls in (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)
         }
@@ -167,6 +168,14 @@ class Dispatcher:
                 clock = PhaseClock(t_recv)
                 req = self.handlers.data_request(session, msg)  # refusals: not "busy"
                 clock.mark("prepare")
+                if not isinstance(msg, m.Retrieve) and self._pool.ready_slabs == 0:
+                    # a server just started: its pool is prepared slab by slab, and a
+                    # store that came before the first slab has nowhere to go. "busy"
+                    # says "ask again": the connector's link retries it (a failed
+                    # store would only have lost the chunks, never served wrong ones)
+                    raise ProtocolError(
+                        ErrorCode.BUSY, "the L1 pool is being prepared: no slab ready", msg.req_id
+                    )
                 if session.inflight >= self.config.max_inflight_per_client:
                     raise ProtocolError(
                         ErrorCode.BUSY,

@@ -3,19 +3,22 @@
 :class:`HoldingEngine` makes "a request stuck on a copy" a state the test controls
 instead of a race against a copy's duration: each submission is held (not started)
 until :meth:`HoldingEngine.release`, and :meth:`HoldingEngine.wait_held` returns once
-the server has handed a copy over, that is once the request is in flight. Hand one
-to :func:`lmc_server.testing.inprocess.run_server`.
+the server has handed a copy over, that is once the request is in flight.
+:class:`UnpreparedPoolEngine` does the same for the pool of a server that just started:
+no slab is ready until the test says so. Hand one to
+:func:`lmc_server.testing.inprocess.run_server`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.base import BufferMapping, DoneCallback
-from lmc_server.transfer.cpu import CpuEngine
+from lmc_server.transfer.base import BufferMapping, DoneCallback, HostPool
+from lmc_server.transfer.cpu import CpuEngine, CpuHostPool
+from lmc_server.transfer.fd_inbox import FdInbox
 
 _Submission = tuple[asyncio.AbstractEventLoop, BufferMapping, Sequence[RunCopy], bool, DoneCallback]
 
@@ -113,4 +116,58 @@ class BackloggedEngine(CpuEngine):
 
     def close(self) -> None:
         self.release()
+        super().close()
+
+
+class _HeldPool(CpuHostPool):
+    """A CPU pool paged in as usual, whose slabs are reported only once ``prepared``
+    is set (all of them then, in order)."""
+
+    def __init__(self, size_bytes: int, slab_bytes: int, prepared: threading.Event) -> None:
+        super().__init__(size_bytes, slab_bytes)
+        self._prepared = prepared
+
+    def start(self, on_ready: Callable[[int], None]) -> None:
+        slabs: list[int] = []
+        paged_in = threading.Event()
+
+        def collect(slab: int) -> None:
+            slabs.append(slab)
+            if len(slabs) == self.n_slabs:
+                paged_in.set()
+
+        def report() -> None:
+            paged_in.wait()
+            self._prepared.wait()
+            for slab in slabs:
+                on_ready(slab)
+
+        super().start(collect)
+        threading.Thread(target=report, name="lmc-test-pool-hold", daemon=True).start()
+
+
+class UnpreparedPoolEngine(CpuEngine):
+    """The CPU engine, whose pool reports no slab ready until :meth:`prepare`.
+
+    The state of a server in its first moments (on CUDA, pinning a pool takes long
+    enough that clients can register, and send stores, before its first slab is
+    ready): the pool is paged in as usual, but the server hears of its slabs only once
+    the test calls :meth:`prepare`."""
+
+    def __init__(self, copy_threads: int = 2) -> None:
+        super().__init__(copy_threads=copy_threads)
+        self._prepared = threading.Event()
+
+    def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
+        self._pool = _HeldPool(size_bytes, slab_bytes, self._prepared)
+        if self._inbox is None:
+            self._inbox = FdInbox()
+        return self._pool
+
+    def prepare(self) -> None:
+        """Report every slab ready, from now on (idempotent)."""
+        self._prepared.set()
+
+    def close(self) -> None:
+        self.prepare()
         super().close()
