@@ -143,11 +143,11 @@ class Handlers(DataPath):
             msg.groups, self.config.chunk_size, self.config.separate_object_groups
         )
         for og in layout.object_groups:
-            if og.object_bytes > self.index.pool.slab_bytes:
+            if og.object_bytes > self.index.slab_bytes:
                 raise ProtocolError(
                     ErrorCode.GEOMETRY,
                     f"object group {og.name!r}: one chunk is {og.object_bytes} bytes, more "
-                    f"than a slab ({self.index.pool.slab_bytes} bytes); start the server "
+                    f"than a slab ({self.index.slab_bytes} bytes); start the server "
                     f"with a larger --slab-size-mb or a smaller --chunk-size",
                     rid,
                 )
@@ -169,7 +169,9 @@ class Handlers(DataPath):
         namespace = namespace_of(msg)
         view = self.views[namespace] = self.index.view(namespace, layout)
         if self.events is not None:
-            self.events.watch(view, namespace, msg.model, published=msg.replicated or msg.rank == 0)
+            published = msg.replicated or msg.rank == 0
+            for og_index in self.events.watch(view, namespace, msg.model, published):
+                self.index.watch(view, og_index, self.events)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
         reg = RegisteredCache(
             self.sessions.new_registration_id(),
@@ -286,7 +288,9 @@ class Handlers(DataPath):
 
     def ping(self, session: Session, msg: m.Ping) -> m.Pong:
         return m.Pong(
-            req_id=msg.req_id, server_version=__version__, ready=self.index.pool.ready_slabs > 0
+            req_id=msg.req_id,
+            server_version=__version__,
+            ready=self.index.pool_usage().ready_slabs > 0,
         )
 
     def clear(self, session: Session, msg: m.Clear) -> m.Cleared:

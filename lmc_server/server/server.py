@@ -47,7 +47,6 @@ import zmq
 
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config, gib_text
 from lmc_server.l2.url import redact_url
 from lmc_server.protocol.stats import StatsReport
@@ -168,7 +167,7 @@ class Server(ServerTeardown):
             cfg.backend, cfg.copy_threads, cfg.cuda_copy_mode, cfg.cuda_staging_mb
         )
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
-        self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
+        self.index = L1Index(self.host_pool.size_bytes, cfg.slab_bytes, cfg.eviction_policy)
         if self.host_pool.size_bytes < cfg.l1_size_bytes:
             log.info(
                 "L1 size %s rounded down to whole slabs of %d MiB: %s (a multiple of "
@@ -178,7 +177,6 @@ class Server(ServerTeardown):
                 gib_text(self.host_pool.size_bytes),
                 cfg.slab_bytes / (1 << 30),
             )
-        self.index = L1Index(self.slab_pool, cfg.eviction_policy)
         self.handlers = Handlers(
             cfg, self.index, self.engine, self.sessions, self.stats, self.clock
         )
@@ -216,7 +214,6 @@ class Server(ServerTeardown):
             self.clock,
             self.notifier,
             self.index,
-            self.slab_pool,
             self.sessions,
             lambda: self.draining,
             self.started_at_s,
@@ -226,7 +223,6 @@ class Server(ServerTeardown):
             self.loop,
             self.clock,
             self.index,
-            self.slab_pool,
             self.sessions,
             self.handlers.drop_session,
             self.housekeeping_interval_s,
@@ -242,7 +238,7 @@ class Server(ServerTeardown):
             cfg.endpoint,
             self.engine.name,
             gib_text(self.host_pool.size_bytes),
-            self.slab_pool.n_slabs,
+            self.index.pool_usage().slabs,
             cfg.slab_size_mb,
             cfg.eviction_policy,
             cfg.chunk_size,
@@ -284,7 +280,6 @@ class Server(ServerTeardown):
                 object_groups="separate" if cfg.separate_object_groups else "combined",
             ),
             self.index,
-            self.slab_pool,
             self.stats,
             self.sessions,
             LiveState(health=self.health, in_flight=lambda: len(tasks)),
@@ -322,7 +317,7 @@ class Server(ServerTeardown):
             return False, "draining: shutting down, new requests are refused"
         if not self.started or self.liveness is None:
             return False, "starting: sockets not bound yet"
-        pool = self.slab_pool
+        pool = self.index.pool_usage()
         if pool.ready_slabs == 0:
             return False, "starting: no L1 slab prepared yet"
         late_s = self.liveness.stalled_s()
@@ -330,7 +325,7 @@ class Server(ServerTeardown):
             return False, f"event loop unresponsive for {late_s:.0f} s"
         return True, (
             f"serving on {self.config.endpoint}, L1 pool "
-            f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
+            f"{pool.ready_slabs / pool.slabs:.0%} prepared, "
             f"{self.sessions.registrations} registrations"
             + (f", {self.l2.health()}" if self.l2 is not None else "")
         )
