@@ -102,7 +102,7 @@ class Server(ServerTeardown):
         self.sessions = SessionTable()
         self.started_at_s = 0.0
         self.peers = ConnectionTracker()
-        self.dispatch = Dispatcher(config, self.sessions, self.stats, clock, self.report)
+        self.dispatch: Dispatcher | None = None
         self.router: Router | None = None
         self.housekeeping_interval_s = housekeeping_interval_s
         self.housekeeper: Housekeeper | None = None
@@ -177,35 +177,46 @@ class Server(ServerTeardown):
                 gib_text(self.host_pool.size_bytes),
                 cfg.slab_bytes / (1 << 30),
             )
-        self.handlers = Handlers(
-            cfg, self.index, self.engine, self.sessions, self.stats, self.clock
-        )
+        # Each part is built complete, from the parts built before it: the tiers and
+        # the publisher, the router, the handlers (which read all three), the
+        # dispatcher (handlers and router); then the router starts reading into it.
         if cfg.l2_url or cfg.disk_dir:
             from lmc_server.l2.setup import make_chain
 
-            self.l2 = self.handlers.l2 = make_chain(
-                cfg, self.index, self.host_pool, self.engine.name, self.clock
-            )
+            self.l2 = make_chain(cfg, self.index, self.host_pool, self.engine.name, self.clock)
             self.l2.start()
         if cfg.kv_events_endpoint:
             from lmc_server.server.events import KvEventPublisher
             from lmc_server.server.events_settings import kv_event_settings
 
-            self.events = self.handlers.events = KvEventPublisher(
-                kv_event_settings(cfg), self.loop, cfg.chunk_size
-            )
+            self.events = KvEventPublisher(kv_event_settings(cfg), self.loop, cfg.chunk_size)
             self.events.open()
             disk = self.l2.tier("disk") if self.l2 is not None else None
             if disk is not None:
                 self.events.attach_disk(disk.listeners)
-        router = self.router = Router(
-            cfg, self.loop, self.peers, self.dispatch.handle, self._disconnected
+        router = self.router = Router(cfg, self.loop, self.peers, self._disconnected)
+        self.handlers = Handlers(
+            cfg,
+            self.index,
+            self.engine,
+            self.sessions,
+            self.stats,
+            self.clock,
+            l2=self.l2,
+            events=self.events,
+            before_commit=router.drain,
         )
-        self.handlers.before_commit = router.drain
-        self.dispatch.attach(
-            self.loop, self.handlers, router.send, router.after_io, router.attribute
+        dispatch = self.dispatch = Dispatcher(
+            cfg,
+            self.loop,
+            self.handlers,
+            router,
+            self.sessions,
+            self.stats,
+            self.clock,
+            self.report,
         )
-        router.open()
+        router.open(dispatch.handle)
         if cfg.metrics_port:
             self._start_metrics()
         self.liveness = Liveness(
@@ -271,6 +282,7 @@ class Server(ServerTeardown):
         from lmc_server.metrics.registry import make_registry
 
         cfg = self.config
+        assert self.dispatch is not None
         tasks = self.dispatch.tasks
         collector = ServerCollector(
             ServerInfo(
@@ -301,6 +313,7 @@ class Server(ServerTeardown):
         """The housekeeping tick's time-based checks: stores waiting past the settle
         timeout give up; refusal summaries of the interval just over are logged."""
         self.handlers.commits.expire(now_s)
+        assert self.dispatch is not None
         self.dispatch.refusals.tick(now_s)
 
     def _disconnected(self, conn: Conn, identities: list[bytes]) -> None:
