@@ -34,7 +34,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
-from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
+from lmc_server.server.sessions import OPEN, RegisteredCache, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.server.validate import CheckedIds
@@ -156,7 +156,7 @@ class DataPath:
         copy is refused, not started."""
         done = completion.part()
         try:
-            if reg.mapping is None or reg.closing:
+            if reg.mapping is None or reg.state is not OPEN:
                 raise TransferError("registration closed before its copy started")
             self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
@@ -195,7 +195,7 @@ class DataPath:
                 clock.mark("submit")
                 err = next((e for e in await self._wait(completion, clock) if e), "")
                 self.before_commit()
-                if err or reg.closing:
+                if err or reg.state is not OPEN:
                     self.index.abort_store(ticket)
                     log.warning(
                         "store by %s failed: %s",

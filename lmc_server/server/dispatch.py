@@ -36,7 +36,7 @@ from lmc_server.server.data_path import DataRequest
 from lmc_server.server.handlers import Handlers
 from lmc_server.server.refusal_log import RefusalLog
 from lmc_server.server.router import Router
-from lmc_server.server.sessions import Session, SessionTable
+from lmc_server.server.sessions import GREETED, IGNORED, Session, SessionEvent, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 
 log = logging.getLogger(__name__)
@@ -147,19 +147,22 @@ class Dispatcher:
         op = "invalid"
         msg: Any = None
         try:
-            if not session.hello:
+            state = session.state
+            if state is not GREETED:
+                if state is IGNORED:
+                    return
                 session.pre_hello += 1
                 if session.pre_hello > PRE_HELLO_MESSAGES:
-                    if session.pre_hello == PRE_HELLO_MESSAGES + 1:
-                        log.warning(
-                            "peer %s sent %d messages without hello: ignoring it",
-                            identity.hex()[:8],
-                            PRE_HELLO_MESSAGES,
-                        )
+                    session.move(SessionEvent.SILENT_PAST_LIMIT)
+                    log.warning(
+                        "peer %s sent %d messages without hello: ignoring it",
+                        identity.hex()[:8],
+                        PRE_HELLO_MESSAGES,
+                    )
                     return
             msg = decode_request(payload, self._limits)
             op = self._ops[type(msg)]
-            if not session.hello and not isinstance(msg, m.Hello | m.Ping):
+            if state is not GREETED and not isinstance(msg, m.Hello | m.Ping):
                 raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
             if self.draining:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", msg.req_id)

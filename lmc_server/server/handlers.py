@@ -30,7 +30,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.data_path import DataPath
-from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
+from lmc_server.server.sessions import RegisteredCache, Session, SessionEvent, SessionTable
 from lmc_server.server.stats import ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
@@ -97,7 +97,7 @@ class Handlers(DataPath):
                 f"this server speaks {PROTOCOL_VERSION}",
                 msg.req_id,
             )
-        session.hello = True
+        session.move(SessionEvent.HELLO)
         session.client_name = msg.client_name[:128]
         return m.Welcome(
             req_id=msg.req_id,
