@@ -13,7 +13,6 @@ import pytest
 import lmc_server
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.testing.digests import chained_digests as digests
 from lmc_server.testing.l1 import dsv_view, ids_for, make_index, store
@@ -82,7 +81,7 @@ def test_namespaces_and_salts_never_share_keys() -> None:
     b = dsv_view(idx, ns="b")
     d = digests(2)
     store(idx, a, idx.keys(a, d))
-    assert a.partitions == b.partitions  # same layout: shared slots
+    assert a._partitions == b._partitions  # same layout: shared slots
     assert idx.lookup(b, idx.keys(b, d), 1, 10, 0, False)[0] == 0
     assert idx.lookup(a, idx.keys(a, d, salt=b"s"), 1, 10, 0, False)[0] == 0
     assert idx.lookup(a, idx.keys(a, d), 1, 10, 0, False)[0] == 2
@@ -92,7 +91,7 @@ def test_sm90_and_sm100_use_different_partitions() -> None:
     idx = make_index()
     a = dsv_view(idx, arch="sm90")
     b = dsv_view(idx, arch="sm100")
-    assert not set(map(id, a.partitions)) & set(map(id, b.partitions))
+    assert not set(map(id, a._partitions)) & set(map(id, b._partitions))
 
 
 def test_store_is_idempotent_and_in_progress_is_reported() -> None:
@@ -115,11 +114,11 @@ def test_writing_objects_are_invisible_and_abort_frees_them() -> None:
     keys = idx.keys(v, digests(2))
     t = idx.reserve_store(v, keys, ids_for(v, 2))
     assert idx.lookup(v, keys, 1, 10, 0, False)[0] == 0
-    used = sum(p.used_bytes for p in v.partitions)
+    used = sum(p.used_bytes for p in v._partitions)
     assert used > 0
     idx.abort_store(t)
     assert all((s == ChunkStatus.FAILED).all() for s in t.statuses)
-    assert sum(p.used_bytes for p in v.partitions) == 0
+    assert sum(p.used_bytes for p in v._partitions) == 0
     assert idx.lookup(v, keys, 1, 10, 0, False)[0] == 0
     idx.check()
 
@@ -128,7 +127,7 @@ def test_lru_evicts_least_recently_used_under_a_small_pool() -> None:
     idx = make_index(pool_mib=8, slab_mib=8)
     geo = simple_model(layers=4, bytes_per_token=1024)  # 1 MiB objects at 256 tokens
     v = idx.view("lru", build_layout(geo.groups, 256, True))
-    part = v.partitions[0]
+    part = v._partitions[0]
     assert part.object_bytes == MIB
     keys = [idx.keys(v, digests(1, tag=bytes([i])))[0] for i in range(10)]
 
@@ -157,16 +156,16 @@ def test_leased_chunk_survives_pressure_until_released() -> None:
     assert lease is not None
     for k in keys[1:]:
         store(idx, v, [k], ids)
-    assert keys[0] in v.partitions[0].keys  # survived 19 stores into 8 slots
+    assert keys[0] in v._partitions[0].keys  # survived 19 stores into 8 slots
     assert idx.expire_leases(now_s=104) == 0
     assert idx.expire_leases(now_s=105) == 1
     assert idx.stats.leases_expired == 1
     # unpinned = just used: it is now the most recent, evicted after the 7 others
     for i in range(7):
         store(idx, v, [idx.keys(v, digests(1, tag=b"x%d" % i))[0]], ids)
-        assert keys[0] in v.partitions[0].keys
+        assert keys[0] in v._partitions[0].keys
     store(idx, v, [idx.keys(v, digests(1, tag=b"y"))[0]], ids)
-    assert keys[0] not in v.partitions[0].keys
+    assert keys[0] not in v._partitions[0].keys
     idx.check()
 
 
@@ -186,7 +185,7 @@ def test_pool_full_of_pins_fails_cleanly_per_chunk() -> None:
     assert idx.stats.alloc_failures["no_space"] == 2
     assert idx.lookup(v, keys[:4], 1, 10, 0, take_lease=False)[0] == 4
     idx.release(lease.lease_id)
-    assert all(p == 0 for p in v.partitions[0].pins)
+    assert all(p == 0 for p in v._partitions[0].pins)
     idx.check()
 
 
@@ -201,10 +200,10 @@ def test_cold_partition_gives_a_slab_to_a_new_one() -> None:
     ids1 = {0: np.arange(16, dtype=np.int64).reshape(1, 16)}
     for i in range(16):  # 256 KiB objects: 4 per slab, fills all 4 slabs
         store(idx, old, idx.keys(old, digests(1, tag=bytes([i]))), ids1)
-    assert idx.pool.free_slabs == 0
+    assert idx.pool_usage().free_slabs == 0
     st = store(idx, new, idx.keys(new, digests(1, tag=b"n")), ids1)
     assert st[0][0] == ChunkStatus.OK
-    assert idx.stats.slabs_moved == 1 and old.partitions[0].slabs == 3
+    assert idx.stats.slabs_moved == 1 and old._partitions[0].slabs == 3
     idx.check()
 
 
@@ -235,7 +234,7 @@ def test_retrieve_pins_and_plans_only_what_it_reads(separate: bool) -> None:
     assert t.nbytes == window_bytes + full_bytes
     assert geo.chunk_bytes(256) * 3 > t.nbytes
     idx.unpin_retrieve(t, ok=True)
-    assert all(p == 0 for part in v.partitions for p in part.pins)
+    assert all(p == 0 for part in v._partitions for p in part.pins)
     idx.check()
 
 
@@ -243,10 +242,9 @@ def test_metadata_is_at_most_256_bytes_per_object() -> None:
     """20,000 cached objects must cost megabytes of Python heap, not gigabytes."""
     n = 20_000
     geo = simple_model(layers=1, bytes_per_token=64, tokens_per_block=16)  # 16 KiB objects
-    pool = SlabPool(20 * 16 * MIB, 16 * MIB)  # 20,480 slots of 16 KiB
-    idx = L1Index(pool, "LRU")
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
+    idx = L1Index(20 * 16 * MIB, 16 * MIB, "LRU")  # 20,480 slots of 16 KiB
+    for s in range(idx.pool_usage().slabs):
+        idx.slab_ready(s)
     v = idx.view("mem", build_layout(geo.groups, 256, True))
     ids = {0: np.tile(np.arange(16, dtype=np.int64), (1000, 1))}
     all_digests = digests(n)
@@ -262,7 +260,7 @@ def test_metadata_is_at_most_256_bytes_per_object() -> None:
     tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
     per_object = grown / n
-    assert v.partitions[0].n_committed == n
+    assert v._partitions[0].n_committed == n
     print(f"python heap per cached object: {per_object:.0f} bytes")
     assert per_object <= 256, per_object
 
@@ -302,7 +300,7 @@ def test_slab_moves_never_evict_what_was_just_stored() -> None:
         for view, keys in batch:  # a's batch survived b's store, whatever slabs moved
             assert idx.lookup(view, keys, 1, 10, 0, take_lease=False)[0] == 4, round_
         idx.check()
-    assert a.partitions[0].slabs >= 2 and b.partitions[0].slabs >= 2
+    assert a._partitions[0].slabs >= 2 and b._partitions[0].slabs >= 2
 
 
 def test_an_idle_partition_gives_its_slabs_to_a_busy_one() -> None:
@@ -319,7 +317,7 @@ def test_an_idle_partition_gives_its_slabs_to_a_busy_one() -> None:
     for i in range(40):  # busy keeps storing; idle never touches its objects again
         store(idx, busy, idx.keys(busy, digests(4, tag=b"b%d" % i)), ids)
     assert idx.stats.slabs_moved >= 3
-    assert idle.partitions[0].slabs <= 1 and busy.partitions[0].slabs >= 7
+    assert idle._partitions[0].slabs <= 1 and busy._partitions[0].slabs >= 7
     idx.check()
 
 

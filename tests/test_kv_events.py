@@ -30,7 +30,6 @@ from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.config import Config, ConfigError
 from lmc_server.protocol import kv_events
@@ -184,15 +183,14 @@ class Recorder:
 
 
 def test_the_index_tells_a_watcher_of_every_commit_and_every_removal() -> None:
-    pool = SlabPool(8 * (1 << 20), 1 << 20)  # eight 1 MiB objects
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    idx = L1Index(pool, "LRU")
+    idx = L1Index(8 * (1 << 20), 1 << 20, "LRU")  # eight 1 MiB objects
+    for s in range(idx.pool_usage().slabs):
+        idx.slab_ready(s)
     view = idx.view("ns", build_layout(simple_model(layers=4).groups, CHUNK, True))
     rec = Recorder()
-    (part,) = view.partitions
+    (part,) = view._partitions
     rec.part = part
-    view.watch(0, rec)
+    idx.watch(view, 0, rec)
 
     def committed() -> set[bytes]:
         return {k for k, s in part.keys.items() if part.state[s] == COMMITTED}

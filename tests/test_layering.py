@@ -53,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
     # the engine's host pool. Takes its settings through a protocol, not Config.
     "l2": {"cache", "transfer", "threadnames", "errors"},
-    # Prometheus collector and HTTP endpoint. Reads the index and pool directly; the
+    # Prometheus collector and HTTP endpoint. Reads the index (and the pool through it); the
     # server's own counters and sessions through protocols it defines (no server import).
     "metrics": {"cache", "net", "threadnames", "errors"},
     # Server settings: values and checks; the checks of a subsystem live with it (l2).
@@ -120,11 +120,12 @@ ALLOWED: dict[str, set[str]] = {
 #: names what must happen to remove it; the test fails if an entry is no longer needed.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-#: Modules of the cache core that hold the partitions or change slot states. Only the
-#: core imports them; the server, the tiers below L1, the metrics and the tests go
-#: through ``L1Index`` (``cache/index.py``, which re-exports the types it hands out),
-#: so every slot transition keeps the core's invariants and eviction order.
-CACHE_PRIVATE = {"pool", "allocator", "reservation", "store", "retrieve", "leases"}
+#: Modules of the cache core that hold the slab pool and the partitions or change slot
+#: states. Only the core imports them; the server, the tiers below L1, the metrics and
+#: the tests go through ``L1Index`` (``cache/index.py``, which builds the slab pool and
+#: re-exports the types it hands out), so every slab and slot transition keeps the
+#: core's invariants and eviction order.
+CACHE_PRIVATE = {"slab_pool", "pool", "allocator", "reservation", "store", "retrieve", "leases"}
 #: Unit tests of those modules on their own (the core's rules below the index).
 CACHE_WHITE_BOX_TESTS = {
     "test_allocator.py",

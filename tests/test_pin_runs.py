@@ -65,14 +65,12 @@ def test_partition_pin_many_counts_each_pin_and_handles_a_slot_twice() -> None:
     request naming one chunk twice; nothing becomes evictable while pinned."""
     from lmc_server.cache.index import L1Index
     from lmc_server.cache.layout import build_layout
-    from lmc_server.cache.slabs import SlabPool
     from lmc_server.testing.presets import dsv41_flash
 
     layout = build_layout(dsv41_flash().groups, 256, True)
-    pool = SlabPool(4 * 64 * layout.chunk_bytes + (64 << 20), 64 << 20)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    index = L1Index(pool, "LRU")
+    index = L1Index(4 * 64 * layout.chunk_bytes + (64 << 20), 64 << 20, "LRU")
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
     view = index.view("t", layout)
     ids = {
         sec.group_index: np.zeros((64, sec.blocks_per_chunk), dtype=np.int64)

@@ -18,7 +18,6 @@ from lmc_server.cache.eviction import POLICIES
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, WRITING
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.cli.main import cli
@@ -41,10 +40,10 @@ pytestmark = pytest.mark.parametrize("policy", sorted(POLICIES))
 
 
 def make(policy: str, pool_mib: int = 8, slab_mib: int = 1) -> L1Index:
-    pool = SlabPool(pool_mib * MIB, slab_mib * MIB)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    return L1Index(pool, policy)
+    index = L1Index(pool_mib * MIB, slab_mib * MIB, policy)
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
+    return index
 
 
 def view(idx: L1Index, ns: str, layers: int) -> CacheView:
@@ -80,7 +79,7 @@ def test_writing_objects_are_never_victims(policy: str) -> None:
     v = view(idx, "a", 1)
     keys = idx.keys(v, digests(4, b"writing"))
     ticket = idx.reserve_store(v, keys, ids(4))
-    part = v.partitions[0]
+    part = v._partitions[0]
     slots = list(ticket.reserved[0].slots)
     for i in range(100):
         store(idx, v, idx.keys(v, digests(4, b"x%d" % i)), ids(4))
@@ -130,10 +129,10 @@ def test_random_workload_with_slab_moves_keeps_every_invariant(policy: str) -> N
     while retrieves:
         idx.unpin_retrieve(retrieves.pop(), ok=True)
     idx.check()
-    assert all(p == 0 for v in views for p in v.partitions[0].pins)
+    assert all(p == 0 for v in views for p in v._partitions[0].pins)
     assert idx.stats.evictions > 0 and idx.stats.slabs_moved > 0
-    slabs = sum(v.partitions[0].slabs for v in views)
-    assert slabs + idx.pool.free_slabs == idx.pool.n_slabs
+    slabs = sum(v._partitions[0].slabs for v in views)
+    assert slabs + idx.pool_usage().free_slabs == idx.pool_usage().slabs
 
 
 def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(policy: str) -> None:
@@ -145,10 +144,9 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(polic
     there, LRU 191 and 197: dicts grow in powers of two), and a fixed cost weighs
     twice as much here."""
     geo = simple_model(layers=1, bytes_per_token=64, tokens_per_block=16)  # 16 KiB objects
-    pool = SlabPool(10 * 16 * MIB, 16 * MIB)
-    idx = L1Index(pool, policy)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
+    idx = L1Index(10 * 16 * MIB, 16 * MIB, policy)
+    for s in range(idx.pool_usage().slabs):
+        idx.slab_ready(s)
     v = idx.view("mem", build_layout(geo.groups, 256, True))
     batch = ids(1000)
     n = 20_000
@@ -165,7 +163,7 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(polic
     gc.collect()
     grown = tracemalloc.get_traced_memory()[0] - before  # every allocation since start
     tracemalloc.stop()
-    part = v.partitions[0]
+    part = v._partitions[0]
     assert part.n_committed == part.capacity_objects == 10 * 1024
     per_object = grown / part.n_committed
     print(f"{policy}: python heap per cached object: {per_object:.0f} bytes")

@@ -16,7 +16,6 @@ import pytest
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.view import hit_chunks, prompt_hits
 from lmc_server.client import Client, Registration, ServerError, chunk_digests
 from lmc_server.testing import ShmKV, simple_model
@@ -29,10 +28,10 @@ MIB = 1 << 20
 
 
 def _index() -> L1Index:
-    pool = SlabPool(256 * MIB, 16 * MIB)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    return L1Index(pool, "LRU")
+    index = L1Index(256 * MIB, 16 * MIB, "LRU")
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
+    return index
 
 
 @pytest.mark.parametrize("separate", [True, False])

@@ -28,7 +28,6 @@ from lmc_server.cache.retention import (
     object_retentions,
     retention_kind,
 )
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.testing.digests import chained_digests as digests
@@ -58,7 +57,7 @@ def expected_hit(view: CacheView, keys: list[bytes]) -> int:
             groups[(og.index, bit)] = sec.window_tokens
 
     def has(og_index: int, bit: int, i: int) -> bool:
-        part = view.partitions[og_index]
+        part = view._partitions[og_index]
         slot = part.keys.get(keys[i])
         return (
             slot is not None and part.state[slot] == COMMITTED and bool(part.mask[slot] >> bit & 1)
@@ -100,10 +99,10 @@ def test_lookup_matches_the_rule_and_a_retrieve_of_the_hit_never_misses(
     rng = random.Random(hash((separate, windows)) & 0xFFFF)
     groups = groups_with_windows(windows)
     layout = build_layout(groups, CHUNK, separate)
-    pool = SlabPool(24 * layout.chunk_bytes, max(og.object_bytes for og in layout.object_groups))
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    index = L1Index(pool, "LRU")
+    slab_bytes = max(og.object_bytes for og in layout.object_groups)
+    index = L1Index(24 * layout.chunk_bytes, slab_bytes, "LRU")
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
     view = index.view("ns", layout)
     n = 10
     prompts = [index.keys(view, digests(n, b"p%d" % p)) for p in range(3)]
@@ -144,10 +143,9 @@ def test_lookup_matches_the_rule_and_a_retrieve_of_the_hit_never_misses(
 def test_a_window_hit_needs_every_chunk_of_a_multi_chunk_window() -> None:
     """W = 600 tokens spans 3 chunks of 256: a hole in any of them is a miss there."""
     layout = build_layout(groups_with_windows((600,)), CHUNK, True)
-    pool = SlabPool(64 * MIB * 16, 64 * MIB)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    index = L1Index(pool)
+    index = L1Index(64 * MIB * 16, 64 * MIB)
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
     view = index.view("ns", layout)
     keys = index.keys(view, digests(6, b"w"))
     ids = random_ids(view, 6, random.Random(0), 0)

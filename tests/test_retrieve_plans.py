@@ -37,7 +37,7 @@ def _served(t: object) -> bool:
 
 
 def _pins(idx: L1Index, view: CacheView) -> list[int]:
-    return [int(sum(p.pins)) for p in view.partitions]
+    return [int(sum(p.pins)) for p in view._partitions]
 
 
 def test_identical_retrieves_share_a_plan_and_each_pins() -> None:

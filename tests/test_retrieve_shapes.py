@@ -30,7 +30,7 @@ def reference(
     statuses: list[list[int]] = []
     copies: set[tuple[int, int, int, tuple[int, ...]]] = set()
     starts = [0, *ends[:-1]]
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         st = [int(ChunkStatus.SKIPPED)] * n
         for i in range(n):
             needed = []
@@ -68,7 +68,7 @@ def planned(
     t = idx.pin_retrieve(view, keys, ids, ends)
     copies: set[tuple[int, int, int, tuple[int, ...]]] = set()
     chunk_of: dict[int, int] = {}
-    for part in view.partitions:
+    for part in view._partitions:
         for i, k in enumerate(keys):
             if k in part.keys:
                 chunk_of[int(part.offsets(np.array([part.keys[k]], dtype=np.int32))[0])] = i

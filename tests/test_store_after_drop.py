@@ -23,7 +23,6 @@ import numpy as np
 
 from lmc_server import PROTOCOL_VERSION
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client.shm import handed_over
 from lmc_server.config import Config
@@ -52,12 +51,11 @@ async def _scenario(op: str) -> None:
     cfg = Config(chunk_size=CHUNK, separate_object_groups=True, l1_size_gb=0.0625, slab_size_mb=16)
     engine = CpuEngine(copy_threads=1)
     pool = engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
-    slabs = SlabPool(pool.size_bytes, cfg.slab_bytes)
+    index = L1Index(pool.size_bytes, cfg.slab_bytes, cfg.eviction_policy)
     prepared: queue.Queue[int] = queue.Queue()
     pool.start(prepared.put)  # the preparing thread reports each slab
-    for _ in range(slabs.n_slabs):
-        slabs.mark_ready(prepared.get(timeout=30))
-    index = L1Index(slabs, cfg.eviction_policy)
+    for _ in range(index.pool_usage().slabs):
+        index.slab_ready(prepared.get(timeout=30))
     sessions = SessionTable()
     h = Handlers(cfg, index, engine, sessions, ServerStats())
     geo = simple_model(num_blocks=64, layers=1, bytes_per_token=32)

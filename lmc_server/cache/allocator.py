@@ -21,7 +21,7 @@ import math
 
 from lmc_server.cache.counters import CacheStats
 from lmc_server.cache.pool import Partition
-from lmc_server.cache.slabs import SlabPool
+from lmc_server.cache.slab_pool import SlabPool
 
 #: How many of another partition's coldest objects are tried as the way to a slab it
 #: could give back (the slab holding one of them must hold nothing hotter).

@@ -1,9 +1,10 @@
 """The L1 index: the one object the server, the L2 tier and the tests drive.
 
 One :class:`L1Index` per server, driven from the event-loop thread only. It owns the
-partitions, namespaces, leases, counters and the index clock (``tick``: one step per
-request, the age every eviction and donation decision compares), and delegates each
-job to its module:
+slab pool (it builds it: ``slab_ready`` as the engine prepares each slab, ``pool_usage``
+and ``slab_bytes`` for the rest of the server), the partitions, namespaces, leases,
+counters and the index clock (``tick``: one step per request, the age every eviction
+and donation decision compares), and delegates each job to its module:
 
 * keys: :mod:`lmc_server.cache.keys` (namespace, digest and salt to key);
 * the hit rule: :mod:`lmc_server.cache.view` over one retention object per section kind
@@ -18,11 +19,15 @@ job to its module:
   from the last chunk to the first the same way; the write-behind pins each object for
   its read (``pin_object`` / ``unpin_object``);
 * a store's wait for another writer: ``settle_in_progress``;
-* what each partition holds, for the report and the gauges: ``usage``.
+* the KV-event publisher's watch on a partition: ``watch``;
+* what each partition holds, for the report and the gauges: ``usage``; what the slab
+  pool holds: ``pool_usage``.
 
-This is the only door into L1's slot states: nothing outside ``lmc_server/cache/``
-imports the partitions (:mod:`lmc_server.cache.pool`) or the modules that change them
-(``tests/test_layering.py``).
+This is the only door into L1's slot and slab states: nothing outside
+``lmc_server/cache/`` imports the slab pool (:mod:`lmc_server.cache.slab_pool`), the
+partitions (:mod:`lmc_server.cache.pool`) or the modules that change them
+(``tests/test_layering.py``), and a :class:`~lmc_server.cache.view.CacheView` keeps its
+partitions to the core (``_partitions``).
 
 It never copies bytes. A lookup reports the longest hit prefix and may take a lease that
 pins exactly the objects a retrieve of that prefix reads.
@@ -44,24 +49,38 @@ from lmc_server.cache.leases import Lease, LeaseTable
 from lmc_server.cache.pool import Partition
 from lmc_server.cache.reservation import Reservation
 from lmc_server.cache.retrieve import RetrievePlans, RetrieveTicket
-from lmc_server.cache.slabs import SlabPool
+from lmc_server.cache.slab_pool import SlabPool
 from lmc_server.cache.store import StoreTicket
-from lmc_server.cache.usage import PartitionUsage, usage_of
+from lmc_server.cache.usage import PartitionUsage, PoolUsage, usage_of
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
+from lmc_server.cache.watch import SlotWatcher
 
 #: Distinct registration layouts interned by :meth:`L1Index.view` (a bound on what a
 #: client registering ever new geometries can make the index keep).
 LAYOUTS_MAX = 1024
 
-__all__ = ["L1Index", "Lease", "PartitionUsage", "Reservation", "RetrieveTicket", "StoreTicket"]
+__all__ = [
+    "L1Index",
+    "Lease",
+    "PartitionUsage",
+    "PoolUsage",
+    "Reservation",
+    "RetrieveTicket",
+    "StoreTicket",
+]
 
 
 class L1Index:
-    """Partitions, namespaces, leases and counters of the whole L1 tier."""
+    """The slab pool, partitions, namespaces, leases and counters of the whole L1 tier.
 
-    def __init__(self, pool: SlabPool, policy: str = "LRU") -> None:
+    ``size_bytes`` of pool (whole ``slab_bytes`` slabs of it; a pool without room for
+    one slab is refused with ``ValueError``), every slab pending until
+    :meth:`slab_ready`; ``policy`` names the eviction policy of every partition.
+    """
+
+    def __init__(self, size_bytes: int, slab_bytes: int, policy: str = "LRU") -> None:
         make_policy(policy)  # validate the name early
-        self.pool = pool
+        self._pool = pool = SlabPool(size_bytes, slab_bytes)
         self.policy_name = policy
         self._partitions: dict[bytes, Partition] = {}
         self._namespaces: dict[str, int] = {}
@@ -92,7 +111,7 @@ class L1Index:
         elif len(self._layouts) < LAYOUTS_MAX:
             self._layouts[lkey] = layout
         parts = tuple(self._partition(og) for og in layout.object_groups)
-        return CacheView(ns_prefix=namespace_prefix(ns_id), layout=layout, partitions=parts)
+        return CacheView(ns_prefix=namespace_prefix(ns_id), layout=layout, _partitions=parts)
 
     def _partition(self, og: ObjectGroupLayout) -> Partition:
         part = self._partitions.get(og.fingerprint)
@@ -102,11 +121,17 @@ class L1Index:
                 og.fingerprint,
                 og.name,
                 og.object_bytes,
-                self.pool,
+                self._pool,
                 make_policy(self.policy_name),
             )
             self._partitions[og.fingerprint] = part
         return part
+
+    def watch(self, view: CacheView, og_index: int, watcher: SlotWatcher) -> None:
+        """Tell ``watcher`` of every object of object group ``og_index`` of ``view`` (of
+        every namespace sharing its partition) that becomes visible or goes; one watcher
+        per partition, the last one set."""
+        view._partitions[og_index].watcher = watcher
 
     def keys(self, view: CacheView, digests: bytes, salt: bytes = b"") -> list[bytes]:
         """The index keys of a run of chunk digests (:func:`~lmc_server.cache.keys.chunk_keys`)."""
@@ -161,7 +186,7 @@ class L1Index:
     ) -> list[int]:
         """The chunks (indices into ``keys``) whose object of object group ``og_index``
         L1 holds neither committed nor being written."""
-        held = view.partitions[og_index].keys
+        held = view._partitions[og_index].keys
         return [i for i in chunks if keys[i] not in held]
 
     def reserve_fill(
@@ -265,6 +290,35 @@ class L1Index:
                 if all(part.state[s] == 0 for s in range(first, first + part.slots_per_slab)):
                     part.release_segment(seg)
         return n
+
+    # -- the slab pool -----------------------------------------------------------------
+
+    def slab_ready(self, slab: int) -> None:
+        """The engine finished preparing ``slab`` (paged in or pinned): it may now be
+        handed to a partition. Each slab once, in any order."""
+        self._pool.mark_ready(slab)
+
+    @property
+    def any_slab_ready(self) -> bool:
+        """Whether a store can be placed at all: False only while the engine has not
+        prepared the first slab (a server that just started)."""
+        return self._pool.ready_slabs > 0
+
+    @property
+    def slab_bytes(self) -> int:
+        """The size of one slab: the largest object a partition can hold."""
+        return self._pool.slab_bytes
+
+    def pool_usage(self) -> PoolUsage:
+        """How many slabs the pool has, how many are prepared and free (safe to call
+        from another thread)."""
+        pool = self._pool
+        return PoolUsage(
+            slab_bytes=pool.slab_bytes,
+            slabs=pool.n_slabs,
+            ready_slabs=pool.ready_slabs,
+            free_slabs=pool.free_slabs,
+        )
 
     # -- reporting ---------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Partitions: fixed-size object slots with O(1) allocation. Private to the cache core.
 
-A :class:`Partition` owns whole slabs of the :class:`~lmc_server.cache.slabs.SlabPool`,
+A :class:`Partition` owns whole slabs of the :class:`~lmc_server.cache.slab_pool.SlabPool`,
 serves one object layout (one fingerprint) and carves each of its slabs into
 ``slab_bytes // slot_stride(object_bytes, slab_bytes)`` equal slots, so there is no fragmentation
 and allocation is a pop from a free list. Slots of large objects start on 4 KiB
@@ -32,7 +32,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from lmc_server.cache.eviction import EvictionPolicy
-from lmc_server.cache.slabs import SlabPool, slot_stride
+from lmc_server.cache.slab_pool import SlabPool
+from lmc_server.cache.slabs import slot_stride
 from lmc_server.cache.watch import SlotWatcher
 
 FREE, WRITING, COMMITTED, DEAD = 0, 1, 2, 3

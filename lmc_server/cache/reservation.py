@@ -101,7 +101,7 @@ def reserve_fill(
     out: list[Reservation] = []
     no_space: dict[int, list[int]] = {}
     for og_index, (chunks, masks) in wanted.items():
-        part = view.partitions[og_index]
+        part = view._partitions[og_index]
         held = part.keys
         items = [(i, mask) for i, mask in zip(chunks, masks, strict=True) if keys[i] not in held]
         slots = allocator.alloc(part, len(items), tick)

@@ -113,7 +113,7 @@ class RetrievePlans:
 
 
 def _versions(view: CacheView) -> tuple[int, ...]:
-    return tuple([p.version for p in view.partitions])
+    return tuple([p.version for p in view._partitions])
 
 
 def pin_retrieve(
@@ -234,7 +234,7 @@ def _plan(
     ticked: list[np.ndarray] = []
     copies: list[RunCopy] = []
     nbytes = objects = 0
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         shape: _Shape | None = None
         if holes:
             need, cand, want = _needed(og, n, bounds, group_ids)

@@ -58,7 +58,7 @@ def reserve_store(
     reserved: list[Reservation] = []
     copies: list[RunCopy] = []
     nbytes = 0
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
         avail = [
             np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0).all(axis=1))
@@ -136,7 +136,7 @@ def settle_in_progress(view: CacheView, keys: list[bytes], statuses: list[np.nda
     ``EXISTS`` once committed, ``FAILED`` once gone (the copy failed or its writer went
     away). Returns how many are still being written."""
     waiting = 0
-    for part, st in zip(view.partitions, statuses, strict=True):
+    for part, st in zip(view._partitions, statuses, strict=True):
         for i in np.flatnonzero(st == ChunkStatus.IN_PROGRESS).tolist():
             slot = part.keys.get(keys[i])
             if slot is None:

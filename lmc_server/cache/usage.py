@@ -1,8 +1,10 @@
-"""What one partition holds, for the ``stats`` report and the Prometheus gauges.
+"""What the pool and each partition hold, for the ``stats`` report, the Prometheus
+gauges, the health and STATUS lines.
 
-One :class:`PartitionUsage` per partition, read on demand
-(:meth:`~lmc_server.cache.index.L1Index.usage`), so the report and the collector show
-the same numbers computed once. The collector reads it on the HTTP thread while the
+One :class:`PoolUsage` for the slab pool (:meth:`~lmc_server.cache.index.L1Index.pool_usage`)
+and one :class:`PartitionUsage` per partition
+(:meth:`~lmc_server.cache.index.L1Index.usage`), read on demand, so the report and the
+collector show the same numbers computed once. The collector reads it on the HTTP thread while the
 event loop keeps changing the partitions: every field is read with one attribute read
 or one C-level call (``array.count``), so a read never fails mid-change; the fields of
 one struct may be a request apart, as any scrape of a live server is.
@@ -13,6 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmc_server.cache.pool import Partition
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """The slab pool: its slabs, how many are prepared, how many no partition owns."""
+
+    slab_bytes: int
+    slabs: int
+    ready_slabs: int  # prepared by the engine (the rest are pending)
+    free_slabs: int  # prepared and owned by no partition
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slabs * self.slab_bytes
+
+    @property
+    def ready_bytes(self) -> int:
+        return self.ready_slabs * self.slab_bytes
 
 
 @dataclass(frozen=True, slots=True)

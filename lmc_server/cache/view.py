@@ -20,21 +20,22 @@ import numpy as np
 from lmc_server.cache.layout import RegistrationLayout
 from lmc_server.cache.pool import Partition
 from lmc_server.cache.retention import FullRetention, Retention
-from lmc_server.cache.watch import SlotWatcher
 
 
 @dataclass(frozen=True, slots=True)
 class CacheView:
-    """What one registration sees: its namespace and one partition per object group."""
+    """What one registration sees: its namespace and one partition per object group.
+
+    Made by :meth:`~lmc_server.cache.index.L1Index.view` and handed back to the index
+    with every request. ``ns_prefix`` and ``layout`` are the registration's to read;
+    ``_partitions`` are the core's: read by the index and the modules behind it (the hit
+    rule here, store, retrieve, reservation), changed only by them, so that every slot
+    transition goes through the index.
+    """
 
     ns_prefix: bytes
     layout: RegistrationLayout
-    partitions: tuple[Partition, ...]
-
-    def watch(self, og_index: int, watcher: SlotWatcher) -> None:
-        """Tell ``watcher`` of every object of object group ``og_index`` (of every
-        namespace sharing its partition) that becomes visible or goes."""
-        self.partitions[og_index].watcher = watcher
+    _partitions: tuple[Partition, ...]
 
 
 def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray]]:
@@ -51,7 +52,7 @@ def hit_chunks(view: CacheView, keys: list[bytes]) -> tuple[int, list[np.ndarray
     limit = n
     rows: list[np.ndarray] = []
     checks = []
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         row = og.retentions[0].new_row(part, keys)
         for r in og.retentions:
             limit = r.limit(part, keys, row, limit)
@@ -80,7 +81,7 @@ def prompt_hits(view: CacheView, keys: list[bytes], ends: list[int]) -> list[int
     los = np.concatenate(([0], his[:-1])) if len(his) else his
     limit = his - los
     rest: list[tuple[Retention, Partition, np.ndarray]] = []
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         row = og.retentions[0].new_row(part, keys)
         for r in og.retentions:
             if isinstance(r, FullRetention):
@@ -109,7 +110,7 @@ def needed_slots(view: CacheView, slots: list[np.ndarray], k: int) -> list[tuple
     """Slots a retrieve of the ``k``-chunk prefix reads, per partition (``slots`` as
     :func:`hit_chunks` returned them for a hit of ``k`` chunks)."""
     out = []
-    for og, part in zip(view.layout.object_groups, view.partitions, strict=True):
+    for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         first = min(r.first_needed(k) for r in og.retentions)
         out.append((part, array("i", slots[og.index][first:k].astype(np.int32).tobytes())))
     return out

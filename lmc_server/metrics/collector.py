@@ -40,7 +40,6 @@ from prometheus_client.registry import Collector
 from lmc_server import __version__
 from lmc_server.cache.counters import CacheStats, CounterInfo, counters_of
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.metrics.buckets import TRANSFER_BUCKETS_S
 
 PREFIX = "lmcache_"
@@ -137,14 +136,12 @@ class ServerCollector(Collector):
         self,
         info: ServerInfo,
         index: L1Index,
-        pool: SlabPool,
         stats: RequestCounters,
         sessions: SessionCounts,
         live: LiveState,
     ) -> None:
         self.info = info
         self.index = index
-        self.pool = pool
         self.stats = stats
         self.sessions = sessions
         self.live = live
@@ -241,7 +238,7 @@ class ServerCollector(Collector):
         yield phases
 
     def _pool(self) -> Iterator[Metric]:
-        pool = self.pool
+        pool = self.index.pool_usage()  # one snapshot: the families agree
         ready_slabs, free_slabs = pool.ready_slabs, pool.free_slabs
         yield GaugeMetricFamily(
             PREFIX + "l1_capacity_bytes",
@@ -261,7 +258,7 @@ class ServerCollector(Collector):
             "Pool slabs by state (pending: not prepared yet; free; owned by a partition).",
             labels=["state"],
         )
-        slabs.add_metric(["pending"], pool.n_slabs - ready_slabs)
+        slabs.add_metric(["pending"], pool.slabs - ready_slabs)
         slabs.add_metric(["free"], free_slabs)
         slabs.add_metric(["owned"], ready_slabs - free_slabs)
         yield slabs

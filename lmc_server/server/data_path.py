@@ -8,14 +8,18 @@ wake-up back through a :class:`Completion`), and the bookkeeping finishes on the
 again, so the index is only ever touched from one thread. Slots a copy may still write
 are freed or unpinned only after that copy reported, even when a bug raises in between.
 
-:class:`DataPath` is the base of :class:`~lmc_server.server.handlers.Handlers`, which sets
-the attributes declared here.
+:class:`DataPath` is built complete by its own constructor (everything it reads is set
+there: the tiers below L1 and the KV-event publisher, ``None`` when not configured, and
+``before_commit``); :class:`~lmc_server.server.handlers.Handlers` extends it with the
+control requests, so that the dispatcher finds every request's handler on one object
+(docs/architecture.md, "The server", says why this one stays a base class).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,7 +34,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
-from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
+from lmc_server.server.sessions import OPEN, RegisteredCache, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
 from lmc_server.server.validate import CheckedIds
@@ -57,20 +61,49 @@ class DataRequest:
     events_per_chunk: int
 
 
-class DataPath:
-    """Store and retrieve (and the one check of their requests)."""
+def _nothing() -> None:
+    pass
 
-    config: Config
-    index: L1Index
-    engine: TransferEngine
-    stats: ServerStats
-    limits: Limits
-    commits: CommitWatch
-    before_commit: Callable[[], None]
-    l2: TierChain | None
-    events: KvEventPublisher | None
-    sessions: SessionTable
-    checked_ids: CheckedIds
+
+class DataPath:
+    """Store and retrieve (and the one check of their requests).
+
+    ``before_commit`` is called after a store's copy returns and before it commits:
+    the server handles queued socket events there, so a writer that died during the
+    copy is seen (its registration closes) and its object is aborted, not committed.
+    ``l2`` (``--disk-dir``, ``--l2``) is told of every store commit and of every lookup
+    that misses L1 (:mod:`lmc_server.l2.chain`); ``events`` (``--kv-events-endpoint``)
+    publishes what commits.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        index: L1Index,
+        engine: TransferEngine,
+        sessions: SessionTable,
+        stats: ServerStats,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        l2: TierChain | None = None,
+        events: KvEventPublisher | None = None,
+        before_commit: Callable[[], None] = _nothing,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.engine = engine
+        self.sessions = sessions
+        self.stats = stats
+        self.clock = clock
+        self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
+        self.l2 = l2
+        self.events = events
+        self.before_commit = before_commit
+        #: Stores that found their keys being written by another store wait on this.
+        self.commits = CommitWatch(index, clock)
+        #: The block ids of recent data requests, checked once (identical requests of
+        #: tensor-parallel ranks reuse them).
+        self.checked_ids = CheckedIds()
 
     def _registration(self, session: Session, msg: Any) -> RegisteredCache:
         """The sender's registration the request names (refused: unknown)."""
@@ -123,7 +156,7 @@ class DataPath:
         copy is refused, not started."""
         done = completion.part()
         try:
-            if reg.mapping is None or reg.closing:
+            if reg.mapping is None or reg.state is not OPEN:
                 raise TransferError("registration closed before its copy started")
             self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
@@ -162,7 +195,7 @@ class DataPath:
                 clock.mark("submit")
                 err = next((e for e in await self._wait(completion, clock) if e), "")
                 self.before_commit()
-                if err or reg.closing:
+                if err or reg.state is not OPEN:
                     self.index.abort_store(ticket)
                     log.warning(
                         "store by %s failed: %s",

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import zmq
@@ -33,9 +34,9 @@ from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.data_path import DataRequest
 from lmc_server.server.handlers import Handlers
-from lmc_server.server.peers import Conn
 from lmc_server.server.refusal_log import RefusalLog
-from lmc_server.server.sessions import Session, SessionTable
+from lmc_server.server.router import Router
+from lmc_server.server.sessions import GREETED, IGNORED, Session, SessionEvent, SessionTable
 from lmc_server.server.stats import PhaseClock, ServerStats
 
 log = logging.getLogger(__name__)
@@ -43,20 +44,23 @@ log = logging.getLogger(__name__)
 #: Messages a peer may send before hello; past that it is ignored (no amplification).
 PRE_HELLO_MESSAGES = 16
 
-#: Requests answered on the loop at once, by their message type; each is handled by the
-#: :class:`Handlers` method named by the message's tag (its wire name, also the ``op``
-#: label of the request metrics), bound once in :meth:`Dispatcher.attach`.
-SYNC_REQUESTS: tuple[type, ...] = (
-    m.Hello,
-    m.Register,
-    m.Unregister,
-    m.Lookup,
-    m.LookupBatch,
-    m.Release,
-    m.Ping,
-    m.Clear,
-    m.Probe,
-)
+#: The dispatch table of the requests answered on the loop at once: message type -> its
+#: :class:`Handlers` method, the one named by the message's tag (its wire name, also the
+#: ``op`` label of the request metrics; ``tests/test_dispatch_table.py``). Bound to the
+#: server's handlers once, in the :class:`Dispatcher`'s constructor: a request costs one
+#: dict lookup and the handler's call. ``stats`` is the dispatcher's own (the report).
+CONTROL_HANDLERS: dict[type, Callable[[Handlers, Session, Any], m.Reply]] = {
+    m.Hello: Handlers.hello,
+    m.Register: Handlers.register,
+    m.Unregister: Handlers.unregister,
+    m.Lookup: Handlers.lookup,
+    m.LookupBatch: Handlers.lookup_batch,
+    m.Release: Handlers.release,
+    m.Ping: Handlers.ping,
+    m.Clear: Handlers.clear,
+    m.Probe: Handlers.probe,
+}
+SYNC_REQUESTS: tuple[type, ...] = tuple(CONTROL_HANDLERS)
 #: Requests that copy: checked at once (:meth:`Handlers.data_request`), then run as a task.
 DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
 
@@ -82,26 +86,48 @@ def tag_of(cls: type) -> str:
 class Dispatcher:
     """Turns frames into handler calls and replies; tracks the copying requests.
 
-    Wired once at startup (:meth:`attach`): ``send`` and ``after_io`` are the router's,
-    ``attribute`` tells which connection a new peer's message came over, and ``report``
-    builds the ``stats`` reply. ``draining`` set: every new request is answered
-    ``shutting_down``.
+    Replies go out through ``router`` (``send``; ``after_io`` after a send outside its
+    drain; ``attribute`` tells which connection a new peer's message came over), which
+    hands this dispatcher its messages once opened (``router.open(dispatcher.handle)``);
+    ``report`` builds the ``stats`` reply. ``draining`` set: every new request is
+    answered ``shutting_down``.
     """
 
     def __init__(
         self,
         config: Config,
+        loop: asyncio.AbstractEventLoop,
+        handlers: Handlers,
+        router: Router,
         sessions: SessionTable,
         stats: ServerStats,
         clock: Callable[[], float],
         report: Callable[[], StatsReport],
     ) -> None:
         self.config = config
+        self.loop = loop
+        self.handlers = handlers
         self.sessions = sessions
         self.stats = stats
         self.clock = clock
         self.report = report
         self.draining = False
+        #: message type -> bound handler (:data:`CONTROL_HANDLERS`, and ``stats``)
+        self._sync: dict[type, Callable[[Session, Any], m.Reply]] = {
+            cls: MethodType(fn, handlers) for cls, fn in CONTROL_HANDLERS.items()
+        }
+        self._sync[m.Stats] = self._stats
+        self._ops: dict[type, str] = {
+            cls: tag_of(cls) for cls in (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)
+        }
+        self._limits = handlers.limits
+        self._data_request = handlers.data_request
+        self._store = handlers.store
+        self._index = handlers.index
+        self._start_retrieve = handlers.start_retrieve
+        self._send = router.send
+        self._after_io = router.after_io
+        self._attribute = router.attribute
         self.refusals = RefusalLog(clock)
         #: Stores and retrieves not finished yet: a store's task, a retrieve's future
         #: (done when it is answered).
@@ -109,28 +135,6 @@ class Dispatcher:
         #: Who to answer for each store/retrieve task (and whether the drain timeout
         #: answered it ``shutting_down`` already: no second reply).
         self._task_requests: dict[asyncio.Future[None], _Pending] = {}
-
-    def attach(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        handlers: Handlers,
-        send: Callable[[bytes, bytes], None],
-        after_io: Callable[[], None],
-        attribute: Callable[[bytes, zmq.Frame], Conn],
-    ) -> None:
-        self.loop = loop
-        self.handlers = handlers
-        self._sync: dict[type, Callable[[Session, Any], m.Reply]] = {
-            cls: getattr(handlers, tag_of(cls)) for cls in SYNC_REQUESTS
-        }
-        self._store = handlers.store
-        self._pool = handlers.index.pool
-        self._ops: dict[type, str] = {
-            cls: tag_of(cls) for cls in (*SYNC_REQUESTS, *DATA_REQUESTS, m.Stats)
-        }
-        self._send = send
-        self._after_io = after_io
-        self._attribute = attribute
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -144,31 +148,32 @@ class Dispatcher:
         op = "invalid"
         msg: Any = None
         try:
-            if not session.hello:
+            state = session.state
+            if state is not GREETED:
+                if state is IGNORED:
+                    return
                 session.pre_hello += 1
                 if session.pre_hello > PRE_HELLO_MESSAGES:
-                    if session.pre_hello == PRE_HELLO_MESSAGES + 1:
-                        log.warning(
-                            "peer %s sent %d messages without hello: ignoring it",
-                            identity.hex()[:8],
-                            PRE_HELLO_MESSAGES,
-                        )
+                    session.move(SessionEvent.SILENT_PAST_LIMIT)
+                    log.warning(
+                        "peer %s sent %d messages without hello: ignoring it",
+                        identity.hex()[:8],
+                        PRE_HELLO_MESSAGES,
+                    )
                     return
-            msg = decode_request(payload, self.handlers.limits)
+            msg = decode_request(payload, self._limits)
             op = self._ops[type(msg)]
-            if not session.hello and not isinstance(msg, m.Hello | m.Ping):
+            if state is not GREETED and not isinstance(msg, m.Hello | m.Ping):
                 raise ProtocolError(ErrorCode.HANDSHAKE, "send hello first", msg.req_id)
             if self.draining:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", msg.req_id)
-            if isinstance(msg, m.Stats):
-                reply: m.Reply = m.StatsResult(req_id=msg.req_id, stats=self.report())
-            elif (handler := self._sync.get(type(msg))) is not None:
+            if (handler := self._sync.get(type(msg))) is not None:
                 reply = handler(session, msg)
             else:
                 clock = PhaseClock(t_recv)
-                req = self.handlers.data_request(session, msg)  # refusals: not "busy"
+                req = self._data_request(session, msg)  # refusals: not "busy"
                 clock.mark("prepare")
-                if not isinstance(msg, m.Retrieve) and self._pool.ready_slabs == 0:
+                if not isinstance(msg, m.Retrieve) and not self._index.any_slab_ready:
                     # a server just started: its pool is prepared slab by slab, and a
                     # store that came before the first slab has nowhere to go. "busy"
                     # says "ask again": the connector's link retries it (a failed
@@ -199,6 +204,9 @@ class Dispatcher:
             return
         self.stats.count_request(op, "ok")
         self._send(identity, encode(reply))
+
+    def _stats(self, session: Session, msg: m.Stats) -> m.StatsResult:
+        return m.StatsResult(req_id=msg.req_id, stats=self.report())
 
     def _refused(self, session: Session, op: str, e: ProtocolError) -> bytes:
         """Count and log a refusal (a few lines per client and minute, the rest
@@ -274,7 +282,7 @@ class Dispatcher:
             self._answer(session, clock, op, pending, payload, ok)
 
         try:
-            self.handlers.start_retrieve(session, req, clock, finish)
+            self._start_retrieve(session, req, clock, finish)
         except Exception as e:  # a bug: answered now unless it was already
             if finished:
                 log.exception("internal error after a retrieve was answered")

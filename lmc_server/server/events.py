@@ -198,10 +198,12 @@ class KvEventPublisher:
 
     # -- what is watched ----------------------------------------------------------------
 
-    def watch(self, view: CacheView, namespace: str, model: str, published: bool) -> None:
+    def watch(self, view: CacheView, namespace: str, model: str, published: bool) -> list[int]:
         """A registration of ``view`` arrived: name its topic (or None when its
-        namespace is not ``published``) and watch the partitions a hit requires (and
-        their objects in the disk tier, :meth:`attach_disk`)."""
+        namespace is not ``published``) and watch the disk tier's objects of the object
+        groups a hit requires (:meth:`attach_disk`). Returns those object groups (their
+        indices in the layout): the caller asks the index to tell this publisher of
+        their partitions' objects (:meth:`~lmc_server.cache.index.L1Index.watch`)."""
         prefix = view.ns_prefix
         if prefix not in self._topics:
             topic = (self.settings.topic_prefix + model).encode() if published else None
@@ -210,15 +212,17 @@ class KvEventPublisher:
                 self._models.add(topic)
                 self._append(topic, ev.AllBlocksCleared())
         if self._topics[prefix] is None:
-            return  # its partitions are watched for the namespaces that are published
+            return []  # its partitions are watched for the namespaces that are published
         groups = view.layout.object_groups
         has_full = any(og.has_full for og in groups)
+        watched = []
         for og in groups:
             if og.has_full or (not has_full and og.index == 0):
-                view.watch(og.index, self)
+                watched.append(og.index)
                 self._watched.append((namespace, og.fingerprint, prefix))
                 if self.disk is not None:
                     self.disk.watch(namespace, og.fingerprint, prefix)
+        return watched
 
     def attach_disk(self, listeners: TierListeners) -> None:
         """Publish the disk tier's objects too (medium ``DISK``,

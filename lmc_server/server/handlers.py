@@ -1,8 +1,10 @@
 """Request handlers: one method per message type, typed request in, typed reply out.
 
-Control requests (hello, register, lookup, lookup_batch, release, ping, stats, clear)
+Control requests (hello, register, lookup, lookup_batch, release, ping, clear, probe)
 run to completion on the event-loop thread, here. Store and retrieve are
-:mod:`lmc_server.server.data_path`'s (the class this one extends).
+:mod:`lmc_server.server.data_path`'s (the class this one extends; its constructor
+builds everything both read). The dispatcher's table maps each message type to its
+method here (:data:`~lmc_server.server.dispatch.CONTROL_HANDLERS`).
 
 Every refusal raises :class:`ProtocolError` before anything is copied; the server
 turns it into an ``Error`` reply and goes on serving.
@@ -25,13 +27,11 @@ from lmc_server.cache.layout import build_layout
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
-from lmc_server.protocol.codec import Limits, chunk_count, prefix_ends
+from lmc_server.protocol.codec import chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.data_path import DataPath
-from lmc_server.server.sessions import RegisteredCache, Session, SessionTable
-from lmc_server.server.settle import CommitWatch
+from lmc_server.server.sessions import RegisteredCache, Session, SessionEvent, SessionTable
 from lmc_server.server.stats import ServerStats
-from lmc_server.server.validate import CheckedIds
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
@@ -56,7 +56,9 @@ def namespace_of(msg: m.Register) -> str:
 
 class Handlers(DataPath):
     """Owns the request semantics; the :class:`Server` owns sockets and lifecycle. The
-    store and retrieve handlers are :class:`~lmc_server.server.data_path.DataPath`'s."""
+    store and retrieve handlers are :class:`~lmc_server.server.data_path.DataPath`'s,
+    and so are the constructor's arguments (the tiers, the publisher, ``before_commit``
+    included: the server builds them first)."""
 
     def __init__(
         self,
@@ -66,32 +68,24 @@ class Handlers(DataPath):
         sessions: SessionTable,
         stats: ServerStats,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        l2: TierChain | None = None,
+        events: KvEventPublisher | None = None,
+        before_commit: Callable[[], None] = lambda: None,
     ) -> None:
-        self.config = config
-        self.index = index
-        self.engine = engine
-        self.sessions = sessions
-        self.stats = stats
-        self.limits = Limits(max_frame_bytes=config.max_frame_bytes)
-        self.clock = clock
-        #: Called after a store's copy returns and before it commits: the server handles
-        #: queued socket events here, so a writer that died during the copy is seen
-        #: (its registration closes) and its object is aborted, not committed.
-        self.before_commit: Callable[[], None] = lambda: None
-        #: Stores that found their keys being written by another store wait on this.
-        self.commits = CommitWatch(index, clock)
-        #: The block ids of recent data requests, checked once (identical requests of
-        #: tensor-parallel ranks reuse them).
-        self.checked_ids = CheckedIds()
-        #: The tiers below L1 (``--disk-dir``, ``--l2``), or None; called once per store
-        #: commit and per lookup that misses L1 (see :mod:`lmc_server.l2.chain`).
-        self.l2: TierChain | None = None
-        #: The KV-event publisher (``--kv-events-endpoint``), or None.
-        self.events: KvEventPublisher | None = None
+        super().__init__(
+            config,
+            index,
+            engine,
+            sessions,
+            stats,
+            clock,
+            l2=l2,
+            events=events,
+            before_commit=before_commit,
+        )
         #: The latest view of every namespace registered since start, for probes.
         self.views: dict[str, CacheView] = {}
-
-    # -- helpers ----------------------------------------------------------------------
 
     # -- control ----------------------------------------------------------------------
 
@@ -103,7 +97,7 @@ class Handlers(DataPath):
                 f"this server speaks {PROTOCOL_VERSION}",
                 msg.req_id,
             )
-        session.hello = True
+        session.move(SessionEvent.HELLO)
         session.client_name = msg.client_name[:128]
         return m.Welcome(
             req_id=msg.req_id,
@@ -143,11 +137,11 @@ class Handlers(DataPath):
             msg.groups, self.config.chunk_size, self.config.separate_object_groups
         )
         for og in layout.object_groups:
-            if og.object_bytes > self.index.pool.slab_bytes:
+            if og.object_bytes > self.index.slab_bytes:
                 raise ProtocolError(
                     ErrorCode.GEOMETRY,
                     f"object group {og.name!r}: one chunk is {og.object_bytes} bytes, more "
-                    f"than a slab ({self.index.pool.slab_bytes} bytes); start the server "
+                    f"than a slab ({self.index.slab_bytes} bytes); start the server "
                     f"with a larger --slab-size-mb or a smaller --chunk-size",
                     rid,
                 )
@@ -169,7 +163,9 @@ class Handlers(DataPath):
         namespace = namespace_of(msg)
         view = self.views[namespace] = self.index.view(namespace, layout)
         if self.events is not None:
-            self.events.watch(view, namespace, msg.model, published=msg.replicated or msg.rank == 0)
+            published = msg.replicated or msg.rank == 0
+            for og_index in self.events.watch(view, namespace, msg.model, published):
+                self.index.watch(view, og_index, self.events)
         bpc = [blocks_per_chunk(g, self.config.chunk_size) for g in msg.groups]
         reg = RegisteredCache(
             self.sessions.new_registration_id(),
@@ -286,15 +282,15 @@ class Handlers(DataPath):
 
     def ping(self, session: Session, msg: m.Ping) -> m.Pong:
         return m.Pong(
-            req_id=msg.req_id, server_version=__version__, ready=self.index.pool.ready_slabs > 0
+            req_id=msg.req_id,
+            server_version=__version__,
+            ready=self.index.pool_usage().ready_slabs > 0,
         )
 
     def clear(self, session: Session, msg: m.Clear) -> m.Cleared:
         n = self.index.clear()
         log.info("clear: evicted %d objects", n)
         return m.Cleared(req_id=msg.req_id, evicted=n)
-
-    # -- data path --------------------------------------------------------------------
 
     # -- session end ------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.server.sessions import Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ class Housekeeper:
         loop: asyncio.AbstractEventLoop,
         clock: Callable[[], float],
         index: L1Index,
-        slab_pool: SlabPool,
         sessions: SessionTable,
         drop_session: Callable[[Session, str], None],
         interval_s: float,
@@ -52,7 +50,6 @@ class Housekeeper:
         self.loop = loop
         self.clock = clock
         self.index = index
-        self.slab_pool = slab_pool
         self.sessions = sessions
         self.drop_session = drop_session
         self.on_tick = on_tick
@@ -120,6 +117,7 @@ class Housekeeper:
         self._eviction_mark = mark
         if d_ev or d_fail:
             used = self.index.used_bytes
+            pool = self.index.pool_usage()
             log.info(
                 "last %.0f s: %d objects evicted (%.1f MiB), %d allocation failures; "
                 "L1 %.1f of %.1f GiB used, %d free slabs",
@@ -128,6 +126,6 @@ class Housekeeper:
                 d_bytes / (1 << 20),
                 d_fail,
                 used / (1 << 30),
-                self.slab_pool.capacity_bytes / (1 << 30),
-                self.slab_pool.free_slabs,
+                pool.capacity_bytes / (1 << 30),
+                pool.free_slabs,
             )

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config, gib_text
 from lmc_server.server.notify import Notifier
 from lmc_server.server.sessions import SessionTable
@@ -46,7 +45,6 @@ class Liveness:
         clock: Callable[[], float],
         notifier: Notifier,
         index: L1Index,
-        slab_pool: SlabPool,
         sessions: SessionTable,
         draining: Callable[[], bool],
         started_at_s: float,
@@ -56,7 +54,6 @@ class Liveness:
         self.clock = clock
         self.notifier = notifier
         self.index = index
-        self.slab_pool = slab_pool
         self.sessions = sessions
         self.draining = draining
         self.started_at_s = started_at_s
@@ -100,7 +97,7 @@ class Liveness:
         ratio = st.hit_chunks / st.lookup_chunks if st.lookup_chunks else 0.0
         return (
             f"serving: {self.sessions.registrations} registrations, L1 "
-            f"{gib_text(used)} of {gib_text(self.slab_pool.capacity_bytes)} "
+            f"{gib_text(used)} of {gib_text(idx.pool_usage().capacity_bytes)} "
             f"used, chunk hit ratio {ratio:.0%}, {st.evictions} evictions"
         )
 
@@ -110,15 +107,17 @@ class Liveness:
             self.loop.call_soon_threadsafe(self.slab_ready, slab)
 
     def slab_ready(self, slab: int) -> None:
+        """Hand a prepared slab to the index (on the loop thread, the index's only);
+        log and tell systemd how far the pool is."""
         if self.draining():
             return
-        pool = self.slab_pool
-        pool.mark_ready(slab)
-        if pool.ready_slabs == pool.n_slabs:
+        self.index.slab_ready(slab)
+        pool = self.index.pool_usage()
+        if pool.ready_slabs == pool.slabs:
             self.pool_ready_at_s = self.clock()
             log.info(
                 "L1 pool ready: %d slabs (%s) in %.2f s",
-                pool.n_slabs,
+                pool.slabs,
                 gib_text(pool.capacity_bytes),
                 self.pool_ready_at_s - self.started_at_s,
             )
@@ -133,5 +132,5 @@ class Liveness:
                 f"serving on {self.config.endpoint}; preparing L1 pool: "
                 f"{gib_text(pool.ready_bytes)} of "
                 f"{gib_text(pool.capacity_bytes)} "
-                f"({pool.ready_slabs / pool.n_slabs:.0%})"
+                f"({pool.ready_slabs / pool.slabs:.0%})"
             )

@@ -56,7 +56,7 @@ def build_report(
     tiers: TierChain | None = None,
     events: KvEventPublisher | None = None,
 ) -> StatsReport:
-    pool = index.pool
+    pool = index.pool_usage()
     parts = [
         PartitionReport(
             name=u.name,
@@ -83,7 +83,7 @@ def build_report(
             capacity_bytes=pool.capacity_bytes,
             ready_bytes=pool.ready_bytes,
             slab_bytes=pool.slab_bytes,
-            slabs=pool.n_slabs,
+            slabs=pool.slabs,
             ready_slabs=pool.ready_slabs,
             free_slabs=pool.free_slabs,
             used_bytes=sum(p.used_bytes for p in parts),

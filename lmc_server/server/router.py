@@ -40,8 +40,10 @@ HARD_FRAME_FACTOR = 4
 class Router:
     """One bound ROUTER socket: frames in to ``on_message``, replies out with :meth:`send`.
 
-    ``on_message`` gets ``[identity, *payload frames]`` as zmq frames; ``on_disconnect``
-    gets a closed connection and the identities seen on it. Invariant: every connection
+    ``on_message`` (given to :meth:`open`, which starts reading: the dispatcher that
+    reads messages is built with this router, which sends its replies) gets
+    ``[identity, *payload frames]`` as zmq frames; ``on_disconnect`` gets a closed
+    connection and the identities seen on it. Invariant: every connection
     event queued before a message is handled before that message's peer is attributed
     to a connection (:meth:`attribute`), so a reused descriptor never carries a peer
     over to the wrong connection.
@@ -52,13 +54,12 @@ class Router:
         config: Config,
         loop: asyncio.AbstractEventLoop,
         peers: ConnectionTracker,
-        on_message: Callable[[list[zmq.Frame]], None],
         on_disconnect: Callable[[Conn, list[bytes]], None],
     ) -> None:
         self.config = config
         self.loop = loop
         self.peers = peers
-        self._on_message = on_message
+        self._on_message: Callable[[list[zmq.Frame]], None] | None = None
         self._on_disconnect = on_disconnect
         self._auth: Any = None
         self._fd: int | None = None
@@ -68,8 +69,10 @@ class Router:
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
 
-    def open(self) -> None:
-        """Set the socket's limits, bind it (CURVE, ipc) and start reading it."""
+    def open(self, on_message: Callable[[list[zmq.Frame]], None]) -> None:
+        """Set the socket's limits, bind it (CURVE, ipc) and start reading it into
+        ``on_message``."""
+        self._on_message = on_message
         cfg, sock = self.config, self.sock
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # dual-stack: --host ::1 and IPv6 names bind
@@ -110,6 +113,8 @@ class Router:
         if not sock.closed:
             self.drain_monitor()
         on_message = self._on_message
+        if on_message is None:  # not open: nothing is read
+            return
         for _ in range(DRAIN_BUDGET):
             try:
                 # Asked first rather than ending on zmq.Again: the exception costs

@@ -47,7 +47,6 @@ import zmq
 
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.config import Config, gib_text
 from lmc_server.l2.url import redact_url
 from lmc_server.protocol.stats import StatsReport
@@ -103,7 +102,7 @@ class Server(ServerTeardown):
         self.sessions = SessionTable()
         self.started_at_s = 0.0
         self.peers = ConnectionTracker()
-        self.dispatch = Dispatcher(config, self.sessions, self.stats, clock, self.report)
+        self.dispatch: Dispatcher | None = None
         self.router: Router | None = None
         self.housekeeping_interval_s = housekeeping_interval_s
         self.housekeeper: Housekeeper | None = None
@@ -168,7 +167,7 @@ class Server(ServerTeardown):
             cfg.backend, cfg.copy_threads, cfg.cuda_copy_mode, cfg.cuda_staging_mb
         )
         self.host_pool: HostPool = self.engine.create_pool(cfg.l1_size_bytes, cfg.slab_bytes)
-        self.slab_pool = SlabPool(self.host_pool.size_bytes, cfg.slab_bytes)
+        self.index = L1Index(self.host_pool.size_bytes, cfg.slab_bytes, cfg.eviction_policy)
         if self.host_pool.size_bytes < cfg.l1_size_bytes:
             log.info(
                 "L1 size %s rounded down to whole slabs of %d MiB: %s (a multiple of "
@@ -178,36 +177,46 @@ class Server(ServerTeardown):
                 gib_text(self.host_pool.size_bytes),
                 cfg.slab_bytes / (1 << 30),
             )
-        self.index = L1Index(self.slab_pool, cfg.eviction_policy)
-        self.handlers = Handlers(
-            cfg, self.index, self.engine, self.sessions, self.stats, self.clock
-        )
+        # Each part is built complete, from the parts built before it: the tiers and
+        # the publisher, the router, the handlers (which read all three), the
+        # dispatcher (handlers and router); then the router starts reading into it.
         if cfg.l2_url or cfg.disk_dir:
             from lmc_server.l2.setup import make_chain
 
-            self.l2 = self.handlers.l2 = make_chain(
-                cfg, self.index, self.host_pool, self.engine.name, self.clock
-            )
+            self.l2 = make_chain(cfg, self.index, self.host_pool, self.engine.name, self.clock)
             self.l2.start()
         if cfg.kv_events_endpoint:
             from lmc_server.server.events import KvEventPublisher
             from lmc_server.server.events_settings import kv_event_settings
 
-            self.events = self.handlers.events = KvEventPublisher(
-                kv_event_settings(cfg), self.loop, cfg.chunk_size
-            )
+            self.events = KvEventPublisher(kv_event_settings(cfg), self.loop, cfg.chunk_size)
             self.events.open()
             disk = self.l2.tier("disk") if self.l2 is not None else None
             if disk is not None:
                 self.events.attach_disk(disk.listeners)
-        router = self.router = Router(
-            cfg, self.loop, self.peers, self.dispatch.handle, self._disconnected
+        router = self.router = Router(cfg, self.loop, self.peers, self._disconnected)
+        self.handlers = Handlers(
+            cfg,
+            self.index,
+            self.engine,
+            self.sessions,
+            self.stats,
+            self.clock,
+            l2=self.l2,
+            events=self.events,
+            before_commit=router.drain,
         )
-        self.handlers.before_commit = router.drain
-        self.dispatch.attach(
-            self.loop, self.handlers, router.send, router.after_io, router.attribute
+        dispatch = self.dispatch = Dispatcher(
+            cfg,
+            self.loop,
+            self.handlers,
+            router,
+            self.sessions,
+            self.stats,
+            self.clock,
+            self.report,
         )
-        router.open()
+        router.open(dispatch.handle)
         if cfg.metrics_port:
             self._start_metrics()
         self.liveness = Liveness(
@@ -216,7 +225,6 @@ class Server(ServerTeardown):
             self.clock,
             self.notifier,
             self.index,
-            self.slab_pool,
             self.sessions,
             lambda: self.draining,
             self.started_at_s,
@@ -226,7 +234,6 @@ class Server(ServerTeardown):
             self.loop,
             self.clock,
             self.index,
-            self.slab_pool,
             self.sessions,
             self.handlers.drop_session,
             self.housekeeping_interval_s,
@@ -242,7 +249,7 @@ class Server(ServerTeardown):
             cfg.endpoint,
             self.engine.name,
             gib_text(self.host_pool.size_bytes),
-            self.slab_pool.n_slabs,
+            self.index.pool_usage().slabs,
             cfg.slab_size_mb,
             cfg.eviction_policy,
             cfg.chunk_size,
@@ -275,6 +282,7 @@ class Server(ServerTeardown):
         from lmc_server.metrics.registry import make_registry
 
         cfg = self.config
+        assert self.dispatch is not None
         tasks = self.dispatch.tasks
         collector = ServerCollector(
             ServerInfo(
@@ -284,7 +292,6 @@ class Server(ServerTeardown):
                 object_groups="separate" if cfg.separate_object_groups else "combined",
             ),
             self.index,
-            self.slab_pool,
             self.stats,
             self.sessions,
             LiveState(health=self.health, in_flight=lambda: len(tasks)),
@@ -306,6 +313,7 @@ class Server(ServerTeardown):
         """The housekeeping tick's time-based checks: stores waiting past the settle
         timeout give up; refusal summaries of the interval just over are logged."""
         self.handlers.commits.expire(now_s)
+        assert self.dispatch is not None
         self.dispatch.refusals.tick(now_s)
 
     def _disconnected(self, conn: Conn, identities: list[bytes]) -> None:
@@ -322,7 +330,7 @@ class Server(ServerTeardown):
             return False, "draining: shutting down, new requests are refused"
         if not self.started or self.liveness is None:
             return False, "starting: sockets not bound yet"
-        pool = self.slab_pool
+        pool = self.index.pool_usage()
         if pool.ready_slabs == 0:
             return False, "starting: no L1 slab prepared yet"
         late_s = self.liveness.stalled_s()
@@ -330,7 +338,7 @@ class Server(ServerTeardown):
             return False, f"event loop unresponsive for {late_s:.0f} s"
         return True, (
             f"serving on {self.config.endpoint}, L1 pool "
-            f"{pool.ready_slabs / pool.n_slabs:.0%} prepared, "
+            f"{pool.ready_slabs / pool.slabs:.0%} prepared, "
             f"{self.sessions.registrations} registrations"
             + (f", {self.l2.health()}" if self.l2 is not None else "")
         )

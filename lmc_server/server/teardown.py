@@ -54,7 +54,7 @@ class ServerTeardown:
     config: Config
     loop: asyncio.AbstractEventLoop
     notifier: Notifier
-    dispatch: Dispatcher
+    dispatch: Dispatcher | None
     sessions: SessionTable
     stats: ServerStats
     should_exit: bool
@@ -75,12 +75,9 @@ class ServerTeardown:
 
     @property
     def draining(self) -> bool:
-        """Shutdown has begun: new requests are answered ``shutting_down``."""
-        return self.dispatch.draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.dispatch.draining = value
+        """Shutdown has begun: new requests are answered ``shutting_down`` (the
+        dispatcher's flag: it reads it per request)."""
+        return self.dispatch is not None and self.dispatch.draining
 
     # -- signals ------------------------------------------------------------------------
 
@@ -128,7 +125,8 @@ class ServerTeardown:
 
     async def shutdown(self) -> None:
         """Stop taking work, let copies finish, answer the rest, release everything."""
-        self.draining = True
+        assert self.dispatch is not None  # built by a startup that returned
+        self.dispatch.draining = True
         tasks = self.dispatch.tasks
         self.notifier.stopping(f"draining {len(tasks)} in-flight requests")
         for cb in self.on_shutdown:

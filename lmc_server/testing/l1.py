@@ -6,7 +6,6 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.slabs import SlabPool
 from lmc_server.cache.view import CacheView
 from lmc_server.testing.presets import dsv41_flash
 
@@ -15,10 +14,10 @@ MIB = 1 << 20
 
 def make_index(pool_mib: int = 64, slab_mib: int = 16, policy: str = "LRU") -> L1Index:
     """An index over a pool whose every slab is ready."""
-    pool = SlabPool(pool_mib * MIB, slab_mib * MIB)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    return L1Index(pool, policy)
+    index = L1Index(pool_mib * MIB, slab_mib * MIB, policy)
+    for s in range(index.pool_usage().slabs):
+        index.slab_ready(s)
+    return index
 
 
 def dsv_view(index: L1Index, separate: bool = True, ns: str = "ns", **kw: object) -> CacheView:

@@ -52,18 +52,25 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
     """An index of ``package`` holding one hot 64-chunk prefix, and one callable per case."""
     index_mod = importlib.import_module(f"{package}.cache.index")
     layout_mod = importlib.import_module(f"{package}.cache.layout")
-    try:  # SlabPool's module (a tree where it is cache.pool, with the partitions, also works)
-        pool_mod = importlib.import_module(f"{package}.cache.slabs")
-    except ModuleNotFoundError:
-        pool_mod = importlib.import_module(f"{package}.cache.pool")
     presets = importlib.import_module(f"{package}.testing.presets")
     geo = presets.dsv41_flash()
     layout = layout_mod.build_layout(geo.groups, 256, separate)
     # Room for 8 prefixes of 64 chunks: the store case evicts on every call.
-    pool = pool_mod.SlabPool(8 * CHUNKS * layout.chunk_bytes + 64 * MIB, 64 * MIB)
-    for s in range(pool.n_slabs):
-        pool.mark_ready(s)
-    index = index_mod.L1Index(pool, "LRU")
+    pool_bytes = 8 * CHUNKS * layout.chunk_bytes + 64 * MIB
+    if hasattr(index_mod.L1Index, "slab_ready"):  # the index builds its own slab pool
+        index = index_mod.L1Index(pool_bytes, 64 * MIB, "LRU")
+        for s in range(index.pool_usage().slabs):
+            index.slab_ready(s)
+    else:  # an older tree: the caller builds it (in cache.slabs, or cache.pool before)
+        try:
+            pool_mod = importlib.import_module(f"{package}.cache.slabs")
+            pool_mod.SlabPool  # noqa: B018 - its module, or the one before
+        except (ModuleNotFoundError, AttributeError):
+            pool_mod = importlib.import_module(f"{package}.cache.pool")
+        pool = pool_mod.SlabPool(pool_bytes, 64 * MIB)
+        for s in range(pool.n_slabs):
+            pool.mark_ready(s)
+        index = index_mod.L1Index(pool, "LRU")
     view = index.view("bench", layout)
     ids = {}
     for og in layout.object_groups:
