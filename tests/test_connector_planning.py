@@ -108,6 +108,43 @@ def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
     assert short["indexer"].tolist() == [400, 401, 402, -1]
 
 
+def test_a_steps_loads_planned_together_get_each_loads_own_block_ids() -> None:
+    """``load_block_ids`` (every load of a step at once, one array per group) gives each
+    load exactly what ``block_ids`` gives it alone: random tables with null blocks,
+    tables shorter than the load, blocks the engine holds, server groups sharing a
+    table; and no load's ids alias another's (marking one leaves the others alone)."""
+    import random
+
+    groups = [*dsv_groups(), EngineGroup("mla", 16, server_groups=("mla_k", "mla_v"))]
+    g = ChunkGeometry(CHUNK, 32, groups)
+    rng = random.Random(7)
+    loads = []
+    for _ in range(40):
+        n = rng.randint(1, 4)
+        tables = []
+        for eg in groups:
+            per = CHUNK // eg.tokens_per_block if eg.cached else 1
+            size = n * per - (rng.randint(1, per) if rng.random() < 0.2 else 0)
+            table = [rng.randrange(0, 5000) for _ in range(max(0, size))]
+            if table and rng.random() < 0.3:
+                table[rng.randrange(len(table))] = 0  # vLLM's null block
+            tables.append(table)
+        keep = rng.choice([0, 0, CHUNK, 100, n * CHUNK - 16])
+        loads.append((tables, n, keep))
+    together = g.load_block_ids(loads)
+    for (tables, n, keep), ids in zip(loads, together, strict=True):
+        alone = g.block_ids(tables, 0, n, keep_tokens=keep)
+        assert set(ids) == set(alone)
+        for key in alone:
+            assert ids[key].dtype == alone[key].dtype
+            assert ids[key].tolist() == alone[key].tolist(), key
+    first = together[0]["compressed"]
+    before = [ids["compressed"].tolist() for ids in together[1:]]
+    first[:] = -7
+    assert [ids["compressed"].tolist() for ids in together[1:]] == before
+    assert g.load_block_ids([]) == []
+
+
 def test_first_window_block_a_store_reads() -> None:
     """Per window group, the lowest table index a store of chunks 1..2 reads: only the
     last 4 blocks of each chunk (128-token window, 32 tokens per block), not ``-1``s."""

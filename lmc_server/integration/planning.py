@@ -106,7 +106,9 @@ class SchedulerPlanner:
         #: (req_id, block hashes, tokens, prompt tokens) of requests that arrived since
         #: the planner last acted (:meth:`request_arrived`, :meth:`_admit`)
         self._arrived: list[tuple[str, Sequence[bytes], int, int]] = []
-        self._pending_loads: list[LoadSpec] = []
+        #: loads :meth:`after_alloc` queued for the next step: (request, chunks, tokens the
+        #: engine holds, lease), planned by :meth:`build_step` (:meth:`_plan_loads`)
+        self._pending_loads: list[tuple[Tracked, int, int, int]] = []
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
 
@@ -308,14 +310,9 @@ class SchedulerPlanner:
         assert matched % g.chunk_size == 0, "a load ends on a chunk boundary"
         assert r.answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // g.chunk_size
-        self._pending_loads.append(
-            LoadSpec(
-                req_id=req_id,
-                digests=r.digests_for(g, n),
-                block_ids=g.block_ids(r.blocks, 0, n, keep_tokens=num_local_tokens),
-                lease_id=r.lease_id,
-            )
-        )
+        # planned in build_step, with the step's other loads (ChunkGeometry.load_block_ids):
+        # r.blocks is this table from now until then (only build_step extends it, after)
+        self._pending_loads.append((r, n, num_local_tokens, r.lease_id))
         r.loading = True
         r.stored_chunks = max(r.stored_chunks, n)
 
@@ -327,8 +324,8 @@ class SchedulerPlanner:
         self._admit()
         self.lookups.new_step()
         g = self.geometry
-        plan = StepPlan(loads=self._pending_loads, stores=self._pending_stores)
-        self._pending_loads, self._pending_stores = [], []
+        plan = StepPlan(loads=self._plan_loads(), stores=self._pending_stores)
+        self._pending_stores = []
         for pid in preempted_req_ids:
             r = self._reqs.get(pid)
             if r is not None:
@@ -359,6 +356,20 @@ class SchedulerPlanner:
                 plan.stores.append(spec)
         plan.fence_store_ids = self._stores.take_fences()
         return plan
+
+    def _plan_loads(self) -> list[LoadSpec]:
+        """The loads queued by :meth:`after_alloc` since the last step, planned together:
+        each request's digests (hashed once, usually by the lookup already) and block ids
+        (one array per group for all of them)."""
+        pending, self._pending_loads = self._pending_loads, []
+        if not pending:
+            return []
+        g = self.geometry
+        ids = g.load_block_ids([(r.blocks, n, keep) for r, n, keep, _ in pending])
+        return [
+            LoadSpec(r.req_id, r.digests_for(g, n), block_ids, lease_id)
+            for (r, n, _, lease_id), block_ids in zip(pending, ids, strict=True)
+        ]
 
     def transfers_finished(
         self,

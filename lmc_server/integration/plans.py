@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -130,9 +130,11 @@ class LookupService(Protocol):
     def release(self, lease_id: int) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Retrieve chunks ``0..n`` of a request into its blocks (``-1``: leave alone)."""
+class LoadSpec(NamedTuple):
+    """Retrieve chunks ``0..n`` of a request into its blocks (``-1``: leave alone).
+
+    A named tuple, not a frozen dataclass: as immutable, and built in a fifth of the
+    time (a step that takes 256 hits builds 256 on the scheduler thread)."""
 
     req_id: str
     digests: bytes
