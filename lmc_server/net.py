@@ -26,6 +26,10 @@ Resolver = Callable[..., list[tuple[Any, ...]]]
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 #: Longest host name (RFC 1035).
 MAX_NAME_CHARS = 253
+#: Where a server listens by default, and so where its clients look (the server's
+#: ``--host``/``--port``, the vLLM connector's ``lmcache.mp.host``/``port``).
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
 
 
 def bare_host(host: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from lmc_server.l2 import codec, direct_io
 from lmc_server.l2.backend import L2Error, SlotObject
-from lmc_server.l2.disk_config import DiskConfigError, check_disk_config, disk_path
+from lmc_server.l2.disk_config import DiskConfigError, DiskSettings, check_disk_config, disk_path
 from lmc_server.l2.disk_index import STALE_TMP_S, DiskIndex
 from lmc_server.l2.file_backend import FileBackend
 
@@ -215,10 +215,8 @@ def test_index_merge_puts_scanned_files_coldest_first() -> None:
     assert STALE_TMP_S >= 10  # a live writer's temporary file is never this old
 
 
-class _Settings:
-    def __init__(self, disk_dir: str, disk_size_gb: float, backend: str = "cpu") -> None:
-        self.disk_dir, self.disk_size_gb, self.backend = disk_dir, disk_size_gb, backend
-        self.disk_optional = False
+def _check(disk_dir: str, disk_size_gb: float, backend: str = "cpu") -> None:
+    check_disk_config(DiskSettings(disk_dir, disk_size_gb), backend)
 
 
 @pytest.mark.parametrize(
@@ -236,12 +234,12 @@ def test_config_refusals_name_the_setting(tmp_path: Path, settings: tuple, needl
     (tmp_path / "f").write_bytes(b"")
     d, *rest = settings
     with pytest.raises(DiskConfigError, match=needle):
-        check_disk_config(_Settings(d.format(tmp=tmp_path), *rest))
+        _check(d.format(tmp=tmp_path), *rest)
 
 
 def test_file_url_and_paths() -> None:
     assert disk_path("file:///var/cache/x") == "/var/cache/x"
-    check_disk_config(_Settings("file:///tmp/lmc-disk-check-never-made", 0.001))
+    _check("file:///tmp/lmc-disk-check-never-made", 0.001)
 
 
 def test_rewriting_a_known_file_never_evicts_it_under_its_own_write(tmp_path: Path) -> None:

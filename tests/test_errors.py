@@ -48,7 +48,7 @@ def test_every_error_class_descends_from_the_root() -> None:
 
 def test_the_builtin_bases_callers_catch_are_kept() -> None:
     from lmc_server.cache.geometry import GeometryError
-    from lmc_server.config.declare import ConfigError
+    from lmc_server.declare import ConfigError
     from lmc_server.transfer.base import TransferError
 
     assert issubclass(ConfigError, ValueError) and issubclass(GeometryError, ValueError)

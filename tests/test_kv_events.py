@@ -245,7 +245,8 @@ def test_a_socket_not_re_created_at_once_is_retried_at_the_next_batch(
     async def run() -> None:
         pub = FlakyRebind(
             KvEventSettings(
-                endpoint=f"ipc://{tmp_path}/events", topic_prefix=TOPIC, heartbeat_timeout_s=0.5
+                Config(kv_events_endpoint=f"ipc://{tmp_path}/events", heartbeat_timeout_s=0.5),
+                TOPIC,
             ),
             asyncio.get_running_loop(),
             CHUNK,

@@ -38,7 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     # buffers on the wire (shared memory, CUDA IPC); read by protocol, client, transfer.
     # threadnames: OS names for the threads the server starts (stdlib only). errors: the
     # root of every error class of the package (stdlib only; every layer may raise one).
+    # declare: how a setting is declared (``setting()``), read by every layer that holds
+    # settings, the tiers and the connector below ``config`` included.
     "errors": set(),
+    "declare": {"errors"},
     "net": set(),
     "logs": set(),
     "buffers": set(),
@@ -51,13 +54,13 @@ ALLOWED: dict[str, set[str]] = {
     # Transfer engines copy by the cache's layout into the buffers a worker registered.
     "transfer": {"cache", "buffers", "threadnames", "errors"},
     # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
-    # the engine's host pool. Takes its settings through a protocol, not Config.
-    "l2": {"cache", "transfer", "threadnames", "errors"},
+    # the engine's host pool. Declares its own settings (Config is made of them).
+    "l2": {"cache", "transfer", "threadnames", "declare", "errors"},
     # Prometheus collector and HTTP endpoint. Reads the index (and the pool through it); the
     # server's own counters and sessions through protocols it defines (no server import).
     "metrics": {"cache", "net", "threadnames", "errors"},
     # Server settings: values and checks; the checks of a subsystem live with it (l2).
-    "config": {"cache", "protocol", "net", "l2", "errors"},
+    "config": {"cache", "protocol", "net", "l2", "declare", "errors"},
     # The daemon: everything of the server stack below it.
     "server": {
         "protocol",
@@ -75,7 +78,7 @@ ALLOWED: dict[str, set[str]] = {
     # Client library: speaks the protocol; digests and buffers for workers.
     "client": {"protocol", "cache", "buffers", "net", "errors"},
     # Engine integrations (vLLM) on top of the client.
-    "integration": {"client", "protocol", "cache", "buffers", "net", "errors"},
+    "integration": {"client", "protocol", "cache", "buffers", "net", "declare", "errors"},
     # Test helpers: presets, shared-memory KV caches, server and redis processes, and
     # the server in process (a thread, a fake clock): above the server, below bench.
     "testing": {

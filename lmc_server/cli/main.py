@@ -14,8 +14,9 @@ import click
 import msgspec
 
 from lmc_server import __version__
-from lmc_server.cli.options import SourcedOption, declared_options
+from lmc_server.cli.options import declared_options
 from lmc_server.config import (
+    ClientSettings,
     Config,
     ConfigError,
     default_l1_size_gb,
@@ -146,47 +147,10 @@ def _load_client_config(ctx: click.Context, _param: click.Parameter, value: str 
 
 
 def _endpoint_options(f: Any) -> Any:
-    """Where the server is and how to get in: the same host, port and CURVE settings,
-    environment variables and TOML file as the server (see docs/operations.md)."""
-    f = click.option(
-        "--curve-client-secret-key-file",
-        default="",
-        envvar="LMCACHE_CURVE_CLIENT_SECRET_KEY_FILE",
-        cls=SourcedOption,
-        help="This client's CURVE certificate with its secret key (NAME."
-        "key_secret from 'lmcache keygen --name NAME'; its NAME.key must "
-        "be in the server's --curve-clients-dir).",
-    )(f)
-    f = click.option(
-        "--curve-server-key-file",
-        default="",
-        envvar="LMCACHE_CURVE_SERVER_KEY_FILE",
-        cls=SourcedOption,
-        help="The server's public CURVE certificate (server.key); with a "
-        "client certificate, talk CURVE.",
-    )(f)
-    f = click.option(
-        "--timeout-s",
-        type=click.FloatRange(min=0, min_open=True),
-        default=2.0,
-        help="Seconds to wait for an answer.",
-    )(f)
-    f = click.option(
-        "--port",
-        type=click.IntRange(1, 65535),
-        default=5555,
-        envvar="LMCACHE_PORT",
-        cls=SourcedOption,
-        help="Server port.",
-    )(f)
-    f = click.option(
-        "--host",
-        default="127.0.0.1",
-        envvar="LMCACHE_HOST",
-        cls=SourcedOption,
-        callback=_check_host,
-        help="Server address (IPv4, IPv6 with or without brackets, or a name).",
-    )(f)
+    """Where the server is and how to get in: the options of :class:`ClientSettings`
+    (the server's own host and port settings, so the same flags, variables and TOML
+    keys; see docs/operations.md), after ``--config``."""
+    f = declared_options(ClientSettings, {"host": _check_host})(f)
     f = click.option(
         "--config",
         type=click.Path(dir_okay=False),

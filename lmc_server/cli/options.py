@@ -1,4 +1,5 @@
-"""The ``lmcache server`` options, made from the declarations of :class:`Config`.
+"""The commands' options, made from the declarations of :class:`Config` (``lmcache
+server``) and :class:`ClientSettings` (``lmcache ping``, ``lmcache stats``).
 
 One click option per declared field, in field order: the flag (a ``--x/--no-x`` pair for
 a bool), ``IntRange``/``FloatRange``/``Choice`` from the declared range or choices (so
@@ -20,13 +21,22 @@ from lmc_server.config import Declared, declarations
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def declared_options(cls: type) -> Callable[[F], F]:
-    """A decorator adding the options of every declared field of ``cls``."""
+#: A click option callback: checks or converts the value (``lmcache ping --host``).
+Callback = Callable[[click.Context, click.Parameter, Any], Any]
+
+
+def declared_options(cls: type, callbacks: dict[str, Callback] | None = None) -> Callable[[F], F]:
+    """A decorator adding the options of every declared field of ``cls``; ``callbacks``
+    maps a field's name to its option's callback (a check beyond the declared range)."""
     decls = declarations(cls)
+    callbacks = callbacks or {}
+    unknown = set(callbacks) - {d.name for d in decls}
+    if unknown:
+        raise TypeError(f"callbacks for settings {cls.__name__} does not declare: {unknown}")
 
     def decorate(f: F) -> F:
         for d in reversed(decls):  # click lists the last-applied decorator first
-            f = option(d)(f)
+            f = option(d, callbacks.get(d.name))(f)
         return f
 
     return decorate
@@ -58,7 +68,7 @@ class SourcedOption(click.Option):
             raise
 
 
-def option(d: Declared) -> Callable[[F], F]:
+def option(d: Declared, callback: Callback | None = None) -> Callable[[F], F]:
     flag = f"{d.flag}/--no-{d.flag[2:]}" if d.kind is bool else d.flag
     return click.option(
         flag,
@@ -66,8 +76,9 @@ def option(d: Declared) -> Callable[[F], F]:
         cls=SourcedOption,
         type=click_type(d),
         default=d.default,
-        envvar=d.envvar,
+        envvar=d.envvar or None,
         metavar=d.setting.metavar,
+        callback=callback,
         help=d.setting.help_text(),
     )
 

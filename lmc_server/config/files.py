@@ -7,8 +7,9 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
-from lmc_server.config.declare import ConfigError, declarations
+from lmc_server.config.client import ClientSettings
 from lmc_server.config.settings import Config
+from lmc_server.declare import ConfigError, declarations
 
 CONFIG_KEYS = frozenset(d.name for d in declarations(Config))
 #: Settings whose flag is not named like their field: the TOML file takes the flag's name
@@ -79,9 +80,9 @@ def _server_settings(path: str, data: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Settings of the client commands (``ping``, ``stats``) in a ``[client]`` table.
-CLIENT_KEYS = frozenset(
-    {"host", "port", "timeout_s", "curve_server_key_file", "curve_client_secret_key_file"}
-)
+CLIENT_KEYS = frozenset(d.name for d in declarations(ClientSettings))
+#: Those that are the server's settings too, taken from its table first.
+SERVER_KEYS = tuple(d.name for d in declarations(ClientSettings) if d.same_as is not None)
 
 
 def load_client_toml(path: str) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def load_client_toml(path: str) -> dict[str, Any]:
     A server listening on every address (``::``, ``0.0.0.0``) is reached on loopback.
     """
     server = load_toml(path)
-    out: dict[str, Any] = {k: server[k] for k in ("host", "port") if k in server}
+    out: dict[str, Any] = {k: server[k] for k in SERVER_KEYS if k in server}
     if out.get("host") in ("::", "[::]", "0.0.0.0", "*"):
         out["host"] = "::1" if ":" in str(out["host"]) else "127.0.0.1"
     with open(path, "rb") as f:

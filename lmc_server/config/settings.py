@@ -1,10 +1,13 @@
-"""Every server setting, declared once (:func:`~lmc_server.config.declare.setting`), and
-the checks that relate settings to each other or to the machine.
+"""Every server setting, declared once (:func:`~lmc_server.declare.setting`), and the
+checks that relate settings to each other or to the machine.
 
-Adding a setting is one field below: its type, default, help and range or choices. The
-flag, the ``LMCACHE_*`` variable, the TOML key and the range check follow from it; the
-docs' flag table must list it (``tests/test_config_docs.py`` fails until it does). Only
-a check across settings, or one that needs the machine, is written in :meth:`Config.check`.
+``Config`` is made of groups: the server's own settings (:class:`ServerSettings`), the
+tiers' below L1 (declared in ``lmc_server/l2/``: :class:`~lmc_server.l2.settings.TierSettings`)
+and the KV-event publisher's (its own fields). Adding a setting is one field in its
+group: its type, default, help and range or choices. The flag, the ``LMCACHE_*``
+variable, the TOML key and the range check follow from it; the docs' flag table must
+list it (``tests/test_config_docs.py`` fails until it does). Only a check across
+settings, or one that needs the machine, is written in :meth:`Config.check`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,18 @@ import re
 from dataclasses import dataclass
 
 from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
-from lmc_server.config.declare import ConfigError, check_declared, declarations, setting
-from lmc_server.net import binds, endpoint_host, host_problem, is_loopback, tcp_endpoint
+from lmc_server.declare import ConfigError, check_declared, declarations, setting
+from lmc_server.l2.checks import TIERS
+from lmc_server.l2.settings import TierInputs, TierSettings
+from lmc_server.net import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    binds,
+    endpoint_host,
+    host_problem,
+    is_loopback,
+    tcp_endpoint,
+)
 from lmc_server.protocol.limits import DEFAULT_MAX_FRAME_BYTES
 
 GIB = 1 << 30
@@ -62,22 +75,28 @@ def _l1_help() -> str:
     )
 
 
-#: Settings of the Redis/Valkey L2 tier alone, and those of every tier below L1 (the
-#: disk tier's too): given without such a tier, they are refused.
-REDIS_ONLY = ("l2_password_file", "l2_connections")
-TIER_SETTINGS = ("l2_write_queue_objects", "l2_prefetch_max_chunks", "l2_timeout_s")
+#: A tier's settings name the settings they need (``needs``; one of them set): what the
+#: refusal of one given without them says, the tier in words and what to add.
+NEEDS_WORDS = {
+    ("l2_url",): ("the L2 tier (--l2), which is not configured", "--l2 redis://HOST:PORT/DB"),
+    TIERS: (
+        "the tiers below L1 (--l2, --disk-dir), none of which is configured",
+        "--l2 URL or --disk-dir PATH",
+    ),
+}
 
 
 @dataclass
-class Config:
-    """Every server setting. Units are in the names."""
+class ServerSettings:
+    """The L1 server's own settings: address, pool, engine, logs, limits, security, in
+    the order of ``--help``. Units are in the names."""
 
     host: str = setting(
-        "127.0.0.1",
+        DEFAULT_HOST,
         "Address to listen on (tcp): IPv4, IPv6 (::1 or [::1]) or a name; "
         "loopback only unless CURVE is configured.",
     )
-    port: int = setting(5555, "TCP port for clients.", low=1, high=65535)
+    port: int = setting(DEFAULT_PORT, "TCP port for clients.", low=1, high=65535)
     chunk_size: int = setting(
         256,
         "Tokens per chunk (the caching unit); must be a multiple of every cached "
@@ -175,49 +194,14 @@ class Config:
         "off only where the reported memory understates what the machine really has "
         "(memory that grows on use, as in some VMs).",
     )
-    l2_url: str = setting(  # never carries a password (docs/l2.md)
-        "",
-        "L2 tier shared across hosts: redis://HOST:PORT/DB (rediss:// for TLS, "
-        "valkey:// too) or mooncake://MASTER:PORT. The password comes from "
-        "LMCACHE_L2_PASSWORD or --l2-password-file, never the URL. See docs/l2.md.",
-        flag="--l2",
-        metavar="URL",
-    )
-    l2_password_file: str = setting("", "File whose first line is the L2 password.")
-    l2_write_queue_objects: int = setting(
-        4096,
-        "Objects waiting to be written to L2; past this, writes are dropped (counted).",
-        low=1,
-        high=1 << 24,
-    )
-    l2_prefetch_max_chunks: int = setting(
-        256, "Chunks after an L1 hit that one lookup asks L2 for.", low=1, high=16384
-    )
-    l2_timeout_s: float = setting(2.0, "L2 connect and call timeout.", low=0.05, high=60)
-    l2_connections: int = setting(
-        8,
-        "Redis connections for reads, and as many for writes; a batch is split across them.",
-        low=1,
-        high=16,
-    )
-    disk_dir: str = setting(
-        "",
-        "Disk tier between L1 and L2: a directory on local NVMe or a shared filesystem "
-        "(PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.",
-        metavar="PATH",
-    )
-    disk_size_gb: float = setting(
-        0.0,
-        "Bytes the disk tier may hold; the least recently used files go first.",
-        low=0,
-        high=1 << 20,
-    )
-    disk_optional: bool = setting(
-        False,
-        "Start even if --disk-dir cannot be used (not writable, read-only, not a "
-        "directory): the disk tier starts degraded and retries; without it the server "
-        "refuses to start, saying what to change.",
-    )
+
+
+@dataclass
+class Config(TierSettings, ServerSettings):
+    """Every server setting: :class:`ServerSettings`, then the tiers' (``TierSettings``),
+    then the KV-event publisher's below (a dataclass lists its last base's fields
+    first: this is the order of ``--help``)."""
+
     kv_events_endpoint: str = setting(
         "",
         "Publish L1 stores and removals for KV-aware routers, in vLLM's KV-event "
@@ -266,6 +250,10 @@ class Config:
     @property
     def slab_bytes(self) -> int:
         return self.slab_size_mb * MIB
+
+    def tier_inputs(self) -> TierInputs:
+        """What the tiers below L1 are built with (``l2.setup.make_chain``)."""
+        return TierInputs(self, self.chunk_size, self.l1_size_bytes)
 
     def check(self, memory_bytes: int | None = None) -> None:
         """Raise :class:`ConfigError` naming the first bad setting and what is allowed:
@@ -348,42 +336,33 @@ class Config:
         """The disk and L2 tiers' own checks (the URL, the password, the filesystem); a
         tier's setting changed from its default without the tier is refused (it would
         do nothing, and the user meant something by it)."""
-        self._check_unused(
-            REDIS_ONLY,
-            not self.l2_url,
-            "the L2 tier (--l2), which is not configured",
-            "--l2 redis://HOST:PORT/DB",
-        )
-        self._check_unused(
-            TIER_SETTINGS,
-            not self.l2_url and not self.disk_dir,
-            "the tiers below L1 (--l2, --disk-dir), none of which is configured",
-            "--l2 URL or --disk-dir PATH",
-        )
+        for needs, (tier, add) in NEEDS_WORDS.items():
+            self._check_unused(needs, tier, add)
         if self.l2_url:
             from lmc_server.l2.checks import check_l2_config
             from lmc_server.l2.url import L2ConfigError
 
             try:
-                check_l2_config(self)
+                check_l2_config(self, self.backend)
             except L2ConfigError as e:
                 raise ConfigError(str(e)) from None
         if self.disk_dir or self.disk_size_gb:
             from lmc_server.l2.disk_config import DiskConfigError, check_disk_config
 
             try:
-                check_disk_config(self)
+                check_disk_config(self, self.backend)
             except DiskConfigError as e:
                 raise ConfigError(str(e)) from None
 
-    def _check_unused(self, names: tuple[str, ...], unused: bool, tier: str, add: str) -> None:
-        """Refuse the settings ``names`` changed from their defaults where ``unused``."""
-        if not unused:
+    def _check_unused(self, needs: tuple[str, ...], tier: str, add: str) -> None:
+        """Refuse the settings that need one of ``needs``, changed from their defaults
+        while none of ``needs`` is set."""
+        if any(getattr(self, name) for name in needs):
             return
         given = [
             d.flag
             for d in declarations(Config)
-            if d.name in names and getattr(self, d.name) != d.default
+            if d.setting.needs == needs and getattr(self, d.name) != d.default
         ]
         if given:
             flags = ", ".join(given)

@@ -1,7 +1,8 @@
-"""Configuration checks of the disk tier (called by :meth:`Config.check`).
+"""The disk tier's settings and their checks (called by :meth:`Config.check`).
 
-Like :mod:`lmc_server.l2.checks`, the settings come through a protocol, so ``l2``
-imports nothing above it. The checks need the filesystem: the directory (or its nearest
+Like :mod:`lmc_server.l2.checks`, the settings are declared here (:class:`DiskSettings`)
+and the server's ``Config`` is made of them, so ``l2`` imports nothing above it. The
+checks need the filesystem: the directory (or its nearest
 existing parent) must be a directory, and the capacity must fit the filesystem it is on,
 so a typo in ``--disk-size-gb`` is refused at start, not found when the disk fills.
 """
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Protocol
+from dataclasses import dataclass
 
+from lmc_server.declare import setting
 from lmc_server.errors import LmcError
 
 GIB = 1 << 30
@@ -22,17 +24,30 @@ class DiskConfigError(LmcError, ValueError):
     """The disk tier's settings are unusable; the message says why."""
 
 
-class DiskSettings(Protocol):
-    """The server settings the disk tier uses (a :class:`~lmc_server.config.Config`)."""
+@dataclass
+class DiskSettings:
+    """The disk tier's settings, declared here; the server's ``Config`` is made of this
+    group (after :class:`~lmc_server.l2.checks.L2Settings`, the order of ``--help``). The
+    write queue, prefetch and timeout settings it shares with L2 are declared there."""
 
-    @property
-    def backend(self) -> str: ...
-    @property
-    def disk_dir(self) -> str: ...
-    @property
-    def disk_size_gb(self) -> float: ...
-    @property
-    def disk_optional(self) -> bool: ...
+    disk_dir: str = setting(
+        "",
+        "Disk tier between L1 and L2: a directory on local NVMe or a shared filesystem "
+        "(PATH or file:///PATH). Needs --disk-size-gb. See docs/l2.md.",
+        metavar="PATH",
+    )
+    disk_size_gb: float = setting(
+        0.0,
+        "Bytes the disk tier may hold; the least recently used files go first.",
+        low=0,
+        high=1 << 20,
+    )
+    disk_optional: bool = setting(
+        False,
+        "Start even if --disk-dir cannot be used (not writable, read-only, not a "
+        "directory): the disk tier starts degraded and retries; without it the server "
+        "refuses to start, saying what to change.",
+    )
 
 
 def disk_path(disk_dir: str) -> str:
@@ -47,8 +62,8 @@ def disk_path(disk_dir: str) -> str:
     return os.path.abspath(disk_dir)
 
 
-def capacity_bytes(config: DiskSettings) -> int:
-    return int(config.disk_size_gb * GIB)
+def capacity_bytes(settings: DiskSettings) -> int:
+    return int(settings.disk_size_gb * GIB)
 
 
 def unusable(path: str) -> str | None:
@@ -129,26 +144,27 @@ def _user() -> str:
         return f"uid {os.geteuid()}"
 
 
-def check_disk_config(config: DiskSettings) -> None:
-    """Raise :class:`DiskConfigError` naming the first unusable disk-tier setting."""
-    if not config.disk_dir:
+def check_disk_config(settings: DiskSettings, backend: str) -> None:
+    """Raise :class:`DiskConfigError` naming the first unusable disk-tier setting;
+    ``backend`` is the server's transfer engine (``--backend``)."""
+    if not settings.disk_dir:
         raise DiskConfigError("--disk-size-gb needs --disk-dir")
-    if config.disk_size_gb <= 0:
+    if settings.disk_size_gb <= 0:
         raise DiskConfigError(
             "--disk-dir needs --disk-size-gb (how much of the "
             "filesystem the tier may fill), e.g. --disk-size-gb 500"
         )
-    if config.backend == "null":
+    if backend == "null":
         raise DiskConfigError(
             "--disk-dir needs pool memory to read objects from, and the "
             "null backend keeps none; run with --backend cpu or cuda"
         )
-    path = disk_path(config.disk_dir)
+    path = disk_path(settings.disk_dir)
     if os.path.exists(path) and not os.path.isdir(path):
         raise DiskConfigError(f"--disk-dir {path} exists and is not a directory")
     problem = unusable(path)
     if problem is not None:
-        if config.disk_optional:
+        if settings.disk_optional:
             return  # the tier starts degraded, says so and retries (--disk-optional)
         raise DiskConfigError(
             f"{problem}; or pass --disk-optional to start without the disk tier until "
@@ -159,8 +175,8 @@ def check_disk_config(config: DiskSettings) -> None:
         probe = os.path.dirname(probe)
     st = os.statvfs(probe)
     total = st.f_blocks * st.f_frsize
-    if capacity_bytes(config) > total:
+    if capacity_bytes(settings) > total:
         raise DiskConfigError(
-            f"--disk-size-gb {config.disk_size_gb:g} is more than the "
+            f"--disk-size-gb {settings.disk_size_gb:g} is more than the "
             f"filesystem of {path} holds ({total / GIB:.1f} GiB)"
         )

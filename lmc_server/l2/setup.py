@@ -1,5 +1,11 @@
 """Build the tiers below L1 from the server's configuration (called once at startup).
 
+The tiers' settings are the groups declared in this package
+(:class:`~lmc_server.l2.settings.TierSettings`); what a tier is built with of the L1
+server's own settings (its chunk size, its pool's bytes) comes as ``TierInputs``, which
+the server's ``Config`` makes (``TierConfig``): ``l2`` names what it needs and imports
+nothing above it.
+
 Every tier reads the server's clock (``clock``): what a tier decides by time (how long
 a known miss is remembered, how long it has been up or degraded) moves with a test's
 fake clock as the rest of the server does.
@@ -8,15 +14,14 @@ fake clock as the rest of the server does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 from lmc_server.cache.index import L1Index
 from lmc_server.l2.backend import L2Backend
 from lmc_server.l2.chain import TierChain
-from lmc_server.l2.checks import L2Settings
-from lmc_server.l2.disk_config import DiskSettings, capacity_bytes, disk_path
+from lmc_server.l2.disk_config import capacity_bytes, disk_path
 from lmc_server.l2.file_backend import FileBackend
 from lmc_server.l2.poolview import PoolView
+from lmc_server.l2.settings import TierConfig, TierInputs
 from lmc_server.l2.tier import L2Tier
 from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_password
 from lmc_server.l2.writer import WRITE_PIN_FRACTION
@@ -49,13 +54,14 @@ def make_backend(
 
 
 def make_tier(
-    config: L2Settings, index: L1Index, pool: HostPool, engine_name: str, clock: Callable[[], float]
+    inputs: TierInputs, index: L1Index, pool: HostPool, engine_name: str, clock: Callable[[], float]
 ) -> L2Tier:
-    """The tier for ``config.l2_url``; raises ``ValueError``/``RuntimeError`` if unusable
-    (the server then refuses to start, naming the problem)."""
-    target = parse_l2_url(config.l2_url)
+    """The tier for ``l2_url``; raises ``ValueError``/``RuntimeError`` if unusable (the
+    server then refuses to start, naming the problem)."""
+    s = inputs.settings
+    target = parse_l2_url(s.l2_url)
     backend = make_backend(
-        target, read_password(config.l2_password_file), config.l2_timeout_s, config.l2_connections
+        target, read_password(s.l2_password_file), s.l2_timeout_s, s.l2_connections
     )
     view = PoolView(pool, engine_name)  # after what may fail: a view holds the pool open
     return L2Tier(
@@ -63,54 +69,52 @@ def make_tier(
         target.display,
         index,
         view,
-        config.chunk_size,
-        config.l2_write_queue_objects,
-        config.l2_prefetch_max_chunks,
-        config.l2_timeout_s,
+        inputs.chunk_tokens,
+        s.l2_write_queue_objects,
+        s.l2_prefetch_max_chunks,
+        s.l2_timeout_s,
         clock,
-        pin_budget_bytes=_pin_budget(config),
+        pin_budget_bytes=_pin_budget(inputs),
     )
 
 
-def _pin_budget(config: L2Settings) -> int:
-    return int(config.l1_size_bytes * WRITE_PIN_FRACTION)
-
-
-class TierSettings(L2Settings, DiskSettings, Protocol):
-    """Everything :func:`make_chain` reads."""
+def _pin_budget(inputs: TierInputs) -> int:
+    return int(inputs.l1_pool_bytes * WRITE_PIN_FRACTION)
 
 
 def make_disk_tier(
-    config: TierSettings, index: L1Index, view: PoolView, clock: Callable[[], float]
+    inputs: TierInputs, index: L1Index, view: PoolView, clock: Callable[[], float]
 ) -> L2Tier:
-    path = disk_path(config.disk_dir)
-    backend = FileBackend(path, capacity_bytes(config))
+    s = inputs.settings
+    path = disk_path(s.disk_dir)
+    backend = FileBackend(path, capacity_bytes(s))
     return L2Tier(
         backend,
         f"file://{path}",
         index,
         view,
-        config.chunk_size,
-        config.l2_write_queue_objects,
-        config.l2_prefetch_max_chunks,
-        config.l2_timeout_s,
+        inputs.chunk_tokens,
+        s.l2_write_queue_objects,
+        s.l2_prefetch_max_chunks,
+        s.l2_timeout_s,
         clock,
         kind="disk",
-        pin_budget_bytes=_pin_budget(config),
+        pin_budget_bytes=_pin_budget(inputs),
     )
 
 
 def make_chain(
-    config: TierSettings,
+    config: TierConfig,
     index: L1Index,
     pool: HostPool,
     engine_name: str,
     clock: Callable[[], float],
 ) -> TierChain:
     """The tiers below L1 that ``config`` asks for, in order: disk, then L2."""
+    inputs = config.tier_inputs()
     tiers: list[L2Tier] = []
-    if config.disk_dir:
-        tiers.append(make_disk_tier(config, index, PoolView(pool, engine_name), clock))
-    if config.l2_url:
-        tiers.append(make_tier(config, index, pool, engine_name, clock))
+    if inputs.settings.disk_dir:
+        tiers.append(make_disk_tier(inputs, index, PoolView(pool, engine_name), clock))
+    if inputs.settings.l2_url:
+        tiers.append(make_tier(inputs, index, pool, engine_name, clock))
     return TierChain(tiers)

@@ -1,8 +1,11 @@
-"""The KV-event publisher's settings, from the server's (``--kv-events-*``).
+"""The KV-event publisher's settings: the server's (``--kv-events-*``), seen by name.
 
-Apart from :mod:`.events` so that the publisher takes only what it needs (not the whole
-``Config``). vLLM's bind-or-connect rule (:func:`binds`) lives in :mod:`lmc_server.net`,
-where the server's exposure check reads it too.
+Apart from :mod:`.events` so that the publisher names what it reads in its own words
+(``hwm``, ``endpoint``). Nothing is declared here: each value is read from the server's
+:class:`~lmc_server.config.Config`, where the setting, its default and its range are
+declared once; only the topic prefix is resolved (the host's name where none is set).
+vLLM's bind-or-connect rule (:func:`binds`) lives in :mod:`lmc_server.net`, where the
+server's exposure check reads it too.
 """
 
 from __future__ import annotations
@@ -20,16 +23,41 @@ __all__ = ["KvEventSettings", "binds", "kv_event_settings", "needs_curve"]
 class KvEventSettings:
     """Where and how much: endpoints, the topic prefix, the bounds."""
 
-    endpoint: str
-    replay_endpoint: str = ""
-    topic_prefix: str = ""
-    hwm: int = 100_000  # batches queued per subscriber before sends are dropped
-    replay_batches: int = 10_000  # batches kept for replay
-    heartbeat_timeout_s: float = 4.0  # a peer silent this long is disconnected
-    #: The server's CURVE secret key file and admitted clients (both "" without CURVE):
-    #: an event socket bound on a non-loopback address is a CURVE server with them.
-    curve_secret_key_file: str = ""
-    curve_clients_dir: str = ""
+    config: Config
+    topic_prefix: str  # each model publishes on topic_prefix + model
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.kv_events_endpoint
+
+    @property
+    def replay_endpoint(self) -> str:
+        return self.config.kv_events_replay_endpoint
+
+    @property
+    def hwm(self) -> int:
+        """Batches queued per subscriber before sends are dropped."""
+        return self.config.kv_events_hwm
+
+    @property
+    def replay_batches(self) -> int:
+        """Batches kept for replay."""
+        return self.config.kv_events_replay_batches
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """A peer silent this long is disconnected (the server's heartbeat timeout)."""
+        return self.config.heartbeat_timeout_s
+
+    @property
+    def curve_secret_key_file(self) -> str:
+        """The server's CURVE secret key ("" without CURVE): an event socket bound on a
+        non-loopback address is a CURVE server with it, admitting :attr:`curve_clients_dir`."""
+        return self.config.curve_secret_key_file
+
+    @property
+    def curve_clients_dir(self) -> str:
+        return self.config.curve_clients_dir
 
 
 def needs_curve(endpoint: str) -> bool:
@@ -40,13 +68,4 @@ def needs_curve(endpoint: str) -> bool:
 
 def kv_event_settings(config: Config) -> KvEventSettings:
     """The publisher's settings from the server's (topic prefix defaulted)."""
-    return KvEventSettings(
-        endpoint=config.kv_events_endpoint,
-        replay_endpoint=config.kv_events_replay_endpoint,
-        topic_prefix=config.kv_events_topic or f"kv@{socket.gethostname()}@",
-        hwm=config.kv_events_hwm,
-        replay_batches=config.kv_events_replay_batches,
-        heartbeat_timeout_s=config.heartbeat_timeout_s,
-        curve_secret_key_file=config.curve_secret_key_file,
-        curve_clients_dir=config.curve_clients_dir,
-    )
+    return KvEventSettings(config, config.kv_events_topic or f"kv@{socket.gethostname()}@")
