@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -41,6 +42,7 @@ from lmc_server.bench.common import (
     percentiles_us,
     progress,
 )
+from lmc_server.bench.options import ints, opt
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import Registration
 from lmc_server.client.digests import hash_chain
@@ -58,8 +60,12 @@ OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", PROBE_OP, "store/retrieve"
 
 @dataclass(frozen=True)
 class LatencyConfig:
-    clients: tuple[int, ...] = (1, 8, 64)
-    duration_s: float = 1.0
+    clients: tuple[int, ...] = opt((1, 8, 64), "Concurrent clients, comma-separated.", parse=ints)
+    duration_s: float = opt(
+        1.0,
+        "Seconds timed per (operation, clients) point, ours and echo each.",
+        type=click.FloatRange(min=0.01),
+    )
     l1_size_gb: float = 1.0
     show_progress: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 
 from lmc_server.bench.common import Report, format_table, progress
+from lmc_server.bench.options import BACKENDS, floats, opt
 from lmc_server.client.sync import Client
 from lmc_server.testing.process import free_port, wait_for_ping
 
@@ -28,11 +30,22 @@ POLL_S = 0.01
 
 @dataclass(frozen=True)
 class StartupConfig:
-    backend: str = "cpu"
-    sizes_gb: tuple[float, ...] = (1.0, 16.0)
-    repeats: int = 3
+    backend: str = opt("cpu", "Transfer engine of the server.", type=BACKENDS)
+    #: ``None`` (resolved at construction): 1 and 16 GiB, and 100 on cuda.
+    sizes_gb: tuple[float, ...] = opt(
+        None,
+        "Pool sizes in GiB, comma-separated [default: 1,16; 1,16,100 on cuda].",
+        flag="--l1-size-gb",
+        parse=floats,
+    )
+    repeats: int = opt(3, "Cold starts per size.", type=click.IntRange(1))
     timeout_s: float = 300.0
     show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sizes_gb is None:
+            sizes = (1.0, 16.0, 100.0) if self.backend == "cuda" else (1.0, 16.0)
+            object.__setattr__(self, "sizes_gb", sizes)
 
 
 def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str, float]:

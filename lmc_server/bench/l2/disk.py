@@ -34,13 +34,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
-from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
-from lmc_server.bench.l2.run import POLL_S, _digests, _wait
+from lmc_server.bench.common import Report, format_table
+from lmc_server.bench.l2.run import POLL_S, L2Config, _digests, _wait
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, Registration
 from lmc_server.l2 import codec, direct_io
@@ -48,21 +47,6 @@ from lmc_server.l2.file_backend import IO_THREADS, LAYOUT_DIR
 from lmc_server.protocol.stats import DiskReport
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.process import ServerProcess
-
-
-@dataclass(frozen=True)
-class DiskBenchConfig:
-    disk_dir: str
-    chunks: int = 64
-    rounds: int = 3
-    latency_chunks: tuple[int, ...] = (1, 16, 64)
-    repeats: int = 5
-    restart_gb: float = 2.0
-    geometry: GeometryArgs = field(default_factory=GeometryArgs)
-    l1_size_gb: float = 1.0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    flood_chunks: int = 512
-
 
 #: The paced flood stores at this fraction of the write-behind rate of the rounds.
 PACED_FRACTION = 0.8
@@ -137,7 +121,7 @@ class _Plain:
 
 
 class _Setup:
-    def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
+    def __init__(self, cfg: L2Config, stack: ExitStack) -> None:
         n = max(cfg.chunks, *cfg.latency_chunks)
         probe = cfg.geometry.build(1)
         chunk_bytes = sum(  # at most: every page of every cached group, plus headers
@@ -324,7 +308,7 @@ def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
     }
 
 
-def run(cfg: DiskBenchConfig) -> Report:
+def run(cfg: L2Config) -> Report:
     report = Report(
         "l2-disk",
         {

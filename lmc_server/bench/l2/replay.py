@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
+from lmc_server.bench.common import Report, format_table, progress
+from lmc_server.bench.l2.run import L2Config
 from lmc_server.bench.traces.bounds import infinite_hits
 from lmc_server.bench.traces.tierpolicy import POLICIES, simulate
 from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
@@ -40,20 +40,6 @@ POLL_LIMIT_S = 2.0
 #: Redis memory per value beyond its payload: our 80-byte header and Redis' own key
 #: and allocation overhead (about 100 bytes, measured as used_memory / keys here).
 VALUE_OVERHEAD_BYTES = 200
-
-
-@dataclass(frozen=True)
-class L2ReplayConfig:
-    trace: str
-    limit: int | None = 1000
-    l1_fraction: float = 0.05
-    l2_fraction: float = 0.5
-    geometry: GeometryArgs = GeometryArgs(layers=2, sliding_groups=1)
-    slab_size_mb: int = 4
-    show_progress: bool = True
-    #: The lower tier is the disk tier (a temporary directory of ``l2_fraction`` of the
-    #: distinct bytes) instead of Redis; adds the write-policy model's rows.
-    disk: bool = False
 
 
 def _drive(
@@ -88,7 +74,9 @@ def _drive(
     return l1, l2, stats
 
 
-def run(cfg: L2ReplayConfig) -> Report:
+def run(cfg: L2Config) -> Report:
+    assert cfg.trace is not None, "the trace to replay"
+    disk = cfg.replay_tier == "disk"
     requests = load_trace(cfg.trace, cfg.limit)
     chunks, distinct = chunk_ids(requests)
     max_chunks = max((r.n_chunks for r in requests), default=1) or 1
@@ -131,15 +119,15 @@ def run(cfg: L2ReplayConfig) -> Report:
         "LRU",
     ]
     disk_gb = cfg.l2_fraction * distinct * (chunk_bytes + VALUE_OVERHEAD_BYTES) / GIB
-    if cfg.disk:
+    if disk:
         report.config["disk_size_gb"] = disk_gb
     with ShmKV(geometry) as kv, progress(2 * len(requests), "l2 replay", cfg.show_progress) as bar:
-        for tier in ("L1 only", "L1 + disk" if cfg.disk else "L1 + L2"):
+        for tier in ("L1 only", "L1 + disk" if disk else "L1 + L2"):
             l2_stats: L2Report | None = None
             if tier == "L1 only":
                 with ServerProcess(args, l1_size_gb=l1_gb) as srv:
                     l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
-            elif cfg.disk:
+            elif disk:
                 with (
                     tempfile.TemporaryDirectory(prefix="lmc-replay-disk-") as d,
                     ServerProcess(
@@ -171,7 +159,7 @@ def run(cfg: L2ReplayConfig) -> Report:
                     "written_per_hit": l2_stats.objects_written / max(1, l2) if l2_stats else None,
                 }
             )
-    if cfg.disk:
+    if disk:
         _model_rows(
             report,
             chunks,

@@ -29,19 +29,23 @@ is the resolution of the server-side timings.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import click
 import msgspec
 import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
+from lmc_server.bench.options import ints, opt
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, Registration, chunk_digests
+from lmc_server.config import Config
 from lmc_server.l2 import codec
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.kv import ShmKV, block_ids_for
@@ -53,25 +57,121 @@ from lmc_server.testing.redis_process import RedisProcess, redis_server_path, se
 POLL_S = 0.001
 
 
+#: What a store the bench starts is warmed with, unless ``--warm-store-gb`` says.
+WARM_STORE_GB = 2.0
+
+
 @dataclass(frozen=True)
-class L2BenchConfig:
-    chunks: int = 64
-    rounds: int = 3
-    latency_chunks: tuple[int, ...] = (1, 16, 64)
-    repeats: int = 5
-    geometry: GeometryArgs = field(default_factory=GeometryArgs)
-    l1_size_gb: float = 1.0
-    redis_url: str = ""
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    l2_connections: int = 8  # the server's default
-    redis_io_threads: int = 1
-    #: Written to and flushed from a store the bench starts, before timing (see above).
-    warm_store_gb: float = 2.0
+class L2Config:
+    """The settings of ``lmcache bench l2``: the Redis run (here), the disk tier's
+    (``disk_dir``, :mod:`.disk`) and the trace replay (``trace``, :mod:`.replay`)
+    each read the fields that concern them."""
+
+    chunks: int = opt(
+        64,
+        "Chunks per throughput round (store on A, L2 read on B).",
+        type=click.IntRange(1, 4096),
+    )
+    rounds: int = opt(3, "Throughput rounds.", type=click.IntRange(1))
+    latency_chunks: tuple[int, ...] = opt(
+        (1, 16, 64), "Chunks of the L1-miss-L2-hit latency points, comma-separated.", parse=ints
+    )
+    repeats: int = opt(5, "Timings per latency point (median reported).", type=click.IntRange(1))
+    l1_size_gb: float = opt(1.0, "Pool of each of the two servers.", type=click.FloatRange(min=0.1))
+    redis_url: str = opt(
+        "",
+        "An existing Redis/Valkey to use [default: start a redis-server on a free loopback port].",
+    )
+    l2_connections: int = opt(
+        Config.l2_connections,
+        "The servers' --l2-connections [default: the server's own].",
+        type=click.IntRange(1, 16),
+    )
+    redis_io_threads: int = opt(
+        1,
+        "Start the redis-server with this many I/O threads (--io-threads N "
+        "--io-threads-do-reads yes); not with --redis-url.",
+        type=click.IntRange(1, 64),
+    )
     #: The redis-server (or valkey-server) binary to start; "" = redis-server on PATH.
-    redis_server: str = ""
+    redis_server: str = opt(
+        "",
+        "The server binary to start: redis-server or valkey-server, a name on PATH "
+        "or a path [default: redis-server]; not with --redis-url.",
+    )
     #: Start a Redis Cluster of this many primaries on loopback instead of one store
     #: (the servers use ``--l2 redis+cluster://...``); 0: one store.
-    cluster_nodes: int = 0
+    cluster_nodes: int = opt(
+        0,
+        "Start a Redis Cluster of this many primaries on loopback (each with "
+        "--redis-io-threads, from --redis-server) and run the servers on "
+        "--l2 redis+cluster://...; not with --redis-url [default: 0, one store].",
+        flag="--redis-cluster-nodes",
+        type=click.IntRange(0, 16),
+    )
+    #: Written to and flushed from a store the bench starts, before timing (see above);
+    #: ``None`` (resolved at construction): :data:`WARM_STORE_GB`.
+    warm_store_gb: float = opt(
+        None,
+        "Write this much to the store the bench starts, and flush it, before timing: "
+        "a store that has served a while, not one that just started (0: the cold store) "
+        "[default: 2]; not with --redis-url (never flushed).",
+        type=click.FloatRange(min=0),
+    )
+    disk_dir: str = opt(
+        "",
+        "Instead: the disk tier on this directory "
+        "(two servers sharing it) vs plain os.pwrite/os.preadv there, and a restart.",
+    )
+    restart_gb: float = opt(
+        2.0,
+        "--disk-dir: fill the directory to this much before the restart run.",
+        type=click.FloatRange(min=0),
+    )
+    flood_chunks: int = opt(
+        512,
+        "--disk-dir: chunks stored back to back (and then paced below the disk's "
+        "rate) to count what of the committed objects the write-behind writes (0: skip).",
+        type=click.IntRange(0),
+    )
+    trace: str | None = opt(
+        None,
+        "Instead: replay this trace (as 'bench replay') with L1 "
+        "alone and with L1 + L2; token hit ratio per tier. Uses a 2-layer geometry "
+        "unless --layers is given.",
+        flag="--replay",
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    #: The replay's lower tier: the disk tier (a temporary directory of ``l2_fraction``
+    #: of the distinct bytes, plus the write-policy model's rows) or Redis.
+    replay_tier: str = opt(
+        "l2",
+        "--replay: the lower tier, Redis (l2) or the disk tier on a temporary "
+        "directory (disk: adds the model of the three disk write policies).",
+        type=click.Choice(["l2", "disk"]),
+    )
+    limit: int = opt(1000, "--replay: the first N requests of the trace.", type=click.IntRange(1))
+    l1_fraction: float = opt(
+        0.05,
+        "--replay: L1 size as a fraction of the replayed distinct chunk bytes.",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    l2_fraction: float = opt(
+        0.5,
+        "--replay: L2 maxmemory as a fraction of the distinct chunk bytes.",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    geometry: GeometryArgs = GeometryArgs()
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: The replay's servers' slab size.
+    slab_size_mb: int = 4
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.warm_store_gb is None:
+            object.__setattr__(self, "warm_store_gb", WARM_STORE_GB)
+        if self.disk_dir:
+            object.__setattr__(self, "disk_dir", os.path.abspath(self.disk_dir))
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -150,7 +250,7 @@ def _pipeline(client: Any) -> Any:
 
 
 class _Setup:
-    def __init__(self, cfg: L2BenchConfig, stack: ExitStack, url: str) -> None:
+    def __init__(self, cfg: L2Config, stack: ExitStack, url: str) -> None:
 
         n = max(cfg.chunks, *cfg.latency_chunks)
         args = [
@@ -254,7 +354,7 @@ def _digests(seed: int, n: int, chunk_size: int) -> bytes:
     return chunk_digests(tokens, chunk_size)
 
 
-def run(cfg: L2BenchConfig) -> Report:
+def run(cfg: L2Config) -> Report:
     report = Report(
         "l2",
         {
