@@ -23,6 +23,7 @@ import numpy as np
 from lmc_server.bench.common import Report, format_table, progress
 from lmc_server.bench.options import BACKENDS, floats, opt
 from lmc_server.client.sync import Client
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import free_port, wait_for_ping
 
 POLL_S = 0.01
@@ -75,14 +76,14 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
             wait_for_ping(endpoint, timeout_s, proc)
             ping_s = time.monotonic() - t0
             with Client(endpoint, timeout_s=timeout_s, client_name="lmcache-bench") as c:
-                while True:
-                    l1 = c.stats().l1
-                    if l1.ready_slabs == l1.slabs:
-                        ready_s = time.monotonic() - t0
-                        break
-                    if time.monotonic() - t0 > timeout_s:
-                        raise TimeoutError(f"pool not ready after {timeout_s} s")
-                    time.sleep(POLL_S)
+                l1 = wait_for(
+                    lambda: (l1 := c.stats().l1).ready_slabs == l1.slabs and l1,
+                    "every slab of the pool prepared",
+                    timeout_s,
+                    POLL_S,
+                    TimeoutError,
+                )
+                ready_s = time.monotonic() - t0
             proc.terminate()
             code = proc.wait(60)
             if code != 0:

@@ -37,6 +37,7 @@ from lmc_server.bench.common import GeometryArgs, phase_means
 from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
+from lmc_server.testing.process import wait_pool_ready
 
 SENTINEL = 0xEE
 
@@ -70,11 +71,7 @@ class Worker:
         self.client = await AsyncClient.connect(
             self.endpoint, timeout_s=120, client_name="lmcache-bench-interference"
         )
-        while True:
-            l1 = (await self.client.stats()).l1
-            if l1.ready_slabs == l1.slabs:
-                break
-            await asyncio.sleep(0.05)
+        wait_pool_ready(self.endpoint, 600)  # time a ready server, not one still pinning
         self.reg = await self.client.register(**self.kv.register_kwargs())
         self.regions = Regions.build(
             self.kv.geometry, self.reg.chunk_size, self.max_chunks, self.separate, self.block_order

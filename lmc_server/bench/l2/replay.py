@@ -15,8 +15,8 @@ to the infinite-cache ratio of the same requests.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from lmc_server.client import Client
 from lmc_server.config import GIB, MIB
 from lmc_server.protocol.stats import L2Report, StatsReport
 from lmc_server.testing.kv import ShmKV
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
 
@@ -56,11 +57,15 @@ def _drive(
             if n == 0:
                 continue
             first = c.lookup(reg, r.digests, lease=False)
-            t0 = time.monotonic()
-            pending = first.l2_pending_chunks
-            while pending and time.monotonic() - t0 < POLL_LIMIT_S:
-                time.sleep(POLL_S)
-                pending = c.lookup(reg, r.digests, lease=False).l2_pending_chunks
+            if first.l2_pending_chunks:  # as a connector does: wait a while, not forever
+                with contextlib.suppress(TimeoutError):
+                    wait_for(
+                        lambda: not c.lookup(reg, r.digests, lease=False).l2_pending_chunks,  # noqa: B023
+                        "the lower tier's reads",
+                        POLL_LIMIT_S,
+                        POLL_S,
+                        TimeoutError,
+                    )
             res = c.lookup(reg, r.digests, lease=True)
             h = res.hit_chunks
             l1 += min(first.hit_chunks, h)

@@ -65,11 +65,6 @@ async def _run_server(
 ) -> list[dict[str, Any]]:
     client = await AsyncClient.connect(endpoint, timeout_s=120, client_name="lmcache-bench")
     try:
-        while True:  # time a ready server: the pool is prepared in the background
-            l1 = (await client.stats()).l1
-            if l1.ready_slabs == l1.slabs:
-                break
-            await asyncio.sleep(0.05)
         reg = await client.register(**kv.register_kwargs())
         regions = Regions.build(kv.geometry, reg.chunk_size, max(cfg.batches), cfg.separate)
         s = Session(client, reg, kv, regions)
@@ -127,6 +122,7 @@ def run(cfg: ThroughputConfig) -> Report:
                         if staging_mb:
                             args += ["--cuda-staging-mb", staging_mb]
                     with ServerProcess(args, backend=cfg.backend, l1_size_gb=cfg.l1_size_gb) as srv:
+                        srv.wait_pool_ready()  # time a ready server, not one still pinning
                         report.rows += asyncio.run(
                             _run_server(srv.endpoint, kv, cfg, mode, raw, bar)
                         )
