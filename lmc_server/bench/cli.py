@@ -66,41 +66,72 @@ def bench() -> None:
     """Measure the server on this machine against this machine's own limits."""
 
 
-@bench.command()
-@options(lat.LatencyConfig)
-@output_options
-def latency(no_progress: bool, **kw: Any) -> None:
-    """Round trips (p50, p99) and ops/s of ping, lookup and store/retrieve vs pyzmq echo."""
-    report = lat.run(build(lat.LatencyConfig, kw, show_progress=not no_progress))
-    _report(report, lat.table, kw, lat.plot)
+def _byte_checks_failed(report: Report) -> bool:
+    return bool(report.summary["mismatched_bytes"] or report.summary["failed_chunks"])
 
 
-@bench.command()
-@options(st.StartupConfig)
-@output_options
-def startup(no_progress: bool, **kw: Any) -> None:
-    """Seconds from process start until ping answers and until the pool is ready."""
-    report = st.run(build(st.StartupConfig, kw, show_progress=not no_progress))
-    _report(report, st.table, kw, st.plot)
+def _command(
+    name: str,
+    help: str,
+    cfg_cls: type,
+    run: Callable[[Any], Report],
+    table: Callable[[Report], str],
+    plot: Callable[[Report, str], None],
+    failed: Callable[[Report], bool] = lambda _: False,
+) -> None:
+    """``lmcache bench NAME``: ``cfg_cls``'s options and the output options; runs, reports."""
+
+    @options(cfg_cls)
+    @output_options
+    def command(no_progress: bool, **kw: Any) -> None:
+        report = run(build(cfg_cls, kw, show_progress=not no_progress))
+        _report(report, table, kw, plot, failed(report))
+
+    bench.command(name, help=help)(command)
 
 
-@bench.command()
-@options(ThroughputConfig)
-@output_options
-def throughput(no_progress: bool, **kw: Any) -> None:
-    """Store and retrieve GB/s through a real server vs a raw copy of the same bytes."""
-    report = tp.run(build(ThroughputConfig, kw, show_progress=not no_progress))
-    s = report.summary
-    _report(report, tp.table, kw, tp.plot, bool(s["mismatched_bytes"] or s["failed_chunks"]))
-
-
-@bench.command()
-@options(rp.ReplayConfig)
-@output_options
-def replay(no_progress: bool, **kw: Any) -> None:
-    """Token hit ratio per eviction policy on a trace vs infinite-cache and Belady bounds."""
-    report = rp.run(build(rp.ReplayConfig, kw, show_progress=not no_progress))
-    _report(report, rp.table, kw, rp.plot)
+_command(
+    "latency",
+    "Round trips (p50, p99) and ops/s of ping, lookup and store/retrieve vs pyzmq echo.",
+    lat.LatencyConfig,
+    lat.run,
+    lat.table,
+    lat.plot,
+)
+_command(
+    "startup",
+    "Seconds from process start until ping answers and until the pool is ready.",
+    st.StartupConfig,
+    st.run,
+    st.table,
+    st.plot,
+)
+_command(
+    "throughput",
+    "Store and retrieve GB/s through a real server vs a raw copy of the same bytes.",
+    ThroughputConfig,
+    tp.run,
+    tp.table,
+    tp.plot,
+    _byte_checks_failed,
+)
+_command(
+    "replay",
+    "Token hit ratio per eviction policy on a trace vs infinite-cache and Belady bounds.",
+    rp.ReplayConfig,
+    rp.run,
+    rp.table,
+    rp.plot,
+)
+_command(
+    "interference",
+    "The server's GB/s and the engine's loss with an engine computing on the same GPU.",
+    itf.InterferenceConfig,
+    itf.run,
+    itf.table,
+    itf.plot,
+    _byte_checks_failed,
+)
 
 
 @bench.command()
@@ -115,16 +146,6 @@ def ranks(**kw: Any) -> None:
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _report(report, rktable.table, kw, rkplot.plot, not report.summary["ok"])
-
-
-@bench.command()
-@options(itf.InterferenceConfig)
-@output_options
-def interference(no_progress: bool, **kw: Any) -> None:
-    """The server's GB/s and the engine's loss with an engine computing on the same GPU."""
-    report = itf.run(build(itf.InterferenceConfig, kw, show_progress=not no_progress))
-    s = report.summary
-    _report(report, itf.table, kw, itf.plot, bool(s["mismatched_bytes"] or s["failed_chunks"]))
 
 
 @bench.command("l2")

@@ -174,20 +174,14 @@ class Report:
     machine: dict[str, Any] = field(default_factory=machine)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "benchmark": self.benchmark,
-            "command": self.command,
-            "date": self.date,
-            "machine": self.machine,
-            "config": self.config,
-            "notes": self.notes,
-            "summary": self.summary,
-            "rows": self.rows,
-        }
+        keys = ("benchmark", "command", "date", "machine", "config", "notes", "summary", "rows")
+        return {k: getattr(self, k) for k in keys}
 
 
-def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
-    """A fixed-width table; ``columns`` are ``(key, header, format spec)``."""
+def format_table(rows: Iterable[dict[str, Any]], spec: str) -> str:
+    """A fixed-width table of the columns ``spec`` names: ``key|header|format`` each
+    (no format: as it is), ``;`` between them."""
+    columns = [(*c.strip().split("|"), "")[:3] for c in spec.split(";") if c.strip()]
     cells = [[h for _, h, _ in columns]]
     for r in rows:
         line = []

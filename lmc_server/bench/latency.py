@@ -332,20 +332,12 @@ def run(cfg: LatencyConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("op", "op", ""),
-    ("clients", "clients", "d"),
-    ("request_bytes", "req B", "d"),
-    ("p50_us", "p50 us", ".0f"),
-    ("p99_us", "p99 us", ".0f"),
-    ("ops_s", "ops/s", ".0f"),
-    ("echo_p50_us", "echo p50", ".0f"),
-    ("echo_p99_us", "echo p99", ".0f"),
-    ("echo_ops_s", "echo ops/s", ".0f"),
-    ("p50_ratio", "p50 x", ".2f"),
-    ("p99_ratio", "p99 x", ".2f"),
-    ("ops_ratio", "ops/s x", ".2f"),
-]
+COLUMNS = (
+    "op|op; clients|clients|d; request_bytes|req B|d; p50_us|p50 us|.0f; "
+    "p99_us|p99 us|.0f; ops_s|ops/s|.0f; echo_p50_us|echo p50|.0f; "
+    "echo_p99_us|echo p99|.0f; echo_ops_s|echo ops/s|.0f; p50_ratio|p50 x|.2f; "
+    "p99_ratio|p99 x|.2f; ops_ratio|ops/s x|.2f"
+)
 
 
 def table(report: Report) -> str:

@@ -136,15 +136,11 @@ def run(cfg: StartupConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("l1_size_gb", "L1 GiB", "g"),
-    ("slabs", "slabs", "d"),
-    ("ping_s", "ping s", ".2f"),
-    ("ping_max_s", "ping max", ".2f"),
-    ("pool_ready_s", "pool ready s", ".2f"),
-    ("pool_ready_max_s", "ready max", ".2f"),
-    ("ready_gib_s", "GiB/s", ".1f"),
-]
+COLUMNS = (
+    "l1_size_gb|L1 GiB|g; slabs|slabs|d; ping_s|ping s|.2f; "
+    "ping_max_s|ping max|.2f; pool_ready_s|pool ready s|.2f; "
+    "pool_ready_max_s|ready max|.2f; ready_gib_s|GiB/s|.1f"
+)
 
 
 def table(report: Report) -> str:

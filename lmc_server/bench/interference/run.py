@@ -350,22 +350,13 @@ def run(cfg: InterferenceConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("engine", "engine", ""),
-    ("copy_mode", "copy", ""),
-    ("op", "op", ""),
-    ("chunks", "chunks", "d"),
-    ("inflight", "infl", "d"),
-    ("server_gbps", "GB/s busy", ".1f"),
-    ("idle_server_gbps", "GB/s idle", ".1f"),
-    ("engine_alone", "engine alone", ".0f"),
-    ("engine_busy", "beside", ".0f"),
-    ("loss_pct", "loss %", ".1f"),
-    ("p50_ms", "p50 ms", ".2f"),
-    ("p99_ms", "p99 ms", ".2f"),
-    ("mismatched_bytes", "mismatch B", "d"),
-    ("failed_chunks", "failed", "d"),
-]
+COLUMNS = (
+    "engine|engine; copy_mode|copy; op|op; chunks|chunks|d; inflight|infl|d; "
+    "server_gbps|GB/s busy|.1f; idle_server_gbps|GB/s idle|.1f; "
+    "engine_alone|engine alone|.0f; engine_busy|beside|.0f; loss_pct|loss %|.1f; "
+    "p50_ms|p50 ms|.2f; p99_ms|p99 ms|.2f; mismatched_bytes|mismatch B|d; "
+    "failed_chunks|failed|d"
+)
 
 
 def table(report: Report) -> str:

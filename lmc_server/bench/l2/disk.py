@@ -282,15 +282,11 @@ def run(cfg: L2Config) -> Report:
 def table(report: Report) -> str:
     rows = format_table(
         report.rows,
-        [
-            ("op", "operation", ""),
-            ("server_s", "server s", ".4f"),
-            ("store_s", "of which store s", ".4f"),
-            ("raw_s", "plain s", ".4f"),
-            ("server_gbps", "server GB/s", ".2f"),
-            ("raw_gbps", "plain GB/s", ".2f"),
-            ("ratio", "plain/server", ".2f"),
-        ],
+        (
+            "op|operation; server_s|server s|.4f; store_s|of which store s|.4f; "
+            "raw_s|plain s|.4f; server_gbps|server GB/s|.2f; raw_gbps|plain GB/s|.2f; "
+            "ratio|plain/server|.2f"
+        ),
     )
     flood = "".join(
         f"\nflood {name} ({f['chunks']} chunks, stores at {f['store_gbps']:.2f} GB/s): "

@@ -218,17 +218,11 @@ def _model_rows(
 def table(report: Report) -> str:
     return format_table(
         report.rows,
-        [
-            ("tier", "tiers", ""),
-            ("l1_hit_ratio", "L1 token hit", ".4f"),
-            ("l2_hit_ratio", "L2 token hit", ".4f"),
-            ("hit_ratio", "total", ".4f"),
-            ("infinite_ratio", "infinite", ".4f"),
-            ("evictions", "L1 evictions", "d"),
-            ("l2_written", "L2 writes", "d"),
-            ("l2_dropped", "L2 dropped", "d"),
-            ("l2_invalid", "L2 invalid", "d"),
-            ("written_per_hit", "writes per lower hit", ".2f"),
-            ("l1_kept_on_disk", "L1 kept on disk", ".2f"),
-        ],
+        (
+            "tier|tiers; l1_hit_ratio|L1 token hit|.4f; l2_hit_ratio|L2 token hit|.4f; "
+            "hit_ratio|total|.4f; infinite_ratio|infinite|.4f; evictions|L1 evictions|d; "
+            "l2_written|L2 writes|d; l2_dropped|L2 dropped|d; l2_invalid|L2 invalid|d; "
+            "written_per_hit|writes per lower hit|.2f; "
+            "l1_kept_on_disk|L1 kept on disk|.2f"
+        ),
     )

@@ -516,15 +516,10 @@ def run(cfg: L2Config) -> Report:
 def table(report: Report) -> str:
     return format_table(
         report.rows,
-        [
-            ("op", "operation", ""),
-            ("server_s", "server s", ".4f"),
-            ("store_s", "of which store s", ".4f"),
-            ("raw_s", "redis-py s", ".4f"),
-            ("server_gbps", "server GB/s", ".2f"),
-            ("raw_gbps", "redis-py GB/s", ".2f"),
-            ("server_objps", "server obj/s", ".0f"),
-            ("raw_objps", "redis-py obj/s", ".0f"),
-            ("ratio", "raw/server", ".2f"),
-        ],
+        (
+            "op|operation; server_s|server s|.4f; store_s|of which store s|.4f; "
+            "raw_s|redis-py s|.4f; server_gbps|server GB/s|.2f; "
+            "raw_gbps|redis-py GB/s|.2f; server_objps|server obj/s|.0f; "
+            "raw_objps|redis-py obj/s|.0f; ratio|raw/server|.2f"
+        ),
     )

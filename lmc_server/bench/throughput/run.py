@@ -154,20 +154,12 @@ def run(cfg: ThroughputConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("mode", "mode", ""),
-    ("copy_mode", "copy", ""),
-    ("chunks", "chunks", "d"),
-    ("bytes", "MB", ""),
-    ("p50_ms", "p50 ms", ".2f"),
-    ("ours_gbps", "ours GB/s", ".2f"),
-    ("raw_gbps", "raw GB/s", ".2f"),
-    ("ratio", "ours/raw", ".2f"),
-    ("srv_ms", "srv ms", ".2f"),
-    ("copy_ms", "copy ms", ".2f"),
-    ("mismatched_bytes", "mismatch B", "d"),
-    ("failed_chunks", "failed", "d"),
-]
+COLUMNS = (
+    "mode|mode; copy_mode|copy; chunks|chunks|d; bytes|MB; p50_ms|p50 ms|.2f; "
+    "ours_gbps|ours GB/s|.2f; raw_gbps|raw GB/s|.2f; ratio|ours/raw|.2f; "
+    "srv_ms|srv ms|.2f; copy_ms|copy ms|.2f; mismatched_bytes|mismatch B|d; "
+    "failed_chunks|failed|d"
+)
 
 
 def table(report: Report) -> str:

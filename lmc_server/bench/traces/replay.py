@@ -232,14 +232,9 @@ def table(report: Report) -> str:
         for r in rs:
             line[r["policy"]] = r["hit_ratio"]
         lines.append(line)
-    columns = [
-        ("fraction", "requested", ".2f"),
-        ("actual_fraction", "actual", ".4f"),
-        ("l1_size_gb", "L1 GiB", ".1f"),
-        ("capacity_objects", "objects", "d"),
-    ]
-    columns += [(p, p, ".4f") for p in policies]
-    columns += [("belady_ratio", "Belady", ".4f"), ("infinite_ratio", "infinite", ".4f")]
+    columns = "fraction|requested|.2f; actual_fraction|actual|.4f; l1_size_gb|L1 GiB|.1f; "
+    columns += "capacity_objects|objects|d; " + "".join(f"{p}|{p}|.4f; " for p in policies)
+    columns += "belady_ratio|Belady|.4f; infinite_ratio|infinite|.4f"
     return head + format_table(lines, columns)
 
 
