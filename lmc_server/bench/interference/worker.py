@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from lmc_server.bench.common import GeometryArgs, phase_means
+from lmc_server.bench.jsonproc import reply, serve_lines
 from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
@@ -194,23 +195,14 @@ class Worker:
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     w = Worker(cfg)
-    print(json.dumps(w.run(w.setup())), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            if cmd["cmd"] == "exit":
-                break
-            if cmd["cmd"] == "load":
-                out = w.run(
-                    w.load(
-                        cmd["op"], int(cmd["chunks"]), int(cmd["inflight"]), float(cmd["seconds"])
-                    )
-                )
-            else:
-                out = {"error": f"unknown command {cmd['cmd']!r}"}
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    reply(w.run(w.setup()))
+    serve_lines(
+        {
+            "load": lambda c: w.run(
+                w.load(c["op"], int(c["chunks"]), int(c["inflight"]), float(c["seconds"]))
+            )
+        }
+    )
     w.run(w.close())
     w.kv.close()
 
