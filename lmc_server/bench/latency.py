@@ -43,6 +43,7 @@ from lmc_server.bench.common import (
     progress,
 )
 from lmc_server.bench.options import ints, opt
+from lmc_server.bench.servers import server_flags
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import Registration
 from lmc_server.client.digests import hash_chain
@@ -298,13 +299,7 @@ def run(cfg: LatencyConfig) -> Report:
     )
     with (
         ServerProcess(
-            [
-                "--chunk-size",
-                str(cfg.chunk_size),
-                "--separate-object-groups",
-                "--log-level",
-                "WARNING",
-            ],
+            server_flags(cfg.chunk_size, True),
             backend="cpu",
             l1_size_gb=cfg.l1_size_gb,
         ) as srv,

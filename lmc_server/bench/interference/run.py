@@ -42,6 +42,7 @@ from lmc_server.bench.common import (
 )
 from lmc_server.bench.jsonproc import JsonLineProcess
 from lmc_server.bench.options import copy_modes_opt, ints, names, opt
+from lmc_server.bench.servers import server_flags
 from lmc_server.testing.process import ServerProcess
 
 ENGINE_KINDS = ("gemm", "hbm", "decode")
@@ -87,22 +88,6 @@ class InterferenceConfig:
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     show_progress: bool = True
-
-
-def server_args(cfg: InterferenceConfig, mode: str) -> list[str]:
-    name, _, staging_mb = mode.partition(":")
-    args = [
-        "--chunk-size",
-        str(cfg.chunk_size),
-        "--log-level",
-        "WARNING",
-        "--separate-object-groups" if cfg.separate else "--no-separate-object-groups",
-        "--cuda-copy-mode",
-        name,
-    ]
-    if staging_mb:
-        args += ["--cuda-staging-mb", staging_mb]
-    return args
 
 
 def _loss(alone: float, busy: float) -> float:
@@ -156,7 +141,9 @@ class _Run:
     def mode(self, mode: str, first: bool) -> None:
         cfg = self.cfg
         with ServerProcess(
-            server_args(cfg, mode), backend="cuda", l1_size_gb=cfg.l1_size_gb
+            server_flags(cfg.chunk_size, cfg.separate, copy_mode=mode),
+            backend="cuda",
+            l1_size_gb=cfg.l1_size_gb,
         ) as srv:
             worker = JsonLineProcess(
                 "lmc_server.bench.interference.worker",

@@ -23,6 +23,7 @@ import numpy as np
 
 from lmc_server.bench.common import Report, format_table, progress
 from lmc_server.bench.l2.run import L2Config
+from lmc_server.bench.servers import server_flags
 from lmc_server.bench.traces.bounds import infinite_hits
 from lmc_server.bench.traces.tierpolicy import POLICIES, simulate
 from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
@@ -114,15 +115,8 @@ def run(cfg: L2Config) -> Report:
         },
     )
     report.summary["infinite_ratio"] = infinite
-    args = [
-        "--chunk-size",
-        str(CHUNK_TOKENS),
-        "--no-separate-object-groups",
-        "--slab-size-mb",
-        str(cfg.slab_size_mb),
-        "--eviction-policy",
-        "LRU",
-    ]
+    more = ["--slab-size-mb", str(cfg.slab_size_mb), "--eviction-policy", "LRU"]
+    args = server_flags(CHUNK_TOKENS, False, *more)
     disk_gb = cfg.l2_fraction * distinct * (chunk_bytes + VALUE_OVERHEAD_BYTES) / GIB
     if disk:
         report.config["disk_size_gb"] = disk_gb

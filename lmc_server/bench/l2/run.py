@@ -44,6 +44,7 @@ import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
 from lmc_server.bench.options import ints, opt
+from lmc_server.bench.servers import server_flags
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, chunk_digests
 from lmc_server.config import Config
@@ -200,14 +201,9 @@ class TwoServers:
     def __init__(self, cfg: L2Config, stack: ExitStack, tier: str, args: list[str]) -> None:
         self.cfg, self.tier = cfg, tier
         n = self.max_chunks = max(cfg.chunks, *cfg.latency_chunks)
-        self.args = [
-            "--chunk-size",
-            str(cfg.chunk_size),
-            "--separate-object-groups",
-            *args,
-            "--l2-write-queue-objects",
-            str(8 * n),
-        ]
+        self.args = server_flags(
+            cfg.chunk_size, True, *args, "--l2-write-queue-objects", str(8 * n)
+        )
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         probe = cfg.geometry.build(1)

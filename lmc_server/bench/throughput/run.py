@@ -36,6 +36,7 @@ from typing import Any
 
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.kvregions import Regions, max_blocks_per_chunk
+from lmc_server.bench.servers import server_flags
 from lmc_server.bench.throughput.config import ThroughputConfig
 from lmc_server.bench.throughput.timing import Raw, Session, measure_batch
 from lmc_server.client.aio import AsyncClient
@@ -107,20 +108,8 @@ def run(cfg: ThroughputConfig) -> Report:
         try:
             with progress(len(modes) * len(cfg.batches), "throughput", cfg.show_progress) as bar:
                 for mode in modes:
-                    args = [
-                        "--chunk-size",
-                        str(cfg.chunk_size),
-                        "--log-level",
-                        "WARNING",
-                        "--separate-object-groups"
-                        if cfg.separate
-                        else "--no-separate-object-groups",
-                    ]
-                    if cfg.backend == "cuda":
-                        name, _, staging_mb = mode.partition(":")
-                        args += ["--cuda-copy-mode", name]
-                        if staging_mb:
-                            args += ["--cuda-staging-mb", staging_mb]
+                    copy_mode = mode if cfg.backend == "cuda" else ""
+                    args = server_flags(cfg.chunk_size, cfg.separate, copy_mode=copy_mode)
                     with ServerProcess(args, backend=cfg.backend, l1_size_gb=cfg.l1_size_gb) as srv:
                         srv.wait_pool_ready()  # time a ready server, not one still pinning
                         report.rows += asyncio.run(
