@@ -24,7 +24,7 @@ device memory and its pinned host memory (``cudaMemcpyAsync``, what an engine th
 offloads by itself would run), back to back until ``stop_copy``.
 
 Commands: ``{"cmd": "kind", "kind": K}`` (build and warm up), ``measure`` (``seconds``),
-``pause`` / ``resume`` (idle GPU), ``own_copy`` (``direction`` d2h|h2d, ``bytes``),
+``pause`` (idle GPU, until the next ``kind``), ``own_copy`` (``direction`` d2h|h2d, ``bytes``),
 ``stop_copy``, ``exit``. Each is answered with one JSON line.
 """
 
@@ -157,11 +157,6 @@ class Engine:
         torch.cuda.synchronize(self.device)
         return {"paused": True}
 
-    def resume(self) -> dict[str, Any]:
-        self.running.set()
-        time.sleep(0.2)
-        return {"paused": False}
-
     def measure(self, seconds: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         time.sleep(seconds)
@@ -222,7 +217,6 @@ def main() -> None:
             "kind": lambda c: engine.set_kind(c["kind"]),
             "measure": lambda c: engine.measure(float(c["seconds"])),
             "pause": lambda c: engine.pause(),
-            "resume": lambda c: engine.resume(),
             "own_copy": lambda c: engine.own_copy(c["direction"], int(c["bytes"])),
             "stop_copy": lambda c: engine.stop_copy(),
         }
