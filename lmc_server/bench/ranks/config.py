@@ -38,6 +38,19 @@ IN_PROGRESS_RETRY_S = 2.0
 DP_RECENT_PROMPTS = 8
 #: DP mode: bytes at the start of every page that carry the prompt's tag.
 TAG_BYTES = 16
+#: DP mode: what an engine counts of its loads (its replies carry them; the parent sums).
+DP_LOAD_COUNTS = (
+    "lookups",
+    "lookup_misses",
+    "partial_hits",
+    "loads",
+    "cross_engine_chunks",
+    "own_chunks",
+    "failed_load_chunks",
+    "verified_loads",
+    "checked_bytes",
+    "mismatched_bytes",
+)
 MODES = ("tp", "dp")
 TP_MODES = ("load", "mixed")
 #: Requests a rank keeps in flight in a TP phase, at most.

@@ -19,23 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
+from lmc_server.bench.ranks.config import DP_LOAD_COUNTS, MAX_ERRORS_KEPT, RanksConfig
 from lmc_server.bench.ranks.procs import RankProcess, gather, timed_phase
 from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.client.sync import Client
 
+#: The counts of an engine's reply that rows show and the phase sums, in report order.
 _SUMMED = (
-    "lookups",
-    "lookup_misses",
-    "partial_hits",
-    "loads",
-    "cross_engine_chunks",
-    "own_chunks",
-    "failed_load_chunks",
+    *DP_LOAD_COUNTS[:7],
     "failed_store_chunks",
-    "verified_loads",
-    "checked_bytes",
-    "mismatched_bytes",
+    *DP_LOAD_COUNTS[7:],
     "stored_prompts",
 )
 
