@@ -25,6 +25,7 @@ from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 
 WORKER = str(Path(__file__).with_name("kvworker.py"))
@@ -80,10 +81,7 @@ def kill9(proc: subprocess.Popen[str]) -> None:
 
 def eventually(cond: Callable[[], bool], timeout_s: float = REAP_S) -> float:
     t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.05)
+    wait_for(cond, "the condition", timeout_s)
     return time.monotonic() - t0
 
 

@@ -27,6 +27,7 @@ from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking, describe_byte
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
@@ -222,10 +223,7 @@ def _l2_stats(srv: ServerProcess) -> L2Report:
 def _wait_l2(
     srv: ServerProcess, done: Callable[[L2Report], bool], what: str, timeout_s: float = 30.0
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done(st := _l2_stats(srv)):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(0.05)
+    wait_for(lambda: done(_l2_stats(srv)), what, timeout_s)
 
 
 def test_lookup_waits_for_l2_then_loads_byte_exact() -> None:

@@ -25,6 +25,7 @@ from lmc_server.client import Client, chunk_digests
 from lmc_server.client.shm import ShmSegment
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.kv import block_ids_for
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 
 SHM_DIR = "/dev/shm"
@@ -58,10 +59,7 @@ def segments_of(pid: int) -> list[str]:
 
 def wait_reaped(endpoint: str) -> None:
     with Client(endpoint) as c:
-        deadline = time.monotonic() + 20
-        while c.stats().registrations:
-            assert time.monotonic() < deadline, "the killed client was not reaped"
-            time.sleep(0.05)
+        wait_for(lambda: not c.stats().registrations, "the killed client reaped")
 
 
 def serves_byte_exact(endpoint: str, seed: int) -> None:

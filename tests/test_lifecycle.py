@@ -37,6 +37,7 @@ from lmc_server.server.server import Server
 from lmc_server.testing.engines import BackloggedEngine, HoldingEngine
 from lmc_server.testing.inprocess import FakeClock, ThreadServer, run_server
 from lmc_server.testing.kv import ShmKV, block_ids_for
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.process import ServerProcess, free_port, wait_pool_ready
 from lmc_server.testing.systemd import FakeSystemd
@@ -72,10 +73,8 @@ def in_flight(port: int) -> int:
 
 
 def wait_pool_prepared(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while sample(port, 'lmcache_l1_slabs{state="pending"}') > 0:
-        assert time.monotonic() < deadline, "L1 pool not prepared in time"
-        time.sleep(0.02)
+    pending = 'lmcache_l1_slabs{state="pending"}'
+    wait_for(lambda: sample(port, pending) == 0, "L1 pool prepared", timeout_s, poll_s=0.02)
 
 
 def sigterm_during_store(

@@ -22,6 +22,7 @@ import click
 import numpy as np
 
 from lmc_server import __version__
+from lmc_server.bench.options import opt
 from lmc_server.config import Config
 from lmc_server.protocol.stats import PhaseSum
 from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
@@ -43,33 +44,42 @@ class GeometryArgs:
     preset's own count, and the DSV4.1-only fields do not apply to the Llama ones.
     """
 
-    arch: str = "sm90"
-    layers: int | None = None
-    sliding_groups: int = 2
-    kv_source_every: int = 2
-    window_tokens: int = 128
-    stride_pad: int = 0
-    placement: str = "block"
-    model: str = "dsv41"
-
-    @classmethod
-    def pop(cls, kwargs: dict[str, Any]) -> GeometryArgs:
-        return cls(
-            **{
-                k: kwargs.pop(k)
-                for k in (
-                    "arch",
-                    "layers",
-                    "sliding_groups",
-                    "kv_source_every",
-                    "window_tokens",
-                    "stride_pad",
-                    "placement",
-                    "model",
-                )
-                if k in kwargs
-            }
-        )
+    model: str = opt(
+        "dsv41",
+        "KV preset: dsv41 (DeepSeek-V4.1-Flash), or a Llama-3-8B-like model "
+        "(32 layers, 8 KV heads x 128, bf16, 16-token blocks, a KV tensor per layer) "
+        "in the FlashAttention ([2, blocks, ...]: K and V planes) or FlashInfer "
+        "([blocks, 2, ...]) shape.",
+        type=click.Choice(["dsv41", "llama-flash-attn", "llama-flashinfer"]),
+    )
+    arch: str = opt(
+        "sm90",
+        "Record format of the preset (584 B/state on sm90, 528 on sm100).",
+        type=click.Choice(["sm90", "sm100"]),
+    )
+    layers: int | None = opt(
+        None,
+        "Layers of the preset (default: 44 for dsv41, illustrative, the model "
+        "card has none; 32 for the Llama-like ones).",
+        type=click.IntRange(1, 512),
+    )
+    sliding_groups: int = opt(
+        2, "Sliding-window engine groups the layers are split into.", type=click.IntRange(1, 16)
+    )
+    kv_source_every: int = opt(
+        2, "Every n-th layer has compressed KV and an indexer.", type=click.IntRange(1, 64)
+    )
+    window_tokens: int = opt(128, "Sliding window in tokens.", type=click.IntRange(1, 1 << 16))
+    stride_pad: int = opt(
+        0, "Extra bytes between blocks (engines may pad strides).", type=click.IntRange(0, 1 << 20)
+    )
+    placement: str = opt(
+        "block",
+        "Where the KV pages sit: block (every layer of a block side by "
+        "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
+        "layer).",
+        type=click.Choice(["block", "layer"]),
+    )
 
     def build(self, num_blocks: int) -> KVGeometry:
         if self.model in LLAMA_BACKENDS:
@@ -164,20 +174,14 @@ class Report:
     machine: dict[str, Any] = field(default_factory=machine)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "benchmark": self.benchmark,
-            "command": self.command,
-            "date": self.date,
-            "machine": self.machine,
-            "config": self.config,
-            "notes": self.notes,
-            "summary": self.summary,
-            "rows": self.rows,
-        }
+        keys = ("benchmark", "command", "date", "machine", "config", "notes", "summary", "rows")
+        return {k: getattr(self, k) for k in keys}
 
 
-def format_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
-    """A fixed-width table; ``columns`` are ``(key, header, format spec)``."""
+def format_table(rows: Iterable[dict[str, Any]], spec: str) -> str:
+    """A fixed-width table of the columns ``spec`` names: ``key|header|format`` each
+    (no format: as it is), ``;`` between them."""
+    columns = [(*c.strip().split("|"), "")[:3] for c in spec.split(";") if c.strip()]
     cells = [[h for _, h, _ in columns]]
     for r in rows:
         line = []

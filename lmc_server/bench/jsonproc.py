@@ -2,7 +2,8 @@
 
 :class:`JsonLineProcess` starts ``python -m MODULE``, sends it one config line, and
 turns its stdout lines into dicts on a reader thread; a reply with an ``error`` key, or
-the process exiting, raises with the tail of its stderr.
+the process exiting, raises with the tail of its stderr. :func:`serve_lines` is the
+other end: it answers each command line with one JSON line.
 """
 
 from __future__ import annotations
@@ -13,7 +14,31 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
+from collections.abc import Callable
 from typing import IO, Any
+
+
+def reply(obj: dict[str, Any]) -> None:
+    """One JSON line on stdout, flushed (the parent waits for it)."""
+    print(json.dumps(obj), flush=True)
+
+
+def serve_lines(handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """Answer each command line on stdin (``{"cmd": NAME, ...}``) with what
+    ``handlers[NAME]`` returns, until ``exit`` or the end of stdin; an unknown or failing
+    command is answered with its error (the traceback on stderr), and the next is read."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        try:
+            handler = handlers.get(cmd["cmd"])
+            out = handler(cmd) if handler else {"error": f"unknown command {cmd['cmd']!r}"}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
+            traceback.print_exc()
+            out = {"error": f"{type(e).__name__}: {e}"}
+        reply(out)
 
 
 class JsonLineProcess:

@@ -21,12 +21,6 @@ from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.presets import KVGeometry
 
 A1, A2, B = 0, 1, 2
-N_REGIONS = 3
-
-
-def blocks_needed(geometry_bpc: int, max_batch: int) -> int:
-    """Blocks per group for three regions of ``max_batch`` chunks."""
-    return N_REGIONS * max_batch * geometry_bpc
 
 
 def max_blocks_per_chunk(geometry: KVGeometry, chunk_size: int) -> int:

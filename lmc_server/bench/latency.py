@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -41,6 +42,8 @@ from lmc_server.bench.common import (
     percentiles_us,
     progress,
 )
+from lmc_server.bench.options import ints, opt
+from lmc_server.bench.servers import server_flags
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import Registration
 from lmc_server.client.digests import hash_chain
@@ -58,8 +61,12 @@ OPS = ("ping", "lookup-1", f"lookup-{LOOKUP_CHUNKS}", PROBE_OP, "store/retrieve"
 
 @dataclass(frozen=True)
 class LatencyConfig:
-    clients: tuple[int, ...] = (1, 8, 64)
-    duration_s: float = 1.0
+    clients: tuple[int, ...] = opt((1, 8, 64), "Concurrent clients, comma-separated.", parse=ints)
+    duration_s: float = opt(
+        1.0,
+        "Seconds timed per (operation, clients) point, ours and echo each.",
+        type=click.FloatRange(min=0.01),
+    )
     l1_size_gb: float = 1.0
     show_progress: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -292,13 +299,7 @@ def run(cfg: LatencyConfig) -> Report:
     )
     with (
         ServerProcess(
-            [
-                "--chunk-size",
-                str(cfg.chunk_size),
-                "--separate-object-groups",
-                "--log-level",
-                "WARNING",
-            ],
+            server_flags(cfg.chunk_size, True),
             backend="cpu",
             l1_size_gb=cfg.l1_size_gb,
         ) as srv,
@@ -326,20 +327,12 @@ def run(cfg: LatencyConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("op", "op", ""),
-    ("clients", "clients", "d"),
-    ("request_bytes", "req B", "d"),
-    ("p50_us", "p50 us", ".0f"),
-    ("p99_us", "p99 us", ".0f"),
-    ("ops_s", "ops/s", ".0f"),
-    ("echo_p50_us", "echo p50", ".0f"),
-    ("echo_p99_us", "echo p99", ".0f"),
-    ("echo_ops_s", "echo ops/s", ".0f"),
-    ("p50_ratio", "p50 x", ".2f"),
-    ("p99_ratio", "p99 x", ".2f"),
-    ("ops_ratio", "ops/s x", ".2f"),
-]
+COLUMNS = (
+    "op|op; clients|clients|d; request_bytes|req B|d; p50_us|p50 us|.0f; "
+    "p99_us|p99 us|.0f; ops_s|ops/s|.0f; echo_p50_us|echo p50|.0f; "
+    "echo_p99_us|echo p99|.0f; echo_ops_s|echo ops/s|.0f; p50_ratio|p50 x|.2f; "
+    "p99_ratio|p99 x|.2f; ops_ratio|ops/s x|.2f"
+)
 
 
 def table(report: Report) -> str:

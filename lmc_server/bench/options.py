@@ -1,25 +1,37 @@
-"""The click options and value parsers that more than one ``lmcache bench`` command uses.
+"""Every ``lmcache bench`` option declared once, as a field of its benchmark's config.
 
-One definition each, so a flag spelled, checked and explained the same in two commands
-is the same object; where two commands explain a flag differently (``--backend``,
-``--cuda-copy-mode``, ``--plot``) the decorator takes the help text, so each command's
-``--help`` stays what it says. Options are applied in the order they are listed in a
-command, which is the order ``--help`` shows them.
+A config field made with :func:`opt` carries its default, help text, click type and
+value parser; :func:`options` turns a config class into its command's click options
+(the flag is ``--`` plus the field's name with ``-`` for ``_`` unless declared, a bool
+is a ``--x/--no-x`` pair, a tuple default is shown comma-separated, a nested config such
+as :class:`~lmc_server.bench.common.GeometryArgs` adds its own options in its place) and
+:func:`build` makes the config from what click parsed. So a default is written once: a
+config built in code and one built from the command line start from the same values,
+and ``--help`` shows them. Options come in field order, which is the order of ``--help``;
+fields without :func:`opt` (seeds, iteration caps) are not options. ``--json``,
+``--plot`` and ``--no-progress`` say what to do with a report, not how to measure, so
+they are plain click options here (:func:`output_options`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
 
 from lmc_server.bench import extras
-from lmc_server.config import CUDA_COPY_MODES
 
 F = TypeVar("F", bound=Callable[..., Any])
 N = TypeVar("N", int, float)
+C = TypeVar("C")
+_KEY = "lmc_server.bench.option"
+
+#: ``--backend``: the server's transfer engine.
+BACKENDS = click.Choice(["cpu", "cuda"])
 
 
 def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:
@@ -32,24 +44,19 @@ def _parse_positive(text: str, conv: Callable[[str], N], what: str) -> list[N]:
     return out
 
 
-def parse_ints(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` (click callback helper)."""
-    return _parse_positive(text, int, "integers")
-
-
-def parse_floats(text: str) -> list[float]:
-    """``"0.05,0.1"`` -> ``[0.05, 0.1]`` (click callback helper)."""
-    return _parse_positive(text, float, "numbers")
-
-
 def ints(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, ...]:
     """Callback: a comma-separated list of positive integers."""
-    return tuple(parse_ints(value))
+    return tuple(_parse_positive(value, int, "integers"))
 
 
 def floats(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[float, ...]:
     """Callback: a comma-separated list of positive numbers."""
-    return tuple(parse_floats(value))
+    return tuple(_parse_positive(value, float, "numbers"))
+
+
+def words(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+    """Callback: the non-empty items of a comma-separated list (``''``: none)."""
+    return tuple(x for x in value.split(",") if x)
 
 
 def names(allowed: tuple[str, ...], flag: str) -> Any:
@@ -68,88 +75,96 @@ def names(allowed: tuple[str, ...], flag: str) -> Any:
     return parse
 
 
-def geometry_options(f: F) -> F:
-    """Click options that build a preset geometry (DSV4.1-Flash unless ``--model``)."""
-    opts = [
-        click.option(
-            "--model",
-            type=click.Choice(["dsv41", "llama-flash-attn", "llama-flashinfer"]),
-            default="dsv41",
-            help="KV preset: dsv41 (DeepSeek-V4.1-Flash), or a Llama-3-8B-like model "
-            "(32 layers, 8 KV heads x 128, bf16, 16-token blocks, a KV tensor per layer) "
-            "in the FlashAttention ([2, blocks, ...]: K and V planes) or FlashInfer "
-            "([blocks, 2, ...]) shape.",
-        ),
-        click.option(
-            "--arch",
-            type=click.Choice(["sm90", "sm100"]),
-            default="sm90",
-            help="Record format of the preset (584 B/state on sm90, 528 on sm100).",
-        ),
-        click.option(
-            "--layers",
-            type=click.IntRange(1, 512),
-            default=None,
-            help="Layers of the preset (default: 44 for dsv41, illustrative, the model "
-            "card has none; 32 for the Llama-like ones).",
-        ),
-        click.option(
-            "--sliding-groups",
-            type=click.IntRange(1, 16),
-            default=2,
-            help="Sliding-window engine groups the layers are split into.",
-        ),
-        click.option(
-            "--kv-source-every",
-            type=click.IntRange(1, 64),
-            default=2,
-            help="Every n-th layer has compressed KV and an indexer.",
-        ),
-        click.option(
-            "--window-tokens",
-            type=click.IntRange(1, 1 << 16),
-            default=128,
-            help="Sliding window in tokens.",
-        ),
-        click.option(
-            "--stride-pad",
-            type=click.IntRange(0, 1 << 20),
-            default=0,
-            help="Extra bytes between blocks (engines may pad strides).",
-        ),
-        click.option(
-            "--placement",
-            type=click.Choice(["block", "layer"]),
-            default="block",
-            help="Where the KV pages sit: block (every layer of a block side by "
-            "side, as vLLM lays out DeepSeek-V4) or layer (a tensor per "
-            "layer).",
-        ),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+@dataclass(frozen=True)
+class Opt:
+    """What the command line needs of one config field beyond its name and default."""
+
+    help: str
+    flag: str = ""  # empty: from the field's name (a bool: the --x/--no-x pair)
+    type: Any = None  # a click type
+    parse: Callable[..., Any] | None = None  # a click callback (never called with None)
 
 
-def backend_option(help: str) -> Callable[[F], F]:
-    """``--backend cpu|cuda`` (default cpu): the server's transfer engine."""
-    return click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", help=help)
+def opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str = "",
+    type: Any = None,
+    parse: Callable[..., Any] | None = None,
+) -> Any:
+    """A config field that is also a command-line option (``dataclasses.MISSING`` as
+    the default: a required one). Typed ``Any`` so that the annotation gives the type."""
+    return dataclasses.field(default=default, metadata={_KEY: Opt(help, flag, type, parse)})
 
 
-def copy_modes_option(help: str) -> Callable[[F], F]:
+def _option(f: dataclasses.Field[Any], o: Opt) -> Callable[[F], F]:
+    flag = o.flag or "--" + f.name.replace("_", "-")
+    kwargs: dict[str, Any] = {"help": o.help}
+    if f.type in ("bool", "bool | None") and "/" not in flag:
+        flag = f"{flag}/--no-{flag[2:]}"
+    if f.default is dataclasses.MISSING:
+        kwargs["required"] = True
+    else:
+        d = f.default
+        kwargs["default"] = ",".join(map(str, d)) if o.parse and isinstance(d, tuple) else d
+    if o.type is not None:
+        kwargs["type"] = o.type
+    if o.parse is not None:
+        parse = o.parse
+        kwargs["callback"] = lambda c, p, v: None if v is None else parse(c, p, v)
+    return click.option(flag, f.name, **kwargs)
+
+
+def options(cls: type) -> Callable[[F], F]:
+    """The click options of every :func:`opt` field of ``cls``, in field order."""
+    decorators: list[Callable[[F], F]] = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default):
+            decorators.append(options(type(f.default)))
+        elif _KEY in f.metadata:
+            decorators.append(_option(f, f.metadata[_KEY]))
+
+    def apply(fn: F) -> F:
+        for d in reversed(decorators):
+            fn = d(fn)
+        return fn
+
+    return apply
+
+
+def build(cls: type[C], parsed: dict[str, Any], **values: Any) -> C:
+    """``cls`` from the options click parsed (nested configs too) and ``values``."""
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if dataclasses.is_dataclass(f.default):
+            values.setdefault(f.name, build(type(f.default), parsed))
+        elif _KEY in f.metadata and f.name in parsed:
+            values.setdefault(f.name, parsed[f.name])
+    return cls(**values)
+
+
+def copy_modes_opt(help: str) -> Any:
     """``--cuda-copy-mode`` as a list of modes (``copy_modes``), one server each."""
-    return click.option(
-        "--cuda-copy-mode",
-        "copy_modes",
-        default="auto,staging,dma",
-        callback=names(CUDA_COPY_MODES, "--cuda-copy-mode"),
-        help=help,
+    from lmc_server.config import CUDA_COPY_MODES
+
+    return opt(
+        ("auto", "staging", "dma"),
+        help,
+        flag="--cuda-copy-mode",
+        parse=names(CUDA_COPY_MODES, "--cuda-copy-mode"),
     )
 
 
-def device_option(f: F) -> F:
-    """``--device N``: the CUDA device the benchmark's KV lives on."""
-    return click.option("--device", type=click.IntRange(0), default=0, help="cuda device.")(f)
+def _needs_matplotlib(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+    if value and not ctx.resilient_parsing:
+        extras.require("matplotlib")
+    return value
+
+
+def _needs_tqdm(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if not value and not ctx.resilient_parsing and sys.stderr.isatty():  # bars need a tty
+        extras.require("tqdm")
+    return value
 
 
 def json_option(f: F) -> F:
@@ -162,12 +177,6 @@ def json_option(f: F) -> F:
     )(f)
 
 
-def _needs_matplotlib(ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
-    if value and not ctx.resilient_parsing:
-        extras.require("matplotlib")
-    return value
-
-
 def plot_option(help: str = "Write a PNG plot here.") -> Callable[[F], F]:
     """``--plot PATH`` (``plot_path``): the report drawn (needs matplotlib, the bench
     extra: a usage error naming it, before the benchmark starts)."""
@@ -178,12 +187,6 @@ def plot_option(help: str = "Write a PNG plot here.") -> Callable[[F], F]:
         callback=_needs_matplotlib,
         help=help + " Needs pip install 'lmc-server[bench]'.",
     )
-
-
-def _needs_tqdm(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
-    if not value and not ctx.resilient_parsing and sys.stderr.isatty():  # bars need a tty
-        extras.require("tqdm")
-    return value
 
 
 def no_progress_option(f: F) -> F:

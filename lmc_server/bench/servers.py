@@ -28,6 +28,20 @@ class RunningServer(Protocol):
     endpoint: str
 
 
+def server_flags(chunk_size: int, separate: bool, *extra: str, copy_mode: str = "") -> list[str]:
+    """A benchmark server's flags: its chunk size and object-group layout, warnings only
+    in its log, ``copy_mode`` as ``--cuda-copy-mode`` (``staging:N`` also sets
+    ``--cuda-staging-mb N``), then ``extra``."""
+    name, _, staging_mb = copy_mode.partition(":")
+    flags = ["--chunk-size", str(chunk_size), "--log-level", "WARNING"]
+    flags.append("--separate-object-groups" if separate else "--no-separate-object-groups")
+    if name:
+        flags += ["--cuda-copy-mode", name]
+    if staging_mb:
+        flags += ["--cuda-staging-mb", staging_mb]
+    return [*flags, *extra]
+
+
 def fits_config_check(backend: str, l1_size_gb: float, slab_size_mb: int) -> str | None:
     """``None`` when ``lmcache server`` would accept these sizes, else its refusal."""
     try:
@@ -55,18 +69,8 @@ def server(
     """
     refusal = fits_config_check(backend, l1_size_gb, slab_size_mb)
     if refusal is None or not allow_thread:
-        flags = [
-            "--chunk-size",
-            str(chunk_size),
-            "--slab-size-mb",
-            str(slab_size_mb),
-            "--eviction-policy",
-            eviction_policy,
-            "--log-level",
-            "WARNING",
-            "--separate-object-groups" if separate else "--no-separate-object-groups",
-            *args,
-        ]
+        more = ["--slab-size-mb", str(slab_size_mb), "--eviction-policy", eviction_policy]
+        flags = server_flags(chunk_size, separate, *more, *args)
         with ServerProcess(flags, backend=backend, l1_size_gb=l1_size_gb) as proc:
             yield proc, "process"
         return
@@ -89,4 +93,4 @@ def server(
         ts.stop()
 
 
-__all__ = ["RunningServer", "ThreadServer", "fits_config_check", "server"]
+__all__ = ["RunningServer", "ThreadServer", "fits_config_check", "server", "server_flags"]

@@ -17,10 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 
 from lmc_server.bench.common import Report, format_table, progress
+from lmc_server.bench.options import BACKENDS, floats, opt
 from lmc_server.client.sync import Client
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import free_port, wait_for_ping
 
 POLL_S = 0.01
@@ -28,11 +31,22 @@ POLL_S = 0.01
 
 @dataclass(frozen=True)
 class StartupConfig:
-    backend: str = "cpu"
-    sizes_gb: tuple[float, ...] = (1.0, 16.0)
-    repeats: int = 3
+    backend: str = opt("cpu", "Transfer engine of the server.", type=BACKENDS)
+    #: ``None`` (resolved at construction): 1 and 16 GiB, and 100 on cuda.
+    sizes_gb: tuple[float, ...] = opt(
+        None,
+        "Pool sizes in GiB, comma-separated [default: 1,16; 1,16,100 on cuda].",
+        flag="--l1-size-gb",
+        parse=floats,
+    )
+    repeats: int = opt(3, "Cold starts per size.", type=click.IntRange(1))
     timeout_s: float = 300.0
     show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sizes_gb is None:
+            sizes = (1.0, 16.0, 100.0) if self.backend == "cuda" else (1.0, 16.0)
+            object.__setattr__(self, "sizes_gb", sizes)
 
 
 def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str, float]:
@@ -62,14 +76,14 @@ def measure_once(backend: str, l1_size_gb: float, timeout_s: float) -> dict[str,
             wait_for_ping(endpoint, timeout_s, proc)
             ping_s = time.monotonic() - t0
             with Client(endpoint, timeout_s=timeout_s, client_name="lmcache-bench") as c:
-                while True:
-                    l1 = c.stats().l1
-                    if l1.ready_slabs == l1.slabs:
-                        ready_s = time.monotonic() - t0
-                        break
-                    if time.monotonic() - t0 > timeout_s:
-                        raise TimeoutError(f"pool not ready after {timeout_s} s")
-                    time.sleep(POLL_S)
+                l1 = wait_for(
+                    lambda: (l1 := c.stats().l1).ready_slabs == l1.slabs and l1,
+                    "every slab of the pool prepared",
+                    timeout_s,
+                    POLL_S,
+                    TimeoutError,
+                )
+                ready_s = time.monotonic() - t0
             proc.terminate()
             code = proc.wait(60)
             if code != 0:
@@ -122,15 +136,11 @@ def run(cfg: StartupConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("l1_size_gb", "L1 GiB", "g"),
-    ("slabs", "slabs", "d"),
-    ("ping_s", "ping s", ".2f"),
-    ("ping_max_s", "ping max", ".2f"),
-    ("pool_ready_s", "pool ready s", ".2f"),
-    ("pool_ready_max_s", "ready max", ".2f"),
-    ("ready_gib_s", "GiB/s", ".1f"),
-]
+COLUMNS = (
+    "l1_size_gb|L1 GiB|g; slabs|slabs|d; ping_s|ping s|.2f; "
+    "ping_max_s|ping max|.2f; pool_ready_s|pool ready s|.2f; "
+    "pool_ready_max_s|ready max|.2f; ready_gib_s|GiB/s|.1f"
+)
 
 
 def table(report: Report) -> str:

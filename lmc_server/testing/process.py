@@ -29,6 +29,7 @@ import zmq
 from lmc_server.net import tcp_endpoint
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+from lmc_server.testing.poll import wait_for
 
 
 class Proc(Protocol):
@@ -109,13 +110,13 @@ def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
 
     t0 = time.monotonic()
     with Client(endpoint, timeout_s=timeout_s, client_name="pool-wait") as c:
-        while True:
+
+        def ready() -> bool:
             l1 = c.stats().l1
-            if l1.ready_bytes == l1.capacity_bytes:
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"pool not ready after {timeout_s} s: {l1}")
-            time.sleep(0.05)
+            return l1.ready_bytes == l1.capacity_bytes
+
+        wait_for(ready, "every slab of the pool prepared", timeout_s, error=TimeoutError)
+    return time.monotonic() - t0
 
 
 #: Backends whose servers may be forked from the zygote: those that never touch CUDA

@@ -12,8 +12,6 @@ disk tier.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import numpy as np
 from lmc_server.client import Client, Registration
 from lmc_server.protocol.stats import DiskReport, L2Report
 from lmc_server.testing.kv import ShmKV, assert_same_pages, block_ids_for
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.testing.process import ServerProcess
 
@@ -33,17 +32,6 @@ BASE_ARGS = ["--chunk-size", str(CHUNK), "--separate-object-groups", "--eviction
 
 def tokens(seed: int, chunks: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 100_000, chunks * CHUNK)
-
-
-def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
-    t0 = time.monotonic()
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _all_written(st: L2Report | DiskReport, objects: int) -> bool:

@@ -25,6 +25,7 @@ from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
 from lmc_server.l2 import codec
 from lmc_server.protocol.stats import L2Report
+from lmc_server.testing import poll
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
@@ -69,12 +70,7 @@ def servers(redis_url: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
 
 
 def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    t0 = time.monotonic()
-    while not (v := cond()):
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.002)
-    return v
+    return poll.wait_for(cond, what, timeout_s, poll_s=0.002)
 
 
 def l2(c: Client) -> L2Report:

@@ -4,9 +4,9 @@ CPU: one ``numpy.copyto`` between a POSIX shared-memory segment (what a CPU work
 KV buffers are) and an anonymous mapping populated the way the server's pool is
 (``MADV_POPULATE_WRITE``): ``d2h`` is segment to pool memory (a store), ``h2d`` the
 reverse (a retrieve), ``both`` runs the two at once on two threads (a store and a
-retrieve in flight together). Each figure is the median over ``iters`` timed copies
-after one warm-up copy. GPU: ``lmc_server.testing.cuda_kv.raw_copy_gbps`` (pinned
-``cudaMemcpy``), imported only for ``--backend cuda``.
+retrieve in flight together); :meth:`CpuRawCopy.seconds` times one copy. GPU:
+``lmc_server.testing.cuda_kv.raw_copy_gbps`` (pinned ``cudaMemcpy``), imported only
+for ``--backend cuda``.
 """
 
 from __future__ import annotations
@@ -71,14 +71,6 @@ class CpuRawCopy:
         self._once(direction, nbytes, nbytes2)
         return time.perf_counter() - t0
 
-    def gbps(self, nbytes: int, direction: str, iters: int = 10, nbytes2: int = 0) -> float:
-        """GB/s (1e9 bytes) over both byte counts: the median of ``iters`` timed copies
-        after one warm-up copy."""
-        self.seconds(direction, nbytes, nbytes2)
-        times = [self.seconds(direction, nbytes, nbytes2) for _ in range(max(1, iters))]
-        total = nbytes + (nbytes2 if direction == "both" else 0)
-        return total / float(np.median(times)) / 1e9
-
     def close(self) -> None:
         self._pool.shutdown()
         self._anon.clear()
@@ -86,9 +78,3 @@ class CpuRawCopy:
             mm.close()
         for s in self._segs:
             s.close()
-
-    def __enter__(self) -> CpuRawCopy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -24,7 +24,7 @@ device memory and its pinned host memory (``cudaMemcpyAsync``, what an engine th
 offloads by itself would run), back to back until ``stop_copy``.
 
 Commands: ``{"cmd": "kind", "kind": K}`` (build and warm up), ``measure`` (``seconds``),
-``pause`` / ``resume`` (idle GPU), ``own_copy`` (``direction`` d2h|h2d, ``bytes``),
+``pause`` (idle GPU, until the next ``kind``), ``own_copy`` (``direction`` d2h|h2d, ``bytes``),
 ``stop_copy``, ``exit``. Each is answered with one JSON line.
 """
 
@@ -38,6 +38,8 @@ from collections import deque
 from typing import Any
 
 import torch
+
+from lmc_server.bench.jsonproc import reply, serve_lines
 
 GEMM_N = 8192
 HBM_BYTES = 1 << 30
@@ -149,6 +151,12 @@ class Engine:
                 with self.lock:
                     self.done.append((time.perf_counter(), work.work))
 
+    def pause(self) -> dict[str, Any]:
+        self.running.clear()
+        time.sleep(0.05)
+        torch.cuda.synchronize(self.device)
+        return {"paused": True}
+
     def measure(self, seconds: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         time.sleep(seconds)
@@ -203,35 +211,16 @@ class Engine:
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     engine = Engine(int(cfg.get("device", 0)))
-    print(json.dumps({"ready": True, "gpu": torch.cuda.get_device_name(engine.device)}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            name = cmd["cmd"]
-            if name == "exit":
-                break
-            if name == "kind":
-                out = engine.set_kind(cmd["kind"])
-            elif name == "measure":
-                out = engine.measure(float(cmd["seconds"]))
-            elif name == "pause":
-                engine.running.clear()
-                time.sleep(0.05)
-                torch.cuda.synchronize(engine.device)
-                out = {"paused": True}
-            elif name == "resume":
-                engine.running.set()
-                time.sleep(0.2)
-                out = {"paused": False}
-            elif name == "own_copy":
-                out = engine.own_copy(cmd["direction"], int(cmd["bytes"]))
-            elif name == "stop_copy":
-                out = engine.stop_copy()
-            else:
-                out = {"error": f"unknown command {name!r}"}
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    reply({"ready": True, "gpu": torch.cuda.get_device_name(engine.device)})
+    serve_lines(
+        {
+            "kind": lambda c: engine.set_kind(c["kind"]),
+            "measure": lambda c: engine.measure(float(c["seconds"])),
+            "pause": lambda c: engine.pause(),
+            "own_copy": lambda c: engine.own_copy(c["direction"], int(c["bytes"])),
+            "stop_copy": lambda c: engine.stop_copy(),
+        }
+    )
     engine.stop = True
     engine.running.set()
 

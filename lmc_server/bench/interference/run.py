@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 
 from lmc_server.bench.common import (
@@ -40,6 +41,8 @@ from lmc_server.bench.common import (
     progress,
 )
 from lmc_server.bench.jsonproc import JsonLineProcess
+from lmc_server.bench.options import copy_modes_opt, ints, names, opt
+from lmc_server.bench.servers import server_flags
 from lmc_server.testing.process import ServerProcess
 
 ENGINE_KINDS = ("gemm", "hbm", "decode")
@@ -48,40 +51,43 @@ OPS = ("store", "retrieve", "both")
 
 @dataclass(frozen=True)
 class InterferenceConfig:
-    engines: tuple[str, ...] = ("gemm", "hbm")
+    engines: tuple[str, ...] = opt(
+        ("gemm", "hbm"),
+        "Engine workloads beside the server: gemm (bf16 8192^3 matmuls), hbm "
+        "(1 GiB device copies), decode (a CUDA graph of small kernels).",
+        parse=names(ENGINE_KINDS, "--engines"),
+    )
     #: Server copy modes; ``staging:N`` also sets ``--cuda-staging-mb N``.
-    copy_modes: tuple[str, ...] = ("auto", "staging", "dma")
-    ops: tuple[str, ...] = OPS
-    chunks: tuple[int, ...] = (64,)
-    inflight: tuple[int, ...] = (1, 2)
-    seconds: float = 1.5
+    copy_modes: tuple[str, ...] = copy_modes_opt(
+        "Server copy modes, comma-separated (one server each); staging:N also sets "
+        "--cuda-staging-mb N."
+    )
+    ops: tuple[str, ...] = opt(
+        OPS,
+        "Server loops: store, retrieve (lookup + retrieve + release), both.",
+        parse=names(OPS, "--ops"),
+    )
+    chunks: tuple[int, ...] = opt((64,), "Chunks per request.", parse=ints)
+    inflight: tuple[int, ...] = opt(
+        (1, 2), "Requests of each kind kept in flight, comma-separated.", parse=ints
+    )
+    seconds: float = opt(1.5, "Length of each measured window.", type=click.FloatRange(min=0.2))
     warm_s: float = 0.5
-    own_copy: bool = True
+    own_copy: bool = opt(True, "Also measure the engine's own side-stream copy of the same bytes.")
     geometry: GeometryArgs = GeometryArgs()
-    l1_size_gb: float = 4.0
+    l1_size_gb: float = opt(4.0, "Server pool size.", type=click.FloatRange(min=0.5))
     separate: bool = True
     #: Block ids of a request: ``consecutive`` or ``random`` (``Regions.block_order``).
-    block_order: str = "consecutive"
-    device: int = 0
+    block_order: str = opt(
+        "consecutive",
+        "Block ids of a request: consecutive (a fresh engine) or a random "
+        "permutation (an engine's block pool after churn).",
+        type=click.Choice(["consecutive", "random"]),
+    )
+    device: int = opt(0, "cuda device.", type=click.IntRange(0))
     seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     show_progress: bool = True
-
-
-def server_args(cfg: InterferenceConfig, mode: str) -> list[str]:
-    name, _, staging_mb = mode.partition(":")
-    args = [
-        "--chunk-size",
-        str(cfg.chunk_size),
-        "--log-level",
-        "WARNING",
-        "--separate-object-groups" if cfg.separate else "--no-separate-object-groups",
-        "--cuda-copy-mode",
-        name,
-    ]
-    if staging_mb:
-        args += ["--cuda-staging-mb", staging_mb]
-    return args
 
 
 def _loss(alone: float, busy: float) -> float:
@@ -135,7 +141,9 @@ class _Run:
     def mode(self, mode: str, first: bool) -> None:
         cfg = self.cfg
         with ServerProcess(
-            server_args(cfg, mode), backend="cuda", l1_size_gb=cfg.l1_size_gb
+            server_flags(cfg.chunk_size, cfg.separate, copy_mode=mode),
+            backend="cuda",
+            l1_size_gb=cfg.l1_size_gb,
         ) as srv:
             worker = JsonLineProcess(
                 "lmc_server.bench.interference.worker",
@@ -329,22 +337,13 @@ def run(cfg: InterferenceConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("engine", "engine", ""),
-    ("copy_mode", "copy", ""),
-    ("op", "op", ""),
-    ("chunks", "chunks", "d"),
-    ("inflight", "infl", "d"),
-    ("server_gbps", "GB/s busy", ".1f"),
-    ("idle_server_gbps", "GB/s idle", ".1f"),
-    ("engine_alone", "engine alone", ".0f"),
-    ("engine_busy", "beside", ".0f"),
-    ("loss_pct", "loss %", ".1f"),
-    ("p50_ms", "p50 ms", ".2f"),
-    ("p99_ms", "p99 ms", ".2f"),
-    ("mismatched_bytes", "mismatch B", "d"),
-    ("failed_chunks", "failed", "d"),
-]
+COLUMNS = (
+    "engine|engine; copy_mode|copy; op|op; chunks|chunks|d; inflight|infl|d; "
+    "server_gbps|GB/s busy|.1f; idle_server_gbps|GB/s idle|.1f; "
+    "engine_alone|engine alone|.0f; engine_busy|beside|.0f; loss_pct|loss %|.1f; "
+    "p50_ms|p50 ms|.2f; p99_ms|p99 ms|.2f; mismatched_bytes|mismatch B|d; "
+    "failed_chunks|failed|d"
+)
 
 
 def table(report: Report) -> str:

@@ -34,9 +34,11 @@ import numpy as np
 import torch
 
 from lmc_server.bench.common import GeometryArgs, phase_means
+from lmc_server.bench.jsonproc import reply, serve_lines
 from lmc_server.bench.kvregions import A1, A2, B, Regions, max_blocks_per_chunk
 from lmc_server.client.aio import AsyncClient
 from lmc_server.testing.cuda_kv import CudaKV, device_arch
+from lmc_server.testing.process import wait_pool_ready
 
 SENTINEL = 0xEE
 
@@ -70,11 +72,7 @@ class Worker:
         self.client = await AsyncClient.connect(
             self.endpoint, timeout_s=120, client_name="lmcache-bench-interference"
         )
-        while True:
-            l1 = (await self.client.stats()).l1
-            if l1.ready_slabs == l1.slabs:
-                break
-            await asyncio.sleep(0.05)
+        wait_pool_ready(self.endpoint, 600)  # time a ready server, not one still pinning
         self.reg = await self.client.register(**self.kv.register_kwargs())
         self.regions = Regions.build(
             self.kv.geometry, self.reg.chunk_size, self.max_chunks, self.separate, self.block_order
@@ -197,23 +195,14 @@ class Worker:
 def main() -> None:
     cfg = json.loads(sys.stdin.readline())
     w = Worker(cfg)
-    print(json.dumps(w.run(w.setup())), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            if cmd["cmd"] == "exit":
-                break
-            if cmd["cmd"] == "load":
-                out = w.run(
-                    w.load(
-                        cmd["op"], int(cmd["chunks"]), int(cmd["inflight"]), float(cmd["seconds"])
-                    )
-                )
-            else:
-                out = {"error": f"unknown command {cmd['cmd']!r}"}
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    reply(w.run(w.setup()))
+    serve_lines(
+        {
+            "load": lambda c: w.run(
+                w.load(c["op"], int(c["chunks"]), int(c["inflight"]), float(c["seconds"]))
+            )
+        }
+    )
     w.run(w.close())
     w.kv.close()
 

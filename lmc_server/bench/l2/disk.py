@@ -34,53 +34,23 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
-from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs, Report, format_table
-from lmc_server.bench.l2.run import POLL_S, _digests, _wait
+from lmc_server.bench.common import Report, format_table
+from lmc_server.bench.l2.run import L2Config, TwoServers, _digests
 from lmc_server.cache.geometry import blocks_per_chunk
-from lmc_server.client import Client, Registration
-from lmc_server.l2 import codec, direct_io
+from lmc_server.client import Client
+from lmc_server.l2 import direct_io
 from lmc_server.l2.file_backend import IO_THREADS, LAYOUT_DIR
-from lmc_server.protocol.stats import DiskReport
-from lmc_server.testing.kv import ShmKV, block_ids_for
+from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
-
-
-@dataclass(frozen=True)
-class DiskBenchConfig:
-    disk_dir: str
-    chunks: int = 64
-    rounds: int = 3
-    latency_chunks: tuple[int, ...] = (1, 16, 64)
-    repeats: int = 5
-    restart_gb: float = 2.0
-    geometry: GeometryArgs = field(default_factory=GeometryArgs)
-    l1_size_gb: float = 1.0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    flood_chunks: int = 512
-
 
 #: The paced flood stores at this fraction of the write-behind rate of the rounds.
 PACED_FRACTION = 0.8
 #: Chunks per store of the flood (one prompt of a few chunks, as an engine stores).
 FLOOD_STORE_CHUNKS = 4
-
-
-def _disk(c: Client) -> DiskReport:
-    st = c.stats().disk
-    assert st is not None, "the server runs without --disk-dir"
-    return st
-
-
-def _written(c: Client) -> int:
-    st = _disk(c)
-    if st.write_queue_objects or st.writes_in_flight:
-        return -1
-    return int(st.objects_written)
 
 
 class _Plain:
@@ -136,9 +106,8 @@ class _Plain:
         self.pool.shutdown()
 
 
-class _Setup:
-    def __init__(self, cfg: DiskBenchConfig, stack: ExitStack) -> None:
-        n = max(cfg.chunks, *cfg.latency_chunks)
+class _Setup(TwoServers):
+    def __init__(self, cfg: L2Config, stack: ExitStack) -> None:
         probe = cfg.geometry.build(1)
         chunk_bytes = sum(  # at most: every page of every cached group, plus headers
             blocks_per_chunk(g, cfg.chunk_size) * sum(lay.page_bytes for lay in g.layers) + 8192
@@ -149,66 +118,29 @@ class _Setup:
         held = chunk_bytes * (
             cfg.rounds * cfg.chunks + sum(cfg.latency_chunks) + 2 * cfg.flood_chunks
         )
-        self.args = [
-            "--chunk-size",
-            str(cfg.chunk_size),
-            "--separate-object-groups",
-            "--disk-dir",
-            cfg.disk_dir,
-            "--disk-size-gb",
-            str(max(4.0, 2 * cfg.restart_gb) + round(held / (1 << 30), 2)),
-            "--l2-write-queue-objects",
-            str(8 * n),
-        ]
-        self.cfg = cfg
-        self.max_chunks = n
-        self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
-        self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
-        per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
-        geometry = cfg.geometry.build(n * per_chunk)
-        self.src = stack.enter_context(ShmKV(geometry))
-        self.src.fill_random(1)
-        self.dst = stack.enter_context(ShmKV(geometry))
-        self.dst.fill(0)
-        self.ca = stack.enter_context(Client(self.a.endpoint, timeout_s=60))
-        self.cb = stack.enter_context(Client(self.b.endpoint, timeout_s=60))
-        self.rega = self.ca.register(**self.src.register_kwargs())
-        self.regb = self.cb.register(**self.dst.register_kwargs())
-        for client in (self.ca, self.cb):
-            _wait(lambda: _disk(client).state == "up", "disk tier", 30)  # noqa: B023
-        self.direct = _disk(self.ca).direct_io
+        size_gb = max(4.0, 2 * cfg.restart_gb) + round(held / (1 << 30), 2)
+        args = ["--disk-dir", cfg.disk_dir, "--disk-size-gb", str(size_gb)]
+        super().__init__(cfg, stack, "disk", args)
+        self.direct = self.stats(self.ca).direct_io
         self.plain = _Plain(cfg.disk_dir, self.direct)
         stack.callback(self.plain.close)
-        self.fps = {p.name: bytes.fromhex(p.fingerprint) for p in self.ca.stats().partitions}
 
-    def files(self, reg: Registration, digests: bytes) -> list[str]:
-        out = []
-        for og in reg.object_groups:
-            space = codec.space_of(reg.namespace, self.fps[og.name], reg.chunk_size).hex()
-            for i in range(0, len(digests), 32):
-                ck = digests[i : i + 32].hex()
-                out.append(os.path.join(self.cfg.disk_dir, LAYOUT_DIR, space, ck[:2], ck))
-        return out
+    def files(self, digests: bytes) -> list[str]:
+        return [
+            os.path.join(self.cfg.disk_dir, LAYOUT_DIR, space.hex(), ck[:2], ck)
+            for space in self.spaces()
+            for ck in (digests[i : i + 32].hex() for i in range(0, len(digests), 32))
+        ]
 
-    def store(self, digests: bytes, seed: int) -> tuple[float, float, dict[str, np.ndarray]]:
-        """(store s, store until written s, block ids) of a store on A."""
-        n = len(digests) // 32
-        ids = block_ids_for(self.rega, n, np.random.default_rng(seed))
-        objects = n * len(self.rega.object_groups)
-        before = _written(self.ca)
-        t0 = time.perf_counter()
-        res = self.ca.store(self.rega, digests, ids)
-        if not res.ok.all():
-            raise RuntimeError(f"store failed: {res.statuses}")
-        t_store = time.perf_counter() - t0
-        _wait(lambda: _written(self.ca) >= before + objects, "write-behind")
-        return t_store, time.perf_counter() - t0, ids
+    def plain_write(self, paths: list[str], rnd: int) -> tuple[float, list[str]]:
+        """A's files written again plainly: (seconds, the plain files)."""
+        return self.plain.write(_values(paths), f"r{rnd}")
 
     def flood(self, first_seed: int, chunks: int, gbps: float = 0.0) -> dict:
         """Store ``chunks`` fresh chunks on A, ``FLOOD_STORE_CHUNKS`` per store, back to
         back (``gbps`` 0) or paced at ``gbps``; once A's queue is empty, what of it was
         written and what dropped, by cause (differences of A's counters)."""
-        before = _disk(self.ca)
+        before = self.stats(self.ca)
         obj_bytes = sum(og.object_bytes for og in self.rega.object_groups)
         committed = 0
         t0 = time.perf_counter()
@@ -223,9 +155,9 @@ class _Setup:
                 due = t0 + (i + n) * obj_bytes / (gbps * 1e9)
                 time.sleep(max(0.0, due - time.perf_counter()))
         t_store = time.perf_counter() - t0
-        _wait(lambda: _written(self.ca) >= 0, "write-behind", 600)
+        self.wait(lambda: self.written(self.ca) >= 0, "write-behind", 600)
         t_all = time.perf_counter() - t0
-        after = _disk(self.ca)
+        after = self.stats(self.ca)
         written = after.objects_written - before.objects_written
         dropped = {
             k: v - before.dropped_writes.get(k, 0)
@@ -245,18 +177,6 @@ class _Setup:
             "until_written_s": t_all,
         }
 
-    def disk_hit(self, client: Client, reg: Registration, digests: bytes, n: int) -> float:
-        """Seconds from a lookup that misses L1 until all ``n`` chunks hit in L1."""
-        client.clear()
-        t0 = time.perf_counter()
-        while True:
-            r = client.lookup(reg, digests, lease=False)
-            if r.hit_chunks >= n:
-                return time.perf_counter() - t0
-            if not r.l2_pending_chunks:
-                raise RuntimeError(f"disk read stopped at {r.hit_chunks} of {n} chunks")
-            time.sleep(POLL_S)
-
 
 def _values(paths: list[str]) -> list[memoryview]:
     out = []
@@ -268,28 +188,12 @@ def _values(paths: list[str]) -> list[memoryview]:
     return out
 
 
-def _row(op: str, srv: list[float], raw: list[float], nbytes: int, objects: int) -> dict:
-    t_srv, t_raw = statistics.median(srv), statistics.median(raw)
-    return {
-        "op": op,
-        "server_s": t_srv,
-        "raw_s": t_raw,
-        "server_gbps": nbytes / t_srv / 1e9,
-        "raw_gbps": nbytes / t_raw / 1e9,
-        "server_objps": objects / t_srv,
-        "raw_objps": objects / t_raw,
-        "ratio": t_raw / t_srv,
-        "server_rounds_s": srv,
-        "raw_rounds_s": raw,
-    }
-
-
 def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
     """Fill to ``restart_gb``, stop both servers, time a third's first hit and index."""
     cfg = s.cfg
-    sample = _values(s.files(s.rega, digests)[:1])[0]
+    sample = _values(s.files(digests)[:1])[0]
     filler_dir = os.path.join(cfg.disk_dir, LAYOUT_DIR, uuid.uuid4().hex)
-    used = _disk(s.ca).used_bytes
+    used = s.stats(s.ca).used_bytes
     fill_files = max(0, int((cfg.restart_gb * (1 << 30) - used) // len(sample)))
     for i in range(fill_files):  # plain files of the layout (never looked up here)
         sub = os.path.join(filler_dir, f"{i % 256:02x}")
@@ -307,13 +211,18 @@ def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
     reg = cc.register(**s.dst.register_kwargs())
     t1 = time.perf_counter()
     t_first = 0.0
-    while (hit := cc.lookup(reg, digests, lease=False).hit_chunks) < n:
-        if hit and not t_first:
+
+    def all_hit() -> bool:
+        nonlocal t_first
+        hit = cc.lookup(reg, digests, lease=False).hit_chunks
+        if 0 < hit < n and not t_first:
             t_first = time.perf_counter() - t1
-        time.sleep(POLL_S)
+        return hit >= n
+
+    s.wait(all_hit, f"{n} chunks hit after the restart", 600)
     t_all = time.perf_counter() - t1
-    _wait(lambda: _disk(cc).rebuild.done, "index rebuild", 600)
-    st = _disk(cc)
+    s.wait(lambda: s.stats(cc).rebuild.done, "index rebuild", 600)
+    st = s.stats(cc)
     return {
         "restart_gb": round(st.used_bytes / (1 << 30), 2),
         "files": st.files,
@@ -324,7 +233,7 @@ def _restart(s: _Setup, stack: ExitStack, digests: bytes, n: int) -> dict:
     }
 
 
-def run(cfg: DiskBenchConfig) -> Report:
+def run(cfg: L2Config) -> Report:
     report = Report(
         "l2-disk",
         {
@@ -344,76 +253,19 @@ def run(cfg: DiskBenchConfig) -> Report:
     with ExitStack() as stack:
         s = _Setup(cfg, stack)
         report.config["direct_io"] = s.direct
-        n = cfg.chunks
-        obj_bytes = sum(og.object_bytes for og in s.rega.object_groups)
-        nbytes, objects = n * obj_bytes, n * len(s.rega.object_groups)
-        report.config["chunk_bytes"] = obj_bytes
-        w_srv, w_raw, r_srv, r_raw, w_store = [], [], [], [], []
-        digests = b""
-        ids: dict[str, np.ndarray] = {}
-        for rnd in range(cfg.rounds):
-            digests = _digests(1000 + rnd, n, s.rega.chunk_size)
-            t_store, t_all, ids = s.store(digests, rnd)
-            w_store.append(t_store)
-            w_srv.append(t_all)
-            values = _values(s.files(s.rega, digests))
-            t_raw, plain_paths = s.plain.write(values, f"r{rnd}")
-            w_raw.append(t_raw)
-            r_srv.append(s.disk_hit(s.cb, s.regb, digests, n))
-            r_raw.append(s.plain.read(plain_paths))
-        dst_ids = block_ids_for(s.regb, n, np.random.default_rng(99))
-        look = s.cb.lookup(s.regb, digests)
-        res = s.cb.retrieve(s.regb, digests, dst_ids)
-        s.cb.release(look.lease_id)
-        mismatched = sum(
-            1
-            for g in s.regb.groups
-            if g.cached
-            and g.kind != "sliding_window"
-            and s.src.pages(g.name, ids[g.name].tolist())
-            != s.dst.pages(g.name, dst_ids[g.name].tolist())
-        )
-        report.rows.append(_row(f"write {n} chunks", w_srv, w_raw, nbytes, objects))
-        report.rows[0]["store_s"] = statistics.median(w_store)
-        report.rows.append(
-            _row(
-                f"write-behind {n} chunks",
-                [a - b for a, b in zip(w_srv, w_store, strict=True)],
-                w_raw,
-                nbytes,
-                objects,
-            )
-        )
-        report.rows.append(_row(f"read {n} chunks", r_srv, r_raw, nbytes, objects))
-        for k in cfg.latency_chunks:
-            base = _digests(5000 + k, k, s.rega.chunk_size)
-            s.store(base, k)
-            paths = s.files(s.rega, base)
-            srv = [s.disk_hit(s.cb, s.regb, base, k) for _ in range(cfg.repeats)]
-            raw = [s.plain.read(paths) for _ in range(cfg.repeats)]
-            report.rows.append(
-                _row(f"disk hit {k} chunks", srv, raw, k * obj_bytes, k * len(s.rega.object_groups))
-            )
-        disk_b = msgspec.to_builtins(_disk(s.cb))
+        report.config["chunk_bytes"] = s.obj_bytes
+        digests, w_store, w_srv = s.measure(report, s.files, s.plain_write, s.plain.read, True)
+        report.summary["disk_b"] = msgspec.to_builtins(s.stats(s.cb))
         flood: dict = {}
         if cfg.flood_chunks:
-            behind_gbps = (
-                nbytes
-                / statistics.median([a - b for a, b in zip(w_srv, w_store, strict=True)])
-                / 1e9
-            )
+            behind_s = statistics.median([a - b for a, b in zip(w_srv, w_store, strict=True)])
+            behind_gbps = cfg.chunks * s.obj_bytes / behind_s / 1e9
             flood = {
                 "back_to_back": s.flood(20_000, cfg.flood_chunks),
                 "paced": s.flood(40_000, cfg.flood_chunks, PACED_FRACTION * behind_gbps),
             }
-        restart = _restart(s, stack, digests, n)
-        report.summary = {
-            "mismatched_groups": mismatched,
-            "retrieved_ok": bool(res.ok.all()),
-            "disk_b": disk_b,
-            "flood": flood,
-            "restart": restart,
-        }
+        report.summary["flood"] = flood
+        report.summary["restart"] = _restart(s, stack, digests, cfg.chunks)
     report.notes.append(
         "ratio = plain time / server time (1.0: as fast as plain os.pwrite/os.preadv of "
         "the same bytes on the same filesystem; target >= 0.8 for 64-chunk throughput)"
@@ -430,15 +282,11 @@ def run(cfg: DiskBenchConfig) -> Report:
 def table(report: Report) -> str:
     rows = format_table(
         report.rows,
-        [
-            ("op", "operation", ""),
-            ("server_s", "server s", ".4f"),
-            ("store_s", "of which store s", ".4f"),
-            ("raw_s", "plain s", ".4f"),
-            ("server_gbps", "server GB/s", ".2f"),
-            ("raw_gbps", "plain GB/s", ".2f"),
-            ("ratio", "plain/server", ".2f"),
-        ],
+        (
+            "op|operation; server_s|server s|.4f; store_s|of which store s|.4f; "
+            "raw_s|plain s|.4f; server_gbps|server GB/s|.2f; raw_gbps|plain GB/s|.2f; "
+            "ratio|plain/server|.2f"
+        ),
     )
     flood = "".join(
         f"\nflood {name} ({f['chunks']} chunks, stores at {f['store_gbps']:.2f} GB/s): "

@@ -15,14 +15,15 @@ to the infinite-cache ratio of the same requests.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
+from lmc_server.bench.common import Report, format_table, progress
+from lmc_server.bench.l2.run import L2Config
+from lmc_server.bench.servers import server_flags
 from lmc_server.bench.traces.bounds import infinite_hits
 from lmc_server.bench.traces.tierpolicy import POLICIES, simulate
 from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
@@ -32,6 +33,7 @@ from lmc_server.client import Client
 from lmc_server.config import GIB, MIB
 from lmc_server.protocol.stats import L2Report, StatsReport
 from lmc_server.testing.kv import ShmKV
+from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess
 
@@ -40,20 +42,6 @@ POLL_LIMIT_S = 2.0
 #: Redis memory per value beyond its payload: our 80-byte header and Redis' own key
 #: and allocation overhead (about 100 bytes, measured as used_memory / keys here).
 VALUE_OVERHEAD_BYTES = 200
-
-
-@dataclass(frozen=True)
-class L2ReplayConfig:
-    trace: str
-    limit: int | None = 1000
-    l1_fraction: float = 0.05
-    l2_fraction: float = 0.5
-    geometry: GeometryArgs = GeometryArgs(layers=2, sliding_groups=1)
-    slab_size_mb: int = 4
-    show_progress: bool = True
-    #: The lower tier is the disk tier (a temporary directory of ``l2_fraction`` of the
-    #: distinct bytes) instead of Redis; adds the write-policy model's rows.
-    disk: bool = False
 
 
 def _drive(
@@ -70,11 +58,15 @@ def _drive(
             if n == 0:
                 continue
             first = c.lookup(reg, r.digests, lease=False)
-            t0 = time.monotonic()
-            pending = first.l2_pending_chunks
-            while pending and time.monotonic() - t0 < POLL_LIMIT_S:
-                time.sleep(POLL_S)
-                pending = c.lookup(reg, r.digests, lease=False).l2_pending_chunks
+            if first.l2_pending_chunks:  # as a connector does: wait a while, not forever
+                with contextlib.suppress(TimeoutError):
+                    wait_for(
+                        lambda: not c.lookup(reg, r.digests, lease=False).l2_pending_chunks,  # noqa: B023
+                        "the lower tier's reads",
+                        POLL_LIMIT_S,
+                        POLL_S,
+                        TimeoutError,
+                    )
             res = c.lookup(reg, r.digests, lease=True)
             h = res.hit_chunks
             l1 += min(first.hit_chunks, h)
@@ -88,7 +80,9 @@ def _drive(
     return l1, l2, stats
 
 
-def run(cfg: L2ReplayConfig) -> Report:
+def run(cfg: L2Config) -> Report:
+    assert cfg.trace is not None, "the trace to replay"
+    disk = cfg.replay_tier == "disk"
     requests = load_trace(cfg.trace, cfg.limit)
     chunks, distinct = chunk_ids(requests)
     max_chunks = max((r.n_chunks for r in requests), default=1) or 1
@@ -121,25 +115,18 @@ def run(cfg: L2ReplayConfig) -> Report:
         },
     )
     report.summary["infinite_ratio"] = infinite
-    args = [
-        "--chunk-size",
-        str(CHUNK_TOKENS),
-        "--no-separate-object-groups",
-        "--slab-size-mb",
-        str(cfg.slab_size_mb),
-        "--eviction-policy",
-        "LRU",
-    ]
+    more = ["--slab-size-mb", str(cfg.slab_size_mb), "--eviction-policy", "LRU"]
+    args = server_flags(CHUNK_TOKENS, False, *more)
     disk_gb = cfg.l2_fraction * distinct * (chunk_bytes + VALUE_OVERHEAD_BYTES) / GIB
-    if cfg.disk:
+    if disk:
         report.config["disk_size_gb"] = disk_gb
     with ShmKV(geometry) as kv, progress(2 * len(requests), "l2 replay", cfg.show_progress) as bar:
-        for tier in ("L1 only", "L1 + disk" if cfg.disk else "L1 + L2"):
+        for tier in ("L1 only", "L1 + disk" if disk else "L1 + L2"):
             l2_stats: L2Report | None = None
             if tier == "L1 only":
                 with ServerProcess(args, l1_size_gb=l1_gb) as srv:
                     l1, l2, stats = _drive(srv.endpoint, requests, kv, bar)
-            elif cfg.disk:
+            elif disk:
                 with (
                     tempfile.TemporaryDirectory(prefix="lmc-replay-disk-") as d,
                     ServerProcess(
@@ -171,7 +158,7 @@ def run(cfg: L2ReplayConfig) -> Report:
                     "written_per_hit": l2_stats.objects_written / max(1, l2) if l2_stats else None,
                 }
             )
-    if cfg.disk:
+    if disk:
         _model_rows(
             report,
             chunks,
@@ -225,17 +212,11 @@ def _model_rows(
 def table(report: Report) -> str:
     return format_table(
         report.rows,
-        [
-            ("tier", "tiers", ""),
-            ("l1_hit_ratio", "L1 token hit", ".4f"),
-            ("l2_hit_ratio", "L2 token hit", ".4f"),
-            ("hit_ratio", "total", ".4f"),
-            ("infinite_ratio", "infinite", ".4f"),
-            ("evictions", "L1 evictions", "d"),
-            ("l2_written", "L2 writes", "d"),
-            ("l2_dropped", "L2 dropped", "d"),
-            ("l2_invalid", "L2 invalid", "d"),
-            ("written_per_hit", "writes per lower hit", ".2f"),
-            ("l1_kept_on_disk", "L1 kept on disk", ".2f"),
-        ],
+        (
+            "tier|tiers; l1_hit_ratio|L1 token hit|.4f; l2_hit_ratio|L2 token hit|.4f; "
+            "hit_ratio|total|.4f; infinite_ratio|infinite|.4f; evictions|L1 evictions|d; "
+            "l2_written|L2 writes|d; l2_dropped|L2 dropped|d; l2_invalid|L2 invalid|d; "
+            "written_per_hit|writes per lower hit|.2f; "
+            "l1_kept_on_disk|L1 kept on disk|.2f"
+        ),
     )

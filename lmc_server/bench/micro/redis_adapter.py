@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from lmc_server.bench.l2.run import L2BenchConfig, warm_store
+from lmc_server.bench.l2.run import WARM_STORE_GB, warm_store
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import SlotObject, SlotRead
 from lmc_server.l2.redis_backend import RedisBackend
@@ -123,7 +123,7 @@ if __name__ == "__main__":
     ap.add_argument("--objects", type=int, default=128)
     ap.add_argument("--object-bytes", type=int, default=DEFAULT_OBJECT_BYTES)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warm-store-gb", type=float, default=L2BenchConfig.warm_store_gb)
+    ap.add_argument("--warm-store-gb", type=float, default=WARM_STORE_GB)
     ap.add_argument("--json", default="", help="also write the report here")
     a = ap.parse_args()
     a.connections = [int(c) for c in a.connections.split(",")]

@@ -16,9 +16,11 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import click
 import numpy as np
 
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs
+from lmc_server.bench.options import BACKENDS, ints, opt, words
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.testing.presets import KVGeometry
 
@@ -36,6 +38,19 @@ IN_PROGRESS_RETRY_S = 2.0
 DP_RECENT_PROMPTS = 8
 #: DP mode: bytes at the start of every page that carry the prompt's tag.
 TAG_BYTES = 16
+#: DP mode: what an engine counts of its loads (its replies carry them; the parent sums).
+DP_LOAD_COUNTS = (
+    "lookups",
+    "lookup_misses",
+    "partial_hits",
+    "loads",
+    "cross_engine_chunks",
+    "own_chunks",
+    "failed_load_chunks",
+    "verified_loads",
+    "checked_bytes",
+    "mismatched_bytes",
+)
 MODES = ("tp", "dp")
 TP_MODES = ("load", "mixed")
 #: Requests a rank keeps in flight in a TP phase, at most.
@@ -44,26 +59,92 @@ MAX_TP_INFLIGHT = 64
 
 @dataclass(frozen=True)
 class RanksConfig:
-    mode: str = "tp"
-    backend: str = "cpu"
-    ranks: int = 8
-    chunks: int = 1000
-    duration_s: float = 60.0
-    kill_one: bool = True
+    mode: str = opt(
+        "tp",
+        "tp: the tensor-parallel ranks of one engine (replicated KV; phases 1-3 "
+        "and the TP phases). dp: independent data-parallel engines, each rank 0 of "
+        "world size 1 (one namespace), storing their own prompts and loading "
+        "prefixes any engine stored, at their own pace (the DP phase, phase 3).",
+        type=click.Choice(MODES),
+    )
+    backend: str = opt(
+        "cpu",
+        "Transfer engine of the server; cuda: ranks round-robin over the GPUs.",
+        type=BACKENDS,
+    )
+    ranks: int = opt(
+        8,
+        "Worker processes, one registration each (TP ranks, or DP engines).",
+        type=click.IntRange(1, 256),
+    )
+    chunks: int = opt(
+        1000,
+        "Chunks rank 0 stores in phase 1 (and slots of each KV region).",
+        type=click.IntRange(1),
+    )
+    duration_s: float = opt(
+        60.0,
+        "Seconds of concurrent store/retrieve on every rank (phase 2; the DP "
+        "phase with --mode dp).",
+        type=click.FloatRange(min=0.1),
+    )
+    kill_one: bool = opt(
+        True, "SIGKILL the last rank halfway through phase 2 or the DP phase (phase 3)."
+    )
     geometry: GeometryArgs = GeometryArgs()
-    num_blocks: int | None = None
-    batch: int = 16
-    l1_size_gb: float | None = None
-    verify_every: int = 8
-    raw_s: float = 1.0
-    seed: int = 0
-    tp_modes: tuple[str, ...] = ("load", "mixed")
-    tp_s: float = 5.0
+    num_blocks: int | None = opt(
+        None,
+        "Blocks per KV group [default: the least two regions of --chunks need].",
+        type=click.IntRange(1),
+    )
+    #: At most ``chunks`` (cut to it at construction).
+    batch: int = opt(
+        16,
+        "Chunks per request in phase 1 stores and phase 2; with --mode dp, "
+        "chunks per prompt (each store, and the longest load).",
+        type=click.IntRange(1),
+    )
+    l1_size_gb: float | None = opt(
+        None,
+        "Server pool [default: twice the phase-1 bytes plus 1 GiB].",
+        type=click.FloatRange(min=0.1),
+    )
+    verify_every: int = opt(
+        8,
+        "Phase 2: compare every n-th successful retrieve byte for byte (DP "
+        "mode compares every load).",
+        type=click.IntRange(1),
+    )
+    raw_s: float = opt(
+        1.0, "Seconds of each raw-copy baseline direction.", type=click.FloatRange(min=0.01)
+    )
+    tp_modes: tuple[str, ...] = opt(
+        ("load", "mixed"),
+        "Steady-state TP phases, comma-separated: load (every rank retrieves the "
+        "same prefix at once), mixed (and rank 0 stores meanwhile); '' for none.",
+        parse=words,
+    )
+    tp_s: float = opt(5.0, "Seconds each TP phase runs.", type=click.FloatRange(min=0.1))
     #: Chunks per TP request, each TP mode run for every (chunks, inflight) pair;
     #: ``None``: ``(batch,)``.
-    tp_chunks: tuple[int, ...] | None = None
-    tp_inflight: tuple[int, ...] = (1,)
+    tp_chunks: tuple[int, ...] | None = opt(
+        None,
+        "Chunks per TP request (the prefix length), comma-separated (1,4,16,64): "
+        "each TP mode runs for every pair of --tp-chunks and --tp-inflight; at most "
+        "--chunks [default: --batch].",
+        parse=ints,
+    )
+    tp_inflight: tuple[int, ...] = opt(
+        (1,),
+        f"Requests each rank keeps in flight in the TP phases, comma-separated "
+        f"(1,2,4; each at most {MAX_TP_INFLIGHT}).",
+        parse=ints,
+    )
+    seed: int = 0
     chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch", min(self.batch, self.chunks))
 
 
 def tp_pairs(cfg: RanksConfig) -> list[tuple[int, int]]:

@@ -16,27 +16,19 @@ stored) and own hits, lookups that hit nothing, the byte checks, failed chunks. 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
-from lmc_server.bench.ranks.procs import RankProcess, gather
+from lmc_server.bench.ranks.config import DP_LOAD_COUNTS, MAX_ERRORS_KEPT, RanksConfig
+from lmc_server.bench.ranks.procs import RankProcess, gather, timed_phase
 from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.client.sync import Client
 
+#: The counts of an engine's reply that rows show and the phase sums, in report order.
 _SUMMED = (
-    "lookups",
-    "lookup_misses",
-    "partial_hits",
-    "loads",
-    "cross_engine_chunks",
-    "own_chunks",
-    "failed_load_chunks",
+    *DP_LOAD_COUNTS[:7],
     "failed_store_chunks",
-    "verified_loads",
-    "checked_bytes",
-    "mismatched_bytes",
+    *DP_LOAD_COUNTS[7:],
     "stored_prompts",
 )
 
@@ -75,17 +67,9 @@ def dp_phase(
     reads the server's CPU over the timed phase."""
     seeds = gather(engines, {"cmd": "dp_seed"}, 600)
     s0 = admin.stats()
-    victim = engines[-1] if cfg.kill_one and len(engines) > 1 else None
     server_cpu = load(cfg.duration_s)
-    for e in engines:
-        e.send({"cmd": "dp", "duration_s": cfg.duration_s})
-    t0 = time.monotonic()
-    if victim is not None:
-        time.sleep(cfg.duration_s / 2)
-        kill(victim)
-    survivors = [e for e in engines if e is not victim]
-    got = [e.recv(cfg.duration_s + 600) for e in survivors]
-    wall_s = time.monotonic() - t0
+    cmd = {"cmd": "dp", "duration_s": cfg.duration_s}
+    survivors, got, wall_s = timed_phase(engines, cmd, cfg.duration_s, cfg.kill_one, kill)
     s1 = admin.stats()
     seconds = max(g["seconds"] for g in got)
     res: dict[str, Any] = {
@@ -127,7 +111,7 @@ def dp_phase(
     # what the survivors copied; a killed engine's copies count on the server only
     same = (
         (lambda ours, server: ours == server)
-        if victim is None
+        if len(survivors) == len(engines)
         else (lambda ours, server: ours <= server)
     )
     checks = {

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from lmc_server.bench.ranks.config import (
+    DP_LOAD_COUNTS,
     DP_RECENT_PROMPTS,
     REGION_A,
     REGION_B,
@@ -63,21 +64,7 @@ class DPEngine:
         self.st, self.lt = Counts(ob), Counts(ob)
         self.stored_prompts = 0
         self.rng = np.random.default_rng(self.seed * 1000 + 7919 * self.engine + 1)
-        self.n: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_misses",
-                "partial_hits",
-                "loads",
-                "cross_engine_chunks",
-                "own_chunks",
-                "failed_load_chunks",
-                "verified_loads",
-                "checked_bytes",
-                "mismatched_bytes",
-            ),
-            0,
-        )
+        self.n: dict[str, int] = dict.fromkeys(DP_LOAD_COUNTS, 0)
         self.verify_s = 0.0
 
     # -- store ----------------------------------------------------------------------------

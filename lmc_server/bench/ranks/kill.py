@@ -8,12 +8,14 @@ DP phase) call it halfway through their timed phase.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from lmc_server.bench.ranks.config import KILL_DETECT_S
 from lmc_server.bench.ranks.procs import RankProcess, maps_hold
 from lmc_server.client.sync import Client
+from lmc_server.testing.poll import wait_for
 
 
 def kill_phase(
@@ -26,15 +28,18 @@ def kill_phase(
     t0 = time.monotonic()
     names = victim.info.get("segments", [])
     detect_s = unmapped_s = None
-    while time.monotonic() - t0 < KILL_DETECT_S:
+
+    def settled() -> bool:
+        nonlocal detect_s, unmapped_s
         now = time.monotonic() - t0
         if detect_s is None and admin.stats().registrations == before - 1:
             detect_s = now
         if names and unmapped_s is None and maps_hold(server_pid, names) is False:
             unmapped_s = now
-        if detect_s is not None and (unmapped_s is not None or not names):
-            break
-        time.sleep(0.05)
+        return detect_s is not None and (unmapped_s is not None or not names)
+
+    with contextlib.suppress(TimeoutError):  # what was not seen in time is None
+        wait_for(settled, "the dead rank reaped", KILL_DETECT_S, 0.05, TimeoutError)
     p3 = {
         "victim_rank": victim.rank,
         "registrations_before": before,

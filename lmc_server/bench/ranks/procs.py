@@ -10,7 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,28 @@ def gather(
     for r in ranks:
         r.send(cmd)
     return [r.recv(timeout_s) for r in ranks]
+
+
+def timed_phase(
+    procs: Sequence[RankProcess],
+    cmd: dict[str, Any],
+    duration_s: float,
+    kill_one: bool,
+    kill: Callable[[RankProcess], None],
+) -> tuple[list[RankProcess], list[dict[str, Any]], float]:
+    """Send ``cmd`` (a phase of ``duration_s``) to every process; with ``kill_one``
+    (and more than one process), ``kill`` the last one halfway. Returns the survivors,
+    their replies and the wall time from the send to the last reply."""
+    victim = procs[-1] if kill_one and len(procs) > 1 else None
+    for r in procs:
+        r.send(cmd)
+    t0 = time.monotonic()
+    if victim is not None:
+        time.sleep(duration_s / 2)
+        kill(victim)
+    survivors = [r for r in procs if r is not victim]
+    got = [r.recv(duration_s + 600) for r in survivors]
+    return survivors, got, time.monotonic() - t0
 
 
 def maps_hold(pid: int, names: Sequence[str]) -> bool | None:

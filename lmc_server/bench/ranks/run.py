@@ -81,6 +81,7 @@ from lmc_server.bench.ranks.procs import RankProcess, gather
 from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.bench.ranks.soak import soak_phase
 from lmc_server.bench.ranks.table import notes
+from lmc_server.bench.servers import server_flags
 from lmc_server.cache.layout import build_layout
 from lmc_server.client.sync import Client
 from lmc_server.testing.process import ServerProcess
@@ -357,15 +358,7 @@ def run(cfg: RanksConfig) -> Report:
             "eviction_policy": "LRU",
         },
     )
-    args = [
-        "--chunk-size",
-        str(cfg.chunk_size),
-        "--separate-object-groups",
-        "--eviction-policy",
-        "LRU",
-        "--log-level",
-        "WARNING",
-    ]
+    args = server_flags(cfg.chunk_size, True, "--eviction-policy", "LRU")
     with (
         ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb, start_timeout_s=120) as srv,
         Client(srv.endpoint, timeout_s=60) as admin,

@@ -11,12 +11,11 @@ separately as ``unknown_bytes_phase2`` and ``evicted_bytes_phase2``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmc_server.bench.ranks.config import MAX_ERRORS_KEPT, RanksConfig
-from lmc_server.bench.ranks.procs import RankProcess, union_bits
+from lmc_server.bench.ranks.procs import RankProcess, timed_phase, union_bits
 from lmc_server.bench.ranks.serverload import ServerLoad
 from lmc_server.client.sync import Client
 
@@ -36,17 +35,9 @@ def soak_phase(
     each rank's phase-2 figures. ``load(seconds)`` reads the server's CPU over the
     phase from when it is called."""
     s0 = admin.stats()
-    victim = ranks[-1] if cfg.kill_one and cfg.ranks > 1 else None
     server_cpu = load(cfg.duration_s)
-    for r in ranks:
-        r.send({"cmd": "p2", "duration_s": cfg.duration_s, "verify_every": cfg.verify_every})
-    t0 = time.monotonic()
-    if victim is not None:
-        time.sleep(cfg.duration_s / 2)
-        phase3(victim)
-    survivors = [r for r in ranks if r is not victim]
-    got = [r.recv(cfg.duration_s + 600) for r in survivors]
-    wall_s = time.monotonic() - t0
+    cmd = {"cmd": "p2", "duration_s": cfg.duration_s, "verify_every": cfg.verify_every}
+    survivors, got, wall_s = timed_phase(ranks, cmd, cfg.duration_s, cfg.kill_one, phase3)
     s1 = admin.stats()
     seconds = max(g["seconds"] for g in got)
     store_b = sum(g["store"]["copied_bytes"] for g in got)

@@ -61,17 +61,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _aggregate(agg: list[dict[str, Any]]) -> str:
-    rows = [{k: (_fmt(v) if k != "what" else v) for k, v in a.items()} for a in agg]
-    return format_table(
-        rows,
-        [
-            ("what", "aggregate", ""),
-            ("ours", "ours", ""),
-            ("ref", "raw / expected", ""),
-            ("ratio", "ratio", ""),
-        ],
-    )
+def _aggregate(agg: list[tuple[str, Any, Any, Any]]) -> str:
+    """The aggregate figures: ``(what, ours, raw or expected, ratio)`` each."""
+    rows = [
+        dict(zip(("what", "ours", "ref", "ratio"), (w, *map(_fmt, v)), strict=True))
+        for w, *v in agg
+    ]
+    return format_table(rows, "what|aggregate; ours|ours; ref|raw / expected; ratio|ratio")
 
 
 def _load_row(phase: str, res: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -112,20 +108,12 @@ def server_load_table(report: Report) -> str:
         return ""
     table = format_table(
         rows,
-        [
-            ("phase", "phase", ""),
-            ("chunks", "chunks", "d"),
-            ("inflight", "in flight", "d"),
-            ("rps", "req/s", ",.0f"),
-            ("gbps", "retr GB/s", ".2f"),
-            ("ratio", "of raw", ".3f"),
-            ("store_gbps", "store GB/s", ".2f"),
-            ("loop_busy", "loop busy", ".2f"),
-            ("loop_us", "loop us/req", ",.0f"),
-            ("busiest", "busiest thread", ""),
-            ("busiest_busy", "its busy", ".2f"),
-            ("sat_rps", "sat req/s", ",.0f"),
-        ],
+        (
+            "phase|phase; chunks|chunks|d; inflight|in flight|d; rps|req/s|,.0f; "
+            "gbps|retr GB/s|.2f; ratio|of raw|.3f; store_gbps|store GB/s|.2f; "
+            "loop_busy|loop busy|.2f; loop_us|loop us/req|,.0f; busiest|busiest thread; "
+            "busiest_busy|its busy|.2f; sat_rps|sat req/s|,.0f"
+        ),
     )
     errors = [f"{r['phase']}: server CPU not read ({r['error']})" for r in rows if r["error"]]
     return "\n".join([table, *errors])
@@ -134,65 +122,31 @@ def server_load_table(report: Report) -> str:
 def _dp_table(report: Report) -> str:
     engines = format_table(
         report.rows,
-        [
-            ("engine", "engine", "d"),
-            ("device", "dev", "d"),
-            ("alive", "alive", ""),
-            ("store_gbps", "store GB/s", ".2f"),
-            ("load_gbps", "load GB/s", ".2f"),
-            ("stored_prompts", "prompts", "d"),
-            ("loads", "loads", "d"),
-            ("lookup_misses", "lookup misses", "d"),
-            ("cross_engine_chunks", "cross-engine chunks", "d"),
-            ("own_chunks", "own chunks", "d"),
-            ("verified_loads", "verified", "d"),
-            ("mismatched_bytes", "mismatch B", "d"),
-            ("failed_chunks", "failed", "d"),
-            ("errors", "errors", "d"),
-        ],
+        (
+            "engine|engine|d; device|dev|d; alive|alive; store_gbps|store GB/s|.2f; "
+            "load_gbps|load GB/s|.2f; stored_prompts|prompts|d; loads|loads|d; "
+            "lookup_misses|lookup misses|d; cross_engine_chunks|cross-engine chunks|d; "
+            "own_chunks|own chunks|d; verified_loads|verified|d; "
+            "mismatched_bytes|mismatch B|d; failed_chunks|failed|d; errors|errors|d"
+        ),
     )
     s = report.summary
     dp, raw = s.get("dp", {}), s.get("raw", {})
     agg = [
-        {
-            "what": "store GB/s (D2H), all engines",
-            "ours": dp.get("store_gbps"),
-            "ref": raw.get("d2h_gbps"),
-            "ratio": dp.get("store_ratio"),
-        },
-        {
-            "what": "load GB/s (H2D), all engines",
-            "ours": dp.get("load_gbps"),
-            "ref": raw.get("h2d_gbps"),
-            "ratio": dp.get("load_ratio"),
-        },
-        {
-            "what": "cross-engine chunks loaded",
-            "ours": dp.get("cross_engine_chunks"),
-            "ref": None,
-            "ratio": None,
-        },
-        {
-            "what": "loads verified / loads",
-            "ours": dp.get("verified_loads"),
-            "ref": dp.get("loads"),
-            "ratio": None,
-        },
-        {
-            "what": "mismatched bytes / checked",
-            "ours": dp.get("mismatched_bytes"),
-            "ref": dp.get("checked_bytes"),
-            "ratio": None,
-        },
-        {"what": "failed chunks", "ours": dp.get("failed_chunks"), "ref": 0, "ratio": None},
-        {
-            "what": "dead engine detected (s)",
-            "ours": s.get("phase3", {}).get("detected_s"),
-            "ref": KILL_DETECT_S,
-            "ratio": None,
-        },
+        ("store GB/s (D2H), all engines", *_of(dp, raw, "store", "d2h")),
+        ("load GB/s (H2D), all engines", *_of(dp, raw, "load", "h2d")),
+        ("cross-engine chunks loaded", dp.get("cross_engine_chunks"), None, None),
+        ("loads verified / loads", dp.get("verified_loads"), dp.get("loads"), None),
+        ("mismatched bytes / checked", dp.get("mismatched_bytes"), dp.get("checked_bytes"), None),
+        ("failed chunks", dp.get("failed_chunks"), 0, None),
+        ("dead engine detected (s)", s.get("phase3", {}).get("detected_s"), KILL_DETECT_S, None),
     ]
     return _joined([engines, _aggregate(agg), server_load_table(report)], bool(s.get("ok")))
+
+
+def _of(res: dict[str, Any], raw: dict[str, Any], op: str, direction: str) -> tuple[Any, ...]:
+    """``op``'s GB/s in a phase's summary, the raw copy's in ``direction``, their ratio."""
+    return res.get(f"{op}_gbps"), raw.get(f"{direction}_gbps"), res.get(f"{op}_ratio")
 
 
 def _joined(parts: list[str], ok: bool) -> str:
@@ -206,73 +160,34 @@ def table(report: Report) -> str:
         return _dp_table(report)
     ranks = format_table(
         report.rows,
-        [
-            ("rank", "rank", "d"),
-            ("device", "dev", "d"),
-            ("alive", "alive", ""),
-            ("p1_checked_bytes", "p1 checked B", "d"),
-            ("p1_mismatched_bytes", "p1 mismatch B", "d"),
-            ("tp_load_retrieve_gbps", "tp load GB/s", ".2f"),
-            ("p2_store_gbps", "p2 store GB/s", ".2f"),
-            ("p2_retrieve_gbps", "p2 retr GB/s", ".2f"),
-            ("p2_errors", "p2 errors", "d"),
-            ("p2_mismatched_bytes", "p2 mismatch B", "d"),
-        ],
+        (
+            "rank|rank|d; device|dev|d; alive|alive; p1_checked_bytes|p1 checked B|d; "
+            "p1_mismatched_bytes|p1 mismatch B|d; tp_load_retrieve_gbps|tp load GB/s|.2f; "
+            "p2_store_gbps|p2 store GB/s|.2f; p2_retrieve_gbps|p2 retr GB/s|.2f; "
+            "p2_errors|p2 errors|d; p2_mismatched_bytes|p2 mismatch B|d"
+        ),
     )
     s = report.summary
     p2, raw, l1 = s.get("phase2", {}), s.get("raw", {}), s.get("l1", {})
     agg = []
     for mode in ("load", "mixed"):  # a grid's TP phases are in the server-CPU table
         tp = s.get(f"tp_{mode}")
-        if tp is None:
-            continue
-        agg.append(
-            {
-                "what": f"tp {mode}: retrieve GB/s (H2D), all ranks",
-                "ours": tp["retrieve_gbps"],
-                "ref": raw.get("h2d_gbps"),
-                "ratio": tp["retrieve_ratio"],
-            }
-        )
-        if tp["store_requests"]:
+        if tp is not None:
             agg.append(
-                {
-                    "what": f"tp {mode}: store GB/s (D2H), rank 0",
-                    "ours": tp["store_gbps"],
-                    "ref": raw.get("d2h_gbps"),
-                    "ratio": tp["store_ratio"],
-                }
+                (f"tp {mode}: retrieve GB/s (H2D), all ranks", *_of(tp, raw, "retrieve", "h2d"))
             )
+            if tp["store_requests"]:
+                agg.append((f"tp {mode}: store GB/s (D2H), rank 0", *_of(tp, raw, "store", "d2h")))
     agg += [
-        {
-            "what": "p2 store GB/s (D2H), all ranks, with checks",
-            "ours": p2.get("store_gbps"),
-            "ref": raw.get("d2h_gbps"),
-            "ratio": p2.get("store_ratio"),
-        },
-        {
-            "what": "p2 retrieve GB/s (H2D), all ranks, with checks",
-            "ours": p2.get("retrieve_gbps"),
-            "ref": raw.get("h2d_gbps"),
-            "ratio": p2.get("retrieve_ratio"),
-        },
-        {
-            "what": "L1 used bytes vs one copy",
-            "ours": l1.get("used_bytes"),
-            "ref": l1.get("single_copy_bytes"),
-            "ratio": None,
-        },
-        {
-            "what": "p2 bytes copied vs distinct",
-            "ours": l1.get("copied_bytes_phase2"),
-            "ref": l1.get("distinct_bytes_phase2"),
-            "ratio": l1.get("copies_per_distinct_chunk"),
-        },
-        {
-            "what": "dead rank detected (s)",
-            "ours": s.get("phase3", {}).get("detected_s"),
-            "ref": KILL_DETECT_S,
-            "ratio": None,
-        },
+        ("p2 store GB/s (D2H), all ranks, with checks", *_of(p2, raw, "store", "d2h")),
+        ("p2 retrieve GB/s (H2D), all ranks, with checks", *_of(p2, raw, "retrieve", "h2d")),
+        ("L1 used bytes vs one copy", l1.get("used_bytes"), l1.get("single_copy_bytes"), None),
+        (
+            "p2 bytes copied vs distinct",
+            l1.get("copied_bytes_phase2"),
+            l1.get("distinct_bytes_phase2"),
+            l1.get("copies_per_distinct_chunk"),
+        ),
+        ("dead rank detected (s)", s.get("phase3", {}).get("detected_s"), KILL_DETECT_S, None),
     ]
     return _joined([ranks, _aggregate(agg), server_load_table(report)], bool(s.get("ok")))

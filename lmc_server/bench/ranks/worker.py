@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from lmc_server.bench.jsonproc import reply
 from lmc_server.bench.ranks.config import (
     IN_PROGRESS_POLL_S,
     IN_PROGRESS_RETRY_S,
@@ -60,20 +61,24 @@ class _Worker:
         assert self.reg is not None
         return {og.name: og.object_bytes for og in self.reg.object_groups}
 
-    async def _store(self, phase: str, idx: np.ndarray, counts: Counts) -> ChunkResult | None:
-        assert self.reg is not None
+    async def _request(
+        self, op: str, phase: str, idx: np.ndarray, region: int, slots: np.ndarray, counts: Counts
+    ) -> ChunkResult | None:
+        """A store or retrieve of chunks ``idx`` of ``phase`` from or into ``slots`` of
+        ``region``, counted into ``counts``; ``None`` if it raised."""
         t0 = time.perf_counter()
         try:
-            res: ChunkResult = await self.client.store(
-                self.reg,
-                digests(self.seed, phase, idx),
-                self.kv.slots.ids(REGION_A, idx % self.chunks),
+            res: ChunkResult = await getattr(self.client, op)(
+                self.reg, digests(self.seed, phase, idx), self.kv.slots.ids(region, slots)
             )
         except (ServerError, TimeoutError, ConnectionError) as e:
             counts.error(e)
             return None
         counts.add(res, time.perf_counter() - t0)
         return res
+
+    async def _store(self, phase: str, idx: np.ndarray, counts: Counts) -> ChunkResult | None:
+        return await self._request("store", phase, idx, REGION_A, idx % self.chunks, counts)
 
     async def _store_settled(
         self, idx: np.ndarray, counts: Counts, until: float
@@ -99,17 +104,7 @@ class _Worker:
     async def _retrieve(
         self, phase: str, idx: np.ndarray, dst: np.ndarray, counts: Counts
     ) -> ChunkResult | None:
-        assert self.reg is not None
-        t0 = time.perf_counter()
-        try:
-            res: ChunkResult = await self.client.retrieve(
-                self.reg, digests(self.seed, phase, idx), self.kv.slots.ids(REGION_B, dst)
-            )
-        except (ServerError, TimeoutError, ConnectionError) as e:
-            counts.error(e)
-            return None
-        counts.add(res, time.perf_counter() - t0)
-        return res
+        return await self._request("retrieve", phase, idx, REGION_B, dst, counts)
 
     async def init(self) -> dict[str, Any]:
         from lmc_server.client.aio import AsyncClient
@@ -316,6 +311,25 @@ class _Worker:
             total += self.raw_nbytes
         return {"gbps": total / spent / 1e9}
 
+    def command(self, cmd: dict[str, Any]) -> Any:
+        """What answers ``cmd`` (a dict, or a coroutine that makes one)."""
+        c, dp = cmd, self.dp
+        if c["cmd"] in ("dp_seed", "dp"):
+            assert dp is not None, "dp commands need mode dp"
+        handlers = {
+            "p1_store": lambda: self.p1_store(),
+            "p1_retrieve": lambda: self.p1_retrieve(),
+            "raw_prepare": lambda: self.raw_prepare(c["nbytes"], c["raw_s"]),
+            "raw_go": lambda: self.raw_go(c["direction"], c["raw_s"]),
+            "tp": lambda: self.tp(c["mode"], c["duration_s"], c["chunks"], c["inflight"], c["tag"]),
+            "p2": lambda: self.p2(c["duration_s"], c["verify_every"]),
+            "dp_seed": lambda: dp.seed_prompt(),  # type: ignore[union-attr]
+            "dp": lambda: dp.run(c["duration_s"]),  # type: ignore[union-attr]
+        }
+        if c["cmd"] not in handlers:
+            raise ValueError(f"unknown command {c['cmd']!r}")
+        return handlers[c["cmd"]]()
+
     async def close(self) -> None:
         if self.client is not None:
             if self.reg is not None:
@@ -326,51 +340,22 @@ class _Worker:
         self.kv.close()
 
 
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 async def _serve(first: dict[str, Any]) -> None:
     worker = _Worker(first)
     loop = asyncio.get_running_loop()
     try:
-        _reply(await worker.init())
+        reply(await worker.init())
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if not line:
                 return
             cmd = json.loads(line)
-            op = cmd["cmd"]
-            if op == "p1_store":
-                _reply(await worker.p1_store())
-            elif op == "p1_retrieve":
-                _reply(await worker.p1_retrieve())
-            elif op == "raw_prepare":
-                _reply(worker.raw_prepare(cmd["nbytes"], cmd["raw_s"]))
-            elif op == "raw_go":
-                _reply(worker.raw_go(cmd["direction"], cmd["raw_s"]))
-            elif op == "tp":
-                _reply(
-                    await worker.tp(
-                        cmd["mode"], cmd["duration_s"], cmd["chunks"], cmd["inflight"], cmd["tag"]
-                    )
-                )
-            elif op == "p2":
-                _reply(await worker.p2(cmd["duration_s"], cmd["verify_every"]))
-            elif op == "dp_seed":
-                assert worker.dp is not None, "dp commands need mode dp"
-                _reply(await worker.dp.seed_prompt())
-            elif op == "dp":
-                assert worker.dp is not None, "dp commands need mode dp"
-                _reply(await worker.dp.run(cmd["duration_s"]))
-            elif op == "exit":
+            if cmd["cmd"] == "exit":
                 break
-            else:
-                raise ValueError(f"unknown command {op!r}")
+            out = worker.command(cmd)
+            reply(await out if asyncio.iscoroutine(out) else out)
     finally:
         await worker.close()
-    _reply({"bye": True})
 
 
 def worker_main() -> int:
@@ -382,7 +367,7 @@ def worker_main() -> int:
         asyncio.run(_serve(first))
     except Exception as e:
         log.exception("rank %s failed", first.get("rank"))
-        _reply({"error": f"{type(e).__name__}: {e}"})
+        reply({"error": f"{type(e).__name__}: {e}"})
         return 1
     return 0
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
 from lmc_server.bench.kvregions import Regions, max_blocks_per_chunk
+from lmc_server.bench.servers import server_flags
 from lmc_server.bench.throughput.config import ThroughputConfig
 from lmc_server.bench.throughput.timing import Raw, Session, measure_batch
 from lmc_server.client.aio import AsyncClient
@@ -65,11 +66,6 @@ async def _run_server(
 ) -> list[dict[str, Any]]:
     client = await AsyncClient.connect(endpoint, timeout_s=120, client_name="lmcache-bench")
     try:
-        while True:  # time a ready server: the pool is prepared in the background
-            l1 = (await client.stats()).l1
-            if l1.ready_slabs == l1.slabs:
-                break
-            await asyncio.sleep(0.05)
         reg = await client.register(**kv.register_kwargs())
         regions = Regions.build(kv.geometry, reg.chunk_size, max(cfg.batches), cfg.separate)
         s = Session(client, reg, kv, regions)
@@ -112,21 +108,10 @@ def run(cfg: ThroughputConfig) -> Report:
         try:
             with progress(len(modes) * len(cfg.batches), "throughput", cfg.show_progress) as bar:
                 for mode in modes:
-                    args = [
-                        "--chunk-size",
-                        str(cfg.chunk_size),
-                        "--log-level",
-                        "WARNING",
-                        "--separate-object-groups"
-                        if cfg.separate
-                        else "--no-separate-object-groups",
-                    ]
-                    if cfg.backend == "cuda":
-                        name, _, staging_mb = mode.partition(":")
-                        args += ["--cuda-copy-mode", name]
-                        if staging_mb:
-                            args += ["--cuda-staging-mb", staging_mb]
+                    copy_mode = mode if cfg.backend == "cuda" else ""
+                    args = server_flags(cfg.chunk_size, cfg.separate, copy_mode=copy_mode)
                     with ServerProcess(args, backend=cfg.backend, l1_size_gb=cfg.l1_size_gb) as srv:
+                        srv.wait_pool_ready()  # time a ready server, not one still pinning
                         report.rows += asyncio.run(
                             _run_server(srv.endpoint, kv, cfg, mode, raw, bar)
                         )
@@ -158,20 +143,12 @@ def run(cfg: ThroughputConfig) -> Report:
     return report
 
 
-COLUMNS = [
-    ("mode", "mode", ""),
-    ("copy_mode", "copy", ""),
-    ("chunks", "chunks", "d"),
-    ("bytes", "MB", ""),
-    ("p50_ms", "p50 ms", ".2f"),
-    ("ours_gbps", "ours GB/s", ".2f"),
-    ("raw_gbps", "raw GB/s", ".2f"),
-    ("ratio", "ours/raw", ".2f"),
-    ("srv_ms", "srv ms", ".2f"),
-    ("copy_ms", "copy ms", ".2f"),
-    ("mismatched_bytes", "mismatch B", "d"),
-    ("failed_chunks", "failed", "d"),
-]
+COLUMNS = (
+    "mode|mode; copy_mode|copy; chunks|chunks|d; bytes|MB; p50_ms|p50 ms|.2f; "
+    "ours_gbps|ours GB/s|.2f; raw_gbps|raw GB/s|.2f; ratio|ours/raw|.2f; "
+    "srv_ms|srv ms|.2f; copy_ms|copy ms|.2f; mismatched_bytes|mismatch B|d; "
+    "failed_chunks|failed|d"
+)
 
 
 def table(report: Report) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -127,100 +128,75 @@ def _row(
     }
 
 
+async def _timed(
+    s: Session,
+    n: int,
+    cfg: ThroughputConfig,
+    raw: Raw,
+    raw_bytes: tuple[str, int, int],
+    step: Callable[[int], Awaitable[tuple[int, int | None]]],
+    more: Callable[[], bool] = lambda: False,
+) -> tuple[list[float], float, int, int, dict[str, PhaseSum]]:
+    """Time ``step(i)`` (one request; returns its failed chunks and the region whose
+    bytes region B must now hold, or ``None``) until there are enough timings and not
+    ``more()``, a raw copy of ``raw_bytes`` (direction, bytes, bytes the other way)
+    timed right after each; every step with a region is verified after its timing.
+    Returns the timings, raw GB/s, failed chunks, mismatched bytes, the phase sums after."""
+    times: list[float] = []
+    raw_times: list[float] = []
+    failed = bad = 0
+    while not _enough(times, cfg) or more():
+        t0 = time.perf_counter()
+        f, src = await step(len(times))
+        times.append(time.perf_counter() - t0)
+        t = raw.sample(*raw_bytes)
+        if t is not None:
+            raw_times.append(t)
+        failed += f
+        if src is not None:
+            bad += s.regions.mismatched_bytes(s.kv, src, B, n)
+    return times, raw.gbps(*raw_bytes, raw_times), failed, bad, await s.phases()
+
+
 async def measure_batch(
     s: Session, n: int, cfg: ThroughputConfig, copy_mode: str, raw: Raw
 ) -> list[dict[str, Any]]:
     rows = []
-    regions = s.regions
-    st_bytes, rt_bytes = regions.store_bytes(n), regions.retrieve_bytes(n)
+    st_bytes, rt_bytes = s.regions.store_bytes(n), s.regions.retrieve_bytes(n)
+    last: dict[int, bytes] = {}  # the last batch stored from each source, for retrieve
 
-    def sample(direction: str, n1: int, n2: int = 0) -> None:
-        t = raw.sample(direction, n1, n2)
-        if t is not None:
-            raw_times.append(t)
-
-    # store: fresh digests, alternating sources; the last two batches stay for retrieve
-    for _ in range(WARMUP_ITERS):
-        await s.store(n, A1)
-    times: list[float] = []
-    raw_times: list[float] = []
-    failed = 0
-    last: dict[int, bytes] = {}
-    before = await s.phases()
-    while not _enough(times, cfg) or len(last) < 2:
-        region = A1 if len(times) % 2 == 0 else A2
-        t0 = time.perf_counter()
+    async def store(i: int) -> tuple[int, None]:  # fresh digests, alternating sources
+        region = A1 if i % 2 == 0 else A2
         digests, res = await s.store(n, region)
-        times.append(time.perf_counter() - t0)
-        sample("d2h", st_bytes)
-        failed += len(res.failed_chunks)
         if res.ok.all():
             last[region] = digests
-    after = await s.phases()
-    rows.append(
-        _row(
-            "store",
-            copy_mode,
-            n,
-            st_bytes,
-            times,
-            raw.gbps("d2h", st_bytes, 0, raw_times),
-            0,
-            failed,
-            phase_means(before, after),
-        )
-    )
-    # retrieve: alternate sources so every request changes region B, verify each
-    times, raw_times, failed, bad = [], [], 0, 0
-    before = after
-    while not _enough(times, cfg):
-        src = A1 if len(times) % 2 == 0 else A2
-        t0 = time.perf_counter()
+        return len(res.failed_chunks), None
+
+    async def retrieve(i: int) -> tuple[int, int | None]:  # every request changes B
+        src = A1 if i % 2 == 0 else A2
         res = await s.retrieve(last[src], n)
-        times.append(time.perf_counter() - t0)
-        sample("h2d", rt_bytes)
-        failed += len(res.failed_chunks)
-        if res.ok.all():  # a failed chunk is reported, not written (fail closed)
-            bad += regions.mismatched_bytes(s.kv, src, B, n)
-    after = await s.phases()
-    rows.append(
-        _row(
-            "retrieve",
-            copy_mode,
-            n,
-            rt_bytes,
-            times,
-            raw.gbps("h2d", rt_bytes, 0, raw_times),
-            bad,
-            failed,
-            phase_means(before, after),
-        )
-    )
+        return len(res.failed_chunks), src if res.ok.all() else None  # failed: not written
+
+    async def both(i: int) -> tuple[int, int | None]:
+        src = A1 if i % 2 == 0 else A2
+        (_, st), rt = await asyncio.gather(s.store(n, A1), s.retrieve(last[src], n))
+        return len(st.failed_chunks) + len(rt.failed_chunks), src if rt.ok.all() else None
+
+    for _ in range(WARMUP_ITERS):
+        await s.store(n, A1)
+    before = await s.phases()
+    points = [("store", store, ("d2h", st_bytes, 0)), ("retrieve", retrieve, ("h2d", rt_bytes, 0))]
     if cfg.concurrent:
-        times, raw_times, failed, bad = [], [], 0, 0
-        before = await s.phases()
-        while not _enough(times, cfg):
-            src = A1 if len(times) % 2 == 0 else A2
-            t0 = time.perf_counter()
-            (_, st), rt = await asyncio.gather(s.store(n, A1), s.retrieve(last[src], n))
-            times.append(time.perf_counter() - t0)
-            sample("both", st_bytes, rt_bytes)
-            failed += len(st.failed_chunks) + len(rt.failed_chunks)
-            if rt.ok.all():
-                bad += regions.mismatched_bytes(s.kv, src, B, n)
-        rows.append(
-            _row(
-                "store+retrieve",
-                copy_mode,
-                n,
-                st_bytes + rt_bytes,
-                times,
-                raw.gbps("both", st_bytes, rt_bytes, raw_times),
-                bad,
-                failed,
-                phase_means(before, await s.phases()),
-            )
-        )
+        points.append(("store+retrieve", both, ("both", st_bytes, rt_bytes)))
+    for mode, step, raw_bytes in points:
+        if mode == "store+retrieve":
+            before = await s.phases()
+        more = (lambda: len(last) < 2) if mode == "store" else (lambda: False)
+        times, raw_gbps, failed, bad, after = await _timed(s, n, cfg, raw, raw_bytes, step, more)
+        nbytes = raw_bytes[1] + raw_bytes[2]
+        server_ms = phase_means(before, after)
+        rows.append(_row(mode, copy_mode, n, nbytes, times, raw_gbps, bad, failed, server_ms))
+        before = after
     for k in cfg.inflight:  # last: their stores evict what the rows above read
         rows += await _measure_inflight(s, n, k, cfg, copy_mode, raw)
     return rows

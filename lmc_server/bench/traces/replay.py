@@ -16,16 +16,19 @@ object is a chunk and the bounds compare like with like).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from typing import Any
 
+import click
 import numpy as np
 
 from lmc_server.bench.common import GeometryArgs, Report, format_table, progress
+from lmc_server.bench.options import floats, opt
 from lmc_server.bench.servers import server
 from lmc_server.bench.traces.bounds import belady_hits, infinite_hits
 from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
 from lmc_server.buffers import ShmBuffer
+from lmc_server.cache.eviction import POLICIES
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.slabs import slot_stride
@@ -34,14 +37,37 @@ from lmc_server.config import GIB, MIB
 from lmc_server.protocol.stats import StatsReport
 
 
+def _policies(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(p.strip().upper() for p in value.split(",") if p.strip())
+    if set(names) - set(POLICIES) or not names:
+        raise click.BadParameter(f"choose from {', '.join(POLICIES)}", param_hint="--policies")
+    return names
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
-    trace: str
-    fractions: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5)
-    policies: tuple[str, ...] = ("LRU", "FIFO", "ARC", "S3FIFO", "SARC")
+    trace: str = opt(
+        MISSING,
+        "Trace file (JSON lines: timestamp, input_length, hash_ids).",
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    fractions: tuple[float, ...] = opt(
+        (0.01, 0.05, 0.1, 0.25, 0.5),
+        "L1 sizes as fractions of the trace's distinct chunk bytes.",
+        parse=floats,
+    )
+    policies: tuple[str, ...] = opt(
+        ("LRU", "FIFO", "ARC", "S3FIFO", "SARC"),
+        "Eviction policies, comma-separated.",
+        parse=_policies,
+    )
+    limit: int | None = opt(None, "Replay only the first N requests.", type=click.IntRange(1))
+    slab_size_mb: int = opt(
+        64,
+        "Server slab size (capacity is whole slabs of whole objects).",
+        type=click.IntRange(1, 4096),
+    )
     geometry: GeometryArgs = GeometryArgs()
-    slab_size_mb: int = 64
-    limit: int | None = None
     show_progress: bool = True
 
 
@@ -206,14 +232,9 @@ def table(report: Report) -> str:
         for r in rs:
             line[r["policy"]] = r["hit_ratio"]
         lines.append(line)
-    columns = [
-        ("fraction", "requested", ".2f"),
-        ("actual_fraction", "actual", ".4f"),
-        ("l1_size_gb", "L1 GiB", ".1f"),
-        ("capacity_objects", "objects", "d"),
-    ]
-    columns += [(p, p, ".4f") for p in policies]
-    columns += [("belady_ratio", "Belady", ".4f"), ("infinite_ratio", "infinite", ".4f")]
+    columns = "fraction|requested|.2f; actual_fraction|actual|.4f; l1_size_gb|L1 GiB|.1f; "
+    columns += "capacity_objects|objects|d; " + "".join(f"{p}|{p}|.4f; " for p in policies)
+    columns += "belady_ratio|Belady|.4f; infinite_ratio|infinite|.4f"
     return head + format_table(lines, columns)
 
 
