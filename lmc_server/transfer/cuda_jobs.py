@@ -14,13 +14,13 @@ benchmarks read (``copies_by_path``, ``batch_fallbacks``, ``dma_streams_used``,
 Invariants: a lane carries one job at a time, from its launch until its waiter reported
 it, and is then released exactly once; a job launched by a waiter is answered exactly
 once (``done("")`` or its error), one launched by the submitter either is or raises
-:class:`~lmc_server.transfer.base.TransferError` to it, with the lane drained and
-released; a GPU's lanes are published (``_lanes``) only once its SM count, busy gate and
-batch copier are in place, so readers take them unlocked; the DMA plan cache and the
-link clock, shared by the loop and the waiters that launch queued jobs, are touched
-only under ``_plan_lock``. A base class of the engine rather than an object it holds,
-so that the request path calls exactly the methods it called when they were the
-engine's: no call is added per submit, launch or wait.
+:class:`~lmc_server.transfer.base.TransferError` to it, its lane drained of whatever
+was enqueued and released; a GPU's lanes are published (``_lanes``) only once its SM
+count, busy gate and batch copier are in place, so readers take them unlocked; the DMA
+plan cache and the link clock, shared by the loop and the waiters that launch queued
+jobs, are touched only under ``_plan_lock``. A base class of the engine rather than an
+object it holds, so that the request path calls exactly the methods it called when they
+were the engine's: no call is added per submit, launch or wait.
 """
 
 from __future__ import annotations
