@@ -1,24 +1,21 @@
-"""The disk tier's adapter: one file per object under a directory (local NVMe, NFS, ...).
+"""The disk tier's adapter: the L2 contract over a directory (local NVMe, NFS, ...).
 
-Layout::
+One file per object (:mod:`lmc_server.l2.disk_files`: the layout, the reads and
+writes, removal). Writes are whole files, renamed into place
+(:mod:`lmc_server.l2.direct_io`), built from the L1 slot on the I/O thread that writes
+them (``writes_from_slots``): one object's copy and checksum overlap the other threads'
+writes, where building a whole batch first and then writing it left the disk idle
+during the build (measured on the 2-core CI VM: 0.62-0.75 of plain writes before,
+0.84-0.96 after). Reads open the path the key names (the index decides nothing about
+hits, see :mod:`lmc_server.l2.disk_index`). I/O runs on ``IO_THREADS`` threads of the
+adapter (a batch's files in parallel, to keep an NVMe's queue busy), never on the event
+loop; the index is updated on the loop when each call returns. After a start the index
+is rebuilt from the directory while the tier serves (:mod:`lmc_server.l2.disk_rebuild`).
 
-    ROOT/lmc2/<space, 32 hex>/<first chunk-key byte, 2 hex>/<chunk key, 64 hex>
-
-one file per L2 key (:func:`lmc_server.l2.codec.l2_key`), holding the L2 value as is
-(header with namespace hash, chunk key, length and XXH3 checksum, then the payload), so
-the tier checks a file exactly as it checks a Redis value: a damaged, truncated or
-foreign file is a miss and a counter, never served. The fan-out keeps directories
-small (256 per namespace and layout).
-
-Writes are whole files, renamed into place (:mod:`lmc_server.l2.direct_io`), built
-from the L1 slot on the I/O thread that writes them (``writes_from_slots``): one
-object's copy and checksum overlap the other threads' writes, where building a whole
-batch first and then writing it left the disk idle during the build (measured on the
-2-core CI VM: 0.62-0.75 of plain writes before, 0.84-0.96 after). Reads open
-the path the key names (the index decides nothing about hits, see
-:mod:`lmc_server.l2.disk_index`). I/O runs on ``IO_THREADS`` threads of the adapter (a
-batch's files in parallel, to keep an NVMe's queue busy), never on the event loop;
-the index is updated on the loop when each call returns.
+What this module decides is a batch's admission: which of a batch's objects are
+written, within the capacity of the whole directory (every file's bytes reserved in
+the byte ledger before it is written, :mod:`lmc_server.l2.disk_ledger`; this server's
+coldest files evicted to make room), and what the tier is told when some are not.
 
 Errors: a full filesystem (``ENOSPC``, ``EDQUOT``) is a refusal (counted, the tier stays
 up); any other error (directory gone, read-only, I/O error) makes the tier degraded,
@@ -32,7 +29,6 @@ import errno
 import functools
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -40,18 +36,16 @@ from typing import Any, TypeVar
 from lmc_server.l2 import codec, direct_io, disk_layout
 from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
 from lmc_server.l2.disk_config import disk_error
-from lmc_server.l2.disk_index import DiskIndex, scan, stale_by_age
-from lmc_server.l2.disk_ledger import DiskLedger, remove_counted
+from lmc_server.l2.disk_files import DiskFiles, holds
+from lmc_server.l2.disk_index import DiskIndex
+from lmc_server.l2.disk_ledger import DiskLedger
+from lmc_server.l2.disk_rebuild import IndexRebuild
 from lmc_server.l2.events import TierListeners
 from lmc_server.threadnames import name_os_thread
 
 log = logging.getLogger(__name__)
 
 IO_THREADS = 4
-#: A file longer than this is not read whole (no object is near it; a miss).
-MAX_VALUE_BYTES = 1 << 30
-#: Idle aligned buffers kept for reuse (reads and writes; see direct_io.BufferPool).
-BUFFER_POOL_BYTES = 256 << 20
 LAYOUT_DIR = "lmc2"
 _REFUSALS = (errno.ENOSPC, errno.EDQUOT)
 #: Rounds of "evict this server's coldest files, reserve again" before the rest of a
@@ -78,39 +72,29 @@ class FileBackend(L2Backend):
         self.index = DiskIndex(capacity_bytes)
         #: The bytes in the directory, of every server sharing it (the capacity's bound).
         self.ledger = DiskLedger(self.base, capacity_bytes)
-        self._started_s = time.time()
+        #: The objects' files: names, reads, writes, removals (I/O threads).
+        self.files = DiskFiles(self.base, self.ledger)
+        #: The index's rebuild from the directory, started at the first connect.
+        self._rebuild = IndexRebuild(
+            self.root, self.files, self.index, self.ledger, self._evict, self._run
+        )
         self.listeners = TierListeners("disk")
         #: ``None``: probe the filesystem at connect; else forced (tests).
         self._want_direct = direct
-        self.direct = False
         self.evicted_objects = 0
         self._io = ThreadPoolExecutor(
             io_threads, thread_name_prefix="lmc-disk", initializer=name_os_thread
         )
-        self._buffers = direct_io.BufferPool(BUFFER_POOL_BYTES)
-        self._made: set[str] = set()
         self._connected = False
-        self._rebuild: asyncio.Task[None] | None = None
 
-    # -- paths -----------------------------------------------------------------------
+    @property
+    def direct(self) -> bool:
+        """Whether the files are read and written with ``O_DIRECT`` (probed at connect)."""
+        return self.files.direct
 
     def path_of(self, key: bytes) -> str:
-        if len(key) != len(
-            codec.KEY_PREFIX
-        ) + codec.SPACE_BYTES + codec.CHUNK_KEY_BYTES or not key.startswith(codec.KEY_PREFIX):
-            raise ValueError("not an L2 key")
-        rest = key[len(codec.KEY_PREFIX) :]
-        space, chunk = rest[: codec.SPACE_BYTES].hex(), rest[codec.SPACE_BYTES :].hex()
-        return os.path.join(self.base, space, chunk[:2], chunk)
-
-    def _key_of(self, directory: str, name: str) -> bytes | None:
-        space = os.path.basename(os.path.dirname(directory))
-        if len(name) != 2 * codec.CHUNK_KEY_BYTES or len(space) != 2 * codec.SPACE_BYTES:
-            return None
-        try:
-            return codec.KEY_PREFIX + bytes.fromhex(space) + bytes.fromhex(name)
-        except ValueError:
-            return None
+        """``key``'s file (:meth:`~lmc_server.l2.disk_files.DiskFiles.path_of`)."""
+        return self.files.path_of(key)
 
     # -- calls -----------------------------------------------------------------------
 
@@ -127,7 +111,7 @@ class FileBackend(L2Backend):
 
     async def connect(self) -> None:
         try:
-            self.direct = await self._run(self._check_dir)
+            self.files.direct = await self._run(self._check_dir)
         except OSError as e:
             raise L2Error(disk_error(self.root, "use it", e)) from None
         if not self._connected:
@@ -138,26 +122,13 @@ class FileBackend(L2Backend):
                 self.index.capacity_bytes / (1 << 30),
             )
         self._connected = True
-        if self._rebuild is None:
-            self._rebuild = asyncio.get_running_loop().create_task(
-                self._rebuild_index(), name="disk-index"
-            )
-            self._rebuild.add_done_callback(_report_failure)
-
-    def _read(self, key: bytes) -> tuple[memoryview, int] | None:
-        """The value in ``key``'s file (either layout) and the file's size."""
-        data = direct_io.read_file(
-            self.path_of(key), self.direct, MAX_VALUE_BYTES, self._buffers.take
-        )
-        if data is None:
-            return None
-        return disk_layout.value_of_file(data), len(data)
+        self._rebuild.start()
 
     async def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:
         if not self._connected:
             raise L2Error("disk: not ready")
         results = await asyncio.gather(
-            *(self._run(self._read, k) for k in keys), return_exceptions=True
+            *(self._run(self.files.read, k) for k in keys), return_exceptions=True
         )
         out: list[Value | None] = []
         missing: list[bytes] = []
@@ -179,85 +150,18 @@ class FileBackend(L2Backend):
         return out
 
     def release(self, values: Sequence[Value | None]) -> None:
-        for v in values:
-            if isinstance(v, memoryview):
-                self._buffers.give(v.obj)
+        self.files.release(values)
 
     def encode(self, space: bytes, chunk_key: bytes, mask: int, payload: memoryview) -> memoryview:
         """Header and payload in one aligned buffer (one copy), written as is."""
-        buf = self._buffers.take(codec.HEADER_BYTES + len(payload))
-        n = codec.encode_into(memoryview(buf), space, chunk_key, mask, payload)
-        return memoryview(buf)[:n]
-
-    def _write(self, key: bytes, value: Value) -> bool:
-        view = memoryview(value)
-        return self._to_path(
-            key,
-            lambda path: direct_io.write_file(path, view, self.direct),
-            len(view),
-            bytes(view[: codec.HEADER_PREFIX_BYTES]),
-        )
-
-    def _to_path(
-        self, key: bytes, write: Callable[[str], None], file_bytes: int, prefix: bytes
-    ) -> bool:
-        """``write(path)`` for ``key``'s file, its directory made on first use; False
-        (nothing written) when the file is there already with this value's size and
-        header (another server sharing the directory, or this one earlier, wrote it)."""
-        path = self.path_of(key)
-        there = _holds(path, file_bytes, prefix)
-        if there:
-            return False
-        if there is None:  # another value under this key: never written over
-            self._remove(key)
-        directory = os.path.dirname(path)
-        if directory not in self._made:
-            os.makedirs(directory, mode=0o750, exist_ok=True)
-            self._made.add(directory)
-        try:
-            write(path)
-        except FileNotFoundError:  # the directory went (an operator cleaning up): once more
-            os.makedirs(directory, mode=0o750, exist_ok=True)
-            write(path)
-        return True
-
-    def _write_slot(self, obj: SlotObject, aligned: bool) -> bool:
-        """Write one object from its (pinned) slot, on one I/O thread: in the aligned
-        layout straight from the slot (:mod:`lmc_server.l2.disk_layout`), else copied
-        with its header into an aligned buffer first (while this thread copies, the
-        others' writes are in flight)."""
-        if aligned:
-            write = functools.partial(
-                disk_layout.write_aligned,
-                space=obj.space,
-                chunk_key=obj.chunk_key,
-                mask=obj.mask,
-                payload=obj.payload,
-                buffers=self._buffers,
-            )
-            prefix = codec.header_prefix(obj.space, obj.chunk_key, obj.mask, len(obj.payload))
-            size = disk_layout.file_bytes(len(obj.payload), aligned=True)
-            return self._to_path(obj.key, write, size, prefix)
-        prefix = codec.header_prefix(obj.space, obj.chunk_key, obj.mask, len(obj.payload))
-        if _holds(self.path_of(obj.key), obj.value_bytes, prefix):
-            return False  # (the copy is not made for nothing)
-        value = self.encode(obj.space, obj.chunk_key, obj.mask, obj.payload)
-        try:
-            return self._write(obj.key, value)
-        finally:
-            self._buffers.give(value.obj)
-
-    def _remove(self, key: bytes) -> int:
-        """Delete ``key``'s file (I/O thread); its bytes leave the ledger (0: none)."""
-        path = self.path_of(key)
-        size = remove_counted(path, direct_io.temporary_path(path))
-        self.ledger.release(size)
-        return size
+        return self.files.encode(space, chunk_key, mask, payload)
 
     async def _evict(self, victims: list[bytes]) -> None:
         if not victims:
             return
-        await asyncio.gather(*(self._run(self._remove, k) for k in victims), return_exceptions=True)
+        await asyncio.gather(
+            *(self._run(self.files.remove, k) for k in victims), return_exceptions=True
+        )
         self.evicted_objects += len(victims)
         self.listeners.removed(victims, "evicted")
 
@@ -287,7 +191,7 @@ class FileBackend(L2Backend):
             await self._put(
                 [(k, len(v)) for k, v in items],
                 [bytes(memoryview(v)[: codec.HEADER_PREFIX_BYTES]) for _, v in items],
-                [functools.partial(self._write, k, v) for k, v in items],
+                [functools.partial(self.files.write, k, v) for k, v in items],
             )
         finally:
             # Written or failed, no one reads these buffers again (the writer keeps
@@ -295,7 +199,7 @@ class FileBackend(L2Backend):
             self.release([v for _, v in items])
 
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
-        aligned = [disk_layout.aligned_ok(o.payload, self.direct) for o in objects]
+        aligned = [disk_layout.aligned_ok(o.payload, self.files.direct) for o in objects]
         await self._put(
             [
                 (o.key, disk_layout.file_bytes(len(o.payload), a))
@@ -303,7 +207,7 @@ class FileBackend(L2Backend):
             ],
             [codec.header_prefix(o.space, o.chunk_key, o.mask, len(o.payload)) for o in objects],
             [
-                functools.partial(self._write_slot, o, a)
+                functools.partial(self.files.write_slot, o, a)
                 for o, a in zip(objects, aligned, strict=True)
             ],
         )
@@ -337,7 +241,7 @@ class FileBackend(L2Backend):
         refused = len(sizes) - fit
         present = await asyncio.gather(
             *(
-                self._run(_holds, self.path_of(k), n, pre)
+                self._run(holds, self.path_of(k), n, pre)
                 for (k, n), pre in zip(sizes[:fit], prefixes, strict=False)
             )
         )
@@ -417,79 +321,10 @@ class FileBackend(L2Backend):
         """Delete files the tier found damaged (a later write replaces them anyway)."""
         for k in keys:
             self.index.forget(k)
-        await asyncio.gather(*(self._run(self._remove, k) for k in keys), return_exceptions=True)
-        self.listeners.removed(keys, "invalid")
-
-    # -- the index rebuild -----------------------------------------------------------
-
-    def _leaf_dirs(self) -> list[str]:
-        out: list[str] = []
-        try:
-            spaces = [e.path for e in os.scandir(self.base) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return out
-        for sp in spaces:
-            try:
-                out.extend(e.path for e in os.scandir(sp) if e.is_dir(follow_symlinks=False))
-            except OSError:
-                continue
-        return out
-
-    async def _rebuild_index(self) -> None:
-        """Walk the directory on a thread of its own; merge on the loop as it goes."""
-        p = self.index.progress
-        p.started_s = time.monotonic()
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(
-            1, thread_name_prefix="lmc-disk-scan", initializer=name_os_thread
-        ) as pool:
-            dirs = await loop.run_in_executor(pool, self._leaf_dirs)
-            p.dirs_total = len(dirs)
-            it = scan(dirs, self._key_of, self.stale_temporary, self.ledger.release)
-            while True:
-                step = await loop.run_in_executor(pool, next, it, None)
-                if step is None:
-                    break
-                found, removed = step
-                self.index.merge(found)
-                p.stale_tmp_removed += removed
-                p.dirs_done += 1
-                p.seconds = time.monotonic() - p.started_s
-        # What is over capacity goes before the rebuild says it is done: once "done"
-        # (stats, /healthz), the directory holds no more than --disk-size-gb.
-        over = self.index.victims(0)
-        await self._evict(over)
-        # Alone on the directory, the ledger is set to what is really there (what a
-        # server killed mid-write left reserved goes back).
-        recount = await self._run(self.ledger.recount_if_alone, direct_io.is_own_temporary)
-        self.index.rebuild_done()
-        p.seconds = time.monotonic() - p.started_s
-        log.info(
-            "disk tier %s: index rebuilt in %.1f s (%d files, %.2f GiB; %d evicted "
-            "to fit, %d stale temporary files removed); %s",
-            self.root,
-            p.seconds,
-            p.files,
-            p.bytes / (1 << 30),
-            len(over),
-            p.stale_tmp_removed,
-            "the directory holds %.2f GiB" % (recount / (1 << 30))
-            if recount is not None
-            else "directory shared with other running servers",
+        await asyncio.gather(
+            *(self._run(self.files.remove, k) for k in keys), return_exceptions=True
         )
-
-    def stale_temporary(self, name: str, mtime_s: float) -> bool:
-        """Whether the temporary file ``name`` was left by a writer that is gone: one of
-        this host's processes that no longer runs (or this process's pid, from before
-        it started: a container restarted as pid 1), found at start; another host's
-        once older than ``STALE_TMP_S``. Scan thread."""
-        owner = direct_io.temporary_owner(name)
-        if owner is None or owner[0] != direct_io.HOST:
-            return stale_by_age(name, mtime_s)
-        pid = owner[1]
-        if pid == os.getpid():
-            return mtime_s < self._started_s
-        return not _alive(pid)
+        self.listeners.removed(keys, "invalid")
 
     def status(self) -> str:
         p = self.index.progress
@@ -501,43 +336,6 @@ class FileBackend(L2Backend):
         """Nothing to close between calls (files are opened per call)."""
 
     async def shutdown(self) -> None:
-        if self._rebuild is not None:
-            self._rebuild.cancel()
-            await asyncio.gather(self._rebuild, return_exceptions=True)
+        await self._rebuild.stop()
         self._io.shutdown(wait=True)
         self.ledger.close()
-
-
-def _holds(path: str, file_bytes: int, prefix: bytes) -> bool | None:
-    """Whether ``path`` is a file of ``file_bytes`` whose header starts with ``prefix``
-    (the value to be written is there already): True; False when there is no file;
-    None when there is another one (I/O thread)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    try:
-        if st.st_size != file_bytes:
-            return None
-        with open(path, "rb", buffering=0) as f:
-            return True if f.read(len(prefix)) == prefix else None
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _report_failure(task: asyncio.Task[None]) -> None:
-    """Log a background task of the tier that ended by a bug (its exception consumed
-    here, once, with the traceback a bug deserves)."""
-    if not task.cancelled() and (e := task.exception()) is not None:
-        log.error("disk tier: %s failed", task.get_name(), exc_info=e)

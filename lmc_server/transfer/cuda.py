@@ -28,12 +28,17 @@ the worker's streams. A retrieve is reported only after its last write completed
 the reply itself tells the worker the pages are ready. (Passing an interprocess event
 for the server's stream to wait on was tried and dropped: on the H200 the imported event
 did not reliably order the copy after the worker's write; docs/gpu.md.)
+
+This module is the engine's face, the :class:`~lmc_server.transfer.base.TransferEngine`
+contract: its settings (checked here, before anything is allocated), the pinned pool and
+the IPC mappings, a request's entry (``submit``: a lane taken, or the job queued for the
+next free one, so the event loop never blocks on a lane) and the shutdown. What happens
+to a job once it holds a lane is :mod:`~lmc_server.transfer.cuda_jobs`, the engine's
+base class.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,8 +46,6 @@ import cupy
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.layout import RunCopy
-from lmc_server.threadnames import name_os_thread
-from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import (
     BufferMapping,
     DoneCallback,
@@ -51,29 +54,15 @@ from lmc_server.transfer.base import (
     TransferError,
 )
 from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES, DmaPlan, wide_rows
-from lmc_server.transfer.cuda_dma_reuse import DmaPlans
+from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES
 from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
-from lmc_server.transfer.cuda_lanes import (
-    CUDA_ERRORS,
-    MIB,
-    STAGING_HALF_BYTES,
-    Job,
-    Lane,
-    Lanes,
-)
-from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
-from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
+from lmc_server.transfer.cuda_jobs import CudaJobRunner
+from lmc_server.transfer.cuda_lanes import CUDA_ERRORS, MIB, STAGING_HALF_BYTES, Job, Lanes
 from lmc_server.transfer.cuda_pool import CudaHostPool
-from lmc_server.transfer.cuda_units import Region
-from lmc_server.transfer.cuda_wait import WAIT_MODES, LinkClock, wait_for_lane
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
-
-log = logging.getLogger(__name__)
+from lmc_server.transfer.cuda_wait import WAIT_MODES
 
 COPY_MODES = ("auto", "staging", "mapped", "dma")
 LANES_PER_DEVICE = 4
-MAPPED_THREADS = 512
 #: Thread blocks of the mapped-mode kernel: enough loads in flight to fill PCIe.
 MAPPED_BLOCKS = 64
 #: The first staging piece: a short gather, so the first DMA starts early.
@@ -83,12 +72,8 @@ FIRST_PIECE_BYTES = 8 * MIB
 DMA_STREAMS = 4
 
 
-def _nvml_reader(device: int) -> Callable[[], int | None]:
-    return NvmlUtilization(str(cupy.cuda.Device(device).pci_bus_id)).read
-
-
-class CudaEngine(TransferEngine):
-    """CUDA IPC mappings, a pinned pool, and the two copy modes described above."""
+class CudaEngine(CudaJobRunner, TransferEngine):
+    """CUDA IPC mappings, a pinned pool, and the copy modes described above."""
 
     name = "cuda"
 
@@ -111,50 +96,22 @@ class CudaEngine(TransferEngine):
             raise ValueError(f"copy mode {copy_mode!r}: expected one of {COPY_MODES}")
         if wait not in WAIT_MODES:
             raise ValueError(f"wait mode {wait!r}: expected one of {WAIT_MODES}")
-        self.copy_mode = copy_mode
-        self.mapped_blocks = mapped_blocks
+        super().__init__(
+            copy_mode,
+            lanes_per_device,
+            mapped_blocks,
+            wait,
+            first_piece_bytes,
+            staging_half_bytes,
+            kernel_pct,
+            batch_copies,
+            make_batch_copier,
+            dma_streams,
+            dma_split_bytes,
+        )
         self.pinning = pinning
-        self.wait = wait
-        self.first_piece_bytes = first_piece_bytes
-        self.staging_half_bytes = staging_half_bytes
-        #: device -> a reader of its kernel-time percent (mode ``auto``; NVML default)
-        self._kernel_pct = kernel_pct or _nvml_reader
-        self._gates: dict[int, SampledGate] = {}
-        #: Issue dma rows in cuMemcpyBatchAsync calls where the driver passes the check
-        #: (``make_batch_copier``: device -> copier or ``None``). On the H200 it took
-        #: stores beside a GEMM engine from 48.9 to 54.2 GB/s (docs/gpu.md).
-        self.batch_copies = batch_copies
-        self._make_batch_copier = make_batch_copier
         self._queue_stopped = False
-        #: device -> the checked batch copier of mode dma (``None``: single copies)
-        self._batch: dict[int, BatchCopier | None] = {}
-        #: batch calls the driver refused, whose rows went out as single copies
-        self.batch_fallbacks = 0
-        #: Copies launched per path (``dma``, ``staging``, ``mapped``), for tests and
-        #: diagnostics: what mode ``auto`` chose.
-        self.copies_by_path: dict[str, int] = {"dma": 0, "staging": 0, "mapped": 0}
-        #: When set, each copy records CUDA timing events and fills :attr:`last_profile`
-        #: (benchmarks only: it adds two event records and one stream wait per copy).
-        self.profile = False
-        self.last_profile: dict[str, float] = {}
-        self._lanes_per_device = lanes_per_device
-        #: DMA plans of recent copy lists, moved to the next worker with the same
-        #: request (:mod:`~lmc_server.transfer.cuda_dma_reuse`); launched from one thread
-        #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
-        self._dma_plans = DmaPlans()
-        self._plan_lock = threading.Lock()
-        #: when each GPU's copies in flight are expected done (waiters sleep until then)
-        self._link = LinkClock()
-        self.dma_streams = dma_streams
-        #: the least bytes a request puts on one of its DMA streams
-        self.dma_split_bytes = dma_split_bytes
-        #: the most DMA streams one request used so far (diagnostics and tests)
-        self.dma_streams_used = 0
-        self._lanes: dict[int, Lanes] = {}
-        self._lanes_lock = threading.Lock()
         self._ipc = IpcTable()
-        self._pool: CudaHostPool | None = None
-        self._sm_count: dict[int, int] = {}
         if copy_mode == "mapped":
             for d in range(cupy.cuda.runtime.getDeviceCount()):
                 # cudaDevAttrCanUseHostPointerForRegisteredMem: the pool's host address
@@ -181,32 +138,6 @@ class CudaEngine(TransferEngine):
     def open_handles(self) -> int:
         """IPC allocations currently mapped (tests and diagnostics)."""
         return len(self._ipc)
-
-    def _lanes_of(self, device: int) -> Lanes:
-        lanes = self._lanes.get(device)
-        if lanes is None:
-            with self._lanes_lock:
-                lanes = self._lanes.get(device)
-                if lanes is None:
-                    lanes = Lanes(
-                        device, self._lanes_per_device, self.staging_half_bytes, self.dma_streams
-                    )
-                    self._sm_count[device] = int(
-                        cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-                    )
-                    if self.copy_mode == "auto":
-                        self._gates[device] = SampledGate(
-                            BusyGate(self._kernel_pct(device), name=f"GPU {device}")
-                        )
-                    if self.copy_mode in ("auto", "dma") and self.batch_copies:
-                        self._batch[device] = self._make_batch_copier(device)
-                    self._lanes[device] = lanes  # last: readers take the lanes unlocked
-        return lanes
-
-    def _region(self, mapping: CudaMapping) -> Region:
-        pool = self._pool
-        assert pool is not None, "create_pool first"
-        return Region(mapping.ptrs, mapping.sizes, pool.slab_ptrs, pool.size_bytes, pool.slab_bytes)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -246,163 +177,6 @@ class CudaEngine(TransferEngine):
             raise
         if not launched:
             self._release(lanes, lane)
-
-    def _launch(self, lane: Lane, job: Job) -> bool:
-        """Plan ``job`` and enqueue its GPU work on ``lane``; ``False``: nothing to copy
-        (``done`` was called). Raises :class:`TransferError` with the lane drained."""
-        device, to_pool = lane.device, job.to_pool
-        if job.mapping.closed:
-            raise TransferError("registration closed before its copy started")
-        launched = False
-        try:
-            with cupy.cuda.Device(device):
-                region = self._region(job.mapping)
-                mode = self.copy_mode
-                if mode == "auto":
-                    busy = self._gates[device].busy()
-                    mode = "dma" if busy or wide_rows(job.copies) else "staging"
-                plan: Plan | DmaPlan
-                if mode == "dma":
-                    with self._plan_lock:
-                        plan = self._dma_plans.plan(job.copies, region)
-                    if not plan.n_rows:
-                        job.done("")
-                        return False
-                elif mode == "staging":
-                    # the largest cluster a plan stages: a section of one object
-                    halves = lane.halves(
-                        max(
-                            max(c.run.nbytes, c.run.n_blocks * c.run.object_block_stride)
-                            for c in job.copies
-                        )
-                    )
-                    plan = plan_staging(
-                        job.copies, region, halves, lane.half_bytes, self.first_piece_bytes
-                    )
-                else:
-                    plan = plan_mapped(job.copies, region)
-                if isinstance(plan, Plan) and not plan.pieces:
-                    job.done("")
-                    return False
-                job.t_planned = time.perf_counter()
-                launched = True
-                self.copies_by_path[mode] += 1
-                if self.profile:
-                    lane.timing[0].record(lane.sm)
-                    for s in lane.dmas:
-                        s.wait_event(lane.timing[0])
-                if isinstance(plan, DmaPlan):
-                    # one request alone on its GPU spreads over the lane's DMA streams;
-                    # with other lanes busy the copy engines are shared already, and
-                    # each extra stream would only cost the loop an event and a call
-                    alone = self._lanes[device].busy <= 1
-                    refused, used = issue_dma(
-                        lane,
-                        plan,
-                        to_pool,
-                        self._batch.get(device),
-                        self.dma_split_bytes if alone else plan.nbytes + 1,
-                    )
-                    self.dma_streams_used = max(self.dma_streams_used, used)
-                    for why in refused:
-                        self._batch_refused(plan, why)
-                    last = lane.dma
-                else:
-                    units, ids = lane.upload(plan, lane.sm)
-                    if mode == "mapped":
-                        cuda_kernels.launch(
-                            device,
-                            "gather_units" if to_pool else "scatter_units",
-                            units,
-                            ids,
-                            plan.n_units,
-                            0,
-                            plan.n_units,
-                            plan.max_layers,
-                            plan.max_blocks,
-                            self.mapped_blocks,
-                            MAPPED_THREADS,
-                            lane.sm,
-                        )
-                        last = lane.sm
-                    elif to_pool:
-                        store_pieces(lane, plan, units, ids, self._sm_count[device])
-                        last = lane.dma
-                    else:
-                        retrieve_pieces(lane, plan, units, ids, self._sm_count[device])
-                        last = lane.sm
-                if self.profile:
-                    lane.timing[1].record(last)
-                lane.done.record(last)
-        except CUDA_ERRORS as e:
-            if launched:
-                lane.drain()
-            raise TransferError(f"CUDA copy failed: {e}") from None
-        except TransferError:
-            if launched:
-                lane.drain()
-            raise
-        job.nbytes = plan.nbytes
-        with self._plan_lock:
-            job.expected_end = self._link.expect(device, to_pool, plan.nbytes, job.t_planned)
-        if isinstance(plan, DmaPlan):
-            job.pieces, job.dmas = 1, plan.n_rows
-        else:
-            job.pieces = len(plan.pieces)
-            job.dmas = sum(len(p.segments) for p in plan.pieces)
-        job.t_launched = time.perf_counter()
-        if lane.waiter is None:
-            lane.waiter = threading.Thread(
-                target=self._waiter, args=(lane,), name=f"lmc-cuda{device}-wait", daemon=True
-            )
-            lane.waiter.start()
-        lane.jobs.put(job)
-        return True
-
-    def _waiter(self, lane: Lane) -> None:
-        """Wait for each launched job of ``lane``, report it, pass the lane on."""
-        name_os_thread()
-        lanes = self._lanes_of(lane.device)
-        while (job := lane.jobs.get()) is not None:
-            err = ""
-            try:
-                wait_for_lane(lane, job.expected_end, self.wait)
-            except CUDA_ERRORS as e:
-                lane.drain()
-                err = f"CUDA copy failed: {e}"
-            if self.profile and not err:
-                t_done = time.perf_counter()
-                self.last_profile = {
-                    "wall_ms": 1e3 * (t_done - job.t_enter),
-                    "plan_ms": 1e3 * (job.t_planned - job.t_enter),
-                    "launch_ms": 1e3 * (job.t_launched - job.t_planned),
-                    "gpu_ms": float(cupy.cuda.get_elapsed_time(*lane.timing)),
-                    "pieces": float(job.pieces),
-                    "dmas": float(job.dmas),
-                }
-            job.done(err)
-            self._release(lanes, lane)
-
-    def _release(self, lanes: Lanes, lane: Lane) -> None:
-        """Give ``lane`` back, or launch the oldest queued job on it (a queued job
-        whose launch fails is answered here, and the lane goes to the next one)."""
-        while (job := lanes.give(lane)) is not None:
-            try:
-                if self._launch(lane, job):
-                    return
-            except TransferError as e:
-                job.done(str(e))
-
-    def _batch_refused(self, plan: DmaPlan, why: str) -> None:
-        """Count (and now and then log) a batch call the driver refused."""
-        self.batch_fallbacks += 1
-        if self.batch_fallbacks == 1 or self.batch_fallbacks % 1000 == 0:
-            log.warning(
-                "%s; the plan's %d rows went out as single copies (%d batch calls refused so far)",
-                why,
-                plan.n_rows,
-                self.batch_fallbacks,
-            )
 
     def stop_queued(self) -> None:
         """Past the drain timeout: copies waiting for a lane fail now (their chunks are
