@@ -136,7 +136,11 @@ def test_a_named_busy_thread_of_this_process_is_read_with_its_cpu() -> None:
         t.join()
     r = cpu_report(a, b, requests=10)
     copy = r["groups"]["copy_threads"]
-    assert copy["threads"] == 1 and 0.05 < copy["busy"] <= 1.1, r  # the GIL is shared
+    # one thread: at most one core's worth, less the GIL it shares with this one; the
+    # bound leaves room for the clock-tick reads at both ends and for the time a loaded
+    # machine takes between a snapshot's wall stamp and its /proc reads (1.125 seen
+    # under load), while a report that summed threads or counted one twice (2.0) fails
+    assert copy["threads"] == 1 and 0.05 < copy["busy"] <= 1.5, r
     assert (os.getpid(), os.getpid()) in b.threads  # the main thread: "loop"
 
 
