@@ -5,18 +5,27 @@ A three-node cluster (primaries only, ``redis-cli --cluster create``) behind
 with the keys spread over every node; a node killed mid-run makes the tier degraded
 (lookups that miss L1 are misses, stores and L1 hits go on, nothing wrong served) and
 it comes back by itself; slots migrated with their keys while B reads (MOVED and ASK
-followed by redis-py's cluster client) cost no error and no wrong byte.
+followed by redis-py's cluster client) cost no error and no wrong byte. The adapter
+alone: every node's share moves on that node's own connections, all nodes at once; a
+node killed mid-read fails the call as unavailable, never a wrong byte.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from lmc_server.client import chunk_digests
+from lmc_server.l2 import codec, redis_reads
+from lmc_server.l2.backend import L2Error, SlotObject, SlotRead
+from lmc_server.l2.redis_cluster_backend import RedisClusterBackend
 from lmc_server.testing.bench_runs import run_bench_l2
 from lmc_server.testing.redis_cluster import RedisClusterProcess
 from lmc_server.testing.tierworker import (
@@ -164,3 +173,126 @@ def test_bench_l2_starts_a_cluster_and_reads_back_every_byte(tmp_path: Path) -> 
     )
     assert report["config"]["redis_cluster_nodes"] == 3
     assert report["summary"]["mismatched_groups"] == 0 and report["summary"]["retrieved_ok"]
+
+
+def _slot_objects(
+    backend: RedisClusterBackend, n: int, seed: int
+) -> tuple[list[SlotObject], list[SlotRead], np.ndarray, np.ndarray]:
+    """``n`` objects of 64 KiB under keys spread over the nodes: to write (from ``src``)
+    and to read back (into ``dst``)."""
+    size = 64 << 10
+    src = np.random.default_rng(seed).integers(0, 256, n * size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    objects, reads = [], []
+    for i in range(n):
+        ck = b"%032d" % (seed * 10_000 + i)
+        key = codec.l2_key(SPACE, ck)
+        part = slice(i * size, (i + 1) * size)
+        objects.append(SlotObject(key, SPACE, ck, 3, src[part].data))
+        reads.append(SlotRead(key, SPACE, ck, 3, dst[part].data))
+    return objects, reads, src, dst
+
+
+SPACE = codec.space_of("model=x;kv_dtype=fp8;arch=sm90;world=1;rank=0", b"c" * 16, 256)
+
+
+def test_each_node_has_its_own_connections_and_the_nodes_move_side_by_side(
+    cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One read of keys on every node: each node's share runs on that node's own
+    ``--l2-connections`` threads (here 2), all at once: 3 nodes x 2 parts in flight
+    together, not 2 parts in all queued over the nodes."""
+    running: dict[int, int] = {}
+    most: dict[int, int] = {}
+    threads: dict[int, set[str]] = {}
+    lock = threading.Lock()
+    read_values = redis_reads.read_values
+
+    def slow_read(conn: Any, reads: Any) -> Any:
+        port = conn.port
+        with lock:
+            running[port] = running.get(port, 0) + 1
+            most[port] = max(most.get(port, 0), running[port])
+            threads.setdefault(port, set()).add(threading.current_thread().name)
+            together = sum(running.values())
+            most[0] = max(most.get(0, 0), together)
+        time.sleep(0.3)  # long enough for every part to start meanwhile
+        try:
+            return read_values(conn, reads)
+        finally:
+            with lock:
+                running[port] -= 1
+
+    async def main() -> None:
+        backend = RedisClusterBackend(cluster.url, timeout_s=5, connections=2)
+        await backend.connect()
+        try:
+            objects, reads, src, dst = _slot_objects(backend, 24, 1)
+            await backend.put_slots(objects)
+            monkeypatch.setattr(redis_reads, "read_values", slow_read)
+            t0 = time.monotonic()
+            assert await backend.get_into(reads) == [True] * len(reads)
+            took = time.monotonic() - t0
+            assert (dst == src).all()
+        finally:
+            await backend.shutdown()
+        ports = [n.port for n in cluster.nodes]
+        assert all(most.get(p) == 2 for p in ports), most  # 2 parts per node at once
+        assert most[0] == 6, most  # every node's parts in flight together
+        assert len(set().union(*threads.values())) == 6, threads  # threads of its own
+        assert took < 2 * 0.3, took  # one round of parts, not three
+
+    asyncio.run(main())
+
+
+def test_a_node_stopped_mid_read_fails_the_call_as_unavailable_never_a_wrong_byte(
+    cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node killed while its share is being read: the call raises ``unavailable``
+    (the tier goes degraded: misses, the prefetch aborts every slot of the batch) once
+    every node's threads are done, within the socket timeout, and reports nothing as
+    read that was not. The other nodes' reads finish on their own threads."""
+    victim = cluster.nodes[1].port
+    started = threading.Event()
+    read_values = redis_reads.read_values
+
+    def read(conn: Any, reads: Any) -> Any:
+        if conn.port == victim:
+            started.set()
+            time.sleep(0.3)  # the node is killed meanwhile
+        return read_values(conn, reads)
+
+    async def main() -> None:
+        backend = RedisClusterBackend(cluster.url, timeout_s=2, connections=2)
+        await backend.connect()
+        try:
+            objects, reads, src, dst = _slot_objects(backend, 24, 2)
+            await backend.put_slots(objects)
+            monkeypatch.setattr(redis_reads, "read_values", read)
+            call = asyncio.ensure_future(backend.get_into(reads))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+            cluster.stop_node(1)
+            t0 = time.monotonic()
+            with pytest.raises(L2Error) as e:
+                await call
+            assert e.value.unavailable
+            assert time.monotonic() - t0 < 2 + 1
+            cluster.start_node(1)
+            cluster.wait_ok()
+            # Back up (the node came back empty): its keys are misses, the others' exact.
+            await backend.connect()
+            monkeypatch.setattr(redis_reads, "read_values", read_values)
+            dst[:] = 0
+            got = await backend.get_into(reads)
+            size = len(reads[0].dest)
+            for i, (r, res) in enumerate(zip(reads, got, strict=True)):
+                assert res is True or res is None, res
+                cl = backend._client
+                on_victim = cl.nodes_manager.get_node_from_slot(cl.keyslot(r.key)).port == victim
+                assert (res is None) == on_victim, (i, res)
+                if res is True:
+                    assert (dst[i * size : (i + 1) * size] == src[i * size : (i + 1) * size]).all()
+        finally:
+            await backend.shutdown()
+
+    asyncio.run(main())

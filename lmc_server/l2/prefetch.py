@@ -6,17 +6,36 @@ says how many chunks are being fetched (``LookupResult.l2_pending_chunks``); the
 client asks again on its next step and then sees them as ordinary L1 hits (leased and
 retrieved like any other).
 
-A prefetch: one batched read of every object (each object group, each chunk) not
-already in L1; the header of each value is checked on the loop (cheap) and the objects
-of the contiguous run of chunks L2 can complete are reserved in L1 through the index
-(WRITING: invisible, the same reservation a store holds); the checksum and the copy
-into the slot run on the tier's threads; then the index commits each object, or aborts
-it if its checksum failed, from the last chunk to the first as a store's commit does,
-so chunk 0 is evicted last. A half-written object is never visible and a value that
-fails any check is never served. (A prefetch larger than one read batch commits batch
-by batch, in chunk order, so the batches stay visible as they land.) A backend that
-receives values into the slots itself (``reads_into_slots``: Redis) reads headers
-first and reserves before the read instead: :mod:`lmc_server.l2.prefetch_slots`.
+One pipeline, for every backend, in batches of chunks (``READ_BATCH_BYTES``). Per
+batch: the objects (each object group, each chunk) L1 lacks are *probed* (whole values,
+or only their headers for a backend that reads into slots); one set of header checks
+runs on the loop (cheap); the objects of the contiguous run of chunks L2 can complete
+are reserved in L1 through the index (WRITING: invisible, the same reservation a store
+holds); the sink *fills* the slots (verifies every checksum, on threads); then the
+batch is committed, or each object aborted. Where the bytes are when is the sink's
+business (:mod:`lmc_server.l2.prefetch_sinks`): a copy from values read first, or a
+backend receiving values straight into the slots, several batches at once.
+
+Invariants:
+
+- **No half-written object is visible and nothing wrong is served**: only an object
+  whose fill returned ``True`` (header, mask, checksum verified, every byte in its
+  slot) is committed; every other slot of the prefetch is aborted, also when it fails
+  or is cancelled (its fills end first: no slot is freed under a thread writing it).
+- **Chunk order**: batches commit strictly first to last, whatever order their fills
+  end in, and once a chunk of a full object group is known missing (a miss, a refused
+  value, a failed checksum, no room in L1) no object of a later chunk is committed by
+  this prefetch: a verified object past the hole is aborted. So a prefetch never makes
+  chunk k+1 visible before chunk k, and a lookup never finds a prefix with a hole the
+  prefetch left. (Within a batch, objects commit from the last chunk to the first in
+  one step of the loop, as a store's do: no lookup runs in between.)
+- **Eviction order**: every object the prefetch commits stays pinned until the
+  prefetch ends (its later batches cannot evict its earlier ones), then is unpinned
+  from the last chunk to the first, so under LRU (and the policies that order by use)
+  chunk 0, which every longer hit needs, ends most recent and is evicted last, as
+  after a store of the whole prefix. Under FIFO the order is commit order by
+  definition: a prefetch's earlier batches are older than its later ones.
+- **Every future is awaited** (:mod:`lmc_server.l2.settle`).
 
 Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
 (even after part of it landed and the hit grew) starts nothing and reports what is
@@ -31,20 +50,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from lmc_server.cache.index import L1Index, Reservation, StoreTicket
+from lmc_server.cache.index import Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec, settle
-from lmc_server.l2.backend import L2Backend, L2Error, Value
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.prefetch_slots import Filling, Good, SlotFetcher, Wanted, wanted_objects
-from lmc_server.l2.stats import L2Stats
+from lmc_server.l2.backend import L2Error, ReadResult
+from lmc_server.l2.context import TierContext
+from lmc_server.l2.prefetch_sinks import (
+    CopySink,
+    Filling,
+    Good,
+    Probe,
+    Sink,
+    SlotSink,
+    Wanted,
+    wanted_objects,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,37 +78,37 @@ MAX_PREFETCHES = 8
 #: How long a known L2 miss (a continuation L2 did not have) is remembered.
 MISS_MEMORY_S = 1.0
 MISS_MEMORY_ENTRIES = 4096
-#: Bytes of values one prefetch reads per batch (at most ``BATCHES_IN_FLIGHT`` of
-#: prefetch_slots held at a time).
+#: Bytes of values one prefetch reads per batch (the sink fills at most its ``depth``
+#: batches at a time).
 READ_BATCH_BYTES = 32 << 20
+#: Sentinel ``end``: no chunk found missing yet.
+_NO_HOLE = 1 << 62
+
+
+@dataclass(slots=True)
+class _Run:
+    """One prefetch's state while its batches move through the pipeline."""
+
+    view: CacheView
+    namespace: str
+    keys: list[bytes]
+    spaces: list[bytes]
+    #: Keys of values refused (deleted from L2 afterwards).
+    bad: list[bytes]
+    #: The first chunk of a full object group known missing (a later chunk is never
+    #: committed); ``len(keys)`` while none is.
+    end: int
+    committed: int = 0
+    #: (reservation, object) of every object committed, pinned until the prefetch ends.
+    pins: list[tuple[Reservation, int]] = field(default_factory=list)
 
 
 class Prefetcher:
     """Starts and runs prefetches (see the module docstring). Event-loop thread only."""
 
-    def __init__(
-        self,
-        index: L1Index,
-        backend: L2Backend,
-        stats: L2Stats,
-        view: PoolView,
-        executor: ThreadPoolExecutor,
-        max_chunks: int,
-        space: Callable[[str, bytes], bytes],
-        is_up: Callable[[], bool],
-        on_error: Callable[[L2Error], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.index = index
-        self.backend = backend
-        self.stats = stats
-        self.view = view
-        self.executor = executor
+    def __init__(self, ctx: TierContext, max_chunks: int) -> None:
+        self.ctx = ctx
         self.max_chunks = max_chunks
-        self.space = space
-        self.is_up = is_up
-        self.on_error = on_error
-        self.clock = clock
         #: (chunk key, layout fingerprints) of every chunk an in-flight prefetch covers ->
         #: (that prefetch's id, chunks it covers from there to its end).
         self._inflight: dict[Any, tuple[int, int]] = {}
@@ -92,17 +117,13 @@ class Prefetcher:
         self._missing: dict[bytes, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._sink: Sink = SlotSink(ctx) if ctx.backend.reads_into_slots else CopySink(ctx)
         #: The next tier down: asked for what this one lacks, as soon as it is known
         #: (``start`` of that tier's prefetcher, set by the tier chain).
         self.fallthrough: Callable[[CacheView, str, list[bytes], int], int] | None = None
         #: Called with the objects a prefetch committed (the chain promotes them into
         #: the tiers above this one).
         self.on_filled: Callable[[str, Reservation], None] | None = None
-        self._slots = SlotFetcher(index, backend, stats, view, self._reserve, self._filled)
-
-    def _filled(self, namespace: str, done: Reservation) -> None:
-        if self.on_filled is not None:
-            self.on_filled(namespace, done)
 
     def start(self, view: CacheView, namespace: str, keys: list[bytes], hit: int) -> int:
         """Start fetching chunks ``hit..`` of ``keys`` unless known; chunks pending."""
@@ -113,20 +134,20 @@ class Prefetcher:
             return covered[1]
         missing_until = self._missing.get(keys[hit])
         if missing_until is not None:
-            if missing_until > self.clock():
+            if missing_until > self.ctx.clock():
                 return 0
             del self._missing[keys[hit]]
-        if not self.is_up() or self._stopping:
+        if not self.ctx.is_up() or self._stopping:
             return 0
         if len(self._tasks) >= MAX_PREFETCHES:
-            self.stats.prefetches_skipped += 1
+            self.ctx.stats.prefetches_skipped += 1
             return 0
         want = keys[hit : hit + self.max_chunks]
         self._next_id += 1
         pid = self._next_id
         for i, key in enumerate(want):
             self._inflight[(key, fps)] = (pid, len(want) - i)
-        self.stats.prefetches += 1
+        self.ctx.stats.prefetches += 1
         task = asyncio.get_running_loop().create_task(
             self._run(view, namespace, want, pid), name="l2-prefetch"
         )
@@ -134,13 +155,13 @@ class Prefetcher:
         task.add_done_callback(self._tasks.discard)
         return len(want)
 
-    def _remember_done(self, view: CacheView, keys: list[bytes], end: int, committed: int) -> None:
+    def _remember_done(self, keys: list[bytes], end: int, committed: int) -> None:
         """Where L2 stopped having the continuation, and where this prefetch started if
         it brought nothing (e.g. only a sliding window L2 lacks at the end of the prefix
         was missing): a lookup stuck there starts nothing new for ``MISS_MEMORY_S``."""
         if len(self._missing) >= MISS_MEMORY_ENTRIES:
             self._missing.clear()
-        until = self.clock() + MISS_MEMORY_S
+        until = self.ctx.clock() + MISS_MEMORY_S
         if not committed:
             self._missing[keys[0]] = until
         if end < len(keys):
@@ -160,17 +181,17 @@ class Prefetcher:
         bad: list[bytes] = []
         try:
             end, committed = await self._fetch(view, namespace, keys, bad)
-            self._remember_done(view, keys, end, committed)
+            self._remember_done(keys, end, committed)
             if end < len(keys) and self.fallthrough is not None:
                 self.fallthrough(view, namespace, keys, end)
             if bad:
-                await self.backend.discard(bad)
+                await self.ctx.backend.discard(bad)
         except L2Error as e:
-            self.stats.bump(self.stats.errors, "read")
-            self.on_error(e)
+            self.ctx.stats.bump(self.ctx.stats.errors, "read")
+            self.ctx.on_error(e)
         except Exception:
             log.exception("L2 prefetch failed")
-            self.stats.bump(self.stats.errors, "read")
+            self.ctx.stats.bump(self.ctx.stats.errors, "read")
         finally:
             fps = _fingerprints(view)
             for key in keys:
@@ -182,174 +203,147 @@ class Prefetcher:
     async def _fetch(
         self, view: CacheView, namespace: str, keys: list[bytes], bad: list[bytes]
     ) -> tuple[int, int]:
-        """Fetch and commit, in batches of chunks (``READ_BATCH_BYTES``): batch i+1 is
-        read while batch i is verified and copied, and the run stops where a full object
-        group is missing. Returns how many leading chunks L1 now has (or L2 had), and
-        how many objects were committed; ``bad`` gets the keys of values refused."""
+        """Probe, check, reserve, fill and commit, batch after batch, in chunk order:
+        batch i+1 is probed while up to the sink's ``depth`` batches are being filled,
+        and the run stops where a full object group is missing. Returns how many
+        leading chunks L1 now has (or L2 had), and how many objects were committed;
+        ``bad`` gets the keys of values refused."""
         n = len(keys)
         ogs = view.layout.object_groups
-        spaces = [self.space(namespace, og.fingerprint) for og in ogs]
+        spaces = [self.ctx.space(namespace, og.fingerprint) for og in ogs]
         chunk_bytes = max(1, sum(og.object_bytes for og in ogs))
         per_batch = max(1, READ_BATCH_BYTES // chunk_bytes)
-        if self.backend.reads_into_slots:
-            return await self._slots.fetch(view, namespace, keys, spaces, per_batch, bad)
-        end, committed = n, 0
-        filling: asyncio.Task[tuple[int, int]] | None = None  # (the copies of a batch)
+        run = _Run(view, namespace, keys, spaces, bad, n)
+        sink = self._sink
+        loop = asyncio.get_running_loop()
+        #: Batches being filled, oldest first: committed only in this order.
+        filling: deque[tuple[list[Filling], asyncio.Task[list[ReadResult]]]] = deque()
         try:
             for first in range(0, n, per_batch):
-                if first >= end:
+                if first >= run.end:
                     break
                 batch = range(first, min(n, first + per_batch))
-                wanted = wanted_objects(self.index, view, keys, spaces, batch)
-                values: list[Value | None] = []
-                if wanted:
-                    t0 = time.perf_counter()
-                    values = await self.backend.get_many([w[3] for w in wanted])
-                    self.stats.read_latency.observe(time.perf_counter() - t0)
-                if filling is not None:
-                    done, bad_at = await asyncio.shield(filling)
-                    filling = None
-                    committed += done
-                    end = min(end, bad_at)
-                good, end = self._check(view, keys, wanted, values, end, bad)
-                reserved, end = self._reserve(view, keys, [g for g in good if g[1] < end], end)
-                kept = {id(v) for f in reserved for v in f.values}
-                self.backend.release([v for v in values if id(v) not in kept])
+                wanted = wanted_objects(self.ctx.index, view, keys, spaces, batch)
+                if not wanted:
+                    continue
+                probed = await sink.probe([w[3] for w in wanted])
+                while len(filling) >= sink.depth:  # its outcome may move ``end``
+                    await self._commit_oldest(run, filling)
+                good = self._check(run, wanted, probed)
+                reserved = self._reserve(run, [g for g in good if g[1] < run.end])
+                sink.release(probed, reserved)
                 if reserved:
-                    filling = asyncio.get_running_loop().create_task(
-                        self._fill_and_commit(view, namespace, reserved, bad)
-                    )
-            if filling is not None:
-                done, bad_at = await asyncio.shield(filling)
-                filling = None
-                committed += done
-                end = min(end, bad_at)
+                    filling.append((reserved, loop.create_task(sink.fill(keys, spaces, reserved))))
+            while filling:
+                await self._commit_oldest(run, filling)
         finally:
-            if filling is not None:  # cancelled or failed: the copies end first (shielded:
-                await settle.wait_all({filling})  # a slot is never freed under its copy)
-        return end, committed
+            if filling:  # failed or cancelled: every fill ends (no thread writes to a
+                await settle.wait_all([t for _, t in filling])  # slot), then aborts
+                for reserved, _ in filling:
+                    for f in reserved:
+                        self.ctx.index.finish_fill(f.objects, [False] * len(f.objects))
+            for objects, j in reversed(run.pins):  # last chunk first: chunk 0 ends the
+                self.ctx.index.unpin_object(objects, j)  # most recent
+        return min(run.end, n), run.committed
 
-    def _check(
-        self,
-        view: CacheView,
-        keys: list[bytes],
-        wanted: list[Wanted],
-        values: list[Value | None],
-        end: int,
-        bad_keys: list[bytes],
-    ) -> tuple[list[Good], int]:
-        """Header checks (cheap, on the loop): the values worth reserving, and ``end``
-        shrunk to the first chunk whose full object group L2 cannot supply."""
-        ogs = view.layout.object_groups
+    def _check(self, run: _Run, wanted: list[Wanted], probed: list[Probe]) -> list[Good]:
+        """Header checks (cheap, on the loop): the values worth reserving; ``run.end``
+        shrinks to the first chunk whose full object group L2 cannot supply."""
+        ogs = run.view.layout.object_groups
+        stats = self.ctx.stats
         good: list[Good] = []
-        for (og_index, i, space, l2key), value in zip(wanted, values, strict=True):
-            if value is None:
-                self.stats.misses += 1
-                if ogs[og_index].has_full:
-                    end = min(end, i)
-                continue
-            self.stats.bytes_read += len(value)
-            mask, bad = codec.check_header(
-                value, space, keys[i][-codec.CHUNK_KEY_BYTES :], ogs[og_index].object_bytes
-            )
-            if bad is not None:
-                self.stats.bump(self.stats.invalid, bad.value)
-                if bad is not codec.Invalid.VERSION:  # another format's: not ours to delete
-                    bad_keys.append(l2key)
-                if ogs[og_index].has_full:
-                    end = min(end, i)
-                continue
-            good.append((og_index, i, mask, value, l2key))
-        return good, end
-
-    async def _fill_and_commit(
-        self, view: CacheView, namespace: str, reserved: list[Filling], bad_keys: list[bytes]
-    ) -> tuple[int, int]:
-        """Verify and copy on the tier's threads, then commit (or abort) each object.
-
-        Returns ``(objects committed, first chunk of a full object group that failed
-        its checksum, or a large number)``.
-        """
-        ogs = view.layout.object_groups
-        loop = asyncio.get_running_loop()
-        ok: list[bool] = []
-        committed, bad_at = 0, 1 << 62
-        filled: list[Reservation] = []
-        try:
-            jobs = [
-                (offset, value)
-                for f in reserved
-                for offset, value in zip(f.objects.offsets().tolist(), f.values, strict=True)
-            ]
-            ok = list(
-                await asyncio.gather(
-                    *(
-                        loop.run_in_executor(self.executor, self._fill, int(offset), value)
-                        for offset, value in jobs
-                    )
+        for (og_index, i, space, l2key), p in zip(wanted, probed, strict=True):
+            if p is None:
+                stats.misses += 1
+            else:
+                head, value_bytes = p
+                mask, reason = codec.check_head(
+                    head,
+                    value_bytes,
+                    space,
+                    run.keys[i][-codec.CHUNK_KEY_BYTES :],
+                    ogs[og_index].object_bytes,
                 )
-            )
-            # Every copy has finished (else gather raised): the values may be reused.
-            self.backend.release([value for _, value in jobs])
-        finally:
-            at = 0
-            for f in reserved:
-                r, n = f.objects, len(f.objects)
-                done = self.index.finish_fill(
-                    r, [at + j < len(ok) and ok[at + j] for j in range(n)]
-                )
-                committed += len(done)
-                self.stats.hits += len(done)
-                if done:
-                    filled.append(done)
-                for j in range(n):
-                    if at + j < len(ok) and not ok[at + j]:
-                        self.stats.bump(self.stats.invalid, codec.Invalid.CHECKSUM.value)
-                        bad_keys.append(f.l2keys[j])
-                        if ogs[r.og_index].has_full:
-                            bad_at = min(bad_at, r.chunks[j])
-                at += n
-        if self.on_filled is not None:
-            for done in filled:
-                self.on_filled(namespace, done)
-        return committed, bad_at
+                if reason is None:
+                    good.append((og_index, i, mask, head, l2key))
+                    continue
+                stats.bump(stats.invalid, reason.value)
+                if reason is not codec.Invalid.VERSION:  # another format's: not ours
+                    run.bad.append(l2key)
+            if ogs[og_index].has_full:
+                run.end = min(run.end, i)
+        return good
 
-    def _reserve(
-        self,
-        view: CacheView,
-        keys: list[bytes],
-        good: list[Good],
-        end: int,
-    ) -> tuple[list[Filling], int]:
+    def _reserve(self, run: _Run, good: list[Good]) -> list[Filling]:
         """Reserve a WRITING slot per object through the index (which skips keys a
-        store took meanwhile); ``end`` shrinks to the first chunk of a full object group
-        L1 had no room for."""
-        by_og: dict[int, list[tuple[int, int, Value, bytes]]] = {}
+        store took meanwhile); ``run.end`` shrinks to the first chunk of a full object
+        group L1 had no room for."""
+        by_og: dict[int, list[tuple[int, int, Any, bytes]]] = {}
         for og_index, i, mask, value, l2key in good:
             by_og.setdefault(og_index, []).append((i, mask, value, l2key))
         wanted = {
             og_index: ([it[0] for it in items], [it[1] for it in items])
             for og_index, items in by_og.items()
         }
-        reserved, no_space = self.index.reserve_fill(view, keys, wanted)
+        reserved, no_space = self.ctx.index.reserve_fill(run.view, run.keys, wanted)
         for og_index, left in no_space.items():
-            self.stats.prefetch_no_space += len(left)
-            if view.layout.object_groups[og_index].has_full:
-                end = min(end, left[0])
+            self.ctx.stats.prefetch_no_space += len(left)
+            if run.view.layout.object_groups[og_index].has_full:
+                run.end = min(run.end, left[0])
         out: list[Filling] = []
         for r in reserved:
             fetched = {it[0]: it for it in by_og[r.og_index]}
             items = [fetched[i] for i in r.chunks]
             out.append(Filling(r, [it[2] for it in items], [it[3] for it in items]))
-        return out, end
+        return out
 
-    def _fill(self, offset: int, value: Value) -> bool:
-        """Verify the checksum and copy the payload into its slot (worker thread)."""
-        if not codec.check_payload(value):
-            return False
-        payload = np.frombuffer(codec.payload(value), dtype=np.uint8)
-        np.copyto(self.view(offset, payload.size), payload)
-        return True
+    async def _commit_oldest(
+        self, run: _Run, filling: deque[tuple[list[Filling], asyncio.Task[list[ReadResult]]]]
+    ) -> None:
+        """Wait for the oldest batch's fill and commit it. If the fill raised, the batch
+        stays in ``filling`` (the caller's ``finally`` aborts it)."""
+        results = await filling[0][1]
+        reserved, _ = filling.popleft()
+        self._commit(run, reserved, results)
+
+    def _commit(self, run: _Run, reserved: list[Filling], results: list[ReadResult]) -> None:
+        """Commit one batch's verified objects before ``run.end`` and abort the others
+        (one step of the loop); count the outcomes; pin what was committed."""
+        ogs = run.view.layout.object_groups
+        stats, index = self.ctx.stats, self.ctx.index
+        at = 0
+        for f in reserved:  # first every failure: a hole moves ``end`` for the batch
+            r = f.objects
+            for j, res in enumerate(results[at : at + len(r)]):
+                if res is True:
+                    continue
+                if isinstance(res, codec.Invalid):
+                    stats.bump(stats.invalid, res.value)
+                    if res is not codec.Invalid.VERSION:
+                        run.bad.append(f.l2keys[j])
+                else:  # absent, or replaced by a value of other sections meanwhile
+                    stats.misses += 1
+                if ogs[r.og_index].has_full:
+                    run.end = min(run.end, r.chunks[j])
+            at += len(r)
+        at = 0
+        for f in reserved:
+            r = f.objects
+            mine = results[at : at + len(r)]
+            at += len(r)
+            done = index.finish_fill(
+                r, [res is True and c < run.end for res, c in zip(mine, r.chunks, strict=True)]
+            )
+            if not done:
+                continue
+            run.committed += len(done)
+            stats.hits += len(done)
+            for j in range(len(done)):
+                at_pin = index.pin_object(done, j)
+                assert at_pin is not None, "an object just committed is in L1"
+                run.pins.append((done, j))
+            if self.on_filled is not None:
+                self.on_filled(run.namespace, done)
 
     async def stop(self, timeout_s: float) -> None:
         """Wait for running prefetches (their copies touch the pool), then cancel."""

@@ -45,6 +45,10 @@ GET_BATCH_KEYS = 64
 PUT_BATCH_KEYS = 64
 #: Threads that checksum the values of a write batch ahead of its connection's send.
 HASH_THREADS = 2
+#: The three kinds of thread a call runs on (:meth:`RedisBackend._on_parts`): value
+#: reads into slots, writes from slots, and header reads (one thread: a small round
+#: trip of the next prefetch batch while the read threads receive the current one).
+READS, WRITES, HEADS = "r", "w", "q"
 T = TypeVar("T")
 
 
@@ -205,7 +209,7 @@ class RedisBackend(L2Backend):
     async def put_slots(self, objects: Sequence[SlotObject]) -> None:
         if self._client is None:
             raise L2Error("redis: not connected")
-        await self._on_parts(self._writes, "set", self._send_slots, objects)
+        await self._on_parts(WRITES, "set", self._send_slots, objects)
 
     def _on_conn(
         self, fn: Callable[[Any, Sequence[Any]], list[T]], client: Any, part: Sequence[Any]
@@ -226,26 +230,27 @@ class RedisBackend(L2Backend):
         if self._client is None:
             raise L2Error("redis: not connected")
         fn = functools.partial(self._on_conn, redis_reads.read_heads)
-        parts = await self._on_parts(self._heads, "head", fn, keys, parts=1)
+        parts = await self._on_parts(HEADS, "head", fn, keys, parts=1)
         return [h for part in parts for h in part]
 
     async def get_into(self, reads: Sequence[SlotRead]) -> list[ReadResult]:
         if self._client is None:
             raise L2Error("redis: not connected")
         fn = functools.partial(self._on_conn, redis_reads.read_values)
-        parts = await self._on_parts(self._reads, "get", fn, reads)
+        parts = await self._on_parts(READS, "get", fn, reads)
         return [r for part in parts for r in part]
 
     async def _on_parts(
         self,
-        pool: ThreadPoolExecutor,
+        kind: str,
         op: str,
         fn: Callable[[Any, Sequence[Any]], T],
         items: Sequence[Any],
         parts: int = 0,
     ) -> list[T]:
         """``fn(client, part)`` for ``items`` split across the connections (or into
-        ``parts``), in parallel on ``pool``; the first failure raised as
+        ``parts``), in parallel on the threads of ``kind`` (``READS``, ``WRITES``,
+        ``HEADS``; a cluster: those of each key's node); the first failure raised as
         :class:`L2Error`.
 
         Returns or raises only once every part's thread is done, also when one part
@@ -253,8 +258,11 @@ class RedisBackend(L2Backend):
         or sending from an L1 slot, which stays reserved or pinned until this returns."""
         loop = asyncio.get_running_loop()
         client = self._client
-        plan = self._plan(items, parts or self.connections)
-        jobs = [loop.run_in_executor(pool, fn, conn, [items[i] for i in idx]) for conn, idx in plan]
+        plan = self._plan(items, parts or self.connections, kind)
+        jobs = [
+            loop.run_in_executor(pool, fn, conn, [items[i] for i in idx])
+            for conn, pool, idx in plan
+        ]
         errors = await settle.wait_all(jobs)  # every part's exception consumed
         if errors:
             await self._failed_parts(errors)
@@ -268,16 +276,20 @@ class RedisBackend(L2Backend):
         if len(plan) == 1 or all(r is None for r in results):
             return results
         merged: list[Any] = [None] * len(items)  # one part again, in the items' order
-        for (_, idx), part in zip(plan, results, strict=True):
+        for (_, _, idx), part in zip(plan, results, strict=True):
             values: Sequence[Any] = part  # type: ignore[assignment]
             for i, r in zip(idx, values, strict=True):
                 merged[i] = r
         return [merged]  # type: ignore[list-item]
 
-    def _plan(self, items: Sequence[Any], parts: int) -> list[tuple[Any, Sequence[int]]]:
-        """Which client (its connection pool) sends which of ``items`` (positions): one
-        store, the items in ``parts`` contiguous runs. A cluster routes by slot."""
-        return [(self._client, run) for run in _split(range(len(items)), parts)]
+    def _plan(
+        self, items: Sequence[Any], parts: int, kind: str
+    ) -> list[tuple[Any, ThreadPoolExecutor, Sequence[int]]]:
+        """Which client (its connection pool) sends which of ``items`` (positions), on
+        which threads: one store, the items in ``parts`` contiguous runs on the threads
+        of ``kind``. A cluster routes by slot, each node on threads of its own."""
+        pool = {READS: self._reads, WRITES: self._writes, HEADS: self._heads}[kind]
+        return [(self._client, pool, run) for run in _split(range(len(items)), parts)]
 
     async def _failed_parts(self, errors: list[BaseException]) -> None:
         """Hook: parts of a call failed with ``errors`` (the cluster reloads its slot

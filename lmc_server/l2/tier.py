@@ -24,6 +24,7 @@ from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.view import CacheView
 from lmc_server.l2 import codec
 from lmc_server.l2.backend import L2Backend, L2Error
+from lmc_server.l2.context import TierContext
 from lmc_server.l2.events import TierListeners
 from lmc_server.l2.poolview import PoolView
 from lmc_server.l2.prefetch import Prefetcher
@@ -77,32 +78,26 @@ class L2Tier:
         self._executor = ThreadPoolExecutor(
             L2_THREADS, thread_name_prefix="lmc-l2", initializer=name_os_thread
         )
-        self.writer = WriteBehind(
+        #: What the write-behind and the prefetcher share (one of each per tier).
+        self.context = TierContext(
             index,
             backend,
             self.stats,
             view,
             self._executor,
-            write_queue_objects,
-            self.space,
-            self.is_up,
-            self.failed,
-            self.listeners.stored,
-            pin_budget_bytes,
-            f"{self.label} {display_url}",
-        )
-        self.prefetcher = Prefetcher(
-            index,
-            backend,
-            self.stats,
-            view,
-            self._executor,
-            prefetch_max_chunks,
             self.space,
             self.is_up,
             self.failed,
             clock,
         )
+        self.writer = WriteBehind(
+            self.context,
+            write_queue_objects,
+            self.listeners.stored,
+            pin_budget_bytes,
+            f"{self.label} {display_url}",
+        )
+        self.prefetcher = Prefetcher(self.context, prefetch_max_chunks)
         self._down = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False

@@ -28,15 +28,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from lmc_server.cache.index import L1Index, Reservation, StoreTicket
+from lmc_server.cache.index import Reservation, StoreTicket
 from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.stats import L2Stats
+from lmc_server.l2.backend import L2Error, SlotObject, Value
+from lmc_server.l2.context import TierContext
 
 log = logging.getLogger(__name__)
 
@@ -84,28 +82,14 @@ class WriteBehind:
 
     def __init__(
         self,
-        index: L1Index,
-        backend: L2Backend,
-        stats: L2Stats,
-        view: PoolView,
-        executor: ThreadPoolExecutor,
+        ctx: TierContext,
         max_objects: int,
-        space: Callable[[str, bytes], bytes],
-        is_up: Callable[[], bool],
-        on_error: Callable[[L2Error], None],
         on_stored: Callable[[list[bytes]], None] = lambda keys: None,
         pin_budget_bytes: int = 0,
         name: str = "L2",
     ) -> None:
-        self.index = index
-        self.backend = backend
-        self.stats = stats
-        self.view = view
-        self.executor = executor
+        self.ctx = ctx
         self.max_objects = max_objects
-        self.space = space
-        self.is_up = is_up
-        self.on_error = on_error
         self.on_stored = on_stored
         self.pin_budget_bytes = pin_budget_bytes
         #: The tier, as logs name it.
@@ -131,12 +115,12 @@ class WriteBehind:
         """Queue committed objects of one partition (a store's, or a prefetch's from a
         lower tier being promoted into this one)."""
         n = len(objects)
-        if not self.is_up():
-            self.stats.bump(self.stats.dropped_writes, "l2_down", n)
+        if not self.ctx.is_up():
+            self.ctx.stats.bump(self.ctx.stats.dropped_writes, "l2_down", n)
             return
         room = self.max_objects - self.depth
         if room < n:
-            self.stats.bump(self.stats.dropped_writes, "queue_full", n - max(room, 0))
+            self.ctx.stats.bump(self.ctx.stats.dropped_writes, "queue_full", n - max(room, 0))
             n = max(room, 0)
             if n == 0:
                 return
@@ -145,12 +129,12 @@ class WriteBehind:
         while (
             pinned < n
             and self.pinned_bytes + obj_bytes <= self.pin_budget_bytes
-            and self.index.pin_object(objects, pinned) is not None
+            and self.ctx.index.pin_object(objects, pinned) is not None
         ):
             pinned += 1
             self.pinned_bytes += obj_bytes
         self._queue.append(
-            _Pending(self.space(namespace, objects.fingerprint), objects, 0, n, pinned)
+            _Pending(self.ctx.space(namespace, objects.fingerprint), objects, 0, n, pinned)
         )
         self.depth += n
         self._wake.set()
@@ -178,7 +162,7 @@ class WriteBehind:
 
     def drop_all(self, reason: str) -> None:
         if self.depth:
-            self.stats.bump(self.stats.dropped_writes, reason, self.depth)
+            self.ctx.stats.bump(self.ctx.stats.dropped_writes, reason, self.depth)
         for p in self._queue:
             for j in range(p.next, p.pinned_end):
                 self._unpin_queued(p.objects, j)
@@ -191,11 +175,11 @@ class WriteBehind:
             if queued_pin:
                 self._unpin_queued(objects, j)
         self.in_flight -= len(batch)
-        self.stats.bump(self.stats.dropped_writes, "shutdown", len(batch))
+        self.ctx.stats.bump(self.ctx.stats.dropped_writes, "shutdown", len(batch))
 
     def _unpin_queued(self, objects: Reservation, j: int) -> None:
         """Release the pin object ``j`` of ``objects`` took when it was queued."""
-        self.index.unpin_object(objects, j)
+        self.ctx.index.unpin_object(objects, j)
         self.pinned_bytes -= objects.object_bytes
 
     async def _run(self) -> None:
@@ -207,12 +191,12 @@ class WriteBehind:
             loop = asyncio.get_running_loop()
             try:
                 while self._queue and not self._closing:
-                    if not self.is_up():
+                    if not self.ctx.is_up():
                         self.drop_all("l2_down")
                         break
                     batch = self._take_batch()
                     self.in_flight += len(batch)
-                    if self.backend.writes_from_slots:  # nothing to build ahead
+                    if self.ctx.backend.writes_from_slots:  # nothing to build ahead
                         try:
                             while len(sending) >= SLOT_BATCHES_IN_FLIGHT:
                                 await sending.popleft()
@@ -231,7 +215,7 @@ class WriteBehind:
                     sending.append(loop.create_task(self._send(items, len(batch))))
             except Exception:  # a bug, not the store: keep writing later batches
                 log.exception("L2 write-behind batch failed")
-                self.stats.bump(self.stats.errors, "write")
+                self.ctx.stats.bump(self.ctx.stats.errors, "write")
             finally:
                 if sending:
                     await asyncio.gather(*sending, return_exceptions=True)
@@ -245,11 +229,11 @@ class WriteBehind:
         jobs: list[tuple[bytes, bytes, int, int, int]] = []
         pinned: list[tuple[Reservation, int]] = []
         for space, objects, j, queued_pin in batch:
-            at = self.index.pin_object(objects, j)
+            at = self.ctx.index.pin_object(objects, j)
             if queued_pin:
                 self._unpin_queued(objects, j)
             if at is None:
-                self.stats.bump(self.stats.dropped_writes, "evicted")
+                self.ctx.stats.bump(self.ctx.stats.dropped_writes, "evicted")
                 continue
             pinned.append((objects, j))
             offset, mask = at
@@ -274,11 +258,11 @@ class WriteBehind:
         loop = asyncio.get_running_loop()
         try:
             values = await asyncio.gather(
-                *(loop.run_in_executor(self.executor, self._encode, *job) for job in jobs)
+                *(loop.run_in_executor(self.ctx.executor, self._encode, *job) for job in jobs)
             )
         finally:
             for objects, j in pinned:
-                self.index.unpin_object(objects, j)
+                self.ctx.index.unpin_object(objects, j)
         return [(codec.l2_key(job[0], job[1]), v) for job, v in zip(jobs, values, strict=True)]
 
     async def _send_slots(self, batch: list[tuple[bytes, Reservation, int, bool]]) -> None:
@@ -289,21 +273,21 @@ class WriteBehind:
         try:
             jobs, pinned = self._pin(batch)
             objects = [
-                SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.view(off, n).data)
+                SlotObject(codec.l2_key(sp, ck), sp, ck, mask, self.ctx.view(off, n).data)
                 for sp, ck, mask, off, n in jobs
             ]
             await self._put(
-                self.backend.put_slots(objects), [(o.key, o.value_bytes) for o in objects]
+                self.ctx.backend.put_slots(objects), [(o.key, o.value_bytes) for o in objects]
             )
         finally:
             for reservation, j in pinned:
-                self.index.unpin_object(reservation, j)
+                self.ctx.index.unpin_object(reservation, j)
             self.in_flight -= len(batch)
 
     async def _send(self, items: list[tuple[bytes, Value]], taken: int) -> None:
         """Write one batch; ``taken`` objects leave ``in_flight`` however it ends."""
         try:
-            await self._put(self.backend.put_many(items), [(k, len(v)) for k, v in items])
+            await self._put(self.ctx.backend.put_many(items), [(k, len(v)) for k, v in items])
         finally:
             self.in_flight -= taken
 
@@ -317,34 +301,36 @@ class WriteBehind:
             await put
         except L2Error as e:
             if e.dropped == "error":
-                self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, e.dropped, len(sizes) - len(e.written))
-            self.on_error(e)
+                self.ctx.stats.bump(self.ctx.stats.errors, "write")
+            self.ctx.stats.bump(
+                self.ctx.stats.dropped_writes, e.dropped, len(sizes) - len(e.written)
+            )
+            self.ctx.on_error(e)
             if e.written:
                 nbytes = dict(sizes)
                 self._written(e.written, sum(nbytes[k] for k in e.written))
             return
         except Exception:
             log.exception("L2 write failed")
-            self.stats.bump(self.stats.errors, "write")
-            self.stats.bump(self.stats.dropped_writes, "error", len(sizes))
+            self.ctx.stats.bump(self.ctx.stats.errors, "write")
+            self.ctx.stats.bump(self.ctx.stats.dropped_writes, "error", len(sizes))
             return
-        self.stats.write_latency.observe(time.perf_counter() - t0)
+        self.ctx.stats.write_latency.observe(time.perf_counter() - t0)
         self._written([k for k, _ in sizes], sum(n for _, n in sizes))
 
     def _written(self, keys: list[bytes], nbytes: int) -> None:
-        self.stats.objects_written += len(keys)
-        self.stats.bytes_written += nbytes
+        self.ctx.stats.objects_written += len(keys)
+        self.ctx.stats.bytes_written += nbytes
         self.on_stored(keys)
 
     def _encode(self, space: bytes, chunk_key: bytes, mask: int, offset: int, nbytes: int) -> Value:
         """Header and payload of one object (worker thread; the slot is pinned)."""
-        return self.backend.encode(space, chunk_key, mask, self.view(offset, nbytes).data)
+        return self.ctx.backend.encode(space, chunk_key, mask, self.ctx.view(offset, nbytes).data)
 
     async def drain(self, timeout_s: float) -> None:
         """Write out the queue (shutdown, before :meth:`stop`): return once nothing is
         queued or in flight, the tier is degraded, or ``timeout_s`` passed."""
-        if not (self.depth or self.in_flight) or not self.is_up():
+        if not (self.depth or self.in_flight) or not self.ctx.is_up():
             return
         t0 = time.monotonic()
         log.info(
@@ -354,7 +340,7 @@ class WriteBehind:
             timeout_s,
         )
         self._wake.set()
-        while (self.depth or self.in_flight) and self.is_up():
+        while (self.depth or self.in_flight) and self.ctx.is_up():
             left = t0 + timeout_s - time.monotonic()
             if left <= 0:
                 log.warning(
