@@ -21,8 +21,9 @@ use is compared with the declarations. The detectors are run on planted duplicat
 from __future__ import annotations
 
 import ast
+import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +125,31 @@ def _literal(node: ast.expr) -> Any:
         return ast.literal_eval(node)
     except ValueError:
         pass
-    try:  # 1 << 20, 100 * 1000: constant arithmetic
-        if all(isinstance(n, (ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(node)):
-            return eval(compile(ast.Expression(node), "<default>", "eval"), {"__builtins__": {}})
-    except Exception:
-        pass
-    return NO_LITERAL
+    try:  # 1 << 20, 100 * 1000: constant arithmetic, folded here (never evaluated as code)
+        return _fold(node)
+    except (TypeError, ValueError, ArithmeticError):
+        return NO_LITERAL
+
+
+_BIN_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.LShift: operator.lshift,
+    ast.Pow: operator.pow,
+}
+
+
+def _fold(node: ast.expr) -> Any:
+    """A default written as arithmetic over number constants, folded; ValueError for
+    anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BIN_OPS:
+        return _BIN_OPS[type(node.op)](_fold(node.left), _fold(node.right))
+    raise ValueError("not constant arithmetic")
 
 
 def package_sources() -> Iterator[tuple[str, str]]:
