@@ -6,8 +6,9 @@ scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
 Its parts, one job each, in ``lmc_server.integration``: ``chunks`` (block ids, digests,
 freed window blocks), ``plans`` (the values taken and returned), ``tracked`` (what is
-remembered per request), ``stores`` (the store rule), ``lookups`` (the lookups' queue,
-their wait budget, the wait for L2).
+remembered per request), ``stores`` (the store rule), ``loads`` (a step's loads,
+planned together), ``lookups`` (the lookups' queue, their wait budget, the wait for
+L2).
 
 Invariants:
 
@@ -46,9 +47,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from lmc_server.integration.chunks import ChunkGeometry
+from lmc_server.integration.loads import LoadPlanner
 from lmc_server.integration.lookups import L2Waits, StepLookups
 from lmc_server.integration.plans import (
-    LoadSpec,
     LookupAnswer,
     LookupService,
     ScheduledRequest,
@@ -106,9 +107,7 @@ class SchedulerPlanner:
         #: (req_id, block hashes, tokens, prompt tokens) of requests that arrived since
         #: the planner last acted (:meth:`request_arrived`, :meth:`_admit`)
         self._arrived: list[tuple[str, Sequence[bytes], int, int]] = []
-        #: loads :meth:`after_alloc` queued for the next step: (request, chunks, tokens the
-        #: engine holds, lease), planned by :meth:`build_step` (:meth:`_plan_loads`)
-        self._pending_loads: list[tuple[Tracked, int, int, int]] = []
+        self._loads = LoadPlanner(geometry)
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
 
@@ -310,9 +309,7 @@ class SchedulerPlanner:
         assert matched % g.chunk_size == 0, "a load ends on a chunk boundary"
         assert r.answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // g.chunk_size
-        # planned in build_step, with the step's other loads (ChunkGeometry.load_block_ids):
-        # r.blocks is this table from now until then (only build_step extends it, after)
-        self._pending_loads.append((r, n, num_local_tokens, r.lease_id))
+        self._loads.queue(r, n, num_local_tokens)  # planned by build_step, with the others
         r.loading = True
         r.stored_chunks = max(r.stored_chunks, n)
 
@@ -324,7 +321,7 @@ class SchedulerPlanner:
         self._admit()
         self.lookups.new_step()
         g = self.geometry
-        plan = StepPlan(loads=self._plan_loads(), stores=self._pending_stores)
+        plan = StepPlan(loads=self._loads.take(), stores=self._pending_stores)
         self._pending_stores = []
         for pid in preempted_req_ids:
             r = self._reqs.get(pid)
@@ -356,20 +353,6 @@ class SchedulerPlanner:
                 plan.stores.append(spec)
         plan.fence_store_ids = self._stores.take_fences()
         return plan
-
-    def _plan_loads(self) -> list[LoadSpec]:
-        """The loads queued by :meth:`after_alloc` since the last step, planned together:
-        each request's digests (hashed once, usually by the lookup already) and block ids
-        (one array per group for all of them)."""
-        pending, self._pending_loads = self._pending_loads, []
-        if not pending:
-            return []
-        g = self.geometry
-        ids = g.load_block_ids([(r.blocks, n, keep) for r, n, keep, _ in pending])
-        return [
-            LoadSpec(r.req_id, r.digests_for(g, n), block_ids, lease_id)
-            for (r, n, _, lease_id), block_ids in zip(pending, ids, strict=True)
-        ]
 
     def transfers_finished(
         self,
