@@ -33,8 +33,8 @@ from lmc_server.cache.pool import COMMITTED
 from lmc_server.client import Client, ServerError, chunk_digests
 from lmc_server.config import Config, ConfigError
 from lmc_server.protocol import kv_events
-from lmc_server.server.events import KvEventPublisher, KvEventSettings
-from lmc_server.server.events_replay import REPLAY_MAX_BYTES, ReplayBuffer
+from lmc_server.server.events.publisher import KvEventPublisher, KvEventSettings
+from lmc_server.server.events.replay import REPLAY_MAX_BYTES, ReplayBuffer
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.digests import chained_digests
 from lmc_server.testing.events import engine_prompt

@@ -36,7 +36,7 @@ from lmc_server.cli.main import cli
 from lmc_server.config import CLIENT_KEYS, CONFIG_KEYS, ClientSettings, Config
 from lmc_server.declare import Declared, declarations
 from lmc_server.integration.settings import PREFIX, ConnectorSettings
-from lmc_server.server.events_settings import KvEventSettings, kv_event_settings
+from lmc_server.server.events.settings import KvEventSettings, kv_event_settings
 
 PACKAGE = Path(lmc_server.__file__).parent
 ROOT = PACKAGE.parent

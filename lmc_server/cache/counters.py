@@ -139,7 +139,7 @@ class CacheStats(CounterSet, kw_only=True):
 
 class KvEventCounters(CounterSet, kw_only=True):
     """The KV-event publisher's counters (``lmcache_kv_events_<name>_total``, the
-    ``stats`` ``kv_events``); counted by ``lmc_server.server.events`` on the loop."""
+    ``stats`` ``kv_events``); counted by ``lmc_server.server.events.publisher`` on the loop."""
 
     batches: Annotated[
         int, counter("Event batches published (one sequence number each).", metric="batches")

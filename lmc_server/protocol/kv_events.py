@@ -22,7 +22,7 @@ lists (tokens, hashes) may hold a :class:`msgspec.Raw` of already-encoded elemen
 (:func:`uint32_elements`, :func:`uint64_elements`, :func:`raw_array`), built with numpy
 for a whole store at once instead of one Python int per token. Decode with vLLM's
 classes or a copy of them (the tests do both). Sans-IO: the server's
-:mod:`lmc_server.server.events` owns the sockets.
+:mod:`lmc_server.server.events.publisher` owns the sockets.
 """
 
 from __future__ import annotations

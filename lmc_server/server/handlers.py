@@ -36,7 +36,7 @@ from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
     from lmc_server.l2.chain import TierChain
-    from lmc_server.server.events import KvEventPublisher
+    from lmc_server.server.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from lmc_server.server.stats import ServerStats
 if TYPE_CHECKING:  # the tiers below L1 are imported only with --l2 or --disk-dir
     from lmc_server.l2.chain import TierChain
     from lmc_server.l2.tier import L2Tier
-    from lmc_server.server.events import KvEventPublisher
+    from lmc_server.server.events.publisher import KvEventPublisher
 
 
 def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str, Any]:

@@ -67,7 +67,7 @@ from lmc_server.transfer.select import make_engine
 
 if TYPE_CHECKING:
     from lmc_server.metrics.endpoint import MetricsServer
-    from lmc_server.server.events import KvEventPublisher
+    from lmc_server.server.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ class Server(ServerTeardown):
             self.l2 = make_chain(cfg, self.index, self.host_pool, self.engine.name, self.clock)
             self.l2.start()
         if cfg.kv_events_endpoint:
-            from lmc_server.server.events import KvEventPublisher
-            from lmc_server.server.events_settings import kv_event_settings
+            from lmc_server.server.events.publisher import KvEventPublisher
+            from lmc_server.server.events.settings import kv_event_settings
 
             self.events = KvEventPublisher(kv_event_settings(cfg), self.loop, cfg.chunk_size)
             self.events.open()

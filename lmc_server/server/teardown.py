@@ -41,7 +41,7 @@ from lmc_server.server.stats import ServerStats
 if TYPE_CHECKING:
     from lmc_server.cache.index import L1Index
     from lmc_server.metrics.endpoint import MetricsServer
-    from lmc_server.server.events import KvEventPublisher
+    from lmc_server.server.events.publisher import KvEventPublisher
     from lmc_server.server.handlers import Handlers
     from lmc_server.transfer.base import HostPool, TransferEngine
 

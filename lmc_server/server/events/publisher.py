@@ -25,10 +25,11 @@ to every subscriber or, while one's queue is full, to none, counted in
 ``dropped_batches`` and kept for replay); once sends have failed for longer than
 ``--heartbeat-timeout-s`` the PUB socket is re-created (``stall_resets``), so one stuck
 subscriber cannot silence the stream for the others (docs/operations.md, "KV events").
-The disk tier's objects are published by :mod:`lmc_server.server.events_tiers`, replays
-served by :mod:`lmc_server.server.events_replay`; the settings are
-:mod:`lmc_server.server.events_settings`, the encoding of a commit's events and of a
-run of removals :mod:`lmc_server.server.events_stage`. Loop thread only: the index calls
+The disk tier's objects are published by :mod:`lmc_server.server.events.tiers`, replays
+served by :mod:`lmc_server.server.events.replay`; the settings are
+:mod:`lmc_server.server.events.settings` (socket options and CURVE
+:mod:`lmc_server.server.events.sockets`), the encoding of a commit's events and of a
+run of removals :mod:`lmc_server.server.events.stage`. Loop thread only: the index calls
 :class:`~lmc_server.cache.watch.SlotWatcher` inside its operations, which only appends;
 encoding and sending happen in :meth:`KvEventPublisher.flush`, once per loop iteration.
 """
@@ -42,23 +43,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from lmc_server.cache.counters import KvEventCounters
 from lmc_server.cache.keys import NS_BYTES
 from lmc_server.cache.view import CacheView
 from lmc_server.protocol import kv_events as ev
 from lmc_server.protocol.messages import StoreEvents
-from lmc_server.server.events_replay import ReplayBuffer
-from lmc_server.server.events_settings import KvEventSettings, binds, needs_curve
-from lmc_server.server.events_stage import Removals, Stage
-from lmc_server.server.events_tiers import DiskEvents
-from lmc_server.server.security import (
-    bound_ipc_file,
-    curve_server,
-    remove_ipc,
-    start_authenticator,
-)
+from lmc_server.server.events.replay import ReplayBuffer
+from lmc_server.server.events.settings import KvEventSettings, binds, needs_curve
+from lmc_server.server.events.sockets import Curve, heartbeat
+from lmc_server.server.events.stage import Removals, Stage
+from lmc_server.server.events.tiers import DiskEvents
+from lmc_server.server.security import bound_ipc_file, remove_ipc
 
 if TYPE_CHECKING:
     from lmc_server.l2.events import TierListeners
@@ -87,7 +83,7 @@ class KvEventPublisher:
         self.wall_clock = wall_clock
         self.stats = KvEventCounters()
         self._ctx = zmq.Context()
-        self._auth: ThreadAuthenticator | None = None
+        self._curve = Curve(self._ctx, settings)
         self._pub: zmq.Socket[Any] | None = None
         self._live = False  # between open() and close()
         #: namespace key prefix -> topic, or None for a namespace that is not published.
@@ -119,8 +115,8 @@ class KvEventPublisher:
             if s.replay_endpoint:
                 rep = self._ctx.socket(zmq.ROUTER)
                 try:
-                    self._heartbeat(rep)
-                    self._secure(rep, s.replay_endpoint)
+                    heartbeat(rep, s.heartbeat_timeout_s)
+                    self._curve.secure(rep, s.replay_endpoint)
                     self.replay.serve(rep, s.replay_endpoint)
                 except BaseException:
                     rep.close(linger=0)
@@ -137,7 +133,7 @@ class KvEventPublisher:
             "publishing KV events: %s %s%s (replay %s, topic %s<model>)",
             "binding" if binds(s.endpoint) else "connecting to",
             s.endpoint,
-            " with CURVE" if self._auth is not None and needs_curve(s.endpoint) else "",
+            " with CURVE" if self._curve.started and needs_curve(s.endpoint) else "",
             f"bound on {s.replay_endpoint}" if s.replay_endpoint else "off",
             s.topic_prefix,
         )
@@ -145,12 +141,12 @@ class KvEventPublisher:
     def _bind_pub(self) -> zmq.Socket[Any]:
         """The PUB socket, bound or connected by vLLM's rule (:func:`binds`)."""
         pub = self._ctx.socket(zmq.PUB)
-        self._heartbeat(pub)
+        heartbeat(pub, self.settings.heartbeat_timeout_s)
         pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # full queue: EAGAIN (counted), not silence
         try:
             if binds(self.settings.endpoint):
-                self._secure(pub, self.settings.endpoint)
+                self._curve.secure(pub, self.settings.endpoint)
                 pub.bind(self.settings.endpoint)
             else:
                 pub.connect(self.settings.endpoint)
@@ -158,27 +154,6 @@ class KvEventPublisher:
             pub.close(linger=0)
             raise
         return pub
-
-    def _secure(self, sock: zmq.Socket[Any], endpoint: str) -> None:
-        """A socket about to be bound where other machines reach it is a CURVE server
-        admitting the server's clients, when the server has CURVE (the configuration
-        refuses such an endpoint without CURVE unless ``--kv-events-allow-remote``)."""
-        s = self.settings
-        if not s.curve_secret_key_file or not needs_curve(endpoint):
-            return
-        if self._auth is None:
-            self._auth = start_authenticator(self._ctx, s.curve_clients_dir)
-        curve_server(sock, s.curve_secret_key_file)
-
-    def _heartbeat(self, sock: zmq.Socket[Any]) -> None:
-        """No linger; ZMTP heartbeats, so a subscriber that is gone or stopped (its
-        zmq thread no longer answers) is disconnected and its queue freed."""
-        hb_ms = int(self.settings.heartbeat_timeout_s * 1000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)  # dual-stack: tcp://[::1]:PORT binds
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, hb_ms // 4))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, hb_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, hb_ms)
 
     def close(self) -> None:
         """Send what is pending, then close both sockets (nothing waits for subscribers)."""
@@ -188,9 +163,7 @@ class KvEventPublisher:
             self._pub = None
         self._live = False
         self.replay.close()
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        self._curve.stop()
         self._ctx.term()
         for path, inode in self._ipc_files:
             remove_ipc(path, inode)
@@ -226,7 +199,7 @@ class KvEventPublisher:
 
     def attach_disk(self, listeners: TierListeners) -> None:
         """Publish the disk tier's objects too (medium ``DISK``,
-        :mod:`lmc_server.server.events_tiers`)."""
+        :mod:`lmc_server.server.events.tiers`)."""
         self.disk = DiskEvents(self)
         listeners.subscribe(stored=self.disk.stored, removed=self.disk.removed)
         for namespace, fingerprint, prefix in self._watched:
