@@ -14,7 +14,7 @@ import numpy as np
 
 from lmc_server.cache.allocator import DONOR_AGE_RATIO, SlotAllocator
 from lmc_server.cache.counters import CacheStats
-from lmc_server.cache.eviction import make_policy
+from lmc_server.cache.eviction.registry import make_policy
 from lmc_server.cache.pool import COMMITTED, WRITING, Partition
 from lmc_server.cache.slab_pool import SlabPool
 from lmc_server.cache.slabs import ALIGNED_SLOT_MIN_BYTES, SLOT_ALIGN_BYTES, slot_stride

@@ -6,12 +6,13 @@ import random
 
 import pytest
 
-from lmc_server.cache.eviction import POLICIES, EvictionPolicy, LRUPolicy, make_policy
-from lmc_server.cache.eviction_arc import ARCPolicy
-from lmc_server.cache.eviction_base import FrequencySketch, GhostTags
-from lmc_server.cache.eviction_names import SUMMARIES
-from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
-from lmc_server.cache.eviction_sarc import SARCPolicy
+from lmc_server.cache.eviction.arc import ARCPolicy
+from lmc_server.cache.eviction.base import EvictionPolicy, FrequencySketch, GhostTags
+from lmc_server.cache.eviction.lru import LRUPolicy
+from lmc_server.cache.eviction.names import SUMMARIES
+from lmc_server.cache.eviction.registry import POLICIES, make_policy
+from lmc_server.cache.eviction.s3fifo import S3FIFOPolicy
+from lmc_server.cache.eviction.sarc import SARCPolicy
 
 
 def keyed(name: str, capacity: int) -> tuple[EvictionPolicy, list[bytes | None]]:
@@ -158,7 +159,7 @@ def test_names_are_case_insensitive_and_documented(name: str) -> None:
 
 
 def test_the_policies_are_the_names_the_configuration_offers() -> None:
-    """``--eviction-policy`` takes its choices and help from ``eviction_names`` (no
+    """``--eviction-policy`` takes its choices and help from ``eviction.names`` (no
     numpy); the registry of classes must name exactly those, in the same order."""
     assert list(POLICIES) == list(SUMMARIES)
     assert all(cls.summary == SUMMARIES[name] for name, cls in POLICIES.items())

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lmc_server.cache.eviction import POLICIES
-from lmc_server.cache.eviction_base import EvictionPolicy
+from lmc_server.cache.eviction.base import EvictionPolicy
+from lmc_server.cache.eviction.registry import POLICIES
 from lmc_server.cache.pool import PIN_VECTOR_MIN
 
 

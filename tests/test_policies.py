@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from lmc_server.cache.eviction import POLICIES
+from lmc_server.cache.eviction.registry import POLICIES
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.pool import COMMITTED, WRITING

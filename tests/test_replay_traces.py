@@ -11,7 +11,7 @@ from lmc_server.bench.cli import bench
 from lmc_server.bench.micro.policy_ops import run_one
 from lmc_server.bench.traces.generate import GENERATORS, multi_turn, shared_prompts, write
 from lmc_server.bench.traces.trace import chunk_ids, load_trace
-from lmc_server.cache.eviction import POLICIES
+from lmc_server.cache.eviction.registry import POLICIES
 
 
 def test_generators_are_deterministic_and_load_as_traces(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ only, so nothing here takes a lock.
 
 Modules, bottom up: ``geometry`` (group specs and their rules, ``blocks_per_chunk``),
 ``overlap``, ``keys`` (``DIGEST_BYTES``, namespace + digest + salt -> key), ``status``,
-``counters``, ``eviction*`` (policies), ``slabs`` (where slots lie in a slab),
+``counters``, ``eviction`` (the policies, a subpackage), ``slabs`` (where slots lie in a slab),
 ``slab_pool`` (which slabs are ready, who owns each), ``watch`` (the watcher protocol),
 ``pool`` (partitions, slot states), ``retention`` (one class per
 section kind: full, window), ``layout`` (object groups and copy plans), ``view`` (the

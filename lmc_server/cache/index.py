@@ -42,7 +42,7 @@ import numpy as np
 from lmc_server.cache import reservation, retrieve, store
 from lmc_server.cache.allocator import SlotAllocator
 from lmc_server.cache.counters import CacheStats
-from lmc_server.cache.eviction import make_policy
+from lmc_server.cache.eviction.registry import make_policy
 from lmc_server.cache.keys import chunk_keys, namespace_prefix
 from lmc_server.cache.layout import ObjectGroupLayout, RegistrationLayout
 from lmc_server.cache.leases import Lease, LeaseTable

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from lmc_server.cache.eviction import EvictionPolicy
+from lmc_server.cache.eviction.base import EvictionPolicy
 from lmc_server.cache.slab_pool import SlabPool
 from lmc_server.cache.slabs import slot_stride
 from lmc_server.cache.watch import SlotWatcher

@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
+from lmc_server.cache.eviction.names import POLICY_HELP, SUMMARIES
 from lmc_server.declare import ConfigError, check_declared, declarations, setting
 from lmc_server.l2.checks import TIERS
 from lmc_server.l2.settings import TierInputs, TierSettings

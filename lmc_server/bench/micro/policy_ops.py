@@ -17,7 +17,7 @@ import argparse
 import random
 import time
 
-from lmc_server.cache.eviction import POLICIES, make_policy
+from lmc_server.cache.eviction.registry import POLICIES, make_policy
 
 
 def run_one(name: str, n: int, ops: int, seed: int = 0) -> float:

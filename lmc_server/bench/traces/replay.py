@@ -28,7 +28,7 @@ from lmc_server.bench.servers import server
 from lmc_server.bench.traces.bounds import belady_hits, infinite_hits
 from lmc_server.bench.traces.trace import CHUNK_TOKENS, TraceRequest, chunk_ids, load_trace
 from lmc_server.buffers import ShmBuffer
-from lmc_server.cache.eviction import POLICIES
+from lmc_server.cache.eviction.registry import POLICIES
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import build_layout
 from lmc_server.cache.slabs import slot_stride

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmc_server.cache.eviction_base import NIL, EvictionPolicy, GhostTags, SlotLists
-from lmc_server.cache.eviction_names import SUMMARIES
+from lmc_server.cache.eviction.base import NIL, EvictionPolicy, GhostTags, SlotLists
+from lmc_server.cache.eviction.names import SUMMARIES
 
 _T1, _T2 = 1, 2
 

@@ -1,41 +1,19 @@
-"""Eviction policies over a partition's object slots, and their registry.
-
-The interface (:class:`EvictionPolicy`, with the transitions a partition reports) lives
-in :mod:`lmc_server.cache.eviction_base`; LRU and FIFO are here, ARC, S3-FIFO and
-SARC in modules of their own. Adding a policy is one subclass registered
-in :data:`POLICIES`; ``tests/test_eviction.py`` runs one contract suite over every class.
+"""LRU, the default eviction policy: an intrusive doubly linked list over slot indices.
 
 Callers touch, admit and unpin the chunks of one prefix from the last chunk to the first,
-so that chunk 0 (which every longer hit needs) is the most recent of its prefix.
+so that chunk 0 (which every longer hit needs) is the most recent of its prefix; runs of
+a prefix are moved with numpy when they are long (:data:`_VECTOR_MIN`).
 """
 
 from __future__ import annotations
 
-import heapq
 from array import array
 
 import numpy as np
 
-from lmc_server.cache.eviction_arc import ARCPolicy
-from lmc_server.cache.eviction_base import NIL as _NIL
-from lmc_server.cache.eviction_base import EvictionPolicy
-from lmc_server.cache.eviction_names import POLICY_HELP, SUMMARIES
-from lmc_server.cache.eviction_s3fifo import S3FIFOPolicy
-from lmc_server.cache.eviction_sarc import SARCPolicy
-
-__all__ = [
-    "POLICIES",
-    "ARCPolicy",
-    "EvictionPolicy",
-    "FIFOPolicy",
-    "LRUPolicy",
-    "SARCPolicy",
-    "POLICY_HELP",
-    "S3FIFOPolicy",
-    "make_policy",
-]
-_SLOT_BITS = 32
-
+from lmc_server.cache.eviction.base import NIL as _NIL
+from lmc_server.cache.eviction.base import EvictionPolicy
+from lmc_server.cache.eviction.names import SUMMARIES
 
 #: Runs at least this long are checked for contiguity with numpy (measured: 8 us instead
 #: of 14 us for a 256-chunk prefix on the development host).
@@ -228,103 +206,3 @@ class LRUPolicy(EvictionPolicy):
             out.append(s)
             s = self._next[s]
         return out
-
-
-class FIFOPolicy(EvictionPolicy):
-    """First in, first out by commit time; uses and pins do not change the order.
-
-    A min-heap of ``seq << 32 | slot`` ints with lazy deletion: a pinned slot keeps its
-    sequence number and re-enters at its old place when unpinned. An entry is live iff
-    the slot is present and the entry's sequence is the slot's current one. The heap is
-    rebuilt when dead entries outnumber live ones.
-    """
-
-    name = "FIFO"
-    summary = SUMMARIES[name]
-
-    def __init__(self, capacity: int = 0) -> None:
-        self._seq = array("q")
-        self._in = array("b")
-        self._heap: list[int] = []
-        self._next_seq = 0
-        self._len = 0
-        self.grow(capacity)
-
-    def grow(self, capacity: int) -> None:
-        extra = capacity - len(self._in)
-        if extra > 0:
-            self._seq.extend([0] * extra)
-            self._in.extend([0] * extra)
-
-    def _push(self, slot: int) -> None:
-        assert not self._in[slot], f"slot {slot} is already in the FIFO order"
-        self._in[slot] = 1
-        self._len += 1
-        heapq.heappush(self._heap, self._seq[slot] << _SLOT_BITS | slot)
-        if len(self._heap) > 2 * self._len + 64:
-            self._heap = [
-                self._seq[s] << _SLOT_BITS | s for s in range(len(self._in)) if self._in[s]
-            ]
-            heapq.heapify(self._heap)
-
-    def _drop(self, slot: int) -> None:
-        assert self._in[slot], f"slot {slot} is not in the FIFO order"
-        self._in[slot] = 0
-        self._len -= 1
-
-    def admit(self, slot: int) -> None:
-        self._seq[slot] = self._next_seq
-        self._next_seq += 1
-        self._push(slot)
-
-    unpin = _push
-    pin = _drop
-    forget = _drop
-
-    def touch(self, slot: int) -> None:
-        assert self._in[slot], f"slot {slot} is not in the FIFO order"
-
-    def touch_run(self, slots: list[int]) -> None:
-        pass
-
-    def _live_head(self) -> int | None:
-        heap = self._heap
-        while heap:
-            entry = heap[0]
-            slot = entry & ((1 << _SLOT_BITS) - 1)
-            if self._in[slot] and self._seq[slot] == entry >> _SLOT_BITS:
-                return slot
-            heapq.heappop(heap)
-        return None
-
-    def pop_victim(self) -> int | None:
-        slot = self._live_head()
-        if slot is not None:
-            heapq.heappop(self._heap)
-            self._drop(slot)
-        return slot
-
-    def peek(self) -> int | None:
-        return self._live_head()
-
-    def __contains__(self, slot: int) -> bool:
-        return 0 <= slot < len(self._in) and bool(self._in[slot])
-
-    def __len__(self) -> int:
-        return self._len
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    p.name: p for p in (LRUPolicy, FIFOPolicy, ARCPolicy, S3FIFOPolicy, SARCPolicy)
-}
-
-
-def make_policy(name: str, capacity: int = 0) -> EvictionPolicy:
-    """Instantiate a policy by its ``--eviction-policy`` name (case-insensitive)."""
-    try:
-        cls = POLICIES[name.upper()]
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}"
-        ) from None
-    return cls(capacity)  # type: ignore[call-arg]

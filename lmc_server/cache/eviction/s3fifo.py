@@ -23,8 +23,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from lmc_server.cache.eviction_base import NIL, EvictionPolicy, GhostTags, SlotLists
-from lmc_server.cache.eviction_names import SUMMARIES
+from lmc_server.cache.eviction.base import NIL, EvictionPolicy, GhostTags, SlotLists
+from lmc_server.cache.eviction.names import SUMMARIES
 
 _S, _M = 1, 2
 _MAX_FREQ = 3

@@ -39,14 +39,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from lmc_server.cache.eviction_base import (
+from lmc_server.cache.eviction.base import (
     NIL,
     EvictionPolicy,
     FrequencySketch,
     GhostTags,
     SlotLists,
 )
-from lmc_server.cache.eviction_names import SUMMARIES
+from lmc_server.cache.eviction.names import SUMMARIES
 
 _COLD, _WARM = 1, 2
 #: Sketch counters per slot of capacity (rounded down to a power of two in all, so
