@@ -24,7 +24,7 @@ import pytest
 
 from lmc_server.client import Client
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
-from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest
 from lmc_server.integration.worker import (

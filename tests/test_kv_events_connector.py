@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
-from lmc_server.integration.link_batches import join_events
+from lmc_server.integration.link.batches import join_events
 from lmc_server.protocol.messages import StoreEvents
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes
 from lmc_server.testing.events import replay

@@ -205,7 +205,7 @@ def test_the_link_sends_a_step_of_lookups_in_as_few_requests_as_the_limits_allow
     per request from the link): 2 ``lookup_batch`` requests, each answer the one of its
     own prefix, a lease each; a prefix of no chunks is answered at once; a refused
     batch fails its lookups and the link serves on."""
-    from lmc_server.integration.link import ServerLink
+    from lmc_server.integration.link.link import ServerLink
 
     with (
         ServerProcess(
@@ -271,7 +271,7 @@ def test_the_link_hashes_a_step_of_lookups_on_its_own_thread_in_parts() -> None:
     ``digests`` that raises fails the lookups of its part only, and the link serves on."""
     import threading
 
-    from lmc_server.integration.link import ServerLink
+    from lmc_server.integration.link.link import ServerLink
 
     with (
         ServerProcess(["--chunk-size", str(CHUNK)], l1_size_gb=0.25) as srv,

@@ -11,7 +11,7 @@ A watcher task reads the socket's monitor: when the connection to the server dro
 callbacks given to :meth:`AsyncClient.on_connection_lost`. Requests in flight are not
 failed here: a silent server may still be running them, and only the caller knows
 whether that is safe to ignore (the vLLM connector's link checks whether the server
-restarted, :mod:`lmc_server.integration.link`).
+restarted, :mod:`lmc_server.integration.link.link`).
 """
 
 from __future__ import annotations

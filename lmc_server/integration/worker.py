@@ -2,7 +2,7 @@
 
 :class:`TransferTracker` is the bookkeeping (pure): which requests have loads or held
 stores in flight, and what to report to the engine. :class:`WorkerTransfers` drives a
-:class:`~lmc_server.integration.link.ServerLink` from a step's
+:class:`~lmc_server.integration.link.link.ServerLink` from a step's
 :class:`~lmc_server.integration.plans.StepPlan`.
 
 Reporting contract (what vLLM's KV output aggregator relies on):
@@ -30,7 +30,7 @@ import numpy as np
 
 from lmc_server.client.core import ChunkResult
 from lmc_server.integration.chunks import EngineGroup
-from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.plans import LoadSpec, StepPlan, StoreSpec
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class WorkerTransfers:
 
     Each step sends one batched retrieve (every load of the step) and one batched
     store (every store), split only where the server's limits require
-    (:meth:`~lmc_server.integration.link.ServerLink.store_batch`). ``stores`` is False
+    (:meth:`~lmc_server.integration.link.link.ServerLink.store_batch`). ``stores`` is False
     on ranks that never store (replicated KV on a rank other than the storing one);
     those ranks still track store specs so they report ``finished_sending`` for every
     held request.
@@ -202,7 +202,7 @@ class WorkerTransfers:
         self, loads: Sequence[LoadSpec], ready: Callable[[], None] | None = None
     ) -> None:
         """Start the step's loads, sent once ``ready()`` returned (see
-        :meth:`~lmc_server.integration.link.ServerLink.retrieve_batch`)."""
+        :meth:`~lmc_server.integration.link.link.ServerLink.retrieve_batch`)."""
         if not loads:
             return
         futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads], ready)

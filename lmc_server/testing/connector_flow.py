@@ -3,7 +3,7 @@
 :class:`ConnectorFlow` wires what ``LMCacheMPConnector`` wires (see
 ``lmc_server/integration/vllm/connector.py``), from the same vLLM-free parts:
 
-* scheduler: a lookup-only :class:`~lmc_server.integration.link.ServerLink` registered
+* scheduler: a lookup-only :class:`~lmc_server.integration.link.link.ServerLink` registered
   with :func:`~lmc_server.integration.kvlayout.derive_registration` of the fixture's
   descriptors, and a :class:`~lmc_server.integration.planning.SchedulerPlanner`;
 * worker: a second link registered with the derivation over the backing's tensors
@@ -29,8 +29,8 @@ import numpy as np
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.exporters import TensorExporter
 from lmc_server.integration.kvlayout import RegistrationPlan, derive_registration
-from lmc_server.integration.link import ServerLink
-from lmc_server.integration.link_batches import LOAD_PART_CHUNKS
+from lmc_server.integration.link.batches import LOAD_PART_CHUNKS
+from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import LoadSpec, ScheduledRequest, StepPlan
 from lmc_server.integration.worker import (
@@ -311,7 +311,7 @@ def check_batched_step(
 ) -> None:
     """``n_requests`` requests store in one step, then ``n_requests`` others hit in one
     step: one batched store, and batched retrieves of at most
-    :data:`~lmc_server.integration.link_batches.LOAD_PART_CHUNKS` chunks each, on the worker's
+    :data:`~lmc_server.integration.link.batches.LOAD_PART_CHUNKS` chunks each, on the worker's
     connection (the server counts them); every load succeeds and writes exactly the
     stored pages.
 

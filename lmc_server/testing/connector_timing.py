@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
-from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest
 from lmc_server.integration.worker import Report, TransferTracker, WorkerTransfers

@@ -31,7 +31,7 @@ def test_load_waits_for_the_engines_zeroing_of_its_blocks() -> None:
 
     from lmc_server.client.cuda import stream_done
     from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
-    from lmc_server.integration.link import ServerLink
+    from lmc_server.integration.link.link import ServerLink
     from lmc_server.integration.planning import SchedulerPlanner
     from lmc_server.integration.plans import ScheduledRequest
     from lmc_server.integration.worker import TransferTracker, WorkerTransfers

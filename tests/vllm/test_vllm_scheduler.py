@@ -87,7 +87,7 @@ def test_hundred_requests_hit_in_one_step(srv: ServerProcess, tmp_model: Path, m
     step that sent them) under ``kv_load_failure_policy=fail``: a step's loads in
     batched retrieves of at most ``LOAD_PART_CHUNKS`` chunks (not one per request), no
     ``busy``, none fails, every loaded byte right."""
-    from lmc_server.integration.link_batches import LOAD_PART_CHUNKS
+    from lmc_server.integration.link.batches import LOAD_PART_CHUNKS
 
     n = 120
     e = engine(

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.kvlayout import KVLayout, derive_registration
-from lmc_server.integration.link import ServerLink
+from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest, StepPlan
 from lmc_server.integration.settings import ConnectorSettings

@@ -10,15 +10,15 @@ Batches and back-pressure. :meth:`ServerLink.store_batch` and
 server request (chunk digests are independent keys; a batched retrieve names where
 each prefix ends, so sliding windows are read at every request's end), split only
 where the server's ``max_chunks_per_request`` or frame limit requires, and retrieves
-also at :data:`~lmc_server.integration.link_batches.LOAD_PART_CHUNKS` (those batches are
-:mod:`.link_batches`; a reply comes when its whole request is done, so
+also at :data:`~lmc_server.integration.link.batches.LOAD_PART_CHUNKS` (those batches are
+:mod:`.batches`; a reply comes when its whole request is done, so
 the loads of one busy step finish part by part, not all at the last). At most
 ``max_inflight`` stores and retrieves are in flight on the connection (below the
 server's per-client limit); more wait in a queue, and a ``busy`` refusal is retried
 until ``timeout_s``. A transfer therefore fails only for a reason that persists:
 never because the connection was momentarily full.
 
-Lookups (:mod:`.link_lookups`): the lookups of many engine requests go out as one or a
+Lookups (:mod:`.lookups`): the lookups of many engine requests go out as one or a
 few ``lookup_batch`` requests (each answered as a lookup, with a lease of its own),
 hashed on the link's thread, so the scheduler thread neither hashes nor pays a message
 per request.
@@ -56,8 +56,8 @@ from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
 from lmc_server.client.aio import AsyncClient
 from lmc_server.client.core import ChunkResult, Registration, ServerError
-from lmc_server.integration.link_batches import BatchedTransfers
-from lmc_server.integration.link_lookups import BatchedLookups
+from lmc_server.integration.link.batches import BatchedTransfers
+from lmc_server.integration.link.lookups import BatchedLookups
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class ServerLink(BatchedLookups, BatchedTransfers):
             await self._reconnect(client)
         raise AssertionError("unreachable")
 
-    # -- LookupService (lookups: link_lookups.py) ------------------------------------
+    # -- LookupService (lookups: link/lookups.py) ------------------------------------
 
     def release(self, lease_id: int) -> None:
         """Give a lease back, without waiting. Releases asked for together (one engine

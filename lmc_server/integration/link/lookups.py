@@ -16,7 +16,7 @@ the whole step's.
 Invariants: every lookup handed over is answered exactly once (its part's answers, or
 an error: a refused part, a ``digests`` that raised, a link closed first); a lookup of
 no chunks is answered at once with no hit and no lease; one lookup is never split.
-:class:`BatchedLookups` is a base of :class:`~lmc_server.integration.link.ServerLink`,
+:class:`BatchedLookups` is a base of :class:`~lmc_server.integration.link.link.ServerLink`,
 which provides the connection (``submit``, ``_request``, the server's limits).
 """
 

@@ -6,7 +6,7 @@ keys; a batched retrieve names where each prefix ends, so sliding windows are re
 every request's end), split only where the server's ``max_chunks_per_request`` or frame
 limit requires, and retrieves also at :data:`LOAD_PART_CHUNKS`; one engine request's
 chunks are never split. :class:`BatchedTransfers` is the base of
-:class:`~lmc_server.integration.link.ServerLink`, which provides the connection
+:class:`~lmc_server.integration.link.link.ServerLink`, which provides the connection
 (``submit``, ``_send``, the registration and the server's limits).
 """
 
