@@ -23,7 +23,7 @@ import cupy
 import numpy as np
 
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_batch import batch_copier
+from lmc_server.transfer.cuda.batch import batch_copier
 
 
 def main() -> None:

@@ -41,11 +41,11 @@ from lmc_server.bench.common import GeometryArgs
 from lmc_server.bench.jsonproc import JsonLineProcess
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
-from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import HEIGHT, WIDTH, DmaPlan, plan_dma
-from lmc_server.transfer.cuda_lanes import Lane
-from lmc_server.transfer.cuda_launch import issue_dma
-from lmc_server.transfer.cuda_units import Region
+from lmc_server.transfer.cuda.batch import BatchCopier, batch_copier
+from lmc_server.transfer.cuda.dma_plan import HEIGHT, WIDTH, DmaPlan, plan_dma
+from lmc_server.transfer.cuda.lanes import Lane
+from lmc_server.transfer.cuda.launch import issue_dma
+from lmc_server.transfer.cuda.units import Region
 
 CHUNKS = 64
 LAYOUTS = {

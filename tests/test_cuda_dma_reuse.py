@@ -1,7 +1,7 @@
 """DMA plans moved to another worker's buffers, executed on a simulated address space.
 
 Two workers register the same geometry in buffers at different addresses; the server
-plans their shared copy list once (:class:`~lmc_server.transfer.cuda_dma_reuse.DmaPlans`)
+plans their shared copy list once (:class:`~lmc_server.transfer.cuda.dma_reuse.DmaPlans`)
 and moves the rows to the second worker's buffers. Every row is executed on one numpy
 "memory" and the result compared byte for byte with the CPU engine's reference copy, so
 a moved row that lands in the wrong buffer, or outside one, fails. No GPU needed.
@@ -16,9 +16,9 @@ from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_block_ids
 from lmc_server.testing.presets import dsv41_flash
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_dma_plan import DmaPlan
-from lmc_server.transfer.cuda_dma_reuse import DmaPlans
-from lmc_server.transfer.cuda_units import Region
+from lmc_server.transfer.cuda.dma_plan import DmaPlan
+from lmc_server.transfer.cuda.dma_reuse import DmaPlans
+from lmc_server.transfer.cuda.units import Region
 
 SLAB = 16 << 20
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmc_server.transfer.cuda_wait import EXPECTED_BPS, LinkClock
+from lmc_server.transfer.cuda.wait import EXPECTED_BPS, LinkClock
 
 MB = 1_000_000
 

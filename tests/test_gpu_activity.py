@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
+from lmc_server.transfer.cuda.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 
 
 class Clock:
@@ -105,7 +105,7 @@ def test_no_new_sample_is_no_news_until_stale() -> None:
     """NVML samples at its own period, so a read 0.1 s after one may find nothing newer: the
     last figure stands (the engine is still computing) until no sample came for
     STALE_S, then the GPU reads idle."""
-    from lmc_server.transfer.gpu_activity import STALE_S
+    from lmc_server.transfer.cuda.gpu_activity import STALE_S
 
     clock, lib = Clock(), FakeNvml()
     reader = NvmlUtilization(

@@ -45,7 +45,7 @@ def make_engine(
                 "(pip install 'lmc-server[gpu]')"
             )
         try:
-            from lmc_server.transfer.cuda import CudaEngine
+            from lmc_server.transfer.cuda.engine import CudaEngine
         except ImportError as e:
             raise RuntimeError(f"--backend cuda is not available: {e}") from None
         engine: TransferEngine = CudaEngine(

@@ -106,7 +106,7 @@ class Exported:
 def make_engine(
     mode: str, pool_bytes: int, pinning: str = "alloc", kernel_pct: Any = None, **kwargs: Any
 ) -> tuple[Any, Any]:
-    from lmc_server.transfer.cuda import CudaEngine
+    from lmc_server.transfer.cuda.engine import CudaEngine
 
     engine = CudaEngine(copy_mode=mode, pinning=pinning, kernel_pct=kernel_pct, **kwargs)
     pool = engine.create_pool(pool_bytes, SLAB)
@@ -314,7 +314,7 @@ def test_engine_roundtrip_byte_exact(exported: Exported, mode: str) -> None:
 def test_stop_queued_fails_waiting_copies_only(exported: Exported) -> None:
     """Past the drain timeout the copies waiting for a lane fail at once; the copy on
     the lane completes, and a copy submitted afterwards that would wait fails too."""
-    from lmc_server.transfer.cuda import CudaEngine
+    from lmc_server.transfer.cuda.engine import CudaEngine
 
     engine = CudaEngine(copy_mode="staging", lanes_per_device=1)
     pool = engine.create_pool(8 * SLAB, SLAB)
@@ -348,7 +348,7 @@ def test_stop_queued_fails_waiting_copies_only(exported: Exported) -> None:
 def test_batch_copies_pass_their_check_on_this_driver() -> None:
     """The driver of the GPU machine has cuMemcpyBatchAsync and copies right with it
     (the engine falls back to single copies elsewhere)."""
-    from lmc_server.transfer.cuda_batch import batch_copier
+    from lmc_server.transfer.cuda.batch import batch_copier
 
     copier = batch_copier(0)
     assert copier is not None
@@ -359,7 +359,7 @@ def test_nvml_reads_this_gpu() -> None:
     """The real reader finds this GPU by its PCI bus id and answers a percentage."""
     import cupy
 
-    from lmc_server.transfer.gpu_activity import NvmlUtilization
+    from lmc_server.transfer.cuda.gpu_activity import NvmlUtilization
 
     pct = NvmlUtilization(str(cupy.cuda.Device(0).pci_bus_id)).read()
     assert pct is not None and 0 <= pct <= 100
@@ -450,9 +450,9 @@ def _gather_ms(engine: Any, mapping: Any, copies: list[RunCopy]) -> float:
     """GPU time of the staging gather kernels alone for one batch (the SM cost)."""
     import cupy
 
-    from lmc_server.transfer import cuda_kernels
-    from lmc_server.transfer.cuda_lanes import Lane
-    from lmc_server.transfer.cuda_plan import plan_staging
+    from lmc_server.transfer.cuda import kernels
+    from lmc_server.transfer.cuda.lanes import Lane
+    from lmc_server.transfer.cuda.plan import plan_staging
 
     engine._lanes_of(mapping.device_index)  # the device's SM count
     lane = Lane(mapping.device_index)  # a lane of its own, outside the engine's pool
@@ -463,7 +463,7 @@ def _gather_ms(engine: Any, mapping: Any, copies: list[RunCopy]) -> float:
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(lane.sm)
         for p in plan.pieces:
-            cuda_kernels.launch(
+            kernels.launch(
                 lane.device,
                 "gather_units",
                 units,
@@ -529,7 +529,7 @@ def test_engine_benchmark() -> None:
     breakdown comes from separate profiled iterations.
     """
     from lmc_server.testing.cuda_kv import device_arch, raw_copy_gbps
-    from lmc_server.transfer.cuda import CudaEngine
+    from lmc_server.transfer.cuda.engine import CudaEngine
 
     e = Exported(device_arch(0), 0, num_blocks=1100, layers=44, placement="block")
     results: dict[str, Any] = {}
@@ -562,7 +562,7 @@ def test_engine_benchmark() -> None:
                     }
                 r: dict[str, Any] = {"mode": mode, "wait": wait, "chunks": by_size}
                 if name == "staging":
-                    from lmc_server.transfer.cuda_plan import plan_staging
+                    from lmc_server.transfer.cuda.plan import plan_staging
 
                     nbytes = sum(c.nbytes for c in full)
                     r["pool_dma_d2h_gbps"], r["pool_dma_h2d_gbps"] = _pool_dma_gbps(pool, nbytes)

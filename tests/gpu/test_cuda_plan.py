@@ -17,9 +17,9 @@ from lmc_server.cache.layout import RunCopy, build_layout, plan_copies, section_
 from lmc_server.testing.presets import KVGeometry, dsv41_flash, llama3_8b
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, plan_dma, split_rows, wide_rows
-from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
-from lmc_server.transfer.cuda_units import Region
+from lmc_server.transfer.cuda.dma_plan import DmaPlan, plan_dma, split_rows, wide_rows
+from lmc_server.transfer.cuda.plan import Plan, plan_mapped, plan_staging
+from lmc_server.transfer.cuda.units import Region
 
 SLAB = 16 << 20
 

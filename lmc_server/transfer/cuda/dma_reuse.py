@@ -3,7 +3,7 @@
 The tensor-parallel ranks of one engine retrieve the same prefix into the same block ids
 at once, and the index hands them one shared copy list
 (:class:`~lmc_server.cache.retrieve.RetrievePlans`). Their DMA plans
-(:func:`~lmc_server.transfer.cuda_dma_plan.plan_dma`) then differ only in where each
+(:func:`~lmc_server.transfer.cuda.dma_plan.plan_dma`) then differ only in where each
 worker's buffers are: every row's pool side is the same, and its device side is the same
 offset into the same-sized buffer of another worker. :class:`DmaPlans` plans such a list
 once and moves the rows' device addresses to each next worker's buffers, instead of
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.cuda_dma_plan import DEV_ADDR, DmaPlan, plan_dma
-from lmc_server.transfer.cuda_units import Region
+from lmc_server.transfer.cuda.dma_plan import DEV_ADDR, DmaPlan, plan_dma
+from lmc_server.transfer.cuda.units import Region
 
 
 @dataclass(slots=True, eq=False)

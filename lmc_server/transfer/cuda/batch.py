@@ -19,7 +19,7 @@ it off). On the H200 it took 64-chunk stores, two in flight beside a GEMM engine
 DP run with CUresult 1 (invalid value) for no cause found (``scripts/gpu-batch-race.py``
 reproduces none under concurrent pinning, registering or batching); the engine then
 issues the same rows as single copies, which write the same bytes
-(``cuda_launch.issue_dma``).
+(``launch.issue_dma``).
 """
 
 from __future__ import annotations

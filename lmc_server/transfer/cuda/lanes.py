@@ -5,7 +5,7 @@ spreads a request's descriptors over them, so that several copy engines work on 
 request), the double-buffered staging area, the
 pinned and device buffers a plan's unit rows and block ids travel in, and the events
 that order them; a waiter thread per lane reports each launched job's completion
-(:class:`~lmc_server.transfer.cuda.CudaEngine` runs it). :class:`Lanes` hands a GPU's
+(:class:`~lmc_server.transfer.cuda.engine.CudaEngine` runs it). :class:`Lanes` hands a GPU's
 lanes to submissions, queueing a submission (FIFO) when every lane is busy, so the
 event loop never blocks on a lane.
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import DoneCallback
-from lmc_server.transfer.cuda_ipc import CudaMapping
-from lmc_server.transfer.cuda_plan import Plan
+from lmc_server.transfer.cuda.ipc import CudaMapping
+from lmc_server.transfer.cuda.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Job:
     t_enter: float
     nbytes: int = 0
     t_planned: float = 0.0
-    #: when the copy is expected done (``cuda_wait.LinkClock``)
+    #: when the copy is expected done (``wait.LinkClock``)
     expected_end: float = 0.0
     t_launched: float = 0.0
     pieces: int = 0

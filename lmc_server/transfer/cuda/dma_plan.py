@@ -1,6 +1,6 @@
 """Copy-engine plans (copy mode ``dma``): a request as 1-D and 2-D DMA rows, no kernel.
 
-Built from the same checked unit rows as the kernel plans (:mod:`.cuda_plan`:
+Built from the same checked unit rows as the kernel plans (:mod:`.plan`:
 ``plan_units``, the page envelope and object-range checks), so a ``dma`` plan can name
 no page or pool byte a kernel plan could not. Pure numpy, testable on a CPU host.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.layout import RunCopy
-from lmc_server.transfer.cuda_units import (
+from lmc_server.transfer.cuda.units import (
     BLOCK_STRIDE,
     IDS_OFFSET,
     LAYER_STRIDE,
@@ -56,7 +56,7 @@ def plan_dma(copies: Sequence[RunCopy], region: Region) -> DmaPlan:
     """2-D copy descriptors for the copy engines, checked like the kernels' plans.
 
     The page envelope and object ranges are checked by
-    :func:`~lmc_server.transfer.cuda_plan.plan_units` (the same checks as the kernel
+    :func:`~lmc_server.transfer.cuda.plan.plan_units` (the same checks as the kernel
     paths) and every object range must lie in one pool slab. Pages of consecutive block
     ids whose block stride equals the page size are contiguous in the engine's buffer
     and in the object, so they merge into one row; a block id of -1 ("leave this page

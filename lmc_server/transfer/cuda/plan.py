@@ -1,5 +1,5 @@
 """Copy plans of the kernel paths: a request's checked unit rows
-(:mod:`~lmc_server.transfer.cuda_units`) laid out for copy mode ``staging`` or
+(:mod:`~lmc_server.transfer.cuda.units`) laid out for copy mode ``staging`` or
 ``mapped``.
 
 A plan has:
@@ -17,7 +17,7 @@ A plan has:
   slabs are page-locked one by one.
 
 Every object address a plan writes is checked against its slab or staging half
-(:func:`~lmc_server.transfer.cuda_units.check_objects`) before anything is launched.
+(:func:`~lmc_server.transfer.cuda.units.check_objects`) before anything is launched.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_units import (
+from lmc_server.transfer.cuda.units import (
     N_BLOCKS,
     N_LAYERS,
     OBJECT,

@@ -1,12 +1,12 @@
 """A submitted copy's life on a lane of its GPU: path, plan, launch, wait, report.
 
-What the engine (:class:`~lmc_server.transfer.cuda.CudaEngine`, a
+What the engine (:class:`~lmc_server.transfer.cuda.engine.CudaEngine`, a
 :class:`CudaJobRunner`) does with a job once the job holds a lane
-(:mod:`~lmc_server.transfer.cuda_lanes`): ``_launch`` picks the copy path (mode
+(:mod:`~lmc_server.transfer.cuda.lanes`): ``_launch`` picks the copy path (mode
 ``auto``: the GPU's busy gate, then the rows' width), plans the whole job, enqueues its
-GPU work (:mod:`~lmc_server.transfer.cuda_launch`) and hands it to the lane's waiter
+GPU work (:mod:`~lmc_server.transfer.cuda.launch`) and hands it to the lane's waiter
 thread, started at the lane's first launch; ``_waiter`` waits for the GPU
-(:mod:`~lmc_server.transfer.cuda_wait`), reports the job and, through ``_release``,
+(:mod:`~lmc_server.transfer.cuda.wait`), reports the job and, through ``_release``,
 gives the lane back or launches the oldest queued job on it. The counters the tests and
 benchmarks read (``copies_by_path``, ``batch_fallbacks``, ``dma_streams_used``,
 ``last_profile``) are kept here, where the jobs pass.
@@ -33,21 +33,21 @@ from collections.abc import Callable
 import cupy
 
 from lmc_server.threadnames import name_os_thread
-from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_batch import BatchCopier
-from lmc_server.transfer.cuda_dma_plan import DmaPlan, wide_rows
-from lmc_server.transfer.cuda_dma_reuse import DmaPlans
-from lmc_server.transfer.cuda_ipc import CudaMapping
-from lmc_server.transfer.cuda_lanes import CUDA_ERRORS, Job, Lane, Lanes
-from lmc_server.transfer.cuda_launch import issue_dma, retrieve_pieces, store_pieces
-from lmc_server.transfer.cuda_plan import Plan, plan_mapped, plan_staging
-from lmc_server.transfer.cuda_pool import CudaHostPool
-from lmc_server.transfer.cuda_units import Region
-from lmc_server.transfer.cuda_wait import LinkClock, wait_for_lane
-from lmc_server.transfer.gpu_activity import BusyGate, NvmlUtilization, SampledGate
+from lmc_server.transfer.cuda import kernels
+from lmc_server.transfer.cuda.batch import BatchCopier
+from lmc_server.transfer.cuda.dma_plan import DmaPlan, wide_rows
+from lmc_server.transfer.cuda.dma_reuse import DmaPlans
+from lmc_server.transfer.cuda.gpu_activity import BusyGate, NvmlUtilization, SampledGate
+from lmc_server.transfer.cuda.ipc import CudaMapping
+from lmc_server.transfer.cuda.lanes import CUDA_ERRORS, Job, Lane, Lanes
+from lmc_server.transfer.cuda.launch import issue_dma, retrieve_pieces, store_pieces
+from lmc_server.transfer.cuda.plan import Plan, plan_mapped, plan_staging
+from lmc_server.transfer.cuda.pool import CudaHostPool
+from lmc_server.transfer.cuda.units import Region
+from lmc_server.transfer.cuda.wait import LinkClock, wait_for_lane
 
-#: The engine's logger, not this module's: its lines name the engine, as operators'
+#: The engine's logger (its package), not this module's: its lines name the engine, as operators'
 #: filters expect, whichever of its modules writes them.
 log = logging.getLogger("lmc_server.transfer.cuda")
 
@@ -60,7 +60,7 @@ def _nvml_reader(device: int) -> Callable[[], int | None]:
 
 class CudaJobRunner:
     """The lanes of each GPU and the jobs on them; the settings are the engine's
-    (:class:`~lmc_server.transfer.cuda.CudaEngine` checks and documents them)."""
+    (:class:`~lmc_server.transfer.cuda.engine.CudaEngine` checks and documents them)."""
 
     def __init__(
         self,
@@ -102,7 +102,7 @@ class CudaJobRunner:
         self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
         #: DMA plans of recent copy lists, moved to the next worker with the same
-        #: request (:mod:`~lmc_server.transfer.cuda_dma_reuse`); launched from one thread
+        #: request (:mod:`~lmc_server.transfer.cuda.dma_reuse`); launched from one thread
         #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
         self._dma_plans = DmaPlans()
         self._plan_lock = threading.Lock()
@@ -208,7 +208,7 @@ class CudaJobRunner:
                 else:
                     units, ids = lane.upload(plan, lane.sm)
                     if mode == "mapped":
-                        cuda_kernels.launch(
+                        kernels.launch(
                             device,
                             "gather_units" if to_pool else "scatter_units",
                             units,

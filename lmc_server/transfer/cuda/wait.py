@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no CuPy at import: LinkClock is tested on CPU-only hosts
-    from lmc_server.transfer.cuda_lanes import Lane
+    from lmc_server.transfer.cuda.lanes import Lane
 
 WAIT_MODES = ("block", "hybrid")
 EXPECTED_BPS = 55e9

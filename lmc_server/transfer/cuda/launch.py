@@ -1,8 +1,8 @@
 """Enqueueing one planned copy on a lane's streams: copy-engine rows, or staged pieces.
 
-What :class:`~lmc_server.transfer.cuda.CudaEngine` does once a request is planned: in
+What :class:`~lmc_server.transfer.cuda.engine.CudaEngine` does once a request is planned: in
 copy mode ``dma`` the plan's rows go to the copy engines (1-D rows in one
-``cuMemcpyBatchAsync`` call where the driver passed its check, :mod:`.cuda_batch`;
+``cuMemcpyBatchAsync`` call where the driver passed its check, :mod:`.batch`;
 2-D rows one ``cudaMemcpy2DAsync`` each); in mode ``staging`` each piece is gathered
 into (or scattered from) one half of the lane's double-buffered staging area on the SM
 stream, with one DMA per contiguous pool range on the DMA stream, the two streams
@@ -14,10 +14,10 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from lmc_server.transfer import cuda_kernels
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_batch import BatchCopier
-from lmc_server.transfer.cuda_dma_plan import (
+from lmc_server.transfer.cuda import kernels
+from lmc_server.transfer.cuda.batch import BatchCopier
+from lmc_server.transfer.cuda.dma_plan import (
     DEV_ADDR,
     DEV_PITCH,
     HEIGHT,
@@ -28,8 +28,8 @@ from lmc_server.transfer.cuda_dma_plan import (
     DmaPlan,
     split_rows,
 )
-from lmc_server.transfer.cuda_lanes import MEMCPY_DEFAULT, Lane
-from lmc_server.transfer.cuda_plan import Plan
+from lmc_server.transfer.cuda.lanes import MEMCPY_DEFAULT, Lane
+from lmc_server.transfer.cuda.plan import Plan
 
 #: Threads per block of the gather and scatter kernels.
 GATHER_THREADS = 256
@@ -116,7 +116,7 @@ def store_pieces(lane: Lane, plan: Plan, units: int, ids: int, sm_count: int) ->
     has drained that half.
     """
     sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-    launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
+    launch, device, n = kernels.launch, lane.device, plan.n_units
     for k, p in enumerate(plan.pieces):
         h = k % 2
         if k >= 2:
@@ -145,7 +145,7 @@ def store_pieces(lane: Lane, plan: Plan, units: int, ids: int, sm_count: int) ->
 def retrieve_pieces(lane: Lane, plan: Plan, units: int, ids: int, sm_count: int) -> None:
     """DMA each piece into a staging half, then scatter it into the pages (SMs)."""
     sm, dma, memcpy = lane.sm, lane.dma, cupy.cuda.runtime.memcpyAsync
-    launch, device, n = cuda_kernels.launch, lane.device, plan.n_units
+    launch, device, n = kernels.launch, lane.device, plan.n_units
     for k, p in enumerate(plan.pieces):
         h = k % 2
         if k >= 2:

@@ -4,7 +4,7 @@ The source ships inside the package (``lmc_server.kernels``), is compiled once p
 process by NVRTC through ``cupy.RawModule`` (CuPy caches the binary on disk), and
 loaded once per device. :func:`launch` is the thin host wrapper: it checks the unit
 range and launch shape before every launch; the addresses the unit rows and block ids
-lead to were checked when the plan was built (:mod:`lmc_server.transfer.cuda_plan`).
+lead to were checked when the plan was built (:mod:`lmc_server.transfer.cuda.plan`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import cupy
 import numpy as np
 
 from lmc_server.transfer.base import TransferError
-from lmc_server.transfer.cuda_units import UNIT_WORDS
+from lmc_server.transfer.cuda.units import UNIT_WORDS
 
 SOURCE = "copy_pages.cu"
-#: Bytes per unit row (``cuda_plan.UNIT_WORDS`` int64 words).
+#: Bytes per unit row (``plan.UNIT_WORDS`` int64 words).
 UNIT_BYTES = UNIT_WORDS * 8
 MAX_THREADS = 1024
 KERNELS = ("gather_units", "scatter_units")
@@ -39,7 +39,7 @@ def source_file() -> Path:
     try:
         kernels = importlib.import_module("lmc_server.kernels")
     except ImportError:
-        return Path(__file__).resolve().parents[2] / "kernels" / SOURCE
+        return Path(__file__).resolve().parents[3] / "kernels" / SOURCE
     path: Path = kernels.source_path(SOURCE)
     return path
 

@@ -2,25 +2,25 @@
 
 Four copy modes (``--cuda-copy-mode``), chosen by measurement (docs/gpu.md): ``dma``
 (the GPU's copy engines alone, 1-D rows in one ``cuMemcpyBatchAsync`` call where the
-driver takes it, :mod:`~lmc_server.transfer.cuda_dma_plan`); ``staging`` (a short SM
+driver takes it, :mod:`~lmc_server.transfer.cuda.dma_plan`); ``staging`` (a short SM
 gather of the pages into a GPU staging half, then one DMA per contiguous pool range, in
 double-buffered pieces so the gather of piece k+1 runs while piece k is on the wire; the
 reverse for a retrieve); ``mapped`` (one kernel reads the pages and writes the mapped
 pinned pool over PCIe, or the reverse); and ``auto`` (default): ``dma`` while other
-processes' kernels hold the GPU (:mod:`~lmc_server.transfer.gpu_activity`), because an
+processes' kernels hold the GPU (:mod:`~lmc_server.transfer.cuda.gpu_activity`), because an
 engine beside the server loses 8-20 % to the server's kernels and almost nothing to
 copy-engine DMAs; on an idle GPU ``dma`` too where a request's copies are wide rows
-(:func:`~lmc_server.transfer.cuda_dma_plan.wide_rows`: at the link there), else
+(:func:`~lmc_server.transfer.cuda.dma_plan.wide_rows`: at the link there), else
 ``staging``.
 
 A request is planned whole before anything is launched: every range is checked, and
 the plan is one row per (layer run, chunk) plus the block ids
-(:mod:`~lmc_server.transfer.cuda_units`); the kernels compute page addresses on the GPU,
+(:mod:`~lmc_server.transfer.cuda.units`); the kernels compute page addresses on the GPU,
 so planning costs a fixed ~0.1 ms whatever the batch size, and the whole request is
 enqueued at once. Each concurrent request takes a *lane* of its GPU (an SM stream, DMA streams,
 staging halves, pinned and device unit buffers, events), so the per-request objects are
 allocated once and reused. A lane's waiter thread waits for the GPU
-(:mod:`~lmc_server.transfer.cuda_wait`), reports the copy and passes the lane on.
+(:mod:`~lmc_server.transfer.cuda.wait`), reports the copy and passes the lane on.
 Ordering with the worker: a worker sends a store only once its writes to the pages are
 complete (it waits for an event behind them off its engine thread,
 ``client.cuda.stream_done``), so a store's copy starts at once; the server never touches
@@ -33,7 +33,7 @@ This module is the engine's face, the :class:`~lmc_server.transfer.base.Transfer
 contract: its settings (checked here, before anything is allocated), the pinned pool and
 the IPC mappings, a request's entry (``submit``: a lane taken, or the job queued for the
 next free one, so the event loop never blocks on a lane) and the shutdown. What happens
-to a job once it holds a lane is :mod:`~lmc_server.transfer.cuda_jobs`, the engine's
+to a job once it holds a lane is :mod:`~lmc_server.transfer.cuda.jobs`, the engine's
 base class.
 """
 
@@ -53,13 +53,13 @@ from lmc_server.transfer.base import (
     TransferEngine,
     TransferError,
 )
-from lmc_server.transfer.cuda_batch import BatchCopier, batch_copier
-from lmc_server.transfer.cuda_dma_plan import MIN_STREAM_BYTES
-from lmc_server.transfer.cuda_ipc import CudaMapping, IpcTable
-from lmc_server.transfer.cuda_jobs import CudaJobRunner
-from lmc_server.transfer.cuda_lanes import CUDA_ERRORS, MIB, STAGING_HALF_BYTES, Job, Lanes
-from lmc_server.transfer.cuda_pool import CudaHostPool
-from lmc_server.transfer.cuda_wait import WAIT_MODES
+from lmc_server.transfer.cuda.batch import BatchCopier, batch_copier
+from lmc_server.transfer.cuda.dma_plan import MIN_STREAM_BYTES
+from lmc_server.transfer.cuda.ipc import CudaMapping, IpcTable
+from lmc_server.transfer.cuda.jobs import CudaJobRunner
+from lmc_server.transfer.cuda.lanes import CUDA_ERRORS, MIB, STAGING_HALF_BYTES, Job, Lanes
+from lmc_server.transfer.cuda.pool import CudaHostPool
+from lmc_server.transfer.cuda.wait import WAIT_MODES
 
 COPY_MODES = ("auto", "staging", "mapped", "dma")
 LANES_PER_DEVICE = 4

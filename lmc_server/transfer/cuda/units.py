@@ -14,7 +14,7 @@ uploaded: every page a unit names lies inside its registered buffer (the exact e
 of each copy's pages: lowest and highest block of its first and last layer), and every
 unit's object range lies inside one pool slab and, in mode ``staging``, inside the
 staging half of its piece (:func:`check_objects`, called by the plans of
-:mod:`~lmc_server.transfer.cuda_plan` and :mod:`~lmc_server.transfer.cuda_dma_plan`).
+:mod:`~lmc_server.transfer.cuda.plan` and :mod:`~lmc_server.transfer.cuda.dma_plan`).
 """
 
 from __future__ import annotations
