@@ -3,7 +3,7 @@
 A setting is a field of a settings dataclass declared with :func:`setting`: its type
 (the annotation), default, help text, flag, range or choices. The groups are the
 server's :class:`~lmc_server.config.settings.Config` (made of the server's own group and
-the tiers' groups, declared in ``lmc_server/l2/``), the client commands'
+the tiers' groups, declared in ``lmc_server/tiers/``), the client commands'
 :class:`~lmc_server.config.client.ClientSettings` and the vLLM connector's
 :class:`~lmc_server.integration.settings.ConnectorSettings`. From that one declaration
 

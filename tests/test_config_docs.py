@@ -17,7 +17,7 @@ import pytest
 
 from lmc_server.cli.main import cli
 from lmc_server.config import Config, Declared, declarations
-from lmc_server.l2.url import PASSWORD_ENV
+from lmc_server.tiers.url import PASSWORD_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DECLARED = {d.flag: d for d in declarations(Config)}

@@ -1,7 +1,7 @@
 """The disk tier's aligned layout (payload at 4 KiB, written straight from the slot) and
 the packed one beside it: which a write takes, both read back byte for byte, damage in
 either a counted miss, and a directory holding both served after a restart.
-(The layouts: lmc_server/l2/disk_layout.py.)"""
+(The layouts: lmc_server/tiers/disk/layout.py.)"""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ import numpy as np
 import pytest
 
 from lmc_server.client import chunk_digests
-from lmc_server.l2 import codec, direct_io, disk_layout
-from lmc_server.l2.backend import SlotObject
-from lmc_server.l2.file_backend import FileBackend
 from lmc_server.testing.tierworker import (
     CHUNK,
     Worker,
@@ -29,6 +26,11 @@ from lmc_server.testing.tierworker import (
     wait_disk_written,
     wait_for,
 )
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import SlotObject
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk import layout as disk_layout
+from lmc_server.tiers.disk.backend import FileBackend
 
 SPACE = bytes(range(16))
 PAGE = direct_io.ALIGN_BYTES

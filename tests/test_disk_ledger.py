@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.disk_ledger import LEDGER_NAME, DiskLedger
-from lmc_server.l2.file_backend import FileBackend
+from lmc_server.tiers import codec
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.backend import FileBackend
+from lmc_server.tiers.disk.ledger import LEDGER_NAME, DiskLedger
 
 SPACE = bytes(16)
 

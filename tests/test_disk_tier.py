@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from lmc_server.client import Client, chunk_digests
-from lmc_server.l2 import codec
 from lmc_server.testing.process import free_port
 from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import (
@@ -36,6 +35,7 @@ from lmc_server.testing.tierworker import (
     wait_disk_written,
     wait_for,
 )
+from lmc_server.tiers import codec
 
 
 def objects_of(w: Worker, digests: bytes, ids: dict[str, np.ndarray]) -> int:

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.backend import L2Error, SlotObject
-from lmc_server.l2.disk_config import DiskConfigError, DiskSettings, check_disk_config, disk_path
-from lmc_server.l2.disk_index import STALE_TMP_S, DiskIndex
-from lmc_server.l2.file_backend import FileBackend
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Error, SlotObject
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.backend import FileBackend
+from lmc_server.tiers.disk.config import DiskConfigError, DiskSettings, check_disk_config, disk_path
+from lmc_server.tiers.disk.index import STALE_TMP_S, DiskIndex
 
 SPACE = bytes(range(16))
 

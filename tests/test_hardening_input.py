@@ -25,10 +25,10 @@ import pytest
 
 from lmc_server.cli.main import cli
 from lmc_server.client import Client, chunk_digests
-from lmc_server.l2.url import redact_url
 from lmc_server.testing import ShmKV, simple_model
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.tiers.url import redact_url
 
 SECRET = "hunter2-Zq9"
 #: A server that starts in a blink: a small pool, no metrics endpoint.

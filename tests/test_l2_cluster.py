@@ -23,9 +23,6 @@ import numpy as np
 import pytest
 
 from lmc_server.client import chunk_digests
-from lmc_server.l2 import codec, redis_reads
-from lmc_server.l2.backend import L2Error, SlotObject, SlotRead
-from lmc_server.l2.redis_cluster_backend import RedisClusterBackend
 from lmc_server.testing.bench_runs import run_bench_l2
 from lmc_server.testing.redis_cluster import RedisClusterProcess
 from lmc_server.testing.tierworker import (
@@ -39,6 +36,10 @@ from lmc_server.testing.tierworker import (
     wait_for,
     wait_l2_written,
 )
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Error, SlotObject, SlotRead
+from lmc_server.tiers.redis import reads as redis_reads
+from lmc_server.tiers.redis.cluster import RedisClusterBackend
 
 pytestmark = [
     pytest.mark.needs_tool("redis-server", "Debian: redis-server; CI: .ci/install-redis.sh"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from lmc_server.l2 import codec
+from lmc_server.tiers import codec
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "l2.md").read_text()
 

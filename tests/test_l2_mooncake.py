@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from lmc_server.client import chunk_digests
-from lmc_server.l2.backend import L2Backend
 from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.tiers.backend import L2Backend
 
 _REASON = ""
 if os.environ.get("LMC_MOONCAKE_TESTS") != "1":
@@ -88,7 +88,7 @@ def mooncake_url() -> Iterator[str]:
 
 
 def test_adapter_contract(mooncake_url: str) -> None:
-    from lmc_server.l2.mooncake_backend import MooncakeBackend
+    from lmc_server.tiers.mooncake_backend import MooncakeBackend
 
     async def run(b: L2Backend) -> None:
         await b.connect()

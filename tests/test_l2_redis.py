@@ -19,9 +19,6 @@ import pytest
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Error, SlotObject
-from lmc_server.l2.redis_backend import RedisBackend
 from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess, free_port
@@ -38,6 +35,9 @@ from lmc_server.testing.tierworker import (
     wait_for,
     wait_l2_written,
 )
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Error, SlotObject
+from lmc_server.tiers.redis.backend import RedisBackend
 
 #: A short L2 timeout, so the tests of a store going away converge quickly.
 L2_TIMEOUT_S = 0.5

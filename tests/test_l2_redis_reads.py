@@ -18,9 +18,6 @@ import numpy as np
 import pytest
 
 from lmc_server.client import chunk_digests
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Error, SlotObject, SlotRead
-from lmc_server.l2.redis_backend import RedisBackend
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
@@ -36,6 +33,9 @@ from lmc_server.testing.tierworker import (
     wait_for,
     wait_l2_written,
 )
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Error, SlotObject, SlotRead
+from lmc_server.tiers.redis.backend import RedisBackend
 
 if redis_server_path() is None:
     pytestmark = pytest.mark.skip(reason="redis-server is not installed")

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from lmc_server.l2.resp import (
+from lmc_server.tiers.redis.resp import (
     MAX_LINE_BYTES,
     PIECE_BYTES,
     RespProtocolError,

@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from lmc_server.cli.main import cli
 from lmc_server.config import Config, ConfigError
-from lmc_server.l2 import codec
-from lmc_server.l2.poolview import PoolView, PoolViewError
-from lmc_server.l2.url import L2ConfigError, parse_l2_url, read_password
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+from lmc_server.tiers import codec
+from lmc_server.tiers.poolview import PoolView, PoolViewError
+from lmc_server.tiers.url import L2ConfigError, parse_l2_url, read_password
 from lmc_server.transfer.null import NullHostPool
 
 SPACE = codec.space_of("model=x;kv_dtype=fp8;arch=sm90;world=1;rank=replicated", b"f" * 16, 256)

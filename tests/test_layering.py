@@ -53,21 +53,22 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": {"cache", "buffers", "errors"},
     # Transfer engines copy by the cache's layout into the buffers a worker registered.
     "transfer": {"cache", "buffers", "threadnames", "errors"},
-    # L2 tier beside transfer: reads and fills L1 slots through the index, the pool and
-    # the engine's host pool. Declares its own settings (Config is made of them).
-    "l2": {"cache", "transfer", "threadnames", "declare", "errors"},
+    # The tiers below L1 (disk, L2) beside transfer: read and fill L1 slots through the
+    # index, the pool and the engine's host pool. Declare their own settings (Config is
+    # made of them).
+    "tiers": {"cache", "transfer", "threadnames", "declare", "errors"},
     # Prometheus collector and HTTP endpoint. Reads the index (and the pool through it); the
     # server's own counters and sessions through protocols it defines (no server import).
     "metrics": {"cache", "net", "threadnames", "errors"},
-    # Server settings: values and checks; the checks of a subsystem live with it (l2).
-    "config": {"cache", "protocol", "net", "l2", "declare", "errors"},
+    # Server settings: values and checks; the checks of a subsystem live with it (tiers).
+    "config": {"cache", "protocol", "net", "tiers", "declare", "errors"},
     # The daemon: everything of the server stack below it.
     "server": {
         "protocol",
         "cache",
         "buffers",
         "transfer",
-        "l2",
+        "tiers",
         "metrics",
         "config",
         "logs",
@@ -103,7 +104,7 @@ ALLOWED: dict[str, set[str]] = {
         "server",
         "config",
         "metrics",
-        "l2",
+        "tiers",
         "transfer",
         "protocol",
         "cache",
@@ -163,14 +164,14 @@ THIRD_PARTY_FORBIDDEN: dict[str, set[str]] = {
             "integration",
             "testing",
             "bench",
-            "l2",
+            "tiers",
             "metrics",
             "cli",
             "config",
         )
     },
 }
-for _layer in ("server", "transfer", "l2", "metrics", "config", "cli"):
+for _layer in ("server", "transfer", "tiers", "metrics", "config", "cli"):
     THIRD_PARTY_FORBIDDEN.setdefault(_layer, set()).add("torch")
 
 

@@ -30,13 +30,13 @@ import pytest
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.view import CacheView, hit_chunks
-from lmc_server.l2 import codec, prefetch
-from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotRead, Value
-from lmc_server.l2.context import TierContext
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.prefetch import Prefetcher
-from lmc_server.l2.stats import L2Stats
 from lmc_server.testing.l1 import MIB, dsv_view, make_index
+from lmc_server.tiers import codec, prefetch
+from lmc_server.tiers.backend import Head, L2Backend, L2Error, ReadResult, SlotRead, Value
+from lmc_server.tiers.context import TierContext
+from lmc_server.tiers.poolview import PoolView
+from lmc_server.tiers.prefetch import Prefetcher
+from lmc_server.tiers.stats import L2Stats
 
 NS = "model=x;kv_dtype=fp8;arch=sm90;world=1;rank=replicated"
 CHUNKS = 24

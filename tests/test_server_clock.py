@@ -15,7 +15,6 @@ import pytest
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
-from lmc_server.l2.prefetch import MISS_MEMORY_S
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import encode
 from lmc_server.protocol.stats import L2Report
@@ -26,6 +25,7 @@ from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.presets import simple_model
 from lmc_server.testing.redis_process import RedisProcess
 from lmc_server.testing.tierworker import wait_for
+from lmc_server.tiers.prefetch import MISS_MEMORY_S
 
 CHUNK = 256
 

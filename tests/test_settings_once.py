@@ -1,7 +1,7 @@
 """Every setting is declared once; everything else is derived from that declaration.
 
 The settings, enumerated from their groups: the server's (:class:`Config`, made of the
-server's own group, the tiers' groups declared in ``lmc_server/l2/`` and the KV-event
+server's own group, the tiers' groups declared in ``lmc_server/tiers/`` and the KV-event
 publisher's), the client commands' (:class:`ClientSettings`) and the vLLM connector's
 (:class:`ConnectorSettings`). For each, the package's sources are walked (``ast``) for
 

@@ -18,8 +18,6 @@ import pytest
 from prometheus_client.core import CounterMetricFamily
 
 from lmc_server.cache.counters import CacheStats, CounterInfo, L2Counters, counters_of
-from lmc_server.l2.metrics import L2Collector
-from lmc_server.l2.stats import L2Stats
 from lmc_server.metrics.collector import PREFIX, counter_families
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
@@ -32,6 +30,8 @@ from lmc_server.protocol.stats import (
     StatsReport,
 )
 from lmc_server.server.report import copy_counters, l2_report
+from lmc_server.tiers.metrics import L2Collector
+from lmc_server.tiers.stats import L2Stats
 
 
 def numbered(cls: type[msgspec.Struct], first: int = 1) -> Any:

@@ -10,7 +10,7 @@ A counter is a field of one of the Structs below, annotated with :func:`counter`
   exported as 0 for each of ``known`` before the first one, so ``rate()`` and alerts
   see the series from the start.
 
-The Prometheus collectors (:mod:`lmc_server.metrics.collector`, ``lmc_server.l2.metrics``),
+The Prometheus collectors (:mod:`lmc_server.metrics.collector`, ``lmc_server.tiers.metrics``),
 the ``stats`` reply (``lmc_server.protocol.stats``, built by ``lmc_server.server.report``),
 ``lmcache stats`` and the benchmarks all read these definitions (:func:`counters_of`), so a
 counter added here shows up in each of them; tests/test_stats_types.py checks it. They
@@ -174,7 +174,7 @@ class L2Counters(CounterSet, kw_only=True):
     """The L2 tier's counters (``lmcache_l2_<metric>_total``, the ``stats`` ``l2``).
 
     Objects are one chunk of one object group. The tier's threads and the event loop
-    increment them (``lmc_server.l2.stats.L2Stats`` adds the latency histograms).
+    increment them (``lmc_server.tiers.stats.L2Stats`` adds the latency histograms).
     """
 
     hits: Annotated[int, counter("Objects found valid in L2 and brought into L1.")] = 0

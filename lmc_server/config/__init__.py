@@ -3,7 +3,7 @@
 Precedence (highest first): command-line flags, ``LMCACHE_*`` environment variables,
 the TOML file given with ``--config``, the defaults. The CLI resolves the first three
 with click from the declarations of :class:`Config` (``settings.py``, through
-``lmc_server/declare.py``; the tiers' groups are declared in ``lmc_server/l2/``) and of
+``lmc_server/declare.py``; the tiers' groups are declared in ``lmc_server/tiers/``) and of
 the client commands' :class:`ClientSettings` (``client.py``); this package defines the
 fields, their defaults and ranges, the checks
 that relate settings or need the machine (memory), and loads TOML files strictly

@@ -2,7 +2,8 @@
 checks that relate settings to each other or to the machine.
 
 ``Config`` is made of groups: the server's own settings (:class:`ServerSettings`), the
-tiers' below L1 (declared in ``lmc_server/l2/``: :class:`~lmc_server.l2.settings.TierSettings`)
+tiers' below L1 (declared in ``lmc_server/tiers/``:
+:class:`~lmc_server.tiers.settings.TierSettings`)
 and the KV-event publisher's (its own fields). Adding a setting is one field in its
 group: its type, default, help and range or choices. The flag, the ``LMCACHE_*``
 variable, the TOML key and the range check follow from it; the docs' flag table must
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 
 from lmc_server.cache.eviction.names import POLICY_HELP, SUMMARIES
 from lmc_server.declare import ConfigError, check_declared, declarations, setting
-from lmc_server.l2.checks import TIERS
-from lmc_server.l2.settings import TierInputs, TierSettings
 from lmc_server.net import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -30,6 +29,8 @@ from lmc_server.net import (
     tcp_endpoint,
 )
 from lmc_server.protocol.limits import DEFAULT_MAX_FRAME_BYTES
+from lmc_server.tiers.checks import TIERS
+from lmc_server.tiers.settings import TierInputs, TierSettings
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -339,15 +340,15 @@ class Config(TierSettings, ServerSettings):
         for needs, (tier, add) in NEEDS_WORDS.items():
             self._check_unused(needs, tier, add)
         if self.l2_url:
-            from lmc_server.l2.checks import check_l2_config
-            from lmc_server.l2.url import L2ConfigError
+            from lmc_server.tiers.checks import check_l2_config
+            from lmc_server.tiers.url import L2ConfigError
 
             try:
                 check_l2_config(self, self.backend)
             except L2ConfigError as e:
                 raise ConfigError(str(e)) from None
         if self.disk_dir or self.disk_size_gb:
-            from lmc_server.l2.disk_config import DiskConfigError, check_disk_config
+            from lmc_server.tiers.disk.config import DiskConfigError, check_disk_config
 
             try:
                 check_disk_config(self, self.backend)

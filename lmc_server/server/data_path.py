@@ -41,8 +41,8 @@ from lmc_server.server.validate import CheckedIds
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
-    from lmc_server.l2.chain import TierChain
     from lmc_server.server.events.publisher import KvEventPublisher
+    from lmc_server.tiers.chain import TierChain
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class DataPath:
     the server handles queued socket events there, so a writer that died during the
     copy is seen (its registration closes) and its object is aborted, not committed.
     ``l2`` (``--disk-dir``, ``--l2``) is told of every store commit and of every lookup
-    that misses L1 (:mod:`lmc_server.l2.chain`); ``events`` (``--kv-events-endpoint``)
+    that misses L1 (:mod:`lmc_server.tiers.chain`); ``events`` (``--kv-events-endpoint``)
     publishes what commits.
     """
 

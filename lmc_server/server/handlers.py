@@ -35,8 +35,8 @@ from lmc_server.server.stats import ServerStats
 from lmc_server.transfer.base import TransferEngine, TransferError
 
 if TYPE_CHECKING:
-    from lmc_server.l2.chain import TierChain
     from lmc_server.server.events.publisher import KvEventPublisher
+    from lmc_server.tiers.chain import TierChain
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
 
 if TYPE_CHECKING:  # the tiers below L1 are imported only with --l2 or --disk-dir
-    from lmc_server.l2.chain import TierChain
-    from lmc_server.l2.tier import L2Tier
     from lmc_server.server.events.publisher import KvEventPublisher
+    from lmc_server.tiers.chain import TierChain
+    from lmc_server.tiers.tier import L2Tier
 
 
 def copy_counters(source: msgspec.Struct, cls: type[msgspec.Struct]) -> dict[str, Any]:
@@ -142,7 +142,7 @@ def l2_report(tier: L2Tier) -> L2Report:
 
 def disk_report(tier: L2Tier) -> DiskReport:
     """The ``disk`` part: what ``l2`` says of a tier, plus the disk's space and index."""
-    from lmc_server.l2.file_backend import FileBackend
+    from lmc_server.tiers.disk.backend import FileBackend
 
     backend = tier.backend
     assert isinstance(backend, FileBackend)

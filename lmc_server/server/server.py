@@ -48,7 +48,6 @@ import zmq
 from lmc_server import __version__
 from lmc_server.cache.index import L1Index
 from lmc_server.config import Config, gib_text
-from lmc_server.l2.url import redact_url
 from lmc_server.protocol.stats import StatsReport
 from lmc_server.server.dispatch import Dispatcher
 from lmc_server.server.handlers import Handlers
@@ -62,6 +61,7 @@ from lmc_server.server.sessions import SessionTable
 from lmc_server.server.stats import ServerStats
 from lmc_server.server.teardown import ServerTeardown
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers.url import redact_url
 from lmc_server.transfer.base import HostPool, TransferEngine
 from lmc_server.transfer.select import make_engine
 
@@ -111,7 +111,7 @@ class Server(ServerTeardown):
         self._prev_signals: dict[int, Any] = {}
         self.on_started: list[Callable[[Server], None]] = []
         self.on_shutdown: list[Callable[[Server], None]] = []
-        self.l2: Any = None  # lmc_server.l2.chain.TierChain with --l2 or --disk-dir
+        self.l2: Any = None  # lmc_server.tiers.chain.TierChain with --l2 or --disk-dir
         self.events: KvEventPublisher | None = None  # with --kv-events-endpoint
 
     @property
@@ -181,7 +181,7 @@ class Server(ServerTeardown):
         # the publisher, the router, the handlers (which read all three), the
         # dispatcher (handlers and router); then the router starts reading into it.
         if cfg.l2_url or cfg.disk_dir:
-            from lmc_server.l2.setup import make_chain
+            from lmc_server.tiers.setup import make_chain
 
             self.l2 = make_chain(cfg, self.index, self.host_pool, self.engine.name, self.clock)
             self.l2.start()
@@ -298,7 +298,7 @@ class Server(ServerTeardown):
         )
         registry = make_registry(collector)
         if self.l2 is not None:
-            from lmc_server.l2.metrics import L2Collector
+            from lmc_server.tiers.metrics import L2Collector
 
             for tier in self.l2.tiers:
                 registry.register(L2Collector(tier))

@@ -17,11 +17,11 @@ import pytest
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, chunk_digests
-from lmc_server.l2 import codec
 from lmc_server.protocol.stats import DiskReport
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.tierworker import CHUNK, tokens, wait_for
+from lmc_server.tiers import codec
 
 pytestmark = pytest.mark.gpu
 

@@ -23,12 +23,12 @@ import pytest
 
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.client import Client, Registration, chunk_digests
-from lmc_server.l2 import codec
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing import poll
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
+from lmc_server.tiers import codec
 
 pytestmark = pytest.mark.gpu
 

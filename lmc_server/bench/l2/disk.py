@@ -42,10 +42,10 @@ from lmc_server.bench.common import Report, format_table
 from lmc_server.bench.l2.run import L2Config, TwoServers, _digests
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client
-from lmc_server.l2 import direct_io
-from lmc_server.l2.file_backend import IO_THREADS, LAYOUT_DIR
 from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.backend import IO_THREADS, LAYOUT_DIR
 
 #: The paced flood stores at this fraction of the write-behind rate of the rounds.
 PACED_FRACTION = 0.8

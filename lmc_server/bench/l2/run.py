@@ -48,11 +48,11 @@ from lmc_server.bench.servers import server_flags
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client, chunk_digests
 from lmc_server.config import Config
-from lmc_server.l2 import codec
 from lmc_server.testing.kv import ShmKV, block_ids_for
 from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path, server_version
+from lmc_server.tiers import codec
 
 #: Poll interval (stats, lookups): short enough to add little to a timing, long enough
 #: not to take the CPU the server and redis-server need on a small host.
@@ -372,7 +372,7 @@ def raw_client(url: str, socket_timeout_s: float) -> Any:
     if "+cluster://" in url:
         from redis.cluster import ClusterNode, RedisCluster
 
-        from lmc_server.l2.redis_cluster_backend import cluster_nodes
+        from lmc_server.tiers.redis.cluster import cluster_nodes
 
         return RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in cluster_nodes(url)],
@@ -410,7 +410,7 @@ class _Redis:
         ]
 
     def get(self, keys: list[bytes]) -> tuple[float, list[Any]]:
-        from lmc_server.l2.redis_backend import GET_BATCH_KEYS
+        from lmc_server.tiers.redis.backend import GET_BATCH_KEYS
 
         t0 = time.perf_counter()
         values: list[Any] = []
@@ -420,7 +420,7 @@ class _Redis:
 
     def write(self, keys: list[bytes], _round: int) -> tuple[float, list[bytes]]:
         """What A wrote, written again under other keys: (seconds, A's keys)."""
-        from lmc_server.l2.redis_backend import PUT_BATCH_KEYS
+        from lmc_server.tiers.redis.backend import PUT_BATCH_KEYS
 
         _, values = self.get(keys)
         if any(v is None for v in values):
@@ -443,7 +443,7 @@ def warm_store(url: str, value_bytes: list[int], gb: float) -> float:
     """Write ``gb`` GB of values of the sizes in ``value_bytes`` (in turn) to the store
     at ``url``, then ``FLUSHALL SYNC`` (only ever a store this bench started); seconds."""
 
-    from lmc_server.l2.redis_backend import PUT_BATCH_KEYS
+    from lmc_server.tiers.redis.backend import PUT_BATCH_KEYS
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(7)

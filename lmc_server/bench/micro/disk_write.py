@@ -15,7 +15,7 @@ the tier's directory layout:
   flight: the I/O threads go on to the next batch while the last objects of one are
   written; with
   direct I/O, aligned slots are written in the aligned layout, straight from the slot
-  (:mod:`lmc_server.l2.disk_layout`): the tier's path now;
+  (:mod:`lmc_server.tiers.disk.layout`): the tier's path now;
 - ``packed``: ``inflight`` from slots 64 bytes off alignment, so each object is copied
   with its header into an aligned buffer first (the packed layout): the tier's path
   before the aligned layout;
@@ -44,10 +44,11 @@ import numpy as np
 
 from lmc_server.bench.l2.disk import _Plain
 from lmc_server.cache.slabs import slot_stride
-from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.backend import SlotObject
-from lmc_server.l2.file_backend import FileBackend
-from lmc_server.l2.writer import SLOT_BATCHES_IN_FLIGHT, WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import SlotObject
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.backend import FileBackend
+from lmc_server.tiers.writer import SLOT_BATCHES_IN_FLIGHT, WRITE_BATCH_BYTES, WRITE_BATCH_OBJECTS
 
 SPACE = bytes(16)
 #: L1's slabs at the server's default ``--slab-size-mb`` (the slot stride depends on it).

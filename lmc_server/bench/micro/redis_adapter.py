@@ -2,7 +2,7 @@
 
 ``--objects`` objects of ``--object-bytes`` (the preset's 2.7 MB objects by default),
 from and into a page-aligned buffer standing for L1, through
-:class:`~lmc_server.l2.redis_backend.RedisBackend` against a redis-server or
+:class:`~lmc_server.tiers.redis.backend.RedisBackend` against a redis-server or
 valkey-server started here: per round, one ``put_slots`` of all of them under fresh
 keys (split across ``--connections`` connections, as the writer's batches are), their
 headers (``heads``), and one ``get_into`` of all of them, checked byte for byte at the
@@ -29,11 +29,11 @@ import time
 import numpy as np
 
 from lmc_server.bench.l2.run import WARM_STORE_GB, warm_store
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import SlotObject, SlotRead
-from lmc_server.l2.redis_backend import RedisBackend
 from lmc_server.testing.kv import fill_random_bytes
 from lmc_server.testing.redis_process import RedisProcess, server_version
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import SlotObject, SlotRead
+from lmc_server.tiers.redis.backend import RedisBackend
 
 SPACE = b"micro-redis-adpt"
 DEFAULT_OBJECT_BYTES = 2694912  # one object of the DSV4.1-Flash preset's chunk

@@ -57,7 +57,7 @@ from lmc_server.server.events.tiers import DiskEvents
 from lmc_server.server.security import bound_ipc_file, remove_ipc
 
 if TYPE_CHECKING:
-    from lmc_server.l2.events import TierListeners
+    from lmc_server.tiers.events import TierListeners
 
 log = logging.getLogger(__name__)
 

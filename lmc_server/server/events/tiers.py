@@ -1,6 +1,6 @@
 """KV events of the disk tier (``--disk-dir``): the same blocks, medium ``DISK``.
 
-The disk tier tells its listeners (:mod:`lmc_server.l2.events`) when a write is
+The disk tier tells its listeners (:mod:`lmc_server.tiers.events`) when a write is
 complete and when it deletes a file (evicted for capacity, found missing or damaged).
 Those are published on the object's topic as ``BlockStored`` and ``BlockRemoved`` with
 medium ``DISK`` and the hashes its L1 object was published with, so a router sees one
@@ -50,7 +50,7 @@ class DiskEvents:
     """Maps the disk tier's keys back to published L1 objects and publishes them."""
 
     def __init__(self, publisher: Publisher) -> None:
-        from lmc_server.l2 import codec  # the L2 package loads only with a lower tier
+        from lmc_server.tiers import codec  # the L2 package loads only with a lower tier
 
         self.publisher = publisher
         self._codec = codec

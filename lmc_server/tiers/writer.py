@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmc_server.cache.index import Reservation, StoreTicket
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Error, SlotObject, Value
-from lmc_server.l2.context import TierContext
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Error, SlotObject, Value
+from lmc_server.tiers.context import TierContext
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A prefetch reads into the L1 slots (``reads_into_slots``): the headers first
 (:meth:`RedisBackend.heads`), then pipelined ``GET`` whose replies our own RESP reader
-receives straight into the reserved slots, checked there (:mod:`lmc_server.l2.redis_reads`);
+receives straight into the reserved slots, checked there (:mod:`lmc_server.tiers.redis.reads`);
 ``get_many`` (``MGET``) stays for callers that want values. Writes are one pipeline of
 ``SET`` per batch (no MULTI/EXEC, the writes are independent), sent straight from the L1
 slots (``writes_from_slots``; see :meth:`RedisBackend._send_slots`). The calls run
@@ -34,11 +34,20 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from lmc_server.l2 import codec, redis_reads, settle
-from lmc_server.l2.backend import Head, L2Backend, L2Error, ReadResult, SlotObject, SlotRead, Value
-from lmc_server.l2.resp import RespProtocolError
-from lmc_server.l2.url import redact_url
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers import codec, settle
+from lmc_server.tiers.backend import (
+    Head,
+    L2Backend,
+    L2Error,
+    ReadResult,
+    SlotObject,
+    SlotRead,
+    Value,
+)
+from lmc_server.tiers.redis import reads as redis_reads
+from lmc_server.tiers.redis.resp import RespProtocolError
+from lmc_server.tiers.url import redact_url
 
 #: Keys per MGET and SETs per pipeline: bounds one round trip's memory on both ends.
 GET_BATCH_KEYS = 64

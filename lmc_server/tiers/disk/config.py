@@ -1,6 +1,6 @@
 """The disk tier's settings and their checks (called by :meth:`Config.check`).
 
-Like :mod:`lmc_server.l2.checks`, the settings are declared here (:class:`DiskSettings`)
+Like :mod:`lmc_server.tiers.checks`, the settings are declared here (:class:`DiskSettings`)
 and the server's ``Config`` is made of them, so ``l2`` imports nothing above it. The
 checks need the filesystem: the directory (or its nearest
 existing parent) must be a directory, and the capacity must fit the filesystem it is on,
@@ -27,7 +27,7 @@ class DiskConfigError(LmcError, ValueError):
 @dataclass
 class DiskSettings:
     """The disk tier's settings, declared here; the server's ``Config`` is made of this
-    group (after :class:`~lmc_server.l2.checks.L2Settings`, the order of ``--help``). The
+    group (after :class:`~lmc_server.tiers.checks.L2Settings`, the order of ``--help``). The
     write queue, prefetch and timeout settings it shares with L2 are declared there."""
 
     disk_dir: str = setting(

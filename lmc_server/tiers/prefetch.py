@@ -13,7 +13,7 @@ runs on the loop (cheap); the objects of the contiguous run of chunks L2 can com
 are reserved in L1 through the index (WRITING: invisible, the same reservation a store
 holds); the sink *fills* the slots (verifies every checksum, on threads); then the
 batch is committed, or each object aborted. Where the bytes are when is the sink's
-business (:mod:`lmc_server.l2.prefetch_sinks`): a copy from values read first, or a
+business (:mod:`lmc_server.tiers.prefetch_sinks`): a copy from values read first, or a
 backend receiving values straight into the slots, several batches at once.
 
 Invariants:
@@ -35,7 +35,7 @@ Invariants:
   chunk 0, which every longer hit needs, ends most recent and is evicted last, as
   after a store of the whole prefix. Under FIFO the order is commit order by
   definition: a prefetch's earlier batches are older than its later ones.
-- **Every future is awaited** (:mod:`lmc_server.l2.settle`).
+- **Every future is awaited** (:mod:`lmc_server.tiers.settle`).
 
 Every chunk an in-flight prefetch covers is remembered, so asking again while one runs
 (even after part of it landed and the hit grew) starts nothing and reports what is
@@ -57,10 +57,10 @@ from typing import Any
 
 from lmc_server.cache.index import Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
-from lmc_server.l2 import codec, settle
-from lmc_server.l2.backend import L2Error, ReadResult
-from lmc_server.l2.context import TierContext
-from lmc_server.l2.prefetch_sinks import (
+from lmc_server.tiers import codec, settle
+from lmc_server.tiers.backend import L2Error, ReadResult
+from lmc_server.tiers.context import TierContext
+from lmc_server.tiers.prefetch_sinks import (
     CopySink,
     Filling,
     Good,

@@ -4,7 +4,7 @@ Layout::
 
     ROOT/lmc2/<space, 32 hex>/<first chunk-key byte, 2 hex>/<chunk key, 64 hex>
 
-one file per L2 key (:func:`lmc_server.l2.codec.l2_key`), holding the L2 value as is
+one file per L2 key (:func:`lmc_server.tiers.codec.l2_key`), holding the L2 value as is
 (header with namespace hash, chunk key, length and XXH3 checksum, then the payload), so
 the tier checks a file exactly as it checks a Redis value: a damaged, truncated or
 foreign file is a miss and a counter, never served. The fan-out keeps directories
@@ -12,7 +12,7 @@ small (256 per namespace and layout).
 
 :class:`DiskFiles` names the files (``path_of``, and its inverse ``key_of`` for the
 index rebuild), reads and writes them whole in either layout
-(:mod:`lmc_server.l2.disk_layout`, through :mod:`lmc_server.l2.direct_io`) and removes
+(:mod:`lmc_server.tiers.disk.layout`, through :mod:`lmc_server.tiers.disk.direct_io`) and removes
 them. It decides nothing about capacity (the backend reserves a file's bytes in the
 ledger before it asks for the write) and keeps no index. Everything but the naming,
 ``encode`` and ``release`` runs on the tier's I/O threads.
@@ -30,9 +30,11 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
-from lmc_server.l2 import codec, direct_io, disk_layout
-from lmc_server.l2.backend import SlotObject, Value
-from lmc_server.l2.disk_ledger import DiskLedger, remove_counted
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import SlotObject, Value
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk import layout as disk_layout
+from lmc_server.tiers.disk.ledger import DiskLedger, remove_counted
 
 #: A file longer than this is not read whole (no object is near it; a miss).
 MAX_VALUE_BYTES = 1 << 30
@@ -144,7 +146,7 @@ class DiskFiles:
 
     def write_slot(self, obj: SlotObject, aligned: bool) -> bool:
         """Write one object from its (pinned) slot, on one I/O thread: in the aligned
-        layout straight from the slot (:mod:`lmc_server.l2.disk_layout`), else copied
+        layout straight from the slot (:mod:`lmc_server.tiers.disk.layout`), else copied
         with its header into an aligned buffer first (while this thread copies, the
         others' writes are in flight)."""
         if aligned:

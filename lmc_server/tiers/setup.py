@@ -1,7 +1,7 @@
 """Build the tiers below L1 from the server's configuration (called once at startup).
 
 The tiers' settings are the groups declared in this package
-(:class:`~lmc_server.l2.settings.TierSettings`); what a tier is built with of the L1
+(:class:`~lmc_server.tiers.settings.TierSettings`); what a tier is built with of the L1
 server's own settings (its chunk size, its pool's bytes) comes as ``TierInputs``, which
 the server's ``Config`` makes (``TierConfig``): ``l2`` names what it needs and imports
 nothing above it.
@@ -16,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmc_server.cache.index import L1Index
-from lmc_server.l2.backend import L2Backend
-from lmc_server.l2.chain import TierChain
-from lmc_server.l2.disk_config import capacity_bytes, disk_path
-from lmc_server.l2.file_backend import FileBackend
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.settings import TierConfig, TierInputs
-from lmc_server.l2.tier import L2Tier
-from lmc_server.l2.url import L2ConfigError, L2Target, parse_l2_url, read_password
-from lmc_server.l2.writer import WRITE_PIN_FRACTION
+from lmc_server.tiers.backend import L2Backend
+from lmc_server.tiers.chain import TierChain
+from lmc_server.tiers.disk.backend import FileBackend
+from lmc_server.tiers.disk.config import capacity_bytes, disk_path
+from lmc_server.tiers.poolview import PoolView
+from lmc_server.tiers.settings import TierConfig, TierInputs
+from lmc_server.tiers.tier import L2Tier
+from lmc_server.tiers.url import L2ConfigError, L2Target, parse_l2_url, read_password
+from lmc_server.tiers.writer import WRITE_PIN_FRACTION
 from lmc_server.transfer.base import HostPool
 
 
@@ -33,7 +33,7 @@ def make_backend(
 ) -> L2Backend:
     if target.kind == "redis-cluster":
         try:
-            from lmc_server.l2.redis_cluster_backend import RedisClusterBackend
+            from lmc_server.tiers.redis.cluster import RedisClusterBackend
         except ImportError:
             raise L2ConfigError(
                 "--l2 redis+cluster://: the redis package is not installed "
@@ -42,13 +42,13 @@ def make_backend(
         return RedisClusterBackend(target.url, password, timeout_s, connections)
     if target.kind == "redis":
         try:
-            from lmc_server.l2.redis_backend import RedisBackend
+            from lmc_server.tiers.redis.backend import RedisBackend
         except ImportError:
             raise L2ConfigError(
                 "--l2 redis://: the redis package is not installed (pip install 'lmc-server[l2]')"
             ) from None
         return RedisBackend(target.url, password, timeout_s, connections)
-    from lmc_server.l2.mooncake_backend import MooncakeBackend
+    from lmc_server.tiers.mooncake_backend import MooncakeBackend
 
     return MooncakeBackend(target.url, timeout_s)
 

@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lmc_server.cache.index import L1Index, StoreTicket
 from lmc_server.cache.view import CacheView
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import L2Backend, L2Error
-from lmc_server.l2.context import TierContext
-from lmc_server.l2.events import TierListeners
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.prefetch import Prefetcher
-from lmc_server.l2.stats import L2Stats
-from lmc_server.l2.writer import WriteBehind
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Backend, L2Error
+from lmc_server.tiers.context import TierContext
+from lmc_server.tiers.events import TierListeners
+from lmc_server.tiers.poolview import PoolView
+from lmc_server.tiers.prefetch import Prefetcher
+from lmc_server.tiers.stats import L2Stats
+from lmc_server.tiers.writer import WriteBehind
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
     packed:   | L2 value header (72 B) | payload (m B) |                 size 72 + m
     aligned:  | L2 value header (72 B) | zeros to 4 KiB | payload (m B) | size 4096 + m
 
-Both hold the L2 value of :mod:`lmc_server.l2.codec` (the same header: magic, version,
+Both hold the L2 value of :mod:`lmc_server.tiers.codec` (the same header: magic, version,
 space, chunk key, length ``m``, XXH3 checksum over header and payload, never over the
 zeros), so a file is checked exactly as a Redis value is.
 
@@ -41,8 +41,9 @@ import struct
 import numpy as np
 
 from lmc_server.cache.slabs import ALIGNED_SLOT_MIN_BYTES
-from lmc_server.l2 import codec, direct_io
-from lmc_server.l2.direct_io import ALIGN_BYTES, BufferPool
+from lmc_server.tiers import codec
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.direct_io import ALIGN_BYTES, BufferPool
 
 #: The payload's offset in the aligned layout.
 PAYLOAD_OFFSET = ALIGN_BYTES
@@ -102,7 +103,7 @@ def write_aligned(
     """Write ``payload`` (an aligned L1 slot, :func:`aligned_ok`) as the file ``path`` in
     the aligned layout: the header block and the last partial block (if any) from
     ``buffers``, the payload's whole blocks from where they lie. Thread; ``OSError``
-    as :func:`lmc_server.l2.direct_io.write_parts`."""
+    as :func:`lmc_server.tiers.disk.direct_io.write_parts`."""
     m = len(payload)
     whole = m - m % ALIGN_BYTES
     head = buffers.take(PAYLOAD_OFFSET)

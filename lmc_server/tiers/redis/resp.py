@@ -19,7 +19,7 @@ Invariants:
   the connection stays in step.
 
 Sans-policy: it knows nothing of L2 values (headers and checksums are
-:mod:`lmc_server.l2.codec`'s, applied by :mod:`lmc_server.l2.redis_reads`).
+:mod:`lmc_server.tiers.codec`'s, applied by :mod:`lmc_server.tiers.redis.reads`).
 """
 
 from __future__ import annotations

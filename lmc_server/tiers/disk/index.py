@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from lmc_server.l2.direct_io import TMP_SUFFIX
+from lmc_server.tiers.disk.direct_io import TMP_SUFFIX
 
 #: A temporary file older than this was left by a dead writer.
 STALE_TMP_S = 60.0
@@ -131,7 +131,7 @@ class DiskIndex:
 def stale_by_age(name: str, mtime_s: float, now_s: Callable[[], float] = time.time) -> bool:
     """A temporary file no live writer would still have open: older than
     ``STALE_TMP_S`` (the rule for another host's files; the tier knows more of its own
-    host's, :meth:`~lmc_server.l2.disk_rebuild.IndexRebuild.stale_temporary`)."""
+    host's, :meth:`~lmc_server.tiers.disk.rebuild.IndexRebuild.stale_temporary`)."""
     return now_s() - mtime_s > STALE_TMP_S
 
 

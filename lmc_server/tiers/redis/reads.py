@@ -1,15 +1,16 @@
 """Redis reads into L1 slots: one connection's share of a prefetch batch (I/O thread).
 
-Two pipelined round trips per share, both parsed by :class:`~lmc_server.l2.resp.RespReader`:
+Two pipelined round trips per share, both parsed by
+:class:`~lmc_server.tiers.redis.resp.RespReader`:
 
 1. :func:`read_heads`: ``STRLEN`` and ``GETRANGE key 0 71`` of every key. The
-   prefetch checks each header (:func:`lmc_server.l2.codec.check_head`: magic,
+   prefetch checks each header (:func:`lmc_server.tiers.codec.check_head`: magic,
    version, namespace, chunk key, length) before it reserves a slot, so a missing,
    damaged or foreign value costs L1 nothing (no slot, no eviction).
 2. :func:`read_values`: ``GET`` of every key whose slot was reserved. Each reply's
    first 72 bytes (the header) land in a small buffer and are checked again (the
    value may have changed since step 1); the payload is received straight into the
-   slot, its checksum (:class:`lmc_server.l2.codec.PayloadSum`) computed piece by piece
+   slot, its checksum (:class:`lmc_server.tiers.codec.PayloadSum`) computed piece by piece
    as it lands. A value whose length, header, mask or checksum is not the one
    expected is drained and reported (never ``True``): the prefetch aborts its slot.
 
@@ -25,9 +26,9 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from lmc_server.l2 import codec
-from lmc_server.l2.backend import Head, ReadResult, SlotRead
-from lmc_server.l2.resp import RespProtocolError, RespReader, RespReplyError
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import Head, ReadResult, SlotRead
+from lmc_server.tiers.redis.resp import RespProtocolError, RespReader, RespReplyError
 
 _HEAD_END = b"%d" % (codec.HEADER_BYTES - 1)
 

@@ -6,7 +6,7 @@ map; any node of the cluster will do, and more than one lets the server start wh
 some are down. redis-py's synchronous :class:`redis.cluster.RedisCluster` keeps the
 slot map (which node owns each of the 16,384 slots) and one connection pool per node.
 
-The data path is the single-node adapter's (:class:`~lmc_server.l2.redis_backend.
+The data path is the single-node adapter's (:class:`~lmc_server.tiers.redis.backend.
 RedisBackend`), per node: a batch is split by the node that owns each key's slot
 (:meth:`RedisClusterBackend._plan`), and each node's share, split again over
 ``--l2-connections``, is written from the L1 slots and read into them by our own RESP
@@ -44,8 +44,9 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, ClusterError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from lmc_server.l2.backend import Head, L2Error, Value
-from lmc_server.l2.redis_backend import (
+from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers.backend import Head, L2Error, Value
+from lmc_server.tiers.redis.backend import (
     GET_BATCH_KEYS,
     HASH_THREADS,
     HEADS,
@@ -53,8 +54,7 @@ from lmc_server.l2.redis_backend import (
     RedisBackend,
     _split,
 )
-from lmc_server.l2.url import redact_url
-from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers.url import redact_url
 
 #: A read batch with misses reloads the slot map at most this often (a miss may be a
 #: ``MOVED`` reply: the slot went to another node).

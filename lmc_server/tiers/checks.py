@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmc_server.declare import setting
-from lmc_server.l2.url import L2ConfigError, parse_l2_url, read_password
+from lmc_server.tiers.url import L2ConfigError, parse_l2_url, read_password
 
 #: Every tier below L1 (the disk tier's too) reads these, so one of the two must be set.
 TIERS = ("l2_url", "disk_dir")
@@ -20,7 +20,7 @@ TIERS = ("l2_url", "disk_dir")
 class L2Settings:
     """The L2 tier's settings, declared here, beside the code that reads them; the
     server's :class:`~lmc_server.config.Config` is made of this group (and of
-    :class:`~lmc_server.l2.disk_config.DiskSettings`), so the flags, variables, TOML keys
+    :class:`~lmc_server.tiers.disk.config.DiskSettings`), so the flags, variables, TOML keys
     and range checks follow from these fields. The queue, prefetch and timeout settings
     are the disk tier's too. Field order is the order of ``--help``."""
 

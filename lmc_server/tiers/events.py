@@ -2,7 +2,7 @@
 
 Whoever needs to know (KV events for a router, an audit log) subscribes callables; the
 tier calls them on the event loop, after the fact, with the tier's kind (``"disk"`` or
-``"l2"``) and the L2 keys (:func:`lmc_server.l2.codec.l2_key`: space + chunk key) of the
+``"l2"``) and the L2 keys (:func:`lmc_server.tiers.codec.l2_key`: space + chunk key) of the
 objects. ``stored`` fires once a write is complete (the object can be read back);
 ``removed`` when the tier deletes an object (``reason``: ``"evicted"`` for capacity,
 ``"missing"`` when a read found it gone, ``"invalid"`` when a read found it damaged).

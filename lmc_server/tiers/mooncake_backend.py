@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from lmc_server.l2.backend import L2Backend, L2Error, Value
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers.backend import L2Backend, L2Error, Value
 
 MIB = 1 << 20
 

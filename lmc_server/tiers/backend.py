@@ -1,7 +1,7 @@
 """The L2 backend contract: a remote key-value store, batched, asyncio.
 
 An adapter moves opaque bytes under opaque keys; it knows nothing of the cache
-(headers, checksums and namespaces are :mod:`lmc_server.l2.codec`'s job). Every method
+(headers, checksums and namespaces are :mod:`lmc_server.tiers.codec`'s job). Every method
 runs on the server's event loop and must not block it: network IO is asyncio, or runs
 on the adapter's own thread. Failures raise :class:`L2Error`; ``unavailable`` says the
 store cannot be reached (the tier goes degraded and reconnects), otherwise the store
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lmc_server.errors import LmcError
-from lmc_server.l2 import codec
+from lmc_server.tiers import codec
 
 #: A value as an adapter returns or takes it: ``bytes`` (Redis) or a view of a buffer
 #: the adapter allocated (the disk tier's aligned buffers).
@@ -64,7 +64,7 @@ class SlotRead:
 
 #: What :meth:`L2Backend.get_into` says of one value: ``True``, received into its slot
 #: and verified (header, mask, checksum); ``None``, absent (or replaced by a value of
-#: other sections since its header was read); an :class:`~lmc_server.l2.codec.Invalid`,
+#: other sections since its header was read); an :class:`~lmc_server.tiers.codec.Invalid`,
 #: refused for that reason. Only ``True`` may be committed.
 ReadResult = bool | codec.Invalid | None
 #: The start of a value, as :meth:`L2Backend.heads` returns it: its first bytes (at

@@ -2,7 +2,7 @@
 
 A server that starts on a directory already holding files learns them here: at the
 first connect :meth:`IndexRebuild.start` starts one task that walks the directory on a
-thread of its own (:func:`lmc_server.l2.disk_index.scan`), removing the temporary files
+thread of its own (:func:`lmc_server.tiers.disk.index.scan`), removing the temporary files
 their writers left (:meth:`IndexRebuild.stale_temporary`), and merges each directory's
 files into the index on the event loop as it goes; then it evicts what is over
 capacity and, alone on the directory, sets the ledger to what is really there. Reads
@@ -25,15 +25,15 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lmc_server.l2 import direct_io
-from lmc_server.l2.disk_files import DiskFiles
-from lmc_server.l2.disk_index import DiskIndex, scan, stale_by_age
-from lmc_server.l2.disk_ledger import DiskLedger
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk.files import DiskFiles
+from lmc_server.tiers.disk.index import DiskIndex, scan, stale_by_age
+from lmc_server.tiers.disk.ledger import DiskLedger
 
 #: The disk tier's logger, not this module's: its lines name the tier's adapter
-#: (:mod:`lmc_server.l2.file_backend`), as operators' filters expect.
-log = logging.getLogger("lmc_server.l2.file_backend")
+#: (:mod:`lmc_server.tiers.disk.backend`), as operators' filters expect.
+log = logging.getLogger("lmc_server.tiers.disk.backend")
 
 
 class IndexRebuild:

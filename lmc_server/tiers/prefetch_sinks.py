@@ -1,6 +1,6 @@
 """The two ways a prefetch batch's values reach their L1 slots (the pipeline's sinks).
 
-:class:`~lmc_server.l2.prefetch.Prefetcher` runs one pipeline for every backend: per
+:class:`~lmc_server.tiers.prefetch.Prefetcher` runs one pipeline for every backend: per
 batch it asks its sink to *probe* the objects L1 lacks, checks what came back (one set
 of header checks), reserves WRITING slots for the values worth reading, has the sink
 *fill* them, and commits the batches in chunk order. The sinks differ only in where the
@@ -17,7 +17,7 @@ bytes are when:
   (``BATCHES_IN_FLIGHT``), so a connection that finished its share of one batch goes
   on with the next instead of waiting for the slowest share.
 
-Contract of :meth:`Sink.fill`: one :data:`~lmc_server.l2.backend.ReadResult` per
+Contract of :meth:`Sink.fill`: one :data:`~lmc_server.tiers.backend.ReadResult` per
 reserved object, in order; it returns or raises only once no thread writes to any of
 the slots (also when cancelled). Only ``True`` may be committed; the pipeline commits
 or aborts every slot itself.
@@ -35,9 +35,9 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index, Reservation
 from lmc_server.cache.view import CacheView
-from lmc_server.l2 import codec, settle
-from lmc_server.l2.backend import ReadResult, SlotRead, Value
-from lmc_server.l2.context import TierContext
+from lmc_server.tiers import codec, settle
+from lmc_server.tiers.backend import ReadResult, SlotRead, Value
+from lmc_server.tiers.context import TierContext
 
 #: Batches being received into slots at once by :class:`SlotSink` (each at most the
 #: prefetch's ``READ_BATCH_BYTES`` of reserved slots): 4 of 32 MiB reserve as much L1

@@ -1,20 +1,20 @@
 """The disk tier's adapter: the L2 contract over a directory (local NVMe, NFS, ...).
 
-One file per object (:mod:`lmc_server.l2.disk_files`: the layout, the reads and
+One file per object (:mod:`lmc_server.tiers.disk.files`: the layout, the reads and
 writes, removal). Writes are whole files, renamed into place
-(:mod:`lmc_server.l2.direct_io`), built from the L1 slot on the I/O thread that writes
+(:mod:`lmc_server.tiers.disk.direct_io`), built from the L1 slot on the I/O thread that writes
 them (``writes_from_slots``): one object's copy and checksum overlap the other threads'
 writes, where building a whole batch first and then writing it left the disk idle
 during the build (measured on the 2-core CI VM: 0.62-0.75 of plain writes before,
 0.84-0.96 after). Reads open the path the key names (the index decides nothing about
-hits, see :mod:`lmc_server.l2.disk_index`). I/O runs on ``IO_THREADS`` threads of the
+hits, see :mod:`lmc_server.tiers.disk.index`). I/O runs on ``IO_THREADS`` threads of the
 adapter (a batch's files in parallel, to keep an NVMe's queue busy), never on the event
 loop; the index is updated on the loop when each call returns. After a start the index
-is rebuilt from the directory while the tier serves (:mod:`lmc_server.l2.disk_rebuild`).
+is rebuilt from the directory while the tier serves (:mod:`lmc_server.tiers.disk.rebuild`).
 
 What this module decides is a batch's admission: which of a batch's objects are
 written, within the capacity of the whole directory (every file's bytes reserved in
-the byte ledger before it is written, :mod:`lmc_server.l2.disk_ledger`; this server's
+the byte ledger before it is written, :mod:`lmc_server.tiers.disk.ledger`; this server's
 coldest files evicted to make room), and what the tier is told when some are not.
 
 Errors: a full filesystem (``ENOSPC``, ``EDQUOT``) is a refusal (counted, the tier stays
@@ -33,15 +33,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from lmc_server.l2 import codec, direct_io, disk_layout
-from lmc_server.l2.backend import L2Backend, L2Error, SlotObject, Value
-from lmc_server.l2.disk_config import disk_error
-from lmc_server.l2.disk_files import DiskFiles, holds
-from lmc_server.l2.disk_index import DiskIndex
-from lmc_server.l2.disk_ledger import DiskLedger
-from lmc_server.l2.disk_rebuild import IndexRebuild
-from lmc_server.l2.events import TierListeners
 from lmc_server.threadnames import name_os_thread
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import L2Backend, L2Error, SlotObject, Value
+from lmc_server.tiers.disk import direct_io
+from lmc_server.tiers.disk import layout as disk_layout
+from lmc_server.tiers.disk.config import disk_error
+from lmc_server.tiers.disk.files import DiskFiles, holds
+from lmc_server.tiers.disk.index import DiskIndex
+from lmc_server.tiers.disk.ledger import DiskLedger
+from lmc_server.tiers.disk.rebuild import IndexRebuild
+from lmc_server.tiers.events import TierListeners
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class FileBackend(L2Backend):
         return self.files.direct
 
     def path_of(self, key: bytes) -> str:
-        """``key``'s file (:meth:`~lmc_server.l2.disk_files.DiskFiles.path_of`)."""
+        """``key``'s file (:meth:`~lmc_server.tiers.disk.files.DiskFiles.path_of`)."""
         return self.files.path_of(key)
 
     # -- calls -----------------------------------------------------------------------
@@ -221,7 +223,7 @@ class FileBackend(L2Backend):
         """Make room for ``sizes`` (evicting by LRU), run ``writes`` on the I/O threads,
         and index what was written; the first failure raised as :class:`L2Error`.
 
-        Never past the capacity, of the whole directory (:mod:`lmc_server.l2.disk_ledger`):
+        Never past the capacity, of the whole directory (:mod:`lmc_server.tiers.disk.ledger`):
         every file's bytes are reserved in the ledger before it is written. A file
         already there with the same value (``prefixes``: each header's bytes before the
         checksum, and the size) is not written again. Objects of a batch beyond what

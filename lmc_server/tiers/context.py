@@ -1,6 +1,6 @@
 """What a tier's write-behind and its prefetcher both work with, as one object.
 
-:class:`~lmc_server.l2.writer.WriteBehind` and :class:`~lmc_server.l2.prefetch.Prefetcher`
+:class:`~lmc_server.tiers.writer.WriteBehind` and :class:`~lmc_server.tiers.prefetch.Prefetcher`
 read and write the same L1 index and pool through the same backend, count into the same
 stats, run their copies on the same threads and report failures to the same tier: the
 tier builds one :class:`TierContext` and hands it to both, so the two can never be wired
@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from lmc_server.cache.index import L1Index
-from lmc_server.l2.backend import L2Backend, L2Error
-from lmc_server.l2.poolview import PoolView
-from lmc_server.l2.stats import L2Stats
+from lmc_server.tiers.backend import L2Backend, L2Error
+from lmc_server.tiers.poolview import PoolView
+from lmc_server.tiers.stats import L2Stats
 
 
 @dataclass(frozen=True, slots=True)

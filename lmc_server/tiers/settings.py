@@ -1,7 +1,7 @@
 """Every tier's settings as one group, and what the tiers are built with.
 
-The groups are declared beside their checks (:class:`~lmc_server.l2.checks.L2Settings`,
-:class:`~lmc_server.l2.disk_config.DiskSettings`); the server's ``Config`` is made of
+The groups are declared beside their checks (:class:`~lmc_server.tiers.checks.L2Settings`,
+:class:`~lmc_server.tiers.disk.config.DiskSettings`); the server's ``Config`` is made of
 :class:`TierSettings`. This module imports neither numpy nor the tiers' code, so the
 configuration (and ``lmcache --help``) loads without them.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from lmc_server.l2.checks import L2Settings
-from lmc_server.l2.disk_config import DiskSettings
+from lmc_server.tiers.checks import L2Settings
+from lmc_server.tiers.disk.config import DiskSettings
 
 
 @dataclass

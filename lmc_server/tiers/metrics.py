@@ -18,10 +18,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from lmc_server.cache.counters import L2Counters, counters_of
-from lmc_server.l2.codec import Invalid
-from lmc_server.l2.disk_index import DiskIndex
-from lmc_server.l2.stats import LATENCY_BUCKETS_S, Latency
-from lmc_server.l2.tier import L2Tier
+from lmc_server.tiers.codec import Invalid
+from lmc_server.tiers.disk.index import DiskIndex
+from lmc_server.tiers.stats import LATENCY_BUCKETS_S, Latency
+from lmc_server.tiers.tier import L2Tier
 
 PREFIX = "lmcache_l2_"
 #: Label values known here rather than in the counter's definition: the reasons a

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from lmc_server.cache.index import Reservation, StoreTicket
 from lmc_server.cache.view import CacheView
-from lmc_server.l2.tier import L2Tier
+from lmc_server.tiers.tier import L2Tier
 
 
 class TierChain:
