@@ -19,6 +19,7 @@ from lmc_server.bench import latency as lat
 from lmc_server.bench import startup as st
 from lmc_server.bench.common import GeometryArgs, Report, emit
 from lmc_server.bench.interference import run as itf
+from lmc_server.bench.l2 import config as l2config
 from lmc_server.bench.l2 import disk as l2disk
 from lmc_server.bench.l2 import replay as l2replay
 from lmc_server.bench.l2 import run as l2b
@@ -149,7 +150,7 @@ def ranks(**kw: Any) -> None:
 
 
 @bench.command("l2")
-@options(l2b.L2Config)
+@options(l2config.L2Config)
 @json_option
 @no_progress_option
 def l2(no_progress: bool, **kw: Any) -> None:
@@ -180,7 +181,7 @@ def l2(no_progress: bool, **kw: Any) -> None:
     elif not kw["disk_dir"]:
         extras.require("redis", "lmcache bench l2 (the Redis tier; --disk-dir for the disk tier)")
     cfg = build(
-        l2b.L2Config,
+        l2config.L2Config,
         kw,
         geometry=geometry,
         redis_server=(shutil.which(exe) or "") if exe else "",

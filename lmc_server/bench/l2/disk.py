@@ -39,7 +39,8 @@ import msgspec
 import numpy as np
 
 from lmc_server.bench.common import Report, format_table
-from lmc_server.bench.l2.run import L2Config, TwoServers, _digests
+from lmc_server.bench.l2.config import L2Config
+from lmc_server.bench.l2.harness import TwoServers, random_digests
 from lmc_server.cache.geometry import blocks_per_chunk
 from lmc_server.client import Client
 from lmc_server.testing.kv import block_ids_for
@@ -147,7 +148,7 @@ class _Setup(TwoServers):
         per = min(FLOOD_STORE_CHUNKS, self.max_chunks)  # what the KV cache has blocks for
         for i in range(0, chunks, per):
             n = min(per, chunks - i)
-            d = _digests(first_seed + i, n, self.rega.chunk_size)
+            d = random_digests(first_seed + i, n, self.rega.chunk_size)
             ids = block_ids_for(self.rega, n, np.random.default_rng(first_seed + i))
             res = self.ca.store(self.rega, d, ids)
             committed += sum(int((s == 0).sum()) for s in res.statuses.values())

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from lmc_server.bench.common import Report, format_table, progress
-from lmc_server.bench.l2.run import L2Config
+from lmc_server.bench.l2.config import L2Config
 from lmc_server.bench.servers import server_flags
 from lmc_server.bench.traces.bounds import infinite_hits
 from lmc_server.bench.traces.tierpolicy import POLICIES, simulate

@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from lmc_server.bench.l2.run import WARM_STORE_GB, warm_store
+from lmc_server.bench.l2.config import WARM_STORE_GB
+from lmc_server.bench.l2.run import warm_store
 from lmc_server.testing.kv import fill_random_bytes
 from lmc_server.testing.redis_process import RedisProcess, server_version
 from lmc_server.tiers import codec
