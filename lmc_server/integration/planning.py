@@ -6,9 +6,9 @@ scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
 Its parts, one job each, in ``lmc_server.integration``: ``chunks`` (block ids, digests,
 freed window blocks), ``plans`` (the values taken and returned), ``tracked`` (what is
-remembered per request), ``stores`` (the store rule), ``loads`` (a step's loads,
-planned together), ``lookups`` (the lookups' queue, their wait budget, the wait for
-L2).
+remembered per request), ``arrivals`` (new requests, admitted in one loop),
+``stores`` (the store rule), ``loads`` (a step's loads, planned together),
+``lookups`` (the lookups' queue, their wait budget, the wait for L2).
 
 Invariants:
 
@@ -46,6 +46,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.loads import LoadPlanner
 from lmc_server.integration.lookups import L2Waits, StepLookups
@@ -104,9 +105,7 @@ class SchedulerPlanner:
         self.load_enabled = load
         self.store_generated = store_generated
         self._reqs: dict[str, Tracked] = {}
-        #: (req_id, block hashes, tokens, prompt tokens) of requests that arrived since
-        #: the planner last acted (:meth:`request_arrived`, :meth:`_admit`)
-        self._arrived: list[tuple[str, Sequence[bytes], int, int]] = []
+        self._arrivals = Arrivals(geometry, self.lookups, clock)
         self._loads = LoadPlanner(geometry)
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
@@ -164,37 +163,13 @@ class SchedulerPlanner:
     def request_arrived(
         self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, num_prompt_tokens: int
     ) -> None:
-        """A new request: queue its lookup to go out with the others of this step.
-
-        Only noted here: the arrivals are admitted (tracked, their lookups queued) in
-        one loop when the planner next acts (:meth:`_admit`), on this same thread and
-        before anything reads them. A step that takes 256 arrivals pays for 256 calls
-        of one list append instead of the bookkeeping's calls, and the clock once."""
+        """A new request: queue its lookup to go out with the others of this step
+        (noted now, admitted when the planner next acts: :mod:`.arrivals`)."""
         if self.load_enabled:
-            self._arrived.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
+            self._arrivals.note(req_id, block_hashes, num_tokens, num_prompt_tokens)
 
     def _admit(self) -> None:
-        """Track the requests noted by :meth:`request_arrived` and queue their lookups
-        (of whole, hashed chunks, never the last token; none for a request that has
-        one already)."""
-        if not self._arrived:
-            return
-        arrived, self._arrived = self._arrived, []
-        now = self.clock()
-        cs, per = self.geometry.chunk_size, self.geometry.hashes_per_chunk
-        reqs, queue = self._reqs, self.lookups.queue
-        for req_id, block_hashes, num_tokens, num_prompt_tokens in arrived:
-            n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // per)
-            if n <= 0:
-                continue
-            r = reqs.get(req_id)
-            if r is None:
-                r = reqs[req_id] = Tracked(req_id, block_hashes, num_prompt_tokens)
-            elif r.queued or r.lookup is not None or r.answer is not None:
-                continue
-            r.lookup_chunks = n
-            r.lookup_at_s = now
-            queue(r)
+        self._arrivals.admit(self._reqs)
 
     def matched_tokens(
         self,
