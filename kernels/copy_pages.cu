@@ -21,7 +21,7 @@
 // and at object + i * object_layer_stride + j * object_block_stride in the object
 // (objects are block-major: lmc_server/cache/layout.py). Block id -1 means
 // "leave this page alone". Every page and object range was checked on the host before
-// launch (lmc_server.transfer.cuda_plan), from the very arrays that were uploaded.
+// launch (lmc_server.transfer.cuda.plan), from the very arrays that were uploaded.
 //
 //   gather_units:  page   -> object   (store: engine pages into an object)
 //   scatter_units: object -> page     (retrieve: an object back into engine pages)
