@@ -560,12 +560,14 @@ def test_the_disk_tier_publishes_the_same_blocks_as_medium_disk(
             assert d is not None
             return d.objects_written >= n and d.write_queue_objects == 0 and d.writes_in_flight == 0
 
-        wait_for(lambda: written(3), "three objects on disk")
+        # a bound for a stuck write-behind, not a speed: on the loaded 2-core CI machine
+        # these writes have taken over 20 s
+        wait_for(lambda: written(3), "three objects on disk", timeout_s=90)
         for i in range(4):  # more than the disk holds: it evicts the oldest files
             assert c.store(
                 reg, chunk_digests(np.full(CHUNK, 50_000 + i), CHUNK), block_ids_for(reg, 1)
             ).ok.all()
-        wait_for(lambda: written(7), "seven objects written")
+        wait_for(lambda: written(7), "seven objects written", timeout_s=90)
         st = c.stats()
         events = [
             (e, t) for t, _, pl in replay(ctx, tmp_path, 0) for e in DECODER.decode(pl).events
