@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs redis-server (Debian package) for the L2 tests (tests/test_l2_*.py), which
+# Installs redis-server (Debian package) for the L2 tests (tests/tiers/test_l2_*.py), which
 # start their own instances on free loopback ports. Under CI=true those tests fail,
 # rather than skip, when redis-server is missing. Idempotent; a no-op if installed.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """lmc-server: a standalone KV-cache server for vLLM workers.
 
 The package is layered; imports point down only (docs/architecture.md; the table in
-tests/test_layering.py is enforced):
+tests/project/test_layering.py is enforced):
 
     cli -> bench -> testing -> integration -> client -> protocol -> cache (core)
     cli -> server -> config -> l2 -> transfer -> cache ; server -> metrics, protocol

@@ -13,11 +13,11 @@ the tiers' groups, declared in ``lmc_server/tiers/``), the client commands'
   built in code (benchmarks, the in-process server) is refused exactly what the command
   line refuses; the connector refuses by the same ranges (:func:`outside`);
 * the TOML loader knows each key (the field's name and the flag's);
-* ``tests/test_config_docs.py`` holds the docs' flag tables to it.
+* ``tests/cli/test_config_docs.py`` holds the docs' flag tables to it.
 
 A setting that is another group's setting seen from elsewhere (the client commands'
 ``--port`` is the server's) is :func:`same_as` that declaration: everything but the help
-text is the original's, so it cannot drift. ``tests/test_settings_once.py`` finds every
+text is the original's, so it cannot drift. ``tests/cli/test_settings_once.py`` finds every
 setting declared once in the package.
 
 This module is a leaf (it imports only the error root), so that every layer holding

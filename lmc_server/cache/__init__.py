@@ -17,5 +17,5 @@ first), ``leases``, ``store`` (a store's reservation), ``retrieve`` (pinning),
 ``usage`` (what each partition holds), and ``index``, the one door the server, the L2
 tiers and the tests go through; it builds the slab pool and owns it. ``slab_pool``,
 ``pool``, ``allocator``, ``reservation``, ``store``, ``retrieve`` and ``leases`` are
-imported inside this package only (``tests/test_layering.py``).
+imported inside this package only (``tests/project/test_layering.py``).
 """

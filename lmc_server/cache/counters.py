@@ -13,7 +13,7 @@ A counter is a field of one of the Structs below, annotated with :func:`counter`
 The Prometheus collectors (:mod:`lmc_server.metrics.collector`, ``lmc_server.tiers.metrics``),
 the ``stats`` reply (``lmc_server.protocol.stats``, built by ``lmc_server.server.report``),
 ``lmcache stats`` and the benchmarks all read these definitions (:func:`counters_of`), so a
-counter added here shows up in each of them; tests/test_stats_types.py checks it. They
+counter added here shows up in each of them; tests/metrics/test_stats_types.py checks it. They
 live in the cache core because every layer that reads them may import it (protocol,
 metrics, l2, server) and nothing else they all share.
 

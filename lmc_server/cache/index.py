@@ -26,7 +26,7 @@ and donation decision compares), and delegates each job to its module:
 This is the only door into L1's slot and slab states: nothing outside
 ``lmc_server/cache/`` imports the slab pool (:mod:`lmc_server.cache.slab_pool`), the
 partitions (:mod:`lmc_server.cache.pool`) or the modules that change them
-(``tests/test_layering.py``), and a :class:`~lmc_server.cache.view.CacheView` keeps its
+(``tests/project/test_layering.py``), and a :class:`~lmc_server.cache.view.CacheView` keeps its
 partitions to the core (``_partitions``).
 
 It never copies bytes. A lookup reports the longest hit prefix and may take a lease that

@@ -8,7 +8,7 @@ boundaries where that costs no slot (:func:`~lmc_server.cache.slabs.slot_stride`
 slabs are page-aligned, so such a slot can be
 written to disk with direct I/O straight from where it lies
 (:mod:`lmc_server.tiers.disk.layout`). Nothing outside ``lmc_server/cache/`` imports this module
-(``tests/test_layering.py``): the server and the tiers below L1 change slot states only
+(``tests/project/test_layering.py``): the server and the tiers below L1 change slot states only
 through :class:`~lmc_server.cache.index.L1Index`, so every transition keeps the
 invariants below and the eviction order the index promises.
 

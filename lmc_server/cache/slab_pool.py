@@ -8,7 +8,7 @@ carves it into equal object slots (:mod:`lmc_server.cache.pool`). The index buil
 one :class:`SlabPool` of a server and is the only door to it
 (:class:`~lmc_server.cache.index.L1Index`: ``slab_ready`` as the engine reports slabs,
 ``pool_usage`` for what it holds); nothing outside ``lmc_server/cache/`` imports this
-module (``tests/test_layering.py``). No bytes are touched here.
+module (``tests/project/test_layering.py``). No bytes are touched here.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def prompt_hits(view: CacheView, keys: list[bytes], ends: list[int]) -> list[int
     The prefix bound of a :class:`~lmc_server.cache.retention.FullRetention` (the first
     chunk whose slot is not committed) is found for every prompt at once with numpy; the
     other retentions run per prompt on slices of the same rows, as in
-    :func:`hit_chunks`, so the two agree (``tests/test_probe.py`` checks it).
+    :func:`hit_chunks`, so the two agree (``tests/cache/test_probe.py`` checks it).
     """
     n = len(keys)
     his = np.asarray(ends, dtype=np.int64)

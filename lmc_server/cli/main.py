@@ -50,7 +50,7 @@ class _LazyGroup(click.Group):
 
     The benchmarks pull in the test helpers, the client and plotting code; the daemon
     (``lmcache server``) and the admin commands need none of it
-    (``tests/test_layering.py`` checks what ``lmcache server`` imports).
+    (``tests/project/test_layering.py`` checks what ``lmcache server`` imports).
     """
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -6,7 +6,7 @@ No sockets, no asyncio, no clock (sans-IO, as h11 splits HTTP from its transport
 :class:`~lmc_server.client.sync.Client` and :class:`~lmc_server.client.aio.AsyncClient`,
 only send ``call.msg``, wait for the reply with its ``req_id`` and hand it to
 :meth:`Call.result`. A request added here (and a one-line method on each transport) behaves
-the same on both clients, byte for byte: tests/test_client.py holds them to that.
+the same on both clients, byte for byte: tests/client/test_client.py holds them to that.
 
 Invariants: request ids start at 1 and grow by one per :class:`Call` built (a retry after
 a new hello resends the same message, id included); a reply is accepted only if it is

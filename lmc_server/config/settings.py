@@ -7,7 +7,7 @@ tiers' below L1 (declared in ``lmc_server/tiers/``:
 and the KV-event publisher's (its own fields). Adding a setting is one field in its
 group: its type, default, help and range or choices. The flag, the ``LMCACHE_*``
 variable, the TOML key and the range check follow from it; the docs' flag table must
-list it (``tests/test_config_docs.py`` fails until it does). Only a check across
+list it (``tests/cli/test_config_docs.py`` fails until it does). Only a check across
 settings, or one that needs the machine, is written in :meth:`Config.check`.
 """
 

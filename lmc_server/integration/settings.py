@@ -2,7 +2,7 @@
 
 Every key is declared once, as a field of :class:`ConnectorSettings` made with
 :func:`~lmc_server.declare.setting` (type, default, range), and documented in
-docs/vllm.md (``tests/test_settings_once.py`` holds the table to the defaults). Unknown
+docs/vllm.md (``tests/cli/test_settings_once.py`` holds the table to the defaults). Unknown
 ``lmcache.mp.*`` keys are refused (a typo must not silently fall back to a default);
 keys outside the prefix belong to others and are ignored.
 """

@@ -46,7 +46,7 @@ PRE_HELLO_MESSAGES = 16
 
 #: The dispatch table of the requests answered on the loop at once: message type -> its
 #: :class:`Handlers` method, the one named by the message's tag (its wire name, also the
-#: ``op`` label of the request metrics; ``tests/test_dispatch_table.py``). Bound to the
+#: ``op`` label of the request metrics; ``tests/server/test_dispatch_table.py``). Bound to the
 #: server's handlers once, in the :class:`Dispatcher`'s constructor: a request costs one
 #: dict lookup and the handler's call. ``stats`` is the dispatcher's own (the report).
 CONTROL_HANDLERS: dict[type, Callable[[Handlers, Session, Any], m.Reply]] = {

@@ -31,7 +31,7 @@ EVICTION_LOG_INTERVAL_S = 60.0
 
 class Housekeeper:
     """The housekeeping tick. Invariant: at most one timer handle is held, so a server
-    idle for months holds no growing list of timers (``tests/test_housekeeping.py``).
+    idle for months holds no growing list of timers (``tests/server/test_housekeeping.py``).
 
     ``drop_session`` reclaims what an idle session held (the handlers' job);
     ``on_tick`` is told the clock's time on every tick (the settle timeout's check).

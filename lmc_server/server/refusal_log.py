@@ -5,7 +5,7 @@ the first :data:`REFUSALS_LOGGED` of each client in every :data:`REFUSAL_LOG_INT
 then one line that says how many more there were, by code. Why: a client that repeats a
 refused request in a loop (a connector built for another chunk size, a fuzzer, a worker
 stuck on an out-of-range block id) would otherwise write a line per message, thousands a
-second, into the journal; under ``tests/test_fuzz.py``'s storm the server spent about
+second, into the journal; under ``tests/protocol/test_fuzz.py``'s storm the server spent about
 30 % of its time formatting those lines (profiled).
 
 Invariants: a client's first refusal in an interval is always logged; no refusal goes

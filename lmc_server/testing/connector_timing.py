@@ -8,7 +8,7 @@ over a :class:`~lmc_server.testing.kv.ShmKV` (CPU engine) or
 :class:`~lmc_server.testing.cuda_kv.CudaKV` (GPU memory exported as CUDA IPC handles,
 CUDA engine); every load is checked byte-exact against the stored pages. Used by
 ``tests/gpu/test_connector_load_time.py`` (the figures) and its CPU twin in
-``tests/test_connector_runtime.py``.
+``tests/integration/test_connector_runtime.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ directory, signals and exit status, its output in its own log file). Only the im
 shared. The child runs the package as ``python -m lmc_server`` does (``runpy``), and
 the zygote imports the command's modules by name: like a test that starts the command
 as a subprocess, this module depends on the command, not on the CLI layer's code.
-Tests that are about how the command starts (tests/test_cli.py and the others that run
+Tests that are about how the command starts (tests/cli/test_cli.py and the others that run
 ``python -m lmc_server`` themselves) do not come here.
 
 Invariants of the zygote (``serve``): it stays single-threaded, because it forks and a

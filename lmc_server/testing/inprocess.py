@@ -16,7 +16,7 @@ real seconds: :meth:`ThreadServer.wait_housekeeping` waits for that tick.
 A copy stuck in the engine is a state the test sets up the same way:
 :class:`~lmc_server.testing.engines.HoldingEngine` holds copies until released, and
 :meth:`ThreadServer.request_exit` does what SIGTERM does, so a drain is driven step by
-step (``tests/test_lifecycle.py``).
+step (``tests/server/test_lifecycle.py``).
 
 Tests that need a process stay on :class:`~lmc_server.testing.process.ServerProcess`:
 ``kill -9``, signals, chaos, the CLI and the environment.

@@ -8,7 +8,8 @@ The order comes from the durations of the last run, which conftest records in py
 cache under :data:`DURATIONS_KEY` (module file name -> seconds, all phases of all its
 tests; written by the controller at the end of a run). A module without a cached
 duration, every module in a checkout without a cache (CI), falls back to
-:data:`LONGEST_FIRST`; tests/test_conftest_order.py holds it to modules that exist.
+:data:`LONGEST_FIRST`; tests/testing/test_conftest_order.py holds it to modules that exist
+and holds test module file names unique across tests/' folders, the key being the name.
 """
 
 from __future__ import annotations

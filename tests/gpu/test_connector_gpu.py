@@ -10,7 +10,7 @@ code the connector runs (``lmc_server.integration.kvlayout``), exported as CUDA 
 handles, and driven through the connector's planner, worker transfers and link
 (:class:`lmc_server.testing.connector_flow.ConnectorFlow`) against a real server on
 the CUDA engine. Stores wait on ``stream_done`` of the stream that wrote the pages.
-``tests/test_connector_fixtures.py`` is the CPU twin that runs in CI.
+``tests/integration/test_connector_fixtures.py`` is the CPU twin that runs in CI.
 
 Run on a GPU machine (``scripts/gpu-check.sh``); skipped elsewhere, failed when
 ``LMC_REQUIRE_GPU=1`` finds no GPU.
@@ -172,7 +172,7 @@ def test_batched_step_of_many_requests_on_gpu(cuda_server: ServerProcess) -> Non
     """120 requests store in one step and 120 hit in one step, on GPU memory exported
     as IPC handles: one batched store and batched retrieves of at most
     ``LOAD_PART_CHUNKS`` chunks, no ``busy``, every
-    load byte-exact (the CPU twin: tests/test_connector_runtime.py)."""
+    load byte-exact (the CPU twin: tests/integration/test_connector_runtime.py)."""
     from lmc_server.client.cuda import stream_done
     from lmc_server.testing.connector_flow import check_batched_step
     from lmc_server.testing.cuda_kv import CudaKV, device_arch

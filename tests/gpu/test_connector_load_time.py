@@ -2,7 +2,7 @@
 ready (the worker reports ``finished_recving``), for hits of 1, 16 and 64 chunks, over
 GPU memory exported as CUDA IPC handles and a CUDA-engine server; every load checked
 byte-exact (:mod:`lmc_server.testing.connector_timing`; CPU twin in
-``tests/test_connector_runtime.py``).
+``tests/integration/test_connector_runtime.py``).
 
 A Llama-3-8B-like cache (32 layers, 4 KiB per token per layer: 128 KiB per token), so a
 64-chunk hit moves 2 GiB. The figures are printed and, with ``LMC_BENCH_JSON=PATH``,

@@ -1,6 +1,6 @@
 """The connector's links and worker through a real server restart, on the CUDA engine.
 
-The GPU twin of ``tests/test_connector_restart.py``: the connector's scheduler and
+The GPU twin of ``tests/integration/test_connector_restart.py``: the connector's scheduler and
 worker parts (:class:`lmc_server.testing.connector_flow.ConnectorFlow`) over one real
 CUDA allocation laid out as vLLM 0.33 lays out its KV cache (the fixtures), exported as
 CUDA IPC handles, against a CUDA-engine server restarted between turns (SIGTERM),

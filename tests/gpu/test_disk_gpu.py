@@ -1,6 +1,6 @@
 """The disk tier with the CUDA backend: objects leave and enter L1 through pinned slabs.
 
-What differs from the CPU runs of ``tests/test_disk_tier.py`` is the pool: the CUDA
+What differs from the CPU runs of ``tests/tiers/test_disk_tier.py`` is the pool: the CUDA
 engine's L1 is pinned host slabs (``slab_view``), written by the copy kernels on A and
 written to disk from there (one copy into an aligned buffer), then read from disk into
 B's pinned slabs (B starts on the directory A filled and left) and copied into GPU

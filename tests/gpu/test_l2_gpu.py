@@ -1,6 +1,6 @@
 """The L2 tier with the CUDA backend: objects leave and enter L1 through pinned slabs.
 
-What differs from the CPU runs of ``tests/test_l2_redis.py`` is the pool: the CUDA
+What differs from the CPU runs of ``tests/tiers/test_l2_redis.py`` is the pool: the CUDA
 engine's L1 is pinned host slabs (``slab_view``), written by the copy kernels on one
 server and filled from Redis by the prefetch on another, then copied into GPU pages.
 Two CUDA servers, one redis-server, GPU workers (``CudaKV``): store on A, lookup and

@@ -4,7 +4,7 @@ What ``--eviction-policy`` accepts and what its ``--help`` says: the configurati
 so every ``lmcache`` command, even one that only reports a usage error) reads these
 without importing the policies, which need numpy (a fifth of a CLI call's CPU). Each
 policy class takes its ``summary`` from here under its ``name``;
-``tests/test_eviction.py`` checks that :data:`~lmc_server.cache.eviction.registry.POLICIES`
+``tests/cache/test_eviction.py`` checks that :data:`~lmc_server.cache.eviction.registry.POLICIES`
 names exactly these, in this order.
 """
 

@@ -4,7 +4,7 @@ The interface (:class:`~lmc_server.cache.eviction.base.EvictionPolicy`, with the
 transitions a partition reports) lives in :mod:`lmc_server.cache.eviction.base`; each
 policy in a module of its own. Adding a policy is one subclass registered in
 :data:`POLICIES` (and its name in :mod:`lmc_server.cache.eviction.names`);
-``tests/test_eviction.py`` runs one contract suite over every class.
+``tests/cache/test_eviction.py`` runs one contract suite over every class.
 """
 
 from __future__ import annotations

@@ -5,5 +5,5 @@ vLLM's wire format.
 ``sockets`` (socket options and CURVE for the event sockets), ``stage`` (a commit's
 events and runs of removals), ``tiers`` (the disk tier's objects), ``replay`` (the
 replay buffer and its ROUTER socket), ``settings`` (the publisher's view of the
-configuration). Loaded only when events are on (``tests/test_layering.py``).
+configuration). Loaded only when events are on (``tests/project/test_layering.py``).
 """

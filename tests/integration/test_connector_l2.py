@@ -32,7 +32,7 @@ from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
 CHUNK = 256
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 class FakeLookups:

@@ -28,7 +28,7 @@ from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 
-WORKER = str(Path(__file__).with_name("kvworker.py"))
+WORKER = str(Path(__file__).resolve().parents[1] / "kvworker.py")
 NUM_BLOCKS = 128
 REAP_S = 5.0
 

@@ -24,7 +24,7 @@ from lmc_server.testing.connector_flow import ConnectorFlow
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking
 from lmc_server.testing.server_restarts import HOW, RestartingServer
 
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SERVER_ARGS = ["--chunk-size", "256", "--separate-object-groups", "--eviction-policy", "LRU"]
 SEED = 17
 

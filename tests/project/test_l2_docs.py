@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lmc_server.tiers import codec
 
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "l2.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "l2.md").read_text()
 
 
 def _figures(pattern: str) -> set[int]:

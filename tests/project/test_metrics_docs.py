@@ -27,7 +27,7 @@ from lmc_server.testing.presets import dsv41_flash
 from lmc_server.testing.process import ServerProcess, free_port
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256
 #: A metric name, optionally followed by its labels: ``{operation,outcome}`` or
 #: ``{reason="checksum"}``. A name ending in ``_`` is a prefix (``lmcache_disk_``).

@@ -21,7 +21,7 @@ from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.kv import assert_same_pages, block_ids_for
 from lmc_server.testing.process import ServerProcess
 
-WORKER = str(Path(__file__).with_name("kvworker.py"))
+WORKER = str(Path(__file__).resolve().parents[1] / "kvworker.py")
 NUM_BLOCKS = 64
 
 

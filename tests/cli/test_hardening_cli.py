@@ -20,7 +20,7 @@ from lmc_server.cli.main import cli
 from lmc_server.config import GIB, Config, default_l1_size_gb, load_toml
 from lmc_server.testing.process import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lmcache(

@@ -27,7 +27,7 @@ from lmc_server.testing.connector_flow import ConnectorFlow
 from lmc_server.testing.kvfixture import HostTensor, KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess
 
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NAMES = ["vllm-dsv41-sm90", "vllm-dsv41-sm100", "vllm-dsv41-sm100-b128", "vllm-llama"]
 SEED = 7
 

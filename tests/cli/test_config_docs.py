@@ -19,7 +19,7 @@ from lmc_server.cli.main import cli
 from lmc_server.config import Config, Declared, declarations
 from lmc_server.tiers.url import PASSWORD_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DECLARED = {d.flag: d for d in declarations(Config)}
 #: Documented in the settings table, but a flag of the command only (no Config field).
 COMMAND_ONLY = {"--config"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lmc_server.testing.process import ServerProcess
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 
 

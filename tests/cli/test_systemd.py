@@ -5,7 +5,7 @@ The test binds the datagram socket systemd would, runs a real server with
 a ``STATUS=`` line) while serving, ``WATCHDOG=1`` pings at half the watchdog interval,
 and ``STOPPING=1`` on SIGTERM, in that order. Waits end when the datagram arrives (no
 sleeps). What the watchdog does while a copy is stuck runs in process, with a copy the
-test holds; a stuck event loop is in ``tests/test_lifecycle.py``.
+test holds; a stuck event loop is in ``tests/server/test_lifecycle.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lmc_server.testing.kv import block_ids_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.systemd import FakeSystemd
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "lmcache-server.service"
 
 

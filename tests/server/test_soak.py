@@ -7,7 +7,7 @@ The short configuration runs in CI; the long one (a few minutes) runs with
 ``pytest -m soak``; ``LMC_SOAK_S`` overrides its length. The monitoring client holds no
 registration and is quiet while the workers run, longer than the server's idle-session
 interval in the long run: a connected client must never be forgotten for that
-(``tests/test_hardening_sessions.py::test_quiet_connected_client_is_not_forgotten`` covers
+(``tests/server/test_hardening_sessions.py::test_quiet_connected_client_is_not_forgotten`` covers
 it in CI with a clock moved forward).
 """
 
@@ -26,7 +26,7 @@ import pytest
 from lmc_server.client import Client
 from lmc_server.testing.process import ServerProcess
 
-WORKER = str(Path(__file__).with_name("soakworker.py"))
+WORKER = str(Path(__file__).resolve().parents[1] / "soakworker.py")
 
 
 def server_rss_bytes(pid: int) -> int:

@@ -2,7 +2,7 @@
 
 Each live test sends something malformed, checks the error code and message, then checks
 that another client is still served and that nothing stored earlier was lost. The
-server runs in process; ``tests/test_fuzz.py`` sends random input to a server process.
+server runs in process; ``tests/protocol/test_fuzz.py`` sends random input to a server process.
 """
 
 from __future__ import annotations

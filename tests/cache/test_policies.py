@@ -173,7 +173,7 @@ def test_metadata_of_a_full_churning_cache_is_at_most_256_bytes_per_object(polic
 def test_server_runs_with_the_policy_named_in_any_case(policy: str) -> None:
     """``--eviction-policy`` takes every registered name, case-insensitively, and the
     server reports the policy it runs (stores and hits under each policy go through
-    a real server in ``tests/test_replay_traces.py``)."""
+    a real server in ``tests/bench/test_replay_traces.py``)."""
     srv = ServerProcess(["--eviction-policy", policy.lower()], backend="null", l1_size_gb=1).start()
     try:
         out = CliRunner().invoke(cli, ["stats", "--json", "--port", str(srv.port)])

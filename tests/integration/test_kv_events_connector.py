@@ -22,7 +22,7 @@ from lmc_server.testing.events import replay
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking
 from lmc_server.testing.process import ServerProcess
 
-FIXTURE = Path(__file__).with_name("fixtures") / "vllm-llama.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-llama.json"
 
 
 class BlockStored(msgspec.Struct, tag=True):  # the fields of vLLM 0.33's this test reads

@@ -32,7 +32,7 @@ from lmc_server.testing import ShmKV, dsv41_flash
 from lmc_server.testing.presets import KVGeometry
 from lmc_server.testing.process import ServerProcess
 
-FIXTURES = Path(__file__).with_name("fixtures")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def _with_layers(geo: KVGeometry, group: str, layers: list[LayerSpec]) -> KVGeometry:

@@ -6,13 +6,22 @@ from pathlib import Path
 
 from lmc_server.testing.suite_order import LONGEST_FIRST, module_rank
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_longest_first_names_existing_test_modules() -> None:
-    missing = [name for name in LONGEST_FIRST if not (TESTS / name).is_file()]
+    found = {path.name for path in TESTS.rglob("test_*.py")}
+    missing = [name for name in LONGEST_FIRST if name not in found]
     assert not missing, f"LONGEST_FIRST names modules that are gone: {missing}"
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_test_module_names_are_unique_across_folders() -> None:
+    """The suite order keys modules by file name, and pytest imports a test module by its
+    file name (no packages under tests/): two folders holding one name would collide."""
+    names = [path.name for path in TESTS.rglob("test_*.py")]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice, f"test modules sharing a file name: {twice}"
 
 
 def test_cached_durations_rank_longest_first() -> None:
