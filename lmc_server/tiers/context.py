@@ -25,9 +25,12 @@ class TierContext:
     """One tier's shared parts (event-loop thread, except ``executor``'s jobs).
 
     ``space(namespace, layout fingerprint)`` is the L2 namespace of an object group's
-    values; ``is_up()`` whether the store is reachable now; ``on_error`` is told of every
-    failed backend call (an unreachable store turns the tier degraded); ``clock`` is the
-    server's (how long a known miss is remembered moves with a test's fake clock).
+    values; ``is_up()`` whether the store is reachable now; ``is_connecting()`` whether
+    the tier's first connect after the start is still under way (what is committed
+    meanwhile waits in the write queue instead of being dropped as ``l2_down``);
+    ``on_error`` is told of every failed backend call (an unreachable store turns the
+    tier degraded); ``clock`` is the server's (how long a known miss is remembered moves
+    with a test's fake clock).
     """
 
     index: L1Index
@@ -39,3 +42,4 @@ class TierContext:
     is_up: Callable[[], bool]
     on_error: Callable[[L2Error], None]
     clock: Callable[[], float] = field(default=time.monotonic)
+    is_connecting: Callable[[], bool] = field(default=lambda: False)

@@ -73,6 +73,8 @@ class L2Tier:
         self.stats = L2Stats()
         self.up = False
         self.state_reason = "connecting"
+        #: The first connect after the start is under way (writes wait for it).
+        self.connecting = True
         self.state_since_s = clock()
         self._spaces: dict[tuple[str, bytes], bytes] = {}
         self._executor = ThreadPoolExecutor(
@@ -89,6 +91,7 @@ class L2Tier:
             self.is_up,
             self.failed,
             clock,
+            self.is_connecting,
         )
         self.writer = WriteBehind(
             self.context,
@@ -127,6 +130,9 @@ class L2Tier:
 
     def is_up(self) -> bool:
         return self.up
+
+    def is_connecting(self) -> bool:
+        return self.connecting
 
     def _set_state(self, up: bool, reason: str) -> None:
         if up == self.up and reason == self.state_reason:
@@ -175,6 +181,8 @@ class L2Tier:
                     )
                     self.state_reason = str(e)
                     first = False
+                    self.connecting = False
+                    self.writer.drop_all("l2_down")
                 else:
                     self._set_state(False, str(e) or type(e).__name__)
                 await asyncio.sleep(delay_s)
@@ -184,6 +192,8 @@ class L2Tier:
             delay_s = BACKOFF_MIN_S
             self._down.clear()
             self._set_state(True, "connected")
+            self.connecting = False
+            self.writer.wake()
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -18,7 +18,11 @@ and writes each value on its own I/O threads; its objects stay pinned until the 
 is written, with at most ``SLOT_BATCHES_IN_FLIGHT`` batches (each at most
 ``WRITE_BATCH_BYTES``) pinned at a time. Nothing here
 ever waits for L2 on a store's or retrieve's path: when the queue is full, or L2 is
-down, new writes are dropped and counted.
+down, new writes are dropped and counted. While the tier's first connect after the
+start is under way, writes wait in the queue (within its bounds) and go out once it
+connects; if that connect fails they are dropped as ``l2_down``. (Dropped at once, the
+first stores after a start never reached a disk directory whose check took longer
+than the pool's preparation.)
 """
 
 from __future__ import annotations
@@ -105,6 +109,10 @@ class WriteBehind:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="l2-writer")
 
+    def wake(self) -> None:
+        """Look at the queue again (the tier has just connected)."""
+        self._wake.set()
+
     def enqueue(self, namespace: str, ticket: StoreTicket) -> None:
         """Queue the objects a store just committed (event loop; O(1) per object group,
         no IO)."""
@@ -115,7 +123,7 @@ class WriteBehind:
         """Queue committed objects of one partition (a store's, or a prefetch's from a
         lower tier being promoted into this one)."""
         n = len(objects)
-        if not self.ctx.is_up():
+        if not self.ctx.is_up() and not self.ctx.is_connecting():
             self.ctx.stats.bump(self.ctx.stats.dropped_writes, "l2_down", n)
             return
         room = self.max_objects - self.depth
@@ -192,7 +200,8 @@ class WriteBehind:
             try:
                 while self._queue and not self._closing:
                     if not self.ctx.is_up():
-                        self.drop_all("l2_down")
+                        if not self.ctx.is_connecting():  # else: woken once it connects
+                            self.drop_all("l2_down")
                         break
                     batch = self._take_batch()
                     self.in_flight += len(batch)
