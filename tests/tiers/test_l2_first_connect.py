@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -40,69 +42,76 @@ CHUNKS = 6
 OBJECTS_PER_CHUNK = 2
 
 
+@contextmanager
+def _frozen_before_start() -> Iterator[RedisProcess]:
+    """A real redis-server, frozen (SIGSTOP) until the block ends."""
+    with RedisProcess() as r:
+        assert r.proc is not None
+        os.kill(r.proc.pid, signal.SIGSTOP)
+        try:
+            yield r
+        finally:
+            _thaw(r)
+
+
+def _thaw(r: RedisProcess) -> None:
+    assert r.proc is not None
+    os.kill(r.proc.pid, signal.SIGCONT)
+
+
 def _pool_ready(w: Worker) -> None:
     wait_for(lambda: w.client.stats().l1.ready_slabs > 0, "the first slab")
 
 
 def test_stores_during_the_first_connect_are_written_once_it_connects() -> None:
-    with RedisProcess() as r:
-        assert r.proc is not None
-        os.kill(r.proc.pid, signal.SIGSTOP)
-        try:
-            args = [*BASE_ARGS, "--l2", r.url, "--l2-timeout-s", "30"]
-            with ServerProcess(args, l1_size_gb=0.25) as a:
-                w = Worker(a.endpoint, seed=31, num_blocks=256)
-                try:
-                    _pool_ready(w)
-                    st = l2_stats(w.client)
-                    assert st.state != "up", "the connect to a frozen Redis completed"
-                    digests = chunk_digests(tokens(700, CHUNKS), CHUNK)
-                    ids = w.store(digests, block_seed=1)
-                    st = l2_stats(w.client)
-                    assert st.write_queue_objects == OBJECTS_PER_CHUNK * CHUNKS
-                    assert not st.dropped_writes, st.dropped_writes
-                    os.kill(r.proc.pid, signal.SIGCONT)
-                    wait_for(lambda: l2_stats(w.client).state == "up", "connected")
-                    wait_l2_written(w.client, OBJECTS_PER_CHUNK * CHUNKS)
-                    assert not l2_stats(w.client).dropped_writes
-                    with l2_server(r.url) as b:
-                        reader = Worker(b.endpoint, seed=0, num_blocks=256)
-                        try:
-                            wait_for(lambda: l2_stats(reader.client).state == "up", "B up")
-                            retrieve_exact(reader, w, ids, digests, CHUNKS)
-                        finally:
-                            reader.close()
-                finally:
-                    w.close()
-        finally:
-            os.kill(r.proc.pid, signal.SIGCONT)
+    with _frozen_before_start() as r:
+        args = [*BASE_ARGS, "--l2", r.url, "--l2-timeout-s", "30"]
+        with ServerProcess(args, l1_size_gb=0.25) as a:
+            w = Worker(a.endpoint, seed=31, num_blocks=256)
+            try:
+                _pool_ready(w)
+                st = l2_stats(w.client)
+                assert st.state != "up", "the connect to a frozen Redis completed"
+                digests = chunk_digests(tokens(700, CHUNKS), CHUNK)
+                ids = w.store(digests, block_seed=1)
+                st = l2_stats(w.client)
+                assert st.write_queue_objects == OBJECTS_PER_CHUNK * CHUNKS
+                assert not st.dropped_writes, st.dropped_writes
+                _thaw(r)
+                wait_for(lambda: l2_stats(w.client).state == "up", "connected")
+                wait_l2_written(w.client, OBJECTS_PER_CHUNK * CHUNKS)
+                assert not l2_stats(w.client).dropped_writes
+                with l2_server(r.url) as b:
+                    reader = Worker(b.endpoint, seed=0, num_blocks=256)
+                    try:
+                        wait_for(lambda: l2_stats(reader.client).state == "up", "B up")
+                        retrieve_exact(reader, w, ids, digests, CHUNKS)
+                    finally:
+                        reader.close()
+            finally:
+                w.close()
 
 
 def test_stores_waiting_for_a_first_connect_that_fails_are_dropped_as_down() -> None:
     """The connect gives up (``--l2-timeout-s`` x 2) while Redis stays frozen: what
     waited is dropped as ``l2_down`` (counted), nothing stays queued or pinned, and
     the server goes on serving from L1."""
-    with RedisProcess() as r:
-        assert r.proc is not None
-        os.kill(r.proc.pid, signal.SIGSTOP)
-        try:
-            args = [*BASE_ARGS, "--l2", r.url, "--l2-timeout-s", "1.5"]
-            with ServerProcess(args, l1_size_gb=0.25) as a:
-                w = Worker(a.endpoint, seed=32, num_blocks=256)
-                try:
-                    _pool_ready(w)
-                    digests = chunk_digests(tokens(800, CHUNKS), CHUNK)
-                    w.store(digests, block_seed=1)
-                    objects = OBJECTS_PER_CHUNK * CHUNKS
-                    wait_for(
-                        lambda: l2_stats(w.client).dropped_writes.get("l2_down", 0) >= objects,
-                        "the waiting writes dropped",
-                    )
-                    st = l2_stats(w.client)
-                    assert st.write_queue_objects == 0 and st.objects_written == 0
-                    look = w.client.lookup(w.reg, digests, lease=False)
-                    assert look.hit_chunks == CHUNKS, "L1 lost the burst"
-                finally:
-                    w.close()
-        finally:
-            os.kill(r.proc.pid, signal.SIGCONT)
+    with _frozen_before_start() as r:
+        args = [*BASE_ARGS, "--l2", r.url, "--l2-timeout-s", "1.5"]
+        with ServerProcess(args, l1_size_gb=0.25) as a:
+            w = Worker(a.endpoint, seed=32, num_blocks=256)
+            try:
+                _pool_ready(w)
+                digests = chunk_digests(tokens(800, CHUNKS), CHUNK)
+                w.store(digests, block_seed=1)
+                objects = OBJECTS_PER_CHUNK * CHUNKS
+                wait_for(
+                    lambda: l2_stats(w.client).dropped_writes.get("l2_down", 0) >= objects,
+                    "the waiting writes dropped",
+                )
+                st = l2_stats(w.client)
+                assert st.write_queue_objects == 0 and st.objects_written == 0
+                look = w.client.lookup(w.reg, digests, lease=False)
+                assert look.hit_chunks == CHUNKS, "L1 lost the burst"
+            finally:
+                w.close()
