@@ -306,6 +306,7 @@ def run(cfg: LatencyConfig) -> Report:
         EchoServer() as echo,
         progress(len(OPS) * len(cfg.clients), "latency", cfg.show_progress) as bar,
     ):
+        srv.wait_pool_ready()  # time a ready server (a store before the first slab: busy)
         report.rows = asyncio.run(_run(srv.endpoint, echo.endpoint, cfg, bar))
     by = {(r["op"], r["clients"]): r for r in report.rows}
     key = (f"lookup-{LOOKUP_CHUNKS}", min(cfg.clients))

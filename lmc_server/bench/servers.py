@@ -19,7 +19,7 @@ from typing import Protocol
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE
 from lmc_server.config import Config, ConfigError
 from lmc_server.testing.inprocess import ThreadServer
-from lmc_server.testing.process import ServerProcess, free_port
+from lmc_server.testing.process import ServerProcess, free_port, wait_pool_ready
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +65,15 @@ def server(
     """Yield ``(server, how)``: ``how`` is ``"process"`` or ``"in-process"`` (why).
 
     ``args`` are extra command-line flags for the process; the named settings are
-    passed to both kinds.
+    passed to both kinds. Yields once every slab of the pool is prepared: a benchmark
+    measures a ready server (a store before the first slab is answered ``busy``).
     """
     refusal = fits_config_check(backend, l1_size_gb, slab_size_mb)
     if refusal is None or not allow_thread:
         more = ["--slab-size-mb", str(slab_size_mb), "--eviction-policy", eviction_policy]
         flags = server_flags(chunk_size, separate, *more, *args)
         with ServerProcess(flags, backend=backend, l1_size_gb=l1_size_gb) as proc:
+            proc.wait_pool_ready()
             yield proc, "process"
         return
     log.info("running the server in-process: %s", refusal)
@@ -88,6 +90,7 @@ def server(
     )
     ts = ThreadServer(config).start()
     try:
+        wait_pool_ready(ts.endpoint)
         yield ts, f"in-process (the config check refuses it as a process: {refusal})"
     finally:
         ts.stop()

@@ -62,6 +62,8 @@ class TwoServers:
         )
         self.a = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
         self.b = stack.enter_context(ServerProcess(self.args, l1_size_gb=cfg.l1_size_gb))
+        for srv in (self.a, self.b):  # measure ready servers (a store before the first
+            srv.wait_pool_ready()  # slab is answered busy)
         probe = cfg.geometry.build(1)
         per_chunk = max(blocks_per_chunk(g, cfg.chunk_size) for g in probe.groups if g.cached)
         geometry = cfg.geometry.build(n * per_chunk)

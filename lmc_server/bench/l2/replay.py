@@ -34,7 +34,7 @@ from lmc_server.config import GIB, MIB
 from lmc_server.protocol.stats import L2Report, StatsReport
 from lmc_server.testing.kv import ShmKV
 from lmc_server.testing.poll import wait_for
-from lmc_server.testing.process import ServerProcess
+from lmc_server.testing.process import ServerProcess, wait_pool_ready
 from lmc_server.testing.redis_process import RedisProcess
 
 POLL_S = 0.001
@@ -47,8 +47,9 @@ VALUE_OVERHEAD_BYTES = 200
 def _drive(
     endpoint: str, requests: list[TraceRequest], kv: ShmKV, bar: Any
 ) -> tuple[int, int, StatsReport]:
-    """Replay once; (L1 hit chunks, L2 hit chunks, final stats)."""
+    """Replay once on a ready server; (L1 hit chunks, L2 hit chunks, final stats)."""
     l1 = l2 = 0
+    wait_pool_ready(endpoint)  # a store before the first slab is answered busy
     with Client(endpoint, timeout_s=120, client_name="lmcache-bench-l2-replay") as c:
         reg = c.register(**kv.register_kwargs())
         bpc = {g.name: blocks_per_chunk(g, CHUNK_TOKENS) for g in reg.groups if g.cached}
