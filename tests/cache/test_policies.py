@@ -93,7 +93,14 @@ def test_writing_objects_are_never_victims(policy: str) -> None:
 def test_random_workload_with_slab_moves_keeps_every_invariant(policy: str) -> None:
     """Two partitions of different object sizes share 8 slabs; prefixes share heads,
     leases and retrieves come and go. After every step: the partition invariants
-    (policy membership == committed and unpinned, key table, counts) and the pins."""
+    (policy membership == committed and unpinned, key table, counts) and the pins.
+
+    Each phase of 150 steps favours one partition (9 in 10 steps), the other in turn,
+    so the favoured one must take the idle one's cold slabs: with both used evenly, no
+    partition's coldest object is ever twice as old as the other's, and whether a slab
+    moves at all would turn on the process's hash seed (the eviction policies hash
+    keys). Leases are released about as often as they are taken, so pins hold part of
+    the pool, not nearly all of it (then nothing is free to move either)."""
     rng = random.Random(5)
     idx = make(policy)
     views = [view(idx, "small", 1), view(idx, "big", 2)]
@@ -101,13 +108,13 @@ def test_random_workload_with_slab_moves_keeps_every_invariant(policy: str) -> N
     leases: list[tuple[int, CacheView, list[bytes], int]] = []
     retrieves = []
     for step in range(600):
-        v = rng.choice(views)
+        v = views[step // 150 % 2] if rng.random() < 0.9 else rng.choice(views)
         op = rng.random()
         if op < 0.45:
             tail = digests(rng.randint(1, 6), b"t%d" % rng.randrange(40))
             keys = idx.keys(v, rng.choice(heads) + tail)
             store(idx, v, keys, ids(len(keys)))
-        elif op < 0.7:
+        elif op < 0.62:
             keys = idx.keys(v, rng.choice(heads) + digests(4, b"t%d" % rng.randrange(40)))
             hit, lease = idx.lookup(v, keys, 1, 10, 0)
             if lease is not None:
