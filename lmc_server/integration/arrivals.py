@@ -32,19 +32,20 @@ class Arrivals:
         self.lookups = lookups
         self.clock = clock
         #: (req_id, block hashes, tokens, prompt tokens) of each arrival not admitted yet
-        self._noted: list[tuple[str, Sequence[bytes], int, int]] = []
+        #: (the planner reads it to skip a call when empty)
+        self.noted: list[tuple[str, Sequence[bytes], int, int]] = []
 
     def note(
         self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, num_prompt_tokens: int
     ) -> None:
-        self._noted.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
+        self.noted.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
 
     def admit(self, reqs: dict[str, Tracked]) -> None:
         """Track every arrival noted in ``reqs`` (req_id -> its state) and queue its
         lookup."""
-        if not self._noted:
+        if not self.noted:
             return
-        arrived, self._noted = self._noted, []
+        arrived, self.noted = self.noted, []
         now = self.clock()
         cs, per = self.geometry.chunk_size, self.geometry.hashes_per_chunk
         queue = self.lookups.queue

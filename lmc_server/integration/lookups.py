@@ -106,20 +106,22 @@ class StepLookups:
         self.waited_s = 0.0
         self.geometry = geometry
         self._left_s = wait_s
-        self._queued: list[Queued] = []
+        #: lookups queued to go out with the next :meth:`flush` (the planner reads it
+        #: to skip a call when empty)
+        self.pending: list[Queued] = []
 
     def queue(self, r: Queued) -> None:
         """Send ``r``'s lookup (of ``r.lookup_chunks`` chunks) with the next :meth:`flush`."""
         r.queued = True
-        self._queued.append(r)
+        self.pending.append(r)
 
     def flush(self) -> None:
         """Send every queued lookup whose request is still queued and alive, in one
         hand-over to the service, which hashes them on its own thread."""
-        if not self._queued:
+        if not self.pending:
             return
-        reqs = [r for r in self._queued if r.queued and not r.ended]
-        self._queued = []
+        reqs = [r for r in self.pending if r.queued and not r.ended]
+        self.pending = []
         if not reqs:
             return
         chunks = [r.lookup_chunks for r in reqs]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
@@ -53,6 +54,7 @@ from lmc_server.integration.lookups import L2Waits, StepLookups
 from lmc_server.integration.plans import (
     LookupAnswer,
     LookupService,
+    PendingLookup,
     ScheduledRequest,
     StepPlan,
     StoreSpec,
@@ -187,19 +189,73 @@ class SchedulerPlanner:
         ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
         fields (``StoreSpec.events``); None: they do not.
         """
-        self._admit()
-        self.lookups.flush()
-        g = self.geometry
-        r = self._req(req_id, block_hashes, num_prompt_tokens, token_ids)
+        arrivals, lookups = self._arrivals, self.lookups
+        if arrivals.noted:  # the step's first question: admit and send the arrivals
+            arrivals.admit(self._reqs)
+        if lookups.pending:
+            lookups.flush()
+        r = self._reqs.get(req_id)
+        if r is None:
+            r = self._reqs[req_id] = Tracked(req_id, block_hashes, num_prompt_tokens, token_ids)
+        elif r.token_ids is None and token_ids is not None:  # admitted from an arrival
+            r.token_ids = token_ids
         r.local_tokens = num_computed_tokens
-        if not self.load_enabled:
+        if not self.load_enabled or r.loading:
             return 0
-        if r.loading:
-            return 0
-        n = g.max_chunks(num_tokens, len(block_hashes))
-        if n * g.chunk_size <= num_computed_tokens:
+        g = self.geometry
+        cs = g.chunk_size
+        n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // g.hashes_per_chunk)
+        if n * cs <= num_computed_tokens:
             self._drop_lookup(r)
             return 0
+        fut = r.lookup
+        if fut is None or r.lookup_chunks != n or r.answer is not None:
+            # not the common case (an arrival's lookup in flight or answered): a lookup
+            # to send, a stale one to drop, an answer to keep or refresh
+            fut = self._lookup_for(r, n)
+        if fut is not None:
+            if not fut.done():
+                lookups.wait(fut)
+                if not fut.done():
+                    r.asked_again = True
+                    return None
+            if not r.asked_again:
+                self.lookups_answered_at_once += 1
+            r.asked_again = False
+            r.lookup = None
+            if r.hashed is not None:
+                r.adopt_digests()
+            try:
+                answer = fut.result()
+            except Exception as exc:
+                logger.warning("lookup for request %s failed: %s", req_id, exc)
+                answer = LookupAnswer(0, 0, 0.0)
+            else:
+                if answer.l2_pending_chunks and self.l2.set_aside(
+                    r, answer, n, num_computed_tokens, self.clock()
+                ):
+                    if answer.lease_id:
+                        self.service.release(answer.lease_id)
+                    return None
+            r.l2_wait_from = None
+            r.answer = answer
+            r.lease_id = answer.lease_id
+        else:
+            assert r.answer is not None
+            answer = r.answer
+        hit = answer.hit_chunks
+        matched = (hit if hit < n else n) * cs
+        if matched <= num_computed_tokens:
+            self._release(r)
+            return 0
+        return matched - num_computed_tokens
+
+    def _lookup_for(self, r: Tracked, n: int) -> PendingLookup | None:
+        """The lookup whose answer :meth:`matched_tokens` reads for ``n`` chunks of
+        ``r``: the one in flight for ``n``, or none (``r.answer`` stands), or one sent
+        now. An answer older than half its lease's TTL, or for another chunk count, has
+        its lease released and is looked up again; a lookup in flight for another count
+        is dropped (its lease goes back when it is answered)."""
         now = self.clock()
         if (
             r.answer is not None
@@ -215,40 +271,7 @@ class SchedulerPlanner:
             r.lookup_at_s = now
             self.lookups.send(r)
             assert r.lookup is not None
-        fut = r.lookup
-        if fut is not None:
-            if not fut.done():
-                self.lookups.wait(fut)
-                if not fut.done():
-                    r.asked_again = True
-                    return None
-            if not r.asked_again:
-                self.lookups_answered_at_once += 1
-            r.asked_again = False
-            r.lookup = None
-            r.adopt_digests()
-            exc = fut.exception()
-            if exc is not None:
-                logger.warning("lookup for request %s failed: %s", req_id, exc)
-                r.answer = LookupAnswer(0, 0, 0.0)
-                r.l2_wait_from = None
-            else:
-                answer = fut.result()
-                if answer.l2_pending_chunks and self.l2.set_aside(
-                    r, answer, n, num_computed_tokens, now
-                ):
-                    if answer.lease_id:
-                        self.service.release(answer.lease_id)
-                    return None
-                r.l2_wait_from = None
-                r.answer = answer
-                r.lease_id = answer.lease_id
-        assert r.answer is not None
-        matched = min(r.answer.hit_chunks, n) * g.chunk_size
-        if matched <= num_computed_tokens:
-            self._release(r)
-            return 0
-        return matched - num_computed_tokens
+        return r.lookup
 
     def after_alloc(
         self,
@@ -256,6 +279,7 @@ class SchedulerPlanner:
         blocks: Sequence[Sequence[int]],
         num_external_tokens: int,
         num_local_tokens: int | None = None,
+        owned: bool = False,
     ) -> None:
         """The engine allocated ``blocks`` (every group's table) for the request.
 
@@ -265,28 +289,35 @@ class SchedulerPlanner:
         take (0 external tokens: a partial block tail, ``skip_reading_prefix_cache``, a
         replay) has its lease released at once. Chunks the lookup did not report are
         stored later even when the engine holds them.
+
+        ``owned``: ``blocks`` are fresh lists the caller hands over (vLLM's
+        ``get_block_ids`` builds new ones per call), kept as the request's tables and
+        extended in place as the engine allocates more; otherwise they are copied.
         """
-        self._admit()
+        if self._arrivals.noted:
+            self._admit()
         r = self._reqs.get(req_id)
         if r is None:
             return
         if num_local_tokens is None:
             num_local_tokens = r.local_tokens
-        r.blocks = [list(b) for b in blocks]
-        g = self.geometry
-        server_chunks = r.answer.hit_chunks if r.answer is not None else 0
-        r.stored_chunks = max(r.stored_chunks, server_chunks)
+        r.blocks = cast("Sequence[list[int]]", blocks) if owned else [list(b) for b in blocks]
+        answer = r.answer
+        if answer is not None and answer.hit_chunks > r.stored_chunks:
+            r.stored_chunks = answer.hit_chunks
         if num_external_tokens <= 0:
             self._release(r)
             r.answer = None
             return
         matched = num_local_tokens + num_external_tokens
-        assert matched % g.chunk_size == 0, "a load ends on a chunk boundary"
-        assert r.answer is not None, "after_alloc with external tokens but no lookup"
-        n = matched // g.chunk_size
+        cs = self.geometry.chunk_size
+        assert matched % cs == 0, "a load ends on a chunk boundary"
+        assert answer is not None, "after_alloc with external tokens but no lookup"
+        n = matched // cs
         self._loads.queue(r, n, num_local_tokens)  # planned by build_step, with the others
         r.loading = True
-        r.stored_chunks = max(r.stored_chunks, n)
+        if n > r.stored_chunks:
+            r.stored_chunks = n
 
     def build_step(
         self, scheduled: Iterable[ScheduledRequest], preempted_req_ids: Iterable[str] = ()

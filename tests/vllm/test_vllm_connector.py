@@ -192,3 +192,18 @@ def test_store_then_async_load_through_vllm_classes(srv: ServerProcess) -> None:
         worker.shutdown()
         sched.shutdown()
         seg.close()
+
+
+def test_get_block_ids_builds_fresh_lists_per_call() -> None:
+    """The adapter hands ``KVCacheBlocks.get_block_ids()`` to the planner uncopied
+    (``after_alloc(owned=True)``), which extends those lists as the engine allocates:
+    that is safe only while vLLM builds new lists per call and keeps none of them."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(3)], [KVCacheBlock(7)]))
+    first, second = blocks.get_block_ids(), blocks.get_block_ids()
+    assert first == second == ([0, 1, 2], [7])
+    assert all(a is not b for a, b in zip(first, second, strict=True))
+    first[0].append(99)
+    assert blocks.get_block_ids() == ([0, 1, 2], [7])

@@ -347,7 +347,10 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.planner is not None
-        self.planner.after_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        # get_block_ids builds fresh lists: the planner keeps them, uncopied
+        self.planner.after_alloc(
+            request.request_id, blocks.get_block_ids(), num_external_tokens, owned=True
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.planner is not None
