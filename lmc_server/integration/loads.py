@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.plans import LoadSpec
 from lmc_server.integration.tracked import Tracked
@@ -51,7 +52,10 @@ class LoadPlanner:
             return []
         g = self.geometry
         ids = g.load_block_ids([(r.blocks, n, keep) for r, n, keep, _ in queued])
-        return [
-            LoadSpec(r.req_id, r.digests_for(g, n), block_ids, lease_id)
-            for (r, n, _, lease_id), block_ids in zip(queued, ids, strict=True)
-        ]
+        out = []
+        for (r, n, _, lease_id), block_ids in zip(queued, ids, strict=True):
+            digests = r.digests
+            if len(digests) != n * DIGEST_BYTES:  # else exactly the load's, as usual
+                digests = r.digests_for(g, n)
+            out.append(LoadSpec(r.req_id, digests, block_ids, lease_id))
+        return out
