@@ -106,8 +106,9 @@ class StepLookups:
         self.waited_s = 0.0
         self.geometry = geometry
         self._left_s = wait_s
-        #: lookups queued to go out with the next :meth:`flush` (the planner reads it
-        #: to skip a call when empty)
+        #: lookups queued to go out with the next :meth:`flush`: :meth:`queue` adds
+        #: one, the planner's arrivals add many the same way (``queued`` set, then
+        #: appended), and the planner reads it to skip a call when it is empty
         self.pending: list[Queued] = []
 
     def queue(self, r: Queued) -> None:
