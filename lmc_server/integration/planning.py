@@ -114,20 +114,6 @@ class SchedulerPlanner:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _req(
-        self,
-        req_id: str,
-        block_hashes: Sequence[bytes],
-        num_prompt_tokens: int,
-        token_ids: Sequence[int] | None = None,
-    ) -> Tracked:
-        r = self._reqs.get(req_id)
-        if r is None:
-            r = self._reqs[req_id] = Tracked(req_id, block_hashes, num_prompt_tokens, token_ids)
-        elif r.token_ids is None and token_ids is not None:  # queued by request_arrived
-            r.token_ids = token_ids
-        return r
-
     def _release(self, r: Tracked) -> None:
         if r.lease_id:
             self.service.release(r.lease_id)
@@ -202,9 +188,8 @@ class SchedulerPlanner:
         r.local_tokens = num_computed_tokens
         if not self.load_enabled or r.loading:
             return 0
-        g = self.geometry
-        cs = g.chunk_size
-        n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // g.hashes_per_chunk)
+        cs = self.geometry.chunk_size
+        n = self.geometry.max_chunks(num_tokens, len(block_hashes))
         if n * cs <= num_computed_tokens:
             self._drop_lookup(r)
             return 0
