@@ -452,6 +452,7 @@ def _gather_ms(engine: Any, mapping: Any, copies: list[RunCopy]) -> float:
 
     from lmc_server.transfer.cuda import kernels
     from lmc_server.transfer.cuda.lanes import Lane
+    from lmc_server.transfer.cuda.launch import _blocks
     from lmc_server.transfer.cuda.plan import plan_staging
 
     engine._lanes_of(mapping.device_index)  # the device's SM count
@@ -473,7 +474,7 @@ def _gather_ms(engine: Any, mapping: Any, copies: list[RunCopy]) -> float:
                 p.count,
                 plan.max_layers,
                 plan.max_blocks,
-                engine._blocks(lane.device, plan.box_pages(p.count)),
+                _blocks(plan.box_pages(p.count), engine._sm_count[lane.device]),
                 256,
                 lane.sm,
             )
