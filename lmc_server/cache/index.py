@@ -305,6 +305,13 @@ class L1Index:
         return self._pool.ready_slabs > 0
 
     @property
+    def pool_prepared(self) -> bool:
+        """Whether the engine has prepared every slab of the pool: until then a store
+        that found no room may find it a moment later (a partition of its own view
+        may not have been handed a slab yet), so it is worth asking again."""
+        return self._pool.ready_slabs == self._pool.n_slabs
+
+    @property
     def slab_bytes(self) -> int:
         """The size of one slab: the largest object a partition can hold."""
         return self._pool.slab_bytes

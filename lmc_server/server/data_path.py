@@ -28,6 +28,7 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index, RetrieveTicket, StoreTicket
 from lmc_server.cache.layout import RunCopy
+from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
@@ -178,6 +179,18 @@ class DataPath:
         assert isinstance(msg, m.Store)
         ticket = self.index.reserve_store(reg.view, keys, req.ids)
         clock.mark("prepare")
+        if not self.index.pool_prepared and _met_no_space(ticket):
+            # a server that just started: slabs are handed out as they are prepared,
+            # and a partition of this view has none yet (with separate object groups
+            # one group may be placed while another is not). Nothing was copied: the
+            # reservation is freed and "busy" says "ask again" (the connector's link
+            # does), instead of a chunk failed for want of a slab that is coming.
+            self.index.abort_store(ticket)
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                "the L1 pool is being prepared: no room ready for this store yet",
+                msg.req_id,
+            )
         if not ticket.copies:  # every chunk already stored or being stored
             self._commit(ticket, keys, msg, per)
         else:
@@ -298,3 +311,8 @@ class DataPath:
 
 def _retrieved(msg: m.Retrieve, ticket: RetrieveTicket) -> m.RetrieveResult:
     return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
+
+
+def _met_no_space(ticket: StoreTicket) -> bool:
+    """Whether some chunk of ``ticket`` found no room (``NO_SPACE``) in its object group."""
+    return any(bool((st == ChunkStatus.NO_SPACE).any()) for st in ticket.statuses)

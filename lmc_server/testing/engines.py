@@ -119,13 +119,32 @@ class BackloggedEngine(CpuEngine):
         super().close()
 
 
-class _HeldPool(CpuHostPool):
-    """A CPU pool paged in as usual, whose slabs are reported only once ``prepared``
-    is set (all of them then, in order)."""
+class _SlabGate:
+    """How many slabs a :class:`_HeldPool` may report ready so far."""
 
-    def __init__(self, size_bytes: int, slab_bytes: int, prepared: threading.Event) -> None:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._allowed = 0
+
+    def allow(self, n: int) -> None:
+        with self._cond:
+            self._allowed = max(self._allowed, n)
+            self._cond.notify_all()
+
+    def wait_past(self, n: int) -> int:
+        """Block until more than ``n`` slabs are allowed; how many are."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._allowed > n)
+            return self._allowed
+
+
+class _HeldPool(CpuHostPool):
+    """A CPU pool paged in as usual, whose slabs are reported (in order) only as far
+    as its gate allows."""
+
+    def __init__(self, size_bytes: int, slab_bytes: int, gate: _SlabGate) -> None:
         super().__init__(size_bytes, slab_bytes)
-        self._prepared = prepared
+        self._gate = gate
 
     def start(self, on_ready: Callable[[int], None]) -> None:
         slabs: list[int] = []
@@ -138,9 +157,12 @@ class _HeldPool(CpuHostPool):
 
         def report() -> None:
             paged_in.wait()
-            self._prepared.wait()
-            for slab in slabs:
-                on_ready(slab)
+            sent = 0
+            while sent < len(slabs):
+                allowed = min(self._gate.wait_past(sent), len(slabs))
+                for slab in slabs[sent:allowed]:
+                    on_ready(slab)
+                sent = allowed
 
         super().start(collect)
         threading.Thread(target=report, name="lmc-test-pool-hold", daemon=True).start()
@@ -151,22 +173,23 @@ class UnpreparedPoolEngine(CpuEngine):
 
     The state of a server in its first moments (on CUDA, pinning a pool takes long
     enough that clients can register, and send stores, before its first slab is
-    ready): the pool is paged in as usual, but the server hears of its slabs only once
-    the test calls :meth:`prepare`."""
+    ready, or before each object group's partition has one): the pool is paged in as
+    usual, but the server hears of its slabs only as the test calls :meth:`prepare`."""
 
     def __init__(self, copy_threads: int = 2) -> None:
         super().__init__(copy_threads=copy_threads)
-        self._prepared = threading.Event()
+        self._gate = _SlabGate()
 
     def create_pool(self, size_bytes: int, slab_bytes: int) -> HostPool:
-        self._pool = _HeldPool(size_bytes, slab_bytes, self._prepared)
+        self._pool = _HeldPool(size_bytes, slab_bytes, self._gate)
         if self._inbox is None:
             self._inbox = FdInbox()
         return self._pool
 
-    def prepare(self) -> None:
-        """Report every slab ready, from now on (idempotent)."""
-        self._prepared.set()
+    def prepare(self, slabs: int | None = None) -> None:
+        """Report the first ``slabs`` slabs of the pool ready (every slab without it);
+        asking for fewer than already reported changes nothing."""
+        self._gate.allow(1 << 30 if slabs is None else slabs)
 
     def close(self) -> None:
         self.prepare()

@@ -103,8 +103,8 @@ def wait_pool_ready(endpoint: str, timeout_s: float = 120.0) -> float:
     """Seconds until every slab of the pool is prepared (pinned, on cuda).
 
     The server answers as soon as one slab is ready and prepares the rest in the
-    background; a test that must not see ``NO_SPACE`` from a pool still being prepared
-    waits here first.
+    background; a test whose raw stores must not meet ``busy`` (a store that found no
+    room while the pool is still being prepared) waits here first.
     """
     from lmc_server.client import Client
 
@@ -133,8 +133,8 @@ class ServerProcess:
 
     :meth:`start` returns once the server answers ping; with ``pool_ready`` (default:
     :attr:`pool_ready_by_default`) also once every slab of its pool is prepared, so a
-    store right after start cannot meet ``NO_SPACE`` from a pool still being prepared
-    (on a loaded machine the preparing thread may lag the first requests).
+    store right after start cannot be answered ``busy`` for want of a slab still being
+    prepared (on a loaded machine the preparing thread may lag the first requests).
 
     ``l1_size_gb`` defaults to 0.25 (four 64 MiB slabs): what a test stores fits, and
     a pool's preparation is not free. Every page of the cpu engine's pool is populated

@@ -108,3 +108,56 @@ def test_a_store_that_comes_before_the_pool_is_prepared_waits_for_it() -> None:
             preparer.join()
         assert busy_stores() >= 2, "the link's store never met the unprepared pool"
         assert c.ping().ready
+
+
+def test_a_store_whose_object_group_has_no_slab_yet_waits_for_it() -> None:
+    """With separate object groups each group's partition is handed slabs of its own as
+    the pool is prepared, so a server that just started may place one group of a store
+    and have no slab for another. Such a store is answered ``busy`` with nothing of it
+    kept (no object written or being written), not stored with that group's chunks
+    failed: the link asks again until the next slab is ready, the turn's chunks are
+    all stored and the next turn loads them byte-exact; other clients are served
+    meanwhile."""
+    from lmc_server.client import Client, ServerError
+    from lmc_server.client.digests import chunk_digests
+    from lmc_server.testing.engines import UnpreparedPoolEngine
+    from lmc_server.testing.inprocess import run_server
+    from lmc_server.testing.kv import ShmKV, block_ids_for
+    from lmc_server.testing.poll import wait_for
+    from lmc_server.testing.presets import dsv41_flash
+
+    fx = KVFixture.load(FIXTURES / "vllm-dsv41-sm90.json")
+    engine = UnpreparedPoolEngine()
+    with (
+        run_server(engine=engine, ready=False, chunk_size=256, separate_object_groups=True) as ts,
+        Client(ts.endpoint) as c,
+        ShmKV(dsv41_flash()) as kv,
+        ShmBacking(fx.backing_size_bytes) as mem,
+        ConnectorFlow(fx, mem, ts.endpoint, fx.arch or "cpu", timeout_s=15) as flow,
+    ):
+        engine.prepare(1)
+        wait_for(lambda: c.ping().ready, "the first slab reported ready", 10.0)
+        reg = c.register(**kv.register_kwargs())
+        with pytest.raises(ServerError) as refused:
+            c.store(reg, chunk_digests(list(range(256)), 256), block_ids_for(reg, 1))
+        assert refused.value.code == "busy" and "no room ready" in str(refused.value)
+        st = c.stats()
+        assert st.l1.objects == 0 and sum(p.writing for p in st.partitions) == 0
+
+        def busy_stores() -> int:
+            return c.stats().counters.requests.get("store:busy", 0)
+
+        def prepare_once_the_link_was_refused() -> None:
+            deadline = time.monotonic() + 10
+            while busy_stores() < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            engine.prepare()
+
+        preparer = threading.Thread(target=prepare_once_the_link_was_refused)
+        preparer.start()
+        try:
+            flow.check_store_then_load(SEED, prompt(6))
+        finally:
+            preparer.join()
+        assert busy_stores() >= 3, "the link's store never met the partly prepared pool"
+        assert c.stats().l1.ready_slabs == c.stats().l1.slabs
