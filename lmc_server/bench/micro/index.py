@@ -1,13 +1,13 @@
 """Micro-benchmark of the L1 index hot path (no server, no bytes copied).
 
 Times, on the DeepSeek-V4.1-Flash preset (``dsv41_flash``, separate and combined object
-groups), the index calls one request makes: ``lookup`` of a 64-chunk prefix (with and
-without a lease), ``reserve_store`` + ``commit_store`` of 64 new chunks in a full pool
-(every reservation evicts), ``reserve_store`` of 64 chunks already stored (EXISTS), and
-``pin_retrieve`` + ``unpin_retrieve`` of 64 chunks. Uses only the facade's public
-methods, so it runs against any revision of the cache core. To compare two revisions
-in one process (rounds interleaved, so load on a shared machine hits both alike), give
-the other one a package name of its own:
+groups), the index calls one request makes: ``lookup`` of a prefix of ``--chunks``
+chunks (64 by default; with and without a lease), ``reserve_store`` + ``commit_store`` of
+as many new chunks in a full pool (every reservation evicts), ``reserve_store`` of
+chunks already stored (EXISTS), and ``pin_retrieve`` + ``unpin_retrieve``. Uses only
+the facade's public methods, so it runs against any revision of the cache core. To
+compare two revisions in one process (rounds interleaved, so load on a shared machine
+hits both alike), give the other one a package name of its own:
 
     git archive <rev> lmc_server | tar -x -C /tmp/old
     mv /tmp/old/lmc_server /tmp/old/lmc_old
@@ -48,15 +48,18 @@ def digests(n: int, tag: bytes) -> bytes:
     return b"".join(out)
 
 
-def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], None]]]:
-    """An index of ``package`` holding one hot 64-chunk prefix, and one callable per case."""
+def setup(
+    package: str, separate: bool, chunks: int = CHUNKS
+) -> tuple[Any, dict[str, Callable[[int], None]]]:
+    """An index of ``package`` holding one hot prefix of ``chunks`` chunks, and one
+    callable per case."""
     index_mod = importlib.import_module(f"{package}.cache.index")
     layout_mod = importlib.import_module(f"{package}.cache.layout")
     presets = importlib.import_module(f"{package}.testing.presets")
     geo = presets.dsv41_flash()
     layout = layout_mod.build_layout(geo.groups, 256, separate)
     # Room for 8 prefixes of 64 chunks: the store case evicts on every call.
-    pool_bytes = 8 * CHUNKS * layout.chunk_bytes + 64 * MIB
+    pool_bytes = 8 * max(chunks, CHUNKS) * layout.chunk_bytes + 64 * MIB
     if hasattr(index_mod.L1Index, "slab_ready"):  # the index builds its own slab pool
         index = index_mod.L1Index(pool_bytes, 64 * MIB, "LRU")
         for s in range(index.pool_usage().slabs):
@@ -76,18 +79,19 @@ def setup(package: str, separate: bool) -> tuple[Any, dict[str, Callable[[int], 
     for og in layout.object_groups:
         for sec in og.sections:
             bpc = sec.blocks_per_chunk
-            ids[sec.group_index] = np.arange(CHUNKS * bpc, dtype=np.int64).reshape(CHUNKS, bpc) % 64
-    hot = index.keys(view, digests(CHUNKS, b"hot"))
+            ids[sec.group_index] = np.arange(chunks * bpc, dtype=np.int64).reshape(chunks, bpc) % 64
+    hot = index.keys(view, digests(chunks, b"hot"))
     index.commit_store(index.reserve_store(view, hot, ids))
-    fresh = [index.keys(view, digests(CHUNKS, b"f%d" % i)) for i in range(64)]
+    # 8 prefixes' worth of fresh chunks, then around again: every store evicts
+    fresh = [index.keys(view, digests(chunks, b"f%d" % i)) for i in range(8 * CHUNKS // chunks + 8)]
 
     def lookup(_: int) -> None:
         k, _lease = index.lookup(view, hot, 1, 10.0, 0.0, take_lease=False)
-        assert k == CHUNKS
+        assert k == chunks
 
     def lookup_lease(_: int) -> None:
         k, lease = index.lookup(view, hot, 1, 10.0, 0.0)
-        assert k == CHUNKS and lease is not None
+        assert k == chunks and lease is not None
         index.release(lease.lease_id)
 
     def store_new(i: int) -> None:
@@ -116,6 +120,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=10_000)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--chunks", type=int, default=CHUNKS, help="chunks per request")
     p.add_argument(
         "--packages",
         default="lmc_server",
@@ -124,7 +129,7 @@ def main() -> None:
     a = p.parse_args()
     packages = a.packages.split(",")
     for separate in (True, False):
-        setups = {pkg: setup(pkg, separate) for pkg in packages}
+        setups = {pkg: setup(pkg, separate, a.chunks) for pkg in packages}
         for case in CASES:
             calls = a.calls if case.startswith("lookup") else max(1, a.calls // 10)
             best = dict.fromkeys(packages, float("inf"))
