@@ -104,6 +104,14 @@ class L2Backend(ABC):
     #: unpins before :meth:`put_many` (a network store, whose send copies anyway).
     writes_from_slots = False
 
+    @property
+    def write_shards(self) -> int:
+        """Stores of its own that this backend writes to side by side (a cluster's
+        primaries): the writer keeps ``SLOT_BATCHES_IN_FLIGHT`` batches in flight per
+        shard. A batch spread over the shards by key ends with its most loaded shard;
+        with one store's batches in flight, the other shards wait for it at each one."""
+        return 1
+
     @abstractmethod
     async def connect(self) -> None:
         """Open (or re-open) the connection and check the store answers."""

@@ -16,7 +16,9 @@ unpins, and sends one pipelined batch. A backend that writes from the slots itse
 (``writes_from_slots``: the disk tier, Redis) gets the pinned slots instead and builds
 and writes each value on its own I/O threads; its objects stay pinned until the batch
 is written, with at most ``SLOT_BATCHES_IN_FLIGHT`` batches (each at most
-``WRITE_BATCH_BYTES``) pinned at a time. Nothing here
+``WRITE_BATCH_BYTES``) pinned at a time per shard of the backend (a cluster's
+primaries, :attr:`~lmc_server.tiers.backend.L2Backend.write_shards`); the next batch
+goes out as soon as any of them is written, not only the oldest. Nothing here
 ever waits for L2 on a store's or retrieve's path: when the queue is full, or L2 is
 down, new writes are dropped and counted. While the tier's first connect after the
 start is under way, writes wait in the queue (within its bounds) and go out once it
@@ -45,12 +47,13 @@ log = logging.getLogger(__name__)
 #: One batch: at most this many objects and (about) this many bytes per round trip.
 WRITE_BATCH_OBJECTS = 64
 WRITE_BATCH_BYTES = 32 << 20
-#: Batches handed to a backend that writes from the slots before the writer waits for
-#: the oldest: the backend's threads go on to batch i+1 while the last objects of batch
-#: i are written, instead of idling at the end of every batch. Bounds what the writer
-#: pins: at most this many batches (4 x 32 MiB: as much as 2 x 64 MiB; on the H200 host
-#: with Valkey 8 and 4 I/O threads, writes 1.86-2.41 GB/s with 2 x 64 MiB, 2.03-2.22
-#: with 4 x 32 MiB, one run each).
+#: Batches handed to a backend that writes from the slots, per shard of it, before the
+#: writer waits for one of them to be written: the backend's threads go on to batch i+1
+#: while the last objects of batch i are written, instead of idling at the end of every
+#: batch. Bounds what the writer pins: at most this many batches per shard (4 x 32 MiB:
+#: as much as 2 x 64 MiB; on the H200 host with Valkey 8 and 4 I/O threads, writes
+#: 1.86-2.41 GB/s with 2 x 64 MiB, 2.03-2.22 with 4 x 32 MiB, one run each; a cluster of
+#: three primaries: 12 x 32 MiB).
 SLOT_BATCHES_IN_FLIGHT = 4
 #: The share of L1 each tier's queue may keep pinned from commit until written (see
 #: :class:`WriteBehind`): with a disk tier and L2, at most half of L1 is pinned for
@@ -196,6 +199,7 @@ class WriteBehind:
             await self._wake.wait()
             self._wake.clear()
             sending: deque[asyncio.Task[None]] = deque()
+            slot_batches: set[asyncio.Task[None]] = set()
             loop = asyncio.get_running_loop()
             try:
                 while self._queue and not self._closing:
@@ -206,13 +210,19 @@ class WriteBehind:
                     batch = self._take_batch()
                     self.in_flight += len(batch)
                     if self.ctx.backend.writes_from_slots:  # nothing to build ahead
+                        limit = SLOT_BATCHES_IN_FLIGHT * max(1, self.ctx.backend.write_shards)
                         try:
-                            while len(sending) >= SLOT_BATCHES_IN_FLIGHT:
-                                await sending.popleft()
+                            while len(slot_batches) >= limit:
+                                done, _ = await asyncio.wait(
+                                    slot_batches, return_when=asyncio.FIRST_COMPLETED
+                                )
+                                slot_batches -= done
+                                for task in done:
+                                    task.result()  # a bug in _send_slots: logged below
                         except BaseException:  # cancelled at shutdown: unpin, uncount
                             self._forget_batch(batch)
                             raise
-                        sending.append(loop.create_task(self._send_slots(batch)))
+                        slot_batches.add(loop.create_task(self._send_slots(batch)))
                         continue
                     try:
                         items = await self._encode_batch(batch)
@@ -226,8 +236,8 @@ class WriteBehind:
                 log.exception("L2 write-behind batch failed")
                 self.ctx.stats.bump(self.ctx.stats.errors, "write")
             finally:
-                if sending:
-                    await asyncio.gather(*sending, return_exceptions=True)
+                if sending or slot_batches:
+                    await asyncio.gather(*sending, *slot_batches, return_exceptions=True)
 
     def _pin(
         self, batch: list[tuple[bytes, Reservation, int, bool]]

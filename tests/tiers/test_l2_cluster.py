@@ -226,8 +226,11 @@ def test_each_node_has_its_own_connections_and_the_nodes_move_side_by_side(
 
     async def main() -> None:
         backend = RedisClusterBackend(cluster.url, timeout_s=5, connections=2)
+        assert backend.write_shards == len(cluster.nodes)  # the URL's, before the map
         await backend.connect()
         try:
+            # the primaries of the slot map: the writer keeps batches in flight per node
+            assert backend.write_shards == 3
             objects, reads, src, dst = _slot_objects(backend, 24, 1)
             await backend.put_slots(objects)
             monkeypatch.setattr(redis_reads, "read_values", slow_read)

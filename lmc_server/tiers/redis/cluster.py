@@ -104,6 +104,17 @@ class RedisClusterBackend(RedisBackend):
         #: (node ``host:port``, kind) -> that node's threads (:meth:`_node_threads`).
         self._node_pools: dict[tuple[str, str], ThreadPoolExecutor] = {}
 
+    @property
+    def write_shards(self) -> int:
+        """The primaries of the slot map (before it is loaded: the nodes the URL names)."""
+        cluster = self._client
+        if cluster is None:
+            return len(self.nodes)
+        try:
+            return max(1, len(cluster.get_primaries()))
+        except (RedisError, RedisClusterException):
+            return len(self.nodes)
+
     def _make(self) -> RedisCluster:
         return RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
