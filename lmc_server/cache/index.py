@@ -50,6 +50,7 @@ from lmc_server.cache.pool import Partition
 from lmc_server.cache.reservation import Reservation
 from lmc_server.cache.retrieve import RetrievePlans, RetrieveTicket
 from lmc_server.cache.slab_pool import SlabPool
+from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.store import StoreTicket
 from lmc_server.cache.usage import PartitionUsage, PoolUsage, usage_of
 from lmc_server.cache.view import CacheView, hit_chunks, needed_slots, prompt_hits
@@ -304,12 +305,22 @@ class L1Index:
         prepared the first slab (a server that just started)."""
         return self._pool.ready_slabs > 0
 
-    @property
-    def pool_prepared(self) -> bool:
-        """Whether the engine has prepared every slab of the pool: until then a store
-        that found no room may find it a moment later (a partition of its own view
-        may not have been handed a slab yet), so it is worth asking again."""
-        return self._pool.ready_slabs == self._pool.n_slabs
+    def awaits_a_slab(self, view: CacheView, ticket: StoreTicket) -> bool:
+        """Whether ``ticket`` found no room (``NO_SPACE``) for an object group whose
+        partition holds no slab yet, while slabs of the pool are still being prepared:
+        a server that just started, where the same store a moment later finds room.
+        Once a partition has slabs, ``NO_SPACE`` means they are all pinned or being
+        written, which asking again soon does not cure: answered as before. (Should
+        preparing stop early, a slab failing to pin, a slab-less partition is placed as
+        soon as any slab is free of pins and writers: the allocator gives one to a
+        partition with nothing to evict.)"""
+        pool = self._pool
+        if pool.ready_slabs == pool.n_slabs:
+            return False
+        for st, part in zip(ticket.statuses, view._partitions, strict=True):
+            if part.slabs == 0 and bool((st == ChunkStatus.NO_SPACE).any()):
+                return True
+        return False
 
     @property
     def slab_bytes(self) -> int:

@@ -28,7 +28,6 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index, RetrieveTicket, StoreTicket
 from lmc_server.cache.layout import RunCopy
-from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.config import Config
 from lmc_server.protocol import messages as m
@@ -179,7 +178,7 @@ class DataPath:
         assert isinstance(msg, m.Store)
         ticket = self.index.reserve_store(reg.view, keys, req.ids)
         clock.mark("prepare")
-        if not self.index.pool_prepared and _met_no_space(ticket):
+        if self.index.awaits_a_slab(reg.view, ticket):
             # a server that just started: slabs are handed out as they are prepared,
             # and a partition of this view has none yet (with separate object groups
             # one group may be placed while another is not). Nothing was copied: the
@@ -311,8 +310,3 @@ class DataPath:
 
 def _retrieved(msg: m.Retrieve, ticket: RetrieveTicket) -> m.RetrieveResult:
     return m.RetrieveResult(req_id=msg.req_id, statuses=[s.tobytes() for s in ticket.statuses])
-
-
-def _met_no_space(ticket: StoreTicket) -> bool:
-    """Whether some chunk of ``ticket`` found no room (``NO_SPACE``) in its object group."""
-    return any(bool((st == ChunkStatus.NO_SPACE).any()) for st in ticket.statuses)

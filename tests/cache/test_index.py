@@ -365,3 +365,43 @@ def test_digest_bytes_is_defined_once() -> None:
                 if any(isinstance(t, ast.Name) and t.id == "DIGEST_BYTES" for t in targets):
                     owners.append(path.relative_to(root).as_posix())
     assert owners == ["cache/keys.py"]
+
+
+def test_a_store_awaits_a_slab_only_for_a_partition_without_one_while_slabs_are_pending() -> None:
+    """``awaits_a_slab`` (the server's ``busy`` for a store that came too early) holds
+    only where asking again soon finds room: an object group whose partition has no
+    slab yet while the pool is still being prepared. A partition whose slabs are all
+    pinned answers ``NO_SPACE`` as before, prepared pool or not."""
+    slab = 16 << 20
+    index = L1Index(4 * slab, slab, "LRU")
+    index.slab_ready(0)
+    view = dsv_view(index)  # separate object groups: two partitions
+    ids = ids_for(view, 1)
+    first = index.keys(view, digests(1, b"first"))
+    t = index.reserve_store(view, first, ids)
+    assert [int(st[0]) for st in t.statuses] == [ChunkStatus.OK, ChunkStatus.NO_SPACE]
+    assert index.awaits_a_slab(view, t)  # the second group's partition has no slab
+    index.abort_store(t)
+    index.slab_ready(1)  # now each partition can have one
+    t = index.reserve_store(view, first, ids)
+    assert not index.awaits_a_slab(view, t)
+    assert all(int(st[0]) == ChunkStatus.OK for st in t.statuses)
+    index.commit_store(t)
+    # fill both partitions' slabs with objects held by reads: nothing evictable left
+    held = [index.pin_retrieve(view, first, ids)]
+    for i in range(64):
+        keys = index.keys(view, digests(1, b"fill%d" % i))
+        t = index.reserve_store(view, keys, ids)
+        no_space = any(int(st[0]) == ChunkStatus.NO_SPACE for st in t.statuses)
+        if no_space:
+            assert not index.awaits_a_slab(view, t), "a partition with slabs asked to wait"
+            index.abort_store(t)
+            break
+        index.commit_store(t)
+        held.append(index.pin_retrieve(view, keys, ids))
+    else:
+        raise AssertionError("the pinned slabs never filled")
+    assert index.pool_usage().ready_slabs == 2  # two of four still being prepared
+    for t_ in held:
+        index.unpin_retrieve(t_, ok=True)
+    index.check()
