@@ -1,6 +1,9 @@
 """Engine integrations built on the client library.
 
-``lmc_server.integration.planning`` (what to look up, store and retrieve, per request),
+``lmc_server.integration.planning`` (what to look up, store and retrieve, per request;
+its parts, one job each: ``tracked``, what is remembered per request; ``arrivals``, new
+requests admitted in one loop; ``stores``, the store rule; ``loads``, a step's loads
+planned together; ``lookups``, the lookups' queue, their wait budget, the wait for L2),
 ``lmc_server.integration.chunks`` (chunk arithmetic over block tables),
 ``lmc_server.integration.plans`` (the values planning hands the link and the workers),
 ``lmc_server.integration.worker`` (transfer bookkeeping) and

@@ -4,12 +4,6 @@ This module knows nothing about vLLM's classes; the adapter
 (:mod:`lmc_server.integration.vllm.connector`) maps vLLM's requests, block tables and
 scheduler outputs onto these calls, so the logic is tested in CI without vLLM.
 
-Its parts, one job each, in ``lmc_server.integration``: ``chunks`` (block ids, digests,
-freed window blocks), ``plans`` (the values taken and returned), ``tracked`` (what is
-remembered per request), ``arrivals`` (new requests, admitted in one loop),
-``stores`` (the store rule), ``loads`` (a step's loads, planned together),
-``lookups`` (the lookups' queue, their wait budget, the wait for L2).
-
 Invariants:
 
 * a lookup blocks the caller at most ``lookup_wait_s`` per engine step in all
@@ -137,6 +131,12 @@ class SchedulerPlanner:
             for r in self._reqs.values()
             if r.queued or (r.lookup is not None and not r.lookup.done())
         )
+
+    def _storable_chunks(self, r: Tracked, tokens: int) -> int:
+        """Whole chunks of ``r``'s first ``tokens`` tokens it may store (of its prompt
+        only, unless ``store_generated``)."""
+        limit = tokens if self.store_generated else min(tokens, r.num_prompt_tokens)
+        return limit // self.geometry.chunk_size
 
     def _drop_lookup(self, r: Tracked) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
@@ -311,7 +311,6 @@ class SchedulerPlanner:
         the earlier stores this step's scheduling may have freed blocks of."""
         self._admit()
         self.lookups.new_step()
-        g = self.geometry
         plan = StepPlan(loads=self._loads.take(), stores=self._pending_stores)
         self._pending_stores = []
         for pid in preempted_req_ids:
@@ -338,8 +337,7 @@ class SchedulerPlanner:
             r.computed_tokens = end
             if not self.store_enabled:
                 continue
-            limit = end if self.store_generated else min(end, r.num_prompt_tokens)
-            spec = self._stores.plan(r, limit // g.chunk_size, s.num_computed_tokens)
+            spec = self._stores.plan(r, self._storable_chunks(r, end), s.num_computed_tokens)
             if spec is not None:
                 plan.stores.append(spec)
         plan.fence_store_ids = self._stores.take_fences()
@@ -390,13 +388,8 @@ class SchedulerPlanner:
         if not r.loading:
             self._release(r)
         if self.store_enabled and not r.loading and r.computed_tokens:
-            g = self.geometry
-            limit = (
-                r.computed_tokens
-                if self.store_generated
-                else min(r.computed_tokens, r.num_prompt_tokens)
-            )
-            spec = self._stores.plan(r, limit // g.chunk_size, r.computed_tokens)
+            done = r.computed_tokens
+            spec = self._stores.plan(r, self._storable_chunks(r, done), done)
             if spec is not None:
                 self._pending_stores.append(spec)
         self._stores.fence_freed(r, r.computed_tokens)
