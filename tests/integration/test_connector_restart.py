@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from lmc_server.client import Client
 from lmc_server.testing.connector_flow import ConnectorFlow
+from lmc_server.testing.engines import UnpreparedPoolEngine
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking
 from lmc_server.testing.server_restarts import HOW, RestartingServer
 
@@ -64,15 +66,42 @@ def test_the_connector_stores_and_loads_after_a_restart(
     assert left_in_dev_shm([os.getpid(), *servers.pids]) == []
 
 
+def store_then_load_while_busy(
+    c: Client,
+    engine: UnpreparedPoolEngine,
+    flow: ConnectorFlow,
+    tokens: list[int],
+    busy_before: int,
+) -> int:
+    """Run the flow's store-then-load turn while the server answers its stores ``busy``,
+    preparing the whole pool once ``busy_before`` stores were refused so; how many were."""
+
+    def busy_stores() -> int:
+        return int(c.stats().counters.requests.get("store:busy", 0))
+
+    def prepare_once_the_link_was_refused() -> None:
+        deadline = time.monotonic() + 10
+        while busy_stores() < busy_before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.prepare()
+
+    preparer = threading.Thread(target=prepare_once_the_link_was_refused)
+    preparer.start()
+    try:
+        flow.check_store_then_load(SEED, tokens)
+    finally:
+        preparer.join()
+    return busy_stores()
+
+
 def test_a_store_that_comes_before_the_pool_is_prepared_waits_for_it() -> None:
     """A server that just started prepares its pool slab by slab (pinning a large one
     takes seconds on CUDA), and clients can register and store before its first slab is
     ready. Such a store is answered ``busy`` (the connector's link asks again), not
     failed: once the pool is ready the turn's chunks are stored, no chunk failed, and
     the next turn loads them byte-exact; a ping is served meanwhile."""
-    from lmc_server.client import Client, ServerError
+    from lmc_server.client import ServerError
     from lmc_server.client.digests import chunk_digests
-    from lmc_server.testing.engines import UnpreparedPoolEngine
     from lmc_server.testing.inprocess import run_server
     from lmc_server.testing.kv import ShmKV, block_ids_for
     from lmc_server.testing.presets import simple_model
@@ -91,22 +120,8 @@ def test_a_store_that_comes_before_the_pool_is_prepared_waits_for_it() -> None:
             c.store(reg, chunk_digests(list(range(256)), 256), block_ids_for(reg, 1))
         assert refused.value.code == "busy" and "no slab ready" in str(refused.value)
 
-        def busy_stores() -> int:
-            return c.stats().counters.requests.get("store:busy", 0)
-
-        def prepare_once_the_link_was_refused() -> None:
-            deadline = time.monotonic() + 10
-            while busy_stores() < 2 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            engine.prepare()
-
-        preparer = threading.Thread(target=prepare_once_the_link_was_refused)
-        preparer.start()
-        try:
-            flow.check_store_then_load(SEED, prompt(5))
-        finally:
-            preparer.join()
-        assert busy_stores() >= 2, "the link's store never met the unprepared pool"
+        busy = store_then_load_while_busy(c, engine, flow, prompt(5), busy_before=2)
+        assert busy >= 2, "the link's store never met the unprepared pool"
         assert c.ping().ready
 
 
@@ -118,9 +133,8 @@ def test_a_store_whose_object_group_has_no_slab_yet_waits_for_it() -> None:
     failed: the link asks again until the next slab is ready, the turn's chunks are
     all stored and the next turn loads them byte-exact; other clients are served
     meanwhile."""
-    from lmc_server.client import Client, ServerError
+    from lmc_server.client import ServerError
     from lmc_server.client.digests import chunk_digests
-    from lmc_server.testing.engines import UnpreparedPoolEngine
     from lmc_server.testing.inprocess import run_server
     from lmc_server.testing.kv import ShmKV, block_ids_for
     from lmc_server.testing.poll import wait_for
@@ -144,20 +158,6 @@ def test_a_store_whose_object_group_has_no_slab_yet_waits_for_it() -> None:
         st = c.stats()
         assert st.l1.objects == 0 and sum(p.writing for p in st.partitions) == 0
 
-        def busy_stores() -> int:
-            return c.stats().counters.requests.get("store:busy", 0)
-
-        def prepare_once_the_link_was_refused() -> None:
-            deadline = time.monotonic() + 10
-            while busy_stores() < 3 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            engine.prepare()
-
-        preparer = threading.Thread(target=prepare_once_the_link_was_refused)
-        preparer.start()
-        try:
-            flow.check_store_then_load(SEED, prompt(6))
-        finally:
-            preparer.join()
-        assert busy_stores() >= 3, "the link's store never met the partly prepared pool"
+        busy = store_then_load_while_busy(c, engine, flow, prompt(6), busy_before=3)
+        assert busy >= 3, "the link's store never met the partly prepared pool"
         assert c.stats().l1.ready_slabs == c.stats().l1.slabs
