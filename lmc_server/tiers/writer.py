@@ -217,8 +217,11 @@ class WriteBehind:
                                     slot_batches, return_when=asyncio.FIRST_COMPLETED
                                 )
                                 slot_batches -= done
-                                for task in done:
-                                    task.result()  # a bug in _send_slots: logged below
+                                # read every one's outcome (none left unretrieved); a bug
+                                # in _send_slots is raised and logged below
+                                errors = [e for t in done if (e := t.exception()) is not None]
+                                if errors:
+                                    raise errors[0]
                         except BaseException:  # cancelled at shutdown: unpin, uncount
                             self._forget_batch(batch)
                             raise
