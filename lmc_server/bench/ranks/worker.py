@@ -240,7 +240,8 @@ class _Worker:
         self, mode: str, duration_s: float, n: int, inflight: int, tag: str
     ) -> dict[str, Any]:
         """Steady-state transfer, the tensor-parallel load pattern: every rank retrieves
-        the same prefix (phase-1 chunks ``0..n-1``) into its own region-B blocks, with
+        the same prefix (phase-1 chunks ``0..n-1``) into the same region-B block ids of
+        its own KV (the ranks of one engine share one block table), with
         ``inflight`` requests in flight, until ``duration_s`` has passed; in mode
         ``mixed`` rank 0 also stores fresh chunks with as many in flight. Nothing is
         verified inside the timed loop; one poisoned retrieve after it is compared byte
@@ -249,7 +250,7 @@ class _Worker:
         ob = self._object_bytes()
         rt, st, vt = Counts(ob), Counts(ob), Counts(ob)
         src = np.arange(n)
-        dst = (src + 1 + self.rank) % self.chunks
+        dst = (src + 1) % self.chunks
         next_chunk = 0
         t0 = time.monotonic()
         deadline = t0 + duration_s
