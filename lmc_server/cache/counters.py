@@ -135,6 +135,15 @@ class CacheStats(CounterSet, kw_only=True):
             known=("aborted", "no_space"),
         ),
     ] = {}
+    retrieve_plans: Annotated[
+        dict[str, int],
+        counter(
+            "Retrieves by how the index planned them (planned: anew; reused: the plan of an "
+            "identical earlier retrieve, as the ranks of one tensor-parallel engine send).",
+            label="outcome",
+            known=("planned", "reused"),
+        ),
+    ] = {}
 
 
 class KvEventCounters(CounterSet, kw_only=True):

@@ -93,7 +93,7 @@ class L1Index:
         #: :data:`LAYOUTS_MAX`; past that, new geometries keep their own.
         self._layouts: dict[tuple[object, ...], RegistrationLayout] = {}
         #: The plans identical retrieves share (:class:`~lmc_server.cache.retrieve.RetrievePlans`).
-        self.retrieve_plans = RetrievePlans()
+        self.retrieve_plans = RetrievePlans(counts=self.stats.retrieve_plans)
 
     # -- registration -----------------------------------------------------------------
 

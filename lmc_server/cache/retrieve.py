@@ -71,14 +71,22 @@ class RetrievePlans:
     least recently used dropped first.
     """
 
-    def __init__(self, size: int = 16) -> None:
+    def __init__(self, size: int = 16, counts: dict[str, int] | None = None) -> None:
         self.size = size
         self._plans: OrderedDict[tuple[object, ...], _Plan] = OrderedDict()
         #: what a request of each shape needs (:class:`_Shape`), for the plans made anew
         self.shapes: dict[tuple[object, ...], _Shape] = {}
-        #: retrieves served from a plan / planned anew (tests, diagnostics)
-        self.reused = 0
-        self.planned = 0
+        #: retrieves planned anew / served from a plan, by outcome (the index passes its
+        #: ``CacheStats.retrieve_plans`` counter)
+        self.counts: dict[str, int] = counts if counts is not None else {}
+
+    @property
+    def reused(self) -> int:
+        return self.counts.get("reused", 0)
+
+    @property
+    def planned(self) -> int:
+        return self.counts.get("planned", 0)
 
     @staticmethod
     def key(
@@ -101,11 +109,11 @@ class RetrievePlans:
             del self._plans[key]
             return None
         self._plans.move_to_end(key)
-        self.reused += 1
+        self.counts["reused"] = self.counts.get("reused", 0) + 1
         return plan
 
     def put(self, key: tuple[object, ...], plan: _Plan) -> None:
-        self.planned += 1
+        self.counts["planned"] = self.counts.get("planned", 0) + 1
         self._plans[key] = plan
         self._plans.move_to_end(key)
         while len(self._plans) > self.size:

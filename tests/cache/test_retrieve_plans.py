@@ -192,9 +192,17 @@ def test_ranks_never_read_a_stale_shared_plan_bytes(server: ServerProcess) -> No
             for kv in (kv0, kv1):
                 for s in kv.segments:
                     s.array[:] = 0
-            before = c0.stats().counters.retrieved_objects
+            before = c0.stats().counters
             for c, reg in ((c0, regs[0]), (c1, regs[1])):
                 assert c.retrieve(reg, digests, dst_ids).ok.all()
-            assert c0.stats().counters.retrieved_objects > before
+            after = c0.stats().counters
+            assert after.retrieved_objects > before.retrieved_objects
+            # the store since made the last plan stale: rank 0 plans, rank 1 reuses it
+            # (the stats counter operators see, lmcache_retrieve_plans_total)
+            plans = {
+                k: after.retrieve_plans.get(k, 0) - before.retrieve_plans.get(k, 0)
+                for k in ("planned", "reused")
+            }
+            assert plans == {"planned": 1, "reused": 1}
             for kv, reg in ((kv0, regs[0]), (kv1, regs[1])):
                 assert_same_pages(reg, src, src_ids, kv, dst_ids, n)

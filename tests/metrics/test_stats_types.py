@@ -234,6 +234,7 @@ def test_wire_keys_are_those_of_the_untyped_report() -> None:
         "leases_released",
         "leases_expired",
         "alloc_failures",
+        "retrieve_plans",
         "requests",
     }
     assert stats["phases"] == {"store:copy": {"count": 2, "seconds": 0.25}}
