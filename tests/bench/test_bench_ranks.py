@@ -241,6 +241,9 @@ def test_ranks_cpu_smoke(tmp_path: Path) -> None:
     for tp in s["tp"]:
         assert_server_cpu_plausible(tp["server_cpu"])
     assert set(s["tp_load"]["server_cpu"]["requests_by_op"]) <= {"retrieve", "stats"}
+    # the ranks load one prefix into one block table: all but the first share its plan
+    plans = s["tp_load"]["server_cpu"]["retrieve_plans"]
+    assert plans.get("reused", 0) > plans.get("planned", 0), plans
     assert_server_cpu_plausible(s["phase2"]["server_cpu"])
     p2, l1 = s["phase2"], s["l1"]
     assert p2["errors"] == 0 and p2["mismatched_bytes"] == 0 and p2["checked_bytes"] > 0

@@ -10,7 +10,8 @@ polls) does not move it. Requests are the ones the server answered in the window
 its own counters, less its ``stats`` requests (this probe's and the parent's: they
 watch the run, they are not its load).
 
-The result is :func:`~lmc_server.bench.threadcpu.cpu_report`'s, plus ``requests_by_op``;
+The result is :func:`~lmc_server.bench.threadcpu.cpu_report`'s, plus ``requests_by_op``
+and ``retrieve_plans`` (the window's retrieves by how the index planned them);
 ``{"error": ...}`` if the server could not be read (the run goes on without it).
 """
 
@@ -40,13 +41,15 @@ def window(t0_s: float, duration_s: float) -> tuple[float, float]:
     return t0_s + margin, t0_s + duration_s - margin
 
 
-def _answered(client: Client) -> dict[str, int]:
-    """Requests answered so far by op (outcomes summed)."""
+def _answered(client: Client) -> tuple[dict[str, int], dict[str, int]]:
+    """Requests answered so far by op (outcomes summed), and retrieves by how the index
+    planned them (``retrieve_plans``: identical retrieves of TP ranks share a plan)."""
+    counters = client.stats().counters
     out: dict[str, int] = {}
-    for key, n in client.stats().counters.requests.items():
+    for key, n in counters.requests.items():
         op = key.partition(":")[0]
         out[op] = out.get(op, 0) + n
-    return out
+    return out, dict(counters.retrieve_plans)
 
 
 class ServerLoad:
@@ -70,9 +73,9 @@ class ServerLoad:
             with Client(self.endpoint, timeout_s=30, client_name="bench-load") as c:
                 time.sleep(max(0.0, self.start_s - time.monotonic()))
                 a: Snapshot = snapshot(self.pid)
-                ra = _answered(c)
+                ra, pa = _answered(c)
                 time.sleep(max(0.0, self.end_s - time.monotonic()))
-                rb = _answered(c)
+                rb, pb = _answered(c)
                 b = snapshot(self.pid)
         except (OSError, ValueError, TimeoutError, ConnectionError, ServerError) as e:
             log.warning("reading the server's load failed: %s", e)
@@ -80,7 +83,12 @@ class ServerLoad:
             return
         by_op = {op: n - ra.get(op, 0) for op, n in rb.items() if n - ra.get(op, 0)}
         requests = sum(n for op, n in by_op.items() if op not in NOT_LOAD)
-        self._result = {**cpu_report(a, b, requests), "requests_by_op": by_op}
+        plans = {k: n - pa.get(k, 0) for k, n in pb.items()}
+        self._result = {
+            **cpu_report(a, b, requests),
+            "requests_by_op": by_op,
+            "retrieve_plans": plans,
+        }
 
     def result(self, timeout_s: float = 60.0) -> dict[str, Any]:
         self._thread.join(max(0.0, self.end_s - time.monotonic()) + timeout_s)
