@@ -292,7 +292,8 @@ class Partition:
             self.policy.touch(slot)
 
     def touch_prefix(self, slots: array, tick: int) -> None:
-        """Touch the objects of chunks ``0..k-1`` of one prefix, ending with chunk 0
+        """Touch the objects of one prefix's chunks, ``slots`` in chunk order (chunks
+        ``0..k-1`` for a hit; those a store found committed), ending with the first
         (the most recent: every longer hit needs it). Vectorized tick update."""
         if not slots:
             return

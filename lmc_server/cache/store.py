@@ -69,6 +69,9 @@ def reserve_store(
             storable &= avail[bit]
         fresh: list[int] = []
         fresh_keys: set[bytes] = set()
+        #: slots of the chunks already committed, in chunk order: a store of them is a
+        #: use, touched together below (chunk 0 ends the most recent)
+        held = array("i")
         get = part.keys.get
         for i in np.flatnonzero(storable).tolist():
             key = keys[i]
@@ -77,13 +80,15 @@ def reserve_store(
                 committed = part.state[existing] == COMMITTED
                 st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
                 if committed:
-                    part.touch(existing, tick)
+                    held.append(existing)
                 continue
             if key in fresh_keys:  # the same digest twice in one request
                 st[i] = ChunkStatus.IN_PROGRESS
                 continue
             fresh.append(i)
             fresh_keys.add(key)
+        if held:
+            part.touch_prefix(held, tick)
         # Slots in ascending order along the chunks: victims of one older request are
         # neighbours in the pool, so the request's objects land in a few contiguous
         # runs (one DMA each) instead of one run per object in descending order.

@@ -145,6 +145,27 @@ def test_lru_evicts_least_recently_used_under_a_small_pool() -> None:
     idx.check()
 
 
+def test_a_prefix_stored_again_still_loses_its_last_chunk_first() -> None:
+    """A store of chunks the cache holds (the other ranks of a TP engine, a retried
+    store) is a use: the prefix becomes the most recent, chunk 0 last of all, as a
+    lookup leaves it. Were chunk 0 the first to go, every chunk after it would stay
+    in L1 unreachable (a lookup stops at the first miss)."""
+    idx = make_index(pool_mib=8, slab_mib=8)
+    geo = simple_model(layers=4, bytes_per_token=1024)  # 1 MiB objects: 8 slots
+    v = idx.view("again", build_layout(geo.groups, 256, True))
+    ids = {0: np.arange(64, dtype=np.int64).reshape(4, 16) % 16}
+    prefix = idx.keys(v, digests(4, tag=b"p"))
+    store(idx, v, prefix, ids)
+    st = store(idx, v, prefix, ids)  # every chunk EXISTS
+    assert (st[0] == ChunkStatus.EXISTS).all()
+    one = {0: np.arange(16, dtype=np.int64).reshape(1, 16)}
+    for i in range(5):  # four fill the free slots, the fifth evicts one object
+        store(idx, v, [idx.keys(v, digests(1, tag=b"f%d" % i))[0]], one)
+    assert idx.stats.evictions == 1
+    assert idx.lookup(v, prefix, 1, 10, 0, take_lease=False)[0] == 3  # the last chunk went
+    idx.check()
+
+
 def test_leased_chunk_survives_pressure_until_released() -> None:
     idx = make_index(pool_mib=8, slab_mib=8)
     geo = simple_model(layers=4, bytes_per_token=1024)

@@ -21,7 +21,8 @@ _VECTOR_MIN = 16
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first; a lookup, a retrieve and a released lease are uses.
+    """Least recently used first; a lookup, a retrieve, a released lease and a store of a
+    chunk already held are uses.
 
     A doubly linked list threaded through two int32 arrays, head = evict first. Hand-made
     rather than an ``OrderedDict`` so that membership costs 9 bytes per slot and no
