@@ -286,11 +286,6 @@ class Partition:
         if back.size:
             self.policy.unpin_run(back.tolist())
 
-    def touch(self, slot: int, tick: int) -> None:
-        self.tick[slot] = tick
-        if slot in self.policy:
-            self.policy.touch(slot)
-
     def touch_prefix(self, slots: array, tick: int) -> None:
         """Touch the objects of one prefix's chunks, ``slots`` in chunk order (chunks
         ``0..k-1`` for a hit; those a store found committed), ending with the first

@@ -9,6 +9,7 @@ three partitions try to break it; every step checks the partitions' invariants.
 from __future__ import annotations
 
 import random
+from array import array
 
 import numpy as np
 
@@ -148,9 +149,8 @@ def test_a_donated_slab_holds_nothing_used_after_the_takers_victim() -> None:
     for s in slots:
         by_seg.setdefault(s // a.slots_per_slab, []).append(s)
     (x1, x2), (y1, y2) = by_seg.values()
-    for s in (y1, y2):
-        a.touch(s, 2)
-    a.touch(x2, 140)  # used after b's victim (tick 100); x1 stays the coldest of all
+    a.touch_prefix(array("i", [y1, y2]), 2)
+    a.touch_prefix(array("i", [x2]), 140)  # used after b's victim (tick 100); x1 the coldest
     fill(alloc, b, 4, tick=100, tag="b")
     got = alloc.alloc(b, 2, tick=150)
     assert len(got) == 2 and alloc.stats.slabs_moved == 1
