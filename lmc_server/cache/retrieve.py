@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lmc_server.cache.counters import CacheStats
+from lmc_server.cache.counters import CacheStats, CounterSet
 from lmc_server.cache.layout import (
     ObjectGroupLayout,
     RegistrationLayout,
@@ -109,11 +109,11 @@ class RetrievePlans:
             del self._plans[key]
             return None
         self._plans.move_to_end(key)
-        self.counts["reused"] = self.counts.get("reused", 0) + 1
+        CounterSet.bump(self.counts, "reused")
         return plan
 
     def put(self, key: tuple[object, ...], plan: _Plan) -> None:
-        self.counts["planned"] = self.counts.get("planned", 0) + 1
+        CounterSet.bump(self.counts, "planned")
         self._plans[key] = plan
         self._plans.move_to_end(key)
         while len(self._plans) > self.size:
