@@ -43,8 +43,8 @@ class SlotSet:
     """Slots of one partition that are pinned and unpinned together, with what
     :meth:`Partition.pin_many` needs of them worked out once: their index array (in
     pin and in unpin order) and whether any slot appears twice. A retrieve plan that
-    several identical retrieves share (:mod:`lmc_server.cache.retrieve`) pins one
-    :class:`SlotSet` many times; it is never changed after it is made."""
+    several identical retrieves share (:mod:`lmc_server.cache.retrieve`) pins its
+    :class:`SlotSet` once for all of them; it is never changed after it is made."""
 
     __slots__ = ("slots", "idx", "back", "distinct")
 

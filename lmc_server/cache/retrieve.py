@@ -31,7 +31,10 @@ from lmc_server.cache.view import CacheView
 
 @dataclass(slots=True, eq=False)
 class RetrieveTicket:
-    """A retrieve in flight: the objects it pinned and the copies that read them."""
+    """A retrieve in flight: the objects it pinned and the copies that read them.
+
+    ``plan``: the plan whose pins it shares (see :class:`_Plan`), or None when it
+    pinned ``pinned`` itself."""
 
     statuses: list[np.ndarray]
     pinned: list[tuple[Partition, SlotSet]]
@@ -39,6 +42,7 @@ class RetrieveTicket:
     nbytes: int
     objects: int
     done: bool = False
+    plan: _Plan | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -47,7 +51,15 @@ class _Plan:
     stands at ``versions`` (no commit, eviction or abort since), because then every
     chunk still has the slot, state and sections it had. Its arrays are read-only: the
     same plan serves every identical retrieve (the tensor-parallel ranks of one
-    engine load the same prefix into the same block ids at once)."""
+    engine load the same prefix into the same block ids at once).
+
+    Identical retrieves in flight together share one pin of the plan's objects:
+    ``holders`` counts the tickets that hold it; the first pins every object once, the
+    last unpins them, the others only count. A pinned object is never evicted, freed
+    or recommitted, so while ``holders > 0`` the objects are the ones the plan names
+    (whether or not the plan is still current for new retrieves), and every object's
+    pin count and place in the eviction order are what they would be had the first
+    and the last of those retrieves been the only ones."""
 
     layout: RegistrationLayout
     versions: tuple[int, ...]
@@ -57,6 +69,7 @@ class _Plan:
     copies: list[RunCopy]
     nbytes: int
     objects: int
+    holders: int = 0
 
 
 class RetrievePlans:
@@ -147,8 +160,11 @@ def pin_retrieve(
         plan = _plan(view, keys, group_ids, ends, plans.shapes if plans is not None else None)
         if plans is not None and key is not None:
             plans.put(key, plan)
-    for (part, slots), idx in zip(plan.pinned, plan.ticked, strict=True):
-        part.pin_many(slots)  # pinned objects leave the eviction order: no touch needed
+    if not plan.holders:  # the first holder pins (see _Plan)
+        for part, slots in plan.pinned:
+            part.pin_many(slots)  # pinned objects leave the eviction order: no touch needed
+    plan.holders += 1
+    for (part, _), idx in zip(plan.pinned, plan.ticked, strict=True):
         np.frombuffer(part.tick, dtype=np.int64)[idx] = tick
     return RetrieveTicket(
         statuses=[st.copy() for st in plan.statuses],
@@ -156,6 +172,7 @@ def pin_retrieve(
         copies=plan.copies,
         nbytes=plan.nbytes,
         objects=plan.objects,
+        plan=plan,
     )
 
 
@@ -297,8 +314,13 @@ def unpin_retrieve(ticket: RetrieveTicket, ok: bool, stats: CacheStats) -> None:
     """The copy finished (or failed: every pinned chunk then reports FAILED)."""
     assert not ticket.done, "retrieve ticket finished twice"
     ticket.done = True
-    for part, slots in ticket.pinned:
-        part.unpin_many(slots)
+    plan = ticket.plan
+    if plan is not None:
+        assert plan.holders > 0, "a plan's pins released more often than taken"
+        plan.holders -= 1
+    if plan is None or not plan.holders:  # the last holder unpins (see _Plan)
+        for part, slots in ticket.pinned:
+            part.unpin_many(slots)
     if ok:
         stats.retrieved_objects += ticket.objects
         stats.retrieved_bytes += ticket.nbytes

@@ -2,9 +2,9 @@
 
 The tensor-parallel ranks of one engine load the same prefix into the same block ids at
 once; the index plans such a retrieve once (:class:`~lmc_server.cache.retrieve.RetrievePlans`)
-and every rank pins, reads and unpins it. These tests try to make a reused plan read
-the wrong object: after an eviction, after the key moved to another slot, after a missing
-chunk was committed, with other block ids, with another geometry.
+and the ranks in flight together share one pin of its objects. These tests try to make
+a reused plan read the wrong object: after an eviction, after the key moved to another
+slot, after a missing chunk was committed, with other block ids, with another geometry.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
+from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.client import Client, chunk_digests
@@ -40,24 +41,65 @@ def _pins(idx: L1Index, view: CacheView) -> list[int]:
     return [int(sum(p.pins)) for p in view._partitions]
 
 
-def test_identical_retrieves_share_a_plan_and_each_pins() -> None:
+def _held(t: object) -> bool:
+    """Every object the retrieve reads is still committed and pinned."""
+    return all(
+        part.state[s] == COMMITTED and part.pins[s] > 0
+        for part, slots in t.pinned  # type: ignore[attr-defined]
+        for s in slots.slots
+    )
+
+
+def test_identical_retrieves_share_a_plan_and_its_pins() -> None:
     idx = make_index()
     v = dsv_view(idx)
     keys = idx.keys(v, digests(4))
     store(idx, v, keys)
     ids = ids_for(v, 4)
     a = idx.pin_retrieve(v, keys, ids)
+    one = _pins(idx, v)
+    assert all(one)
     b = idx.pin_retrieve(v, keys, {g: x.copy() for g, x in ids.items()})
     assert idx.retrieve_plans.planned == 1 and idx.retrieve_plans.reused == 1
     assert a.copies is b.copies and _offsets(a) == _offsets(b)
     assert _served(a)
     assert a.statuses[0] is not b.statuses[0]  # each request's own statuses
-    one = _pins(idx, v)
+    assert _pins(idx, v) == one  # one pin for both
     idx.unpin_retrieve(b, False)  # a failed copy fails only its own request
     assert not any((s == ChunkStatus.OK).any() for s in b.statuses)
     assert (np.concatenate(b.statuses) == ChunkStatus.FAILED).any() and _served(a)
-    assert [2 * p for p in _pins(idx, v)] == one  # b's pins gone, a's held
+    assert _pins(idx, v) == one  # a still holds them
+    idx.clear()  # evicts what no retrieve reads, nothing a holder reads
+    assert _held(a) and _pins(idx, v) == one
     idx.unpin_retrieve(a, True)
+    assert _pins(idx, v) == [0, 0]
+    idx.check()
+
+
+def test_shared_pins_hold_until_the_last_holder_whatever_the_order() -> None:
+    """Holders of one plan and of its successor (made after a commit changed the
+    partitions) release in any order: the objects stay pinned, and safe from eviction,
+    until every retrieve that reads them is done."""
+    idx = make_index()
+    v = dsv_view(idx)
+    keys = idx.keys(v, digests(4))
+    store(idx, v, keys)
+    ids = ids_for(v, 4)
+    first = [idx.pin_retrieve(v, keys, ids) for _ in range(3)]
+    store(idx, v, idx.keys(v, digests(2, tag=b"other")))  # a commit: a new plan next
+    second = [idx.pin_retrieve(v, keys, ids) for _ in range(2)]
+    assert idx.retrieve_plans.planned == 2 and idx.retrieve_plans.reused == 3
+    assert second[0].plan is not first[0].plan
+    assert _offsets(second[0]) == _offsets(first[0])  # the same objects, pinned twice
+    for t in (first[1], second[0], first[0], second[1]):
+        idx.unpin_retrieve(t, True)
+        idx.clear()
+        assert _held(first[2])
+    assert all(_pins(idx, v))  # first[2] still holds the objects
+    again = idx.pin_retrieve(v, keys, ids)
+    assert _served(again) and _offsets(again) == _offsets(first[2])
+    idx.unpin_retrieve(again, True)
+    idx.unpin_retrieve(first[2], True)
     assert _pins(idx, v) == [0, 0]
     idx.check()
 
