@@ -13,7 +13,6 @@ import numpy as np
 
 from lmc_server.cache.index import L1Index
 from lmc_server.cache.layout import build_layout
-from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.status import ChunkStatus
 from lmc_server.cache.view import CacheView
 from lmc_server.client import Client, chunk_digests
@@ -42,9 +41,9 @@ def _pins(idx: L1Index, view: CacheView) -> list[int]:
 
 
 def _held(t: object) -> bool:
-    """Every object the retrieve reads is still committed and pinned."""
+    """Every object the retrieve reads is still indexed and pinned."""
     return all(
-        part.state[s] == COMMITTED and part.pins[s] > 0
+        part.pins[s] > 0 and s in set(part.keys.values())
         for part, slots in t.pinned  # type: ignore[attr-defined]
         for s in slots.slots
     )
