@@ -204,13 +204,19 @@ class RefusingCopier:
     def __init__(self) -> None:
         self.calls = 0
 
-    def copy(self, *_: object) -> None:
+    def prepare(self, *_: object) -> object:
+        return object()
+
+    def prepare2d(self, *_: object) -> object:
+        return object()
+
+    def copy_prepared(self, *_: object) -> None:
         from lmc_server.transfer.base import TransferError
 
         self.calls += 1
         raise TransferError("cuMemcpyBatchAsync of n copies failed (CUresult 1)")
 
-    def copy2d(self, *_: object) -> None:
+    def copy2d_prepared(self, *_: object) -> None:
         from lmc_server.transfer.base import TransferError
 
         self.calls += 1

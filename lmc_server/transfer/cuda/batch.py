@@ -78,10 +78,33 @@ class BatchCopier:
             raise TransferError("no checked cuMemcpy3DBatchAsync on this driver")
         self.two_d.copy(dst, dst_pitch, src, src_pitch, width, height, stream)
 
+    def prepare2d(
+        self,
+        dst: np.ndarray,
+        dst_pitch: np.ndarray,
+        src: np.ndarray,
+        src_pitch: np.ndarray,
+        width: np.ndarray,
+        height: np.ndarray,
+    ) -> Prepared2D:
+        if self.two_d is None:
+            raise TransferError("no checked cuMemcpy3DBatchAsync on this driver")
+        return self.two_d.prepare(dst, dst_pitch, src, src_pitch, width, height)
+
+    def copy2d_prepared(self, batch: Prepared2D, stream: int) -> None:
+        if self.two_d is None:
+            raise TransferError("no checked cuMemcpy3DBatchAsync on this driver")
+        self.two_d.copy_prepared(batch, stream)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
         self._fn = lib.cuMemcpyBatchAsync_v2 if self._v2 else lib.cuMemcpyBatchAsync
         self._fn.restype = ctypes.c_int
+        # declared once, so that a call converts plain ints (no ctypes object per
+        # argument per call): dsts, srcs, sizes, count, attrs, attr indices, attr count,
+        # (12.8 only: the failure index), stream
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        self._fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, *([] if self._v2 else [vp]), vp]
         self._attr = _MemcpyAttributes(
             CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
             _MemLocation(0, 0),
@@ -89,30 +112,45 @@ class BatchCopier:
             CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
         )
         self._first = ctypes.c_size_t(0)
+        #: the driver writes the failed copy's index here (12.8 call); never read
+        self._fail = ctypes.c_size_t(0)
+        self._tail: tuple[int, ...] = (
+            ctypes.addressof(self._attr),
+            ctypes.addressof(self._first),
+            1,
+            *(() if self._v2 else (ctypes.addressof(self._fail),)),
+        )
+
+    def prepare(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> PreparedBatch:
+        """The descriptors of one batch call, built once: a plan issued again (the
+        ranks' shared plans, a prefix loaded again) costs only the driver call."""
+        return PreparedBatch(dsts, srcs, sizes)
+
+    def copy_prepared(self, batch: PreparedBatch, stream: int) -> None:
+        if not batch.n:
+            return
+        rc = self._fn(batch.dsts_ptr, batch.srcs_ptr, batch.sizes_ptr, batch.n, *self._tail, stream)
+        if rc != 0:
+            raise TransferError(f"cuMemcpyBatchAsync of {batch.n} copies failed (CUresult {rc})")
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        n = int(sizes.size)
-        if n == 0:
-            return
-        d = np.ascontiguousarray(dsts, dtype=np.uint64)
-        s = np.ascontiguousarray(srcs, dtype=np.uint64)
-        z = np.ascontiguousarray(sizes, dtype=np.uint64)
-        args = [
-            ctypes.c_void_p(d.ctypes.data),
-            ctypes.c_void_p(s.ctypes.data),
-            ctypes.c_void_p(z.ctypes.data),
-            ctypes.c_size_t(n),
-            ctypes.byref(self._attr),
-            ctypes.byref(self._first),
-            ctypes.c_size_t(1),
-        ]
-        if not self._v2:
-            fail = ctypes.c_size_t(0)
-            args.append(ctypes.byref(fail))
-        args.append(ctypes.c_void_p(stream))
-        rc = self._fn(*args)
-        if rc != 0:
-            raise TransferError(f"cuMemcpyBatchAsync of {n} copies failed (CUresult {rc})")
+        self.copy_prepared(self.prepare(dsts, srcs, sizes), stream)
+
+
+class PreparedBatch:
+    """The three descriptor arrays of one ``cuMemcpyBatchAsync`` call (contiguous
+    ``uint64``, held here so their addresses stay valid) and those addresses.
+    Read-only once made: the driver only reads them, from any lane's thread."""
+
+    __slots__ = ("n", "_arrays", "dsts_ptr", "srcs_ptr", "sizes_ptr")
+
+    def __init__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        arrays = tuple(np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        for a in arrays:
+            a.flags.writeable = False
+        self._arrays = arrays
+        self.n = int(arrays[2].size)
+        self.dsts_ptr, self.srcs_ptr, self.sizes_ptr = (int(a.ctypes.data) for a in arrays)
 
 
 #: ``CUDA_MEMCPY3D_BATCH_OP``: two 40-byte operands (``type``, then the pointer member
@@ -153,6 +191,47 @@ class Batch2DCopier:
         self._v2 = hasattr(lib, "cuMemcpy3DBatchAsync_v2")
         self._fn = lib.cuMemcpy3DBatchAsync_v2 if self._v2 else lib.cuMemcpy3DBatchAsync
         self._fn.restype = ctypes.c_int
+        # count, ops, (12.8 only: the failure index), flags, stream
+        vp = ctypes.c_void_p
+        self._fn.argtypes = [
+            ctypes.c_size_t,
+            vp,
+            *([] if self._v2 else [vp]),
+            ctypes.c_ulonglong,
+            vp,
+        ]
+        self._fail = ctypes.c_size_t(0)
+        self._mid: tuple[int, ...] = () if self._v2 else (ctypes.addressof(self._fail),)
+
+    def prepare(
+        self,
+        dst: np.ndarray,
+        dst_pitch: np.ndarray,
+        src: np.ndarray,
+        src_pitch: np.ndarray,
+        width: np.ndarray,
+        height: np.ndarray,
+    ) -> Prepared2D:
+        """The descriptors of one call, built once (see :meth:`BatchCopier.prepare`)."""
+        n = int(width.size)
+        ops = np.zeros(n, dtype=BATCH_OP_3D)
+        ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
+        ops["src_ptr"], ops["src_row"], ops["src_layer"] = src, src_pitch, height
+        ops["dst_ptr"], ops["dst_row"], ops["dst_layer"] = dst, dst_pitch, height
+        ops["width"], ops["height"], ops["depth"] = width, height, 1
+        ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        ops["flags"] = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        ops.flags.writeable = False
+        return Prepared2D(ops)
+
+    def copy_prepared(self, batch: Prepared2D, stream: int) -> None:
+        if not batch.n:
+            return
+        rc = self._fn(batch.n, batch.ops_ptr, *self._mid, 0, stream)
+        if rc != 0:
+            raise TransferError(
+                f"cuMemcpy3DBatchAsync of {batch.n} 2-D copies failed (CUresult {rc})"
+            )
 
     def copy(
         self,
@@ -164,23 +243,19 @@ class Batch2DCopier:
         height: np.ndarray,
         stream: int,
     ) -> None:
-        n = int(width.size)
-        if n == 0:
-            return
-        ops = np.zeros(n, dtype=BATCH_OP_3D)  # per call: lanes issue from several threads
-        ops["src_type"] = ops["dst_type"] = CU_MEMCPY_OPERAND_TYPE_POINTER
-        ops["src_ptr"], ops["src_row"], ops["src_layer"] = src, src_pitch, height
-        ops["dst_ptr"], ops["dst_row"], ops["dst_layer"] = dst, dst_pitch, height
-        ops["width"], ops["height"], ops["depth"] = width, height, 1
-        ops["order"] = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        ops["flags"] = CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-        args: list[object] = [ctypes.c_size_t(n), ctypes.c_void_p(ops.ctypes.data)]
-        if not self._v2:
-            args.append(ctypes.byref(ctypes.c_size_t(0)))
-        args += [ctypes.c_ulonglong(0), ctypes.c_void_p(stream)]
-        rc = self._fn(*args)
-        if rc != 0:
-            raise TransferError(f"cuMemcpy3DBatchAsync of {n} 2-D copies failed (CUresult {rc})")
+        self.copy_prepared(self.prepare(dst, dst_pitch, src, src_pitch, width, height), stream)
+
+
+class Prepared2D:
+    """The operands of one ``cuMemcpy3DBatchAsync`` call (held, read-only) and their
+    address."""
+
+    __slots__ = ("n", "ops", "ops_ptr")
+
+    def __init__(self, ops: np.ndarray) -> None:
+        self.ops = ops
+        self.n = int(ops.size)
+        self.ops_ptr = int(ops.ctypes.data)
 
 
 _lock = threading.Lock()

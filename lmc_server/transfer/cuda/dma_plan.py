@@ -8,7 +8,8 @@ no page or pool byte a kernel plan could not. Pure numpy, testable on a CPU host
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +38,14 @@ class DmaPlan:
     height)``: ``height`` rows of ``width`` bytes, the device-side rows ``device pitch``
     bytes apart (a run's layers) and the pool-side rows ``pool pitch`` apart (the
     object's layers). One row per (unit, run of consecutive block ids); ``nbytes`` is
-    what the rows move in all.
+    what the rows move in all. ``issues`` keeps how the rows were last handed to the
+    driver (:func:`~lmc_server.transfer.cuda.launch.issue_dma`), so that a plan
+    issued again is one driver call per stream.
     """
 
     rows: np.ndarray  # (R, 6) int64
     nbytes: int
+    issues: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_rows(self) -> int:

@@ -41,10 +41,19 @@ class _Entry:
     plan: DmaPlan
     #: the buffer each row's device range lies in; None: not movable (overlap)
     row_buffer: np.ndarray | None
+    #: the plan moved to each other mapping's buffers, by their addresses
+    #: (``buffer_ptrs.tobytes()``; the plan itself under its own)
+    by_ptrs: dict[bytes, DmaPlan]
+
+
+#: Mappings a copy list's moved plans are kept for (a node's ranks, with room).
+MOVED_MAX = 64
 
 
 class DmaPlans:
-    """The DMA plans of the last ``size`` copy lists, moved to other workers' buffers.
+    """The DMA plans of the last ``size`` copy lists, moved to other workers' buffers
+    (each moved plan kept for its mapping's buffer addresses, so that it and how it was
+    issued, ``DmaPlan.issues``, serve that worker's next identical request too).
 
     Driven from the thread that launches copies (the event loop); not thread-safe.
     """
@@ -65,16 +74,21 @@ class DmaPlans:
             and e.slabs == region.slab_ptrs.tobytes()
         ):
             self._entries.move_to_end(key)
-            if np.array_equal(e.ptrs, region.buffer_ptrs):
+            ptrs = region.buffer_ptrs.tobytes()
+            known = e.by_ptrs.get(ptrs)
+            if known is not None:
                 self.reused += 1
-                return e.plan
+                return known
             if e.row_buffer is not None:
                 self.moved += 1
                 rows = e.plan.rows.copy()
                 delta = region.buffer_ptrs.astype(np.int64) - e.ptrs
                 rows[:, DEV_ADDR] += delta[e.row_buffer]
                 rows.flags.writeable = False
-                return DmaPlan(rows, e.plan.nbytes)
+                moved = DmaPlan(rows, e.plan.nbytes)
+                if len(e.by_ptrs) < MOVED_MAX:
+                    e.by_ptrs[ptrs] = moved
+                return moved
         plan = plan_dma(copies, region)
         plan.rows.flags.writeable = False
         self.planned += 1
@@ -85,6 +99,7 @@ class DmaPlans:
             region.buffer_ptrs.astype(np.int64, copy=True),
             plan,
             _row_buffers(plan, region),
+            {region.buffer_ptrs.tobytes(): plan},
         )
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:

@@ -16,7 +16,7 @@ import numpy as np
 
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cuda import kernels
-from lmc_server.transfer.cuda.batch import BatchCopier
+from lmc_server.transfer.cuda.batch import BatchCopier, Prepared2D, PreparedBatch
 from lmc_server.transfer.cuda.dma_plan import (
     DEV_ADDR,
     DEV_PITCH,
@@ -53,48 +53,99 @@ def issue_dma(
     call the driver refuses is issued again as single copies: a copy writes the same
     bytes however often it runs, and the singles follow whatever part of the batch the
     driver did queue in stream order, so the result is the same.
+
+    The slices and their calls' descriptors are worked out once per plan, direction,
+    stream count and batch copier (:class:`StreamRows`, kept in ``plan.issues``): the
+    tensor-parallel ranks' shared plans, and a prefix loaded again, cost the loop only
+    the driver calls.
     """
+    key = (to_pool, len(lane.dmas), split_bytes)
+    known = plan.issues.get(key)
+    if known is None or known[0] is not batch:
+        parts = split_rows(plan.rows, len(lane.dmas), split_bytes)
+        known = (batch, [StreamRows(rows, to_pool, batch) for rows in parts])
+        plan.issues[key] = known  # one dict store: safe beside another lane's thread
+    streams: list[StreamRows] = known[1]
     refused: list[str] = []
-    parts = split_rows(plan.rows, len(lane.dmas), split_bytes)
-    for k, rows in enumerate(parts):
-        refused += _issue_rows(rows, to_pool, batch, lane.dmas[k].ptr)
-    for k in range(1, len(parts)):
+    for k, part in enumerate(streams):
+        refused += part.issue(batch, lane.dmas[k].ptr)
+    for k in range(1, len(streams)):
         lane.joined[k].record(lane.dmas[k])
         lane.dma.wait_event(lane.joined[k])
-    return refused, len(parts)
+    return refused, len(streams)
 
 
-def _issue_rows(
-    rows: np.ndarray, to_pool: bool, batch: BatchCopier | None, stream: int
-) -> list[str]:
-    refused: list[str] = []
-    if batch is not None:
-        one = rows[:, HEIGHT] == 1
-        if one.any():
-            r = rows[one]
-            dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
-            try:
-                if to_pool:
-                    batch.copy(pool, dev, width, stream)
-                else:
-                    batch.copy(dev, pool, width, stream)
-                rows = rows[~one]
-            except TransferError as e:
-                refused.append(str(e))
-        two = rows[:, HEIGHT] > 1
-        if batch.has_2d and two.any():
-            r = rows[two]
-            dev, dp, pool, pp = r[:, DEV_ADDR], r[:, DEV_PITCH], r[:, POOL_ADDR], r[:, POOL_PITCH]
-            try:
-                if to_pool:
-                    batch.copy2d(pool, pp, dev, dp, r[:, WIDTH], r[:, HEIGHT], stream)
-                else:
-                    batch.copy2d(dev, dp, pool, pp, r[:, WIDTH], r[:, HEIGHT], stream)
-                rows = rows[~two]
-            except TransferError as e:
-                refused.append(str(e))
+class StreamRows:
+    """One DMA stream's rows of a plan, in one direction, as the driver is given them:
+    the 1-D rows as one prepared ``cuMemcpyBatchAsync`` call, the 2-D rows as one
+    ``cuMemcpy3DBatchAsync`` call (each where ``batch`` has it), the rest as single
+    copies. Read-only once made (lanes issue from several threads)."""
+
+    __slots__ = ("rows", "to_pool", "batched", "one", "two", "singles")
+
+    def __init__(self, rows: np.ndarray, to_pool: bool, batch: BatchCopier | None) -> None:
+        self.rows, self.to_pool = rows, to_pool
+        self.one: PreparedBatch | None = None
+        self.two: Prepared2D | None = None
+        #: which rows a batch call takes (the others are singles)
+        self.batched = np.zeros(rows.shape[0], dtype=bool)
+        if batch is not None:
+            one = rows[:, HEIGHT] == 1
+            if one.any():
+                r = rows[one]
+                dev, pool, width = r[:, DEV_ADDR], r[:, POOL_ADDR], r[:, WIDTH]
+                self.one = (
+                    batch.prepare(pool, dev, width) if to_pool else batch.prepare(dev, pool, width)
+                )
+                self.batched |= one
+            two = rows[:, HEIGHT] > 1
+            if batch.has_2d and two.any():
+                r = rows[two]
+                dev, dp, pool, pp = (
+                    r[:, DEV_ADDR],
+                    r[:, DEV_PITCH],
+                    r[:, POOL_ADDR],
+                    r[:, POOL_PITCH],
+                )
+                w, h = r[:, WIDTH], r[:, HEIGHT]
+                self.two = (
+                    batch.prepare2d(pool, pp, dev, dp, w, h)
+                    if to_pool
+                    else batch.prepare2d(dev, dp, pool, pp, w, h)
+                )
+                self.batched |= two
+        self.batched.flags.writeable = False
+        self.singles: list[list[int]] = rows[~self.batched].tolist()
+
+    def issue(self, batch: BatchCopier | None, stream: int) -> list[str]:
+        """Enqueue the rows on ``stream``; the refusals of batch calls (their rows then
+        go out as single copies, in row order, after the calls the driver took)."""
+        refused: list[str] = []
+        singles = self.singles
+        if self.one is not None or self.two is not None:
+            assert batch is not None
+            took = self.batched
+            if self.one is not None:
+                try:
+                    batch.copy_prepared(self.one, stream)
+                except TransferError as e:
+                    refused.append(str(e))
+                    took = took & ~(self.rows[:, HEIGHT] == 1)
+            if self.two is not None:
+                try:
+                    batch.copy2d_prepared(self.two, stream)
+                except TransferError as e:
+                    refused.append(str(e))
+                    took = took & ~(self.rows[:, HEIGHT] > 1)
+            if refused:
+                singles = self.rows[~took].tolist()
+        _issue_singles(singles, self.to_pool, stream)
+        return refused
+
+
+def _issue_singles(rows: list[list[int]], to_pool: bool, stream: int) -> None:
     copy2d, copy1d = cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyAsync
-    for dev, dpitch, pool, ppitch, width, height in rows.tolist():
+    for dev, dpitch, pool, ppitch, width, height in rows:
         dst, dst_pitch, src, src_pitch = (
             (pool, ppitch, dev, dpitch) if to_pool else (dev, dpitch, pool, ppitch)
         )
@@ -102,7 +153,6 @@ def _issue_rows(
             copy1d(dst, src, width, MEMCPY_DEFAULT, stream)
         else:
             copy2d(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
-    return refused
 
 
 def _blocks(pages: int, sm_count: int) -> int:
