@@ -247,12 +247,14 @@ class L1Index:
         keys: list[bytes],
         group_ids: dict[int, np.ndarray],
         prefix_ends: list[int] | None = None,
+        plan_key: tuple[object, ...] | None = None,
     ) -> RetrieveTicket:
         """Pin what a retrieve of these chunks reads
-        (:func:`~lmc_server.cache.retrieve.pin_retrieve`)."""
+        (:func:`~lmc_server.cache.retrieve.pin_retrieve`; ``plan_key``: what identifies
+        the request if the caller knows, see there)."""
         self.tick += 1
         return retrieve.pin_retrieve(
-            view, keys, group_ids, prefix_ends, self.tick, self.retrieve_plans
+            view, keys, group_ids, prefix_ends, self.tick, self.retrieve_plans, plan_key
         )
 
     def unpin_retrieve(self, ticket: RetrieveTicket, ok: bool) -> None:

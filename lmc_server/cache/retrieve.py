@@ -144,6 +144,7 @@ def pin_retrieve(
     prefix_ends: list[int] | None,
     tick: int,
     plans: RetrievePlans | None = None,
+    plan_key: tuple[object, ...] | None = None,
 ) -> RetrieveTicket:
     """Pin what a retrieve of these chunks (prefixes ending at ``prefix_ends``, exclusive
     chunk ends of the prefixes batched in one request; default one prefix) reads.
@@ -151,10 +152,17 @@ def pin_retrieve(
     A chunk whose needed sections are not all committed reports ``MISS`` and is not
     read; blocks with id ``-1`` are left untouched (and their sections not needed).
     With ``plans``, an identical retrieve reuses the plan of an earlier one
-    (:class:`RetrievePlans`).
+    (:class:`RetrievePlans`). ``plan_key``: the caller's key for the request, in place
+    of :meth:`RetrievePlans.key`; it must determine the layout, the keys, the block ids
+    and the prefix ends as that does (the server's is the request's resolution key,
+    :mod:`lmc_server.server.resolved`), and never equal a key of that form.
     """
     ends = prefix_ends or [len(keys)]
-    key = plans.key(view, keys, group_ids, ends) if plans is not None else None
+    key = (
+        (plan_key if plan_key is not None else plans.key(view, keys, group_ids, ends))
+        if plans is not None
+        else None
+    )
     plan = plans.get(key, view) if plans is not None and key is not None else None
     if plan is None:
         plan = _plan(view, keys, group_ids, ends, plans.shapes if plans is not None else None)

@@ -34,6 +34,7 @@ from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import Limits, check_store_events, chunk_count, prefix_ends
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
 from lmc_server.server.completion import Completion
+from lmc_server.server.resolved import Resolved, ResolvedRetrieves
 from lmc_server.server.sessions import OPEN, RegisteredCache, Session, SessionTable
 from lmc_server.server.settle import CommitWatch
 from lmc_server.server.stats import PhaseClock, ServerStats
@@ -59,6 +60,8 @@ class DataRequest:
     keys: list[bytes]
     ends: list[int]
     events_per_chunk: int
+    #: a retrieve's identity (:mod:`lmc_server.server.resolved`), the index's plan key
+    plan_key: tuple[object, ...] | None = None
 
 
 def _nothing() -> None:
@@ -104,6 +107,9 @@ class DataPath:
         #: The block ids of recent data requests, checked once (identical requests of
         #: tensor-parallel ranks reuse them).
         self.checked_ids = CheckedIds()
+        #: Recent retrieves resolved once (block ids, keys, prefix ends), for the
+        #: identical ones of tensor-parallel ranks.
+        self.resolved = ResolvedRetrieves()
 
     def _registration(self, session: Session, msg: Any) -> RegisteredCache:
         """The sender's registration the request names (refused: unknown)."""
@@ -131,11 +137,20 @@ class DataPath:
             raise ProtocolError(
                 ErrorCode.LOOKUP_ONLY, "this registration has no buffers (lookup-only)", msg.req_id
             )
+        if isinstance(msg, m.Retrieve):
+            key = ResolvedRetrieves.key(reg, msg)
+            known = self.resolved.get(key, reg)
+            if known is None:
+                n = chunk_count(msg.digests, self.limits, msg.req_id)
+                ids = self.checked_ids.check(reg.groups, reg.blocks_per_chunk, msg, n)
+                keys = self._keys(reg.view, msg)
+                ends = prefix_ends(msg.prefix_ends, n, msg.req_id)
+                known = Resolved(reg.view.layout, ids, keys, ends, key)
+                self.resolved.put(known)  # resolved without a refusal
+            return DataRequest(msg, reg, known.ids, known.keys, known.ends, 0, known.key)
         n = chunk_count(msg.digests, self.limits, msg.req_id)
         ids = self.checked_ids.check(reg.groups, reg.blocks_per_chunk, msg, n)
         keys = self._keys(reg.view, msg)
-        if isinstance(msg, m.Retrieve):
-            return DataRequest(msg, reg, ids, keys, prefix_ends(msg.prefix_ends, n, msg.req_id), 0)
         per = (
             check_store_events(msg.events, n, self.config.chunk_size, msg.req_id)
             if msg.events is not None
@@ -251,7 +266,7 @@ class DataPath:
         clock.mark("queue")
         msg, reg = req.msg, req.reg
         assert isinstance(msg, m.Retrieve)
-        ticket = self.index.pin_retrieve(reg.view, req.keys, req.ids, req.ends)
+        ticket = self.index.pin_retrieve(reg.view, req.keys, req.ids, req.ends, req.plan_key)
         clock.mark("prepare")
         if not ticket.copies:
             self.index.unpin_retrieve(ticket, True)

@@ -129,6 +129,16 @@ class RegisteredCache:
     inflight: int = 0
     #: Moved by :data:`REGISTRATION_TRANSITIONS` only (:meth:`close`, :meth:`end_op`).
     state: RegistrationState = OPEN
+    #: what checking a block-id list reads of the registration (blocks per chunk, and
+    #: block count or -1 for a scratch group, per group), so identical requests of
+    #: registrations of one geometry are recognised (:mod:`lmc_server.server.validate`)
+    ids_geometry: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ids_geometry = (
+            tuple(self.blocks_per_chunk),
+            tuple([g.num_blocks if g.cached else -1 for g in self.groups]),
+        )
 
     @property
     def lookup_only(self) -> bool:
