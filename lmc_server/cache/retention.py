@@ -48,7 +48,7 @@ UNRESOLVED = -2
 
 def committed_slots(part: Partition, keys: list[bytes]) -> np.ndarray:
     """Committed slot of each key, or -1 (one C-level dict pass, then numpy)."""
-    slots = np.array(list(map(part.keys.get, keys, repeat(-1))), dtype=np.int64)
+    slots = np.fromiter(map(part.keys.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
     present = slots >= 0
     if present.any():
         state = np.frombuffer(part.state, dtype=np.int8)
