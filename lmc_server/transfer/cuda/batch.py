@@ -54,29 +54,17 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 class BatchCopier:
-    """``copy(dsts, srcs, sizes, stream)``: 1-D copies in stream order, one driver call;
-    ``copy2d`` the same for pitched 2-D copies where :attr:`two_d` passed its check
-    (``has_2d``), else callers issue those one ``cudaMemcpy2DAsync`` each."""
+    """``copy(dsts, srcs, sizes, stream)``: 1-D copies in stream order, one driver call
+    (``prepare`` and ``copy_prepared``: the descriptors built once, then the call);
+    ``prepare2d`` / ``copy2d_prepared`` the same for pitched 2-D copies where
+    :attr:`two_d` passed its check (``has_2d``), else callers issue those one
+    ``cudaMemcpy2DAsync`` each."""
 
     two_d: Batch2DCopier | None = None
 
     @property
     def has_2d(self) -> bool:
         return self.two_d is not None
-
-    def copy2d(
-        self,
-        dst: np.ndarray,
-        dst_pitch: np.ndarray,
-        src: np.ndarray,
-        src_pitch: np.ndarray,
-        width: np.ndarray,
-        height: np.ndarray,
-        stream: int,
-    ) -> None:
-        if self.two_d is None:
-            raise TransferError("no checked cuMemcpy3DBatchAsync on this driver")
-        self.two_d.copy(dst, dst_pitch, src, src_pitch, width, height, stream)
 
     def prepare2d(
         self,
