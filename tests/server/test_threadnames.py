@@ -43,8 +43,8 @@ def thread_names(pid: int) -> dict[int, str]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             out[int(task.name)] = comm(pid, int(task.name))
-        except FileNotFoundError:  # the thread ended between listing and reading
-            continue
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended between listing and reading (ENOENT or ESRCH)
     return out
 
 
