@@ -361,6 +361,35 @@ def test_batch_copies_pass_their_check_on_this_driver() -> None:
     assert copier.has_2d  # cuMemcpy3DBatchAsync passed its pitched-copy check
 
 
+def test_a_device_is_prepared_when_a_mapping_opens_not_at_its_first_copy() -> None:
+    """The batch copier's self-check (and the lanes) run once, when the first mapping
+    of a device opens: the first request does not pay them, later mappings do not
+    repeat them, and the copies then use the copier that was checked."""
+    from lmc_server.transfer.cuda.batch import batch_copier
+
+    made: list[int] = []
+
+    def counting(device: int) -> Any:
+        made.append(device)
+        return batch_copier(device)
+
+    engine, _pool = make_engine("dma", 8 * SLAB, make_batch_copier=counting)
+    e = Exported("sm90", 0, num_blocks=96, layers=2)
+    try:
+        mapping = engine.open(e.buffers)
+        assert made == [0], "the device was not prepared at open"
+        again = engine.open(e.buffers)
+        copies, _ = batch(e.geo, 2, np.random.default_rng(5))
+        engine.store(mapping, copies)
+        engine.retrieve(again, copies)
+        assert made == [0], "a copy or a second mapping checked the copier again"
+        again.close()
+        mapping.close()
+    finally:
+        engine.close()
+        e.close()
+
+
 def test_nvml_reads_this_gpu() -> None:
     """The real reader finds this GPU by its PCI bus id and answers a percentage."""
     import cupy

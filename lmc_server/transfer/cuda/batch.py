@@ -258,6 +258,14 @@ def batch_copier(device: int) -> BatchCopier | None:
         return _checked[device]
 
 
+def _pattern(nbytes: int) -> np.ndarray:
+    """``nbytes`` of a pattern whose every 4-byte word differs from its neighbours: a
+    copy to the wrong offset shows. Made on the host, so the self-checks launch no CuPy
+    kernel (the first use of one compiles it: seconds on a cold kernel cache)."""
+    words = np.arange(nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
+    return words.view(np.uint8)
+
+
 def _check(device: int) -> BatchCopier | None:
     import cupy
 
@@ -272,7 +280,7 @@ def _check(device: int) -> BatchCopier | None:
         with cupy.cuda.Device(device):
             stream = cupy.cuda.Stream(non_blocking=True)
             n = 1 << 20
-            src = (cupy.arange(n, dtype=cupy.uint32) * 2654435761).view(cupy.uint8)
+            src = cupy.asarray(_pattern(4 * n))  # a copy, not a kernel (nothing to compile)
             back = cupy.zeros_like(src)
             host = cupy.cuda.alloc_pinned_memory(src.nbytes)
             host_view = np.frombuffer(host, dtype=np.uint8, count=src.nbytes)
@@ -322,7 +330,7 @@ def _check_2d(lib: ctypes.CDLL, device: int) -> Batch2DCopier | None:
         with cupy.cuda.Device(device):
             stream = cupy.cuda.Stream(non_blocking=True)
             n = 1 << 21
-            src = (cupy.arange(n // 4, dtype=cupy.uint32) * 2654435761).view(cupy.uint8)
+            src = cupy.asarray(_pattern(n))
             back = cupy.zeros_like(src)
             host = cupy.cuda.alloc_pinned_memory(n)
             hv = np.frombuffer(host, dtype=np.uint8, count=n)

@@ -129,10 +129,22 @@ class CudaEngine(CudaJobRunner, TransferEngine):
         return self._pool
 
     def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
+        """Map a worker's buffers, and make its device's lanes now if they are new.
+
+        A device's lanes (streams, staging buffers, the busy gate) and its batch
+        copier's self-check are made once, here at registration, so the first request
+        of a device does not pay them (the self-check alone is tens of ms)."""
         try:
-            return CudaMapping(self._ipc, list(buffers))
+            mapping = CudaMapping(self._ipc, list(buffers))
         except CUDA_ERRORS as e:
             raise TransferError(f"cannot map the buffers: {e}") from None
+        if mapping.device_index >= 0:
+            try:
+                self._lanes_of(mapping.device_index)
+            except CUDA_ERRORS as e:
+                mapping.close()
+                raise TransferError(f"cannot prepare device {mapping.device_index}: {e}") from None
+        return mapping
 
     @property
     def open_handles(self) -> int:
