@@ -42,23 +42,31 @@ class Arrivals:
 
     def admit(self, reqs: dict[str, Tracked]) -> None:
         """Track every arrival noted in ``reqs`` (req_id -> its state) and queue its
-        lookup."""
+        lookup: one loop that makes each arrival's record and adds its lookup straight
+        to the lists the service is handed (:class:`~.lookups.LookupRound`)."""
         if not self.noted:
             return
         arrived, self.noted = self.noted, []
         now = self.clock()
         cs, per = self.geometry.chunk_size, self.geometry.hashes_per_chunk
-        pending = self.lookups.pending  # StepLookups.queue, inlined: 256 calls fewer
+        rnd = self.lookups.next_round()  # StepLookups.queue, inlined: 256 calls fewer
+        owners, hashes, chunks, known = rnd.owners, rnd.hashes, rnd.chunks, rnd.known
         for req_id, block_hashes, num_tokens, num_prompt_tokens in arrived:
             n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // per)
             if n <= 0:
                 continue
             r = reqs.get(req_id)
             if r is None:
-                r = reqs[req_id] = Tracked(req_id, block_hashes, num_prompt_tokens)
-            elif r.queued or r.lookup is not None or r.answer is not None:
+                r = reqs[req_id] = Tracked(
+                    req_id, block_hashes, num_prompt_tokens, None, rnd, len(chunks), n, now
+                )
+                hashes.append(block_hashes)
+                known.append(b"")
+            elif r.lookup is not None or r.answer is not None:
                 continue
-            r.lookup_chunks = n
-            r.lookup_at_s = now
-            r.queued = True
-            pending.append(r)
+            else:
+                r.lookup, r.lookup_index, r.lookup_chunks, r.lookup_at_s = rnd, len(chunks), n, now
+                hashes.append(r.block_hashes)
+                known.append(r.digests)
+            owners.append(r)
+            chunks.append(n)

@@ -7,8 +7,10 @@ request of the engine the time waited. :class:`StepLookups` takes the middle roa
 * lookups of requests that arrived since the last step are queued and go out
   together, from one hop onto the link's thread (:meth:`StepLookups.flush`, at the
   step's first question or at its end), pipelined on the one connection; their chunk
-  digests are hashed there too (:class:`HashedDigests`), so a step that takes many
-  arrivals costs this thread a few references per request, not their hashing;
+  digests are hashed there too (:class:`LookupRound`), and their answers come back in
+  one :class:`~lmc_server.integration.plans.LookupBatch`, so a step that takes many
+  arrivals costs this thread a few references per request, not their hashing nor an
+  object per answer;
 * a question waits for its own answer only while the step's budget (``wait_s``) lasts;
   the budget is for all questions of a step together and is renewed each step
   (:meth:`StepLookups.new_step`). So a server that answers within the bound costs no
@@ -32,64 +34,110 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.plans import LookupAnswer, LookupService, PendingLookup
+from lmc_server.integration.plans import (
+    LookupAnswer,
+    LookupBatch,
+    LookupService,
+    pending_batch,
+)
 
 
-class HashedDigests:
-    """The digests of one batch of lookups, computed by the lookup service's thread.
+class LookupRound:
+    """The lookups handed to the service together: per lookup (by index) the
+    request's hash list, its chunk count and the digests it knew; once sent
+    (:meth:`send`), the digests the service's thread hashed (:attr:`done`, which the
+    planner adopts instead of hashing again for its loads and stores:
+    :meth:`~lmc_server.integration.tracked.Tracked.adopt_digests`) and the answers
+    (:attr:`answers`).
 
-    :meth:`digests` is what the service calls (``LookupService.lookup_hashed``); each
-    request's digests are kept in :attr:`done` so that the planner adopts them
-    (:meth:`~lmc_server.integration.tracked.Tracked.adopt_digests`) instead of hashing
-    again for its loads and stores.
-
-    Safe across the two threads without a lock, and without copying anything per
-    request on the scheduler thread: the inputs are the engine's hash lists (which
-    it only appends to: the hash of a full block never changes, the invariant the
-    planner's digest cache rests on too; a list read is atomic under the GIL), the
-    chunk counts and the digests known then (immutable ``bytes``); a reader sees a
-    slot of :attr:`done` either empty (``None``: not hashed yet, or hashing failed)
-    or holding the finished ``bytes``. Three lists per batch, no object per request:
-    every object allocated brings the cyclic collector's next pass nearer, and that
-    pass runs in whichever hook allocates.
+    Safe across the two threads without a lock, and without an object per request:
+    the inputs are the engine's hash lists (which it only appends to: the hash of a
+    full block never changes, the invariant the planner's digest cache rests on too;
+    a list read is atomic under the GIL), the chunk counts and the digests known then
+    (immutable ``bytes``), none written once the round is sent; a reader sees a slot
+    of :attr:`done` either empty (``None``: not hashed yet, or hashing failed) or
+    holding the finished ``bytes``. A few lists per round: every object allocated
+    brings the cyclic collector's next pass nearer, and that pass runs in whichever
+    hook allocates.
     """
 
-    __slots__ = ("_chunks", "_geometry", "_hashes", "_known", "done")
+    __slots__ = (
+        "_cancelled",
+        "_geometry",
+        "answers",
+        "chunks",
+        "done",
+        "hashes",
+        "known",
+        "owners",
+    )
 
-    def __init__(
-        self,
-        geometry: ChunkGeometry,
-        hashes: list[Sequence[bytes]],
-        chunks: list[int],
-        known: list[bytes],
-    ) -> None:
+    def __init__(self, geometry: ChunkGeometry) -> None:
         self._geometry = geometry
-        self._hashes, self._chunks, self._known = hashes, chunks, known
-        self.done: list[bytes | None] = [None] * len(chunks)
+        self.owners: list[Queued] = []
+        self.hashes: list[Sequence[bytes]] = []
+        self.chunks: list[int] = []
+        self.known: list[bytes] = []
+        self.done: list[bytes | None] = []
+        self._cancelled = 0
+        #: the answers, once sent (None: still queued)
+        self.answers: LookupBatch | None = None
+
+    def add(self, r: Queued) -> None:
+        """Queue ``r``'s lookup of ``r.lookup_chunks`` chunks (``r.lookup`` and
+        ``r.lookup_index`` point here)."""
+        r.lookup, r.lookup_index = self, len(self.chunks)
+        self.owners.append(r)
+        self.hashes.append(r.block_hashes)
+        self.chunks.append(r.lookup_chunks)
+        self.known.append(r.digests)
+
+    def cancel(self, i: int) -> None:
+        """Lookup ``i`` is not wanted any more (its request no longer points here);
+        before the round is sent only: it is not sent."""
+        assert self.answers is None, "a lookup sent cannot be cancelled"
+        if self.chunks[i]:
+            self.chunks[i] = 0
+            self._cancelled += 1
+
+    def send(self, service: LookupService) -> None:
+        """Hand the lookups not cancelled to ``service`` (a cancelled one renumbers
+        those after it: rare, an arrival that ended before its step's first question)."""
+        if self._cancelled:
+            keep = [i for i, k in enumerate(self.chunks) if k]
+            for name in ("owners", "hashes", "chunks", "known"):
+                old = getattr(self, name)
+                setattr(self, name, [old[i] for i in keep])
+            for j, r in enumerate(self.owners):
+                r.lookup_index = j
+            self._cancelled = 0
+        self.owners = []  # only ever needed for the renumbering
+        if not self.chunks:
+            return
+        self.done = [None] * len(self.chunks)
+        self.answers = pending_batch(service.lookup_hashed(self.chunks, self.digests))
 
     def digests(self, i: int) -> bytes:
         """Lookup ``i``'s digests (hashed once: a second call returns the first's)."""
         out = self.done[i]
         if out is None:
-            out = self._geometry.digests(self._hashes[i], self._chunks[i], self._known[i])
+            out = self._geometry.digests(self.hashes[i], self.chunks[i], self.known[i])
             self.done[i] = out
         return out
 
 
 class Queued(Protocol):
-    """What :class:`StepLookups` needs of a request whose lookup is queued."""
+    """What :class:`StepLookups` needs of a request whose lookup it queues."""
 
-    queued: bool
-    ended: bool
-    lookup: PendingLookup | None
     block_hashes: Sequence[bytes]
     lookup_chunks: int
     #: the request's digests known so far (a prefix)
     digests: bytes
-    #: where its lookup's digests are hashed, and which of them (set when the lookup
-    #: goes out; two fields, not a tuple: no object per request)
-    hashed: HashedDigests | None
-    hashed_index: int
+    #: the round its lookup is queued in or sent with, and which of its lookups
+    lookup: LookupRound | None
+    lookup_index: int
+
+    def adopt_digests(self) -> None: ...
 
 
 class StepLookups:
@@ -106,47 +154,39 @@ class StepLookups:
         self.waited_s = 0.0
         self.geometry = geometry
         self._left_s = wait_s
-        #: lookups queued to go out with the next :meth:`flush`: :meth:`queue` adds
-        #: one, the planner's arrivals add many the same way (``queued`` set, then
-        #: appended), and the planner reads it to skip a call when it is empty
-        self.pending: list[Queued] = []
+        #: the lookups to go out with the next :meth:`flush` (None: none): :meth:`queue`
+        #: adds one, the planner's arrivals add many to :meth:`next_round`, and the
+        #: planner reads it to skip a call when it is None
+        self.round: LookupRound | None = None
+
+    def next_round(self) -> LookupRound:
+        """The round the next :meth:`flush` sends (made if there is none)."""
+        if self.round is None:
+            self.round = LookupRound(self.geometry)
+        return self.round
 
     def queue(self, r: Queued) -> None:
         """Send ``r``'s lookup (of ``r.lookup_chunks`` chunks) with the next :meth:`flush`."""
-        r.queued = True
-        self.pending.append(r)
+        self.next_round().add(r)
 
     def flush(self) -> None:
-        """Send every queued lookup whose request is still queued and alive, in one
-        hand-over to the service, which hashes them on its own thread."""
-        if not self.pending:
-            return
-        reqs = [r for r in self.pending if r.queued and not r.ended]
-        self.pending = []
-        if not reqs:
-            return
-        chunks = [r.lookup_chunks for r in reqs]
-        hashed = HashedDigests(
-            self.geometry, [r.block_hashes for r in reqs], chunks, [r.digests for r in reqs]
-        )
-        futs = self.service.lookup_hashed(chunks, hashed.digests)
-        for i, (r, fut) in enumerate(zip(reqs, futs, strict=True)):
-            r.lookup, r.queued, r.hashed, r.hashed_index = fut, False, hashed, i
+        """Send the queued lookups in one hand-over to the service, which hashes them
+        on its own thread (those cancelled since ask for nothing)."""
+        rnd, self.round = self.round, None
+        if rnd is not None:
+            rnd.send(self.service)
 
     def send(self, r: Queued) -> None:
         """``r``'s lookup now (a request looked up again: preempted, lease refresh)."""
         self.queue(r)
         self.flush()
 
-    def wait(self, fut: PendingLookup) -> None:
-        """Wait for ``fut`` while this step's budget lasts."""
-        if fut.done() or self._left_s <= 0:
+    def wait(self, answers: LookupBatch, i: int) -> None:
+        """Wait for lookup ``i`` of ``answers`` while this step's budget lasts."""
+        if self._left_s <= 0 or answers.get(i) is not None:
             return
         t0 = time.perf_counter()
-        try:
-            fut.exception(self._left_s)
-        except TimeoutError:
-            pass
+        answers.wait(i, self._left_s)
         waited_s = time.perf_counter() - t0
         self._left_s = max(0.0, self._left_s - waited_s)
         self.waited_s += waited_s
@@ -156,14 +196,29 @@ class StepLookups:
         self.flush()
         self._left_s = self.wait_s
 
-    def release_when_answered(self, fut: PendingLookup) -> None:
-        """Release the lease of ``fut``'s answer when it comes (its request is gone)."""
+    def drop(self, r: Queued) -> None:
+        """Forget ``r``'s queued or unanswered lookup: one queued is not sent, one sent
+        has its lease released when its answer comes (the digests hashed for it are
+        kept, :meth:`Queued.adopt_digests`)."""
+        rnd = r.lookup
+        if rnd is None:
+            return
+        if rnd.answers is None:
+            rnd.cancel(r.lookup_index)
+        else:
+            r.adopt_digests()
+            self.release_when_answered(rnd.answers, r.lookup_index)
+        r.lookup = None
+
+    def release_when_answered(self, answers: LookupBatch, i: int) -> None:
+        """Release the lease of lookup ``i``'s answer when it comes (its request is
+        gone)."""
 
         def release(done: Any) -> None:
             if done.exception() is None and done.result().lease_id:
                 self.service.release(done.result().lease_id)
 
-        fut.add_done_callback(release)
+        answers.add_done_callback(i, release)
 
 
 class WaitsForL2(Protocol):

@@ -44,11 +44,10 @@ from typing import cast
 from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.loads import LoadPlanner
-from lmc_server.integration.lookups import L2Waits, StepLookups
+from lmc_server.integration.lookups import L2Waits, LookupRound, StepLookups
 from lmc_server.integration.plans import (
     LookupAnswer,
     LookupService,
-    PendingLookup,
     ScheduledRequest,
     StepPlan,
     StoreSpec,
@@ -126,11 +125,7 @@ class SchedulerPlanner:
     def lookups_in_flight(self) -> int:
         """Lookups sent or queued to go out, not answered yet."""
         self._admit()
-        return sum(
-            1
-            for r in self._reqs.values()
-            if r.queued or (r.lookup is not None and not r.lookup.done())
-        )
+        return sum(1 for r in self._reqs.values() if r.lookup_unanswered)
 
     def _storable_chunks(self, r: Tracked, tokens: int) -> int:
         """Whole chunks of ``r``'s first ``tokens`` tokens it may store (of its prompt
@@ -140,11 +135,9 @@ class SchedulerPlanner:
 
     def _drop_lookup(self, r: Tracked) -> None:
         """Forget ``r``'s queued or unanswered lookup; its lease goes back on answer."""
-        r.queued = r.asked_again = False
+        r.asked_again = False
         if r.lookup is not None:
-            self.lookups.release_when_answered(r.lookup)
-            r.lookup = None
-        r.adopt_digests()
+            self.lookups.drop(r)
 
     # -- scheduler hooks ----------------------------------------------------------------
 
@@ -175,10 +168,10 @@ class SchedulerPlanner:
         ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
         fields (``StoreSpec.events``); None: they do not.
         """
-        arrivals, lookups = self._arrivals, self.lookups
-        if arrivals.noted:  # the step's first question: admit and send the arrivals
-            arrivals.admit(self._reqs)
-        if lookups.pending:
+        if self._arrivals.noted:  # the step's first question: admit and send the arrivals
+            self._arrivals.admit(self._reqs)
+        lookups = self.lookups
+        if lookups.round is not None:
             lookups.flush()
         r = self._reqs.get(req_id)
         if r is None:
@@ -189,33 +182,35 @@ class SchedulerPlanner:
         if not self.load_enabled or r.loading:
             return 0
         cs = self.geometry.chunk_size
-        n = self.geometry.max_chunks(num_tokens, len(block_hashes))
+        n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // self.geometry.hashes_per_chunk)
         if n * cs <= num_computed_tokens:
             self._drop_lookup(r)
             return 0
-        fut = r.lookup
-        if fut is None or r.lookup_chunks != n or r.answer is not None:
+        rnd = r.lookup
+        if rnd is None or r.lookup_chunks != n or r.answer is not None:
             # not the common case (an arrival's lookup in flight or answered): a lookup
             # to send, a stale one to drop, an answer to keep or refresh
-            fut = self._lookup_for(r, n)
-        if fut is not None:
-            if not fut.done():
-                lookups.wait(fut)
-                if not fut.done():
+            rnd = self._lookup_for(r, n)
+        if rnd is not None:
+            answers, i = rnd.answers, r.lookup_index
+            assert answers is not None, "sent above"
+            got = answers.get(i)
+            if got is None:
+                lookups.wait(answers, i)
+                got = answers.get(i)
+                if got is None:
                     r.asked_again = True
                     return None
             if not r.asked_again:
                 self.lookups_answered_at_once += 1
             r.asked_again = False
+            r.adopt_digests()
             r.lookup = None
-            if r.hashed is not None:
-                r.adopt_digests()
-            try:
-                answer = fut.result()
-            except Exception as exc:
-                logger.warning("lookup for request %s failed: %s", req_id, exc)
+            if isinstance(got, BaseException):
+                logger.warning("lookup for request %s failed: %s", req_id, got)
                 answer = LookupAnswer(0, 0, 0.0)
             else:
+                answer = got
                 if answer.l2_pending_chunks and self.l2.set_aside(
                     r, answer, n, num_computed_tokens, self.clock()
                 ):
@@ -235,7 +230,7 @@ class SchedulerPlanner:
             return 0
         return matched - num_computed_tokens
 
-    def _lookup_for(self, r: Tracked, n: int) -> PendingLookup | None:
+    def _lookup_for(self, r: Tracked, n: int) -> LookupRound | None:
         """The lookup whose answer :meth:`matched_tokens` reads for ``n`` chunks of
         ``r``: the one in flight for ``n``, or none (``r.answer`` stands), or one sent
         now. An answer older than half its lease's TTL, or for another chunk count, has

@@ -10,8 +10,9 @@ workers depend on these and not on each other.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -45,43 +46,96 @@ class PendingLookup(Protocol):
 
 
 class LookupBatch:
-    """The answers of one batch of lookups, set together by the thread that read them
-    (:meth:`set`); :meth:`answer` is lookup ``i``'s :class:`PendingLookup`.
+    """The answers of many lookups, each set once by the thread that read it
+    (:meth:`set`, a part of them at a time); :meth:`answer` is lookup ``i``'s
+    :class:`PendingLookup`, :meth:`get` its answer (or error) without a call to wait.
 
     Why not one ``Future`` per lookup: a step that takes 256 arrivals would build and
     read 256 of them on the scheduler thread (a lock and a condition each) and resolve
-    256 on the link's thread; one event per batch costs the same for 1 or 256.
-    Invariants: the batch is set exactly once (answers or one error for all); a
-    callback added before runs once on the setting thread, one added after runs at once.
+    256 on the link's thread; one batch for the step's lookups costs the scheduler
+    thread one list per step, and a reader finds an answer by index, without a lock.
+    Invariants: a lookup's answer is set exactly once (its answer, or an error: the
+    first :meth:`set` that covers it counts; an error for the whole batch covers every
+    lookup not answered yet); a callback added before runs once on the setting thread,
+    one added after runs at once.
     """
 
-    __slots__ = ("_answers", "_callbacks", "_done", "_error", "_event", "_lock")
+    __slots__ = ("_callbacks", "_cond", "_error", "slots")
 
-    def __init__(self) -> None:
-        #: answers or error in place (set last, so a reader that sees it sees them):
-        #: what the scheduler thread reads, without a call, for every question
-        self._done = False
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._answers: Sequence[LookupAnswer] = ()
+    def __init__(self, n: int = 0) -> None:
+        #: per lookup its answer or error once set (a slot is written once, last, so a
+        #: reader that sees it sees all of it); ``None`` until then
+        self.slots: list[LookupAnswer | BaseException | None] = [None] * n
         self._error: BaseException | None = None
+        self._cond = threading.Condition(threading.Lock())
         self._callbacks: list[tuple[Callable[[Any], object], _BatchAnswer]] = []
 
     def answer(self, i: int) -> PendingLookup:
         return _BatchAnswer(self, i)
 
-    def set(self, answers: Sequence[LookupAnswer] = (), error: BaseException | None = None) -> None:
-        """Every answer (in order), or ``error`` for all of them; only the first call
-        counts."""
-        with self._lock:
-            if self._done:
-                return
-            self._answers, self._error = answers, error
-            self._done = True
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn, pending in callbacks:
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> PendingLookup:
+        return _BatchAnswer(self, i)
+
+    def __iter__(self) -> Iterator[PendingLookup]:
+        return (_BatchAnswer(self, i) for i in range(len(self.slots)))
+
+    def get(self, i: int) -> LookupAnswer | BaseException | None:
+        """Lookup ``i``'s answer or error, ``None`` while it is not in (no lock)."""
+        slots = self.slots
+        got = slots[i] if i < len(slots) else None
+        return self._error if got is None else got
+
+    def wait(self, i: int, timeout: float | None) -> bool:
+        """Wait at most ``timeout`` for lookup ``i``; True: it is in."""
+        if self.get(i) is not None:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self.get(i) is not None, timeout)
+
+    def set(
+        self,
+        answers: Sequence[LookupAnswer] = (),
+        error: BaseException | None = None,
+        at: Sequence[int] | None = None,
+    ) -> None:
+        """Answer lookups ``at`` (default ``0..len(answers)``) with ``answers`` in
+        order, or every one of ``at`` with ``error``; ``error`` without ``at``: every
+        lookup of the batch not answered yet. A lookup answered before keeps its answer."""
+        with self._cond:
+            slots = self.slots
+            if at is None and error is not None:
+                if self._error is None:
+                    self._error = error
+            else:
+                idx = range(len(answers)) if at is None else at
+                values: Sequence[LookupAnswer | BaseException] = (
+                    answers if error is None else [error] * len(idx)
+                )
+                for i, value in zip(idx, values, strict=True):
+                    if i >= len(slots):
+                        slots.extend([None] * (i + 1 - len(slots)))
+                    if slots[i] is None:
+                        slots[i] = value
+            self._cond.notify_all()
+            ready = [cb for cb in self._callbacks if self.get(cb[1].i) is not None]
+            if ready:
+                self._callbacks = [cb for cb in self._callbacks if cb not in ready]
+        for fn, pending in ready:
             fn(pending)
+
+    def add_done_callback(self, i: int, fn: Callable[[Any], object]) -> None:
+        """Call ``fn(self.answer(i))`` once lookup ``i`` is answered (now if it is)."""
+        self._add_callback(fn, _BatchAnswer(self, i))
+
+    def _add_callback(self, fn: Callable[[Any], object], pending: _BatchAnswer) -> None:
+        with self._cond:
+            if self.get(pending.i) is None:
+                self._callbacks.append((fn, pending))
+                return
+        fn(pending)
 
 
 class _BatchAnswer:
@@ -93,26 +147,43 @@ class _BatchAnswer:
         self.batch, self.i = batch, i
 
     def done(self) -> bool:
-        return self.batch._done
+        return self.batch.get(self.i) is not None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        batch = self.batch
-        if not batch._done and not batch._event.wait(timeout):  # no lock when done
+        if not self.batch.wait(self.i, timeout):
             raise TimeoutError("lookup not answered yet")
-        return batch._error
+        got = self.batch.get(self.i)
+        return got if isinstance(got, BaseException) else None
 
     def result(self, timeout: float | None = None) -> LookupAnswer:
         exc = self.exception(timeout)
         if exc is not None:
             raise exc
-        return self.batch._answers[self.i]
+        got = self.batch.get(self.i)
+        assert isinstance(got, LookupAnswer)
+        return got
 
     def add_done_callback(self, fn: Callable[[Any], object]) -> None:
-        with self.batch._lock:
-            if not self.batch._done:
-                self.batch._callbacks.append((fn, self))
-                return
-        fn(self)
+        self.batch._add_callback(fn, self)
+
+
+def pending_batch(pending: Sequence[PendingLookup] | LookupBatch) -> LookupBatch:
+    """``pending`` as one :class:`LookupBatch` (itself, if it is one): each lookup's
+    answer copied in as it comes."""
+    if isinstance(pending, LookupBatch):
+        return pending
+    batch = LookupBatch(len(pending))
+
+    def copy(i: int, done: PendingLookup) -> None:
+        exc = done.exception()
+        if exc is not None:
+            batch.set(error=exc, at=[i])
+        else:
+            batch.set([done.result()], at=[i])
+
+    for i, fut in enumerate(pending):
+        fut.add_done_callback(functools.partial(copy, i))
+    return batch
 
 
 class LookupService(Protocol):
@@ -120,11 +191,13 @@ class LookupService(Protocol):
 
     def lookup_hashed(
         self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> Sequence[PendingLookup]:
+    ) -> Sequence[PendingLookup] | LookupBatch:
         """Lookup ``i`` of ``len(chunks)`` asks for the ``chunks[i]`` digests that
         ``digests(i)`` returns. The service calls ``digests`` on its own thread, each
         ``i`` at most once and before lookup ``i``'s answer is set, so the caller's
-        thread never hashes; a ``digests`` that raises fails its lookups."""
+        thread never hashes; a ``digests`` that raises fails its lookups. A lookup of
+        no chunks is answered without asking (no hit, no lease), and ``digests`` need
+        not be called for it."""
         ...
 
     def release(self, lease_id: int) -> None: ...

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.lookups import HashedDigests
-from lmc_server.integration.plans import LookupAnswer, PendingLookup
+from lmc_server.integration.lookups import LookupRound
+from lmc_server.integration.plans import LookupAnswer
 
 
 @dataclass(slots=True, eq=False)
@@ -43,15 +43,17 @@ class Tracked:
     #: the request's tokens (the engine's live list) when its stores carry KV-event
     #: fields, else None
     token_ids: Sequence[int] | None = None
-    lookup: PendingLookup | None = None
-    #: chunk digests computed so far (a prefix of the request's; they never change)
-    digests: bytes = b""
-    #: a lookup waits to go out with the others of this step (:class:`StepLookups`)
-    queued: bool = False
-    #: the lookup in flight was answered "ask again" at least once
-    asked_again: bool = False
+    #: the round its lookup is queued in (``lookup.answers`` None) or was sent with,
+    #: and which of its lookups (two fields, not an object per request); None: no
+    #: lookup queued or in flight
+    lookup: LookupRound | None = None
+    lookup_index: int = 0
     lookup_chunks: int = 0
     lookup_at_s: float = 0.0
+    #: chunk digests computed so far (a prefix of the request's; they never change)
+    digests: bytes = b""
+    #: the lookup in flight was answered "ask again" at least once
+    asked_again: bool = False
     answer: LookupAnswer | None = None
     lease_id: int = 0
     #: when the first answer with L2 chunks pending came (None: not waiting for L2)
@@ -68,19 +70,23 @@ class Tracked:
     #: hook allocates; in vLLM's heap one costs about 0.7 ms)
     blocks: Sequence[list[int]] = ()
     stores: Sequence[StoreInFlight] = ()
-    #: where the lookup in flight has its digests hashed (:class:`HashedDigests`), and
-    #: which of them
-    hashed: HashedDigests | None = None
-    hashed_index: int = 0
+
+    @property
+    def lookup_unanswered(self) -> bool:
+        """A lookup is queued or in flight and not answered yet."""
+        rnd = self.lookup
+        return rnd is not None and (
+            rnd.answers is None or rnd.answers.get(self.lookup_index) is None
+        )
 
     def adopt_digests(self) -> None:
         """Take the digests the lookup service hashed for this request's lookup, if it
         has and they go further than those known (they are the same bytes:
         :meth:`ChunkGeometry.digests` of the same hashes)."""
-        if self.hashed is None:
+        rnd = self.lookup
+        if rnd is None or rnd.answers is None:
             return
-        done = self.hashed.done[self.hashed_index]
-        self.hashed = None
+        done = rnd.done[self.lookup_index]
         if done is not None and len(done) > len(self.digests):
             self.digests = done
 

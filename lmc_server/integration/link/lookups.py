@@ -64,14 +64,12 @@ class BatchedLookups:
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[PendingLookup]:
         """One lookup per prefix, sent as ``lookup_batch`` requests (one unless the
         server's limits split them) from one hop onto the link's thread: neither the
-        caller nor the link's thread pays a message per lookup. The answers of one
-        request are set together (:class:`LookupBatch`). A prefix of no chunks is
-        answered at once (no hit, no lease)."""
-        return self._lookups([len(d) // DIGEST_BYTES for d in prefixes], prefixes.__getitem__)
+        caller nor the link's thread pays a message per lookup. The answers are set
+        part by part in one :class:`LookupBatch`. A prefix of no chunks is answered
+        without asking (no hit, no lease)."""
+        return list(self._lookups([len(d) // DIGEST_BYTES for d in prefixes], prefixes.__getitem__))
 
-    def lookup_hashed(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> list[PendingLookup]:
+    def lookup_hashed(self, chunks: Sequence[int], digests: Callable[[int], bytes]) -> LookupBatch:
         """:meth:`lookup_batch` of ``digests(i)`` for each ``i`` of ``chunks``, hashed
         here on the link's thread (the scheduler thread only hands the request over),
         in parts of :data:`LOOKUP_FIRST_PART_CHUNKS` chunks, then twice as many each,
@@ -80,46 +78,49 @@ class BatchedLookups:
         the whole step's."""
         return self._lookups(chunks, digests, LOOKUP_FIRST_PART_CHUNKS, LOOKUP_PART_CHUNKS)
 
+    def _parts(
+        self, chunks: Sequence[int], first_part_chunks: int, part_chunks: int
+    ) -> tuple[list[int], list[list[int]]]:
+        """The lookups of no chunks, and those of more in parts: in order, each part
+        within the server's chunk and frame limits and, if given, ``part_chunks``, the
+        first within ``first_part_chunks`` and each later one within twice the one
+        before (a lookup alone may exceed these; it is never split)."""
+        cap = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
+        if part_chunks:
+            cap = min(cap, part_chunks)
+        limit = min(cap, first_part_chunks) if first_part_chunks else cap
+        empty: list[int] = []
+        parts: list[list[int]] = []
+        n = -1  # < 0: no part yet
+        for i, k in enumerate(chunks):
+            if not k:
+                empty.append(i)
+                continue
+            if n < 0 or n + k > limit:
+                if n >= 0:
+                    limit = min(cap, 2 * limit)
+                parts.append([])
+                n = 0
+            parts[-1].append(i)
+            n += k
+        return empty, parts
+
     def _lookups(
         self,
         chunks: Sequence[int],
         digests: Callable[[int], bytes],
         first_part_chunks: int = 0,
         part_chunks: int = 0,
-    ) -> list[PendingLookup]:
-        """The lookups of more than 0 chunks in parts, one ``lookup_batch`` request
-        each: in order, each within the server's chunk and frame limits and, if given,
-        ``part_chunks``, the first part within ``first_part_chunks`` and each later one
-        within twice the one before (a lookup alone may exceed these; it is never
-        split). One pass on the caller's thread: a part's answer set, an answer per
-        lookup."""
-        cap = max(1, min(self.max_chunks, (self.max_frame_bytes // 2) // DIGEST_BYTES))
-        if part_chunks:
-            cap = min(cap, part_chunks)
-        limit = min(cap, first_part_chunks) if first_part_chunks else cap
-        out: list[PendingLookup] = []
-        parts: list[tuple[LookupBatch, list[int]]] = []
-        empty: PendingLookup | None = None
-        part: list[int] = []
-        batch, n = LookupBatch(), -1  # n < 0: no part yet
-        for i, k in enumerate(chunks):
-            if not k:
-                if empty is None:
-                    no_hit = LookupBatch()
-                    no_hit.set([LookupAnswer(0, 0, 0.0)])
-                    empty = no_hit.answer(0)
-                out.append(empty)
-                continue
-            if n < 0 or n + k > limit:
-                if n >= 0:
-                    limit = min(cap, 2 * limit)
-                batch, part, n = LookupBatch(), [], 0
-                parts.append((batch, part))
-            out.append(batch.answer(len(part)))
-            part.append(i)
-            n += k
+    ) -> LookupBatch:
+        """The lookups, one :class:`LookupBatch` for all; split into parts (one
+        ``lookup_batch`` request each, :meth:`_parts`), hashed and sent on the link's
+        thread: the caller's thread pays one list and one hop, whatever their number."""
+        batch = LookupBatch(len(chunks))
+        if not chunks:
+            return batch
+        chunks = list(chunks)  # the caller may reuse its list once this returns
 
-        async def one(batch: LookupBatch, prefixes: list[bytes]) -> None:
+        async def one(part: list[int], prefixes: list[bytes]) -> None:
             try:
                 results = await self._request("lookup_batch", prefixes, lease=True)
                 if len(results) != len(prefixes):
@@ -128,7 +129,7 @@ class BatchedLookups:
                         f"{len(results)} answers to a batch of {len(prefixes)} lookups",
                     )
             except Exception as e:
-                batch.set(error=e)
+                batch.set(error=e, at=part)
                 return
             batch.set(
                 [
@@ -139,26 +140,28 @@ class BatchedLookups:
                         l2_pending_chunks=r.l2_pending_chunks,
                     )
                     for r in results
-                ]
+                ],
+                at=part,
             )
 
         async def run() -> None:
             sent: list[asyncio.Task[None]] = []
             try:
-                for b, part in parts:
+                empty, parts = self._parts(chunks, first_part_chunks, part_chunks)
+                if empty:
+                    batch.set([LookupAnswer(0, 0, 0.0)] * len(empty), at=empty)
+                for part in parts:
                     try:
                         prefixes = [digests(i) for i in part]
                     except Exception as e:
                         logger.exception("hashing %d lookups failed", len(part))
-                        b.set(error=e)
+                        batch.set(error=e, at=part)
                         continue
-                    sent.append(asyncio.ensure_future(one(b, prefixes)))
+                    sent.append(asyncio.ensure_future(one(part, prefixes)))
                     await asyncio.sleep(0)  # the part goes out, replies are read
                 await asyncio.gather(*sent)
-            finally:
-                for b, _ in parts:  # cancelled with the link: nothing set above
-                    b.set(error=ConnectionError("lookup did not run"))
+            finally:  # cancelled with the link: those not answered above fail
+                batch.set(error=ConnectionError("lookup did not run"))
 
-        if parts:
-            self.submit(run())
-        return out
+        self.submit(run())
+        return batch
