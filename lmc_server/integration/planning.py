@@ -194,7 +194,9 @@ class SchedulerPlanner:
         if rnd is not None:
             answers, i = rnd.answers, r.lookup_index
             assert answers is not None, "sent above"
-            got = answers.get(i)
+            got = answers.slots[i]  # LookupBatch.get, inlined: the usual case, answered
+            if got is None:
+                got = answers.get(i)  # or failed as a whole
             if got is None:
                 lookups.wait(answers, i)
                 got = answers.get(i)
@@ -204,7 +206,9 @@ class SchedulerPlanner:
             if not r.asked_again:
                 self.lookups_answered_at_once += 1
             r.asked_again = False
-            r.adopt_digests()
+            done = rnd.done[i]  # Tracked.adopt_digests, inlined
+            if done is not None and len(done) > len(r.digests):
+                r.digests = done
             r.lookup = None
             if isinstance(got, BaseException):
                 logger.warning("lookup for request %s failed: %s", req_id, got)

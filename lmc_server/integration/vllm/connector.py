@@ -323,7 +323,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             request.num_tokens,
             request.num_prompt_tokens,
             num_computed_tokens,
-            self._event_tokens(request),
+            self._event_tokens(request) if self.settings.kv_events else None,
         )
         if n is None:
             return None, False
