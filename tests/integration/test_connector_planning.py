@@ -273,6 +273,30 @@ def test_arrived_requests_are_looked_up_together_and_answered_at_once() -> None:
     assert svc.batches == [5]
 
 
+def test_an_arrival_that_ends_before_its_lookup_went_out_leaves_the_others_theirs() -> None:
+    """Arrivals whose lookups wait to go out together: one in the middle ends first; the
+    others' lookups go out without it, and each request gets its own answer."""
+    svc = FakeLookups()
+    p = SchedulerPlanner(
+        ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)]), svc, lookup_wait_s=0.001
+    )
+    prompts = {f"r{i}": hashes([1000 * i + t for t in range(600)]) for i in range(5)}
+    for rid, h in prompts.items():
+        p.request_arrived(rid, h, 600, 600)
+    assert p.request_finished("r1") is False
+    assert p.matched_tokens("r0", prompts["r0"], 600, 600, 0) is None  # sent, not answered
+    sent = {d: fut for d, fut in svc.pending}
+    assert len(sent) == 4
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    for lease, rid in enumerate(("r0", "r2", "r3", "r4"), start=1):
+        sent[geometry.digests(prompts[rid], 2)].set_result(LookupAnswer(lease % 3, lease, 30.0))
+    got = {
+        rid: p.matched_tokens(rid, prompts[rid], 600, 600, 0) for rid in ("r0", "r2", "r3", "r4")
+    }
+    assert got == {"r0": 256, "r2": 512, "r3": 0, "r4": 256}
+    assert svc.released == [3]  # r3's answer (no hit) gives its lease back
+
+
 def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
     """A server that does not answer: the first call of a step waits out the step's
     budget, the other requests of the step do not wait again; every call answers

@@ -355,3 +355,30 @@ def test_a_lookup_batch_is_answered_once_and_calls_back_once() -> None:
     assert isinstance(failed.answer(0).exception(), ConnectionError)
     with pytest.raises(ConnectionError):
         failed.answer(1).result()
+
+
+def test_a_lookup_batch_is_answered_part_by_part() -> None:
+    """The answers of a step's lookups (``plans.LookupBatch`` of a known size) come a
+    part at a time: each lookup is readable by index (``get``) once its part is set,
+    the others stay unanswered; an error for one part fails that part only; a lookup
+    answered keeps its answer; an error for the whole batch fails only those not
+    answered; a callback waits for its own lookup."""
+    from lmc_server.integration.plans import LookupAnswer, LookupBatch
+
+    batch = LookupBatch(5)
+    assert [batch.get(i) for i in range(5)] == [None] * 5 and len(batch) == 5
+    seen: list[object] = []
+    batch.add_done_callback(3, lambda p: seen.append(p.result().hit_chunks))
+    batch.set([LookupAnswer(1, 11, 30.0), LookupAnswer(2, 12, 30.0)], at=[0, 2])
+    assert batch.get(0) == LookupAnswer(1, 11, 30.0) and batch.get(1) is None
+    assert not batch.wait(1, 0.01) and batch.wait(2, 0)
+    assert seen == []
+    batch.set(error=ValueError("part"), at=[1])
+    assert isinstance(batch.get(1), ValueError) and isinstance(batch[1].exception(), ValueError)
+    batch.set([LookupAnswer(0, 0, 0.0)], at=[0])  # answered before: kept
+    assert batch.get(0) == LookupAnswer(1, 11, 30.0)
+    batch.set([LookupAnswer(2, 14, 30.0)], at=[3])
+    assert seen == [2]
+    batch.set(error=ConnectionError("closed"))
+    assert isinstance(batch.get(4), ConnectionError)
+    assert batch[2].result(0).lease_id == 12 and batch[3].result(0).lease_id == 14
