@@ -45,7 +45,7 @@ from lmc_server.transfer.cuda.launch import issue_dma, retrieve_pieces, store_pi
 from lmc_server.transfer.cuda.plan import Plan, plan_mapped, plan_staging
 from lmc_server.transfer.cuda.pool import CudaHostPool
 from lmc_server.transfer.cuda.units import Region
-from lmc_server.transfer.cuda.wait import LinkClock, wait_for_lane
+from lmc_server.transfer.cuda.wait import LinkClock, wait_for_lane, wait_mode
 
 #: The engine's logger (its package), not this module's: its lines name the engine, as operators'
 #: filters expect, whichever of its modules writes them.
@@ -264,7 +264,7 @@ class CudaJobRunner:
         while (job := lane.jobs.get()) is not None:
             err = ""
             try:
-                wait_for_lane(lane, job.expected_end, self.wait)
+                wait_for_lane(lane, job.expected_end, wait_mode(self.wait, lanes.busy))
             except CUDA_ERRORS as e:
                 lane.drain()
                 err = f"CUDA copy failed: {e}"
