@@ -297,10 +297,11 @@ class Partition:
         pins = np.frombuffer(self.pins, dtype=np.int32)[idx]
         if pins.any():
             evictable = [s for s, p in zip(slots, pins.tolist(), strict=True) if p == 0]
-        else:
-            evictable = list(slots)
-        evictable.reverse()
-        self.policy.touch_run(evictable)
+            evictable.reverse()
+            self.policy.touch_run(evictable)
+        else:  # the slots reversed, as a list and as the array the LRU reads
+            back = idx[::-1]
+            self.policy.touch_run(back.tolist(), back)
 
     # -- giving slabs back --------------------------------------------------------------
 

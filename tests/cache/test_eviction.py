@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from lmc_server.cache.eviction.arc import ARCPolicy
@@ -329,18 +330,25 @@ def test_sarc_cold_ages_faster_and_the_weight_adapts() -> None:
 
 
 def test_touch_run_equals_touching_one_by_one(policy: EvictionPolicy) -> None:
+    """Short runs and runs long enough for the LRU's numpy pass, contiguous in its order
+    or not, given as a list alone or with the same slots as an int32 array."""
     rng = random.Random(3)
     ref = make_policy(policy.name, 32)
     policy.grow(32)
     for s in range(32):
         policy.admit(s)
         ref.admit(s)
-    for _ in range(300):
+    for _ in range(600):
         start = rng.randrange(32)
-        run = [(start + i) % 32 for i in range(rng.randint(1, 8))]
+        length = rng.randint(1, 8) if rng.random() < 0.5 else rng.randint(16, 30)
+        run = [(start + i) % 32 for i in range(length)]
         if rng.random() < 0.5:
             run.reverse()
-        policy.touch_run(run)
+        if rng.random() < 0.5:
+            # a reversed view, as the partition passes it: negative strides
+            policy.touch_run(run, np.asarray(run[::-1], dtype=np.int32)[::-1])
+        else:
+            policy.touch_run(run)
         for s in run:
             ref.touch(s)
         assert policy.first(32) == ref.first(32) or policy.name != "LRU"

@@ -30,6 +30,8 @@ from array import array
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
+
 NIL = -1
 _MASK64 = (1 << 64) - 1
 
@@ -82,8 +84,10 @@ class EvictionPolicy(ABC):
         for every WRITING or COMMITTED slot). Policies without ghosts ignore it."""
         return None
 
-    def touch_run(self, slots: list[int]) -> None:
-        """Touch ``slots`` in this order (all present, distinct)."""
+    def touch_run(self, slots: list[int], run: np.ndarray | None = None) -> None:
+        """Touch ``slots`` in this order (all present, distinct). ``run``: the same
+        slots as an int32 array, where the caller has one (a policy that works on
+        arrays reads it instead of converting ``slots``)."""
         for s in slots:
             self.touch(s)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from array import array
 
+import numpy as np
+
 from lmc_server.cache.eviction.base import EvictionPolicy
 from lmc_server.cache.eviction.names import SUMMARIES
 
@@ -66,7 +68,7 @@ class FIFOPolicy(EvictionPolicy):
     def touch(self, slot: int) -> None:
         assert self._in[slot], f"slot {slot} is not in the FIFO order"
 
-    def touch_run(self, slots: list[int]) -> None:
+    def touch_run(self, slots: list[int], run: np.ndarray | None = None) -> None:
         pass
 
     def _live_head(self) -> int | None:

@@ -144,7 +144,7 @@ class LRUPolicy(EvictionPolicy):
         inside[run] = 1
         self._len += len(slots)
 
-    def touch_run(self, slots: list[int]) -> None:
+    def touch_run(self, slots: list[int], run: np.ndarray | None = None) -> None:
         """Move ``slots`` to the back in this order. O(1) when they already form a
         contiguous run in that order (the usual case: a prefix stored or looked up
         together), else one move per slot."""
@@ -153,7 +153,8 @@ class LRUPolicy(EvictionPolicy):
         nxt = self._next
         first, last = slots[0], slots[-1]
         if len(slots) >= _VECTOR_MIN:  # one numpy pass instead of a Python loop
-            run = np.array(slots, dtype=np.int32)
+            if run is None:
+                run = np.array(slots, dtype=np.int32)
             contiguous = bool((np.frombuffer(nxt, dtype=np.int32)[run[:-1]] == run[1:]).all())
         else:
             contiguous = all(nxt[a] == b for a, b in zip(slots, slots[1:], strict=False))

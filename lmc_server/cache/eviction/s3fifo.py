@@ -23,6 +23,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
+
 from lmc_server.cache.eviction.base import NIL, EvictionPolicy, GhostTags, SlotLists
 from lmc_server.cache.eviction.names import SUMMARIES
 
@@ -78,7 +80,7 @@ class S3FIFOPolicy(EvictionPolicy):
         if self._freq[slot] < _MAX_FREQ:
             self._freq[slot] += 1
 
-    def touch_run(self, slots: list[int]) -> None:
+    def touch_run(self, slots: list[int], run: np.ndarray | None = None) -> None:
         for s in slots:
             self.touch(s)
 
