@@ -5,15 +5,18 @@ connections when the store is killed (SIGKILL) or frozen (SIGSTOP): the server's
 has exactly one ``degraded`` WARNING for the outage and one ``connected`` line for the
 recovery, no traceback, and no future or task whose exception nobody retrieved
 (asyncio's ``... exception was never retrieved``); after the recovery, stores and L2
-reads are byte-exact again.
+reads are byte-exact again. And the adapter alone: the reconnect that follows one failed
+batch leaves the connections of the batches still sending to their threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from lmc_server.client import chunk_digests
@@ -28,6 +31,9 @@ from lmc_server.testing.tierworker import (
     wait_for,
     wait_l2_written,
 )
+from lmc_server.tiers import codec
+from lmc_server.tiers.backend import SlotObject, SlotRead
+from lmc_server.tiers.redis.backend import RedisBackend
 
 if redis_server_path() is None:
     if os.environ.get("CI") == "true":
@@ -110,3 +116,46 @@ def test_store_dying_mid_writes_is_one_warning_no_traceback(how: str) -> None:
     degraded, connected = _outage_lines(log)
     assert len(degraded) == 1, log
     assert len(connected) == 2, "\n".join(connected) or log  # at start, after the outage
+
+
+def test_a_reconnect_leaves_the_writes_in_flight_their_connections() -> None:
+    """Writes blocked mid-send on a frozen store while the tier reconnects: closing
+    the old client's connections under their threads made redis-py's next send raise
+    ``AttributeError`` (its socket gone), a traceback in the log. The reconnect closes
+    only idle connections: once the store thaws, the writes in flight finish on their
+    own connections, and every value reads back byte for byte."""
+    space = bytes(range(16))
+    size = 8 << 20  # 2 x 16 MiB per connection: more than loopback buffers take
+    data = np.random.default_rng(11).integers(0, 256, 4 * size, dtype=np.uint8)
+    cks = [i.to_bytes(32, "big") for i in range(4)]
+    objs = [
+        SlotObject(codec.l2_key(space, ck), space, ck, 1, data[i * size : (i + 1) * size].data)
+        for i, ck in enumerate(cks)
+    ]
+
+    async def go(r: RedisProcess) -> None:
+        assert r.proc is not None
+        b = RedisBackend(r.url, timeout_s=10.0, connections=2)
+        await b.connect()
+        os.kill(r.proc.pid, signal.SIGSTOP)
+        try:
+            put = asyncio.ensure_future(b.put_slots(objs))
+            await asyncio.sleep(0.3)  # both write threads blocked in sendall
+            assert not put.done()
+            reconnect = asyncio.ensure_future(b.connect())
+            await asyncio.sleep(0.3)
+        finally:
+            os.kill(r.proc.pid, signal.SIGCONT)
+        await reconnect
+        await put  # raised L2Error or AttributeError when its connections were closed
+        back = np.zeros(4 * size, dtype=np.uint8)
+        reads = [
+            SlotRead(codec.l2_key(space, ck), space, ck, 1, back[i * size : (i + 1) * size].data)
+            for i, ck in enumerate(cks)
+        ]
+        assert await b.get_into(reads) == [True] * 4
+        assert np.array_equal(back, data)
+        await b.shutdown()
+
+    with RedisProcess() as r:
+        asyncio.run(go(r))

@@ -134,9 +134,9 @@ class RedisBackend(L2Backend):
     def _failure(self, op: str, e: BaseException, client: Any) -> L2Error:
         """The :class:`L2Error` of a call made on ``client`` that raised ``e``.
 
-        A call that fails after the tier reconnected meanwhile (its connection was
-        closed under it by :meth:`connect`, or it timed out on the store the tier
-        already found gone) says nothing new about the store: it is a refusal
+        A call that fails after the tier reconnected meanwhile (on a client
+        :meth:`connect` has retired, or timed out on the store the tier already found
+        gone) says nothing new about the store: it is a refusal
         (counted), not a second outage for the tier to report."""
         err = _error(op, e)
         if client is not None and client is not self._client and err.unavailable:
@@ -144,7 +144,7 @@ class RedisBackend(L2Backend):
         return err
 
     async def connect(self) -> None:
-        await self.close()
+        await self._retire()
         client = self._make()
         await self._call(self._reads, "connect", client.ping)
         self._client = client
@@ -332,6 +332,27 @@ class RedisBackend(L2Backend):
                 await asyncio.get_running_loop().run_in_executor(self._reads, client.close)
             except (RedisError, OSError):
                 pass
+
+    async def _retire(self) -> None:
+        """Drop the client before a reconnect, closing only the connections no thread
+        is using. The tier reconnects as soon as one batch fails, while other batches
+        may still be sending on their own connections: closed under their threads,
+        redis-py's next send on them raised ``AttributeError`` (its socket gone), which
+        reached the log as a traceback instead of one more failed call. Each connection
+        in use is disconnected by its thread if its call fails (:meth:`_send_slots`,
+        :meth:`_on_conn`) and otherwise closes with the retired pool it goes back to."""
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._reads, self._close_idle, client
+                )
+            except (RedisError, OSError):
+                pass
+
+    @staticmethod
+    def _close_idle(client: Any) -> None:
+        client.connection_pool.disconnect(inuse_connections=False)
 
     async def shutdown(self) -> None:
         """Close, then wait for the threads that touch L1 slots (reads into slots,

@@ -139,7 +139,7 @@ class RedisClusterBackend(RedisBackend):
         return client
 
     async def connect(self) -> None:
-        await self.close()
+        await self._retire()
         try:
             client = await asyncio.get_running_loop().run_in_executor(self._reads, self._connect)
         except (RedisError, RedisClusterException, OSError, TimeoutError) as e:
@@ -244,6 +244,14 @@ class RedisClusterBackend(RedisBackend):
         if client is not None:
             fn = functools.partial(_close_quietly, client)
             await asyncio.get_running_loop().run_in_executor(self._reads, fn)
+
+    @staticmethod
+    def _close_idle(client: Any) -> None:
+        """Every node's idle connections (see :meth:`RedisBackend._retire`)."""
+        for node in client.get_nodes():
+            conn = node.redis_connection
+            if conn is not None:
+                conn.connection_pool.disconnect(inuse_connections=False)
 
     async def shutdown(self) -> None:
         """As one store's, and every node's threads too (those of reads and writes
