@@ -34,12 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.plans import (
-    LookupAnswer,
-    LookupBatch,
-    LookupService,
-    pending_batch,
-)
+from lmc_server.integration.plans import LookupAnswer, LookupBatch, LookupService
 
 
 class LookupRound:
@@ -115,7 +110,7 @@ class LookupRound:
         if not self.chunks:
             return
         self.done = [None] * len(self.chunks)
-        self.answers = pending_batch(service.lookup_hashed(self.chunks, self.digests))
+        self.answers = service.lookup_hashed(self.chunks, self.digests)
 
     def digests(self, i: int) -> bytes:
         """Lookup ``i``'s digests (hashed once: a second call returns the first's)."""

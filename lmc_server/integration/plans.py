@@ -10,7 +10,6 @@ workers depend on these and not on each other.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -167,31 +166,10 @@ class _BatchAnswer:
         self.batch._add_callback(fn, self)
 
 
-def pending_batch(pending: Sequence[PendingLookup] | LookupBatch) -> LookupBatch:
-    """``pending`` as one :class:`LookupBatch` (itself, if it is one): each lookup's
-    answer copied in as it comes."""
-    if isinstance(pending, LookupBatch):
-        return pending
-    batch = LookupBatch(len(pending))
-
-    def copy(i: int, done: PendingLookup) -> None:
-        exc = done.exception()
-        if exc is not None:
-            batch.set(error=exc, at=[i])
-        else:
-            batch.set([done.result()], at=[i])
-
-    for i, fut in enumerate(pending):
-        fut.add_done_callback(functools.partial(copy, i))
-    return batch
-
-
 class LookupService(Protocol):
     """The scheduler's link to the server (a lookup-only registration)."""
 
-    def lookup_hashed(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> Sequence[PendingLookup] | LookupBatch:
+    def lookup_hashed(self, chunks: Sequence[int], digests: Callable[[int], bytes]) -> LookupBatch:
         """Lookup ``i`` of ``len(chunks)`` asks for the ``chunks[i]`` digests that
         ``digests(i)`` returns. The service calls ``digests`` on its own thread, each
         ``i`` at most once and before lookup ``i``'s answer is set, so the caller's

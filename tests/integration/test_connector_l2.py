@@ -22,11 +22,12 @@ import pytest
 from lmc_server.client import Client
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.planning import SchedulerPlanner
-from lmc_server.integration.plans import LookupAnswer
+from lmc_server.integration.plans import LookupAnswer, LookupBatch
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.protocol.stats import L2Report
 from lmc_server.testing.connector_flow import ConnectorFlow, block_hashes
 from lmc_server.testing.kvfixture import KVFixture, ShmBacking, describe_byte
+from lmc_server.testing.lookup_fakes import batch_of
 from lmc_server.testing.poll import wait_for
 from lmc_server.testing.process import ServerProcess
 from lmc_server.testing.redis_process import RedisProcess, redis_server_path
@@ -50,11 +51,9 @@ class FakeLookups:
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         return [self.lookup(d) for d in prefixes]
 
-    def lookup_hashed(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> list[Future[LookupAnswer]]:
+    def lookup_hashed(self, chunks: Sequence[int], digests: Callable[[int], bytes]) -> LookupBatch:
         """Hashed here, on the caller's thread (the link does it on its own)."""
-        return self.lookup_batch([digests(i) for i in range(len(chunks))])
+        return batch_of(self.lookup_batch([digests(i) for i in range(len(chunks))]))
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)

@@ -13,11 +13,12 @@ from lmc_server.client import Client
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
-from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
+from lmc_server.integration.plans import LookupAnswer, LookupBatch, ScheduledRequest
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.worker import TransferTracker, WorkerTransfers, failures_by_block_ids
 from lmc_server.testing.connector_flow import block_hashes
 from lmc_server.testing.kv import ShmKV
+from lmc_server.testing.lookup_fakes import batch_of
 from lmc_server.testing.presets import dsv41_flash, simple_model
 from lmc_server.testing.process import ServerProcess
 
@@ -54,11 +55,9 @@ class FakeLookups:
     def lookup_batch(self, prefixes: Sequence[bytes]) -> list[Future[LookupAnswer]]:
         return [self.lookup(d) for d in prefixes]
 
-    def lookup_hashed(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> list[Future[LookupAnswer]]:
+    def lookup_hashed(self, chunks: Sequence[int], digests: Callable[[int], bytes]) -> LookupBatch:
         """Hashed here, on the caller's thread (the link does it on its own)."""
-        return self.lookup_batch([digests(i) for i in range(len(chunks))])
+        return batch_of(self.lookup_batch([digests(i) for i in range(len(chunks))]))
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)

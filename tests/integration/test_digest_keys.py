@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
 from lmc_server.integration.planning import SchedulerPlanner
-from lmc_server.integration.plans import LookupAnswer, ScheduledRequest
+from lmc_server.integration.plans import LookupAnswer, LookupBatch, ScheduledRequest
 
 PLAIN = [EngineGroup("full", 16)]
 DSV41 = [
@@ -113,21 +113,19 @@ class ThreadedLookups:
         self.released: list[int] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lookups")
 
-    def lookup_hashed(
-        self, chunks: Sequence[int], digests: Callable[[int], bytes]
-    ) -> list[Future[LookupAnswer]]:
-        futs: list[Future[LookupAnswer]] = [Future() for _ in chunks]
+    def lookup_hashed(self, chunks: Sequence[int], digests: Callable[[int], bytes]) -> LookupBatch:
+        batch = LookupBatch(len(chunks))
 
         def run() -> None:
-            for i, fut in enumerate(futs):
+            for i in range(len(chunks)):
                 d = digests(i)
                 assert len(d) == chunks[i] * 32
                 self.sent.append(d)
                 hit = min(self.hit, chunks[i])
-                fut.set_result(LookupAnswer(hit, 5 if hit else 0, 30.0))
+                batch.set([LookupAnswer(hit, 5 if hit else 0, 30.0)], at=[i])
 
         self._pool.submit(run)
-        return futs
+        return batch
 
     def release(self, lease_id: int) -> None:
         self.released.append(lease_id)
