@@ -131,9 +131,10 @@ class CudaEngine(CudaJobRunner, TransferEngine):
     def open(self, buffers: Sequence[BufferSpec]) -> BufferMapping:
         """Map a worker's buffers, and make its device's lanes now if they are new.
 
-        A device's lanes (streams, staging buffers, the busy gate) and its batch
-        copier's self-check are made once, here at registration, so the first request
-        of a device does not pay them (the self-check alone is tens of ms)."""
+        A device's lanes (streams, staging buffers, the busy gate's NVML reader) and
+        its batch copier's self-check (a few MB copied both ways and compared) are made
+        once, here at registration, so the first request of a device does not pay
+        them."""
         try:
             mapping = CudaMapping(self._ipc, list(buffers))
         except CUDA_ERRORS as e:
