@@ -123,6 +123,14 @@ class Registration:
         return out
 
 
+#: Whether each status byte counts as success, read by status (0-255): a table read per
+#: chunk, against ``np.isin``'s sort and search (about 30 us for a reply, 2-core VM),
+#: which a caller pays on every reply it checks.
+_SUCCEEDED = np.zeros(256, dtype=bool)
+_SUCCEEDED[[int(s) for s in SUCCESS]] = True
+_SUCCEEDED.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class ChunkResult:
     """Per-chunk outcome of a store or retrieve, per object group."""
@@ -136,11 +144,11 @@ class ChunkResult:
     @property
     def ok(self) -> np.ndarray:
         """Chunks whose every object group succeeded (or had nothing to do)."""
-        good = np.array(sorted(int(s) for s in SUCCESS), dtype=np.uint8)
-        out = np.ones(self.n_chunks, dtype=bool)
+        out: np.ndarray | None = None
         for st in self.statuses.values():
-            out &= np.isin(st, good)
-        return out
+            good = _SUCCEEDED[st]  # a new array: one table read per status byte
+            out = good if out is None else np.logical_and(out, good, out=out)
+        return np.ones(0, dtype=bool) if out is None else out
 
     @property
     def ok_prefix(self) -> int:

@@ -468,3 +468,26 @@ def test_async_with_and_no_server_raises_timeout_and_closes() -> None:
 
     c = asyncio.run(scenario())
     assert c.in_flight == 0 and c._sock.closed
+
+
+def test_a_result_reads_success_as_every_group_succeeding_for_every_status() -> None:
+    """``ok``, ``ok_prefix`` and ``failed_chunks`` agree with ``SUCCESS`` for every status
+    byte a reply may carry, in any group and chunk, and for a result with no groups."""
+    from lmc_server.cache.status import SUCCESS, ChunkStatus
+    from lmc_server.client.core import ChunkResult
+
+    codes = np.array([int(s) for s in ChunkStatus], dtype=np.uint8)
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        groups = {
+            name: np.frombuffer(rng.choice(codes, size=9).tobytes(), dtype=np.uint8)
+            for name in ("full", "window", "index")
+        }
+        res = ChunkResult(groups)
+        want = [all(int(g[i]) in SUCCESS for g in groups.values()) for i in range(9)]
+        assert res.ok.tolist() == want
+        assert res.failed_chunks == [i for i, w in enumerate(want) if not w]
+        assert res.ok_prefix == (want.index(False) if False in want else 9)
+        assert not groups["full"].flags.writeable  # read, never written
+    empty = ChunkResult()
+    assert empty.ok.tolist() == [] and empty.ok_prefix == 0 and empty.failed_chunks == []
