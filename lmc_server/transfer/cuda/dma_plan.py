@@ -13,6 +13,11 @@ from typing import Any
 
 import numpy as np
 
+# np.unique (split_rows) imports numpy.ma at its first call: about 70 ms inside the launch
+# of the server's first copy-engine request (py-spy on the H200 host), paid here, at
+# import, instead.
+import numpy.ma  # noqa: F401
+
 from lmc_server.cache.layout import RunCopy
 from lmc_server.transfer.cuda.units import (
     BLOCK_STRIDE,
