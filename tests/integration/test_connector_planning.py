@@ -329,6 +329,36 @@ def test_an_arrival_that_ends_before_its_lookup_went_out_leaves_the_others_their
     assert svc.released == [3]  # r3's answer (no hit) gives its lease back
 
 
+def test_an_arrival_noted_twice_or_already_looked_up_gets_one_lookup() -> None:
+    """The step's arrivals are admitted in one pass when each is new and distinct;
+    otherwise one by one: a request noted twice is looked up once, one whose answer
+    stands is not looked up again, and each request reads its own answer."""
+    svc = FakeLookups()
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    p = SchedulerPlanner(geometry, svc, lookup_wait_s=0.001)
+    prompts = {f"r{i}": hashes([1000 * i + t for t in range(600)]) for i in range(3)}
+    p.request_arrived("r0", prompts["r0"], 600, 600)
+    assert p.matched_tokens("r0", prompts["r0"], 600, 600, 0) is None
+    svc.pending[0][1].set_result(LookupAnswer(1, 5, 30.0))
+    assert p.matched_tokens("r0", prompts["r0"], 600, 600, 0) == 256
+    for rid in ("r1", "r0", "r2", "r1"):
+        p.request_arrived(rid, prompts[rid], 600, 600)
+    assert p.matched_tokens("r1", prompts["r1"], 600, 600, 0) is None
+    assert [d for d, _ in svc.pending[1:]] == [
+        geometry.digests(prompts[r], 2) for r in ("r1", "r2")
+    ]
+    svc.pending[1][1].set_result(LookupAnswer(2, 6, 30.0))
+    svc.pending[2][1].set_result(LookupAnswer(0, 0, 30.0))
+    got = [p.matched_tokens(rid, prompts[rid], 600, 600, 0) for rid in ("r0", "r1", "r2")]
+    assert got == [256, 512, 0] and svc.released == []
+    p.build_step([])
+    more = {f"r{i}": hashes([1000 * i + t for t in range(600)]) for i in (3, 4)}
+    for rid in ("r3", "r4", "r3"):  # all new: one of them noted twice
+        p.request_arrived(rid, more[rid], 600, 600)
+    assert p.matched_tokens("r3", more["r3"], 600, 600, 0) is None
+    assert [d for d, _ in svc.pending[3:]] == [geometry.digests(more[r], 2) for r in ("r3", "r4")]
+
+
 def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
     """A server that does not answer: the first call of a step waits out the step's
     budget, the other requests of the step do not wait again; every call answers
