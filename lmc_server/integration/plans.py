@@ -185,7 +185,7 @@ class LoadSpec(NamedTuple):
     """Retrieve chunks ``0..n`` of a request into its blocks (``-1``: leave alone).
 
     A named tuple, not a frozen dataclass: as immutable, and built in a fifth of the
-    time (a step that takes 256 hits builds 256 on the scheduler thread)."""
+    time (a worker builds one per load of the step from :class:`StepLoads`)."""
 
     req_id: str
     digests: bytes
@@ -206,10 +206,10 @@ class StepLoads(Sequence[LoadSpec]):
 
     Why columns: the step that takes 256 hits plans them on the scheduler thread, and
     a dictionary, a view and a named tuple per load cost it more than all their block
-    ids read at once; the columns are built once per step (one array per group,
-    :meth:`~lmc_server.integration.chunks.ChunkGeometry.load_block_ids`), and a load's
-    own :class:`LoadSpec` only where a worker asks for it. Invariant: the columns are
-    never written once built (a load's views alias the step's arrays)."""
+    ids turned into arrays at once; the columns are built once per step (one array per
+    group, :meth:`~lmc_server.integration.loads.LoadPlanner.take`), and a load's own
+    :class:`LoadSpec` only where a worker asks for it. Invariant: the columns are never
+    written once built (a load's views alias the step's arrays)."""
 
     req_ids: list[str]
     digests: list[bytes]

@@ -411,8 +411,8 @@ def test_wait_settings() -> None:
 
 def test_a_load_writes_the_tables_as_allocated_copied_unless_handed_over() -> None:
     """By default the planner copies the engine's tables: the caller changing its list
-    after the allocation cannot move a load into other blocks. ``owned=True`` (the
-    vLLM adapter: ``get_block_ids`` builds fresh lists) keeps the caller's lists."""
+    after the allocation cannot move a load into other blocks. ``owned=True`` (a caller
+    that hands over fresh lists) keeps the caller's lists."""
     g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
     h = hashes(list(range(1100)))
     for owned in (False, True):
