@@ -367,6 +367,13 @@ def main() -> int:
                         h: 1e3 * statistics.median(d.get(h, 0.0) for d in on["arrival_hooks_cpu_s"])
                         for h in HOOKS
                     },
+                    "arrival_step_cpu_ms_less_timer_by_round": [
+                        1e3 * c for c in on["arrival_less_timer_cpu_s"]
+                    ],
+                    "arrival_step_hook_calls_by_round": on["arrival_calls"],
+                    "arrival_step_cpu_ms_by_hook_by_round": [
+                        {h: 1e3 * c for h, c in d.items()} for d in on["arrival_hooks_cpu_s"]
+                    ],
                     "steps": len(steps),
                     "loaded": on["loaded"],
                     "failed": on["failed"] + off["failed"],

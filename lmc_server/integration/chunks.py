@@ -179,39 +179,13 @@ class ChunkGeometry:
                 out[key] = ids
         return out
 
-    def load_block_ids(
-        self, loads: Sequence[tuple[Sequence[Sequence[int]], int, int]]
-    ) -> list[dict[str, np.ndarray]]:
-        """:meth:`block_ids` ``(tables, 0, n_chunks, keep_tokens)`` of each load
-        ``(tables, n_chunks, keep_tokens)``, the same ids, for many loads at once.
+    def cached_groups(self) -> list[tuple[int, EngineGroup, int]]:
+        """``(index, group, blocks per chunk)`` of each cached engine group."""
+        return list(self._cached)
 
-        The step that takes many hits plans all their loads on the scheduler thread,
-        where each numpy call costs a few microseconds: one array per cached group for
-        every load of the step (each load's ids a view of its own slice of it), not one
-        per load and group."""
-        out: list[dict[str, np.ndarray]] = [{} for _ in loads]
-        for gi, g, bpc in self._cached:
-            flat: list[int] = []
-            for tables, n_chunks, _ in loads:
-                n = n_chunks * bpc
-                have = tables[gi][:n]
-                flat += have
-                if len(have) < n:
-                    flat += [-1] * (n - len(have))
-            ids_all = np.array(flat, dtype=np.int32)
-            ids_all[ids_all == NULL_BLOCK_ID] = -1
-            at = 0
-            keys = g.block_id_keys
-            for ids_of, (_, n_chunks, keep_tokens) in zip(out, loads, strict=True):
-                n = n_chunks * bpc
-                ids = ids_all[at : at + n]
-                at += n
-                keep_blocks = keep_tokens // g.tokens_per_block
-                if keep_blocks > 0:
-                    ids[:keep_blocks] = -1
-                for key in keys:
-                    ids_of[key] = ids
-        return out
+    def blocks_per_chunk_by_key(self) -> dict[str, int]:
+        """Per cached server group, the block ids a chunk has in it."""
+        return {key: bpc for _, g, bpc in self._cached for key in g.block_id_keys}
 
     def first_window_blocks(
         self, ids: dict[str, np.ndarray], first_chunk: int, n_chunks: int

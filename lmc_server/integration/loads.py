@@ -9,23 +9,33 @@ step's loads when it builds the step (:meth:`LoadPlanner.take`).
 Invariants:
 
 * a load reads only chunks its own lease covers (the lease of the lookup answer the hit
-  came from) and writes only chunks ``0..n`` of its request's block tables, as they
-  were when the engine allocated them: the planner keeps a request's tables unchanged
-  between :meth:`~LoadPlanner.queue` and :meth:`~LoadPlanner.take` (only the step that
-  takes the loads extends them, after);
+  came from) and writes only chunks ``0..n`` of its request's block tables as they were
+  when the engine allocated them: :meth:`LoadPlanner.queue` reads the ids of the
+  blocks the load writes then (from the engine's block objects or ids), so nothing
+  the engine or the planner does to a table later moves the load;
 * blocks the engine's own prefix cache holds (``keep_tokens``), vLLM's null block and
   blocks past a table's end are sent as ``-1`` (never written), exactly as
-  :meth:`~lmc_server.integration.chunks.ChunkGeometry.block_ids` has them: the step's
-  loads share one array per group (:meth:`~ChunkGeometry.load_block_ids`), each load's
-  ids a view of its own slice, so a step that takes 256 hits pays for a few numpy calls,
-  not hundreds.
+  :meth:`~lmc_server.integration.chunks.ChunkGeometry.block_ids` has them.
+
+Why this shape: in the step that takes 256 hits every Python object the scheduler
+thread touches costs (vLLM's block objects most of all, once they left the cache), so
+each load's block ids are read once, as the engine allocates, while its blocks are
+fresh, straight onto one list per group for the step (C-level, no list per load); the
+step's loads are then one numpy array per group and a few columns
+(:class:`~lmc_server.integration.plans.StepLoads`), no object per load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
 from lmc_server.cache.keys import DIGEST_BYTES
-from lmc_server.integration.chunks import ChunkGeometry
-from lmc_server.integration.plans import LoadSpec
+from lmc_server.integration.chunks import NULL_BLOCK_ID, ChunkGeometry
+from lmc_server.integration.plans import LoadSpec, StepLoads
 from lmc_server.integration.tracked import Tracked
 
 __all__ = ["LoadPlanner"]
@@ -36,26 +46,72 @@ class LoadPlanner:
 
     def __init__(self, geometry: ChunkGeometry) -> None:
         self.geometry = geometry
+        self._per_key = geometry.blocks_per_chunk_by_key()
+        #: (index, group, blocks per chunk) of each cached engine group
+        self._cached = geometry.cached_groups()
         #: (request, chunks, tokens the engine holds, lease) per queued load
         self._queued: list[tuple[Tracked, int, int, int]] = []
+        #: per cached group, the queued loads' block ids one after another
+        self._ids = self._new_buffers()
 
-    def queue(self, r: Tracked, n_chunks: int, keep_tokens: int) -> None:
-        """Load chunks ``0..n_chunks`` of ``r`` into its blocks (``r.blocks``) under its
-        lease, except the blocks below ``keep_tokens``, with the next step."""
+    def _new_buffers(self) -> list[list[int]]:
+        bufs: list[list[int]] = [[] for _ in self._cached]
+        #: (buffer, engine group index, blocks per chunk) per cached group
+        self._where = [(b, gi, bpc) for b, (gi, _, bpc) in zip(bufs, self._cached, strict=True)]
+        return bufs
+
+    def queue(
+        self,
+        r: Tracked,
+        n_chunks: int,
+        keep_tokens: int,
+        tables: Sequence[Sequence[Any]],
+        ids_of: Callable[[Sequence[Any]], list[int]] | None = None,
+    ) -> None:
+        """Load chunks ``0..n_chunks`` of ``r`` into ``tables`` (per engine group its
+        blocks; ``ids_of`` reads the ids of a part of a table, None: entries are ids)
+        under its lease, except the blocks below ``keep_tokens``, with the next step."""
+        for buf, gi, bpc in self._where:
+            want = n_chunks * bpc
+            part = tables[gi][:want]
+            buf += part if ids_of is None else ids_of(part)
+            if len(part) < want:  # past the table's end: never written
+                buf += [-1] * (want - len(part))
         self._queued.append((r, n_chunks, keep_tokens, r.lease_id))
 
-    def take(self) -> list[LoadSpec]:
+    def take(self) -> Sequence[LoadSpec]:
         """Every queued load, planned: each request's digests (hashed once, usually by
         its lookup already) and block ids (one array per group for all of them)."""
         queued, self._queued = self._queued, []
+        bufs, self._ids = self._ids, self._new_buffers()
         if not queued:
             return []
         g = self.geometry
-        ids = g.load_block_ids([(r.blocks, n, keep) for r, n, keep, _ in queued])
-        out = []
-        for (r, n, _, lease_id), block_ids in zip(queued, ids, strict=True):
-            digests = r.digests
-            if len(digests) != n * DIGEST_BYTES:  # else exactly the load's, as usual
-                digests = r.digests_for(g, n)
-            out.append(LoadSpec(r.req_id, digests, block_ids, lease_id))
-        return out
+        keeps = any(q[2] for q in queued)
+        block_ids: dict[str, np.ndarray] = {}
+        for buf, (_, eg, bpc) in zip(bufs, self._cached, strict=True):
+            ids = np.array(buf, dtype=np.int32)
+            ids[ids == NULL_BLOCK_ID] = -1
+            if keeps:
+                at = 0
+                for _, n, keep_tokens, _ in queued:
+                    keep_blocks = min(keep_tokens // eg.tokens_per_block, n * bpc)
+                    if keep_blocks > 0:
+                        ids[at : at + keep_blocks] = -1
+                    at += n * bpc
+            for key in eg.block_id_keys:
+                block_ids[key] = ids
+        digests = []
+        for r, n, _, _ in queued:
+            d = r.digests
+            if len(d) != n * DIGEST_BYTES:  # else exactly the load's, as usual
+                d = r.digests_for(g, n)
+            digests.append(d)
+        return StepLoads(
+            req_ids=[q[0].req_id for q in queued],
+            digests=digests,
+            lease_ids=[q[3] for q in queued],
+            chunk_ends=list(accumulate(q[1] for q in queued)),
+            block_ids=block_ids,
+            blocks_per_chunk=self._per_key,
+        )

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from typing import Any, cast
 
 from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
@@ -63,8 +63,8 @@ __all__ = ["SchedulerPlanner"]
 class SchedulerPlanner:
     """Per-request lookup, load and store state of the scheduler-side connector.
 
-    ``store_generated``: also store whole chunks of generated tokens (the next turn
-    of a conversation holds them in its prompt); otherwise prompt chunks only.
+    ``store_generated``: also store whole chunks of generated tokens (a conversation's
+    next turn holds them in its prompt); otherwise prompt chunks only.
 
     ``l2_wait_s``: how long a request may wait (answering "ask again") for chunks the
     server reports coming from its L2 tier, from the first answer that reported them;
@@ -72,11 +72,10 @@ class SchedulerPlanner:
     the answers set aside and the waits that ended at the bound).
 
     ``lookup_wait_s``: how long the scheduler thread may wait for lookup answers in
-    one engine step, in total over every request of the step (0: never wait; the
-    first call then answers "ask again"); lookups of requests that arrived since the
-    last step (:meth:`request_arrived`) go out together (:class:`StepLookups`).
+    one engine step, over all its requests (0: never; the first call then answers "ask
+    again"); the step's arrivals' lookups go out together (:class:`StepLookups`).
     ``lookup_wait_used_s`` sums the time waited, ``lookups_answered_at_once`` counts
-    answers that came within the budget at a request's first call.
+    answers in within the budget at a request's first call.
     """
 
     def __init__(
@@ -94,6 +93,7 @@ class SchedulerPlanner:
         self.lookups = StepLookups(service, lookup_wait_s, geometry)
         self.lookups_answered_at_once = 0
         self.geometry = geometry
+        self._cs, self._per = geometry.chunk_size, geometry.hashes_per_chunk
         self.service = service
         self.clock = clock
         self.store_enabled = store
@@ -104,8 +104,6 @@ class SchedulerPlanner:
         self._loads = LoadPlanner(geometry)
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
-
-    # -- helpers ------------------------------------------------------------------------
 
     def _release(self, r: Tracked) -> None:
         if r.lease_id:
@@ -146,8 +144,8 @@ class SchedulerPlanner:
     ) -> None:
         """A new request: queue its lookup to go out with the others of this step
         (noted now, admitted when the planner next acts: :mod:`.arrivals`)."""
-        if self.load_enabled:
-            self._arrivals.note(req_id, block_hashes, num_tokens, num_prompt_tokens)
+        if self.load_enabled:  # Arrivals.note, inlined: one call fewer per arrival
+            self._arrivals.noted.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
 
     def _admit(self) -> None:
         self._arrivals.admit(self._reqs)
@@ -181,8 +179,10 @@ class SchedulerPlanner:
         r.local_tokens = num_computed_tokens
         if not self.load_enabled or r.loading:
             return 0
-        cs = self.geometry.chunk_size
-        n = min(max(0, num_tokens - 1) // cs, len(block_hashes) // self.geometry.hashes_per_chunk)
+        cs = self._cs  # n = geometry.max_chunks(...), inlined (n < 0: no token to load)
+        n, hashed = (num_tokens - 1) // cs, len(block_hashes) // self._per
+        if hashed < n:
+            n = hashed
         if n * cs <= num_computed_tokens:
             self._drop_lookup(r)
             return 0
@@ -260,10 +260,11 @@ class SchedulerPlanner:
     def after_alloc(
         self,
         req_id: str,
-        blocks: Sequence[Sequence[int]],
+        blocks: Sequence[Sequence[Any]],
         num_external_tokens: int,
         num_local_tokens: int | None = None,
         owned: bool = False,
+        ids_of: Callable[[Sequence[Any]], list[int]] | None = None,
     ) -> None:
         """The engine allocated ``blocks`` (every group's table) for the request.
 
@@ -274,10 +275,10 @@ class SchedulerPlanner:
         replay) has its lease released at once. Chunks the lookup did not report are
         stored later even when the engine holds them.
 
-        ``owned``: ``blocks`` are fresh lists the caller hands over (vLLM's
-        ``get_block_ids`` builds new ones per call), kept as the request's tables and
-        extended in place as the engine allocates more; otherwise they are copied.
-        """
+        ``blocks``: block ids, kept as the request's tables (``owned``: the caller's
+        fresh lists, extended in place later; else copied); or, with ``ids_of`` (reads
+        a table part's ids), the engine's block objects, read for the load only: the
+        engine then sends a request's whole tables when it schedules it (vLLM does)."""
         if self._arrivals.noted:
             self._admit()
         r = self._reqs.get(req_id)
@@ -285,7 +286,9 @@ class SchedulerPlanner:
             return
         if num_local_tokens is None:
             num_local_tokens = r.local_tokens
-        r.blocks = cast("Sequence[list[int]]", blocks) if owned else [list(b) for b in blocks]
+        if ids_of is None:
+            r.blocks = cast("Sequence[list[int]]", blocks) if owned else [list(b) for b in blocks]
+            blocks = r.blocks
         answer = r.answer
         if answer is not None and answer.hit_chunks > r.stored_chunks:
             r.stored_chunks = answer.hit_chunks
@@ -294,11 +297,11 @@ class SchedulerPlanner:
             r.answer = None
             return
         matched = num_local_tokens + num_external_tokens
-        cs = self.geometry.chunk_size
+        cs = self._cs
         assert matched % cs == 0, "a load ends on a chunk boundary"
         assert answer is not None, "after_alloc with external tokens but no lookup"
         n = matched // cs
-        self._loads.queue(r, n, num_local_tokens)  # planned by build_step, with the others
+        self._loads.queue(r, n, num_local_tokens, blocks, ids_of)  # planned by build_step
         r.loading = True
         if n > r.stored_chunks:
             r.stored_chunks = n
@@ -316,9 +319,7 @@ class SchedulerPlanner:
             r = self._reqs.get(pid)
             if r is not None:
                 self._stores.fence_freed(r, None)
-                r.blocks = ()
-                r.answer = None
-                r.computed_tokens = 0
+                r.blocks, r.answer, r.computed_tokens = (), None, 0
                 self._release(r)
         for s in scheduled:
             plan.scheduled_tokens += s.num_scheduled_tokens

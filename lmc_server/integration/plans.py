@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 import numpy as np
 
@@ -185,7 +185,7 @@ class LoadSpec(NamedTuple):
     """Retrieve chunks ``0..n`` of a request into its blocks (``-1``: leave alone).
 
     A named tuple, not a frozen dataclass: as immutable, and built in a fifth of the
-    time (a step that takes 256 hits builds 256 on the scheduler thread)."""
+    time (a worker builds one per load of the step from :class:`StepLoads`)."""
 
     req_id: str
     digests: bytes
@@ -195,6 +195,51 @@ class LoadSpec(NamedTuple):
     @property
     def n_chunks(self) -> int:
         return len(self.digests) // DIGEST_BYTES
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepLoads(Sequence[LoadSpec]):
+    """The loads of one engine step, column by column: load ``i`` is ``self[i]``, a
+    :class:`LoadSpec` whose block ids are views of ``block_ids`` (each key's array
+    holds every load's ids in order, ``blocks_per_chunk[key]`` per chunk, load ``i``'s
+    from ``chunk_ends[i - 1]`` chunks on).
+
+    Why columns: the step that takes 256 hits plans them on the scheduler thread, and
+    a dictionary, a view and a named tuple per load cost it more than all their block
+    ids turned into arrays at once; the columns are built once per step (one array per
+    group, :meth:`~lmc_server.integration.loads.LoadPlanner.take`), and a load's own
+    :class:`LoadSpec` only where a worker asks for it. Invariant: the columns are never
+    written once built (a load's views alias the step's arrays)."""
+
+    req_ids: list[str]
+    digests: list[bytes]
+    lease_ids: list[int]
+    #: cumulative chunk counts: load ``i`` covers chunks ``chunk_ends[i-1]..chunk_ends[i]``
+    chunk_ends: list[int]
+    block_ids: dict[str, np.ndarray]
+    blocks_per_chunk: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> LoadSpec: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LoadSpec]: ...
+
+    def __getitem__(self, i: int | slice) -> LoadSpec | list[LoadSpec]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        lo = self.chunk_ends[i - 1] if i else 0
+        hi = self.chunk_ends[i]
+        per = self.blocks_per_chunk
+        ids = {k: a[lo * per[k] : hi * per[k]] for k, a in self.block_ids.items()}
+        return LoadSpec(self.req_ids[i], self.digests[i], ids, self.lease_ids[i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +272,8 @@ class StepPlan:
     and forward pass write any block.
     """
 
-    loads: list[LoadSpec] = field(default_factory=list)
+    #: the step's loads (the planner's: a :class:`StepLoads`)
+    loads: Sequence[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     fence_store_ids: set[int] = field(default_factory=set)
     #: tokens the step computes (0: no forward pass, the engine is otherwise idle)

@@ -205,8 +205,9 @@ class WorkerTransfers:
         :meth:`~lmc_server.integration.link.link.ServerLink.retrieve_batch`)."""
         if not loads:
             return
-        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in loads], ready)
-        for spec, fut in zip(loads, futs, strict=True):
+        specs = list(loads)  # a step's StepLoads builds each LoadSpec as it is read
+        futs = self.link.retrieve_batch([(s.digests, s.block_ids) for s in specs], ready)
+        for spec, fut in zip(specs, futs, strict=True):
             self.tracker.load_started(spec, fut)
 
     def start_stores(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -107,41 +108,81 @@ def test_block_ids_sliced_per_group_scratch_null_and_kept() -> None:
     assert short["indexer"].tolist() == [400, 401, 402, -1]
 
 
+class Block:
+    """An engine's block object (vLLM's ``KVCacheBlock``): the planner reads its id."""
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+
+def ids_of(blocks: Sequence[Block]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
 def test_a_steps_loads_planned_together_get_each_loads_own_block_ids() -> None:
-    """``load_block_ids`` (every load of a step at once, one array per group) gives each
-    load exactly what ``block_ids`` gives it alone: random tables with null blocks,
-    tables shorter than the load, blocks the engine holds, server groups sharing a
-    table; and no load's ids alias another's (marking one leaves the others alone)."""
+    """A step's loads planned together (one array per group, read once,
+    :class:`StepLoads`) give each load exactly what ``block_ids`` gives it alone:
+    random tables with null blocks, tables shorter than the load, blocks the engine
+    holds, server groups sharing a table, tables of ids or of the engine's block
+    objects, both in one step; the engine changing a table after the allocation does
+    not move its load; and no load's ids alias another's (marking one leaves the
+    others alone)."""
+    import pickle
     import random
+
+    from lmc_server.cache.keys import DIGEST_BYTES
+    from lmc_server.integration.loads import LoadPlanner
+    from lmc_server.integration.tracked import Tracked
 
     groups = [*dsv_groups(), EngineGroup("mla", 16, server_groups=("mla_k", "mla_v"))]
     g = ChunkGeometry(CHUNK, 32, groups)
     rng = random.Random(7)
-    loads = []
-    for _ in range(40):
-        n = rng.randint(1, 4)
-        tables = []
-        for eg in groups:
-            per = CHUNK // eg.tokens_per_block if eg.cached else 1
-            size = n * per - (rng.randint(1, per) if rng.random() < 0.2 else 0)
-            table = [rng.randrange(0, 5000) for _ in range(max(0, size))]
-            if table and rng.random() < 0.3:
-                table[rng.randrange(len(table))] = 0  # vLLM's null block
-            tables.append(table)
-        keep = rng.choice([0, 0, CHUNK, 100, n * CHUNK - 16])
-        loads.append((tables, n, keep))
-    together = g.load_block_ids(loads)
-    for (tables, n, keep), ids in zip(loads, together, strict=True):
-        alone = g.block_ids(tables, 0, n, keep_tokens=keep)
-        assert set(ids) == set(alone)
-        for key in alone:
-            assert ids[key].dtype == alone[key].dtype
-            assert ids[key].tolist() == alone[key].tolist(), key
-    first = together[0]["compressed"]
-    before = [ids["compressed"].tolist() for ids in together[1:]]
-    first[:] = -7
-    assert [ids["compressed"].tolist() for ids in together[1:]] == before
-    assert g.load_block_ids([]) == []
+    for mixed in (False, True):
+        planner = LoadPlanner(g)
+        loads = []
+        for i in range(40):
+            n = rng.randint(1, 4)
+            tables = []
+            for eg in groups:
+                per = CHUNK // eg.tokens_per_block if eg.cached else 1
+                size = n * per - (rng.randint(1, per) if rng.random() < 0.2 else 0)
+                table = [rng.randrange(0, 5000) for _ in range(max(0, size))]
+                if table and rng.random() < 0.3:
+                    table[rng.randrange(len(table))] = 0  # vLLM's null block
+                tables.append(table)
+            keep = rng.choice([0, 0, CHUNK, 100, n * CHUNK - 16])
+            r = Tracked(f"r{i}", [], 0, digests=bytes([i]) * (n * DIGEST_BYTES), lease_id=i)
+            as_objects = not mixed or i % 3 == 0
+            engine_tables: list[list[Any]] = [
+                [Block(b) for b in t] if as_objects else list(t) for t in tables
+            ]
+            planner.queue(r, n, keep, engine_tables, ids_of if as_objects else None)
+            for t in engine_tables:  # the engine reuses its tables after the allocation
+                t.reverse()
+            loads.append((tables, n, keep))
+        together = planner.take()
+        assert len(together) == len(loads)
+        for i, ((tables, n, keep), spec) in enumerate(zip(loads, together, strict=True)):
+            assert (spec.req_id, spec.lease_id, spec.n_chunks) == (f"r{i}", i, n)
+            alone = g.block_ids(tables, 0, n, keep_tokens=keep)
+            assert set(spec.block_ids) == set(alone)
+            for key in alone:
+                assert spec.block_ids[key].dtype == alone[key].dtype
+                assert spec.block_ids[key].tolist() == alone[key].tolist(), key
+        again = pickle.loads(pickle.dumps(together))  # vLLM hands plans to worker processes
+        assert [(s.req_id, s.digests, s.lease_id) for s in again] == [
+            (s.req_id, s.digests, s.lease_id) for s in together
+        ]
+        assert [s.block_ids["mla_v"].tolist() for s in again] == [
+            s.block_ids["mla_v"].tolist() for s in together
+        ]
+        first = together[0].block_ids["compressed"]
+        before = [spec.block_ids["compressed"].tolist() for spec in together[1:]]
+        first[:] = -7
+        assert [spec.block_ids["compressed"].tolist() for spec in together[1:]] == before
+        assert together[-1].req_id == together[len(loads) - 1].req_id
+        assert [s.req_id for s in together[1:3]] == ["r1", "r2"]
+        assert list(planner.take()) == []
 
 
 def test_first_window_block_a_store_reads() -> None:
@@ -296,6 +337,36 @@ def test_an_arrival_that_ends_before_its_lookup_went_out_leaves_the_others_their
     assert svc.released == [3]  # r3's answer (no hit) gives its lease back
 
 
+def test_an_arrival_noted_twice_or_already_looked_up_gets_one_lookup() -> None:
+    """The step's arrivals are admitted in one pass when each is new and distinct;
+    otherwise one by one: a request noted twice is looked up once, one whose answer
+    stands is not looked up again, and each request reads its own answer."""
+    svc = FakeLookups()
+    geometry = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
+    p = SchedulerPlanner(geometry, svc, lookup_wait_s=0.001)
+    prompts = {f"r{i}": hashes([1000 * i + t for t in range(600)]) for i in range(3)}
+    p.request_arrived("r0", prompts["r0"], 600, 600)
+    assert p.matched_tokens("r0", prompts["r0"], 600, 600, 0) is None
+    svc.pending[0][1].set_result(LookupAnswer(1, 5, 30.0))
+    assert p.matched_tokens("r0", prompts["r0"], 600, 600, 0) == 256
+    for rid in ("r1", "r0", "r2", "r1"):
+        p.request_arrived(rid, prompts[rid], 600, 600)
+    assert p.matched_tokens("r1", prompts["r1"], 600, 600, 0) is None
+    assert [d for d, _ in svc.pending[1:]] == [
+        geometry.digests(prompts[r], 2) for r in ("r1", "r2")
+    ]
+    svc.pending[1][1].set_result(LookupAnswer(2, 6, 30.0))
+    svc.pending[2][1].set_result(LookupAnswer(0, 0, 30.0))
+    got = [p.matched_tokens(rid, prompts[rid], 600, 600, 0) for rid in ("r0", "r1", "r2")]
+    assert got == [256, 512, 0] and svc.released == []
+    p.build_step([])
+    more = {f"r{i}": hashes([1000 * i + t for t in range(600)]) for i in (3, 4)}
+    for rid in ("r3", "r4", "r3"):  # all new: one of them noted twice
+        p.request_arrived(rid, more[rid], 600, 600)
+    assert p.matched_tokens("r3", more["r3"], 600, 600, 0) is None
+    assert [d for d, _ in svc.pending[3:]] == [geometry.digests(more[r], 2) for r in ("r3", "r4")]
+
+
 def test_lookup_waits_are_bounded_per_step_not_per_request() -> None:
     """A server that does not answer: the first call of a step waits out the step's
     budget, the other requests of the step do not wait again; every call answers
@@ -340,8 +411,8 @@ def test_wait_settings() -> None:
 
 def test_a_load_writes_the_tables_as_allocated_copied_unless_handed_over() -> None:
     """By default the planner copies the engine's tables: the caller changing its list
-    after the allocation cannot move a load into other blocks. ``owned=True`` (the
-    vLLM adapter: ``get_block_ids`` builds fresh lists) keeps the caller's lists."""
+    after the allocation cannot move a load into other blocks. ``owned=True`` (a caller
+    that hands over fresh lists) keeps the caller's lists."""
     g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
     h = hashes(list(range(1100)))
     for owned in (False, True):

@@ -172,9 +172,14 @@ def test_store_then_async_load_through_vllm_classes(srv: ServerProcess) -> None:
         n, is_async = _matched(sched, b, 0)
         assert (n, is_async) == (512, True)
         b_blocks = list(range(60, 104))
-        sched.update_state_after_alloc(b, _blocks(b_blocks), 512)
+        allocated = _blocks(b_blocks)
+        sched.update_state_after_alloc(b, allocated, 512)
+        # vLLM's table changing after the allocation does not move the load
+        allocated.blocks[0][:] = _blocks(list(range(110, 154))).blocks[0]
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
         assert len(meta.plan.loads) == 1
+        (ids,) = {tuple(a.tolist()) for a in meta.plan.loads[0].block_ids.values()}
+        assert list(ids) == b_blocks[:32]
         res = _step(worker, meta, set())
         if not res.finished_recving:
             res = _poll(worker, set(), "finished_recving")
@@ -194,16 +199,14 @@ def test_store_then_async_load_through_vllm_classes(srv: ServerProcess) -> None:
         seg.close()
 
 
-def test_get_block_ids_builds_fresh_lists_per_call() -> None:
-    """The adapter hands ``KVCacheBlocks.get_block_ids()`` to the planner uncopied
-    (``after_alloc(owned=True)``), which extends those lists as the engine allocates:
-    that is safe only while vLLM builds new lists per call and keeps none of them."""
+def test_a_loads_block_ids_are_read_as_vllm_reads_them() -> None:
+    """The adapter reads the ids of the blocks a load writes from ``KVCacheBlocks.blocks``
+    (vLLM's ``KVCacheBlock`` objects, per group), not ``get_block_ids()``: the same ids."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from lmc_server.integration.vllm.geometry import block_ids
+
     blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(3)], [KVCacheBlock(7)]))
-    first, second = blocks.get_block_ids(), blocks.get_block_ids()
-    assert first == second == ([0, 1, 2], [7])
-    assert all(a is not b for a, b in zip(first, second, strict=True))
-    first[0].append(99)
-    assert blocks.get_block_ids() == ([0, 1, 2], [7])
+    assert tuple(block_ids(group) for group in blocks.blocks) == blocks.get_block_ids()
+    assert block_ids(blocks.blocks[0][1:]) == [1, 2]

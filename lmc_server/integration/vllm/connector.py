@@ -36,7 +36,7 @@ from lmc_server.integration.link.link import ServerLink
 from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest, StepPlan
 from lmc_server.integration.settings import ConnectorSettings
-from lmc_server.integration.vllm.geometry import build_groups, describe
+from lmc_server.integration.vllm.geometry import block_ids, build_groups, describe
 from lmc_server.integration.worker import (
     TransferTracker,
     WorkerTransfers,
@@ -346,10 +346,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        """Queue the hit's load: the planner reads the ids of the blocks it writes, now,
+        from ``KVCacheBlocks.blocks`` (vLLM's ``KVCacheBlock`` objects, fresh from the
+        allocation), not ``get_block_ids()``'s whole tables; vLLM sends a request's
+        whole tables when it schedules it."""
         assert self.planner is not None
-        # get_block_ids builds fresh lists: the planner keeps them, uncopied
         self.planner.after_alloc(
-            request.request_id, blocks.get_block_ids(), num_external_tokens, owned=True
+            request.request_id, blocks.blocks, num_external_tokens, None, False, block_ids
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
