@@ -123,6 +123,12 @@ class ShmSegment:
     def spec(self) -> ShmBuffer:
         return ShmBuffer(name=self.name, size_bytes=self.size_bytes)
 
+    @property
+    def closed(self) -> bool:
+        """Closed: its descriptor is gone (it cannot be registered), its addresses may
+        be another mapping's."""
+        return self._closed
+
     def fileno(self) -> int:
         if self._closed:
             raise ValueError(f"shared-memory segment {self.name} is closed")

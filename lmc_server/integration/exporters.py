@@ -11,7 +11,10 @@ share it.
 * :class:`ShmExporter`: CPU tensors that are views of POSIX shared-memory segments
   (the CPU engine: tests and CPU-only hosts). The process that allocates the KV cache
   registers each segment with :func:`register_shm_segment`; a tensor outside every
-  registered segment is refused, since the server could not reach it.
+  registered segment is refused, since the server could not reach it. A segment closed
+  without being unregistered is dropped at the next export: a new mapping may sit at
+  its old addresses, and a tensor there must be found in its own segment, not named
+  by the closed one (seen in one process running vLLM engines one after another).
 
 Tensors are typed ``Any`` so this module imports without torch.
 """
@@ -62,8 +65,10 @@ class ShmExporter:
             raise ValueError("ShmExporter got a CUDA tensor; use the cuda exporter")
         ptr = int(tensor.data_ptr())
         with _segments_lock:
-            for base, seg in _segments.items():
-                if base <= ptr < base + seg.size_bytes:
+            for base, seg in list(_segments.items()):
+                if seg.closed:  # closed, never unregistered: its range may be reused now
+                    del _segments[base]
+                elif base <= ptr < base + seg.size_bytes:
                     return ExportedBuffer(seg.spec, base, seg.size_bytes)
         raise ValueError(
             f"tensor at 0x{ptr:x} is not inside a registered shared-memory "

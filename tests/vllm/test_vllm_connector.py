@@ -194,8 +194,11 @@ def test_store_then_async_load_through_vllm_classes(srv: ServerProcess) -> None:
         c = _request("C", list(range(7000, 7600)))
         assert _matched(sched, c, 0) == (0, False)
     finally:
+        from lmc_server.integration.exporters import unregister_shm_segment
+
         worker.shutdown()
         sched.shutdown()
+        unregister_shm_segment(seg)
         seg.close()
 
 
