@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
@@ -263,7 +263,6 @@ class SchedulerPlanner:
         blocks: Sequence[Sequence[Any]],
         num_external_tokens: int,
         num_local_tokens: int | None = None,
-        owned: bool = False,
         ids_of: Callable[[Sequence[Any]], list[int]] | None = None,
     ) -> None:
         """The engine allocated ``blocks`` (every group's table) for the request.
@@ -275,10 +274,10 @@ class SchedulerPlanner:
         replay) has its lease released at once. Chunks the lookup did not report are
         stored later even when the engine holds them.
 
-        ``blocks``: block ids, kept as the request's tables (``owned``: the caller's
-        fresh lists, extended in place later; else copied); or, with ``ids_of`` (reads
-        a table part's ids), the engine's block objects, read for the load only: the
-        engine then sends a request's whole tables when it schedules it (vLLM does)."""
+        ``blocks``: block ids, copied as the request's tables (the caller may reuse its
+        lists); or, with ``ids_of`` (reads a table part's ids), the engine's block
+        objects, read for the load only: the engine then sends a request's whole tables
+        when it schedules it (vLLM does)."""
         if self._arrivals.noted:
             self._admit()
         r = self._reqs.get(req_id)
@@ -287,7 +286,7 @@ class SchedulerPlanner:
         if num_local_tokens is None:
             num_local_tokens = r.local_tokens
         if ids_of is None:
-            r.blocks = cast("Sequence[list[int]]", blocks) if owned else [list(b) for b in blocks]
+            r.blocks = [list(b) for b in blocks]
             blocks = r.blocks
         answer = r.answer
         if answer is not None and answer.hit_chunks > r.stored_chunks:

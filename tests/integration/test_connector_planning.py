@@ -411,25 +411,22 @@ def test_wait_settings() -> None:
         )
 
 
-def test_a_load_writes_the_tables_as_allocated_copied_unless_handed_over() -> None:
-    """By default the planner copies the engine's tables: the caller changing its list
-    after the allocation cannot move a load into other blocks. ``owned=True`` (a caller
-    that hands over fresh lists) keeps the caller's lists."""
+def test_a_load_writes_the_tables_as_allocated_copied() -> None:
+    """The planner copies the engine's tables: the caller changing its list after the
+    allocation cannot move a load into other blocks."""
     g = ChunkGeometry(CHUNK, 16, [EngineGroup("full", 16)])
     h = hashes(list(range(1100)))
-    for owned in (False, True):
-        svc = FakeLookups()
-        p = SchedulerPlanner(g, svc)
-        p.matched_tokens("r", h, 1100, 1100, 0)
-        svc.pending[0][1].set_result(LookupAnswer(2, 7, 30.0))
-        assert p.matched_tokens("r", h, 1100, 1100, 0) == 512
-        table = list(range(1, 70))
-        p.after_alloc("r", [table], 512, owned=owned)
-        if not owned:
-            table[:32] = range(100, 132)  # the caller reuses its list
-        (load,) = p.build_step([]).loads
-        assert load.block_ids["full"].tolist() == list(range(1, 33)), owned
-        assert load.lease_id == 7
+    svc = FakeLookups()
+    p = SchedulerPlanner(g, svc)
+    p.matched_tokens("r", h, 1100, 1100, 0)
+    svc.pending[0][1].set_result(LookupAnswer(2, 7, 30.0))
+    assert p.matched_tokens("r", h, 1100, 1100, 0) == 512
+    table = list(range(1, 70))
+    p.after_alloc("r", [table], 512)
+    table[:32] = range(100, 132)  # the caller reuses its list
+    (load,) = p.build_step([]).loads
+    assert load.block_ids["full"].tolist() == list(range(1, 33))
+    assert load.lease_id == 7
 
 
 def test_load_then_store_plan_and_hold_rules() -> None:

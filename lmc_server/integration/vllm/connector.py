@@ -352,7 +352,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         whole tables when it schedules it."""
         assert self.planner is not None
         self.planner.after_alloc(
-            request.request_id, blocks.blocks, num_external_tokens, None, False, block_ids
+            request.request_id, blocks.blocks, num_external_tokens, None, block_ids
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
