@@ -36,7 +36,7 @@ from lmc_server.threadnames import name_os_thread
 from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cuda import kernels
 from lmc_server.transfer.cuda.batch import BatchCopier
-from lmc_server.transfer.cuda.dma_plan import DmaPlan, wide_rows
+from lmc_server.transfer.cuda.dma_plan import DmaPlan, plan_dma, wide_rows
 from lmc_server.transfer.cuda.dma_reuse import DmaPlans
 from lmc_server.transfer.cuda.gpu_activity import BusyGate, NvmlUtilization, SampledGate
 from lmc_server.transfer.cuda.ipc import CudaMapping
@@ -101,8 +101,10 @@ class CudaJobRunner:
         self.profile = False
         self.last_profile: dict[str, float] = {}
         self._lanes_per_device = lanes_per_device
-        #: DMA plans of recent copy lists, moved to the next worker with the same
-        #: request (:mod:`~lmc_server.transfer.cuda.dma_reuse`); launched from one thread
+        #: DMA plans of recent retrieves' copy lists, moved to the next worker with the
+        #: same request (:mod:`~lmc_server.transfer.cuda.dma_reuse`; a store's copies
+        #: name slots reserved for it alone, so its plan is never kept, and stores do not
+        #: push the ranks' retrieve plans out of the cache); launched from one thread
         #: at a time (the loop, or a waiter launching a queued job, under ``_plan_lock``)
         self._dma_plans = DmaPlans()
         self._plan_lock = threading.Lock()
@@ -118,6 +120,11 @@ class CudaJobRunner:
         #: the pinned pool the copies go to and from (``create_pool`` sets it)
         self._pool: CudaHostPool | None = None
         self._sm_count: dict[int, int] = {}
+
+    @property
+    def dma_plans_made(self) -> int:
+        """Retrieve DMA plans made and kept for reuse so far (tests, diagnostics)."""
+        return self._dma_plans.planned
 
     def _lanes_of(self, device: int) -> Lanes:
         lanes = self._lanes.get(device)
@@ -161,8 +168,11 @@ class CudaJobRunner:
                     mode = "dma" if busy or wide_rows(job.copies) else "staging"
                 plan: Plan | DmaPlan
                 if mode == "dma":
-                    with self._plan_lock:
-                        plan = self._dma_plans.plan(job.copies, region)
+                    if to_pool:  # a store's list is new every time (fresh slots): no reuse
+                        plan = plan_dma(job.copies, region)
+                    else:
+                        with self._plan_lock:
+                            plan = self._dma_plans.plan(job.copies, region)
                     if not plan.n_rows:
                         job.done("")
                         return False
