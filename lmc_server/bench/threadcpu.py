@@ -45,6 +45,10 @@ GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("metrics", re.compile(r"lmc-metrics")),
 )
 GROUP_NAMES = ("loop", *(g for g, _ in GROUPS), "other")
+#: Groups whose CPU is not Python holding the GIL: ZMQ's I/O threads and the CUDA
+#: driver's own run no Python, and the cpu engine's copy threads spend their time in
+#: numpy copies, which release it. Every other group's CPU counts as GIL time.
+NO_GIL_GROUPS = frozenset({"zmq_io", "cuda", "copy_threads"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +152,15 @@ def cpu_report(a: Snapshot, b: Snapshot, requests: int) -> dict[str, Any]:
     requests/s divided by that thread's busy fraction, the rate at which it would be
     100% busy if its cost per request stayed the same (an extrapolation);
     ``loop_saturation_requests_per_s`` the same for the busiest event loop.
+
+    The server's Python threads (its event loop, copy waiters, tiers: every group but
+    :data:`NO_GIL_GROUPS`) take turns on one GIL, so the loop is not the only bound: a
+    launch or completion a copy waiter runs is Python time the loop cannot use.
+    ``gil_busy`` is, per process, the CPU of those threads over the wall time, the
+    largest over the processes (an upper bound on the time the GIL is held: some of it
+    is a C call that released it), and ``gil_saturation_requests_per_s`` the rate at
+    which it would reach 1: a lower bound on the ceiling where the thread figure above
+    is an upper one.
     """
     wall_s = b.t_s - a.t_s
     moved: list[tuple[ThreadTime, float]] = []
@@ -185,6 +198,11 @@ def cpu_report(a: Snapshot, b: Snapshot, requests: int) -> dict[str, Any]:
     busiest = described(*max(moved, key=lambda m: m[1])) if moved else None
     loops = [m for m in moved if m[0].group == "loop"]
     loop = described(*max(loops, key=lambda m: m[1])) if loops else None
+    gil_cpu: dict[int, float] = {}
+    for t, cpu in moved:
+        if t.group not in NO_GIL_GROUPS:
+            gil_cpu[t.pid] = gil_cpu.get(t.pid, 0.0) + cpu
+    gil_busy = max(gil_cpu.values()) / wall_s if gil_cpu and wall_s > 0 else None
     processes = []
     for pid, (name, ticks) in b.processes.items():
         cpu = _seconds(ticks - a.processes.get(pid, (name, 0))[1])
@@ -207,5 +225,7 @@ def cpu_report(a: Snapshot, b: Snapshot, requests: int) -> dict[str, Any]:
         "saturation_requests_per_s": saturation(busiest["busy"] if busiest else None),
         "loop_thread": loop,
         "loop_saturation_requests_per_s": saturation(loop["busy"] if loop else None),
+        "gil_busy": gil_busy,
+        "gil_saturation_requests_per_s": saturation(gil_busy),
         "processes": processes,
     }

@@ -48,6 +48,9 @@ def assert_server_cpu_plausible(cpu: dict[str, Any]) -> None:
     assert busiest["busy"] >= loop["busy"], cpu
     assert cpu["saturation_requests_per_s"] >= cpu["requests_per_s"], cpu
     assert cpu["loop_saturation_requests_per_s"] >= cpu["saturation_requests_per_s"], cpu
+    assert cpu["gil_busy"] >= loop["busy"], cpu
+    assert cpu["requests_per_s"] <= cpu["gil_saturation_requests_per_s"], cpu
+    assert cpu["gil_saturation_requests_per_s"] <= cpu["loop_saturation_requests_per_s"], cpu
     assert cpu["requests_by_op"], cpu
 
 

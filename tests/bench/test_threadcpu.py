@@ -97,6 +97,33 @@ def test_cpu_per_request_busy_fractions_and_the_saturation_rate() -> None:
     assert proc["cpu_s"] == pytest.approx(1.5 + 0.2 + 0.5 + 1.0)  # the ended thread too
 
 
+def test_the_python_threads_share_one_gil_and_bound_the_rate_lower() -> None:
+    """The loop 0.5 s and two copy waiters 0.3 s each of a 1 s window: no one thread is
+    saturated, but together they hold the GIL 1.1 s of 1 s; ZMQ's, CUDA's and the cpu
+    engine's copy threads do not count."""
+    ticks_per_s = round(1 / TICK_S)
+    names = {
+        PID: "lmcache",
+        101: "lmc-cuda0-wait",
+        102: "lmc-cuda0-wait",
+        103: "ZMQbg/IO/0",
+        104: "cuda-EvtHandlr",
+        105: "lmc-copy_0",
+    }
+    a = _snap(0.0, {tid: (n, 0) for tid, n in names.items()})
+    cpu = {PID: 0.5, 101: 0.3, 102: 0.3, 103: 0.9, 104: 0.9, 105: 0.9}
+    b = _snap(1.0, {tid: (n, int(cpu[tid] * ticks_per_s)) for tid, n in names.items()})
+    r = cpu_report(a, b, requests=400)
+    assert r["gil_busy"] == pytest.approx(1.1)
+    assert r["loop_saturation_requests_per_s"] == pytest.approx(800.0)
+    assert r["gil_saturation_requests_per_s"] == pytest.approx(400.0)  # capped at 100 %
+    half = _snap(1.0, {tid: (n, int(cpu[tid] * ticks_per_s / 2)) for tid, n in names.items()})
+    r = cpu_report(a, half, requests=400)
+    assert r["gil_busy"] == pytest.approx(0.55)
+    assert r["gil_saturation_requests_per_s"] == pytest.approx(400 / 0.55)
+    assert r["gil_saturation_requests_per_s"] < r["loop_saturation_requests_per_s"]
+
+
 def test_the_saturation_rate_never_falls_below_the_rate_measured() -> None:
     """A thread read at 102% busy (the windows' ends rounded to ticks) counts as 100%."""
     ticks_per_s = round(1 / TICK_S)
@@ -112,6 +139,7 @@ def test_no_requests_and_no_cpu_give_no_rates() -> None:
     r = cpu_report(a, _snap(1.0, {PID: ("lmcache", 10)}), requests=0)
     assert r["groups"]["loop"]["cpu_us_per_request"] is None
     assert r["saturation_requests_per_s"] is None
+    assert r["gil_saturation_requests_per_s"] is None
 
 
 def test_a_named_busy_thread_of_this_process_is_read_with_its_cpu() -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from lmc_server.bench.common import DEFAULT_CHUNK_SIZE, GeometryArgs
 from lmc_server.bench.options import BACKENDS, ints, opt, words
 from lmc_server.cache.geometry import blocks_per_chunk
+from lmc_server.config import CUDA_COPY_MODES
 from lmc_server.testing.presets import KVGeometry
 
 REGION_A, REGION_B = 0, 1
@@ -90,6 +91,13 @@ class RanksConfig:
     )
     kill_one: bool = opt(
         True, "SIGKILL the last rank halfway through phase 2 or the DP phase (phase 3)."
+    )
+    cuda_copy_mode: str = opt(
+        "auto",
+        "cuda only: the server's --cuda-copy-mode. dma keeps the copy engines whatever "
+        "the rows' width (auto takes staging for narrow rows on an idle GPU), so a small "
+        "--layers geometry issues the same copies per request as the full one.",
+        type=click.Choice(CUDA_COPY_MODES),
     )
     geometry: GeometryArgs = GeometryArgs()
     num_blocks: int | None = opt(

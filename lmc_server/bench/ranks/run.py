@@ -348,6 +348,7 @@ def run(cfg: RanksConfig) -> Report:
             "chunks": cfg.chunks,
             "duration_s": cfg.duration_s,
             "kill_one": cfg.kill_one,
+            "cuda_copy_mode": cfg.cuda_copy_mode if cfg.backend == "cuda" else None,
             "batch": cfg.batch,
             "geometry": cfg.geometry.describe(),
             "num_blocks": num_blocks,
@@ -358,7 +359,13 @@ def run(cfg: RanksConfig) -> Report:
             "eviction_policy": "LRU",
         },
     )
-    args = server_flags(cfg.chunk_size, True, "--eviction-policy", "LRU")
+    args = server_flags(
+        cfg.chunk_size,
+        True,
+        "--eviction-policy",
+        "LRU",
+        copy_mode=cfg.cuda_copy_mode if cfg.backend == "cuda" else "",
+    )
     with (
         ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb, start_timeout_s=120) as srv,
         Client(srv.endpoint, timeout_s=60) as admin,

@@ -48,6 +48,11 @@ def notes(report: Report, cfg: RanksConfig) -> None:
         "one thread would be 100% busy, an extrapolation that assumes its CPU per "
         "request stays the same at that rate (queueing, batching and a second "
         "bottleneck can change it either way)",
+        "GIL busy = CPU of the server's Python threads together (all but ZMQ's I/O, "
+        "CUDA's and the cpu engine's copy threads) / wall s: they take turns on one GIL, "
+        "so GIL sat req/s = req/s / GIL busy is a lower bound on the ceiling where sat "
+        "req/s is an upper one; a small --layers geometry with --cuda-copy-mode dma "
+        "reaches the ceiling itself (the same copies per request, a fraction of the bytes)",
     ]
     for name, ok in report.summary["checks"].items():
         report.notes.append(f"check {'PASS' if ok else 'FAIL'}: {name}")
@@ -89,6 +94,8 @@ def _load_row(phase: str, res: dict[str, Any], **extra: Any) -> dict[str, Any]:
         "busiest": "loop" if busiest.get("group") == "loop" else busiest.get("name"),
         "busiest_busy": busiest.get("busy"),
         "sat_rps": cpu.get("saturation_requests_per_s"),
+        "gil_busy": cpu.get("gil_busy"),
+        "gil_sat_rps": cpu.get("gil_saturation_requests_per_s"),
         "error": cpu.get("error"),
     }
 
@@ -112,7 +119,8 @@ def server_load_table(report: Report) -> str:
             "phase|phase; chunks|chunks|d; inflight|in flight|d; rps|req/s|,.0f; "
             "gbps|retr GB/s|.2f; ratio|of raw|.3f; store_gbps|store GB/s|.2f; "
             "loop_busy|loop busy|.2f; loop_us|loop us/req|,.0f; busiest|busiest thread; "
-            "busiest_busy|its busy|.2f; sat_rps|sat req/s|,.0f"
+            "busiest_busy|its busy|.2f; sat_rps|sat req/s|,.0f; gil_busy|GIL busy|.2f; "
+            "gil_sat_rps|GIL sat req/s|,.0f"
         ),
     )
     errors = [f"{r['phase']}: server CPU not read ({r['error']})" for r in rows if r["error"]]
