@@ -19,7 +19,7 @@ from lmc_server.transfer.base import TransferError
 from lmc_server.transfer.cpu import _copy_run
 from lmc_server.transfer.cuda.dma_plan import DmaPlan, plan_dma, split_rows, wide_rows
 from lmc_server.transfer.cuda.plan import Plan, plan_mapped, plan_staging
-from lmc_server.transfer.cuda.units import Region
+from lmc_server.transfer.cuda.units import Region, plan_units
 
 SLAB = 16 << 20
 
@@ -470,6 +470,71 @@ def test_llama_dma_plan_matches_cpu_reference(
         _copy_run(c, expect[c.run.buffer], mem.pool_view(), False)
     for i in range(len(sizes)):
         assert same_bytes(mem.buf(i), expect[i])
+
+
+@pytest.mark.parametrize("holes", [0.0, 0.2], ids=["no-holes", "holes"])
+@pytest.mark.parametrize("consecutive", [False, True], ids=["random-ids", "consecutive-ids"])
+@pytest.mark.parametrize(
+    "preset", ["dsv41-sm90", "dsv41-sm100", "dsv41-padded", "llama-fa", "llama-fi"]
+)
+def test_side_by_side_plan_is_the_general_plan(
+    preset: str, consecutive: bool, holes: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block-outermost pages take the short plan (one row per stored block, joined);
+    it must give exactly the rows, in the order, the general plan gives for them. The
+    same checks ran first (plan_units, check_objects): only the rows differ in how they
+    are worked out."""
+    from lmc_server.transfer.cuda import dma_plan
+
+    rng = np.random.default_rng(7)
+    if preset.startswith("dsv41"):
+        arch = "sm100" if preset == "dsv41-sm100" else "sm90"
+        pad = 72 if preset == "dsv41-padded" else 0
+        copies, sizes, pool_bytes = dsv41_copies(
+            arch, 6, pad, rng, consecutive=consecutive, placement="block"
+        )
+    else:
+        backend = "flash_attn" if preset == "llama-fa" else "flashinfer"
+        copies, sizes, pool_bytes = llama_copies(backend, "block", 5, consecutive, rng)
+    if holes:
+        copies = [
+            RunCopy(
+                c.run,
+                np.where(rng.random(c.block_ids.shape) < holes, -1, c.block_ids),
+                c.object_offsets,
+            )
+            for c in copies
+        ]
+    mem = Memory(sizes, pool_bytes, 1 << 20)
+    calls: list[bool] = []
+    real = dma_plan._side_by_side
+
+    def recorded(t: np.ndarray) -> bool:
+        calls.append(real(t))
+        return calls[-1]
+
+    monkeypatch.setattr(dma_plan, "_side_by_side", recorded)
+    short = plan_dma(copies, mem.region)
+    monkeypatch.setattr(dma_plan, "_side_by_side", lambda t: False)
+    general = plan_dma(copies, mem.region)
+    # padded pages (a layer stride past the page) are 2-D copies: the general plan
+    assert calls == [preset != "dsv41-padded"]
+    assert (
+        short.nbytes
+        == general.nbytes
+        == sum(int((c.block_ids >= 0).sum()) * c.run.n_layers * c.run.page_bytes for c in copies)
+    )
+    np.testing.assert_array_equal(short.rows, general.rows)
+
+
+def test_layer_outermost_pages_take_the_general_plan() -> None:
+    """A page per layer and block (layer-outermost): 2-D copies, never the short plan."""
+    from lmc_server.transfer.cuda import dma_plan
+
+    rng = np.random.default_rng(3)
+    copies, sizes, pool_bytes = dsv41_copies("sm90", 2, 0, rng, placement="layer")
+    units = plan_units(copies, Memory(sizes, pool_bytes, 1 << 20).region)
+    assert units is not None and not dma_plan._side_by_side(units.table)
 
 
 def test_split_rows_covers_every_row_once_by_bytes() -> None:
