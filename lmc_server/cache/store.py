@@ -30,13 +30,16 @@ class StoreTicket:
     """A store in flight: reserved slots (WRITING) and the copies that fill them.
 
     ``statuses[og]`` holds one :class:`ChunkStatus` per chunk; reserved chunks say
-    ``OK`` provisionally and become ``FAILED`` if the copy is aborted.
+    ``OK`` provisionally and become ``FAILED`` if the copy is aborted. ``others``
+    counts the chunks reported ``IN_PROGRESS`` (another store is writing them): a store
+    with none has nothing to wait for once its own copy is decided.
     """
 
     statuses: list[np.ndarray]
     reserved: list[Reservation]
     copies: list[RunCopy]
     nbytes: int
+    others: int = 0
     done: bool = False
 
 
@@ -57,7 +60,7 @@ def reserve_store(
     statuses: list[np.ndarray] = []
     reserved: list[Reservation] = []
     copies: list[RunCopy] = []
-    nbytes = 0
+    nbytes = others = 0
     for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
         st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
         avail = [
@@ -78,12 +81,16 @@ def reserve_store(
             existing = get(key)
             if existing is not None:
                 committed = part.state[existing] == COMMITTED
-                st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
                 if committed:
+                    st[i] = ChunkStatus.EXISTS
                     held.append(existing)
+                else:
+                    st[i] = ChunkStatus.IN_PROGRESS
+                    others += 1
                 continue
             if key in fresh_keys:  # the same digest twice in one request
                 st[i] = ChunkStatus.IN_PROGRESS
+                others += 1
                 continue
             fresh.append(i)
             fresh_keys.add(key)
@@ -113,7 +120,9 @@ def reserve_store(
         nbytes += plan_objects(
             og, offsets, np.frombuffer(chunks, dtype=np.int32), avail, group_ids, copies
         )
-    return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
+    return StoreTicket(
+        statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes, others=others
+    )
 
 
 def commit_store(ticket: StoreTicket, stats: CacheStats) -> None:
