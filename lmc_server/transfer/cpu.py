@@ -234,17 +234,12 @@ def _layer_view(
 
 
 def _consecutive(ids: np.ndarray) -> list[bool]:
-    """Per chunk (row of ``ids``): its block ids ascend by one (one strided copy)."""
+    """Per chunk (row of ``ids``): its block ids ascend by one (one strided copy); below
+    16 chunks looked at in Python (numpy's fixed cost dominates)."""
     nb = ids.shape[1]
-    if nb == 1:
-        return [True] * ids.shape[0]
-    if ids.shape[0] < _SCALAR_ROWS:  # a few chunks: numpy's fixed cost dominates
-        return [row == list(range(row[0], row[0] + nb)) for row in ids.tolist()]
-    return (np.diff(ids, axis=1) == 1).all(axis=1).tolist()
-
-
-#: Below this many chunks a run's block ids are looked at in Python.
-_SCALAR_ROWS = 16
+    if nb == 1 or ids.shape[0] >= 16:
+        return (np.diff(ids, axis=1) == 1).all(axis=1).tolist()
+    return [row == list(range(row[0], row[0] + nb)) for row in ids.tolist()]
 
 
 def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> None:
@@ -266,13 +261,10 @@ def _copy_run(c: RunCopy, buf: np.ndarray, pool: np.ndarray, to_pool: bool) -> N
         if consecutive[ci] and row_first >= 0:
             src = r.base_offset + row_first * r.block_stride
             if flat:
-                if to_pool:
-                    pool[dst_base : dst_base + span] = buf[src : src + span]
-                else:
-                    buf[src : src + span] = pool[dst_base : dst_base + span]
-                continue
-            eng = _layer_view(buf, src, nl, r.layer_stride, nb, r.block_stride, page)
-            obj = np.ndarray((nl, nb, page), np.uint8, pool, dst_base, obj_strides)
+                eng, obj = buf[src : src + span], pool[dst_base : dst_base + span]
+            else:
+                eng = _layer_view(buf, src, nl, r.layer_stride, nb, r.block_stride, page)
+                obj = np.ndarray((nl, nb, page), np.uint8, pool, dst_base, obj_strides)
             if to_pool:
                 np.copyto(obj, eng)
             else:
