@@ -322,12 +322,6 @@ class RunCopy:
         return int(self.block_ids.shape[0]) * self.run.nbytes
 
 
-def no_holes(group_ids: dict[int, np.ndarray]) -> bool:
-    """No block id of a request is -1: every section of every chunk is given (ids are
-    bounds-checked to ``-1 .. num_blocks - 1`` before the core sees them)."""
-    return all(not a.size or int(a.min()) >= 0 for a in group_ids.values())
-
-
 def section_block_ids(section: SectionLayout, group_ids: np.ndarray) -> np.ndarray:
     """The stored blocks' ids per chunk: ``group_ids`` is ``(chunks, blocks_per_chunk)``."""
     return group_ids[:, section.first_block : section.first_block + section.n_blocks]

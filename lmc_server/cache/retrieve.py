@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.counters import CacheStats, CounterSet
+from lmc_server.cache.group_ids import no_holes
 from lmc_server.cache.layout import (
     ObjectGroupLayout,
     RegistrationLayout,
     RunCopy,
-    no_holes,
     plan_objects,
     section_block_ids,
 )
@@ -269,7 +269,8 @@ def _plan(
     holes = not no_holes(group_ids)
     # the copies may read these arrays through views, and a plan outlives the request:
     # a caller's writable array is copied (the server's are read-only already)
-    group_ids = {g: a if not a.flags.writeable else _frozen(a.copy()) for g, a in group_ids.items()}
+    if any(a.flags.writeable for a in group_ids.values()):
+        group_ids = {g: _frozen(a.copy()) if a.flags.writeable else a for g, a in group_ids.items()}
     statuses: list[np.ndarray] = []
     pinned: list[tuple[Partition, SlotSet]] = []
     ticked: list[np.ndarray] = []

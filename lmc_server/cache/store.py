@@ -19,7 +19,8 @@ import numpy as np
 
 from lmc_server.cache.allocator import SlotAllocator
 from lmc_server.cache.counters import CacheStats
-from lmc_server.cache.layout import RunCopy, no_holes, plan_objects, section_block_ids
+from lmc_server.cache.group_ids import no_holes
+from lmc_server.cache.layout import RunCopy, plan_objects, section_block_ids
 from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.reservation import Reservation, finish
 from lmc_server.cache.status import ChunkStatus
