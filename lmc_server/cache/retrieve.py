@@ -309,7 +309,7 @@ def _plan(
         if shape is not None and all_hit:
             st = shape.all_hit
             chunks_arr = cand
-            slot_list = found_list
+            slot_list, hit_slots = found_list, found
             sections = None if shape.need_all else list(need)
         else:
             st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
@@ -320,7 +320,8 @@ def _plan(
             chunks_arr = cand[hit]
             st[chunks_arr] = ChunkStatus.OK
             st.flags.writeable = False
-            slot_list = found[hit].tolist()
+            hit_slots = found[hit]
+            slot_list = hit_slots.tolist()
             sections = list(need)
         statuses.append(st)
         if not chunks_arr.size:
@@ -329,7 +330,7 @@ def _plan(
         slots = array("i", slot_list)
         slot_set = SlotSet(slots)
         pinned.append((part, slot_set))
-        ticked.append(slot_set.idx)
+        ticked.append(_frozen(hit_slots))  # int64: the tick array's own index type
         objects += len(slots)
         nbytes += plan_objects(
             og,
