@@ -336,7 +336,11 @@ def plan_copies(
     pool offsets of the ``m`` objects. Vectorized: no per-page Python objects.
     """
     return [
-        RunCopy(run=r, block_ids=ids, object_offsets=object_offsets + np.int64(r.object_offset))
+        RunCopy(
+            run=r,
+            block_ids=ids,
+            object_offsets=object_offsets + r.object_offset if r.object_offset else object_offsets,
+        )
         for r in section.runs
     ]
 
@@ -344,8 +348,8 @@ def plan_copies(
 def plan_objects(
     og: ObjectGroupLayout,
     offsets: np.ndarray,
-    chunks: np.ndarray,
-    sections: Sequence[np.ndarray],
+    chunks: np.ndarray | None,
+    sections: Sequence[np.ndarray] | None,
     group_ids: dict[int, np.ndarray],
     out: list[RunCopy],
 ) -> int:
@@ -353,15 +357,30 @@ def plan_objects(
 
     ``offsets[j]`` is the pool offset of chunk ``chunks[j]``'s object, ``sections[bit][i]``
     says whether section ``bit`` of request chunk ``i`` is copied, ``group_ids[g]`` is
-    engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids.
+    engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids. ``chunks`` None:
+    every chunk of the request, in order; ``sections`` None: every section of every
+    chunk in ``chunks`` (the usual store and retrieve, planned without a selection:
+    the copies then read the request's block-id arrays through views).
     """
     nbytes = 0
     for bit, sec in enumerate(og.sections):
-        sel = sections[bit][chunks]
-        if not sel.any():
-            continue
-        ids = section_block_ids(sec, group_ids[sec.group_index])[chunks[sel]]
-        for c in plan_copies(sec, ids, offsets[sel]):
+        ids = section_block_ids(sec, group_ids[sec.group_index])
+        if sections is None:
+            offs = offsets
+            if chunks is not None:
+                ids = ids[chunks]
+        else:
+            sel = sections[bit] if chunks is None else sections[bit][chunks]
+            if sel.all():
+                offs = offsets
+                if chunks is not None:
+                    ids = ids[chunks]
+            elif not sel.any():
+                continue
+            else:
+                offs = offsets[sel]
+                ids = ids[sel] if chunks is None else ids[chunks[sel]]
+        for c in plan_copies(sec, ids, offs):
             out.append(c)
             nbytes += c.nbytes
     return nbytes

@@ -66,6 +66,8 @@ class SlotSet:
 #: Below this many slots :meth:`Partition.pin_many` and ``unpin_many`` loop (numpy's
 #: fixed cost is more than the loop's).
 PIN_VECTOR_MIN = 16
+#: Below this many slots :meth:`Partition.offsets` loops, for the same reason.
+OFFSETS_VECTOR_MIN = 16
 
 
 class Partition:
@@ -160,8 +162,19 @@ class Partition:
             self.state[slot] = FREE
             self._free.append(slot)
 
-    def offsets(self, slots: np.ndarray) -> np.ndarray:
-        """Byte offsets in the pool of the objects in ``slots``."""
+    def offsets(self, slots: np.ndarray | array) -> np.ndarray:
+        """Byte offsets in the pool of the objects in ``slots`` (int64, in order)."""
+        if len(slots) < OFFSETS_VECTOR_MIN:  # a few slots: numpy's fixed cost dominates
+            sps, segments = self.slots_per_slab, self.segments
+            slab_bytes, stride = self.pool.slab_bytes, self.stride
+            out = []
+            for s in slots.tolist() if isinstance(slots, np.ndarray) else slots:
+                slab = segments[s // sps]
+                assert slab >= 0, "a slot is in a released segment"
+                out.append(slab * slab_bytes + s % sps * stride)
+            return np.array(out, dtype=np.int64)
+        if isinstance(slots, array):
+            slots = np.frombuffer(slots, dtype=np.int32)
         seg, idx = np.divmod(slots.astype(np.int64), self.slots_per_slab)
         arr = self._segments_arr
         if arr is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmc_server.cache.counters import CacheStats, CounterSet
+from lmc_server.cache.group_ids import no_holes
 from lmc_server.cache.layout import (
     ObjectGroupLayout,
     RegistrationLayout,
@@ -197,7 +198,10 @@ class _Shape:
     cand: np.ndarray
     cand_list: list[int]
     want: np.ndarray
+    want_list: list[int]
     all_hit: np.ndarray
+    #: every section of every chunk is needed (no window leaves one out)
+    need_all: bool
 
 
 def _needed(
@@ -236,7 +240,8 @@ def _shape(
         all_hit[cand] = ChunkStatus.OK
         for a in (need, cand, want, all_hit):
             a.flags.writeable = False
-        shape = _Shape(layout, need, cand, cand.tolist(), want, all_hit)
+        need_all = bool(need.all())
+        shape = _Shape(layout, need, cand, cand.tolist(), want, want.tolist(), all_hit, need_all)
         if shapes is not None:
             if len(shapes) >= SHAPES_MAX:
                 shapes.pop(next(iter(shapes)))
@@ -261,7 +266,11 @@ def _plan(
     each object group from its :class:`_Shape`; with holes, it is worked out here."""
     n = len(keys)
     bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-    holes = any(int(a.min()) < 0 for a in group_ids.values() if a.size)
+    holes = not no_holes(group_ids)
+    # the copies may read these arrays through views, and a plan outlives the request:
+    # a caller's writable array is copied (the server's are read-only already)
+    if any(a.flags.writeable for a in group_ids.values()):
+        group_ids = {g: _frozen(a.copy()) if a.flags.writeable else a for g, a in group_ids.items()}
     statuses: list[np.ndarray] = []
     pinned: list[tuple[Partition, SlotSet]] = []
     ticked: list[np.ndarray] = []
@@ -276,16 +285,32 @@ def _plan(
             shape = _shape(shapes, view.layout, og, n, ends, bounds)
             need, cand, want, cand_list = shape.need, shape.cand, shape.want, shape.cand_list
         get = part.keys.get
-        found = np.array([get(keys[i], -1) for i in cand_list], dtype=np.int64)
-        hit = found >= 0
-        if hit.any():  # (a partition may have no slots at all yet)
-            at = np.maximum(found, 0)
-            hit &= (np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED) & (
-                (np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want
-            )
-        if shape is not None and bool(hit.all()):
+        found_list = [get(keys[i], -1) for i in cand_list]
+        if shape is not None and len(cand_list) < _SCALAR_MAX:
+            # a few chunks: each checked in Python (numpy's fixed cost dominates)
+            state, mask = part.state, part.mask
+            hit_list = [
+                s >= 0 and state[s] == COMMITTED and mask[s] & w == w
+                for s, w in zip(found_list, shape.want_list, strict=True)
+            ]
+            all_hit = all(hit_list)
+            found = np.array(found_list, dtype=np.int64)
+            hit = np.array(hit_list, dtype=bool)
+        else:
+            found = np.array(found_list, dtype=np.int64)
+            hit = found >= 0
+            if hit.any():  # (a partition may have no slots at all yet)
+                at = np.maximum(found, 0)
+                hit &= (np.frombuffer(part.state, dtype=np.int8)[at] == COMMITTED) & (
+                    (np.frombuffer(part.mask, dtype=np.uint8)[at] & want) == want
+                )
+            all_hit = bool(hit.all())
+        sections: list[np.ndarray] | None
+        if shape is not None and all_hit:
             st = shape.all_hit
             chunks_arr = cand
+            slot_list, hit_slots = found_list, found
+            sections = None if shape.need_all else list(need)
         else:
             st = np.full(n, ChunkStatus.SKIPPED, dtype=np.uint8)
             need = need.copy()
@@ -295,22 +320,35 @@ def _plan(
             chunks_arr = cand[hit]
             st[chunks_arr] = ChunkStatus.OK
             st.flags.writeable = False
+            hit_slots = found[hit]
+            slot_list = hit_slots.tolist()
+            sections = list(need)
         statuses.append(st)
         if not chunks_arr.size:
             continue
         chunks = array("i", chunks_arr.tolist())
-        slots = array("i", found[hit].tolist())
-        pinned.append((part, SlotSet(slots)))
-        ticked.append(_frozen(found[hit]))
+        slots = array("i", slot_list)
+        slot_set = SlotSet(slots)
+        pinned.append((part, slot_set))
+        ticked.append(_frozen(hit_slots))  # int64: the tick array's own index type
         objects += len(slots)
-        offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
         nbytes += plan_objects(
-            og, offsets, np.frombuffer(chunks, dtype=np.int32), list(need), group_ids, copies
+            og,
+            part.offsets(slots),
+            None if len(chunks) == n else np.frombuffer(chunks, dtype=np.int32),
+            sections,
+            group_ids,
+            copies,
         )
     for c in copies:
         c.block_ids.flags.writeable = False
         c.object_offsets.flags.writeable = False
     return _Plan(view.layout, _versions(view), statuses, pinned, ticked, copies, nbytes, objects)
+
+
+#: Below this many candidate chunks a plan checks hits in Python (numpy's fixed cost
+#: dominates).
+_SCALAR_MAX = 16
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

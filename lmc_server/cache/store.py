@@ -12,12 +12,14 @@ each object records in its mask which sections it holds.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from lmc_server.cache.allocator import SlotAllocator
 from lmc_server.cache.counters import CacheStats
+from lmc_server.cache.group_ids import no_holes
 from lmc_server.cache.layout import RunCopy, plan_objects, section_block_ids
 from lmc_server.cache.pool import COMMITTED
 from lmc_server.cache.reservation import Reservation, finish
@@ -30,14 +32,25 @@ class StoreTicket:
     """A store in flight: reserved slots (WRITING) and the copies that fill them.
 
     ``statuses[og]`` holds one :class:`ChunkStatus` per chunk; reserved chunks say
-    ``OK`` provisionally and become ``FAILED`` if the copy is aborted.
+    ``OK`` provisionally and become ``FAILED`` if the copy is aborted. ``others``
+    counts the chunks reported ``IN_PROGRESS`` (another store is writing them): a store
+    with none has nothing to wait for once its own copy is decided.
     """
 
     statuses: list[np.ndarray]
     reserved: list[Reservation]
     copies: list[RunCopy]
     nbytes: int
+    others: int = 0
     done: bool = False
+
+
+#: Status bytes as plain ints: numpy stores an ``IntEnum`` member about twice as slowly.
+_OK, _EXISTS = int(ChunkStatus.OK), int(ChunkStatus.EXISTS)
+_IN_PROGRESS, _NOT_AVAILABLE = int(ChunkStatus.IN_PROGRESS), int(ChunkStatus.NOT_AVAILABLE)
+_NO_SPACE = int(ChunkStatus.NO_SPACE)
+#: Below this many chunks statuses are set one by one (numpy's fixed cost dominates).
+_SCALAR_MAX = 16
 
 
 def reserve_store(
@@ -51,39 +64,52 @@ def reserve_store(
     """Reserve a WRITING slot for every storable (object group, chunk) at ``tick``.
 
     ``group_ids[g]`` is engine group ``g``'s ``(chunks, blocks_per_chunk)`` block ids,
-    already bounds-checked, ``-1`` where the engine no longer has the block.
+    already bounds-checked, ``-1`` where the engine no longer has the block. A request
+    with no -1 (the usual one) skips the per-section availability arrays: every chunk is
+    storable with every section, which is what they would say.
     """
     n = len(keys)
+    full = no_holes(group_ids)
     statuses: list[np.ndarray] = []
     reserved: list[Reservation] = []
     copies: list[RunCopy] = []
-    nbytes = 0
+    nbytes = others = 0
     for og, part in zip(view.layout.object_groups, view._partitions, strict=True):
-        st = np.full(n, ChunkStatus.NOT_AVAILABLE, dtype=np.uint8)
-        avail = [
-            np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0).all(axis=1))
-            for sec in og.sections
-        ]
-        storable = np.logical_or.reduce(avail)
-        for bit in og.required_bits:
-            storable &= avail[bit]
+        st = np.empty(n, dtype=np.uint8)
+        st.fill(_NOT_AVAILABLE)
+        avail: list[np.ndarray] | None = None
+        candidates: Iterable[int]
+        if full:
+            candidates = range(n)
+        else:
+            avail = [
+                np.asarray((section_block_ids(sec, group_ids[sec.group_index]) >= 0).all(axis=1))
+                for sec in og.sections
+            ]
+            storable = np.logical_or.reduce(avail)
+            for bit in og.required_bits:
+                storable &= avail[bit]
+            candidates = np.flatnonzero(storable).tolist()
         fresh: list[int] = []
         fresh_keys: set[bytes] = set()
         #: slots of the chunks already committed, in chunk order: a store of them is a
         #: use, touched together below (chunk 0 ends the most recent)
         held = array("i")
         get = part.keys.get
-        for i in np.flatnonzero(storable).tolist():
+        for i in candidates:
             key = keys[i]
             existing = get(key)
             if existing is not None:
-                committed = part.state[existing] == COMMITTED
-                st[i] = ChunkStatus.EXISTS if committed else ChunkStatus.IN_PROGRESS
-                if committed:
+                if part.state[existing] == COMMITTED:
+                    st[i] = _EXISTS
                     held.append(existing)
+                else:
+                    st[i] = _IN_PROGRESS
+                    others += 1
                 continue
             if key in fresh_keys:  # the same digest twice in one request
-                st[i] = ChunkStatus.IN_PROGRESS
+                st[i] = _IN_PROGRESS
+                others += 1
                 continue
             fresh.append(i)
             fresh_keys.add(key)
@@ -94,26 +120,41 @@ def reserve_store(
         # runs (one DMA each) instead of one run per object in descending order.
         slots = array("i", sorted(allocator.alloc(part, len(fresh), tick)))
         if len(slots) < len(fresh):
-            st[fresh[len(slots) :]] = ChunkStatus.NO_SPACE
+            st[fresh[len(slots) :]] = _NO_SPACE
             stats.bump(stats.alloc_failures, "no_space", len(fresh) - len(slots))
             del fresh[len(slots) :]
-        bits = np.zeros(n, dtype=np.uint8)
-        for bit, ok in enumerate(avail):
-            bits |= ok.astype(np.uint8) << bit
+        if avail is None:
+            masks = array("B", [(1 << len(og.sections)) - 1]) * len(fresh)
+        else:
+            bits = np.zeros(n, dtype=np.uint8)
+            for bit, ok in enumerate(avail):
+                bits |= ok.astype(np.uint8) << bit
+            masks = array("B", bits[fresh].tobytes())
         chunks = array("i", fresh)
-        masks = array("B", bits[fresh].tobytes())
         for i, slot in zip(fresh, slots, strict=True):
             part.reserve(keys[i], slot, tick)
-        st[fresh] = ChunkStatus.OK
+        if len(fresh) == n:
+            st.fill(_OK)
+        elif len(fresh) < _SCALAR_MAX:
+            for i in fresh:
+                st[i] = _OK
+        else:
+            st[fresh] = _OK
         statuses.append(st)
         if not chunks:
             continue
         reserved.append(Reservation(og.index, part, chunks, slots, masks, [keys[i] for i in fresh]))
-        offsets = part.offsets(np.frombuffer(slots, dtype=np.int32))
         nbytes += plan_objects(
-            og, offsets, np.frombuffer(chunks, dtype=np.int32), avail, group_ids, copies
+            og,
+            part.offsets(slots),
+            None if len(fresh) == n else np.frombuffer(chunks, dtype=np.int32),
+            avail,
+            group_ids,
+            copies,
         )
-    return StoreTicket(statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes)
+    return StoreTicket(
+        statuses=statuses, reserved=reserved, copies=copies, nbytes=nbytes, others=others
+    )
 
 
 def commit_store(ticket: StoreTicket, stats: CacheStats) -> None:

@@ -2,12 +2,20 @@
 by ``req_id``. What each request sends and how its reply is read is
 :mod:`lmc_server.client.requests`, shared with the blocking client.
 
-A reader task owns the socket's receive side and resolves one future per request, so
-callers can ``await`` stores, retrieves and lookups concurrently (the vLLM connector
-and the latency benchmark do).
+The socket is driven straight from the event loop, as the server's is
+(:mod:`lmc_server.server.router`), not through ``zmq.asyncio``: a request is sent with a
+non-blocking ``send`` from the caller, and one reader callback on zmq's descriptor
+(``add_reader``) drains every queued reply and resolves the future of each, matched by
+``req_id``, so callers can ``await`` stores, retrieves and lookups concurrently (the vLLM
+connector and the latency benchmark do). A reply costs one callback and the caller's
+wake-up: no reader task in between (one loop iteration less per request than a task
+that reads and then wakes the caller), no future of zmq's per receive. zmq's descriptor
+is edge-triggered: after each send the client looks whether replies arrived meanwhile
+(the send may have taken their edge) and drains them. A send the high-water mark
+refuses waits for the descriptor to say the socket is writable again.
 
-A watcher task reads the socket's monitor: when the connection to the server drops
-(the server process died, or zmq's heartbeat gave up on a silent one) it calls the
+The monitor is read the same way: when the connection to the server drops (the server
+process died, or zmq's heartbeat gave up on a silent one) the client calls the
 callbacks given to :meth:`AsyncClient.on_connection_lost`. Requests in flight are not
 failed here: a silent server may still be running them, and only the caller knows
 whether that is safe to ignore (the vLLM connector's link checks whether the server
@@ -17,14 +25,13 @@ restarted, :mod:`lmc_server.integration.link.link`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
+from zmq.utils.monitor import recv_monitor_message
 
 from lmc_server.buffers import BufferSpec
 from lmc_server.cache.geometry import GroupSpec
@@ -41,14 +48,24 @@ from lmc_server.client.requests import Call, RequestBuilder
 from lmc_server.errors import LmcTimeoutError
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_reply, encode
+from lmc_server.protocol.errors import ProtocolError
 from lmc_server.protocol.stats import StatsReport
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
 
-def _release(
-    sock: zmq.asyncio.Socket, ctx: zmq.asyncio.Context, monitor: zmq.asyncio.Socket
-) -> None:
+
+#: zmq's flags as plain ints (pyzmq's are IntFlag members, whose operators run the enum
+#: module's Python code: see :mod:`lmc_server.server.router`).
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+
+
+def _release(sock: zmq.Socket[bytes], ctx: zmq.Context[Any], monitor: zmq.Socket[bytes]) -> None:
     """Close the socket (no linger) and destroy the context: never blocks.
 
     Runs from :meth:`AsyncClient.close`, or from a ``weakref.finalize`` when a client is
@@ -83,17 +100,20 @@ class AsyncClient:
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._monitor: zmq.Socket[bytes] = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._finalizer = weakref.finalize(self, _release, self._sock, self._ctx, self._monitor)
         configure_socket(self._sock, curve)
         self._sock.connect(endpoint)
         self._b = RequestBuilder()
         self._client_name = client_name
         self._pending: dict[int, asyncio.Future[m.Reply]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        #: the loop whose readers drive the socket and its monitor (set by the start)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fds = (int(self._sock.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
+        #: sends waiting for the socket to be writable again (the high-water mark)
+        self._writable: list[asyncio.Future[None]] = []
         self._lost_callbacks: list[Callable[[], None]] = []
         self.welcome: m.Welcome | None = None
 
@@ -110,11 +130,16 @@ class AsyncClient:
         return self
 
     async def _start(self) -> None:
-        """Start the reader and the watcher on the running loop and say hello; on a
-        failure (no answer within the timeout, a refusal) the client is closed."""
-        loop = asyncio.get_running_loop()
-        self._reader = loop.create_task(self._read())
-        self._watcher = loop.create_task(self._watch())
+        """Start reading the socket and its monitor on the running loop and say hello;
+        on a failure (no answer within the timeout, a refusal) the client is closed."""
+        loop = self._loop = asyncio.get_running_loop()
+        loop.add_reader(self._fds[0], self._drain)
+        loop.add_reader(self._fds[1], self._watch)
+        # read both once now: zmq signals a descriptor only for what arrives after a
+        # read found its socket empty (an inproc monitor pipe never read before would
+        # never signal its first event)
+        self._drain()
+        self._watch()
         try:
             await self._hello()
         except BaseException:
@@ -135,7 +160,7 @@ class AsyncClient:
 
     async def __aenter__(self) -> AsyncClient:
         """Say hello unless :meth:`connect` did already."""
-        if self._reader is None:
+        if self._loop is None:
             if not self._finalizer.alive:
                 raise RuntimeError("this AsyncClient is closed; make a new one")
             await self._start()
@@ -145,32 +170,72 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._reader = self._watcher = None
-        for fut in self._pending.values():
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            for fd in self._fds:
+                loop.remove_reader(fd)
+        waiting: list[asyncio.Future[Any]] = [*self._pending.values(), *self._writable]
+        for fut in waiting:
             if not fut.done():
                 fut.set_exception(ConnectionError("client closed"))
         self._pending.clear()
+        self._writable.clear()
         self._finalizer()
 
-    async def _read(self) -> None:
-        while True:
-            frame = await self._sock.recv()
-            reply = decode_reply(frame)
-            fut = self._pending.pop(reply.req_id, None)
+    def _drain(self) -> None:
+        """Every queued reply to its request's future (the reader callback, and after a
+        send: zmq's descriptor is edge-triggered); wake sends waiting for room."""
+        sock, pending = self._sock, self._pending
+        while not sock.closed:
+            events = int(sock.getsockopt(_EVENTS))
+            if self._writable and events & _POLLOUT:
+                for room in self._writable:
+                    if not room.done():
+                        room.set_result(None)
+                self._writable.clear()
+            if not events & _POLLIN:
+                return
+            try:
+                frame = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = decode_reply(frame)
+            except ProtocolError as e:  # not a reply of this protocol: dropped
+                log.warning("reply from %s dropped: %s", self.endpoint, e.message)
+                continue
+            fut = pending.pop(reply.req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def _watch(self) -> None:
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+    def _watch(self) -> None:
+        """The monitor's events: each disconnect calls every connection-lost callback."""
+        monitor = self._monitor
+        while not monitor.closed and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
+            try:
+                event = recv_monitor_message(monitor, _NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == _DISCONNECTED:
                 for cb in list(self._lost_callbacks):
                     cb()
+
+    async def _send_later(self, payload: bytes) -> None:
+        """A send the high-water mark refused: wait for room, send, and look for
+        replies whose edge the send may have taken."""
+        while True:
+            if self._loop is None:
+                raise ConnectionError("client closed")
+            room = self._loop.create_future()
+            self._writable.append(room)
+            self._drain()  # writable already: no edge would come
+            await room
+            try:
+                self._sock.send(payload, _NOBLOCK)
+                break
+            except zmq.Again:
+                continue
+        self._drain()
 
     async def _run(self, call: Call[T]) -> T:
         reply = await self._roundtrip(call.msg)
@@ -189,7 +254,12 @@ class AsyncClient:
         self._pending[msg.req_id] = fut
         timer = loop.call_later(self.timeout_s, _expire, fut)
         try:
-            await self._sock.send(encode(msg))
+            try:
+                self._sock.send(encode(msg), _NOBLOCK)
+            except zmq.Again:
+                await self._send_later(encode(msg))
+            else:
+                self._drain()  # the send may have taken the edge of a reply
             reply = await fut
         except TimeoutError:
             raise LmcTimeoutError(

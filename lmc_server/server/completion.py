@@ -8,9 +8,11 @@ counts those calls and wakes the request's coroutine once, when the last arrives
 thread, as with engines that copy inline). It remembers each part's error and when the
 last part ended (the end of the ``copy`` phase).
 
-Two ways to be told: ``await completion.wait()`` (a store's task), or a callback given
-as ``then`` and :meth:`Completion.seal` (a retrieve, which needs no task of its own: its
-end is one callback on the loop, :meth:`~lmc_server.server.data_path.DataPath.start_retrieve`).
+Two ways to be told: ``await completion.wait()``, or a callback given as ``then`` and
+:meth:`Completion.seal` (a store or retrieve, which needs no task of its own: its end is
+one callback on the loop, :meth:`~lmc_server.server.data_path.DataPath.start_store` and
+``start_retrieve``; when every part reported before the seal, the caller runs it at
+once).
 """
 
 from __future__ import annotations
@@ -104,12 +106,13 @@ class Completion:
                 self.done_at = time.perf_counter()
         return last
 
-    def seal(self) -> None:
-        """Every part has been added (callback mode): ``then`` runs on the loop once
-        each has reported (soon, if they all have)."""
+    def seal(self) -> bool:
+        """Every part has been added (callback mode). True: each has reported already
+        (an engine that copied inline), and the caller runs ``then`` itself, now, with
+        no loop iteration in between; False: ``then`` runs on the loop when the last
+        part reports. Either way ``then`` runs exactly once."""
         assert self._then is not None, "seal() is for a completion made with a callback"
-        if self._seal():
-            self._loop.call_soon(self._then)
+        return self._seal()
 
     async def wait(self) -> list[str]:
         """Every part has been added: wait until each has reported; their errors."""

@@ -72,8 +72,10 @@ class DataPath:
     """Store and retrieve (and the one check of their requests).
 
     ``before_commit`` is called after a store's copy returns and before it commits:
-    the server handles queued socket events there, so a writer that died during the
-    copy is seen (its registration closes) and its object is aborted, not committed.
+    the server handles its queued connection events there (the router's monitor, never
+    requests: a store may be deciding inside the drain that read it), so a writer that
+    died during the copy is seen (its registration closes) and its object is aborted,
+    not committed.
     ``l2`` (``--disk-dir``, ``--l2``) is told of every store commit and of every lookup
     that misses L1 (:mod:`lmc_server.tiers.chain`); ``events`` (``--kv-events-endpoint``)
     publishes what commits.
@@ -110,6 +112,8 @@ class DataPath:
         #: Recent retrieves resolved once (block ids, keys, prefix ends), for the
         #: identical ones of tensor-parallel ranks.
         self.resolved = ResolvedRetrieves()
+        #: Stores waiting for another store's chunks (held here until they answer).
+        self._settling: set[asyncio.Task[None]] = set()
 
     def _registration(self, session: Session, msg: Any) -> RegisteredCache:
         """The sender's registration the request names (refused: unknown)."""
@@ -180,14 +184,27 @@ class DataPath:
             done("copy not started: internal error")
             raise
 
-    async def _wait(self, completion: Completion, clock: PhaseClock) -> list[str]:
-        errors = await completion.wait()
-        clock.mark_at("copy", completion.done_at)
-        clock.mark("hop_out")
-        return errors
+    def start_store(
+        self,
+        session: Session,
+        req: DataRequest,
+        clock: PhaseClock,
+        finish: Callable[[m.StoreResult | None, BaseException | None], None],
+    ) -> None:
+        """Reserve, copy, commit (last chunk first, see :mod:`lmc_server.cache`), with no
+        task of its own: ``finish(reply, None)`` on the loop once the store is decided,
+        or ``finish(None, error)`` for a bug; ``finish`` is called once. A refusal
+        (``busy`` while the pool is being prepared) raises before anything was copied.
 
-    async def store(self, session: Session, req: DataRequest, clock: PhaseClock) -> m.StoreResult:
-        """Reserve, copy, commit (last chunk first, see :mod:`lmc_server.cache`)."""
+        A store whose copy the engine completed before ``submit`` returned (the cpu
+        engine's small copies) and whose chunks no other store is writing is finished
+        before this returns: no task, no loop iteration. Otherwise ``finish`` comes from
+        the engine's completion callback on the loop, or from the wait for the other
+        writers (:meth:`_settle_then`). Either way the invariants are the same: the
+        objects become visible only after the copy reported success, ``before_commit``
+        runs between the copy and the commit (a writer that died during the copy is
+        aborted, not committed), and slots a copy may still write are freed only once
+        it has reported."""
         clock.mark("queue")
         msg, reg, keys, per = req.msg, req.reg, req.keys, req.events_per_chunk
         assert isinstance(msg, m.Store)
@@ -207,28 +224,24 @@ class DataPath:
             )
         if not ticket.copies:  # every chunk already stored or being stored
             self._commit(ticket, keys, msg, per)
-        else:
-            completion = Completion(asyncio.get_running_loop())
-            reg.begin_op()
+            self._settle_then(reg, keys, ticket, msg, finish)
+            return
+        bugs: list[BaseException] = []
+
+        def copied() -> None:
             try:
-                try:
-                    self._submit(reg, ticket.copies, True, completion)
-                except BaseException:
-                    # a bug past the submission: its copy may still be writing into
-                    # the slots, so they are freed only once it has reported
-                    await completion.wait()
-                    self.index.abort_store(ticket)
-                    raise
-                clock.mark("submit")
-                err = next((e for e in await self._wait(completion, clock) if e), "")
+                clock.mark_at("copy", completion.done_at)
+                clock.mark("hop_out")
+                err = next((e for e in completion.errors if e), "")
                 self.before_commit()
-                if err or reg.state is not OPEN:
+                if err or bugs or reg.state is not OPEN:
                     self.index.abort_store(ticket)
-                    log.warning(
-                        "store by %s failed: %s",
-                        reg.registration_id.hex()[:8],
-                        err or "registration closed during the copy",
-                    )
+                    if not bugs:
+                        log.warning(
+                            "store by %s failed: %s",
+                            reg.registration_id.hex()[:8],
+                            err or "registration closed during the copy",
+                        )
                 else:
                     self._commit(ticket, keys, msg, per)
                     self.stats.observe_transfer(
@@ -236,12 +249,60 @@ class DataPath:
                     )
                     if self.l2 is not None:
                         self.l2.on_commit(reg.namespace, ticket)
+            except Exception as e:  # a bug: reported to the caller, like one of submit
+                bugs.append(e)
             finally:
                 reg.end_op()
                 self.commits.changed()
+            if bugs:
+                finish(None, bugs[0])
+            else:
+                self._settle_then(reg, keys, ticket, msg, finish)
+
+        completion = Completion(asyncio.get_running_loop(), then=copied)
+        reg.begin_op()
+        try:
+            self._submit(reg, ticket.copies, True, completion)
+        except Exception as e:  # a bug: its part was reported, the slots free after it
+            bugs.append(e)
+        else:
+            clock.mark("submit")
+        if completion.seal():  # the copy completed inline: decided now
+            copied()
+
+    def _settle_then(
+        self,
+        reg: RegisteredCache,
+        keys: list[bytes],
+        ticket: StoreTicket,
+        msg: m.Store,
+        finish: Callable[[m.StoreResult | None, BaseException | None], None],
+    ) -> None:
+        """Answer a decided store: at once, unless some of its chunks are being written
+        by another store (``IN_PROGRESS``), whose outcome a task waits for first
+        (:class:`~lmc_server.server.settle.CommitWatch`)."""
         statuses = list(ticket.statuses)
-        await self.commits.settle(reg.view, keys, statuses)  # IN_PROGRESS: wait
-        return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
+        if not ticket.others:
+            finish(_stored(msg, statuses), None)
+            return
+
+        async def settle() -> None:
+            try:
+                await self.commits.settle(reg.view, keys, statuses)
+            except Exception as e:  # a bug: answered as one
+                finish(None, e)
+            else:
+                finish(_stored(msg, statuses), None)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def store(self, session: Session, req: DataRequest, clock: PhaseClock) -> m.StoreResult:
+        """:meth:`start_store`, awaited (for callers that run it as a coroutine)."""
+        fut: asyncio.Future[m.StoreResult] = asyncio.get_running_loop().create_future()
+        self.start_store(session, req, clock, _resolver(fut))
+        return await fut
 
     def _commit(self, ticket: StoreTicket, keys: list[bytes], msg: m.Store, per: int) -> None:
         """Commit a store's ticket; the event publisher sees its objects with the
@@ -304,23 +365,33 @@ class DataPath:
             bugs.append(e)
         else:
             clock.mark("submit")
-        completion.seal()
+        if completion.seal():  # the copy completed inline: answered now
+            copied()
 
     async def retrieve(
         self, session: Session, req: DataRequest, clock: PhaseClock
     ) -> m.RetrieveResult:
         """:meth:`start_retrieve`, awaited (for callers that run it as a coroutine)."""
         fut: asyncio.Future[m.RetrieveResult] = asyncio.get_running_loop().create_future()
-
-        def finish(reply: m.RetrieveResult | None, error: BaseException | None) -> None:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                assert reply is not None
-                fut.set_result(reply)
-
-        self.start_retrieve(session, req, clock, finish)
+        self.start_retrieve(session, req, clock, _resolver(fut))
         return await fut
+
+
+def _resolver(fut: asyncio.Future[Any]) -> Callable[[Any, BaseException | None], None]:
+    """A ``finish`` callback that resolves ``fut`` with the reply or the error."""
+
+    def finish(reply: Any, error: BaseException | None) -> None:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            assert reply is not None
+            fut.set_result(reply)
+
+    return finish
+
+
+def _stored(msg: m.Store, statuses: list[np.ndarray]) -> m.StoreResult:
+    return m.StoreResult(req_id=msg.req_id, statuses=[s.tobytes() for s in statuses])
 
 
 def _retrieved(msg: m.Retrieve, ticket: RetrieveTicket) -> m.RetrieveResult:

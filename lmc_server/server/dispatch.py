@@ -3,17 +3,19 @@
 :meth:`Dispatcher.handle` is what the router calls for each message. It finds the peer's
 session, enforces what holds for every request (hello first, nothing new while
 draining, the in-flight limit), decodes, and either runs a control handler to
-completion and sends its reply, or starts a task for a store or retrieve whose reply
-is sent when its copy is done (a store runs as a task, since it may wait for another
-writer; a retrieve is one callback when its copy ends, no task). Every request gets
-exactly one reply: a result, or an
+completion and sends its reply, or starts a store or retrieve whose reply is sent when
+its copy is done: neither has a task of its own (its end is one callback on the loop,
+or, when the engine copied inline, comes before the start returns: answered inside
+the same drain, with no loop iteration in between; a store that must wait for another
+writer's chunks waits in a task). Every request gets exactly one reply: a result, or an
 ``Error`` for a :class:`ProtocolError` (a refusal) or a bug (``internal``, logged); the
 only exception is a peer that keeps talking without hello, which is ignored after
 :data:`PRE_HELLO_MESSAGES` messages (no amplification).
 
-The store and retrieve tasks are tracked here, with who to answer for each, so that a
-drain that times out can answer the stores itself (:meth:`answer_unfinished`) and the
-task's own reply is then suppressed.
+The stores and retrieves still copying are tracked here (a future each, done when it is
+answered), with who to answer for each, so that a drain that times out can answer the
+stores itself (:meth:`answer_unfinished`) and the request's own reply is then
+suppressed.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ CONTROL_HANDLERS: dict[type, Callable[[Handlers, Session, Any], m.Reply]] = {
     m.Probe: Handlers.probe,
 }
 SYNC_REQUESTS: tuple[type, ...] = tuple(CONTROL_HANDLERS)
-#: Requests that copy: checked at once (:meth:`Handlers.data_request`), then run as a task.
+#: Requests that copy: checked at once (:meth:`Handlers.data_request`), then started.
 DATA_REQUESTS: tuple[type, ...] = (m.Store, m.Retrieve)
 
 
 class _Pending:
-    """Who to answer for one store or retrieve task, and whether the drain timeout
-    answered it already (its own reply is then suppressed)."""
+    """Who to answer for one store or retrieve still copying, and whether the drain
+    timeout answered it already (its own reply is then suppressed)."""
 
     __slots__ = ("identity", "op", "req_id", "answered")
 
@@ -122,18 +124,19 @@ class Dispatcher:
         }
         self._limits = handlers.limits
         self._data_request = handlers.data_request
-        self._store = handlers.store
+        self._start_store = handlers.start_store
         self._index = handlers.index
         self._start_retrieve = handlers.start_retrieve
         self._send = router.send
         self._after_io = router.after_io
+        #: with KV events, a store answered inside a drain ends it (see Router.end_drain)
+        self._end_drain = router.end_drain if handlers.events is not None else None
         self._attribute = router.attribute
         self.refusals = RefusalLog(clock)
-        #: Stores and retrieves not finished yet: a store's task, a retrieve's future
-        #: (done when it is answered).
+        #: Stores and retrieves not answered yet: a future each, done when it is.
         self.tasks: set[asyncio.Future[None]] = set()
-        #: Who to answer for each store/retrieve task (and whether the drain timeout
-        #: answered it ``shutting_down`` already: no second reply).
+        #: Who to answer for each of them (and whether the drain timeout answered it
+        #: ``shutting_down`` already: no second reply).
         self._task_requests: dict[asyncio.Future[None], _Pending] = {}
 
     def handle(self, frames: list[zmq.Frame]) -> None:
@@ -189,12 +192,8 @@ class Dispatcher:
                         msg.req_id,
                     )
                 session.inflight += 1
-                pending = _Pending(identity, op, msg.req_id)
-                if isinstance(msg, m.Retrieve):
-                    self._retrieve(session, op, req, clock, pending)
-                    return
-                task = self.loop.create_task(self._run_store(session, op, req, clock, pending))
-                self._track(task, pending)
+                start = self._start_retrieve if isinstance(msg, m.Retrieve) else self._start_store
+                self._data(session, op, req, clock, start)
                 return
         except ProtocolError as e:
             self._send(identity, self._refused(session, op, e))
@@ -233,35 +232,29 @@ class Dispatcher:
         self.tasks.discard(task)
         self._task_requests.pop(task, None)
 
-    async def _run_store(
-        self, session: Session, op: str, req: DataRequest, clock: PhaseClock, pending: _Pending
+    def _data(
+        self,
+        session: Session,
+        op: str,
+        req: DataRequest,
+        clock: PhaseClock,
+        start: Callable[..., None],
     ) -> None:
-        ok = False
-        try:
-            reply = await self._store(session, req, clock)
-            payload = encode(reply)
-            self.stats.count_request(op, "ok")
-            ok = True
-        except ProtocolError as e:
-            payload = self._refused(session, op, e)
-        except Exception:
-            payload = self._internal_error(op, req.msg.req_id)
-        finally:
-            session.inflight -= 1
-        self._answer(session, clock, op, pending, payload, ok)
+        """Start a store or retrieve; its answer goes out from the callback that ends it.
 
-    def _retrieve(
-        self, session: Session, op: str, req: DataRequest, clock: PhaseClock, pending: _Pending
-    ) -> None:
-        """Start a retrieve; its answer goes out from the callback that ends it."""
-        done: asyncio.Future[None] = self.loop.create_future()
-        self._track(done, pending)
-        finished = False
+        A request the handler finished before ``start`` returned (its copy completed
+        inline) is answered from inside this call and never tracked; one still copying
+        (or a store waiting for another writer) is tracked by a future, done when it is
+        answered, so that the drain waits for it and, at its timeout, answers the stores
+        itself (the request's own reply is then suppressed)."""
+        done: asyncio.Future[None] | None = None
+        pending: _Pending | None = None
+        finished = starting = False
 
-        def finish(reply: m.RetrieveResult | None, error: BaseException | None) -> None:
+        def finish(reply: m.Reply | None, error: BaseException | None) -> None:
             nonlocal finished
             if finished:
-                log.error("a retrieve finished twice (ignored)")
+                log.error("a %s finished twice (ignored)", op)
                 return
             finished = True
             session.inflight -= 1
@@ -278,33 +271,32 @@ class Dispatcher:
                 payload = self._refused(session, op, error)
             else:
                 payload = self._internal_error(op, req.msg.req_id, error)
-            done.set_result(None)
-            self._answer(session, clock, op, pending, payload, ok)
+            if done is not None:
+                done.set_result(None)
+            if pending is not None and pending.answered:  # answered at the drain timeout
+                return
+            self._send(session.identity, payload)
+            if ok:  # refusals are cheap and would skew the phase means
+                clock.mark("finish")
+                self.stats.observe_phases(op, clock)
+            if not starting:  # inside a drain the drain itself looks for more
+                self._after_io()
+            elif self._end_drain is not None:
+                self._end_drain()
 
+        starting = True
         try:
-            self._start_retrieve(session, req, clock, finish)
-        except Exception as e:  # a bug: answered now unless it was already
+            start(session, req, clock, finish)
+        except Exception as e:  # a refusal or a bug: answered now unless it was already
             if finished:
-                log.exception("internal error after a retrieve was answered")
+                log.exception("internal error after a %s was answered", op)
             else:
                 finish(None, e)
-
-    def _answer(
-        self,
-        session: Session,
-        clock: PhaseClock,
-        op: str,
-        pending: _Pending,
-        payload: bytes,
-        ok: bool,
-    ) -> None:
-        if pending.answered:  # answered at the drain timeout
-            return
-        self._send(session.identity, payload)
-        if ok:  # refusals are cheap and would skew the phase means
-            clock.mark("finish")
-            self.stats.observe_phases(op, clock)
-        self._after_io()
+        starting = False
+        if not finished:
+            pending = _Pending(session.identity, op, req.msg.req_id)
+            done = self.loop.create_future()
+            self._track(done, pending)
 
     def answer_unfinished(self, pending: set[asyncio.Future[None]]) -> None:
         """At the drain timeout: answer stores now, wait for retrieves.

@@ -69,6 +69,8 @@ class Router:
         self.peers = peers
         self._on_message: Callable[[list[zmq.Frame]], None] | None = None
         self._on_disconnect = on_disconnect
+        #: set by :meth:`end_drain`: the drain stops after the message being handled
+        self._end_drain = False
         self._auth: Any = None
         self._fd: int | None = None
         self._monitor_fd: int | None = None
@@ -138,7 +140,17 @@ class Router:
                 log.warning("receive failed: %s", e)
                 return
             on_message(frames)
+            if self._end_drain:
+                self._end_drain = False
+                break
         self.loop.call_soon(self.drain)
+
+    def end_drain(self) -> None:
+        """Stop the drain under way after the message being handled, and go on with a
+        new one at the next loop iteration, after the callbacks that message scheduled
+        (a store answered inside the drain has its KV events numbered and sent first,
+        as when each store was answered in an iteration of its own)."""
+        self._end_drain = True
 
     def after_io(self) -> None:
         """A send outside a drain may have taken the edge of messages that arrived

@@ -204,7 +204,7 @@ class Server(ServerTeardown):
             self.clock,
             l2=self.l2,
             events=self.events,
-            before_commit=router.drain,
+            before_commit=router.drain_monitor,
         )
         dispatch = self.dispatch = Dispatcher(
             cfg,

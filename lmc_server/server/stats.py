@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from lmc_server.metrics.buckets import TRANSFER_BUCKETS_S
 
+_perf_counter = time.perf_counter
+
 
 @dataclass
 class TransferStats:
@@ -56,7 +58,10 @@ class PhaseClock:
         self.spans: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:
-        self.mark_at(phase, time.perf_counter())
+        t = _perf_counter()  # monotonic: never before the last mark
+        spans = self.spans
+        spans[phase] = spans.get(phase, 0.0) + (t - self.last)
+        self.last = t
 
     def mark_at(self, phase: str, t: float) -> None:
         t = max(t, self.last)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lmc_server.cache.geometry import GroupSpec
+from lmc_server.cache.group_ids import GroupIds
 from lmc_server.protocol import messages as m
 from lmc_server.protocol.codec import decode_block_ids
 from lmc_server.protocol.errors import ErrorCode, ProtocolError
@@ -31,7 +32,8 @@ def block_ids(
     groups: Sequence[GroupSpec], blocks_per_chunk: Sequence[int], msg: m.Store | m.Retrieve, n: int
 ) -> dict[int, np.ndarray]:
     """Group index -> its block ids as an ``(n chunks, blocks per chunk)`` int64 array,
-    for every cached group of a registration (its ``groups`` and ``blocks_per_chunk``).
+    for every cached group of a registration (its ``groups`` and ``blocks_per_chunk``),
+    as a :class:`~lmc_server.cache.group_ids.GroupIds` that says whether any id is -1.
 
     Raises BAD_REQUEST for a wrong number of lists or of ids, or ids for a scratch
     group, and BOUNDS for an id outside ``-1 .. num_blocks - 1`` of its group.
@@ -44,6 +46,7 @@ def block_ids(
             msg.req_id,
         )
     out: dict[int, np.ndarray] = {}
+    holes = False
     for gi, (g, raw) in enumerate(zip(groups, msg.block_ids, strict=True)):
         if not g.cached:
             if raw:
@@ -64,10 +67,11 @@ def block_ids(
                     f"out of range -1..{g.num_blocks - 1}",
                     msg.req_id,
                 )
+            holes = holes or lo < 0
         arr = ids.astype(np.int64).reshape(n, bpc)
         arr.flags.writeable = False
         out[gi] = arr
-    return out
+    return GroupIds(out, holes)
 
 
 class CheckedIds:

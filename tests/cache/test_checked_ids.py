@@ -46,3 +46,21 @@ def test_the_same_bytes_are_checked_again_for_a_smaller_geometry() -> None:
     assert e.value.code is ErrorCode.BOUNDS
     with pytest.raises(ProtocolError):  # a refusal is not remembered as an answer
         ids.check(small, bpc, _request(big, 2, 0), 2)
+
+
+def test_checked_ids_say_whether_any_id_is_minus_one_as_a_scan_would() -> None:
+    from lmc_server.cache.group_ids import GroupIds, no_holes
+
+    groups = list(dsv41_flash(num_blocks=64).groups)
+    bpc = [blocks_per_chunk(g, 256) for g in groups]
+    whole = CheckedIds().check(groups, bpc, _request(groups, 2, 0), 2)
+    holed = _request(groups, 2, 0)
+    gi = next(i for i, g in enumerate(groups) if g.cached)
+    first = np.frombuffer(holed.block_ids[gi], dtype="<i4").copy()
+    first[3] = -1
+    holed.block_ids[gi] = first.tobytes()
+    holes = CheckedIds().check(groups, bpc, holed, 2)
+    for ids, want in ((whole, True), (holes, False)):
+        assert isinstance(ids, GroupIds)
+        assert no_holes(ids) is want
+        assert no_holes(dict(ids)) is want  # a plain mapping is scanned: the same answer

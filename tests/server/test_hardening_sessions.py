@@ -228,8 +228,7 @@ def test_never_closed_async_clients_do_not_hang_exit(tmp_path: Path) -> None:
             "from lmc_server.client.aio import AsyncClient\n"
             "async def m():\n"
             f"    c = AsyncClient('tcp://127.0.0.1:{port}', timeout_s=30)\n"
-            "    c._reader = asyncio.get_running_loop().create_task(c._read())\n"
-            "    asyncio.get_running_loop().create_task(c.ping())\n"
+            "    asyncio.get_running_loop().create_task(c.__aenter__())\n"
             "    await asyncio.sleep(0.1)\n"
             "    globals()['c'] = c\n"
             "asyncio.run(m())\nprint('done')\n",
