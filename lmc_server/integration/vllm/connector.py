@@ -95,6 +95,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("LMCacheMPConnector needs vLLM's kv_cache_config")
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra(extra)
+        self._kv_events = self.settings.kv_events
         self.kv_cache_config = kv_cache_config
         parallel = vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
@@ -316,8 +317,19 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.planner is not None
-        n = self.planner.matched_tokens(
+        planner = self.planner
+        assert planner is not None
+        answered = planner.answered
+        if answered.by_req and not self._kv_events:  # settled as its round came in
+            m = answered.pop(
+                request.request_id,
+                request.num_tokens,
+                len(request.block_hashes),
+                num_computed_tokens,
+            )
+            if m is not None:
+                return m, m > 0
+        n = planner.matched_tokens(
             request.request_id,
             request.block_hashes,
             request.num_tokens,
