@@ -336,7 +336,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         """Note the allocation: the planner takes it when it next acts, at the latest in
         this step's ``build_connector_meta`` (queues the hit's load, reading the ids of
         the blocks it writes, or releases a lease not taken), so that this hook is one
-        append. A load's tables (vLLM's ``KVCacheBlock`` objects, whose ids are fixed
+        dictionary entry (a request's earlier one, if any, taken first). A load's tables (vLLM's ``KVCacheBlock`` objects, whose ids are fixed
         for their life) are copied now: what vLLM does to its lists later never moves
         the load. Not ``get_block_ids()``'s whole tables: vLLM sends a request's whole
         tables when it schedules it."""
