@@ -60,8 +60,9 @@ class LoadPlanner:
         self._ids = self._new_buffers()
 
     def _columns(self) -> None:
-        """The queued loads, column by column (filled as each allocation is taken, so
-        that the step's plan is built from them without a loop over the loads)."""
+        """The queued loads, column by column (filled as the engine allocates, while
+        each request's record is fresh, so that the step's plan is built from them
+        without a loop over the loads)."""
         self._req_ids: list[str] = []
         self._digests: list[bytes] = []
         self._lease_ids: list[int] = []

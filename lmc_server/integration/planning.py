@@ -102,12 +102,11 @@ class SchedulerPlanner:
         self._reqs: dict[str, Tracked] = {}
         self._arrivals = Arrivals(geometry, self.lookups, clock)
         self._loads = LoadPlanner(geometry, self._release)
-        #: allocations the adapter noted and not taken yet: request id -> (its tables of
-        #: the engine's block objects, copied, external tokens), at most one per request
-        #: (the adapter calls :meth:`take_noted_allocs` before noting a second); taken in
-        #: order as :meth:`after_alloc` with ``noted_ids_of`` when the planner next acts
-        #: (a question only for its own request), before anything reads what they change
-        self.noted_allocs: dict[str, tuple[Sequence[Sequence[Any]], int]] = {}
+        #: allocations the adapter noted (it appends here) and not taken yet: (request
+        #: id, its tables of the engine's block objects, copied, external tokens); taken
+        #: in order as :meth:`after_alloc` with ``noted_ids_of`` when the planner next
+        #: acts (:meth:`_admit`), before anything reads what they change
+        self.noted_allocs: list[tuple[str, Sequence[Sequence[Any]], int]] = []
         self.noted_ids_of: Callable[[Sequence[Any]], list[int]] | None = None
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
@@ -158,16 +157,12 @@ class SchedulerPlanner:
         if self.load_enabled:  # Arrivals.note, inlined: one call fewer per arrival
             self._arrivals.noted.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
 
-    def take_noted_allocs(self) -> None:
-        """Take the allocations noted so far (and admit the arrivals noted)."""
-        self._admit()
-
     def _admit(self) -> None:
         """Admit the arrivals noted, then take the allocations noted (in this order)."""
         self._arrivals.admit(self._reqs)
         if self.noted_allocs:
-            noted, self.noted_allocs = self.noted_allocs, {}
-            for req_id, (tables, external) in noted.items():
+            noted, self.noted_allocs = self.noted_allocs, []
+            for req_id, tables, external in noted:
                 r = self._reqs.get(req_id)
                 if r is not None:
                     self._loads.allocated(r, tables, external, r.local_tokens, self.noted_ids_of)
@@ -194,7 +189,7 @@ class SchedulerPlanner:
             m = self.answered.pop(req_id, num_tokens, len(block_hashes), num_computed_tokens)
             if m is not None and token_ids is None:
                 return m
-        if self._arrivals.noted or req_id in self.noted_allocs:  # the step's first question
+        if self._arrivals.noted or self.noted_allocs:  # the step's first question
             self._admit()  # admit and send the arrivals
         lookups = self.lookups
         if lookups.round is not None:
@@ -294,8 +289,7 @@ class SchedulerPlanner:
         ``blocks``: block ids, copied as the request's tables (the caller may reuse its
         lists); or, with ``ids_of`` (reads a table part's ids), the engine's block
         objects, read for the load only: the engine then sends a request's whole tables
-        when it schedules it (vLLM does). Allocations noted on :attr:`noted_allocs` are
-        taken first, in order, as calls of this with ``noted_ids_of``."""
+        when it schedules it (vLLM does)."""
         self._admit()
         r = self._reqs.get(req_id)
         if r is not None:

@@ -340,13 +340,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         for their life) are copied now: what vLLM does to its lists later never moves
         the load. Not ``get_block_ids()``'s whole tables: vLLM sends a request's whole
         tables when it schedules it."""
-        planner = self.planner
-        assert planner is not None
-        if request.request_id in planner.noted_allocs:  # one noted before: taken first
-            planner.take_noted_allocs()
-        planner.noted_allocs[request.request_id] = (
-            tuple(map(list, blocks.blocks)) if num_external_tokens > 0 else (),
-            num_external_tokens,
+        assert self.planner is not None
+        self.planner.noted_allocs.append(
+            (
+                request.request_id,
+                tuple(map(list, blocks.blocks)) if num_external_tokens > 0 else (),
+                num_external_tokens,
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
