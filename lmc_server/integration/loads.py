@@ -1,31 +1,27 @@
-"""The loads of one engine step: queued from the engine's allocations, planned together.
+"""The loads of one engine step: queued as the engine allocates, planned together.
 
 Its own module for the same reason as :mod:`lmc_server.integration.stores`: which
 blocks a load writes is where a mistake would put one prefix's KV into another
-request's blocks. The planner (:mod:`lmc_server.integration.planning`) hands over each
-allocation the engine made (:meth:`LoadPlanner.allocated`: a hit's load queued,
-:meth:`LoadPlanner.queue`, or a hit not taken released) and takes the step's loads
-when it builds the step (:meth:`LoadPlanner.take`).
+request's blocks. The planner (:mod:`lmc_server.integration.planning`) queues a load
+when the engine allocated blocks for a hit (:meth:`LoadPlanner.queue`) and takes the
+step's loads when it builds the step (:meth:`LoadPlanner.take`).
 
 Invariants:
 
 * a load reads only chunks its own lease covers (the lease of the lookup answer the hit
   came from) and writes only chunks ``0..n`` of its request's block tables as they were
   when the engine allocated them: :meth:`LoadPlanner.queue` reads the ids of the
-  blocks the load writes from tables of ids, or of the engine's block objects (whose
-  ids never change), copied at the allocation (the vLLM adapter copies its lists of
-  block objects in the allocation's hook), so nothing the engine or the planner does
-  to a table later moves the load;
+  blocks the load writes then (from the engine's block objects or ids), so nothing
+  the engine or the planner does to a table later moves the load;
 * blocks the engine's own prefix cache holds (``keep_tokens``), vLLM's null block and
   blocks past a table's end are sent as ``-1`` (never written), exactly as
   :meth:`~lmc_server.integration.chunks.ChunkGeometry.block_ids` has them.
 
-Why this shape: in the step that takes 256 hits every Python call and object on the
-scheduler thread costs, the more so between vLLM's own work on each request, so the
-adapter's allocation hook only notes the allocation (an append), the planner takes the
-step's allocations in one loop (when it next acts, at the latest as it builds the
-step), each load's block ids straight onto one list per group for the step (no list
-per load), and the step's loads are then one numpy array per group and a few columns
+Why this shape: in the step that takes 256 hits every Python object the scheduler
+thread touches costs (vLLM's block objects most of all, once they left the cache), so
+each load's block ids are read once, as the engine allocates, while its blocks are
+fresh, straight onto one list per group for the step (C-level, no list per load); the
+step's loads are then one numpy array per group and a few columns
 (:class:`~lmc_server.integration.plans.StepLoads`), no object per load.
 """
 
@@ -48,10 +44,8 @@ __all__ = ["LoadPlanner"]
 class LoadPlanner:
     """The loads queued since the last step."""
 
-    def __init__(self, geometry: ChunkGeometry, release: Callable[[Tracked], None]) -> None:
+    def __init__(self, geometry: ChunkGeometry) -> None:
         self.geometry = geometry
-        #: releases a request's lease (if it holds one)
-        self.release = release
         self._per_key = geometry.blocks_per_chunk_by_key()
         #: (index, group, blocks per chunk) of each cached engine group
         self._cached = geometry.cached_groups()
@@ -75,38 +69,6 @@ class LoadPlanner:
         #: (buffer, engine group index, blocks per chunk) per cached group
         self._where = [(b, gi, bpc) for b, (gi, _, bpc) in zip(bufs, self._cached, strict=True)]
         return bufs
-
-    def allocated(
-        self,
-        r: Tracked,
-        tables: Sequence[Sequence[Any]],
-        num_external_tokens: int,
-        num_local_tokens: int,
-        ids_of: Callable[[Sequence[Any]], list[int]] | None,
-    ) -> None:
-        """The engine allocated ``tables`` for ``r`` (as
-        :meth:`~lmc_server.integration.planning.SchedulerPlanner.after_alloc` has it):
-        with external tokens, the hit's load is queued (:meth:`queue`), the blocks
-        below ``num_local_tokens`` kept; without, a hit not taken, its lease released."""
-        if ids_of is None:
-            r.blocks = [list(b) for b in tables]
-            tables = r.blocks
-        answer = r.answer
-        if answer is not None and answer.hit_chunks > r.stored_chunks:
-            r.stored_chunks = answer.hit_chunks
-        if num_external_tokens <= 0:
-            self.release(r)
-            r.answer = None
-            return
-        matched = num_local_tokens + num_external_tokens
-        cs = self.geometry.chunk_size
-        assert matched % cs == 0, "a load ends on a chunk boundary"
-        assert answer is not None, "after_alloc with external tokens but no lookup"
-        n = matched // cs
-        self.queue(r, n, num_local_tokens, tables, ids_of)  # planned by take
-        r.loading = True
-        if n > r.stored_chunks:
-            r.stored_chunks = n
 
     def queue(
         self,

@@ -101,13 +101,7 @@ class SchedulerPlanner:
         self.store_generated = store_generated
         self._reqs: dict[str, Tracked] = {}
         self._arrivals = Arrivals(geometry, self.lookups, clock)
-        self._loads = LoadPlanner(geometry, self._release)
-        #: allocations the adapter noted (it appends here) and not taken yet: (request
-        #: id, its tables of the engine's block objects, copied, external tokens); taken
-        #: in order as :meth:`after_alloc` with ``noted_ids_of`` when the planner next
-        #: acts (:meth:`_admit`), before anything reads what they change
-        self.noted_allocs: list[tuple[str, Sequence[Sequence[Any]], int]] = []
-        self.noted_ids_of: Callable[[Sequence[Any]], list[int]] | None = None
+        self._loads = LoadPlanner(geometry)
         self._pending_stores: list[StoreSpec] = []
         self._stores = StorePlanner(geometry)
 
@@ -158,14 +152,7 @@ class SchedulerPlanner:
             self._arrivals.noted.append((req_id, block_hashes, num_tokens, num_prompt_tokens))
 
     def _admit(self) -> None:
-        """Admit the arrivals noted, then take the allocations noted (in this order)."""
         self._arrivals.admit(self._reqs)
-        if self.noted_allocs:
-            noted, self.noted_allocs = self.noted_allocs, []
-            for req_id, tables, external in noted:
-                r = self._reqs.get(req_id)
-                if r is not None:
-                    self._loads.allocated(r, tables, external, r.local_tokens, self.noted_ids_of)
 
     def matched_tokens(
         self,
@@ -189,8 +176,8 @@ class SchedulerPlanner:
             m = self.answered.pop(req_id, num_tokens, len(block_hashes), num_computed_tokens)
             if m is not None and token_ids is None:
                 return m
-        if self._arrivals.noted or self.noted_allocs:  # the step's first question
-            self._admit()  # admit and send the arrivals
+        if self._arrivals.noted:  # the step's first question: admit and send the arrivals
+            self._arrivals.admit(self._reqs)
         lookups = self.lookups
         if lookups.round is not None:
             lookups.flush()
@@ -290,11 +277,32 @@ class SchedulerPlanner:
         lists); or, with ``ids_of`` (reads a table part's ids), the engine's block
         objects, read for the load only: the engine then sends a request's whole tables
         when it schedules it (vLLM does)."""
-        self._admit()
+        if self._arrivals.noted:
+            self._admit()
         r = self._reqs.get(req_id)
-        if r is not None:
-            local = r.local_tokens if num_local_tokens is None else num_local_tokens
-            self._loads.allocated(r, blocks, num_external_tokens, local, ids_of)
+        if r is None:
+            return
+        if num_local_tokens is None:
+            num_local_tokens = r.local_tokens
+        if ids_of is None:
+            r.blocks = [list(b) for b in blocks]
+            blocks = r.blocks
+        answer = r.answer
+        if answer is not None and answer.hit_chunks > r.stored_chunks:
+            r.stored_chunks = answer.hit_chunks
+        if num_external_tokens <= 0:
+            self._release(r)
+            r.answer = None
+            return
+        matched = num_local_tokens + num_external_tokens
+        cs = self._cs
+        assert matched % cs == 0, "a load ends on a chunk boundary"
+        assert answer is not None, "after_alloc with external tokens but no lookup"
+        n = matched // cs
+        self._loads.queue(r, n, num_local_tokens, blocks, ids_of)  # planned by build_step
+        r.loading = True
+        if n > r.stored_chunks:
+            r.stored_chunks = n
 
     def build_step(
         self, scheduled: Iterable[ScheduledRequest], preempted_req_ids: Iterable[str] = ()

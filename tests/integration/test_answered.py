@@ -1,15 +1,11 @@
-"""The arrivals' step's short paths: lookup answers settled as their round comes in
-(integration/answered.py), a question answered from a settled entry getting exactly
-what the general path gives it, and the load that follows reading exactly its own
-chunks, lease and blocks; and allocations the adapter notes
-(``SchedulerPlanner.noted_allocs``) taken, in order, before anything reads what they
-change (the step's loads, a request that ends, a question, the planner's counts)."""
+"""The step's lookup answers settled as their round comes in (integration/answered.py):
+a question answered from a settled entry gets exactly what the general path gives it,
+and the load that follows reads exactly its own chunks, lease and blocks."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from lmc_server.cache.keys import DIGEST_BYTES
 from lmc_server.integration.chunks import ChunkGeometry, EngineGroup
@@ -159,68 +155,3 @@ def test_a_settled_entry_serves_only_the_question_it_was_settled_for() -> None:
     assert not p.answered.by_req
     assert p.matched_tokens("later", h, 1000, 1000, 0) == 512
     assert 14 not in svc.released
-
-
-class Block:
-    """An engine's block object (vLLM's ``KVCacheBlock``): the planner reads its id."""
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-
-
-def ids_of(blocks: Sequence[Block]) -> list[int]:
-    return [b.block_id for b in blocks]
-
-
-def answered_planner(n: int) -> tuple[SchedulerPlanner, HandSetLookups, list[bytes]]:
-    """A planner whose ``n`` arrivals (700 tokens) were asked and answered 2 chunks."""
-    svc = HandSetLookups()
-    p = SchedulerPlanner(ChunkGeometry(CHUNK, BLOCK, [EngineGroup("full", BLOCK)]), svc)
-    p.noted_ids_of = ids_of
-    h = block_hashes(list(range(700)), BLOCK)
-    for i in range(n):
-        p.request_arrived(f"r{i}", h, 700, 700)
-    assert p.matched_tokens("r0", h, 700, 700, 0) is None
-    svc.batches[0][0].set([LookupAnswer(2, 50 + i, 30.0) for i in range(n)])
-    assert [p.matched_tokens(f"r{i}", h, 700, 700, 0) for i in range(n)] == [512] * n
-    return p, svc, h
-
-
-def tables(k: int) -> tuple[list[Any], ...]:
-    return ([Block(100 * k + j + 1) for j in range(44)],)
-
-
-def test_noted_allocations_become_the_steps_loads_in_order() -> None:
-    """Noted allocations (tables of block objects) give the step the loads
-    ``after_alloc`` would: each its own lease, chunks and block ids; one not taken
-    (0 external tokens) has its lease released."""
-    p, svc, _ = answered_planner(4)
-    for k in (2, 0, 3):
-        p.noted_allocs.append((f"r{k}", tables(k), 512))
-    p.noted_allocs.append(("r1", (), 0))
-    loads = p.build_step([]).loads
-    assert [(s.req_id, s.lease_id, s.n_chunks) for s in loads] == [
-        ("r2", 52, 2),
-        ("r0", 50, 2),
-        ("r3", 53, 2),
-    ]
-    for s in loads:
-        k = int(s.req_id[1:])
-        assert s.block_ids["full"].tolist() == [100 * k + j + 1 for j in range(32)]
-    assert svc.released == [51]
-    assert not p.noted_allocs
-
-
-def test_a_request_that_ends_after_its_noted_allocation_holds_its_blocks() -> None:
-    """The load is taken before the end is: the blocks are held (the load may still
-    write them), the lease kept for the load; the planner's count and a question
-    see the load too."""
-    p, svc, h = answered_planner(3)
-    p.noted_allocs.append(("r0", tables(0), 512))
-    assert p.request_finished("r0") is True
-    assert 50 not in svc.released
-    p.noted_allocs.append(("r1", tables(1), 512))
-    assert p.tracked == 3 and not p.noted_allocs
-    p.noted_allocs.append(("r2", tables(2), 512))
-    assert p.matched_tokens("r2", h, 700, 700, 0) == 0  # loading: nothing more to load
-    assert [s.req_id for s in p.build_step([]).loads] == ["r0", "r1", "r2"]

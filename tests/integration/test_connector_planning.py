@@ -138,7 +138,7 @@ def test_a_steps_loads_planned_together_get_each_loads_own_block_ids() -> None:
     g = ChunkGeometry(CHUNK, 32, groups)
     rng = random.Random(7)
     for mixed in (False, True):
-        planner = LoadPlanner(g, lambda r: None)
+        planner = LoadPlanner(g)
         loads = []
         for i in range(40):
             n = rng.randint(1, 4)

@@ -118,7 +118,6 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                 l2_wait_s=self.settings.l2_wait_s,
                 lookup_wait_s=self.settings.lookup_wait_s,
             )
-            self.planner.noted_ids_of = block_ids
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The worker's KV cache as it registered it, for the scheduler (below)."""
@@ -333,20 +332,13 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Note the allocation: the planner takes it when it next acts, at the latest in
-        this step's ``build_connector_meta`` (queues the hit's load, reading the ids of
-        the blocks it writes, or releases a lease not taken), so that this hook is one
-        dictionary entry (a request's earlier one, if any, taken first). A load's tables (vLLM's ``KVCacheBlock`` objects, whose ids are fixed
-        for their life) are copied now: what vLLM does to its lists later never moves
-        the load. Not ``get_block_ids()``'s whole tables: vLLM sends a request's whole
-        tables when it schedules it."""
+        """Queue the hit's load: the planner reads the ids of the blocks it writes, now,
+        from ``KVCacheBlocks.blocks`` (vLLM's ``KVCacheBlock`` objects, fresh from the
+        allocation), not ``get_block_ids()``'s whole tables; vLLM sends a request's
+        whole tables when it schedules it."""
         assert self.planner is not None
-        self.planner.noted_allocs.append(
-            (
-                request.request_id,
-                tuple(map(list, blocks.blocks)) if num_external_tokens > 0 else (),
-                num_external_tokens,
-            )
+        self.planner.after_alloc(
+            request.request_id, blocks.blocks, num_external_tokens, None, block_ids
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
