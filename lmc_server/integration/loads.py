@@ -49,10 +49,20 @@ class LoadPlanner:
         self._per_key = geometry.blocks_per_chunk_by_key()
         #: (index, group, blocks per chunk) of each cached engine group
         self._cached = geometry.cached_groups()
-        #: (request, chunks, tokens the engine holds, lease) per queued load
-        self._queued: list[tuple[Tracked, int, int, int]] = []
+        self._columns()
         #: per cached group, the queued loads' block ids one after another
         self._ids = self._new_buffers()
+
+    def _columns(self) -> None:
+        """The queued loads, column by column (filled as the engine allocates, while
+        each request's record is fresh, so that the step's plan is built from them
+        without a loop over the loads)."""
+        self._req_ids: list[str] = []
+        self._digests: list[bytes] = []
+        self._lease_ids: list[int] = []
+        self._chunks: list[int] = []
+        #: (index, tokens the engine holds) of each queued load that keeps some
+        self._keeps: list[tuple[int, int]] = []
 
     def _new_buffers(self) -> list[list[int]]:
         bufs: list[list[int]] = [[] for _ in self._cached]
@@ -70,48 +80,56 @@ class LoadPlanner:
     ) -> None:
         """Load chunks ``0..n_chunks`` of ``r`` into ``tables`` (per engine group its
         blocks; ``ids_of`` reads the ids of a part of a table, None: entries are ids)
-        under its lease, except the blocks below ``keep_tokens``, with the next step."""
+        under its lease, except the blocks below ``keep_tokens``, with the next step.
+        Its digests are taken now: those its lookup left (exactly the load's, as
+        usual) or hashed once (:meth:`~.tracked.Tracked.digests_for`)."""
+        if keep_tokens > 0:
+            self._keeps.append((len(self._chunks), keep_tokens))
+        d = r.digests
+        if len(d) != n_chunks * DIGEST_BYTES:
+            d = r.digests_for(self.geometry, n_chunks)
+        self._req_ids.append(r.req_id)
+        self._digests.append(d)
+        self._lease_ids.append(r.lease_id)
+        self._chunks.append(n_chunks)
         for buf, gi, bpc in self._where:
             want = n_chunks * bpc
             part = tables[gi][:want]
             buf += part if ids_of is None else ids_of(part)
             if len(part) < want:  # past the table's end: never written
                 buf += [-1] * (want - len(part))
-        self._queued.append((r, n_chunks, keep_tokens, r.lease_id))
 
     def take(self) -> Sequence[LoadSpec]:
-        """Every queued load, planned: each request's digests (hashed once, usually by
-        its lookup already) and block ids (one array per group for all of them)."""
-        queued, self._queued = self._queued, []
+        """Every queued load, planned: the columns as queued, and the block ids one
+        array per group for all of them (no loop over the loads but for those that
+        keep blocks the engine holds)."""
+        req_ids, digests, lease_ids, chunks, keeps = (
+            self._req_ids,
+            self._digests,
+            self._lease_ids,
+            self._chunks,
+            self._keeps,
+        )
+        self._columns()
         bufs, self._ids = self._ids, self._new_buffers()
-        if not queued:
+        if not req_ids:
             return []
-        g = self.geometry
-        keeps = any(q[2] for q in queued)
+        chunk_ends = list(accumulate(chunks))
         block_ids: dict[str, np.ndarray] = {}
         for buf, (_, eg, bpc) in zip(bufs, self._cached, strict=True):
             ids = np.array(buf, dtype=np.int32)
             ids[ids == NULL_BLOCK_ID] = -1
-            if keeps:
-                at = 0
-                for _, n, keep_tokens, _ in queued:
-                    keep_blocks = min(keep_tokens // eg.tokens_per_block, n * bpc)
-                    if keep_blocks > 0:
-                        ids[at : at + keep_blocks] = -1
-                    at += n * bpc
+            for i, keep_tokens in keeps:
+                at = (chunk_ends[i] - chunks[i]) * bpc
+                keep_blocks = min(keep_tokens // eg.tokens_per_block, chunks[i] * bpc)
+                ids[at : at + keep_blocks] = -1
             for key in eg.block_id_keys:
                 block_ids[key] = ids
-        digests = []
-        for r, n, _, _ in queued:
-            d = r.digests
-            if len(d) != n * DIGEST_BYTES:  # else exactly the load's, as usual
-                d = r.digests_for(g, n)
-            digests.append(d)
         return StepLoads(
-            req_ids=[q[0].req_id for q in queued],
+            req_ids=req_ids,
             digests=digests,
-            lease_ids=[q[3] for q in queued],
-            chunk_ends=list(accumulate(q[1] for q in queued)),
+            lease_ids=lease_ids,
+            chunk_ends=chunk_ends,
             block_ids=block_ids,
             blocks_per_chunk=self._per_key,
         )

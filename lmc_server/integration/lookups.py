@@ -45,6 +45,9 @@ class LookupRound:
     :meth:`~lmc_server.integration.tracked.Tracked.adopt_digests`) and the answers
     (:attr:`answers`).
 
+    :attr:`owners` (the requests, by index) is read on the scheduler thread only: to
+    renumber before sending, and to settle the answers as they come (:attr:`settled`).
+
     Safe across the two threads without a lock, and without an object per request:
     the inputs are the engine's hash lists (which it only appends to: the hash of a
     full block never changes, the invariant the planner's digest cache rests on too;
@@ -65,6 +68,7 @@ class LookupRound:
         "hashes",
         "known",
         "owners",
+        "settled",
     )
 
     def __init__(self, geometry: ChunkGeometry) -> None:
@@ -77,6 +81,9 @@ class LookupRound:
         self._cancelled = 0
         #: the answers, once sent (None: still queued)
         self.answers: LookupBatch | None = None
+        #: how many of :attr:`answers`' ``order`` the planner has settled
+        #: (:meth:`~lmc_server.integration.planning.SchedulerPlanner.matched_tokens`)
+        self.settled = 0
 
     def add(self, r: Queued) -> None:
         """Queue ``r``'s lookup of ``r.lookup_chunks`` chunks (``r.lookup`` and
@@ -106,7 +113,8 @@ class LookupRound:
             for j, r in enumerate(self.owners):
                 r.lookup_index = j
             self._cancelled = 0
-        self.owners = []  # only ever needed for the renumbering
+        # the owners stay: the planner settles answers by index (owner i's lookup is
+        # still this round's lookup i only while ``owners[i].lookup`` is this round)
         if not self.chunks:
             return
         self.done = [None] * len(self.chunks)

@@ -41,12 +41,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from lmc_server.integration.answered import Answered
 from lmc_server.integration.arrivals import Arrivals
 from lmc_server.integration.chunks import ChunkGeometry
 from lmc_server.integration.loads import LoadPlanner
 from lmc_server.integration.lookups import L2Waits, LookupRound, StepLookups
 from lmc_server.integration.plans import (
-    LookupAnswer,
     LookupService,
     ScheduledRequest,
     StepPlan,
@@ -91,7 +91,7 @@ class SchedulerPlanner:
     ) -> None:
         self.l2 = L2Waits(geometry.chunk_size, l2_wait_s)
         self.lookups = StepLookups(service, lookup_wait_s, geometry)
-        self.lookups_answered_at_once = 0
+        self.answered = Answered(geometry.chunk_size, geometry.hashes_per_chunk, service.release)
         self.geometry = geometry
         self._cs, self._per = geometry.chunk_size, geometry.hashes_per_chunk
         self.service = service
@@ -113,6 +113,10 @@ class SchedulerPlanner:
     @property
     def lookup_wait_used_s(self) -> float:
         return self.lookups.waited_s
+
+    @property
+    def lookups_answered_at_once(self) -> int:
+        return self.answered.at_once
 
     @property
     def tracked(self) -> int:
@@ -162,10 +166,16 @@ class SchedulerPlanner:
         """Tokens beyond ``num_computed_tokens`` the server can supply; ``None``: ask again.
 
         Idempotent while the answer stands: calling it again returns the same count.
-        Waits for the answer within the step's budget (``lookup_wait_s``).
-        ``token_ids`` (the request's tokens, a live list): its stores carry KV-event
-        fields (``StoreSpec.events``); None: they do not.
+        Waits for the answer within the step's budget (``lookup_wait_s``); reading one
+        answer settles the others of its round that are in (:mod:`.answered`), so
+        their questions are one dictionary pop. ``token_ids`` (the request's tokens, a
+        live list): its stores carry KV-event fields (``StoreSpec.events``); None:
+        they do not.
         """
+        if self.answered.by_req:  # settled: one pop (else popped, the general path)
+            m = self.answered.pop(req_id, num_tokens, len(block_hashes), num_computed_tokens)
+            if m is not None and token_ids is None:
+                return m
         if self._arrivals.noted:  # the step's first question: admit and send the arrivals
             self._arrivals.admit(self._reqs)
         lookups = self.lookups
@@ -203,24 +213,13 @@ class SchedulerPlanner:
                 if got is None:
                     r.asked_again = True
                     return None
-            if not r.asked_again:
-                self.lookups_answered_at_once += 1
-            r.asked_again = False
-            done = rnd.done[i]  # Tracked.adopt_digests, inlined
-            if done is not None and len(done) > len(r.digests):
-                r.digests = done
-            r.lookup = None
-            if isinstance(got, BaseException):
-                logger.warning("lookup for request %s failed: %s", req_id, got)
-                answer = LookupAnswer(0, 0, 0.0)
-            else:
-                answer = got
-                if answer.l2_pending_chunks and self.l2.set_aside(
-                    r, answer, n, num_computed_tokens, self.clock()
-                ):
-                    if answer.lease_id:
-                        self.service.release(answer.lease_id)
-                    return None
+            answer = self.answered.take(r, rnd, i, got)  # and settles the others in
+            if answer.l2_pending_chunks and self.l2.set_aside(
+                r, answer, n, num_computed_tokens, self.clock()
+            ):
+                if answer.lease_id:
+                    self.service.release(answer.lease_id)
+                return None
             r.l2_wait_from = None
             r.answer = answer
             r.lease_id = answer.lease_id
@@ -312,6 +311,7 @@ class SchedulerPlanner:
         the earlier stores this step's scheduling may have freed blocks of."""
         self._admit()
         self.lookups.new_step()
+        self.answered.new_step()
         plan = StepPlan(loads=self._loads.take(), stores=self._pending_stores)
         self._pending_stores = []
         for pid in preempted_req_ids:

@@ -56,15 +56,20 @@ class LookupBatch:
     Invariants: a lookup's answer is set exactly once (its answer, or an error: the
     first :meth:`set` that covers it counts; an error for the whole batch covers every
     lookup not answered yet); a callback added before runs once on the setting thread,
-    one added after runs at once.
+    one added after runs at once; :attr:`order` lists each lookup whose slot was set,
+    once, in the order set, each index appended only after its slot was written (a
+    reader on another thread that sees an index sees its slot).
     """
 
-    __slots__ = ("_callbacks", "_cond", "_error", "slots")
+    __slots__ = ("_callbacks", "_cond", "_error", "order", "slots")
 
     def __init__(self, n: int = 0) -> None:
         #: per lookup its answer or error once set (a slot is written once, last, so a
         #: reader that sees it sees all of it); ``None`` until then
         self.slots: list[LookupAnswer | BaseException | None] = [None] * n
+        #: the lookups whose slots are set, in the order set (a batch-wide error sets
+        #: none: it is read through :meth:`get`)
+        self.order: list[int] = []
         self._error: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
         self._callbacks: list[tuple[Callable[[Any], object], _BatchAnswer]] = []
@@ -113,11 +118,13 @@ class LookupBatch:
                 values: Sequence[LookupAnswer | BaseException] = (
                     answers if error is None else [error] * len(idx)
                 )
+                order = self.order
                 for i, value in zip(idx, values, strict=True):
                     if i >= len(slots):
                         slots.extend([None] * (i + 1 - len(slots)))
                     if slots[i] is None:
                         slots[i] = value
+                        order.append(i)
             self._cond.notify_all()
             ready = [cb for cb in self._callbacks if self.get(cb[1].i) is not None]
             if ready:

@@ -164,6 +164,7 @@ def test_a_steps_loads_planned_together_get_each_loads_own_block_ids() -> None:
         assert len(together) == len(loads)
         for i, ((tables, n, keep), spec) in enumerate(zip(loads, together, strict=True)):
             assert (spec.req_id, spec.lease_id, spec.n_chunks) == (f"r{i}", i, n)
+            assert spec.digests == bytes([i]) * (n * DIGEST_BYTES)
             alone = g.block_ids(tables, 0, n, keep_tokens=keep)
             assert set(spec.block_ids) == set(alone)
             for key in alone:

@@ -18,7 +18,6 @@ every rank; sharded KV is stored and retrieved by every rank for its own shard.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,6 +36,7 @@ from lmc_server.integration.planning import SchedulerPlanner
 from lmc_server.integration.plans import ScheduledRequest, StepPlan
 from lmc_server.integration.settings import ConnectorSettings
 from lmc_server.integration.vllm.geometry import block_ids, build_groups, describe
+from lmc_server.integration.vllm.roles import LMCacheMPHandshake, LMCacheMPMetadata, detect_arch
 from lmc_server.integration.worker import (
     TransferTracker,
     WorkerTransfers,
@@ -55,32 +55,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class LMCacheMPHandshake(KVConnectorHandshakeMetadata):
-    """A worker's KV cache description (:class:`KVLayout` as plain data)."""
-
-    layout: dict[str, Any]
-
-
-class LMCacheMPMetadata(KVConnectorMetadata):
-    """One step's plan, sent from the scheduler to every worker."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
-
-
-def _detect_arch() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm{major}{minor}"
-    except Exception as exc:  # no usable CUDA: the CPU engine
-        logger.debug("no CUDA device for arch detection: %s", exc)
-    return "cpu"
-
-
 class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by an ``lmcache server`` on this host."""
 
@@ -95,11 +69,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("LMCacheMPConnector needs vLLM's kv_cache_config")
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra(extra)
+        self._kv_events = self.settings.kv_events
         self.kv_cache_config = kv_cache_config
         parallel = vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self.model = self.settings.model or str(vllm_config.model_config.model)
-        self.arch = self.settings.arch or _detect_arch()
+        self.arch = self.settings.arch or detect_arch()
         self.link = ServerLink(
             self.settings.endpoint,
             timeout_s=self.settings.timeout_s,
@@ -316,8 +291,19 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.planner is not None
-        n = self.planner.matched_tokens(
+        planner = self.planner
+        assert planner is not None
+        answered = planner.answered
+        if answered.by_req and not self._kv_events:  # settled as its round came in
+            m = answered.pop(
+                request.request_id,
+                request.num_tokens,
+                len(request.block_hashes),
+                num_computed_tokens,
+            )
+            if m is not None:
+                return m, m > 0
+        n = planner.matched_tokens(
             request.request_id,
             request.block_hashes,
             request.num_tokens,
