@@ -162,17 +162,28 @@ class DataPath:
         )
         return DataRequest(msg, reg, ids, keys, [], per)
 
-    def _submit(
-        self, reg: RegisteredCache, copies: list[RunCopy], to_pool: bool, completion: Completion
+    def _start_copy(
+        self,
+        reg: RegisteredCache,
+        copies: list[RunCopy],
+        to_pool: bool,
+        clock: PhaseClock,
+        bugs: list[BaseException],
+        copied: Callable[[Completion], None],
     ) -> None:
-        """Hand a request's copies to the engine; a refusal is reported as its error.
+        """Hand a request's copies to the engine; ``copied`` runs once: here if the
+        engine copied inline (no loop iteration in between), else on the loop when the
+        copy reports. A refusal is reported as the copy's error, and a bug goes to
+        ``bugs`` after its part reported, so ``copied`` still runs (it frees or unpins
+        the slots, after anything the copy may still write).
 
-        The part added here is reported on every path, or the request would wait for
-        it forever. The registration may have closed since the request was checked:
-        its session dropped while the request waited for its task to run (seen after a
-        SIGSTOP/SIGCONT of the server, when the store and the heartbeat's disconnect
-        arrive in one loop iteration), and an idle registration unmaps at once, so the
-        copy is refused, not started."""
+        The registration may have closed since the request was checked: its session
+        dropped while the request waited to run (seen after a SIGSTOP/SIGCONT of the
+        server, when the store and the heartbeat's disconnect arrive in one loop
+        iteration), and an idle registration unmaps at once, so the copy is refused,
+        not started."""
+        completion = Completion(asyncio.get_running_loop(), then=lambda: copied(completion))
+        reg.begin_op()
         done = completion.part()
         try:
             if reg.mapping is None or reg.state is not OPEN:
@@ -180,9 +191,16 @@ class DataPath:
             self.engine.submit(reg.mapping, copies, to_pool, done)
         except TransferError as e:
             done(str(e) or "copy failed")
-        except BaseException:  # a bug: the part still reports, so the request can finish
+        except Exception as e:  # a bug: the part still reports, so the request can finish
+            done("copy not started: internal error")
+            bugs.append(e)
+        except BaseException:
             done("copy not started: internal error")
             raise
+        else:
+            clock.mark("submit")
+        if completion.seal():  # the copy completed inline: decided now
+            copied(completion)
 
     def start_store(
         self,
@@ -228,7 +246,7 @@ class DataPath:
             return
         bugs: list[BaseException] = []
 
-        def copied() -> None:
+        def copied(completion: Completion) -> None:
             try:
                 clock.mark_at("copy", completion.done_at)
                 clock.mark("hop_out")
@@ -259,16 +277,7 @@ class DataPath:
             else:
                 self._settle_then(reg, keys, ticket, msg, finish)
 
-        completion = Completion(asyncio.get_running_loop(), then=copied)
-        reg.begin_op()
-        try:
-            self._submit(reg, ticket.copies, True, completion)
-        except Exception as e:  # a bug: its part was reported, the slots free after it
-            bugs.append(e)
-        else:
-            clock.mark("submit")
-        if completion.seal():  # the copy completed inline: decided now
-            copied()
+        self._start_copy(reg, ticket.copies, True, clock, bugs, copied)
 
     def _settle_then(
         self,
@@ -335,7 +344,7 @@ class DataPath:
             return
         bugs: list[BaseException] = []
 
-        def copied() -> None:
+        def copied(completion: Completion) -> None:
             try:
                 clock.mark_at("copy", completion.done_at)
                 clock.mark("hop_out")
@@ -357,16 +366,7 @@ class DataPath:
             else:
                 finish(_retrieved(msg, ticket), None)
 
-        completion = Completion(asyncio.get_running_loop(), then=copied)
-        reg.begin_op()
-        try:
-            self._submit(reg, ticket.copies, False, completion)
-        except Exception as e:  # a bug: its part was reported, the slots unpin after it
-            bugs.append(e)
-        else:
-            clock.mark("submit")
-        if completion.seal():  # the copy completed inline: answered now
-            copied()
+        self._start_copy(reg, ticket.copies, False, clock, bugs, copied)
 
     async def retrieve(
         self, session: Session, req: DataRequest, clock: PhaseClock
