@@ -339,6 +339,7 @@ def run(cfg: RanksConfig) -> Report:
         "tp_chunks": list(cfg.tp_chunks or (cfg.batch,)),
         "tp_inflight": list(cfg.tp_inflight),
     }
+    copy_mode = cfg.cuda_copy_mode if cfg.backend == "cuda" else ""  # cpu: no such flag
     report = Report(
         "ranks",
         {
@@ -348,7 +349,7 @@ def run(cfg: RanksConfig) -> Report:
             "chunks": cfg.chunks,
             "duration_s": cfg.duration_s,
             "kill_one": cfg.kill_one,
-            "cuda_copy_mode": cfg.cuda_copy_mode if cfg.backend == "cuda" else None,
+            "cuda_copy_mode": copy_mode or None,
             "batch": cfg.batch,
             "geometry": cfg.geometry.describe(),
             "num_blocks": num_blocks,
@@ -364,7 +365,7 @@ def run(cfg: RanksConfig) -> Report:
         True,
         "--eviction-policy",
         "LRU",
-        copy_mode=cfg.cuda_copy_mode if cfg.backend == "cuda" else "",
+        copy_mode=copy_mode,
     )
     with (
         ServerProcess(args, backend=cfg.backend, l1_size_gb=l1_gb, start_timeout_s=120) as srv,

@@ -104,8 +104,8 @@ def _side_by_side(t: np.ndarray) -> bool:
 
 def _side_by_side_plan(t: np.ndarray, ids: np.ndarray, start: np.ndarray) -> DmaPlan:
     """:func:`_general_plan` for units that are all :func:`_side_by_side`, in a third
-    of its numpy operations (a store plans anew every time, and planning was most of
-    its launch: a 64-chunk DSV4.1 request 0.35 -> 0.13 ms on the 2-core VM): one 1-D
+    of its numpy operations (a store plans anew every time: a 64-chunk DSV4.1 request
+    0.35 -> 0.13 ms on the 2-core VM; the driver's batch call is the rest): one 1-D
     row per live stored block, in unit and block order, then each row that continues
     the one before it in the same unit on both sides joined into it.
     The same rows in the same order as the general plan (``tests/gpu/test_cuda_plan.py``
